@@ -1,0 +1,202 @@
+"""ResNet backbone with frozen BatchNorm, DC5 option and the DETR ``Joiner``.
+
+Adapted from DETR's ``backbone.py``: same module names (so that public
+checkpoints load: ``backbone.0.body.conv1.weight``, ``backbone.0.body.layer1.0...``),
+but the body is a plain ``nn.Sequential`` of the ResNet stages up to
+``layer4`` and the weights source is explicit (``none`` / ``imagenet`` / a path).
+
+DC5 (``dilation=True``) gives output stride 16 instead of 32:
+
+- Bottleneck nets (ResNet-50/101): torchvision's ``replace_stride_with_dilation``
+  on ``layer4`` (stride 1, dilation 2 in its 3x3 convs), exactly as DETR-DC5.
+- BasicBlock nets (ResNet-18/34), which torchvision cannot dilate: the stride
+  of ``layer4``'s first 3x3 conv and of its downsample 1x1 conv is set to 1,
+  without dilation. Same stride and parameter shapes, smaller receptive field;
+  a CPU-demo convenience, not a published variant.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import Tensor, nn
+
+from detr_irpe.structures import ImageBatch
+
+logger = logging.getLogger(__name__)
+
+_CHANNELS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048, "resnet101": 2048}
+_WEIGHTS = {
+    "resnet18": "ResNet18_Weights",
+    "resnet34": "ResNet34_Weights",
+    "resnet50": "ResNet50_Weights",
+    "resnet101": "ResNet101_Weights",
+}
+_STAGES = ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """BatchNorm2d with fixed statistics and affine parameters (all buffers).
+
+    ``y = (x - running_mean) / sqrt(running_var + eps) * weight + bias``. Has no
+    ``num_batches_tracked``; such keys in a state dict are ignored on load.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(num_features))
+        self.register_buffer("bias", torch.zeros(num_features))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        state_dict.pop(prefix + "num_batches_tracked", None)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x`` ``(B, C, H, W)`` -> same shape."""
+        scale = self.weight * (self.running_var + self.eps).rsqrt()
+        shift = self.bias - self.running_mean * scale
+        return x * scale.view(1, -1, 1, 1).to(x.dtype) + shift.view(1, -1, 1, 1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def _resnet(name: str, weights: str, frozen_bn: bool, dilation: bool) -> torchvision.models.ResNet:
+    """A torchvision ResNet with the requested norm layer, stride and weights."""
+    if name not in _CHANNELS:
+        raise ValueError(f"unknown backbone {name!r}; choose one of {', '.join(_CHANNELS)}")
+    norm_layer = FrozenBatchNorm2d if frozen_bn else nn.BatchNorm2d
+    bottleneck = name in ("resnet50", "resnet101")
+    kwargs = {"norm_layer": norm_layer}
+    if bottleneck:
+        kwargs["replace_stride_with_dilation"] = [False, False, dilation]
+    tv_weights = None
+    if weights == "imagenet":
+        # IMAGENET1K_V1 is what DETR was trained from; torchvision may download it.
+        tv_weights = getattr(torchvision.models, _WEIGHTS[name]).IMAGENET1K_V1
+        logger.info("backbone %s: torchvision ImageNet weights %s", name, tv_weights)
+    net = getattr(torchvision.models, name)(weights=tv_weights, **kwargs)
+    if dilation and not bottleneck:
+        block = net.layer4[0]
+        block.conv1.stride = (1, 1)
+        block.downsample[0].stride = (1, 1)
+    if weights == "none":
+        logger.warning(
+            "backbone %s starts from RANDOM weights (model.backbone_weights=none); "
+            "set it to 'imagenet' or a state-dict path to start from a pretrained ResNet",
+            name,
+        )
+    elif weights != "imagenet":
+        _load_local_weights(net, Path(weights), name)
+    return net
+
+
+def _load_local_weights(net: nn.Module, path: Path, name: str) -> None:
+    """Load a torchvision-layout ResNet state dict from ``path`` (``fc.*`` optional)."""
+    from detr_irpe.models.checkpoint import CheckpointError, read_checkpoint
+
+    if not path.is_file():
+        raise CheckpointError(
+            f"model.backbone_weights: file {str(path)!r} not found; give the path of a "
+            f"{name} state dict, 'imagenet' or 'none'"
+        )
+    state, _ = read_checkpoint(path)
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    expected = net.state_dict()
+    ignorable = ("fc.", "num_batches_tracked")
+    missing = [
+        k
+        for k in expected
+        if k not in state and not k.startswith(ignorable[0]) and not k.endswith(ignorable[1])
+    ]
+    unexpected = [k for k in state if k not in expected and not k.endswith(ignorable[1])]
+    mismatched = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(expected[k].shape)}"
+        for k in state
+        if k in expected and not k.startswith("fc.") and state[k].shape != expected[k].shape
+    ]
+    if missing or unexpected or mismatched:
+        raise CheckpointError(
+            f"model.backbone_weights: {path} is not a {name} state dict: "
+            + _describe("missing", missing)
+            + _describe("unexpected", unexpected)
+            + _describe("shape mismatch", mismatched)
+        )
+    state = {k: v for k, v in state.items() if k in expected and not k.startswith("fc.")}
+    net.load_state_dict(state, strict=False)
+    logger.info("backbone %s: loaded weights from %s", name, path)
+
+
+def _describe(what: str, keys: list[str]) -> str:
+    if not keys:
+        return ""
+    shown = ", ".join(keys[:10])
+    more = f", ... ({len(keys)} in all)" if len(keys) > 10 else ""
+    return f"{len(keys)} {what} key(s): {shown}{more}; "
+
+
+class Backbone(nn.Module):
+    """ResNet body returning ``layer4`` features and the downsampled padding mask.
+
+    Args:
+        name: ``resnet18`` | ``resnet34`` | ``resnet50`` | ``resnet101``.
+        weights: ``none`` (random init, logged as a warning), ``imagenet``
+            (torchvision weights; may download) or the path of a local state dict.
+        frozen_bn: FrozenBatchNorm2d instead of trainable BatchNorm2d.
+        dilation: DC5, output stride 16 instead of 32 (see the module docstring).
+        train_backbone: False freezes every backbone parameter (``lr_backbone == 0``).
+        freeze_stem: keep the stem and ``layer1`` fixed (DETR recipe).
+    """
+
+    def __init__(
+        self,
+        name: str = "resnet50",
+        weights: str = "none",
+        frozen_bn: bool = True,
+        dilation: bool = False,
+        train_backbone: bool = True,
+        freeze_stem: bool = True,
+    ) -> None:
+        super().__init__()
+        net = _resnet(name, weights, frozen_bn, dilation)
+        self.body = nn.Sequential(OrderedDict((stage, getattr(net, stage)) for stage in _STAGES))
+        self.num_channels = _CHANNELS[name]
+        self.stride = 16 if dilation else 32
+        for pname, param in self.body.named_parameters():
+            trainable = train_backbone and (
+                not freeze_stem or pname.startswith(("layer2", "layer3", "layer4"))
+            )
+            param.requires_grad_(trainable)
+
+    def forward(self, images: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """``images`` ``(B, 3, H, W)``, ``mask`` ``(B, H, W)`` bool (True = pad) ->
+        features ``(B, C, H / s, W / s)`` and their mask ``(B, H / s, W / s)`` bool."""
+        features = self.body(images)
+        feat_mask = F.interpolate(mask[None].float(), size=features.shape[-2:])[0].to(torch.bool)
+        return features, feat_mask
+
+
+class Joiner(nn.Sequential):
+    """``[backbone, position_embedding]``: the DETR wrapper behind ``backbone.0.*`` keys."""
+
+    def __init__(self, backbone: Backbone, position_embedding: nn.Module) -> None:
+        super().__init__(backbone, position_embedding)
+        self.num_channels = backbone.num_channels
+
+    def forward(self, batch: ImageBatch) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+        """-> features ``(B, C, h, w)``, mask ``(B, h, w)``, pos ``(B, hidden, h, w)``."""
+        features, mask = self[0](batch.tensors, batch.mask)
+        pos = self[1](mask).to(features.dtype)
+        return features, mask, pos

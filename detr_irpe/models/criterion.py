@@ -1,0 +1,165 @@
+"""DETR's set loss: Hungarian matching, then classification and box losses.
+
+For predictions matched to targets by :class:`HungarianMatcher`:
+
+- ``loss_ce``: cross-entropy over all queries (unmatched ones target the
+  "no object" class, whose weight is ``eos_coef``), normalised by the sum of
+  the weights of the targets as ``F.cross_entropy(weight=...)`` does;
+- ``loss_bbox``: L1 on (cx, cy, w, h), summed over matched pairs / ``num_boxes``;
+- ``loss_giou``: ``sum(1 - GIoU) / num_boxes``;
+- logged only (no gradient): ``class_error`` (100 - top-1 accuracy in % on
+  matched queries) and ``cardinality_error`` (|#non-empty predictions - #targets|).
+
+``num_boxes`` is the number of target boxes in the whole batch, summed over
+all processes, divided by the world size and at least 1. Auxiliary decoder
+outputs get the same terms with suffixes ``_0`` .. ``_{n-2}``. Box terms are
+computed in float32 with autocast disabled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from detr_irpe.models.box_ops import box_cxcywh_to_xyxy, elementwise_generalized_box_iou
+from detr_irpe.models.matcher import HungarianMatcher
+from detr_irpe.utils.dist import all_reduce_sum, get_world_size
+
+
+def _batch_query_index(
+    indices: list[tuple[Tensor, Tensor]], device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Matched ``(batch_idx, query_idx)`` for advanced indexing of ``(B, Q, ...)`` tensors."""
+    batch_idx = torch.cat([torch.full_like(src, i) for i, (src, _) in enumerate(indices)])
+    query_idx = torch.cat([src for src, _ in indices])
+    return batch_idx.to(device), query_idx.to(device)
+
+
+def _matched(targets: list[dict], key: str, indices: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """``targets[b][key][target_idx]`` of every image, concatenated."""
+    return torch.cat([t[key][tgt.to(t[key].device)] for t, (_, tgt) in zip(targets, indices)])
+
+
+class SetCriterion(nn.Module):
+    """DETR's loss (see the module docstring).
+
+    Args:
+        num_classes: real classes; index ``num_classes`` is "no object".
+        matcher: assigns targets to queries.
+        weight_dict: weights of the trained terms (``loss_ce``, ``loss_bbox``,
+            ``loss_giou`` and their ``_i`` versions); the trainer sums
+            ``loss[k] * weight_dict[k]``.
+        eos_coef: cross-entropy weight of the "no object" class.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        matcher: HungarianMatcher,
+        weight_dict: dict[str, float],
+        eos_coef: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.matcher = matcher
+        self.weight_dict = dict(weight_dict)
+        self.eos_coef = eos_coef
+        empty_weight = torch.ones(num_classes + 1)
+        empty_weight[-1] = eos_coef
+        self.register_buffer("empty_weight", empty_weight)
+
+    def _check_targets(self, outputs: dict, targets: list[dict]) -> None:
+        if len(targets) != outputs["pred_logits"].shape[0]:
+            raise ValueError(
+                f"{len(targets)} targets for a batch of {outputs['pred_logits'].shape[0]} images"
+            )
+        for t in targets:
+            labels = t["labels"]
+            if labels.numel() and (int(labels.max()) >= self.num_classes or int(labels.min()) < 0):
+                raise ValueError(
+                    f"target label {int(labels.max())} is outside [0, {self.num_classes}); "
+                    f"model.num_classes ({self.num_classes}) must be the largest category id + 1"
+                )
+
+    def loss_labels(
+        self, outputs: dict, targets: list[dict], indices: list[tuple[Tensor, Tensor]], log: bool
+    ) -> dict[str, Tensor]:
+        logits = outputs["pred_logits"].float()  # (B, Q, C + 1)
+        idx = _batch_query_index(indices, logits.device)
+        matched_classes = _matched(targets, "labels", indices).to(logits.device)
+        target_classes = torch.full(
+            logits.shape[:2], self.num_classes, dtype=torch.int64, device=logits.device
+        )
+        target_classes[idx] = matched_classes
+        loss = F.cross_entropy(
+            logits.transpose(1, 2), target_classes, weight=self.empty_weight.to(logits.device)
+        )
+        losses = {"loss_ce": loss}
+        if log:
+            with torch.no_grad():
+                if matched_classes.numel():
+                    correct = (logits[idx].argmax(-1) == matched_classes).float().mean()
+                    losses["class_error"] = 100.0 - 100.0 * correct
+                else:
+                    losses["class_error"] = logits.new_zeros(())
+        return losses
+
+    @torch.no_grad()
+    def loss_cardinality(self, outputs: dict, targets: list[dict]) -> dict[str, Tensor]:
+        logits = outputs["pred_logits"]
+        num_pred = (logits.argmax(-1) != self.num_classes).sum(1).float()
+        num_tgt = torch.as_tensor(
+            [len(t["labels"]) for t in targets], dtype=torch.float32, device=logits.device
+        )
+        return {"cardinality_error": F.l1_loss(num_pred, num_tgt)}
+
+    def loss_boxes(
+        self,
+        outputs: dict,
+        targets: list[dict],
+        indices: list[tuple[Tensor, Tensor]],
+        num_boxes: float,
+    ) -> dict[str, Tensor]:
+        pred = outputs["pred_boxes"]
+        with torch.autocast(device_type=pred.device.type, enabled=False):
+            src = pred[_batch_query_index(indices, pred.device)].float()
+            tgt = _matched(targets, "boxes", indices).to(src)
+            loss_bbox = F.l1_loss(src, tgt, reduction="none").sum() / num_boxes
+            giou = elementwise_generalized_box_iou(box_cxcywh_to_xyxy(src), box_cxcywh_to_xyxy(tgt))
+            loss_giou = (1 - giou).sum() / num_boxes
+        return {"loss_bbox": loss_bbox, "loss_giou": loss_giou}
+
+    def _num_boxes(self, targets: list[dict], device: torch.device) -> float:
+        count = torch.as_tensor(
+            [float(sum(len(t["labels"]) for t in targets))], dtype=torch.float32, device=device
+        )
+        count = all_reduce_sum(count)
+        return max(count.item() / get_world_size(), 1.0)
+
+    def forward(self, outputs: dict, targets: list[dict]) -> dict[str, Tensor]:
+        """
+        Args:
+            outputs: the model's dict (``pred_logits``, ``pred_boxes``, optional ``aux_outputs``).
+            targets: B dicts with ``labels`` ``(N_b,)`` int64 and ``boxes`` ``(N_b, 4)``
+                cxcywh normalised.
+
+        Returns:
+            scalar tensors ``loss_ce``, ``loss_bbox``, ``loss_giou``, ``class_error``,
+            ``cardinality_error`` and, per auxiliary output ``i``, the same with ``_i``
+            (without ``class_error``).
+        """
+        self._check_targets(outputs, targets)
+        device = outputs["pred_logits"].device
+        num_boxes = self._num_boxes(targets, device)
+        stages = [("", outputs, True)] + [
+            (f"_{i}", aux, False) for i, aux in enumerate(outputs.get("aux_outputs", []))
+        ]
+        losses: dict[str, Tensor] = {}
+        for suffix, out, log in stages:
+            indices = self.matcher(out, targets)
+            terms = self.loss_labels(out, targets, indices, log)
+            terms.update(self.loss_boxes(out, targets, indices, num_boxes))
+            terms.update(self.loss_cardinality(out, targets))
+            losses.update({k + suffix: v for k, v in terms.items()})
+        return losses

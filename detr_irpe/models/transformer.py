@@ -1,0 +1,273 @@
+"""DETR transformer with iRPE in the encoder self-attention.
+
+Adapted from DETR's ``transformer.py`` (itself a copy of ``torch.nn.Transformer``).
+What changed:
+
+- batch-first everywhere: ``(B, L, C)`` tokens, ``(B, L)`` padding masks;
+- every encoder self-attention is an :class:`~detr_irpe.irpe.IRPEMultiheadAttention`
+  (iRPE on the ``H x W`` token grid, or plain attention with ``rpe=None``), so
+  the encoder layers also take the grid size ``hw``;
+- post-norm / pre-norm is one ``forward`` with a branch (``_residual``) instead
+  of DETR's duplicated ``forward_post`` / ``forward_pre``.
+
+Parameter names are DETR's (``self_attn``, ``multihead_attn``, ``linear1``,
+``linear2``, ``norm1..3``, ``decoder.norm``), so public DETR and iRPE-DETR
+checkpoints load. Pre-norm adds a final encoder LayerNorm
+(``transformer.encoder.norm.*``), as in DETR; post-norm has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from detr_irpe.irpe import IRPEMultiheadAttention
+from detr_irpe.irpe.config import RPEConfig
+
+
+def _residual(
+    x: Tensor, norm: nn.LayerNorm, fn: Callable[[Tensor], Tensor], pre_norm: bool
+) -> Tensor:
+    """Post-norm ``norm(x + fn(x))`` or pre-norm ``x + fn(norm(x))``."""
+    if pre_norm:
+        return x + fn(norm(x))
+    return norm(x + fn(x))
+
+
+def _with_pos(x: Tensor, pos: Tensor | None) -> Tensor:
+    return x if pos is None else x + pos
+
+
+class TransformerEncoderLayer(nn.Module):
+    """Self-attention with iRPE (positions added to queries and keys, not values) + FFN."""
+
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        pre_norm: bool = False,
+        rpe: RPEConfig | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.self_attn = IRPEMultiheadAttention(d_model, nhead, dropout=dropout, rpe=rpe)
+        self.linear1 = nn.Linear(d_model, dim_feedforward)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def _ffn(self, x: Tensor) -> Tensor:
+        return self.dropout2(self.linear2(self.dropout(F.relu(self.linear1(x)))))
+
+    def forward(
+        self,
+        src: Tensor,
+        hw: tuple[int, int],
+        key_padding_mask: Tensor | None = None,
+        pos: Tensor | None = None,
+    ) -> Tensor:
+        """``src``, ``pos`` ``(B, L, C)`` with ``L = H * W`` = ``hw`` in row-major
+        order; ``key_padding_mask`` ``(B, L)`` True = pad -> ``(B, L, C)``."""
+
+        def attend(x: Tensor) -> Tensor:
+            qk = _with_pos(x, pos)
+            out = self.self_attn(qk, qk, x, hw, key_padding_mask=key_padding_mask)[0]
+            return self.dropout1(out)
+
+        x = _residual(src, self.norm1, attend, self.pre_norm)
+        return _residual(x, self.norm2, self._ffn, self.pre_norm)
+
+
+class TransformerDecoderLayer(nn.Module):
+    """Self-attention over queries, cross-attention to the memory, FFN.
+
+    Object queries (``query_pos``) are added to the queries and keys of the
+    self-attention and to the queries of the cross-attention; ``pos`` to its keys.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        pre_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(d_model, nhead, dropout=dropout, batch_first=True)
+        self.multihead_attn = nn.MultiheadAttention(
+            d_model, nhead, dropout=dropout, batch_first=True
+        )
+        self.linear1 = nn.Linear(d_model, dim_feedforward)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.norm3 = nn.LayerNorm(d_model)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        self.dropout3 = nn.Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def _ffn(self, x: Tensor) -> Tensor:
+        return self.dropout3(self.linear2(self.dropout(F.relu(self.linear1(x)))))
+
+    def forward(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        memory_key_padding_mask: Tensor | None = None,
+        pos: Tensor | None = None,
+        query_pos: Tensor | None = None,
+    ) -> Tensor:
+        """``tgt``, ``query_pos`` ``(B, Q, C)``; ``memory``, ``pos`` ``(B, L, C)``;
+        ``memory_key_padding_mask`` ``(B, L)`` True = pad -> ``(B, Q, C)``."""
+
+        def self_attend(x: Tensor) -> Tensor:
+            qk = _with_pos(x, query_pos)
+            return self.dropout1(self.self_attn(qk, qk, x, need_weights=False)[0])
+
+        def cross_attend(x: Tensor) -> Tensor:
+            out = self.multihead_attn(
+                _with_pos(x, query_pos),
+                _with_pos(memory, pos),
+                memory,
+                key_padding_mask=memory_key_padding_mask,
+                need_weights=False,
+            )[0]
+            return self.dropout2(out)
+
+        x = _residual(tgt, self.norm1, self_attend, self.pre_norm)
+        x = _residual(x, self.norm2, cross_attend, self.pre_norm)
+        return _residual(x, self.norm3, self._ffn, self.pre_norm)
+
+
+class TransformerEncoder(nn.Module):
+    """A stack of encoder layers, with a final LayerNorm in the pre-norm variant."""
+
+    def __init__(self, layers: list[TransformerEncoderLayer], norm: nn.LayerNorm | None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+    def forward(
+        self,
+        src: Tensor,
+        hw: tuple[int, int],
+        key_padding_mask: Tensor | None = None,
+        pos: Tensor | None = None,
+    ) -> Tensor:
+        """``(B, L, C)`` -> ``(B, L, C)``; arguments as :class:`TransformerEncoderLayer`."""
+        x = src
+        for layer in self.layers:
+            x = layer(x, hw, key_padding_mask=key_padding_mask, pos=pos)
+        return x if self.norm is None else self.norm(x)
+
+
+class TransformerDecoder(nn.Module):
+    """A stack of decoder layers returning every layer's output through the shared final norm."""
+
+    def __init__(self, layers: list[TransformerDecoderLayer], norm: nn.LayerNorm) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+    def forward(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        memory_key_padding_mask: Tensor | None = None,
+        pos: Tensor | None = None,
+        query_pos: Tensor | None = None,
+    ) -> Tensor:
+        """-> ``(num_layers, B, Q, C)``: ``norm(output of layer i)`` for every layer."""
+        x = tgt
+        intermediate = []
+        for layer in self.layers:
+            x = layer(x, memory, memory_key_padding_mask, pos=pos, query_pos=query_pos)
+            intermediate.append(self.norm(x))
+        return torch.stack(intermediate)
+
+
+class Transformer(nn.Module):
+    """DETR encoder-decoder; the encoder self-attention carries iRPE.
+
+    Args:
+        d_model: token width C.
+        nhead: attention heads.
+        num_encoder_layers, num_decoder_layers: depths (encoder may be 0).
+        dim_feedforward: FFN hidden width.
+        dropout: dropout of attention weights, residual branches and FFN.
+        pre_norm: pre-norm layers (adds ``encoder.norm``); default post-norm.
+        rpe: iRPE of the encoder self-attention (model-zoo string, RPEConfig or None).
+    """
+
+    def __init__(
+        self,
+        d_model: int = 256,
+        nhead: int = 8,
+        num_encoder_layers: int = 6,
+        num_decoder_layers: int = 6,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        pre_norm: bool = False,
+        rpe: RPEConfig | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.encoder = TransformerEncoder(
+            [
+                TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, pre_norm, rpe)
+                for _ in range(num_encoder_layers)
+            ],
+            nn.LayerNorm(d_model) if pre_norm else None,
+        )
+        self.decoder = TransformerDecoder(
+            [
+                TransformerDecoderLayer(d_model, nhead, dim_feedforward, dropout, pre_norm)
+                for _ in range(num_decoder_layers)
+            ],
+            nn.LayerNorm(d_model),
+        )
+        self.d_model = d_model
+        self.nhead = nhead
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        # DETR: xavier_uniform on every matrix. The iRPE tables are excluded: they
+        # start at zero so that a fresh iRPE model equals the model without iRPE.
+        for name, param in self.named_parameters():
+            if param.dim() > 1 and "rpe_" not in name and "lookup_table" not in name:
+                nn.init.xavier_uniform_(param)
+
+    def forward(
+        self, src: Tensor, mask: Tensor, query_embed: Tensor, pos: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Run the encoder on a feature map and the decoder on the object queries.
+
+        Args:
+            src: ``(B, C, H, W)`` projected backbone features.
+            mask: ``(B, H, W)`` bool, True on padding.
+            query_embed: ``(Q, C)`` object queries.
+            pos: ``(B, C, H, W)`` absolute position encoding.
+
+        Returns:
+            hs: ``(num_decoder_layers, B, Q, C)`` normed decoder outputs.
+            memory: ``(B, C, H, W)`` encoder output.
+        """
+        batch, channels, height, width = src.shape
+        src = src.flatten(2).transpose(1, 2)  # (B, L, C), row-major tokens
+        pos = pos.flatten(2).transpose(1, 2)
+        key_padding_mask = mask.flatten(1)
+        query_pos = query_embed.unsqueeze(0).expand(batch, -1, -1)
+        memory = self.encoder(src, (height, width), key_padding_mask=key_padding_mask, pos=pos)
+        tgt = torch.zeros_like(query_pos)
+        hs = self.decoder(tgt, memory, key_padding_mask, pos=pos, query_pos=query_pos)
+        return hs, memory.transpose(1, 2).reshape(batch, channels, height, width)
