@@ -1,0 +1,24 @@
+"""iRPE: 2D image relative position encoding (Wu et al., ICCV 2021), usable without DETR.
+
+- :func:`bucket_ids` -- bucket id of every (query, key) pair of an ``H x W`` map.
+- :class:`RPEConfig` -- the settings, incl. the model-zoo strings ``rpe-2.0-product-ctx-1-k``.
+- :class:`IRPEMultiheadAttention` -- batch-first multi-head attention with iRPE.
+"""
+
+from .attention import IRPEMultiheadAttention
+from .buckets import bucket_ids, num_buckets, piecewise_index
+from .config import Method, Mode, RPEConfig, parse_rpe
+from .functional import gather_buckets, scatter_buckets
+
+__all__ = [
+    "IRPEMultiheadAttention",
+    "Method",
+    "Mode",
+    "RPEConfig",
+    "bucket_ids",
+    "gather_buckets",
+    "num_buckets",
+    "parse_rpe",
+    "piecewise_index",
+    "scatter_buckets",
+]

@@ -1,0 +1,141 @@
+"""Bucket ids of the 2D relative positions of an ``H x W`` feature map (irpe.md sections 1-3).
+
+Implements the piecewise index function ``g`` (paper Eq. 18) and the four bucket methods
+(euc, quant, cross, product). Everything is a pure function of
+``(method, height, width, ratio, skip)``; results are cached with a bounded LRU cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .config import Method
+
+__all__ = ["bucket_ids", "cached_bucket_ids", "num_buckets", "piecewise_index"]
+
+
+def _method(method: Method | str) -> Method:
+    try:
+        return Method(method)
+    except ValueError:
+        raise ValueError(
+            f"unknown iRPE method {method!r}; allowed: {', '.join(m.value for m in Method)}"
+        ) from None
+
+
+def _beta_int(ratio: float) -> int:
+    return int(math.floor(2.0 * ratio))
+
+
+def piecewise_index(x: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Paper Eq. 18: the integer bucket of a real relative position ``x``.
+
+    ``alpha = ratio, beta = 2 ratio, gamma = 8 ratio``; exact for ``|x| <= alpha``
+    (``round``, half to even), logarithmic beyond and clipped at ``beta_int = floor(beta)``.
+
+    Args:
+        x: any shape, any float dtype (computed in float64).
+        ratio: the iRPE ratio.
+
+    Returns:
+        int64 tensor of the same shape, values in ``[-beta_int, beta_int]``.
+    """
+    alpha, beta, gamma = 1.0 * ratio, 2.0 * ratio, 8.0 * ratio
+    x = x.to(torch.float64)
+    ax = x.abs()
+    near = torch.round(x)
+    # clamp_min keeps log() finite where the "far" branch is not selected anyway
+    far = alpha + torch.log(ax.clamp_min(alpha) / alpha) / math.log(gamma / alpha) * (beta - alpha)
+    far = torch.round(far).clamp(max=_beta_int(ratio)) * torch.sign(x)
+    return torch.where(ax <= alpha, near, far).to(torch.int64)
+
+
+def num_buckets(method: Method | str, ratio: float, skip: int = 0) -> int:
+    """Number of table rows K (per table for ``cross``), including the skip bucket."""
+    side = 2 * _beta_int(ratio) + 1
+    k = side * side if _method(method) is Method.PRODUCT else side
+    return k + (1 if skip > 0 else 0)
+
+
+def _check_args(height: int, width: int, ratio: float, skip: int) -> None:
+    if not (isinstance(height, int) and isinstance(width, int) and height > 0 and width > 0):
+        raise ValueError(f"height and width must be positive integers, got {(height, width)!r}")
+    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 0):
+        raise ValueError(f"iRPE ratio must be a positive number, got {ratio!r}")
+    if not (isinstance(skip, int) and skip >= 0):
+        raise ValueError(f"skip must be a non-negative integer, got {skip!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def _spatial_ids(method: Method, height: int, width: int, ratio: float, skip: int) -> torch.Tensor:
+    rows = torch.arange(height, dtype=torch.float64).repeat_interleave(width)
+    cols = torch.arange(width, dtype=torch.float64).repeat(height)
+    dr = rows[:, None] - rows[None, :]  # query minus key
+    dc = cols[:, None] - cols[None, :]
+    beta_int = _beta_int(ratio)
+    if method is Method.EUC:
+        ids = piecewise_index(torch.round(torch.sqrt(dr * dr + dc * dc)), ratio) + beta_int
+    elif method is Method.QUANT:
+        ids = piecewise_index(dr * dr + dc * dc, ratio) + beta_int
+    elif method is Method.CROSS:
+        ids = torch.stack([piecewise_index(dr, ratio), piecewise_index(dc, ratio)]) + beta_int
+    else:
+        side = 2 * beta_int + 1
+        ids = (piecewise_index(dr, ratio) + beta_int) * side + piecewise_index(dc, ratio) + beta_int
+    if skip > 0:
+        extra = num_buckets(method, ratio, skip) - 1
+        n = skip + height * width
+        full = torch.full((*ids.shape[:-2], n, n), extra, dtype=torch.int64)
+        full[..., skip:, skip:] = ids
+        ids = full
+    return ids.contiguous()
+
+
+@functools.lru_cache(maxsize=32)
+def _spatial_ids_on(
+    method: Method, height: int, width: int, ratio: float, skip: int, device: torch.device
+) -> torch.Tensor:
+    return _spatial_ids(method, height, width, ratio, skip).to(device)
+
+
+def cached_bucket_ids(
+    method: Method | str,
+    height: int,
+    width: int,
+    ratio: float,
+    skip: int = 0,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Like :func:`bucket_ids` but returns the shared cached tensor: do not modify it in place."""
+    method = _method(method)
+    _check_args(height, width, ratio, skip)
+    ratio = float(ratio)
+    device = torch.device("cpu" if device is None else device)
+    ids = _spatial_ids_on(method, height, width, ratio, skip, device)
+    return ids, num_buckets(method, ratio, skip)
+
+
+def bucket_ids(
+    method: Method | str, height: int, width: int, ratio: float, skip: int = 0
+) -> tuple[torch.Tensor, int]:
+    """Bucket id of every (query, key) pair of an ``H x W`` map (irpe.md section 3).
+
+    Tokens are ``skip`` extra tokens followed by the cells in row-major order; the offset
+    of a pair is query minus key. Pairs that involve an extra token get bucket ``K - 1``.
+
+    Args:
+        method: ``euc | quant | cross | product`` (str or :class:`Method`).
+        height, width: feature-map size H, W.
+        ratio: the iRPE ratio (alpha = ratio, beta = 2 ratio, gamma = 8 ratio).
+        skip: number of leading non-spatial tokens.
+
+    Returns:
+        ``(ids, K)``: int64 ``ids`` of shape ``(L, L)`` with ``L = skip + H * W``
+        (``(2, L, L)`` rows/cols for ``cross``), a fresh tensor the caller may modify;
+        K the number of buckets per table, counting the skip bucket when ``skip > 0``.
+    """
+    ids, k = cached_bucket_ids(method, height, width, ratio, skip)
+    return ids.clone(), k

@@ -1,0 +1,120 @@
+"""The lookup tables of one of q / k / v and the terms they add (irpe.md section 4).
+
+Parameter names follow the public checkpoints: ``lookup_table_weight`` (contextual mode;
+``(Hh, D, K)`` for q/k, ``(Hh, K, D)`` for v) or ``lookup_table_bias`` (bias mode;
+``(Hh, K)``); the cross method holds two such tables in ``rp_rows`` and ``rp_cols``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import Method, Mode
+from .functional import gather_buckets, scatter_buckets
+
+__all__ = ["CrossRPEEncoding", "RPEEncoding", "build_encoding"]
+
+
+class RPEEncoding(nn.Module):
+    """One lookup table (euc / quant / product, or one axis of cross).
+
+    Args:
+        mode: bias or ctx.
+        target: ``"q"``, ``"k"`` or ``"v"`` (v only in ctx mode).
+        num_heads: attention heads h.
+        head_dim: D.
+        num_buckets: K (including the skip bucket).
+        shared_head: one table for all heads (Hh = 1) or one per head (Hh = h).
+    """
+
+    def __init__(
+        self,
+        mode: Mode,
+        target: str,
+        num_heads: int,
+        head_dim: int,
+        num_buckets: int,
+        shared_head: bool,
+    ) -> None:
+        super().__init__()
+        self.mode = Mode(mode)
+        self.target = target
+        self.num_buckets = num_buckets
+        tables = 1 if shared_head else num_heads
+        if self.mode is Mode.BIAS:
+            if target == "v":
+                raise ValueError("iRPE bias mode cannot be applied to values; use mode 'ctx'")
+            self.lookup_table_bias = nn.Parameter(torch.zeros(tables, num_buckets))
+        elif target == "v":
+            self.lookup_table_weight = nn.Parameter(torch.zeros(tables, num_buckets, head_dim))
+        else:
+            self.lookup_table_weight = nn.Parameter(torch.zeros(tables, head_dim, num_buckets))
+
+    def pair_term(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``out[b, h, i, j] = x[b, h, i] . W[h, :, ids[i, j]]`` (ctx) or ``T[h, ids[i, j]]`` (bias).
+
+        Args:
+            x: ``(B, h, L, D)``, the scaled queries (RPE-K) or scaled keys (RPE-Q;
+                the caller transposes the result).
+            ids: ``(L, L)`` bucket ids.
+
+        Returns:
+            ``(B, h, L, L)`` in ctx mode, ``(1, Hh, L, L)`` in bias mode.
+        """
+        length = ids.shape[-1]
+        if self.mode is Mode.BIAS:
+            table = self.lookup_table_bias.to(x.dtype)
+            scores = table[:, None, :].expand(table.shape[0], length, self.num_buckets)
+            return gather_buckets(scores, ids).unsqueeze(0)
+        # (B, h, L, D) @ (Hh, D, K) -> (B, h, L, K): the O(L K D) projection, then gather
+        scores = torch.matmul(x, self.lookup_table_weight.to(x.dtype))
+        return gather_buckets(scores, ids)
+
+    def value_term(self, attn: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``out[b, h, i] = sum_j attn[b, h, i, j] W[h, ids[i, j], :]`` (ctx, values).
+
+        Args:
+            attn: ``(B, h, L, L)`` attention weights (after dropout).
+            ids: ``(L, L)`` bucket ids.
+
+        Returns:
+            ``(B, h, L, D)``.
+        """
+        per_bucket = scatter_buckets(attn, ids, self.num_buckets)  # (B, h, L, K)
+        return torch.matmul(per_bucket, self.lookup_table_weight.to(attn.dtype))
+
+
+class CrossRPEEncoding(nn.Module):
+    """Cross method: a rows table and a columns table whose terms add up."""
+
+    def __init__(
+        self,
+        mode: Mode,
+        target: str,
+        num_heads: int,
+        head_dim: int,
+        num_buckets: int,
+        shared_head: bool,
+    ) -> None:
+        super().__init__()
+        args = (mode, target, num_heads, head_dim, num_buckets, shared_head)
+        self.rp_rows = RPEEncoding(*args)
+        self.rp_cols = RPEEncoding(*args)
+
+    def pair_term(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """As :meth:`RPEEncoding.pair_term` with ``ids`` of shape ``(2, L, L)`` (rows, cols)."""
+        return self.rp_rows.pair_term(x, ids[0]) + self.rp_cols.pair_term(x, ids[1])
+
+    def value_term(self, attn: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """As :meth:`RPEEncoding.value_term` with ``ids`` of shape ``(2, L, L)``."""
+        return self.rp_rows.value_term(attn, ids[0]) + self.rp_cols.value_term(attn, ids[1])
+
+
+def build_encoding(
+    method: Method, mode: Mode, target: str, num_heads: int, head_dim: int,
+    num_buckets: int, shared_head: bool,
+) -> RPEEncoding | CrossRPEEncoding:
+    """The table module of one target for the given method."""
+    cls = CrossRPEEncoding if Method(method) is Method.CROSS else RPEEncoding
+    return cls(mode, target, num_heads, head_dim, num_buckets, shared_head)

@@ -1,0 +1,237 @@
+"""IRPEMultiheadAttention against the dense float64 reference and nn.MultiheadAttention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from irpe_reference import ref_attention, ref_bucket_ids
+from torch import nn
+
+from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig, gather_buckets, scatter_buckets
+
+METHODS = ["euc", "quant", "cross", "product"]
+CASES = [
+    (method, mode, on, shared)
+    for method in METHODS
+    for mode in ("bias", "ctx")
+    for on in ("q", "k", "v", "qk", "qkv")
+    for shared in (0, 1)
+    if not (mode == "bias" and "v" in on)
+]
+
+
+def _randomise_tables(module: nn.Module, scale: float = 0.5) -> None:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "lookup_table" in name:
+                p.normal_(0.0, scale)
+
+
+def _inputs(batch: int, length: int, dim: int, dtype=torch.float64, pad: bool = True):
+    query = torch.randn(batch, length, dim, dtype=dtype, requires_grad=True)
+    value = torch.randn(batch, length, dim, dtype=dtype, requires_grad=True)
+    mask = None
+    if pad:
+        mask = torch.zeros(batch, length, dtype=torch.bool)
+        mask[-1, -3:] = True
+    return query, value, mask
+
+
+def _ref_ids(cfg: RPEConfig, height: int, width: int) -> torch.Tensor:
+    ids, _ = ref_bucket_ids(cfg.method.value, height, width, cfg.ratio, cfg.skip)
+    return torch.tensor(ids)
+
+
+def _check_against_reference(module: IRPEMultiheadAttention, hw, batch=2, atol=1e-10):
+    cfg = module.rpe
+    length = cfg.skip + hw[0] * hw[1]
+    query, value, mask = _inputs(batch, length, module.embed_dim)
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in module.state_dict().items()}
+    ref_out, ref_w = ref_attention(
+        params, module.num_heads, cfg.rpe_on, cfg.method.value, _ref_ids(cfg, *hw),
+        query, query, value, mask,
+    )
+    grad_out = torch.randn_like(ref_out)
+    ref_grads = torch.autograd.grad(
+        (ref_out * grad_out).sum(), [query, value, *params.values()], allow_unused=True
+    )
+    for need_weights in (False, True):
+        out, w = module(query, query, value, hw, key_padding_mask=mask, need_weights=need_weights)
+        torch.testing.assert_close(out, ref_out, atol=atol, rtol=1e-7)
+        if need_weights:
+            torch.testing.assert_close(w, ref_w, atol=atol, rtol=1e-7)
+        else:
+            assert w is None
+        names = [n for n, _ in module.named_parameters()]
+        grads = torch.autograd.grad(
+            (out * grad_out).sum(), [query, value, *module.parameters()], allow_unused=True
+        )
+        ref_by_name = dict(zip(["query", "value", *params], ref_grads))
+        for name, g in zip(["query", "value", *names], grads):
+            torch.testing.assert_close(g, ref_by_name[name], atol=atol, rtol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("method,mode,on,shared", CASES)
+def test_matches_dense_reference(method: str, mode: str, on: str, shared: int) -> None:
+    rpe = f"rpe-1.9-{method}-{mode}-{shared}-{on}"
+    module = IRPEMultiheadAttention(16, 2, rpe=rpe).double().eval()
+    _randomise_tables(module)
+    _check_against_reference(module, (3, 4))
+
+
+@pytest.mark.parametrize("ratio", [2.0, 2.5, 3.0])
+def test_matches_dense_reference_other_ratios(ratio: float) -> None:
+    module = IRPEMultiheadAttention(16, 2, rpe=f"rpe-{ratio}-product-ctx-0-qkv").double().eval()
+    _randomise_tables(module)
+    _check_against_reference(module, (4, 5), batch=1)
+
+
+def test_class_token_skip_outside_detr() -> None:
+    """ViT-style use: a class token before the patches gets its own bucket (skip=1)."""
+    cfg = RPEConfig(ratio=1.9, method="product", mode="ctx", shared_head=False, rpe_on="qkv",
+                    skip=1)
+    module = IRPEMultiheadAttention(16, 2, rpe=cfg).double().eval()
+    assert module.rpe_k.lookup_table_weight.shape == (2, 8, 50)  # 49 + the skip bucket
+    _randomise_tables(module)
+    _check_against_reference(module, (3, 3))
+    with pytest.raises(ValueError, match=r"skip=1 extra tokens: expected 1 \+ 3 \* 3 = 10"):
+        module(torch.randn(1, 9, 16).double(), torch.randn(1, 9, 16).double(),
+               torch.randn(1, 9, 16).double(), (3, 3))
+
+
+@pytest.mark.parametrize("rpe", [None, "rpe-2.0-product-ctx-0-qkv", "rpe-1.9-cross-bias-1-qk"])
+def test_zero_tables_equal_nn_multihead_attention(rpe) -> None:
+    module = IRPEMultiheadAttention(32, 4, rpe=rpe).eval()
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    mha_keys = set(mha.state_dict())
+    mha.load_state_dict({k: v for k, v in module.state_dict().items() if k in mha_keys})
+    query, value, mask = _inputs(2, 20, 32, torch.float32)
+    ref, ref_w = mha(query, query, value, key_padding_mask=mask, need_weights=True,
+                     average_attn_weights=False)
+    for need_weights in (False, True):
+        out, w = module(query, query, value, (4, 5), key_padding_mask=mask,
+                        need_weights=need_weights)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        if need_weights:
+            torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
+
+
+def test_initialisation_like_nn_multihead_attention() -> None:
+    module = IRPEMultiheadAttention(64, 8, rpe="rpe-2.0-product-ctx-0-qkv")
+    assert torch.count_nonzero(module.in_proj_bias) == 0
+    assert torch.count_nonzero(module.out_proj.bias) == 0
+    bound = (6.0 / (64 + 3 * 64)) ** 0.5  # xavier_uniform on (3C, C)
+    assert module.in_proj_weight.abs().max() <= bound and module.in_proj_weight.std() > 0.5 * bound / 3**0.5
+    for name in ("rpe_q", "rpe_k", "rpe_v"):
+        assert torch.count_nonzero(getattr(module, name).lookup_table_weight) == 0
+
+
+def test_sdpa_path_equals_explicit_path_float32() -> None:
+    module = IRPEMultiheadAttention(64, 4, rpe="rpe-2.0-product-ctx-0-qk").eval()
+    _randomise_tables(module)
+    query, value, mask = _inputs(2, 30, 64, torch.float32)
+    fast, _ = module(query, query, value, (5, 6), key_padding_mask=mask)
+    slow, _ = module(query, query, value, (5, 6), key_padding_mask=mask, need_weights=True)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    g_fast = torch.autograd.grad(fast.sum(), [query, module.rpe_k.lookup_table_weight])
+    g_slow = torch.autograd.grad(slow.sum(), [query, module.rpe_k.lookup_table_weight])
+    for a, b in zip(g_fast, g_slow):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_logits_split() -> None:
+    module = IRPEMultiheadAttention(32, 4, rpe="rpe-2.0-product-ctx-0-qk").double().eval()
+    _randomise_tables(module)
+    query, value, mask = _inputs(2, 12, 32)
+    content, rpe = module.attention_logits(query, query, (3, 4), key_padding_mask=mask)
+    assert content.shape == rpe.shape == (2, 4, 12, 12)
+    logits = (content + rpe).masked_fill(mask[:, None, None, :], float("-inf"))
+    _, w = module(query, query, value, (3, 4), key_padding_mask=mask, need_weights=True)
+    torch.testing.assert_close(torch.softmax(logits, -1), w)
+    plain = IRPEMultiheadAttention(32, 4).double()
+    _, zeros = plain.attention_logits(query, query, (3, 4))
+    assert torch.count_nonzero(zeros) == 0
+
+
+def test_dropout_only_in_training() -> None:
+    module = IRPEMultiheadAttention(32, 4, dropout=0.5, rpe="rpe-2.0-product-ctx-1-qkv")
+    _randomise_tables(module)
+    query, value, mask = _inputs(2, 12, 32, torch.float32)
+    module.eval()
+    a, _ = module(query, query, value, (3, 4), key_padding_mask=mask)
+    b, _ = module(query, query, value, (3, 4), key_padding_mask=mask)
+    assert torch.equal(a, b)
+    module.train()
+    for need_weights in (False, True):
+        c, _ = module(query, query, value, (3, 4), key_padding_mask=mask, need_weights=need_weights)
+        assert not torch.allclose(a, c)
+
+
+def test_fully_padded_row_has_no_nan() -> None:
+    module = IRPEMultiheadAttention(16, 2, rpe="rpe-2.0-product-ctx-1-qkv").eval()
+    query, value, _ = _inputs(1, 6, 16, torch.float32)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    for need_weights in (False, True):
+        out, _ = module(query, query, value, (2, 3), key_padding_mask=mask,
+                        need_weights=need_weights)
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rpe", ["rpe-2.0-product-ctx-1-k", "rpe-2.0-product-ctx-0-qkv",
+                                 "rpe-1.9-cross-bias-0-qk"])
+def test_low_precision_close_to_float32(dtype: torch.dtype, rpe: str) -> None:
+    module = IRPEMultiheadAttention(64, 4, rpe=rpe).eval()
+    _randomise_tables(module, 0.2)
+    query, value, mask = _inputs(2, 30, 64, torch.float32, pad=True)
+    ref, _ = module(query, query, value, (5, 6), key_padding_mask=mask)
+    low = module.to(dtype)
+    try:
+        out, _ = low(query.detach().to(dtype).requires_grad_(), query.detach().to(dtype),
+                     value.detach().to(dtype), (5, 6), key_padding_mask=mask)
+        out.float().sum().backward()
+    except RuntimeError as err:  # e.g. an op without a CPU kernel for this dtype
+        if dtype is torch.float16:
+            pytest.skip(f"float16 not supported on CPU here: {err}")
+        raise
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in low.parameters())
+
+
+def test_gradcheck_gather_scatter() -> None:
+    ids = torch.tensor([[0, 1, 2, 1], [3, 0, 1, 1], [2, 2, 0, 4], [4, 3, 2, 0]])
+    scores = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda s: gather_buckets(s, ids), (scores,))
+    assert torch.autograd.gradgradcheck(lambda s: gather_buckets(s, ids), (scores,))
+    assert torch.autograd.gradcheck(lambda w: scatter_buckets(w, ids, 5), (weights,))
+    assert torch.autograd.gradgradcheck(lambda w: scatter_buckets(w, ids, 5), (weights,))
+    # values: definitions
+    torch.testing.assert_close(gather_buckets(scores, ids),
+                               torch.stack([scores[..., i, ids[i]] for i in range(4)], -2))
+    dense = torch.zeros(2, 3, 4, 5, dtype=torch.float64)
+    for i in range(4):
+        for j in range(4):
+            dense[..., i, ids[i, j]] += weights[..., i, j].detach()
+    torch.testing.assert_close(scatter_buckets(weights, ids, 5), dense)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_matches_reference(dtype: torch.dtype) -> None:
+    for rpe in ("rpe-2.0-product-ctx-1-k", "rpe-2.0-product-ctx-0-qkv", "rpe-1.9-cross-bias-0-qk",
+                "rpe-1.9-euc-ctx-1-qkv"):
+        module = IRPEMultiheadAttention(64, 4, rpe=rpe).double().eval()
+        _randomise_tables(module, 0.2)
+        hw = (5, 7)
+        query, value, mask = _inputs(2, 35, 64)
+        params = {k: v.detach() for k, v in module.state_dict().items()}
+        ref, _ = ref_attention(params, 4, module.rpe.rpe_on, module.rpe.method.value,
+                               _ref_ids(module.rpe, *hw), query, query, value, mask)
+        cuda = module.to("cuda", dtype)
+        q, v = query.detach().to("cuda", dtype), value.detach().to("cuda", dtype)
+        tol = 1e-4 if dtype is torch.float32 else 2e-2
+        for need_weights in (False, True):
+            out, _ = cuda(q, q, v, hw, key_padding_mask=mask.cuda(), need_weights=need_weights)
+            torch.testing.assert_close(out.double().cpu(), ref.detach(), atol=tol, rtol=tol)

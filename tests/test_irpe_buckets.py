@@ -1,0 +1,88 @@
+"""Bucket ids (irpe.md sections 2-3) against the naive python-loop reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from irpe_reference import ref_bucket_ids, ref_g
+
+from detr_irpe.irpe import Method, bucket_ids, num_buckets, piecewise_index
+
+METHODS = ["euc", "quant", "cross", "product"]
+RATIOS = [1.9, 2.0, 2.5, 3.0]
+GRIDS = [(1, 1), (3, 5), (7, 7), (13, 20)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_bucket_ids_match_reference(method: str, ratio: float) -> None:
+    for (height, width), skip in itertools.product(GRIDS, (0, 1, 2)):
+        ids, k = bucket_ids(method, height, width, ratio, skip)
+        ref, ref_k = ref_bucket_ids(method, height, width, ratio, skip)
+        n = skip + height * width
+        assert ids.dtype == torch.int64
+        assert ids.shape == ((2, n, n) if method == "cross" else (n, n))
+        assert k == ref_k == num_buckets(method, ratio, skip)
+        assert torch.equal(ids, torch.tensor(ref)), (method, ratio, height, width, skip)
+        assert int(ids.min()) >= 0 and int(ids.max()) < k
+
+
+@pytest.mark.parametrize("ratio,expected", [(1.9, 49), (2.0, 81), (2.5, 121), (3.0, 169)])
+def test_product_bucket_counts(ratio: float, expected: int) -> None:
+    assert num_buckets("product", ratio) == expected
+    assert num_buckets(Method.PRODUCT, ratio, skip=1) == expected + 1
+    # a large map reaches every bucket
+    ids, k = bucket_ids("product", 40, 40, ratio)
+    assert k == expected and ids.unique().numel() == expected
+
+
+@pytest.mark.parametrize(
+    "x,ratio,expected",
+    [
+        (0.0, 2.0, 0), (0.5, 2.0, 0), (1.5, 2.0, 2), (2.0, 2.0, 2), (-2.0, 2.0, -2),
+        (2.5, 2.0, 2),  # 2 + ln(1.25)/ln(8)*2 = 2.21
+        (5.0, 2.0, 3),  # 2 + ln(2.5)/ln(8)*2 = 2.88
+        (-5.0, 2.0, -3),
+        (16.0, 2.0, 4),  # gamma: exactly beta
+        (100.0, 2.0, 4),  # clipped at beta_int
+        (2.5, 2.5, 2),  # |x| <= alpha: round half to even
+        (2.0, 1.9, 2),  # 1.9 + ln(2/1.9)/ln(8)*1.9 = 1.95
+        (100.0, 1.9, 3),  # beta_int = floor(3.8) = 3
+        (-100.0, 1.9, -3),
+        (3.5, 3.0, 3),  # 3 + ln(3.5/3)/ln(8)*3 = 3.22
+    ],
+)
+def test_piecewise_index_hand_checked(x: float, ratio: float, expected: int) -> None:
+    assert ref_g(x, ratio) == expected
+    assert int(piecewise_index(torch.tensor([x]), ratio)) == expected
+
+
+def test_piecewise_index_matches_reference_dense() -> None:
+    xs = torch.arange(-400, 401, dtype=torch.float64) / 4.0
+    for ratio in RATIOS:
+        got = piecewise_index(xs, ratio).tolist()
+        assert got == [ref_g(float(x), ratio) for x in xs], ratio
+
+
+def test_bucket_ids_returns_fresh_tensor_and_is_offset_invariant() -> None:
+    ids, _ = bucket_ids("product", 5, 6, 2.0)
+    ids.fill_(0)
+    again, _ = bucket_ids("product", 5, 6, 2.0)
+    assert int(again.max()) > 0
+    # a smaller map is a crop of a larger one (ids depend only on offsets)
+    big, _ = bucket_ids("product", 8, 9, 2.0)
+    sel = torch.tensor([r * 9 + c for r in range(5) for c in range(6)])
+    assert torch.equal(big[sel][:, sel], again)
+
+
+def test_bucket_ids_errors() -> None:
+    with pytest.raises(ValueError, match="unknown iRPE method"):
+        bucket_ids("manhattan", 3, 3, 2.0)
+    with pytest.raises(ValueError, match="height and width"):
+        bucket_ids("product", 0, 3, 2.0)
+    with pytest.raises(ValueError, match="ratio"):
+        bucket_ids("product", 3, 3, -1.0)
+    with pytest.raises(ValueError, match="skip"):
+        bucket_ids("product", 3, 3, 2.0, skip=-1)
