@@ -1,0 +1,539 @@
+"""A COCO-format detection dataset, with validation of the annotation file.
+
+Any detection dataset in the COCO layout works: one annotation JSON (``images``,
+``annotations``, ``categories``) and a folder of images. The JSON is checked
+when loaded:
+
+- structural problems (not JSON, missing top-level keys, an image or category
+  entry without its id, duplicate image or category ids) raise
+  :class:`DatasetError` naming the file and the offending entry;
+- per-annotation problems (missing keys, a bbox that is not 4 finite numbers,
+  zero or negative width/height, an unknown category or image id, a duplicate
+  annotation id) drop the annotation with a warning naming the file, the
+  annotation id and the problem, or raise with ``strict=True``;
+- images listed but missing on disk (or with a non-positive width/height) are
+  dropped with a warning, or raise with ``strict=True``.
+
+A summary line counts what was dropped per reason. The cleaned annotations are
+what ``dataset.coco`` (a pycocotools ``COCO``) holds, so training and
+evaluation see the same ground truth.
+
+An image that cannot be decoded at load time (truncated, corrupt) is skipped
+with a warning and the next readable index is returned in its place, so batch
+sizes and the number of steps per process stay the same; ``strict=True`` raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from pycocotools.coco import COCO
+from torch import Tensor
+from torch.utils.data import Dataset
+from torchvision import tv_tensors
+from torchvision.io import ImageReadMode, decode_image, read_file
+
+from detr_irpe.config import DataConfig
+from detr_irpe.data.sampling import SampleKey, seeded_call
+from detr_irpe.data.transforms import Transform, build_transforms, drop_degenerate, to_model_input
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_TOP_LEVEL = ("images", "annotations", "categories")
+REQUIRED_ANNOTATION_KEYS = ("id", "image_id", "category_id", "bbox")
+# Per-reason warnings logged one by one before only the summary counts them.
+MAX_WARNINGS_PER_REASON = 10
+# Consecutive unreadable images tolerated before giving up on a sample.
+MAX_SUBSTITUTIONS = 50
+
+
+class DatasetError(ValueError):
+    """A dataset the user has to fix: bad annotation file, missing or unreadable images."""
+
+
+class ImageReadError(DatasetError):
+    """An image file that cannot be read or decoded."""
+
+
+# ----------------------------------------------------------------------------- image decoding
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _decode_pil(path: Path, apply_exif: bool) -> Tensor:
+    from PIL import Image, ImageOps
+
+    with Image.open(path) as pil:
+        if apply_exif:
+            pil = ImageOps.exif_transpose(pil)
+        pil = pil.convert("RGB")
+        array = torch.frombuffer(bytearray(pil.tobytes()), dtype=torch.uint8)
+        return array.view(pil.height, pil.width, 3).permute(2, 0, 1).contiguous()
+
+
+def read_image(path: str | Path, apply_exif: bool = True) -> Tensor:
+    """Decode an image file to a uint8 RGB tensor ``(3, H, W)``.
+
+    torchvision.io decodes JPEG, PNG, GIF and WebP fast (grayscale, palette and
+    alpha are converted to RGB, EXIF orientation applied when ``apply_exif``);
+    other formats fall back to PIL. Raises :class:`ImageReadError` for a
+    missing, truncated or corrupt file.
+    """
+    path = Path(path)
+    try:
+        data = read_file(str(path))
+    except (OSError, RuntimeError) as err:
+        raise ImageReadError(f"cannot read image {path}: {err}") from None
+    try:
+        image = decode_image(data, mode=ImageReadMode.RGB, apply_exif_orientation=apply_exif)
+    except RuntimeError as tv_err:
+        # Unsupported by torchvision.io (BMP, TIFF, ...) or corrupt: PIL decides which.
+        try:
+            image = _decode_pil(path, apply_exif)
+        except Exception as pil_err:  # PIL raises several unrelated types for bad files
+            raise ImageReadError(
+                f"cannot decode image {path}: {tv_err}; PIL: {pil_err}"
+            ) from None
+    if image.dtype != torch.uint8:  # 16-bit PNG
+        image = (image.float() * (255.0 / 65535.0)).round().to(torch.uint8)
+    return image
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+class _Problems:
+    """Collects dropped entries per reason; logs the first few of each."""
+
+    def __init__(self, ann_file: Path, strict: bool) -> None:
+        self.ann_file = ann_file
+        self.strict = strict
+        self.counts: Counter[str] = Counter()
+        self.messages: list[str] = []
+
+    def add(self, reason: str, message: str) -> None:
+        self.counts[reason] += 1
+        full = f"{self.ann_file}: {message}"
+        self.messages.append(full)
+        if not self.strict and self.counts[reason] <= MAX_WARNINGS_PER_REASON:
+            logger.warning("%s; dropped", full)
+
+    def raise_if_strict(self) -> None:
+        if self.strict and self.messages:
+            shown = "\n  ".join(self.messages[:20])
+            more = f"\n  ... and {len(self.messages) - 20} more" if len(self.messages) > 20 else ""
+            raise DatasetError(
+                f"{self.ann_file}: {len(self.messages)} problem(s) in the annotations "
+                f"(data.strict=true; set it to false to drop these entries with a warning):"
+                f"\n  {shown}{more}"
+            )
+
+    def summary(self) -> str:
+        if not self.counts:
+            return "nothing dropped"
+        return "dropped " + ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
+
+
+def _read_json(ann_file: Path) -> dict[str, Any]:
+    if not ann_file.is_file():
+        raise DatasetError(
+            f"annotation file {ann_file} not found (see datasets/README.md for the layout, or "
+            f"generate the synthetic dataset with datasets/make_synthetic.py)"
+        )
+    try:
+        data = json.loads(ann_file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DatasetError(f"{ann_file}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise DatasetError(
+            f"{ann_file}: the top level must be a JSON object with keys "
+            f"{', '.join(REQUIRED_TOP_LEVEL)}, got {type(data).__name__}"
+        )
+    missing = [key for key in REQUIRED_TOP_LEVEL if key not in data]
+    if missing:
+        raise DatasetError(
+            f"{ann_file}: missing top-level key(s) {', '.join(map(repr, missing))}; a COCO "
+            f"detection file needs {', '.join(REQUIRED_TOP_LEVEL)}"
+        )
+    for key in REQUIRED_TOP_LEVEL:
+        if not isinstance(data[key], list):
+            raise DatasetError(
+                f"{ann_file}: top-level {key!r} must be a list, got {type(data[key]).__name__}"
+            )
+    return data
+
+
+def _check_categories(ann_file: Path, categories: list[Any]) -> dict[int, dict[str, Any]]:
+    if not categories:
+        raise DatasetError(f"{ann_file}: 'categories' is empty; at least one category is needed")
+    out: dict[int, dict[str, Any]] = {}
+    for i, cat in enumerate(categories):
+        if not isinstance(cat, dict) or "id" not in cat or "name" not in cat:
+            raise DatasetError(
+                f"{ann_file}: category entry #{i} ({cat!r:.80}) must have keys 'id' and 'name'"
+            )
+        cat_id = cat["id"]
+        if not isinstance(cat_id, int) or isinstance(cat_id, bool) or cat_id < 0:
+            raise DatasetError(
+                f"{ann_file}: category {cat_id!r}: id must be a non-negative integer"
+            )
+        if cat_id in out:
+            raise DatasetError(f"{ann_file}: duplicate category id {cat_id}")
+        out[cat_id] = cat
+    return out
+
+
+def _list_folder(folder: Path) -> set[str]:
+    try:
+        return {entry.name for entry in os.scandir(folder)}
+    except OSError:
+        return set()
+
+
+def _check_images(
+    ann_file: Path, images: list[Any], images_dir: Path, problems: _Problems
+) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    seen: set[Any] = set()
+    on_disk = _list_folder(images_dir)
+    for i, img in enumerate(images):
+        if not isinstance(img, dict) or "id" not in img:
+            raise DatasetError(f"{ann_file}: image entry #{i} ({img!r:.80}) has no 'id'")
+        img_id = img["id"]
+        if not isinstance(img_id, int) or isinstance(img_id, bool):
+            raise DatasetError(f"{ann_file}: image entry #{i}: id {img_id!r} is not an integer")
+        if img_id in seen:
+            raise DatasetError(
+                f"{ann_file}: duplicate image id {img_id} (image ids must be unique)"
+            )
+        seen.add(img_id)
+        if not isinstance(img.get("file_name"), str) or not img["file_name"]:
+            raise DatasetError(f"{ann_file}: image {img_id} has no 'file_name'")
+        bad_size = [
+            key for key in ("height", "width")
+            if key in img and not (_is_number(img[key]) and img[key] > 0)
+        ]
+        if bad_size:
+            problems.add(
+                "bad_image_size",
+                f"image {img_id}: {' and '.join(bad_size)} must be > 0, got "
+                + ", ".join(f"{k}={img[k]!r}" for k in bad_size),
+            )
+            continue
+        name = img["file_name"]
+        exists = name in on_disk if os.sep not in name and "/" not in name else (
+            images_dir / name
+        ).is_file()
+        if not exists:
+            problems.add(
+                "missing_file", f"image {img_id}: file {images_dir / name} does not exist"
+            )
+            continue
+        out[img_id] = img
+    return out
+
+
+def _check_annotations(
+    annotations: list[Any],
+    images: dict[int, dict[str, Any]],
+    all_image_ids: set[Any],
+    categories: dict[int, dict[str, Any]],
+    problems: _Problems,
+) -> tuple[list[dict[str, Any]], int]:
+    out: list[dict[str, Any]] = []
+    seen: set[Any] = set()
+    of_dropped_images = 0
+    for i, ann in enumerate(annotations):
+        if not isinstance(ann, dict):
+            problems.add("not_an_object", f"annotation #{i} is not a JSON object")
+            continue
+        name = f"annotation {ann['id']}" if "id" in ann else f"annotation #{i} (no id)"
+        missing = [key for key in REQUIRED_ANNOTATION_KEYS if key not in ann]
+        if missing:
+            problems.add("missing_key", f"{name}: missing key(s) {', '.join(map(repr, missing))}")
+            continue
+        if ann["id"] in seen:
+            problems.add("duplicate_annotation_id", f"{name}: duplicate annotation id")
+            continue
+        bbox = ann["bbox"]
+        if not isinstance(bbox, (list, tuple)) or len(bbox) != 4 or not all(map(_is_number, bbox)):
+            problems.add(
+                "bad_bbox", f"{name}: bbox must be 4 finite numbers [x, y, w, h], got {bbox!r:.80}"
+            )
+            continue
+        if bbox[2] <= 0 or bbox[3] <= 0:
+            problems.add(
+                "non_positive_size",
+                f"{name}: bbox width and height must be > 0, got w={bbox[2]}, h={bbox[3]}",
+            )
+            continue
+        if ann["category_id"] not in categories:
+            problems.add(
+                "unknown_category",
+                f"{name}: unknown category id {ann['category_id']!r} "
+                f"(known: {sorted(categories)[:20]})",
+            )
+            continue
+        if ann["image_id"] not in all_image_ids:
+            problems.add("unknown_image", f"{name}: unknown image id {ann['image_id']!r}")
+            continue
+        seen.add(ann["id"])
+        if ann["image_id"] not in images:
+            of_dropped_images += 1  # already reported with its image
+            continue
+        clean = dict(ann)
+        clean["bbox"] = [float(v) for v in bbox]
+        clean["iscrowd"] = int(bool(ann.get("iscrowd", 0)))
+        if not _is_number(clean.get("area")):
+            clean["area"] = clean["bbox"][2] * clean["bbox"][3]
+        out.append(clean)
+    return out, of_dropped_images
+
+
+def load_coco_annotations(
+    ann_file: str | Path, images_dir: str | Path, strict: bool = False
+) -> COCO:
+    """Read and validate a COCO annotation file; returns a pycocotools ``COCO`` of the clean data.
+
+    Raises :class:`DatasetError` for structural problems (and, with ``strict``,
+    for any problem); see the module docstring.
+    """
+    ann_file = Path(ann_file)
+    images_dir = Path(images_dir)
+    data = _read_json(ann_file)
+    if not images_dir.is_dir():
+        raise DatasetError(
+            f"image folder {images_dir} (for {ann_file}) does not exist; check data.root and "
+            f"data.train_images / data.val_images"
+        )
+    problems = _Problems(ann_file, strict)
+    categories = _check_categories(ann_file, data["categories"])
+    all_image_ids = {img["id"] for img in data["images"] if isinstance(img, dict) and "id" in img}
+    images = _check_images(ann_file, data["images"], images_dir, problems)
+    annotations, of_dropped = _check_annotations(
+        data["annotations"], images, all_image_ids, categories, problems
+    )
+    problems.raise_if_strict()
+    if of_dropped:
+        problems.counts["annotation_of_dropped_image"] += of_dropped
+    level = logging.WARNING if problems.counts else logging.INFO
+    logger.log(
+        level,
+        "%s: %d images, %d annotations, %d categories; %s",
+        ann_file, len(images), len(annotations), len(categories), problems.summary(),
+    )
+    clean = {key: value for key, value in data.items() if key not in REQUIRED_TOP_LEVEL}
+    clean["images"] = list(images.values())
+    clean["annotations"] = annotations
+    clean["categories"] = list(categories.values())
+    coco = COCO()
+    coco.dataset = clean
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco.createIndex()
+    coco.drop_counts = dict(problems.counts)  # for callers and tests
+    return coco
+
+
+# ----------------------------------------------------------------------------- dataset
+
+
+class CocoDetection(Dataset):
+    """COCO-format detection dataset.
+
+    ``dataset[i]`` returns ``(image, target)``: the ``(3, H, W)`` float32 image
+    normalised with the ImageNet mean/std after augmentation, and the target
+    dict of ``docs/architecture.md`` (``boxes`` ``(N, 4)`` normalised cxcywh,
+    ``labels`` ``(N,)`` int64 category ids, ``image_id``, ``orig_size``,
+    ``size``, ``area``, ``iscrowd``). Crowd annotations are left out of the
+    targets. Indices may also be :class:`SampleKey` (the samplers of
+    :func:`detr_irpe.data.build_dataloader` yield them) to seed the augmentation
+    per sample.
+
+    Attributes:
+        coco: the pycocotools ``COCO`` of the validated annotations.
+        ids: image ids in index order (sorted).
+        category_names: ``{category_id: name}``.
+    """
+
+    accepts_sample_keys = True
+
+    def __init__(
+        self,
+        images_dir: str | Path,
+        ann_file: str | Path,
+        transforms: Transform | None = None,
+        cache_images: bool = False,
+        strict: bool = False,
+    ) -> None:
+        self.images_dir = Path(images_dir)
+        self.ann_file = Path(ann_file)
+        self.transforms = transforms
+        self.strict = strict
+        self.coco = load_coco_annotations(self.ann_file, self.images_dir, strict=strict)
+        self.ids: list[int] = sorted(self.coco.imgs)
+        self.category_names: dict[int, str] = {
+            cat_id: str(cat["name"]) for cat_id, cat in sorted(self.coco.cats.items())
+        }
+        # Per process: unreadable images already reported (and skipped), and the count.
+        self._unreadable: set[int] = set()
+        self.num_skipped = 0
+        self._cache: list[Tensor | None] | None = None
+        if cache_images:
+            self._fill_cache()
+
+    @property
+    def num_classes(self) -> int:
+        """Largest category id + 1 (the model's classes; the extra logit is "no object")."""
+        return max(self.category_names) + 1
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _fill_cache(self) -> None:
+        cache: list[Tensor | None] = []
+        for index in range(len(self.ids)):
+            try:
+                cache.append(self._decode(index))
+            except ImageReadError as err:
+                if self.strict:
+                    raise
+                self._report_unreadable(index, err)
+                cache.append(None)
+        self._cache = cache
+        logger.info(
+            "cached %d decoded images of %s (%.1f MB)", len(cache), self.images_dir,
+            sum(t.numel() for t in cache if t is not None) / 1e6,
+        )
+
+    def _decode(self, index: int) -> Tensor:
+        info = self.coco.imgs[self.ids[index]]
+        path = self.images_dir / info["file_name"]
+        image = read_image(path)
+        expected = (info.get("height"), info.get("width"))
+        if None not in expected and tuple(image.shape[-2:]) != expected:
+            # EXIF rotation can swap the sides; annotations made on the stored pixels keep them.
+            raw = read_image(path, apply_exif=False)
+            if tuple(raw.shape[-2:]) == expected:
+                return raw
+            logger.warning(
+                "%s: image %s is %dx%d (HxW) but the annotations say %sx%s; boxes are clipped "
+                "to the decoded image", self.ann_file, info["id"], *image.shape[-2:], *expected,
+            )
+        return image
+
+    def _report_unreadable(self, index: int, err: Exception) -> None:
+        if index not in self._unreadable:
+            self._unreadable.add(index)
+            self.num_skipped += 1
+            logger.warning(
+                "skipping unreadable image (id %s): %s [%d skipped so far in this process]",
+                self.ids[index], err, self.num_skipped,
+            )
+
+    def load_image(self, index: int) -> Tensor:
+        """The uint8 ``(3, H, W)`` image of ``index`` (raises :class:`ImageReadError`)."""
+        if self._cache is not None:
+            image = self._cache[index]
+            if image is None:
+                raise ImageReadError(f"image id {self.ids[index]} could not be read when cached")
+            return image
+        return self._decode(index)
+
+    def load_target(self, index: int, height: int, width: int) -> dict[str, Any]:
+        """The raw target of ``index``: XYXY pixel boxes clipped to ``(height, width)``."""
+        image_id = self.ids[index]
+        anns = [a for a in self.coco.imgToAnns.get(image_id, []) if not a.get("iscrowd", 0)]
+        boxes = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)
+        boxes[:, 2:] += boxes[:, :2]
+        boxes[:, 0::2].clamp_(0, width)
+        boxes[:, 1::2].clamp_(0, height)
+        target = {
+            "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(height, width)),
+            "labels": torch.tensor([a["category_id"] for a in anns], dtype=torch.int64),
+            "area": torch.tensor([a["area"] for a in anns], dtype=torch.float32),
+            "iscrowd": torch.zeros(len(anns), dtype=torch.int64),
+            "image_id": torch.tensor(image_id, dtype=torch.int64),
+            "orig_size": torch.tensor([height, width], dtype=torch.int64),
+        }
+        return drop_degenerate(target)
+
+    def get_sample(self, index: int) -> tuple[Tensor, dict[str, Any]]:
+        """Decode, augment and convert one sample; no substitution of unreadable images."""
+        image = self.load_image(index)
+        target = self.load_target(index, image.shape[-2], image.shape[-1])
+        image = tv_tensors.Image(image)
+        if self.transforms is not None:
+            image, target = self.transforms(image, target)
+        return to_model_input(image, target)
+
+    def __getitem__(self, key: int | SampleKey) -> tuple[Tensor, dict[str, Any]]:
+        if isinstance(key, SampleKey):
+            return seeded_call(key, self._getitem)
+        return self._getitem(int(key))
+
+    def _getitem(self, index: int) -> tuple[Tensor, dict[str, Any]]:
+        if index < 0:
+            index += len(self)
+        for attempt in range(min(MAX_SUBSTITUTIONS, len(self))):
+            current = (index + attempt) % len(self)
+            if current in self._unreadable and not self.strict:
+                continue
+            try:
+                return self.get_sample(current)
+            except ImageReadError as err:
+                if self.strict:
+                    raise DatasetError(f"{err} (data.strict=true)") from None
+                self._report_unreadable(current, err)
+        raise DatasetError(
+            f"{min(MAX_SUBSTITUTIONS, len(self))} consecutive images from index {index} of "
+            f"{self.images_dir} are unreadable; check the image folder"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"CocoDetection({self.ann_file}, images={self.images_dir}, {len(self)} images, "
+            f"{len(self.category_names)} categories)"
+        )
+
+
+def build_dataset(
+    cfg_data: DataConfig, split: str, transforms: Transform | str | None = "default"
+) -> CocoDetection:
+    """The ``"train"`` or ``"val"`` dataset of a data config.
+
+    Paths are ``cfg_data.root / train_ann`` and ``root / train_images`` (resp.
+    ``val_*``). ``transforms="default"`` uses :func:`build_transforms`; pass
+    ``None`` to get un-augmented images.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    root = Path(cfg_data.root)
+    ann = root / (cfg_data.train_ann if split == "train" else cfg_data.val_ann)
+    images = root / (cfg_data.train_images if split == "train" else cfg_data.val_images)
+    if isinstance(transforms, str):
+        transforms = build_transforms(cfg_data, split)
+    return CocoDetection(
+        images, ann, transforms=transforms, cache_images=cfg_data.cache_images,
+        strict=cfg_data.strict,
+    )
+
+
+__all__ = [
+    "CocoDetection",
+    "DatasetError",
+    "ImageReadError",
+    "build_dataset",
+    "load_coco_annotations",
+    "read_image",
+]

@@ -1,0 +1,117 @@
+"""Batching: ``collate_fn`` and ``build_dataloader`` (samplers, workers, seeding).
+
+The loader yields ``(ImageBatch, list[target])``. Its sampler is an
+:class:`~detr_irpe.data.sampling.EpochSampler` in a single process and a
+:class:`~detr_irpe.data.sampling.DistributedEpochSampler` under
+``torch.distributed``; the caller calls ``loader.sampler.set_epoch(epoch)``
+before each epoch. Order and augmentation are functions of ``(seed, epoch)``
+(see ``sampling.py``), so a resumed run sees the same data.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from detr_irpe.data.sampling import DistributedEpochSampler, EpochSampler, KeyedDataset, mix_seed
+from detr_irpe.structures import ImageBatch
+from detr_irpe.utils.dist import get_rank, get_world_size, is_dist
+
+logger = logging.getLogger(__name__)
+
+
+def collate_fn(
+    batch: Sequence[tuple[Tensor, dict[str, Any]] | None],
+) -> tuple[ImageBatch, list[dict[str, Any]]]:
+    """``[(image (3, H_i, W_i), target), ...]`` -> ``(ImageBatch, [target, ...])``.
+
+    Images are zero-padded to the largest height and width of the batch; the
+    mask is True on padding. ``None`` samples (from datasets that skip) are left out.
+    """
+    samples = [sample for sample in batch if sample is not None]
+    if not samples:
+        raise ValueError("collate_fn got a batch with no valid samples")
+    images, targets = zip(*samples)
+    return ImageBatch.from_images(list(images)), list(targets)
+
+
+class _WorkerInit:
+    """Seeds Python's and NumPy's generators of a worker from torch's per-worker seed.
+
+    torch derives each worker's seed from the loader's generator (seeded per
+    ``(seed, rank)``) plus the worker id, so these seeds are deterministic too.
+    """
+
+    def __call__(self, worker_id: int) -> None:
+        seed = torch.initial_seed()
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+
+
+def build_dataloader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    train: bool,
+    num_workers: int = 0,
+    distributed: bool | None = None,
+    seed: int = 0,
+    drop_last: bool | None = None,
+) -> DataLoader:
+    """A ``DataLoader`` yielding ``(ImageBatch, list[target])``.
+
+    Args:
+        dataset: map-style dataset of ``(image, target)``.
+        batch_size: images per process and step.
+        train: shuffle (per ``(seed, epoch)``) and, by default, drop the last
+            incomplete batch.
+        num_workers: loader processes (persistent when > 0).
+        distributed: use a ``DistributedSampler``; ``None`` decides from
+            ``torch.distributed`` (initialised with more than one process).
+            Evaluation padding duplicates a few images; ``CocoEvaluator`` drops
+            the duplicates.
+        seed: seeds the order and the augmentation.
+        drop_last: defaults to ``train``.
+    """
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be > 0, got {batch_size}")
+    if distributed is None:
+        distributed = is_dist() and get_world_size() > 1
+    if drop_last is None:
+        drop_last = train
+    rank = get_rank() if distributed else 0
+    if distributed:
+        sampler: Any = DistributedEpochSampler(dataset, shuffle=train, seed=seed, drop_last=False)
+    else:
+        sampler = EpochSampler(len(dataset), shuffle=train, seed=seed)  # type: ignore[arg-type]
+    if not getattr(dataset, "accepts_sample_keys", False):
+        dataset = KeyedDataset(dataset)
+    generator = torch.Generator()
+    generator.manual_seed(mix_seed(seed, rank))
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=drop_last,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+        worker_init_fn=_WorkerInit() if num_workers > 0 else None,
+        generator=generator,
+    )
+    logger.debug(
+        "data loader: %d samples, batch %d, %s sampler, %d workers",
+        len(sampler), batch_size, type(sampler).__name__, num_workers,
+    )
+    return loader
+
+
+__all__ = ["build_dataloader", "collate_fn"]

@@ -1,0 +1,246 @@
+"""The DETR data-augmentation recipe, applied to an image and its boxes together.
+
+Every transform is a callable ``(image, target) -> (image, target)`` where
+``image`` is a ``tv_tensors.Image`` (uint8, ``(3, H, W)``) and ``target`` a dict
+whose ``"boxes"`` are ``tv_tensors.BoundingBoxes`` in absolute XYXY pixels, with
+the per-box fields ``labels``, ``area`` and ``iscrowd`` alongside (see
+``PER_BOX_KEYS``). Geometry runs on uint8 images; :func:`to_model_input` turns
+the result into the model's float input and the target format of
+``docs/architecture.md`` (normalised cxcywh boxes, ``size``).
+
+The recipe (``docs/detr-recipe.md``): random horizontal flip (p 0.5), then with
+p 0.5 either (a) resize the shorter side to a random choice of ``train_scales``
+with the longer side at most ``max_size``, or (b) resize to a random choice of
+``crop_resize_scales``, crop a random ``[crop_min, crop_max]`` region, then (a).
+Validation resizes the shorter side to ``val_size`` (longer side <= ``max_size``).
+
+All randomness comes from torch's global CPU generator (as in
+``torchvision.transforms.v2``), so seeding it reproduces an augmentation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torchvision.transforms.v2 as T
+import torchvision.transforms.v2.functional as F
+from torch import Tensor
+from torchvision import tv_tensors
+
+from detr_irpe.config import DataConfig
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Target fields with one entry per box; filtered together when boxes are dropped.
+PER_BOX_KEYS = ("boxes", "labels", "area", "iscrowd")
+
+Target = dict[str, Any]
+Transform = Callable[[tv_tensors.Image, Target], tuple[tv_tensors.Image, Target]]
+
+
+def resized_hw(height: int, width: int, size: int, max_size: int | None = None) -> tuple[int, int]:
+    """Output ``(height, width)`` for a shorter side of ``size``, longer side at most ``max_size``.
+
+    The aspect ratio is kept. When ``size * long / short`` would exceed
+    ``max_size`` the shorter side becomes ``int(max_size * short / long)``
+    (floored, so the longer side never exceeds ``max_size``; DETR rounds here,
+    which can overshoot by a pixel). The longer side is ``int(size * long / short)``;
+    an image whose shorter side already equals ``size`` keeps its size.
+    """
+    short, long = min(height, width), max(height, width)
+    if max_size is not None and long / short * size > max_size:
+        size = int(max_size * short / long)
+    if short == size:
+        return height, width
+    if width < height:
+        return int(size * height / width), size
+    return size, int(size * width / height)
+
+
+def _randint(low: int, high: int) -> int:
+    """A uniform integer in ``[low, high]`` (inclusive) from torch's generator."""
+    return int(torch.randint(low, high + 1, (1,)).item())
+
+
+def filter_boxes(target: Target, keep: Tensor) -> Target:
+    """Keep the boxes (and their per-box fields) where ``keep`` is True."""
+    out = dict(target)
+    for key in PER_BOX_KEYS:
+        if key in out:
+            value = out[key]
+            filtered = value[keep]
+            if isinstance(value, tv_tensors.BoundingBoxes):
+                filtered = tv_tensors.wrap(filtered, like=value)
+            out[key] = filtered
+    return out
+
+
+def drop_degenerate(target: Target) -> Target:
+    """Drop boxes with ``x2 <= x1`` or ``y2 <= y1`` (DETR's rule after a crop)."""
+    boxes = target["boxes"]
+    keep = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+    if bool(keep.all()):
+        return target
+    return filter_boxes(target, keep)
+
+
+class RandomResize:
+    """Resize the shorter side to a random choice of ``sizes``; longer side <= ``max_size``.
+
+    Boxes are scaled with the image and ``area`` by the product of both ratios.
+    """
+
+    def __init__(self, sizes: Sequence[int], max_size: int | None = None) -> None:
+        if not sizes:
+            raise ValueError("RandomResize needs at least one size")
+        self.sizes = [int(s) for s in sizes]
+        self.max_size = max_size
+
+    def __call__(self, image: tv_tensors.Image, target: Target) -> tuple[tv_tensors.Image, Target]:
+        size = self.sizes[_randint(0, len(self.sizes) - 1)] if len(self.sizes) > 1 else self.sizes[0]
+        height, width = image.shape[-2:]
+        new_h, new_w = resized_hw(height, width, size, self.max_size)
+        if (new_h, new_w) == (height, width):
+            return image, target
+        image = F.resize(image, [new_h, new_w], antialias=True)
+        target = dict(target)
+        target["boxes"] = F.resize(target["boxes"], [new_h, new_w])
+        if "area" in target:
+            target["area"] = target["area"] * ((new_w / width) * (new_h / height))
+        return image, target
+
+    def __repr__(self) -> str:
+        return f"RandomResize(sizes={self.sizes}, max_size={self.max_size})"
+
+
+class RandomSizeCrop:
+    """Crop a random region whose height and width are each uniform in ``[min_size, max_size]``.
+
+    The sides are also capped by the image's own; boxes are shifted, clipped to
+    the crop, their ``area`` recomputed, and boxes left with no extent dropped.
+    """
+
+    def __init__(self, min_size: int, max_size: int) -> None:
+        if min_size > max_size:
+            raise ValueError(f"RandomSizeCrop: min_size {min_size} > max_size {max_size}")
+        self.min_size = min_size
+        self.max_size = max_size
+
+    def __call__(self, image: tv_tensors.Image, target: Target) -> tuple[tv_tensors.Image, Target]:
+        height, width = image.shape[-2:]
+        crop_w = _randint(min(self.min_size, width), min(width, self.max_size))
+        crop_h = _randint(min(self.min_size, height), min(height, self.max_size))
+        top = _randint(0, height - crop_h)
+        left = _randint(0, width - crop_w)
+        return crop(image, target, top, left, crop_h, crop_w)
+
+    def __repr__(self) -> str:
+        return f"RandomSizeCrop(min_size={self.min_size}, max_size={self.max_size})"
+
+
+def crop(
+    image: tv_tensors.Image, target: Target, top: int, left: int, height: int, width: int
+) -> tuple[tv_tensors.Image, Target]:
+    """Crop image and boxes to ``[top, top + height) x [left, left + width)``."""
+    image = F.crop(image, top, left, height, width)
+    target = dict(target)
+    # v2's crop shifts the boxes and clamps them to the new canvas.
+    boxes = F.crop(target["boxes"], top, left, height, width)
+    target["boxes"] = boxes
+    if "area" in target:
+        target["area"] = ((boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])).as_subclass(
+            Tensor
+        )
+    return image, drop_degenerate(target)
+
+
+def to_model_input(
+    image: tv_tensors.Image, target: Target, mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+) -> tuple[Tensor, Target]:
+    """uint8 image + XYXY pixel boxes -> normalised float image + the model's target format.
+
+    Returns the ``(3, H, W)`` float32 image normalised with ``mean``/``std`` and a
+    target whose ``boxes`` are ``(N, 4)`` float32 ``(cx, cy, w, h)`` divided by
+    the image's (augmented, un-padded) width and height, plus ``size = [H, W]``.
+    """
+    height, width = image.shape[-2:]
+    pixels = F.to_dtype(image, torch.float32, scale=True)
+    pixels = F.normalize(pixels, mean=list(mean), std=list(std)).as_subclass(Tensor)
+    target = dict(target)
+    boxes = target["boxes"].as_subclass(Tensor).float()
+    x1, y1, x2, y2 = boxes.unbind(-1)
+    cxcywh = torch.stack(((x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1), dim=-1)
+    target["boxes"] = cxcywh / torch.tensor([width, height, width, height], dtype=torch.float32)
+    target["size"] = torch.tensor([height, width], dtype=torch.int64)
+    return pixels, target
+
+
+def detr_train_transforms(
+    train_scales: Sequence[int], crop_resize_scales: Sequence[int], crop_size: Sequence[int],
+    max_size: int,
+) -> Transform:
+    """The DETR training recipe: flip, then multi-scale resize or resize-crop-resize."""
+    return T.Compose(
+        [
+            T.RandomHorizontalFlip(p=0.5),
+            T.RandomChoice(
+                [
+                    RandomResize(train_scales, max_size),
+                    T.Compose(
+                        [
+                            RandomResize(crop_resize_scales),
+                            RandomSizeCrop(crop_size[0], crop_size[1]),
+                            RandomResize(train_scales, max_size),
+                        ]
+                    ),
+                ]
+            ),
+        ]
+    )
+
+
+def simple_train_transforms(train_scales: Sequence[int], max_size: int) -> Transform:
+    """Flip + resize to a random choice of ``train_scales`` (the CPU demo)."""
+    return T.Compose([T.RandomHorizontalFlip(p=0.5), RandomResize(train_scales, max_size)])
+
+
+def val_transforms(val_size: int, max_size: int) -> Transform:
+    """Shorter side ``val_size``, longer side at most ``max_size``."""
+    return RandomResize([val_size], max_size)
+
+
+def build_transforms(cfg: DataConfig, split: str) -> Transform:
+    """The geometric transforms of ``split`` ("train" or "val") for a data config."""
+    if split == "val":
+        return val_transforms(cfg.val_size, cfg.max_size)
+    if split != "train":
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if cfg.augmentation == "detr":
+        return detr_train_transforms(
+            cfg.train_scales, cfg.crop_resize_scales, cfg.crop_size, cfg.max_size
+        )
+    if cfg.augmentation == "simple":
+        return simple_train_transforms(cfg.train_scales, cfg.max_size)
+    raise ValueError(f"data.augmentation {cfg.augmentation!r}: choose 'detr' or 'simple'")
+
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "PER_BOX_KEYS",
+    "RandomResize",
+    "RandomSizeCrop",
+    "build_transforms",
+    "crop",
+    "detr_train_transforms",
+    "drop_degenerate",
+    "filter_boxes",
+    "resized_hw",
+    "simple_train_transforms",
+    "to_model_input",
+    "val_transforms",
+]

@@ -1,0 +1,5 @@
+"""Evaluation: COCO box mAP (pycocotools), gathered across processes."""
+
+from detr_irpe.evaluation.coco_eval import STAT_NAMES, CocoEvaluator, evaluate_predictions
+
+__all__ = ["STAT_NAMES", "CocoEvaluator", "evaluate_predictions"]
