@@ -1,0 +1,59 @@
+"""See what the model attends to: attention maps, iRPE buckets and tables, predictions, curves.
+
+Everything renders headless to PNG (matplotlib ``Figure`` objects on the Agg canvas, no
+pyplot). Submodules are imported lazily, so ``import detr_irpe.visualization`` is cheap.
+
+- capture: :func:`capture_attention` (hooks, no change to the model's forward) ->
+  :class:`AttentionRecord`; :func:`pixel_to_token`.
+- over an image: :func:`plot_predictions`, :func:`plot_encoder_attention`,
+  :func:`plot_rpe_contribution`, :func:`plot_decoder_attention`;
+  :func:`save_attention_maps` writes them all for one image.
+- iRPE: :func:`plot_bucket_layout`, :func:`plot_rpe_tables`.
+- training: :func:`plot_training_curves` from DETR-format ``log.txt`` files.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "AttentionRecord": "attention",
+    "capture_attention": "attention",
+    "record_attention_inputs": "attention",
+    "pixel_to_token": "attention",
+    "token_to_cell": "attention",
+    "InputImage": "image",
+    "prepare_image": "image",
+    "load_image": "image",
+    "Detections": "figures",
+    "detections_from_outputs": "figures",
+    "plot_predictions": "figures",
+    "plot_encoder_attention": "figures",
+    "plot_rpe_contribution": "figures",
+    "plot_decoder_attention": "figures",
+    "bucket_layout": "irpe_plots",
+    "plot_bucket_layout": "irpe_plots",
+    "rpe_table_maps": "irpe_plots",
+    "model_rpe_table_maps": "irpe_plots",
+    "plot_rpe_tables": "irpe_plots",
+    "read_log": "curves",
+    "plot_training_curves": "curves",
+    "load_model": "loading",
+    "resolve_category_names": "loading",
+    "save_attention_maps": "maps",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = sorted(_LAZY)

@@ -1,0 +1,358 @@
+"""Figures over an image: predictions, encoder self-attention, decoder cross-attention.
+
+All functions take an :class:`~detr_irpe.visualization.image.InputImage` (the original
+picture plus the model input) and, for attention, an
+:class:`~detr_irpe.visualization.attention.AttentionRecord` of that image; coordinates
+(points, boxes) are in original-image pixels. Attention maps are drawn on the padded
+feature grid stretched over the padded input, so every cell lies exactly over the pixels
+it stands for (the padding falls outside the axes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from torch import Tensor
+
+from ._mpl import hide_ticks, new_figure, save_figure
+from .attention import AttentionRecord, token_to_cell
+from .image import InputImage
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Detections",
+    "detections_from_outputs",
+    "category_name",
+    "plot_predictions",
+    "plot_encoder_attention",
+    "plot_rpe_contribution",
+    "plot_decoder_attention",
+]
+
+
+# --------------------------------------------------------------------------- detections
+
+
+@dataclass
+class Detections:
+    """Kept predictions of one image, best first.
+
+    Attributes:
+        boxes: ``(N, 4)`` absolute (x1, y1, x2, y2) in original-image pixels.
+        scores: ``(N,)`` class probabilities.
+        labels: ``(N,)`` category ids.
+        queries: ``(N,)`` index of the object query that made each detection.
+    """
+
+    boxes: np.ndarray
+    scores: np.ndarray
+    labels: np.ndarray
+    queries: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    def centres(self) -> list[tuple[float, float]]:
+        """Box centres ``(x, y)``."""
+        return [((b[0] + b[2]) / 2.0, (b[1] + b[3]) / 2.0) for b in self.boxes]
+
+
+def detections_from_outputs(
+    outputs: Mapping[str, Tensor],
+    original_size: tuple[int, int],
+    threshold: float = 0.7,
+    max_detections: int | None = None,
+    min_detections: int = 0,
+    batch_index: int = 0,
+) -> Detections:
+    """DETR post-processing of one image, keeping queries with score >= ``threshold``.
+
+    Args:
+        outputs: ``pred_logits (B, Q, C+1)``, ``pred_boxes (B, Q, 4)`` cxcywh in [0, 1]
+            of the un-padded image.
+        original_size: ``(h0, w0)`` to scale boxes to.
+        threshold: minimum score (max class probability, "no object" excluded).
+        max_detections: keep at most this many (best first).
+        min_detections: keep at least this many even below the threshold (useful for an
+            untrained model, whose scores are all low).
+    """
+    prob = outputs["pred_logits"][batch_index].detach().float().softmax(-1)[:, :-1].cpu()
+    scores, labels = prob.max(-1)
+    order = torch.argsort(scores, descending=True)
+    keep = [int(q) for q in order if scores[q] >= threshold]
+    if len(keep) < min_detections:
+        keep = [int(q) for q in order[:min_detections]]
+    if max_detections is not None:
+        keep = keep[:max_detections]
+    idx = torch.tensor(keep, dtype=torch.long)
+    cx, cy, w, h = outputs["pred_boxes"][batch_index].detach().float().cpu()[idx].unbind(-1)
+    h0, w0 = original_size
+    boxes = torch.stack([(cx - w / 2) * w0, (cy - h / 2) * h0, (cx + w / 2) * w0,
+                         (cy + h / 2) * h0], dim=-1)
+    return Detections(boxes=boxes.numpy().reshape(-1, 4), scores=scores[idx].numpy(),
+                      labels=labels[idx].numpy(), queries=idx.numpy())
+
+
+def category_name(label: int, names: Mapping[int, str] | Sequence[str] | None) -> str:
+    """The name of a category id, or ``"class {id}"`` when unknown."""
+    label = int(label)
+    if names is not None:
+        try:
+            name = names[label]
+            if name:
+                return str(name)
+        except (KeyError, IndexError):
+            pass
+    return f"class {label}"
+
+
+# --------------------------------------------------------------------------- drawing helpers
+
+_COLOURS = ["#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6",
+            "#bfef45", "#fabed4", "#469990", "#dcbeff", "#9a6324", "#800000", "#000075"]
+
+
+def _colour(i: int) -> str:
+    return _COLOURS[i % len(_COLOURS)]
+
+
+def _draw_box(ax, box: Sequence[float], colour: str, text: str | None = None,
+              linewidth: float = 2.0) -> None:
+    x1, y1, x2, y2 = (float(v) for v in box)
+    ax.add_patch(Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, edgecolor=colour,
+                           linewidth=linewidth))
+    if text:
+        ax.text(x1, y1, text, fontsize=8, color="white", va="bottom",
+                bbox=dict(facecolor=colour, alpha=0.8, pad=1, edgecolor="none"))
+
+
+def _map_extent(image: InputImage, record: AttentionRecord, batch_index: int
+                ) -> tuple[float, float, float, float]:
+    """imshow extent of the padded grid in original-image pixels."""
+    h0, w0 = image.original_size
+    h, w = record.image_sizes[batch_index]
+    hp, wp = record.input_size
+    return (0.0, wp * w0 / w, hp * h0 / h, 0.0)
+
+
+def _scale(image: InputImage, record: AttentionRecord, batch_index: int) -> tuple[float, float]:
+    h0, w0 = image.original_size
+    h, w = record.image_sizes[batch_index]
+    return h0 / h, w0 / w
+
+
+def _show_map(ax, image: InputImage, record: AttentionRecord, batch_index: int,
+              data: np.ndarray, cmap: str = "inferno", diverging: bool = False,
+              overlay: bool = True, vmax: float | None = None):
+    """The image (dimmed, grey) under an ``(H, W)`` map; returns the map's artist."""
+    h0, w0 = image.original_size
+    if overlay:
+        grey = image.display.mean(axis=2)
+        ax.imshow(grey, cmap="gray", vmin=0, vmax=255, extent=(0, w0, h0, 0))
+    valid = ~record.padding[batch_index].numpy()
+    shown = np.where(valid, data, np.nan)
+    if vmax is None:
+        finite = np.isfinite(shown)
+        vmax = float(np.abs(shown[finite]).max()) if finite.any() else 1.0
+    vmax = vmax or 1.0
+    if diverging:
+        kwargs = dict(cmap="RdBu_r", vmin=-vmax, vmax=vmax)
+    else:
+        kwargs = dict(cmap=cmap, vmin=0.0, vmax=vmax)
+    artist = ax.imshow(shown, extent=_map_extent(image, record, batch_index),
+                       interpolation="nearest", alpha=0.75 if overlay else 1.0, **kwargs)
+    ax.set_xlim(0, w0)
+    ax.set_ylim(h0, 0)
+    hide_ticks(ax)
+    return artist
+
+
+def _mark_point(ax, x: float, y: float, colour: str = "cyan") -> None:
+    ax.plot(x, y, marker="o", markersize=9, markerfacecolor="none", markeredgecolor=colour,
+            markeredgewidth=2)
+    ax.plot(x, y, marker="+", markersize=9, color=colour)
+
+
+# --------------------------------------------------------------------------- predictions
+
+
+def plot_predictions(
+    image: InputImage,
+    detections: Detections,
+    category_names: Mapping[int, str] | Sequence[str] | None = None,
+    out: str | Path | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Boxes, class names and scores over the image."""
+    h0, w0 = image.original_size
+    fig, axes = new_figure(1, 1, panel_size=(8.0, 8.0 * h0 / w0))
+    ax = axes[0][0]
+    ax.imshow(image.display)
+    for i, (box, label, score) in enumerate(zip(detections.boxes, detections.labels,
+                                                detections.scores)):
+        _draw_box(ax, box, _colour(i), f"{category_name(label, category_names)} {score:.2f}")
+    hide_ticks(ax)
+    ax.set_title(title or f"{image.name}: {len(detections)} detections", fontsize=10)
+    save_figure(fig, out)
+    return fig
+
+
+# --------------------------------------------------------------------------- encoder
+
+
+def _point_tokens(image: InputImage, record: AttentionRecord, points: Sequence[tuple[float, float]],
+                  batch_index: int) -> list[int]:
+    scale = _scale(image, record, batch_index)
+    return [record.token(x, y, batch_index, scale=scale) for x, y in points]
+
+
+def plot_encoder_attention(
+    image: InputImage,
+    record: AttentionRecord,
+    points: Sequence[tuple[float, float]],
+    layer: int = -1,
+    out: str | Path | None = None,
+    batch_index: int = 0,
+    heads: Sequence[int] | None = None,
+) -> Figure:
+    """Encoder self-attention of reference points: rows = points, columns = the point on
+    the image, the mean over heads, then every head (or ``heads``).
+
+    Args:
+        points: ``(x, y)`` in original-image pixels; each maps to the feature cell that
+            holds it (:func:`~detr_irpe.visualization.attention.pixel_to_token`).
+        layer: encoder layer (negative counts from the end).
+    """
+    if not points:
+        raise ValueError("plot_encoder_attention needs at least one reference point")
+    tokens = _point_tokens(image, record, points, batch_index)
+    layer_idx = record._layer(record.encoder, layer, "encoder", record.num_encoder_layers)
+    first = record.encoder_maps(layer_idx, tokens[0], batch_index)
+    head_ids = list(range(first.shape[0])) if heads is None else list(heads)
+    h0, w0 = image.original_size
+    cols = 2 + len(head_ids)
+    fig, axes = new_figure(len(points), cols, panel_size=(2.6, 2.6 * h0 / w0 + 0.35))
+    for r, ((x, y), token) in enumerate(zip(points, tokens)):
+        maps = record.encoder_maps(layer_idx, token, batch_index).numpy()
+        row_axes = axes[r]
+        row_axes[0].imshow(image.display)
+        _mark_point(row_axes[0], x, y)
+        hide_ticks(row_axes[0])
+        cell = token_to_cell(token, record.hw)
+        row_axes[0].set_title(f"point ({x:.0f}, {y:.0f}) -> cell {cell}", fontsize=8)
+        panels = [("mean of heads", maps.mean(axis=0))] + [(f"head {h}", maps[h])
+                                                            for h in head_ids]
+        for ax, (title, data) in zip(row_axes[1:], panels):
+            _show_map(ax, image, record, batch_index, data)
+            _mark_point(ax, x, y)
+            ax.set_title(title, fontsize=8)
+    fig.suptitle(f"{image.name}: encoder layer {layer_idx} self-attention "
+                 f"(grid {record.hw[0]}x{record.hw[1]})", fontsize=10)
+    save_figure(fig, out)
+    return fig
+
+
+def plot_rpe_contribution(
+    image: InputImage,
+    record: AttentionRecord,
+    points: Sequence[tuple[float, float]],
+    layer: int = -1,
+    out: str | Path | None = None,
+    batch_index: int = 0,
+    head: int | None = None,
+) -> Figure:
+    """What iRPE adds to the encoder attention of reference points.
+
+    Columns: the point; softmax(content + iRPE) (the model's attention);
+    softmax(content) (the same layer without the iRPE term); their difference; the iRPE
+    logits. Mean over heads, or one ``head``. Needs a record captured with ``rpe_split``.
+    """
+    if not points:
+        raise ValueError("plot_rpe_contribution needs at least one reference point")
+    if not record.encoder_content:
+        raise ValueError("the record has no iRPE split; capture with rpe_split=True")
+    tokens = _point_tokens(image, record, points, batch_index)
+    layer_idx = record._layer(record.encoder, layer, "encoder", record.num_encoder_layers)
+    h0, w0 = image.original_size
+    columns = [("weights", "with iRPE: softmax(content + rpe)", False),
+               ("content", "without iRPE: softmax(content)", False),
+               ("difference", "difference (with - without)", True),
+               ("rpe_logits", "iRPE logits", True)]
+    fig, axes = new_figure(len(points), 1 + len(columns),
+                           panel_size=(2.9, 2.9 * h0 / w0 + 0.35))
+    for r, ((x, y), token) in enumerate(zip(points, tokens)):
+        row_axes = axes[r]
+        row_axes[0].imshow(image.display)
+        _mark_point(row_axes[0], x, y)
+        hide_ticks(row_axes[0])
+        row_axes[0].set_title(f"point ({x:.0f}, {y:.0f}) -> cell "
+                              f"{token_to_cell(token, record.hw)}", fontsize=8)
+        datas = []
+        for what, _, _ in columns:
+            maps = record.encoder_maps(layer_idx, token, batch_index, what=what).numpy()
+            datas.append(maps.mean(axis=0) if head is None else maps[head])
+        valid = ~record.padding[batch_index].numpy()
+        # one scale for both softmaxes, so that with / without iRPE compare directly
+        shared = float(max(datas[0][valid].max(), datas[1][valid].max()))
+        for ax, (what, title, diverging), data in zip(row_axes[1:], columns, datas):
+            artist = _show_map(ax, image, record, batch_index, data, diverging=diverging,
+                               vmax=shared if what in ("weights", "content") else None)
+            _mark_point(ax, x, y, colour="lime")
+            fig.colorbar(artist, ax=ax, shrink=0.7)
+            ax.set_title(title, fontsize=8)
+    who = "mean of heads" if head is None else f"head {head}"
+    fig.suptitle(f"{image.name}: iRPE contribution, encoder layer {layer_idx} ({who})",
+                 fontsize=10)
+    save_figure(fig, out)
+    return fig
+
+
+# --------------------------------------------------------------------------- decoder
+
+
+def plot_decoder_attention(
+    image: InputImage,
+    record: AttentionRecord,
+    detections: Detections,
+    category_names: Mapping[int, str] | Sequence[str] | None = None,
+    layer: int = -1,
+    out: str | Path | None = None,
+    batch_index: int = 0,
+    max_columns: int = 4,
+) -> Figure:
+    """The DETR paper's figure: per kept detection, the decoder cross-attention (mean of
+    heads) of its object query over the image, next to its box; first panel = all boxes."""
+    layer_idx = record._layer(record.decoder, layer, "decoder", record.num_decoder_layers)
+    panels = len(detections) + 1
+    cols = min(panels, max_columns)
+    rows = -(-panels // cols)
+    h0, w0 = image.original_size
+    fig, axes = new_figure(rows, cols, panel_size=(3.2, 3.2 * h0 / w0 + 0.35))
+    flat = [ax for row in axes for ax in row]
+    flat[0].imshow(image.display)
+    for i, box in enumerate(detections.boxes):
+        _draw_box(flat[0], box, _colour(i))
+    hide_ticks(flat[0])
+    flat[0].set_title(f"{len(detections)} detections", fontsize=9)
+    for i, (box, label, score, query) in enumerate(zip(
+            detections.boxes, detections.labels, detections.scores, detections.queries)):
+        ax = flat[i + 1]
+        data = record.decoder_maps(int(query), layer_idx, batch_index).mean(0).numpy()
+        _show_map(ax, image, record, batch_index, data, cmap="viridis")
+        _draw_box(ax, box, _colour(i))
+        ax.set_title(f"query {int(query)}: {category_name(label, category_names)} "
+                     f"{score:.2f}", fontsize=8)
+    for ax in flat[panels:]:
+        ax.axis("off")
+    fig.suptitle(f"{image.name}: decoder layer {layer_idx} cross-attention (mean of heads)",
+                 fontsize=10)
+    save_figure(fig, out)
+    return fig

@@ -1,0 +1,122 @@
+"""Images in, model input out: loading, eval-time resize + normalisation, and back for display.
+
+An :class:`InputImage` keeps the original picture (for drawing, in its own pixel
+coordinates) together with the normalised model input, resized as at evaluation
+(shorter side ``size``, longer side at most ``max_size``; ``data.transforms.resized_hw``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor
+
+from detr_irpe.data.transforms import IMAGENET_MEAN, IMAGENET_STD, resized_hw
+
+__all__ = ["InputImage", "prepare_image", "load_image"]
+
+
+@dataclass
+class InputImage:
+    """One image ready for the model and for drawing.
+
+    Attributes:
+        display: ``(h0, w0, 3)`` uint8 RGB, the original image.
+        tensor: ``(3, h, w)`` float, normalised model input (resized).
+        name: a short name (file stem) for titles and file names.
+    """
+
+    display: np.ndarray
+    tensor: Tensor
+    name: str = "image"
+
+    @property
+    def original_size(self) -> tuple[int, int]:
+        """``(h0, w0)``."""
+        return int(self.display.shape[0]), int(self.display.shape[1])
+
+    @property
+    def input_size(self) -> tuple[int, int]:
+        """``(h, w)`` of the model input."""
+        return int(self.tensor.shape[1]), int(self.tensor.shape[2])
+
+
+def load_image(path: str | Path) -> np.ndarray:
+    """``(H, W, 3)`` uint8 RGB from an image file, with a clear error when it is unreadable."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"image {path} not found")
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB")).copy()
+    except OSError as err:
+        raise ValueError(f"cannot read image {path}: {err}") from None
+
+
+def _normalise(image01: Tensor) -> Tensor:
+    mean = torch.tensor(IMAGENET_MEAN, dtype=image01.dtype).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, dtype=image01.dtype).view(3, 1, 1)
+    return (image01 - mean) / std
+
+
+def _denormalise(image: Tensor) -> Tensor:
+    mean = torch.tensor(IMAGENET_MEAN, dtype=image.dtype).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, dtype=image.dtype).view(3, 1, 1)
+    return image * std + mean
+
+
+def prepare_image(
+    image: str | Path | np.ndarray | Tensor | Image.Image,
+    size: int | None = 800,
+    max_size: int | None = 1333,
+    normalized: bool = False,
+    name: str | None = None,
+) -> InputImage:
+    """Turn an image into the model's eval-time input.
+
+    Args:
+        image: a file path; a PIL image; an ``(H, W, 3)`` uint8 array; or a ``(3, H, W)``
+            tensor, uint8 or float in [0, 1] (or already normalised, see ``normalized``).
+        size: shorter side of the model input (``cfg.data.val_size``); None keeps the size.
+        max_size: longest side at most this (``cfg.data.max_size``).
+        normalized: the tensor is already ImageNet-normalised (e.g. a dataset sample).
+        name: title / file-name stem (default: the file stem or ``"image"``).
+    """
+    if isinstance(image, (str, Path)):
+        name = name or Path(image).stem
+        image = load_image(image)
+    if isinstance(image, Image.Image):
+        image = np.asarray(image.convert("RGB")).copy()
+    if isinstance(image, np.ndarray):
+        if image.ndim != 3 or image.shape[2] != 3:
+            raise ValueError(f"image array must be (H, W, 3) RGB, got shape {image.shape}")
+        image = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+    if not isinstance(image, Tensor):
+        raise TypeError(f"unsupported image type {type(image).__name__}")
+    if image.dim() != 3 or image.shape[0] != 3:
+        raise ValueError(f"image tensor must be (3, H, W), got shape {tuple(image.shape)}")
+    image = image.detach().cpu()
+    if image.dtype == torch.uint8:
+        image01 = image.float() / 255.0
+    elif normalized:
+        image01 = _denormalise(image.float()).clamp(0.0, 1.0)
+    else:
+        image01 = image.float()
+        if image01.min() < -1e-3 or image01.max() > 1.0 + 1e-3:
+            raise ValueError(
+                "float image tensors must be in [0, 1]; pass normalized=True for an "
+                "ImageNet-normalised tensor"
+            )
+    display = (image01.clamp(0, 1) * 255.0 + 0.5).to(torch.uint8).permute(1, 2, 0).numpy()
+    height, width = image01.shape[1:]
+    if size is not None:
+        out_h, out_w = resized_hw(height, width, size, max_size)
+        if (out_h, out_w) != (height, width):
+            image01 = F.interpolate(image01[None], size=(out_h, out_w), mode="bilinear",
+                                    align_corners=False, antialias=True)[0]
+    return InputImage(display=display, tensor=_normalise(image01), name=name or "image")

@@ -1,0 +1,132 @@
+"""One call that writes the standard figures of a model on one image (used by ``make demo``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from torch import Tensor, nn
+
+from .attention import AttentionRecord, capture_attention
+from .figures import (
+    detections_from_outputs,
+    plot_decoder_attention,
+    plot_encoder_attention,
+    plot_predictions,
+    plot_rpe_contribution,
+)
+from .image import InputImage, prepare_image
+from .loading import model_device
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["save_attention_maps", "has_irpe", "distinct_points"]
+
+
+def has_irpe(model: nn.Module) -> bool:
+    """True when some encoder self-attention carries iRPE logits terms (q or k tables)."""
+    try:
+        layers = model.transformer.encoder.layers
+    except AttributeError:
+        return False
+    return any(getattr(layer.self_attn, "rpe_k", None) is not None
+               or getattr(layer.self_attn, "rpe_q", None) is not None for layer in layers)
+
+
+def save_attention_maps(
+    model: nn.Module,
+    image: str | Path | np.ndarray | Tensor | InputImage,
+    out_dir: str | Path,
+    *,
+    size: int | None = 800,
+    max_size: int | None = 1333,
+    normalized: bool = False,
+    category_names: Mapping[int, str] | Sequence[str] | None = None,
+    threshold: float = 0.7,
+    min_detections: int = 3,
+    max_detections: int = 6,
+    layer: int = -1,
+    points: Sequence[tuple[float, float]] | None = None,
+    rpe_contribution: bool = True,
+    prefix: str = "",
+) -> dict[str, Path]:
+    """Predictions, encoder attention (+ iRPE contribution) and decoder attention as PNGs.
+
+    Args:
+        model: a DETR (any device; its train/eval mode is restored afterwards).
+        image: a path, ``(H, W, 3)`` uint8 array, ``(3, H, W)`` tensor (uint8 / [0, 1], or
+            normalised with ``normalized=True``) or a prepared :class:`InputImage`.
+        out_dir: folder for the figures (created).
+        size, max_size: eval-time resize (``cfg.data.val_size`` / ``cfg.data.max_size``);
+            ``size=None`` feeds the image at its own size.
+        category_names: id -> name (or a list) for the labels.
+        threshold: detections kept at score >= threshold ...
+        min_detections: ... but at least this many (an untrained model scores low) ...
+        max_detections: ... and at most this many.
+        layer: encoder layer of the encoder figures (-1 = last).
+        points: encoder reference points ``(x, y)`` in image pixels; default the centres of
+            the kept detections (the image centre when there are none).
+        rpe_contribution: also write the iRPE-split figure (models with iRPE on q / k only).
+        prefix: file-name prefix.
+
+    Returns:
+        ``{"predictions", "encoder_attention", "rpe_contribution" (when written),
+        "decoder_attention"}`` -> PNG path.
+    """
+    out_dir = Path(out_dir)
+    prepared = image if isinstance(image, InputImage) else prepare_image(
+        image, size=size, max_size=max_size, normalized=normalized)
+    split = rpe_contribution and has_irpe(model)
+    record = capture_attention(model, [prepared.tensor.to(model_device(model))],
+                               encoder_layers=[layer] if _has_encoder(model) else "none",
+                               decoder_layers=[-1], rpe_split=split)
+    detections = detections_from_outputs(record.outputs, prepared.original_size,
+                                         threshold=threshold, max_detections=max_detections,
+                                         min_detections=min_detections)
+    if points is None:
+        points = distinct_points(detections.centres(), prepared, record, limit=4)
+        if not points:
+            h0, w0 = prepared.original_size
+            points = [(w0 / 2.0, h0 / 2.0)]
+    written: dict[str, Path] = {}
+    written["predictions"] = out_dir / f"{prefix}predictions.png"
+    plot_predictions(prepared, detections, category_names, out=written["predictions"])
+    if record.encoder:
+        written["encoder_attention"] = out_dir / f"{prefix}encoder_attention.png"
+        plot_encoder_attention(prepared, record, points, layer=layer,
+                               out=written["encoder_attention"])
+        if split:
+            written["rpe_contribution"] = out_dir / f"{prefix}rpe_contribution.png"
+            plot_rpe_contribution(prepared, record, points, layer=layer,
+                                  out=written["rpe_contribution"])
+    written["decoder_attention"] = out_dir / f"{prefix}decoder_attention.png"
+    plot_decoder_attention(prepared, record, detections, category_names,
+                           out=written["decoder_attention"])
+    logger.info("attention maps of %s written to %s", prepared.name, out_dir)
+    return written
+
+
+def distinct_points(points: Sequence[tuple[float, float]], image: InputImage,
+                    record: AttentionRecord, limit: int | None = None,
+                    batch_index: int = 0) -> list[tuple[float, float]]:
+    """The first point of every feature cell (several detections often share a cell)."""
+    h0, w0 = image.original_size
+    h, w = record.image_sizes[batch_index]
+    seen, kept = set(), []
+    for x, y in points:
+        x = min(max(float(x), 0.0), w0 - 1.0)  # box centres may leave the image slightly
+        y = min(max(float(y), 0.0), h0 - 1.0)
+        token = record.token(x, y, batch_index, scale=(h0 / h, w0 / w))
+        if token not in seen:
+            seen.add(token)
+            kept.append((x, y))
+    return kept[:limit]
+
+
+def _has_encoder(model: nn.Module) -> bool:
+    try:
+        return len(model.transformer.encoder.layers) > 0
+    except AttributeError:
+        return False
