@@ -1,0 +1,105 @@
+"""HungarianMatcher against brute-force optimal assignment."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from detr_irpe.models.matcher import HungarianMatcher
+
+
+def naive_giou_cxcywh(a: np.ndarray, b: np.ndarray) -> float:
+    ax1, ay1, ax2, ay2 = a[0] - a[2] / 2, a[1] - a[3] / 2, a[0] + a[2] / 2, a[1] + a[3] / 2
+    bx1, by1, bx2, by2 = b[0] - b[2] / 2, b[1] - b[3] / 2, b[0] + b[2] / 2, b[1] + b[3] / 2
+    inter = max(0, min(ax2, bx2) - max(ax1, bx1)) * max(0, min(ay2, by2) - max(ay1, by1))
+    union = a[2] * a[3] + b[2] * b[3] - inter
+    enc = (max(ax2, bx2) - min(ax1, bx1)) * (max(ay2, by2) - min(ay1, by1))
+    return inter / union - (enc - union) / enc
+
+
+def naive_cost(logits, boxes, labels, tgt_boxes, wc=1.0, wb=5.0, wg=2.0) -> np.ndarray:
+    prob = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    cost = np.zeros((len(logits), len(labels)))
+    for i in range(len(logits)):
+        for j in range(len(labels)):
+            cost[i, j] = (
+                -wc * prob[i, labels[j]]
+                + wb * np.abs(boxes[i] - tgt_boxes[j]).sum()
+                - wg * naive_giou_cxcywh(boxes[i], tgt_boxes[j])
+            )
+    return cost
+
+
+def brute_force_min(cost: np.ndarray) -> float:
+    """Minimum total cost over every injective map targets -> queries."""
+    num_q, num_t = cost.shape
+    return min(
+        sum(cost[q, t] for t, q in enumerate(perm))
+        for perm in itertools.permutations(range(num_q), num_t)
+    )
+
+
+def random_problem(batch: int, queries: int, classes: int, sizes: list[int], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    outputs = {
+        "pred_logits": torch.randn(batch, queries, classes + 1, generator=g),
+        "pred_boxes": torch.rand(batch, queries, 4, generator=g) * 0.5 + 0.1,
+    }
+    targets = [
+        {
+            "labels": torch.randint(0, classes, (n,), generator=g),
+            "boxes": torch.rand(n, 4, generator=g) * 0.5 + 0.1,
+        }
+        for n in sizes
+    ]
+    return outputs, targets
+
+
+def test_matches_brute_force() -> None:
+    matcher = HungarianMatcher(1.0, 5.0, 2.0)
+    for seed in range(8):
+        outputs, targets = random_problem(2, 5, 3, [3, 4], seed)
+        indices = matcher(outputs, targets)
+        for b, (rows, cols) in enumerate(indices):
+            cost = naive_cost(
+                outputs["pred_logits"][b].double().numpy(),
+                outputs["pred_boxes"][b].double().numpy(),
+                targets[b]["labels"].numpy(),
+                targets[b]["boxes"].double().numpy(),
+            )
+            n = len(targets[b]["labels"])
+            assert rows.dtype == torch.int64 and len(rows) == len(cols) == n
+            assert sorted(cols.tolist()) == list(range(n))
+            assert len(set(rows.tolist())) == n
+            got = cost[rows.numpy(), cols.numpy()].sum()
+            np.testing.assert_allclose(got, brute_force_min(cost), rtol=1e-5, atol=1e-5)
+
+
+def test_batched_equals_per_image() -> None:
+    matcher = HungarianMatcher(2.0, 5.0, 1.0)
+    outputs, targets = random_problem(3, 6, 4, [2, 0, 5], seed=3)
+    batched = matcher(outputs, targets)
+    for b in range(3):
+        single = matcher({k: v[b : b + 1] for k, v in outputs.items()}, [targets[b]])[0]
+        assert torch.equal(batched[b][0], single[0]) and torch.equal(batched[b][1], single[1])
+
+
+def test_no_targets() -> None:
+    matcher = HungarianMatcher()
+    outputs, targets = random_problem(2, 4, 3, [0, 0], seed=0)
+    for rows, cols in matcher(outputs, targets):
+        assert rows.numel() == 0 and cols.numel() == 0 and rows.dtype == torch.int64
+    outputs, targets = random_problem(2, 4, 3, [0, 2], seed=1)
+    indices = matcher(outputs, targets)
+    assert indices[0][0].numel() == 0 and len(indices[1][0]) == 2
+
+
+def test_degenerate_predictions_and_half_precision() -> None:
+    matcher = HungarianMatcher()
+    outputs, targets = random_problem(1, 4, 3, [2], seed=0)
+    outputs["pred_boxes"][0, :2, 2:] = 0.0  # zero-size predicted boxes
+    outputs = {k: v.to(torch.bfloat16) for k, v in outputs.items()}
+    rows, cols = matcher(outputs, targets)[0]
+    assert len(rows) == 2

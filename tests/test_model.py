@@ -1,0 +1,233 @@
+"""The assembled DETR: shapes, finite losses / gradients, backbone options, plain-DETR weights."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from detr_irpe.config import ConfigError, load_config
+from detr_irpe.models import (
+    CheckpointError,
+    FrozenBatchNorm2d,
+    PostProcess,
+    build_model,
+    load_checkpoint,
+)
+from detr_irpe.models.backbone import Backbone
+from detr_irpe.structures import ImageBatch
+
+TINY = [
+    "model.backbone=resnet18",
+    "model.hidden_dim=32",
+    "model.nheads=4",
+    "model.enc_layers=1",
+    "model.dec_layers=2",
+    "model.dim_feedforward=64",
+    "model.num_queries=6",
+    "model.num_classes=4",
+    "model.dropout=0.0",
+]
+
+
+def tiny(*overrides: str):
+    return build_model(load_config(None, TINY + list(overrides)))
+
+
+def images() -> list[torch.Tensor]:
+    return [torch.randn(3, 96, 128), torch.randn(3, 64, 96)]
+
+
+def targets() -> list[dict]:
+    return [
+        {
+            "labels": torch.tensor([1, 3]),
+            "boxes": torch.tensor([[0.5, 0.5, 0.3, 0.4], [0.2, 0.3, 0.1, 0.2]]),
+        },
+        {"labels": torch.tensor([0]), "boxes": torch.tensor([[0.6, 0.4, 0.5, 0.5]])},
+    ]
+
+
+@pytest.mark.parametrize(
+    "rpe",
+    [
+        "none",
+        "rpe-1.9-euc-bias-1-qk",
+        "rpe-1.9-euc-ctx-0-qkv",
+        "rpe-1.9-quant-bias-0-k",
+        "rpe-1.9-quant-ctx-1-qkv",
+        "rpe-1.9-cross-bias-0-qk",
+        "rpe-1.9-cross-ctx-1-qkv",
+        "rpe-2.0-product-bias-1-q",
+        "rpe-2.0-product-ctx-1-k",
+        "rpe-2.0-product-ctx-0-qkv",
+    ],
+)
+def test_every_irpe_variant_trains(rpe: str) -> None:
+    model, criterion, _ = tiny(f"model.rpe={rpe}", "model.frozen_bn=false")
+    out = model(images())
+    assert out["pred_logits"].shape == (2, 6, 5)
+    assert out["pred_boxes"].shape == (2, 6, 4)
+    assert len(out["aux_outputs"]) == 1
+    assert out["aux_outputs"][0]["pred_boxes"].shape == (2, 6, 4)
+    assert ((out["pred_boxes"] >= 0) & (out["pred_boxes"] <= 1)).all()
+    losses = criterion(out, targets())
+    assert set(criterion.weight_dict) <= set(losses)
+    total = sum(losses[k] * w for k, w in criterion.weight_dict.items())
+    assert torch.isfinite(total)
+    total.backward()
+    tables = [(n, p) for n, p in model.named_parameters() if ".rpe_" in n]
+    assert (len(tables) > 0) == (rpe != "none")
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert param.grad is not None, name
+            assert torch.isfinite(param.grad).all(), name
+    for name, param in tables:
+        assert not param.detach().any(), f"{name} must start at zero"
+        assert param.grad.abs().sum() > 0, f"{name} gets no gradient"
+
+
+def test_image_batch_equals_list_and_padding() -> None:
+    model, _, _ = tiny()
+    model.eval()
+    imgs = images()
+    batch = ImageBatch.from_images(imgs)
+    with torch.no_grad():
+        a, b = model(imgs), model(batch)
+    assert_close(a["pred_logits"], b["pred_logits"])
+    # the feature mask is the nearest-downsampled pixel mask: image 1 covers 2 x 3 of 3 x 4 cells
+    features, mask, pos = model.backbone(batch)
+    assert features.shape[-2:] == (3, 4) and mask.shape == (2, 3, 4)
+    assert mask[1].tolist() == [[False, False, False, True]] * 2 + [[True] * 4]
+    assert pos.shape == (2, 32, 3, 4)
+
+
+def test_plain_detr_weights_give_identical_outputs(tmp_path) -> None:
+    torch.manual_seed(1)
+    plain, _, _ = tiny("model.rpe=none")
+    path = tmp_path / "plain.pth"
+    torch.save({"model": plain.state_dict(), "args": {}}, path)
+    torch.manual_seed(2)
+    irpe, _, _ = tiny("model.rpe=rpe-2.0-product-ctx-0-qkv")
+    with torch.no_grad():  # non-zero tables must be reset to zero by the loader
+        for name, param in irpe.named_parameters():
+            if ".rpe_" in name:
+                param.fill_(0.5)
+    info = load_checkpoint(irpe, path)
+    assert info["format"] == "detr"
+    assert len(info["missing_rpe"]) == 3  # rpe_q, rpe_k, rpe_v of the one encoder layer
+    plain.eval()
+    irpe.eval()
+    imgs = images()
+    with torch.no_grad():
+        a, b = plain(imgs), irpe(imgs)
+    assert_close(a["pred_logits"], b["pred_logits"], atol=1e-5, rtol=1e-5)
+    assert_close(a["pred_boxes"], b["pred_boxes"], atol=1e-5, rtol=1e-5)
+
+
+def test_pre_norm_variant() -> None:
+    model, criterion, _ = tiny("model.pre_norm=true")
+    keys = model.state_dict().keys()
+    assert "transformer.encoder.norm.weight" in keys
+    post, _, _ = tiny()
+    assert "transformer.encoder.norm.weight" not in post.state_dict()
+    out = model(images())
+    total = sum(
+        v * criterion.weight_dict[k]
+        for k, v in criterion(out, targets()).items()
+        if k in criterion.weight_dict
+    )
+    total.backward()
+    assert torch.isfinite(total)
+
+
+def test_no_aux_loss_and_zero_encoder_layers() -> None:
+    model, criterion, _ = tiny("model.aux_loss=false", "model.enc_layers=0")
+    out = model(images())
+    assert "aux_outputs" not in out
+    assert "loss_ce_0" not in criterion(out, targets())
+
+
+def test_backbone_freezing_and_frozen_bn() -> None:
+    model, _, _ = tiny("model.freeze_stem=true")
+    trainable = {n for n, p in model.backbone.named_parameters() if p.requires_grad}
+    assert "0.body.conv1.weight" not in trainable
+    assert not any(".layer1." in n for n in trainable)
+    assert "0.body.layer2.0.conv1.weight" in trainable
+    assert isinstance(model.backbone[0].body.bn1, FrozenBatchNorm2d)
+    assert not any("num_batches_tracked" in k for k in model.state_dict())
+    frozen, _, _ = tiny("train.lr_backbone=0")
+    assert not any(p.requires_grad for p in frozen.backbone.parameters())
+    assert any(p.requires_grad for p in frozen.transformer.parameters())
+    trained, _, _ = tiny("model.frozen_bn=false", "model.freeze_stem=false")
+    assert trained.backbone[0].body.bn1.weight.requires_grad
+    assert trained.backbone[0].body.conv1.weight.requires_grad
+
+
+def test_frozen_bn_formula() -> None:
+    bn = FrozenBatchNorm2d(3)
+    bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+    bn.bias.copy_(torch.tensor([0.0, 1.0, -1.0]))
+    bn.running_mean.copy_(torch.tensor([0.1, 0.2, 0.3]))
+    bn.running_var.copy_(torch.tensor([1.0, 4.0, 0.25]))
+    ref = torch.nn.BatchNorm2d(3, eps=1e-5).eval()
+    ref.load_state_dict(bn.state_dict(), strict=False)
+    x = torch.randn(2, 3, 4, 5)
+    assert_close(bn(x), ref(x))
+    # a trainable-BN state dict (with num_batches_tracked) loads into the frozen one
+    bn.load_state_dict(ref.state_dict())
+
+
+def test_dilation_output_stride() -> None:
+    x = torch.randn(1, 3, 64, 96)
+    mask = torch.zeros(1, 64, 96, dtype=torch.bool)
+    for name in ("resnet18", "resnet50"):
+        plain = Backbone(name, dilation=False)
+        dc5 = Backbone(name, dilation=True)
+        assert plain(x, mask)[0].shape[-2:] == (2, 3)
+        feat, feat_mask = dc5(x, mask)
+        assert feat.shape[-2:] == (4, 6) and feat_mask.shape == (1, 4, 6)
+        assert dc5.stride == 16
+        assert plain.state_dict().keys() == dc5.state_dict().keys()
+
+
+def test_random_init_warning_and_local_weights(tmp_path, caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        source = Backbone("resnet18", weights="none")
+    assert "RANDOM" in caplog.text
+    import torchvision
+
+    net = torchvision.models.resnet18()
+    path = tmp_path / "r18.pth"
+    torch.save(net.state_dict(), path)
+    loaded = Backbone("resnet18", weights=str(path))
+    assert_close(loaded.body.conv1.weight, net.conv1.weight)
+    assert_close(loaded.body.layer4[1].bn2.running_var, net.layer4[1].bn2.running_var)
+    del source
+    with pytest.raises(CheckpointError, match="not found"):
+        Backbone("resnet18", weights=str(tmp_path / "missing.pth"))
+    torch.save({"conv1.weight": torch.zeros(1)}, tmp_path / "bad.pth")
+    with pytest.raises(CheckpointError, match="not a resnet18 state dict"):
+        Backbone("resnet18", weights=str(tmp_path / "bad.pth"))
+
+
+def test_num_classes_required() -> None:
+    cfg = load_config(None, [o for o in TINY if "num_classes" not in o])
+    with pytest.raises(ConfigError, match="model.num_classes"):
+        build_model(cfg)
+
+
+def test_postprocess() -> None:
+    logits = torch.tensor([[[0.0, 2.0, 5.0], [3.0, 1.0, 0.0]]])
+    boxes = torch.tensor([[[0.5, 0.5, 0.2, 0.4], [0.25, 0.75, 0.5, 0.5]]])
+    out = PostProcess()({"pred_logits": logits, "pred_boxes": boxes}, torch.tensor([[200, 100]]))
+    assert len(out) == 1
+    prob = logits.softmax(-1)[0]
+    assert_close(out[0]["scores"], torch.stack([prob[0, 1], prob[1, 0]]))
+    assert out[0]["labels"].tolist() == [1, 0]
+    # width 100, height 200: (0.4*100, 0.3*200, 0.6*100, 0.7*200)
+    assert_close(
+        out[0]["boxes"], torch.tensor([[40.0, 60.0, 60.0, 140.0], [0.0, 100.0, 50.0, 200.0]])
+    )
