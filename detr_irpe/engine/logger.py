@@ -1,0 +1,174 @@
+"""Logging for training runs: python logging to the console and ``train.log``,
+running averages of loss terms, DETR's JSON-lines ``log.txt``, optional TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from collections import deque
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_DATEFMT = "%Y-%m-%d %H:%M:%S"
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Console handler that writes through ``tqdm.write`` so that bars stay intact."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # pragma: no cover - logging must never raise
+            self.handleError(record)
+
+
+def setup_logging(output_dir: str | Path | None = None, rank: int = 0, filename: str = "train.log") -> None:
+    """Configure the ``detr_irpe`` logger (and the root for tools): INFO on rank 0,
+    WARNING elsewhere; rank 0 also appends to ``output_dir/filename``."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_detr_irpe", False):
+            root.removeHandler(handler)
+            handler.close()
+    level = logging.INFO if rank == 0 else logging.WARNING
+    fmt = logging.Formatter(_FORMAT if rank == 0 else f"[rank {rank}] {_FORMAT}", _DATEFMT)
+    console = _TqdmHandler(sys.stderr)
+    console.setFormatter(fmt)
+    console.setLevel(level)
+    console._detr_irpe = True  # type: ignore[attr-defined]
+    root.addHandler(console)
+    if output_dir is not None and rank == 0:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(Path(output_dir) / filename)
+        file_handler.setFormatter(fmt)
+        file_handler.setLevel(logging.INFO)
+        file_handler._detr_irpe = True  # type: ignore[attr-defined]
+        root.addHandler(file_handler)
+    root.setLevel(logging.INFO)
+
+
+class SmoothedValue:
+    """A window median/average plus the global average of a series of numbers."""
+
+    def __init__(self, window: int = 20) -> None:
+        self.window: deque[float] = deque(maxlen=window)
+        self.total = 0.0
+        self.count = 0
+
+    def update(self, value: float, n: int = 1) -> None:
+        self.window.append(value)
+        self.total += value * n
+        self.count += n
+
+    @property
+    def avg(self) -> float:
+        return sum(self.window) / max(len(self.window), 1)
+
+    @property
+    def global_avg(self) -> float:
+        return self.total / max(self.count, 1)
+
+    @property
+    def last(self) -> float:
+        return self.window[-1] if self.window else math.nan
+
+
+class MetricTracker:
+    """Named :class:`SmoothedValue` series (loss terms, lr, timings)."""
+
+    def __init__(self, window: int = 20) -> None:
+        self.window = window
+        self.meters: dict[str, SmoothedValue] = {}
+
+    def update(self, **values: float) -> None:
+        for name, value in values.items():
+            self.meters.setdefault(name, SmoothedValue(self.window)).update(float(value))
+
+    def averages(self) -> dict[str, float]:
+        """Averages over everything seen (what ``log.txt`` records)."""
+        return {name: meter.global_avg for name, meter in self.meters.items()}
+
+    def recent(self, names: list[str] | None = None) -> dict[str, float]:
+        """Window averages (what the progress bar shows)."""
+        names = list(self.meters) if names is None else names
+        return {n: self.meters[n].avg for n in names if n in self.meters}
+
+    def format(self, names: list[str] | None = None) -> str:
+        return "  ".join(f"{k} {v:.4f}" for k, v in self.recent(names).items())
+
+
+class JsonLinesLog:
+    """DETR's ``log.txt``: one JSON object per epoch, appended and flushed."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        records = []
+        for line in self.path.read_text().splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+        return records
+
+    def truncate_to(self, epochs_done: int) -> None:
+        """Keep the records of the first ``epochs_done`` epochs (used on resume)."""
+        if not self.path.exists():
+            return
+        kept = [r for r in self.read() if int(r.get("epoch", -1)) < epochs_done]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
+
+
+class TensorBoardWriter:
+    """Scalars to TensorBoard when ``tensorboard`` is installed; otherwise does nothing."""
+
+    def __init__(self, log_dir: str | Path | None) -> None:
+        self._writer = None
+        if log_dir is None:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            logger.info("tensorboard is not installed; skipping TensorBoard logging")
+            return
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    @property
+    def enabled(self) -> bool:
+        return self._writer is not None
+
+    def scalars(self, values: Mapping[str, float], step: int, prefix: str = "") -> None:
+        if self._writer is None:
+            return
+        for name, value in values.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self._writer.add_scalar(f"{prefix}{name}", value, step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+__all__ = ["JsonLinesLog", "MetricTracker", "SmoothedValue", "TensorBoardWriter", "setup_logging"]
