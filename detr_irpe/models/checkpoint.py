@@ -17,6 +17,7 @@ into one :class:`CheckpointError` that names the file and the offending keys.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,12 @@ def _first(keys: list[str], n: int = 10) -> str:
     return shown + (f", ... ({len(keys)} in all)" if len(keys) > n else "")
 
 
+def _unpickler_detail(text: str) -> str:
+    """The one informative line of torch's weights-only refusal, e.g. 'Unsupported global: ...'."""
+    match = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+    return match.group(1).strip()[:200] if match else ""
+
+
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Read a checkpoint file safely and find its model state dict.
 
@@ -62,17 +69,19 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many types here (UnpicklingError, RuntimeError, ...)
         text = str(err)
-        if "Weights only load failed" in text:
+        detail = _unpickler_detail(text)
+        if "Weights only load failed" in text and "global" in detail.lower():
             raise CheckpointError(
                 f"checkpoint {path} was refused by torch.load(weights_only=True): it contains "
-                "pickled Python objects (code or custom classes), not only tensors. Only if you "
-                "trust its source, load it with weights_only=False elsewhere and re-save "
-                "{'model': model.state_dict()}."
+                f"pickled Python objects (code or custom classes), not only tensors ({detail}). "
+                "Only if you trust its source, load it with weights_only=False elsewhere and "
+                "re-save {'model': model.state_dict()}."
             ) from err
-        first_line = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+        if not detail:
+            detail = text.strip().splitlines()[0][:200] if text.strip() else ""
         raise CheckpointError(
             f"checkpoint {path} is not a readable PyTorch checkpoint (truncated, corrupted or "
-            f"not written by torch.save): {type(err).__name__}: {first_line[:200]}"
+            f"not written by torch.save): {type(err).__name__}: {detail}"
         ) from err
     if not isinstance(obj, Mapping):
         raise CheckpointError(
