@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,13 @@ REQUIRED_ANNOTATION_KEYS = ("id", "image_id", "category_id", "bbox")
 MAX_WARNINGS_PER_REASON = 10
 # Consecutive unreadable images tolerated before giving up on a sample.
 MAX_SUBSTITUTIONS = 50
+
+# torchvision 0.29 deprecates its image decoders (for TorchCodec) with a warning on every
+# call; they are still the fast path here, so keep that one message out of the logs.
+warnings.filterwarnings(
+    "ignore", message="The image decoding and encoding capabilities of TorchVision",
+    category=DeprecationWarning,
+)
 
 
 class DatasetError(ValueError):
@@ -124,10 +132,9 @@ class _Problems:
 
     def add(self, reason: str, message: str) -> None:
         self.counts[reason] += 1
-        full = f"{self.ann_file}: {message}"
-        self.messages.append(full)
+        self.messages.append(message)
         if not self.strict and self.counts[reason] <= MAX_WARNINGS_PER_REASON:
-            logger.warning("%s; dropped", full)
+            logger.warning("%s: %s; dropped", self.ann_file, message)
 
     def raise_if_strict(self) -> None:
         if self.strict and self.messages:

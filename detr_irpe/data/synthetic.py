@@ -195,6 +195,16 @@ def render_image(
     Each object is ``{"category_id", "bbox" [x, y, w, h] of the visible pixels,
     "area" (visible pixel count)}``, in drawing order.
     """
+    pixels, objects, _ = render_image_with_owner(rng, spec)
+    return pixels, [{k: obj[k] for k in ("category_id", "bbox", "area")} for obj in objects]
+
+
+def render_image_with_owner(
+    rng: np.random.Generator, spec: SyntheticSpec
+) -> tuple[np.ndarray, list[dict[str, Any]], np.ndarray]:
+    """:func:`render_image` plus the ``(S, S)`` int map of which object shows at each
+    pixel (-1: background); objects also carry ``"drawn_area"`` (pixels before occlusion).
+    """
     size = spec.size
     canvas = _background(rng, spec)
     background_mean = canvas.reshape(-1, 3).mean(axis=0)
@@ -244,10 +254,11 @@ def render_image(
                 "category_id": category_id,
                 "bbox": [x_min, y_min, x_max - x_min + 1, y_max - y_min + 1],
                 "area": int(len(xs)),
+                "drawn_area": drawn_pixels[index],
             }
         )
     pixels = np.clip(np.round(canvas), 0, 255).astype(np.uint8)
-    return pixels, objects
+    return pixels, objects, owner
 
 
 # ----------------------------------------------------------------------------- dataset files
@@ -377,5 +388,6 @@ __all__ = [
     "generate_split",
     "parse_classes",
     "render_image",
+    "render_image_with_owner",
     "shape_mask",
 ]
