@@ -8,7 +8,7 @@ A training checkpoint is a dict that ``torch.load(weights_only=True)`` accepts
      "epoch": completed epochs, "batch_in_epoch": batches done in the next epoch,
      "iteration": optimizer steps done, "best_ap": float | None,
      "rng": [per-rank RNG states, see get_rng_state], "world_size": int,
-     "config": Config.to_dict(), "categories": [{"id", "name"}, ...]}
+     "config": Config.to_dict(), "category_names": {category_id: name}}
 
 Files in a run folder:
 
@@ -71,6 +71,7 @@ def _write_temp(obj: Any, target: Path) -> Path:
     """``torch.save`` ``obj`` completely (flushed, fsync'ed) to a temporary file next to ``target``."""
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.chmod(tmp_name, 0o644)  # mkstemp makes 0600 files; checkpoints are shared
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()

@@ -78,9 +78,9 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     return out
 
 
-def categories_of(dataset: Any) -> list[dict[str, Any]]:
+def category_names_of(dataset: Any) -> dict[int, str]:
     names = getattr(dataset, "category_names", None) or {}
-    return [{"id": int(i), "name": str(n)} for i, n in sorted(names.items())]
+    return {int(i): str(n) for i, n in sorted(names.items())}
 
 
 def new_evaluator(dataset: Any) -> Any:
@@ -144,6 +144,17 @@ def _wrap_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
+def _without_backbone_download(cfg: Config, from_checkpoint: bool) -> Config:
+    """When the weights come from a checkpoint, skip loading ImageNet backbone weights."""
+    if not from_checkpoint or cfg.model.backbone_weights == "none":
+        return cfg
+    logger.info("backbone weights come from the checkpoint; not loading %s",
+                cfg.model.backbone_weights)
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, backbone_weights="none")
+    )
+
+
 def _resolve_num_classes(cfg: Config, saved_cfg: Mapping[str, Any] | None, datasets: list) -> int:
     if cfg.model.num_classes is not None:
         return cfg.model.num_classes
@@ -166,7 +177,7 @@ class _Run:
         self.info = info
         self.output_dir = output_dir
         self.best_ap: float | None = None
-        self.categories: list[dict[str, Any]] = []
+        self.category_names: dict[int, str] = {}
 
     def checkpoint_state(self, model, optimizer, scheduler, scaler, step: StepState) -> dict:
         rng = all_gather_object(ckio.get_rng_state())  # collective: every rank calls it
@@ -183,7 +194,7 @@ class _Run:
             "world_size": self.info.world_size,
             "batch_size": self.cfg.train.batch_size,
             "config": self.cfg.to_dict(),
-            "categories": self.categories,
+            "category_names": self.category_names,
         }
 
     def save(self, model, optimizer, scheduler, scaler, step: StepState, is_best: bool = False):
@@ -286,10 +297,11 @@ def _run_training(cfg, info, resume, eval_only, finetune, progress) -> dict[str,
         save_config(cfg, output_dir / "config.yaml")
 
     run = _Run(cfg, info, output_dir)
-    run.categories = categories_of(train_ds if train_ds is not None else val_ds)
+    run.category_names = category_names_of(train_ds if train_ds is not None else val_ds)
 
     seed_everything(cfg.train.seed)  # the same initial weights on every rank
-    model, criterion, postprocessor = build_model(cfg)
+    from_weights = resume_state is not None or eval_weights is not None or finetune is not None
+    model, criterion, postprocessor = build_model(_without_backbone_download(cfg, from_weights))
     model.to(info.device)
     criterion.to(info.device)
     seed_everything(cfg.train.seed + info.rank)
@@ -324,7 +336,7 @@ def _run_training(cfg, info, resume, eval_only, finetune, progress) -> dict[str,
                                {"checkpoint": str(eval_weights)})
         return {"summary": summary, "per_class_table": table, "best_ap": None, "epochs": 0,
                 "iterations": 0, "train_time": 0.0, "output_dir": str(output_dir),
-                "config": cfg}
+                "config": cfg, "rank": info.rank}
 
     if finetune is not None and resume_state is None:
         load_info = load_checkpoint(model, finetune)
@@ -438,7 +450,7 @@ def _run_training(cfg, info, resume, eval_only, finetune, progress) -> dict[str,
     logger.info("training done in %.1f s; best AP %s", total, run.best_ap)
     return {"summary": summary, "per_class_table": table, "best_ap": run.best_ap,
             "epochs": step.epoch, "iterations": step.iteration, "train_time": total,
-            "output_dir": str(output_dir), "config": cfg}
+            "output_dir": str(output_dir), "config": cfg, "rank": info.rank}
 
 
 def _restore(state, model, optimizer, scheduler, scaler, step, run, info) -> None:
@@ -507,7 +519,7 @@ def run_evaluation(
         val_ds = build_dataset(cfg.data, "val")
         if cfg.model.num_classes is None:
             cfg = with_num_classes(cfg, val_ds.num_classes)
-        model, criterion, postprocessor = build_model(cfg)
+        model, criterion, postprocessor = build_model(_without_backbone_download(cfg, True))
         load_info = load_checkpoint(model, checkpoint, strict_head=True)
         logger.info("loaded %s (%s)", checkpoint, load_info.get("format"))
         model.to(info.device)
@@ -526,7 +538,7 @@ def run_evaluation(
             write_eval_outputs(evaluator, summary, losses, output_dir,
                                {"checkpoint": str(checkpoint)})
         return {"summary": summary, "per_class_table": table, "losses": losses,
-                "output_dir": str(output_dir), "config": cfg}
+                "output_dir": str(output_dir), "config": cfg, "rank": info.rank}
     finally:
         cleanup_distributed()
 
