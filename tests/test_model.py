@@ -231,3 +231,12 @@ def test_postprocess() -> None:
     assert_close(
         out[0]["boxes"], torch.tensor([[40.0, 60.0, 60.0, 140.0], [0.0, 100.0, 50.0, 200.0]])
     )
+
+
+def test_frozen_trainable_bn_keeps_statistics() -> None:
+    backbone = Backbone("resnet18", frozen_bn=False, train_backbone=True, freeze_stem=True)
+    backbone.train()
+    assert not backbone.body.bn1.training and backbone.body.layer2[0].bn1.training
+    before = backbone.body.bn1.running_mean.clone()
+    backbone(torch.randn(2, 3, 64, 64), torch.zeros(2, 64, 64, dtype=torch.bool))
+    assert torch.equal(backbone.body.bn1.running_mean, before)

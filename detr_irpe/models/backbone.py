@@ -179,6 +179,16 @@ class Backbone(nn.Module):
                 not freeze_stem or pname.startswith(("layer2", "layer3", "layer4"))
             )
             param.requires_grad_(trainable)
+        self.train()
+
+    def train(self, mode: bool = True) -> Backbone:
+        # A trainable BatchNorm whose affine parameters are frozen (stem / lr_backbone 0)
+        # stays in eval mode, so that its running statistics stay fixed too.
+        super().train(mode)
+        for module in self.body.modules():
+            if isinstance(module, nn.BatchNorm2d) and not module.weight.requires_grad:
+                module.eval()
+        return self
 
     def forward(self, images: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """``images`` ``(B, 3, H, W)``, ``mask`` ``(B, H, W)`` bool (True = pad) ->
