@@ -175,9 +175,12 @@ def record_attention_inputs(
 ) -> Iterator[InputRecorder]:
     """Hooks on the chosen encoder ``self_attn`` / decoder ``multihead_attn`` modules.
 
-    Names in ``recorder.calls`` are ``"encoder.{i}"`` and ``"decoder.{i}"``.
+    Names in ``recorder.calls`` are ``"encoder.{i}"`` and ``"decoder.{i}"``, plus
+    ``"transformer"`` (its inputs give the feature grid and padding mask).
     """
     modules: dict[str, nn.Module] = {}
+    if isinstance(getattr(model, "transformer", None), nn.Module):
+        modules["transformer"] = model.transformer
     encoders = encoder_attention_modules(model)
     for i in _select(len(encoders), encoder_layers):
         modules[f"encoder.{i}"] = encoders[i]
@@ -352,7 +355,11 @@ def _recompute(calls: dict[str, tuple[nn.Module, dict[str, Any]]], outputs: dict
     hw = None
     padding_flat = None
     encoder, content, rpe, decoder = {}, {}, {}, {}
+    grid_mask = None
     for name, (module, arguments) in sorted(calls.items()):
+        if name == "transformer":
+            grid_mask = arguments.get("mask")  # (B, H, W), True = pad
+            continue
         kind, index = name.split(".")
         layer = int(index)
         if kind == "encoder":
@@ -384,13 +391,15 @@ def _recompute(calls: dict[str, tuple[nn.Module, dict[str, Any]]], outputs: dict
                 _, weights = module(**arguments)
             decoder[layer] = weights.float().cpu()
     input_size = tuple(int(v) for v in batch.tensors.shape[-2:])
-    if hw is None:
-        hw = _grid_from_decoder(decoder, batch, padding_flat)
     b = batch.tensors.shape[0]
-    if padding_flat is None:
-        padding = torch.zeros(b, *hw, dtype=torch.bool)
+    if grid_mask is not None and grid_mask.dim() == 3:
+        hw = hw or (int(grid_mask.shape[1]), int(grid_mask.shape[2]))
+        padding = grid_mask.bool().cpu()
     else:
-        padding = padding_flat.bool().cpu().reshape(b, *hw)
+        if hw is None:
+            hw = _grid_from_decoder(decoder, batch)
+        padding = (torch.zeros(b, *hw, dtype=torch.bool) if padding_flat is None
+                   else padding_flat.bool().cpu().reshape(b, *hw))
     return AttentionRecord(
         outputs=outputs, hw=hw, padding=padding, input_size=input_size,
         image_sizes=[tuple(int(v) for v in s) for s in batch.image_sizes],
@@ -398,8 +407,7 @@ def _recompute(calls: dict[str, tuple[nn.Module, dict[str, Any]]], outputs: dict
     )
 
 
-def _grid_from_decoder(decoder: dict[int, Tensor], batch: ImageBatch,
-                       padding_flat: Tensor | None) -> tuple[int, int]:
+def _grid_from_decoder(decoder: dict[int, Tensor], batch: ImageBatch) -> tuple[int, int]:
     """The grid when no encoder layer was captured: from the memory length and the
     backbone's stride (the input size divided by 32, rounded up, or 16 for DC5)."""
     if not decoder:

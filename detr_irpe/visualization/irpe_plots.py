@@ -264,7 +264,8 @@ def plot_rpe_tables(
     if isinstance(maps, nn.Module):
         maps = model_rpe_table_maps(maps, extent=extent)
     layers = sorted({layer for layer, _ in maps})
-    names = sorted({name for _, name in maps}, key=lambda n: ("qkv".index(n[0]), n))
+    names = sorted({name for _, name in maps},
+                   key=lambda n: ("qkv".index(n[0]), ".cols" in n, n))
     heads = max(v.shape[0] for v in maps.values()) if per_head else 1
     cols = [(name, h) for name in names for h in range(heads)]
     side = next(iter(maps.values())).shape[-1]

@@ -9,10 +9,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,12 +105,31 @@ def load_model(
         logger.info("model.num_classes=%d from the checkpoint's class head",
                     model_cfg.num_classes)
     cfg = dataclasses.replace(cfg, model=model_cfg)
-    model, _, _ = build_model(cfg)
+    with _quiet_random_backbone_warning(checkpoint is not None):
+        model, _, _ = build_model(cfg)
     if checkpoint is not None:
         load_checkpoint(model, checkpoint, strict_head=True)
     else:
         logger.warning("no checkpoint: the model has random weights")
     return model.to(device).eval(), cfg, extra
+
+
+@contextlib.contextmanager
+def _quiet_random_backbone_warning(active: bool) -> Iterator[None]:
+    """The builder warns that the backbone starts from random weights; with a checkpoint
+    about to be loaded over it, that warning is wrong, so it is dropped here."""
+    backbone_logger = logging.getLogger("detr_irpe.models.backbone")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "RANDOM weights" not in record.getMessage()
+
+    if active:
+        backbone_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        if active:
+            backbone_logger.removeFilter(keep)
 
 
 def _read_names_file(path: str | Path) -> dict[int, str]:

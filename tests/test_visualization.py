@@ -1,0 +1,282 @@
+"""Attention capture and the figures over an image, on a tiny DETR and synthetic images."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from detr_irpe.config import load_config
+from detr_irpe.models import build_model
+from detr_irpe.structures import ImageBatch
+from detr_irpe.visualization import (
+    capture_attention,
+    detections_from_outputs,
+    pixel_to_token,
+    plot_decoder_attention,
+    plot_encoder_attention,
+    plot_predictions,
+    plot_rpe_contribution,
+    prepare_image,
+    record_attention_inputs,
+    save_attention_maps,
+)
+
+TINY = [
+    "model.backbone=resnet18",
+    "model.hidden_dim=32",
+    "model.nheads=4",
+    "model.enc_layers=1",
+    "model.dec_layers=1",
+    "model.dim_feedforward=64",
+    "model.num_classes=5",
+    "model.num_queries=6",
+    "model.rpe=rpe-2.0-product-ctx-0-qk",
+    "data.val_size=64",
+    "data.max_size=160",
+]
+
+
+def tiny_model(overrides=()):
+    cfg = load_config(None, TINY + list(overrides))
+    model, _, _ = build_model(cfg)
+    with torch.no_grad():  # tables start at zero; give iRPE something to contribute
+        for name, param in model.named_parameters():
+            if "lookup_table" in name:
+                param.normal_()
+    return model.eval(), cfg
+
+
+@pytest.fixture(scope="module")
+def model_and_cfg():
+    torch.manual_seed(0)
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def synthetic_image() -> np.ndarray:
+    """96 x 144 (h x w) uint8: two coloured rectangles on grey (resized to 64 x 96)."""
+    image = np.full((96, 144, 3), 60, dtype=np.uint8)
+    image[10:50, 20:70] = (220, 40, 40)
+    image[40:90, 90:140] = (40, 200, 60)
+    return image
+
+
+def assert_png(path: Path, min_bytes: int = 5000) -> None:
+    assert path.is_file(), path
+    assert path.stat().st_size > min_bytes, (path, path.stat().st_size)
+    with Image.open(path) as image:
+        image.load()
+        assert image.format == "PNG"
+        assert image.width > 100 and image.height > 100
+
+
+def all_hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+# --------------------------------------------------------------------------- token geometry
+
+
+def test_pixel_to_token_known_numbers():
+    # square: 64 x 64 image, 2 x 2 grid: 32-pixel cells
+    assert pixel_to_token(0, 0, (64, 64), (2, 2)) == 0
+    assert pixel_to_token(31.9, 10, (64, 64), (2, 2)) == 0
+    assert pixel_to_token(32, 10, (64, 64), (2, 2)) == 1
+    assert pixel_to_token(10, 40, (64, 64), (2, 2)) == 2
+    assert pixel_to_token(64, 64, (64, 64), (2, 2)) == 3  # the far edge stays in the grid
+    # non-square: h=100, w=50, grid H=4, W=2 -> row = floor(y * 4 / 100), col = floor(x * 2 / 50)
+    assert pixel_to_token(49, 99, (100, 50), (4, 2)) == 3 * 2 + 1
+    assert pixel_to_token(25, 26, (100, 50), (4, 2)) == 1 * 2 + 1
+    assert pixel_to_token(24.9, 74.9, (100, 50), (4, 2)) == 2 * 2 + 0
+    # wide: h=64, w=96, grid 2 x 3
+    assert pixel_to_token(70, 40, (64, 96), (2, 3)) == 1 * 3 + 2
+    with pytest.raises(ValueError, match="outside"):
+        pixel_to_token(97, 0, (64, 96), (2, 3))
+
+
+def test_record_token_maps_original_pixels(model_and_cfg, synthetic_image):
+    model, _ = model_and_cfg
+    image = prepare_image(synthetic_image, size=64, max_size=160)
+    assert image.input_size == (64, 96) and image.original_size == (96, 144)
+    record = capture_attention(model, [image.tensor], decoder_layers="none")
+    assert record.hw == (2, 3)
+    scale = (96 / 64, 144 / 96)
+    # original (x=140, y=90) -> input (93.3, 60) -> cell (1, 2) -> token 5
+    assert record.token(140, 90, scale=scale) == 5
+    # original (x=50, y=20) -> input (33.3, 13.3) -> cell (0, 1) -> token 1
+    assert record.token(50, 20, scale=scale) == 1
+    # the maps of that token are row 1 of the weight matrix
+    maps = record.encoder_maps(0, 1)
+    torch.testing.assert_close(maps.flatten(1), record.encoder[0][0, :, 1])
+
+
+# --------------------------------------------------------------------------- capture
+
+
+def test_capture_shapes_rows_sum_to_one_with_padding(model_and_cfg):
+    model, _ = model_and_cfg
+    torch.manual_seed(1)
+    # two sizes -> padded batch 96 x 128 -> grid 3 x 4, the smaller image padded
+    batch = ImageBatch.from_images([torch.randn(3, 96, 128), torch.randn(3, 64, 64)])
+    record = capture_attention(model, batch, rpe_split=True)
+    heads, queries = 4, 6
+    assert record.hw == (3, 4)
+    length = 12
+    assert record.padding.shape == (2, 3, 4)
+    assert not record.padding[0].any() and record.padding[1].any()
+    weights = record.encoder[0]
+    assert weights.shape == (2, heads, length, length)
+    pad = record.key_padding_mask  # (B, L)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, heads, length))
+    assert torch.all(weights[1][..., pad[1]] == 0)
+    # valid keys of the padded image alone also sum to one
+    torch.testing.assert_close(weights[1][..., ~pad[1]].sum(-1), torch.ones(heads, length))
+    cross = record.decoder[0]
+    assert cross.shape == (2, heads, queries, length)
+    torch.testing.assert_close(cross.sum(-1), torch.ones(2, heads, queries))
+    assert torch.all(cross[1][..., pad[1]] == 0)
+    # the iRPE split recombines to the model's weights
+    logits = (record.encoder_content[0] + record.encoder_rpe[0]).masked_fill(
+        pad[:, None, None, :], float("-inf"))
+    torch.testing.assert_close(logits.softmax(-1), weights, atol=1e-5, rtol=1e-4)
+    assert record.encoder_rpe[0].abs().max() > 0
+    # without iRPE the softmax differs, and rows still sum to one
+    content = record.encoder_maps(0, 5, batch_index=1, what="content")
+    assert content.shape == (heads, 3, 4)
+    torch.testing.assert_close(content.flatten(1).sum(-1), torch.ones(heads))
+    assert not torch.allclose(content, record.encoder_maps(0, 5, batch_index=1))
+
+
+def test_capture_leaves_no_hooks_and_outputs_unchanged(model_and_cfg):
+    model, _ = model_and_cfg
+    torch.manual_seed(2)
+    images = [torch.randn(3, 64, 96)]
+    before = all_hooks(model)
+    with torch.no_grad():
+        plain = model(images)
+    record = capture_attention(model, images, rpe_split=True)
+    assert all_hooks(model) == before == 0
+    assert torch.equal(record.outputs["pred_logits"], plain["pred_logits"])
+    assert torch.equal(record.outputs["pred_boxes"], plain["pred_boxes"])
+    with torch.no_grad():
+        again = model(images)
+    assert torch.equal(again["pred_logits"], plain["pred_logits"])
+    # hooks go away on errors too, and the train / eval mode is restored
+    with pytest.raises(RuntimeError, match="boom"):
+        with record_attention_inputs(model):
+            assert all_hooks(model) > 0
+            raise RuntimeError("boom")
+    assert all_hooks(model) == 0
+    model.train()
+    try:
+        capture_attention(model, images, decoder_layers="none")
+        assert model.training
+    finally:
+        model.eval()
+
+
+def test_capture_weights_equal_need_weights_call(model_and_cfg):
+    """The recomputed weights are those of calling the module itself with need_weights."""
+    model, _ = model_and_cfg
+    torch.manual_seed(3)
+    images = [torch.randn(3, 64, 64)]
+    recorded = {}
+
+    def hook(module, args, kwargs):
+        recorded["args"], recorded["kwargs"] = args, kwargs
+
+    attn = model.transformer.encoder.layers[0].self_attn
+    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        model(images)
+    handle.remove()
+    with torch.no_grad():
+        _, expected = attn(*recorded["args"], **dict(recorded["kwargs"], need_weights=True))
+    record = capture_attention(model, images, decoder_layers="none")
+    torch.testing.assert_close(record.encoder[0], expected)
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def test_figures_are_written(tmp_path, model_and_cfg, synthetic_image):
+    model, _ = model_and_cfg
+    image = prepare_image(synthetic_image, size=64, max_size=160, name="synthetic")
+    record = capture_attention(model, [image.tensor], rpe_split=True)
+    detections = detections_from_outputs(record.outputs, image.original_size, threshold=0.99,
+                                         min_detections=2, max_detections=3)
+    assert len(detections) == 2
+    assert np.all(detections.scores[:-1] >= detections.scores[1:])
+    names = {0: "zero", 1: "one", 2: "two", 3: "three", 4: "four"}
+    points = [(20.0, 20.0), (130.0, 80.0)]
+    outs = {
+        "predictions": plot_predictions(image, detections, names,
+                                        out=tmp_path / "pred.png"),
+        "encoder": plot_encoder_attention(image, record, points, layer=-1,
+                                          out=tmp_path / "enc.png"),
+        "rpe": plot_rpe_contribution(image, record, points, out=tmp_path / "rpe.png"),
+        "decoder": plot_decoder_attention(image, record, detections, names,
+                                          out=tmp_path / "dec.png"),
+    }
+    for name in ("pred", "enc", "rpe", "dec"):
+        assert_png(tmp_path / f"{name}.png")
+    # encoder figure: one row per point, image + mean + 4 heads
+    assert len(outs["encoder"].axes) == 2 * (2 + 4)
+
+
+def test_save_attention_maps(tmp_path, model_and_cfg, synthetic_image):
+    model, cfg = model_and_cfg
+    path = tmp_path / "img.png"
+    Image.fromarray(synthetic_image).save(path)
+    written = save_attention_maps(model, path, tmp_path / "maps", size=cfg.data.val_size,
+                                  max_size=cfg.data.max_size, threshold=0.99,
+                                  min_detections=2, prefix="demo_")
+    assert set(written) == {"predictions", "encoder_attention", "rpe_contribution",
+                            "decoder_attention"}
+    for out in written.values():
+        assert out.parent == tmp_path / "maps" and out.name.startswith("demo_")
+        assert_png(out)
+    # a (3, H, W) float tensor in [0, 1] works too, without iRPE split for a plain model
+    torch.manual_seed(4)
+    plain, _ = tiny_model(["model.rpe=none"])
+    written = save_attention_maps(plain, torch.rand(3, 64, 64), tmp_path / "plain", size=None)
+    assert "rpe_contribution" not in written
+    for out in written.values():
+        assert_png(out)
+
+
+# --------------------------------------------------------------------------- the tool
+
+
+def _load_tool():
+    path = Path(__file__).resolve().parent.parent / "tools" / "visualize.py"
+    spec = importlib.util.spec_from_file_location("visualize_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tool_on_own_checkpoint(tmp_path, model_and_cfg, synthetic_image, capsys):
+    model, cfg = model_and_cfg
+    ckpt = tmp_path / "checkpoint.pth"
+    torch.save({"format": "detr_irpe", "model": model.state_dict(), "config": cfg.to_dict()},
+               ckpt)
+    image = tmp_path / "img.png"
+    Image.fromarray(synthetic_image).save(image)
+    tool = _load_tool()
+    out = tmp_path / "enc.png"
+    assert tool.main(["encoder-attention", "--checkpoint", str(ckpt), "--image", str(image),
+                      "--points", "20,20", "130,80", "--rpe-contribution",
+                      "--out", str(out)]) == 0
+    assert_png(out)
+    assert_png(tmp_path / "enc_rpe_contribution.png")
+    out = tmp_path / "tables.png"
+    assert tool.main(["rpe-tables", "--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    assert_png(out)
+    printed = capsys.readouterr().out
+    assert str(out) in printed
