@@ -25,7 +25,6 @@ from detr_irpe.data import (
     read_image,
 )
 
-
 # torchvision 0.29 deprecates its decoders; they are what the issue asks for.
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 
@@ -202,7 +201,7 @@ def test_bad_annotations_are_dropped_with_warnings(tmp_path: Path, caplog) -> No
     with caplog.at_level(logging.INFO, logger="detr_irpe.data.coco"):
         coco = load(tmp_path)
     messages = [r.getMessage() for r in caplog.records]
-    for _, reason, fragment in BAD_ANNOTATIONS:
+    for _, _, fragment in BAD_ANNOTATIONS:
         hits = [m for m in messages if fragment in m]
         assert hits, f"no warning containing {fragment!r}"
         assert all("ann.json" in m and "dropped" in m for m in hits)
@@ -316,7 +315,7 @@ def test_read_image_modes(tmp_path: Path) -> None:
         assert decoded.shape == (3, 20, 30) and decoded.dtype == torch.uint8, name
         if name in ("palette.png", "rgba.png", "image.bmp", "image.tiff"):
             assert decoded[:, 5, 5].tolist() == [200, 50, 10], name
-    sixteen = Image.fromarray((np.arange(600, dtype=np.uint16).reshape(20, 30) * 100))
+    sixteen = Image.fromarray(np.arange(600, dtype=np.uint16).reshape(20, 30) * 100)
     decoded = read_image(_save(tmp_path / "deep.png", sixteen))
     assert decoded.dtype == torch.uint8 and decoded.shape == (3, 20, 30)
 

@@ -1,0 +1,126 @@
+"""Samplers and loaders: order and augmentation are functions of (seed, epoch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_data_transforms import write_rectangles_dataset  # noqa: E402  (tests/ is on sys.path)
+from torch.utils.data import Dataset
+
+from detr_irpe.data import (
+    DistributedEpochSampler,
+    EpochSampler,
+    SampleKey,
+    build_dataloader,
+    build_dataset,
+)
+from detr_irpe.data.sampling import KeyedDataset
+from detr_irpe.structures import ImageBatch
+
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
+
+
+def test_epoch_sampler_order_is_a_function_of_seed_and_epoch() -> None:
+    sampler = EpochSampler(50, shuffle=True, seed=7)
+    sampler.set_epoch(3)
+    first = list(sampler)
+    assert all(key.epoch == 3 and key.seed == 7 for key in first)
+    order = [key.index for key in first]
+    assert sorted(order) == list(range(50)) and order != list(range(50))
+    again = EpochSampler(50, shuffle=True, seed=7)  # a resumed run
+    again.set_epoch(3)
+    assert [key.index for key in again] == order
+    again.set_epoch(4)
+    assert [key.index for key in again] != order
+    other_seed = EpochSampler(50, shuffle=True, seed=8)
+    other_seed.set_epoch(3)
+    assert [key.index for key in other_seed] != order
+    # Resume in the middle of the epoch.
+    again.set_epoch(3, start=20)
+    assert [key.index for key in again] == order[20:] and len(again) == 30
+    assert [k.index for k in EpochSampler(5, shuffle=False)] == [0, 1, 2, 3, 4]
+
+
+def test_distributed_sampler_yields_keys_and_covers_the_dataset() -> None:
+    keys = []
+    for rank in range(2):
+        sampler = DistributedEpochSampler(range(7), num_replicas=2, rank=rank, shuffle=False,
+                                          seed=1)
+        sampler.set_epoch(2)
+        keys.append(list(sampler))
+    assert all(isinstance(k, SampleKey) and k.epoch == 2 for ks in keys for k in ks)
+    indices = [k.index for ks in keys for k in ks]
+    assert len(keys[0]) == len(keys[1]) == 4  # padded with a repeat
+    assert sorted(set(indices)) == list(range(7))
+
+
+class _Squares(Dataset):
+    """A plain dataset that uses torch's random generator (like an augmentation would)."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int):
+        image = torch.rand(3, 4 + index, 5)
+        return image, {"image_id": torch.tensor(index)}
+
+
+def _collect(loader) -> list[tuple[list[int], torch.Tensor]]:
+    return [([t["image_id"].item() for t in targets], images.tensors) for images, targets in loader]
+
+
+def test_loader_is_reproducible_and_leaves_the_global_rng_alone() -> None:
+    loader = build_dataloader(_Squares(), 2, train=True, num_workers=0, seed=3)
+    assert isinstance(loader.dataset, KeyedDataset) and len(loader.dataset) == 6
+    loader.sampler.set_epoch(1)
+    torch.manual_seed(0)
+    first = _collect(loader)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    expected_after = torch.rand(3)
+    torch.testing.assert_close(after, expected_after)  # loading did not consume the global RNG
+    resumed = build_dataloader(_Squares(), 2, train=True, num_workers=0, seed=3)
+    resumed.sampler.set_epoch(1)
+    torch.manual_seed(123)  # whatever the trainer's state
+    second = _collect(resumed)
+    assert [ids for ids, _ in first] == [ids for ids, _ in second]
+    for (_, a), (_, b) in zip(first, second):
+        torch.testing.assert_close(a, b)
+    resumed.sampler.set_epoch(2)
+    assert [ids for ids, _ in _collect(resumed)] != [ids for ids, _ in first]
+    assert all(isinstance(images, ImageBatch) for images, _ in resumed)
+
+
+def test_loader_with_workers_matches_main_process(tmp_path: Path) -> None:
+    cfg = write_rectangles_dataset(tmp_path, [(40, 60), (50, 40), (44, 44), (30, 70)])
+    dataset = build_dataset(cfg, "train")
+    assert build_dataloader(dataset, 2, train=True).dataset is dataset  # keyed natively
+    results = []
+    for workers in (0, 2):
+        loader = build_dataloader(dataset, 2, train=True, num_workers=workers, seed=5)
+        assert loader.persistent_workers == (workers > 0)
+        epochs = []
+        for epoch in (0, 1):
+            loader.sampler.set_epoch(epoch)
+            epochs.append(_collect(loader))
+        results.append(epochs)
+    for epoch in (0, 1):
+        for (ids_a, a), (ids_b, b) in zip(results[0][epoch], results[1][epoch]):
+            assert ids_a == ids_b
+            torch.testing.assert_close(a, b)
+    assert [ids for ids, _ in results[0][0]] != [ids for ids, _ in results[0][1]] or not torch.equal(
+        results[0][0][0][1], results[0][1][0][1]
+    )
+
+
+def test_train_drops_last_and_val_keeps_all(tmp_path: Path) -> None:
+    cfg = write_rectangles_dataset(tmp_path, [(40, 60)] * 5)
+    dataset = build_dataset(cfg, "val")
+    train = build_dataloader(dataset, 2, train=True, num_workers=0)
+    val = build_dataloader(dataset, 2, train=False, num_workers=0)
+    assert len(train) == 2 and len(val) == 3
+    assert [t["image_id"].item() for _, ts in val for t in ts] == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="batch_size"):
+        build_dataloader(dataset, 0, train=True)
