@@ -1,0 +1,211 @@
+"""CocoEvaluator against pycocotools' COCOeval run directly, and across 2 processes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pickle
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+from detr_irpe.evaluation import STAT_NAMES, CocoEvaluator, evaluate_predictions
+
+NUM_IMAGES = 8
+
+
+def make_gt() -> COCO:
+    """8 images, categories 1, 3, 7 (gaps), boxes of all sizes, an empty image, a crowd box."""
+    rng = np.random.default_rng(0)
+    images, annotations = [], []
+    for image_id in range(1, NUM_IMAGES + 1):
+        images.append({"id": image_id, "file_name": f"{image_id}.jpg", "height": 400, "width": 500})
+        if image_id == 4:
+            continue  # an image without objects
+        for _ in range(int(rng.integers(1, 5))):
+            w, h = (float(v) for v in rng.uniform(10, 200, size=2))
+            x, y = float(rng.uniform(0, 500 - w)), float(rng.uniform(0, 400 - h))
+            annotations.append({
+                "id": len(annotations) + 1, "image_id": image_id,
+                "category_id": int(rng.choice([1, 3, 7])), "bbox": [x, y, w, h],
+                "area": w * h, "iscrowd": 0,
+            })
+    annotations.append({"id": len(annotations) + 1, "image_id": 2, "category_id": 1,
+                        "bbox": [0, 0, 50, 50], "area": 2500, "iscrowd": 1})
+    coco = COCO()
+    coco.dataset = {
+        "images": images,
+        "annotations": annotations,
+        "categories": [{"id": 1, "name": "one"}, {"id": 3, "name": "three"},
+                       {"id": 7, "name": "seven"}],
+    }
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco.createIndex()
+    return coco
+
+
+def gt_predictions(coco: COCO, shift: float = 0.0, keep_every: int = 1) -> dict[int, dict]:
+    """Ground truth as predictions (xyxy), optionally shifted and thinned out."""
+    predictions = {}
+    for image_id in coco.getImgIds():
+        anns = [a for a in coco.imgToAnns[image_id] if not a["iscrowd"]][::keep_every]
+        boxes = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)
+        boxes[:, 2:] += boxes[:, :2]
+        boxes += shift
+        scores = torch.linspace(0.9, 0.5, len(anns)) if anns else torch.zeros(0)
+        labels = torch.tensor([a["category_id"] for a in anns], dtype=torch.int64)
+        predictions[image_id] = {"boxes": boxes, "scores": scores, "labels": labels}
+    return predictions
+
+
+def direct_cocoeval(coco: COCO, predictions: dict[int, dict]) -> list[float]:
+    """pycocotools run by hand on the same detections."""
+    results = []
+    for image_id, p in predictions.items():
+        for box, score, label in zip(p["boxes"].tolist(), p["scores"].tolist(), p["labels"].tolist()):
+            results.append({"image_id": image_id, "category_id": label, "score": score,
+                            "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]]})
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco_eval = COCOeval(coco, coco.loadRes(results), "bbox")
+        coco_eval.params.imgIds = sorted(predictions)
+        coco_eval.evaluate()
+        coco_eval.accumulate()
+        coco_eval.summarize()
+    return [float(v) for v in coco_eval.stats]
+
+
+def test_ground_truth_as_predictions_is_perfect() -> None:
+    coco = make_gt()
+    summary = evaluate_predictions(coco, gt_predictions(coco))
+    assert summary["AP"] == pytest.approx(1.0) and summary["AP50"] == pytest.approx(1.0)
+    assert summary["AR100"] == pytest.approx(1.0)
+    assert len(summary["stats"]) == 12
+    assert [summary[name] for name in STAT_NAMES] == summary["stats"]
+    assert [row["category_id"] for row in summary["per_class"]] == [1, 3, 7]
+    assert all(row["AP"] == pytest.approx(1.0) for row in summary["per_class"])
+
+
+@pytest.mark.parametrize("shift, keep_every", [(6.0, 1), (0.0, 2), (3.0, 2)])
+def test_perturbed_predictions_match_cocoeval(shift: float, keep_every: int) -> None:
+    coco = make_gt()
+    predictions = gt_predictions(coco, shift=shift, keep_every=keep_every)
+    summary = evaluate_predictions(coco, predictions)
+    expected = direct_cocoeval(coco, predictions)
+    np.testing.assert_allclose(summary["stats"], expected, rtol=0, atol=1e-12)
+    assert 0 < summary["AP"] < 1
+    # The per-class table's mean is the overall AP.
+    per_class = [row["AP"] for row in summary["per_class"] if row["AP"] >= 0]
+    assert np.mean(per_class) == pytest.approx(summary["AP"], abs=1e-12)
+
+
+def test_per_class_table() -> None:
+    coco = make_gt()
+    evaluator = CocoEvaluator(coco)
+    evaluator.update(gt_predictions(coco, shift=4.0))
+    summary = evaluator.summarize()
+    table = evaluator.format_per_class_table()
+    lines = table.splitlines()
+    assert lines[0].startswith("| id | category | AP | AP50 |")
+    assert any("| 3 | three |" in line for line in lines)
+    mean_row = lines[-1]
+    assert "mean" in mean_row and f"{100 * summary['AP']:.1f}" in mean_row
+
+
+def test_zero_detections_and_empty_images() -> None:
+    coco = make_gt()
+    empty = {image_id: {"boxes": torch.zeros(0, 4), "scores": torch.zeros(0),
+                        "labels": torch.zeros(0, dtype=torch.int64)} for image_id in coco.getImgIds()}
+    summary = evaluate_predictions(coco, empty)
+    assert summary["AP"] == 0.0 and summary["AR100"] == 0.0
+    assert summary["num_detections"] == 0
+    # Only the image without objects: nothing to measure, -1 as pycocotools reports it.
+    evaluator = CocoEvaluator(coco)
+    evaluator.update({4: empty[4]})
+    only_empty = evaluator.summarize()
+    assert only_empty["AP"] == -1.0
+    assert all(row["AP"] == -1.0 for row in only_empty["per_class"])
+    assert evaluator.format_per_class_table().count("n/a") == 6
+    # Nothing updated at all (e.g. a rank without images): numbers, not a crash.
+    assert CocoEvaluator(coco).summarize()["stats"] == [-1.0] * 12
+
+
+def test_labels_outside_the_categories_are_dropped() -> None:
+    coco = make_gt()
+    predictions = gt_predictions(coco)
+    noisy = {}
+    for image_id, p in predictions.items():
+        extra = torch.tensor([[1.0, 1, 30, 30], [5, 5, 60, 60]])
+        noisy[image_id] = {
+            "boxes": torch.cat([p["boxes"], extra]),
+            "scores": torch.cat([p["scores"], torch.tensor([0.99, 0.98])]),
+            "labels": torch.cat([p["labels"], torch.tensor([0, 2])]),  # 0 and 2: not categories
+        }
+    evaluator = CocoEvaluator(coco)
+    evaluator.update(noisy)
+    assert evaluator.summarize()["AP"] == pytest.approx(1.0)
+    assert evaluator.num_dropped_labels == 2 * NUM_IMAGES
+    with pytest.raises(ValueError, match="image id"):
+        evaluator.update({999: predictions[1]})
+
+
+def test_write_results_is_a_coco_results_file(tmp_path: Path) -> None:
+    coco = make_gt()
+    predictions = gt_predictions(coco, shift=2.0)
+    evaluator = CocoEvaluator(coco)
+    evaluator.update(predictions)
+    path = evaluator.write_results(tmp_path / "out" / "results.json")
+    results = json.loads(path.read_text())
+    assert {tuple(sorted(r)) for r in results} == {("bbox", "category_id", "image_id", "score")}
+    assert len(results) == sum(len(p["boxes"]) for p in predictions.values())
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco.loadRes(str(path))
+    assert [p.name for p in path.parent.iterdir()] == ["results.json"]  # no temp file left
+
+
+# ----------------------------------------------------------------------------- 2 processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    try:
+        coco = make_gt()
+        predictions = gt_predictions(coco, shift=5.0, keep_every=1)
+        ids = sorted(predictions)
+        # Rank 0 takes the first half, rank 1 the rest plus a repeat of image 1 (sampler padding).
+        mine = ids[: len(ids) // 2] if rank == 0 else ids[len(ids) // 2 :] + [ids[0]]
+        evaluator = CocoEvaluator(coco)
+        evaluator.update({i: predictions[i] for i in mine})
+        evaluator.synchronize()
+        summary = evaluator.summarize()
+        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as handle:
+            pickle.dump(summary, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_across_two_ranks_equals_one_rank(tmp_path: Path) -> None:
+    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    coco = make_gt()
+    single = evaluate_predictions(coco, gt_predictions(coco, shift=5.0))
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as handle:
+            summary: dict[str, Any] = pickle.load(handle)
+        assert summary["stats"] == single["stats"]
+        assert summary["per_class"] == single["per_class"]
+        assert summary["num_images"] == NUM_IMAGES
