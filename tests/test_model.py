@@ -240,3 +240,24 @@ def test_frozen_trainable_bn_keeps_statistics() -> None:
     before = backbone.body.bn1.running_mean.clone()
     backbone(torch.randn(2, 3, 64, 64), torch.zeros(2, 64, 64, dtype=torch.bool))
     assert torch.equal(backbone.body.bn1.running_mean, before)
+
+
+@pytest.mark.parametrize("kind", ["learned", "none"])
+def test_other_position_embeddings(kind: str) -> None:
+    model, criterion, _ = tiny(f"model.position_embedding={kind}")
+    out = model(images())
+    losses = criterion(out, targets())
+    assert all(torch.isfinite(v) for v in losses.values())
+    if kind == "learned":
+        assert "backbone.1.row_embed.weight" in model.state_dict()
+
+
+def test_imagenet_download_failure_is_clear(monkeypatch) -> None:
+    import torchvision
+
+    def offline(**kwargs):
+        raise OSError("Temporary failure in name resolution")
+
+    monkeypatch.setattr(torchvision.models, "resnet18", offline)
+    with pytest.raises(CheckpointError, match="TORCH_HOME"):
+        Backbone("resnet18", weights="imagenet")

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
 
+from detr_irpe.models.checkpoint import CheckpointError, read_checkpoint
 from detr_irpe.structures import ImageBatch
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,17 @@ def _resnet(name: str, weights: str, frozen_bn: bool, dilation: bool) -> torchvi
         # IMAGENET1K_V1 is what DETR was trained from; torchvision may download it.
         tv_weights = getattr(torchvision.models, _WEIGHTS[name]).IMAGENET1K_V1
         logger.info("backbone %s: torchvision ImageNet weights %s", name, tv_weights)
-    net = getattr(torchvision.models, name)(weights=tv_weights, **kwargs)
+    try:
+        net = getattr(torchvision.models, name)(weights=tv_weights, **kwargs)
+    except (OSError, RuntimeError) as err:
+        if tv_weights is None:
+            raise
+        raise CheckpointError(
+            f"model.backbone_weights=imagenet: could not get torchvision's {tv_weights} for "
+            f"{name} ({type(err).__name__}: {err}). Without internet, put the file "
+            f"{tv_weights.url.rsplit('/', 1)[-1]} in $TORCH_HOME/hub/checkpoints, or set "
+            "model.backbone_weights to a local state-dict path"
+        ) from err
     if dilation and not bottleneck:
         block = net.layer4[0]
         block.conv1.stride = (1, 1)
@@ -105,8 +116,6 @@ def _resnet(name: str, weights: str, frozen_bn: bool, dilation: bool) -> torchvi
 
 def _load_local_weights(net: nn.Module, path: Path, name: str) -> None:
     """Load a torchvision-layout ResNet state dict from ``path`` (``fc.*`` optional)."""
-    from detr_irpe.models.checkpoint import CheckpointError, read_checkpoint
-
     if not path.is_file():
         raise CheckpointError(
             f"model.backbone_weights: file {str(path)!r} not found; give the path of a "

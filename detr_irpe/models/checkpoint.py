@@ -135,6 +135,8 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict_head: bool = F
         info dict: ``path``, ``format``, ``reinitialized`` (keys), ``missing_rpe``
         (zeroed table keys), ``dropped`` (ignored keys), ``loaded`` (count).
     """
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
     state, meta = read_checkpoint(path)
     fmt = meta["format"]
     target = model.state_dict()
