@@ -1,0 +1,154 @@
+"""Checkpoint files: atomic writes, rotation, damaged-file detection, RNG states, schedule, logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from detr_irpe.config import TrainConfig
+from detr_irpe.engine import checkpoint_io as ckio
+from detr_irpe.engine.logger import JsonLinesLog
+from detr_irpe.engine.optim import StepWithWarmup, build_lr_scheduler
+from detr_irpe.models import CheckpointError as ModelCheckpointError
+
+
+def _state(value: float) -> dict:
+    return {
+        "model": {"w": torch.full((3,), value)},
+        "optimizer": {"state": {}, "param_groups": []},
+        "epoch": int(value),
+        "iteration": int(value) * 10,
+    }
+
+
+def test_atomic_save_round_trip_weights_only(tmp_path):
+    path = tmp_path / "sub" / "x.pth"
+    ckio.atomic_save({"a": torch.arange(4), "b": [1, 2.5, "s", None]}, path)
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["a"], torch.arange(4))
+    assert loaded["b"] == [1, 2.5, "s", None]
+    assert not list(path.parent.glob(".*.tmp"))  # no temporary left behind
+
+
+def test_rotation_keeps_previous_checkpoint(tmp_path):
+    ckio.save_training_checkpoint(_state(1), tmp_path)
+    ckio.save_training_checkpoint(_state(2), tmp_path)
+    last = ckio.load_checkpoint_file(tmp_path / ckio.LAST, require_training_state=True)
+    prev = ckio.load_checkpoint_file(tmp_path / ckio.PREV, require_training_state=True)
+    assert last["epoch"] == 2 and prev["epoch"] == 1
+    assert last["format"] == "detr_irpe" and last["version"] == ckio.VERSION
+    ckio.link_best(tmp_path)
+    assert ckio.load_checkpoint_file(tmp_path / ckio.BEST)["epoch"] == 2
+    # Overwriting last afterwards must not change best or prev (separate files, not aliases).
+    ckio.save_training_checkpoint(_state(3), tmp_path)
+    assert ckio.load_checkpoint_file(tmp_path / ckio.BEST)["epoch"] == 2
+    assert ckio.load_checkpoint_file(tmp_path / ckio.PREV)["epoch"] == 2
+
+
+def test_truncated_last_falls_back_to_previous(tmp_path, caplog):
+    ckio.save_training_checkpoint(_state(1), tmp_path)
+    ckio.save_training_checkpoint(_state(2), tmp_path)
+    last = tmp_path / ckio.LAST
+    data = last.read_bytes()
+    last.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ckio.CheckpointError, match="checkpoint_last.pth.*truncated or corrupt"):
+        ckio.load_checkpoint_file(last)
+    with caplog.at_level(logging.ERROR):
+        path, state = ckio.find_resume_checkpoint(tmp_path)
+    assert path.name == ckio.PREV and state["epoch"] == 1
+    assert any("checkpoint_last.pth" in r.getMessage() and r.levelno == logging.ERROR
+               for r in caplog.records)
+    # The same fallback for an explicit --resume of a damaged checkpoint_last.pth.
+    path, _ = ckio.find_resume_checkpoint(tmp_path / "unused", explicit=last)
+    assert path.name == ckio.PREV
+
+
+def test_all_damaged_or_none(tmp_path):
+    assert ckio.find_resume_checkpoint(tmp_path) is None
+    (tmp_path / ckio.LAST).write_bytes(b"garbage")
+    with pytest.raises(ckio.CheckpointError, match="no usable checkpoint") as info:
+        ckio.find_resume_checkpoint(tmp_path)
+    assert isinstance(info.value, ModelCheckpointError)  # one exception type for the tools
+    with pytest.raises(ckio.CheckpointError, match="does not exist"):
+        ckio.find_resume_checkpoint(tmp_path, explicit=tmp_path / "missing.pth")
+
+
+def test_foreign_checkpoint_is_not_resumable(tmp_path):
+    torch.save({"model": {"w": torch.zeros(1)}}, tmp_path / "public.pth")
+    with pytest.raises(ckio.CheckpointError, match="--finetune"):
+        ckio.load_checkpoint_file(tmp_path / "public.pth", require_training_state=True)
+
+
+def test_crash_during_save_leaves_last_intact(tmp_path, monkeypatch):
+    ckio.save_training_checkpoint(_state(1), tmp_path)
+    real_save = torch.save
+
+    def dying_save(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt  # as if killed in the middle
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        ckio.save_training_checkpoint(_state(2), tmp_path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert ckio.load_checkpoint_file(tmp_path / ckio.LAST)["epoch"] == 1
+    assert not list(tmp_path.glob(".*.tmp"))
+    (tmp_path / ".checkpoint_last.pth.abc.tmp").write_bytes(b"left by SIGKILL")
+    ckio.remove_stale_temp_files(tmp_path)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_rng_state_round_trip_through_weights_only_file(tmp_path):
+    torch.manual_seed(3)
+    np.random.seed(4)
+    random.seed(5)
+    np.random.normal()  # leave a cached gaussian behind
+    state = ckio.get_rng_state()
+    ckio.atomic_save({"rng": [state]}, tmp_path / "rng.pth")
+    expected = (torch.rand(5), np.random.rand(5), [random.random() for _ in range(5)],
+                np.random.normal())
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    ckio.set_rng_state(torch.load(tmp_path / "rng.pth", weights_only=True)["rng"][0])
+    torch.testing.assert_close(torch.rand(5), expected[0], rtol=0, atol=0)
+    np.testing.assert_array_equal(np.random.rand(5), expected[1])
+    assert [random.random() for _ in range(5)] == expected[2]
+    assert np.random.normal() == expected[3]
+
+
+def test_step_with_warmup_schedule(tmp_path):
+    schedule = StepWithWarmup(iters_per_epoch=10, lr_drop=3, warmup_iters=4)
+    assert [schedule(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert schedule(29) == 1.0 and schedule(30) == pytest.approx(0.1)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([{"params": [param], "lr": 1.0}])
+    scheduler = build_lr_scheduler(optimizer, TrainConfig(lr=1.0, lr_drop=1), iters_per_epoch=2)
+    lrs = []
+    for _ in range(4):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([1.0, 1.0, 0.1, 0.1])
+    # The state dict (with the schedule's fields) survives a weights_only round trip.
+    restored = torch.optim.lr_scheduler.LambdaLR(optimizer, StepWithWarmup(1, 1))
+    torch.save(scheduler.state_dict(), tmp_path / "sched.pth")
+    restored.load_state_dict(torch.load(tmp_path / "sched.pth", weights_only=True))
+    assert restored.lr_lambdas[0].iters_per_epoch == 2 and restored.last_epoch == 4
+
+
+def test_json_lines_log_truncation(tmp_path):
+    log = JsonLinesLog(tmp_path / "log.txt")
+    for epoch in range(3):
+        log.append({"epoch": epoch, "train_loss": float(epoch)})
+    with (tmp_path / "log.txt").open("a") as f:
+        f.write('{"epoch": 3, "train_lo')  # a line cut by a kill
+    assert [r["epoch"] for r in log.read()] == [0, 1, 2]
+    log.truncate_to(2)
+    lines = (tmp_path / "log.txt").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [0, 1]

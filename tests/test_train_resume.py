@@ -1,0 +1,150 @@
+"""Resuming gives the run an uninterrupted one would have given: at an epoch boundary,
+after a SIGKILL in the middle of an epoch (even during a save), and from
+``checkpoint_prev.pth`` when ``checkpoint_last.pth`` is damaged.
+
+The tiny model trains its whole backbone with normal BatchNorm and dropout 0.1,
+so equal weights also need the optimizer, scheduler, BN statistics and every RNG
+state to be restored exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from detr_irpe.config import load_config
+from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
+from detr_irpe.engine import checkpoint_io as ckio
+from detr_irpe.engine.runner import run_training
+
+ROOT = Path(__file__).resolve().parent.parent
+# 16 training images, batch 4: 4 iterations per epoch.
+OVERRIDES = ["model.frozen_bn=false", "model.dropout=0.1", "train.epochs=2"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_globals():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_detr_irpe", False):
+            root.removeHandler(handler)
+            handler.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("synthetic")
+    generate_dataset(root, num_train=16, num_val=8, spec=SyntheticSpec(size=64), seed=0)
+    return root
+
+
+def _cfg(data: Path, out: Path, *extra: str):
+    return load_config(
+        "synthetic_tiny", [f"data.root={data}", f"train.output_dir={out}", *OVERRIDES, *extra]
+    )
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return ckio.load_checkpoint_file(path)["model"]
+
+
+def _assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=0, atol=1e-6, msg=key)
+
+
+def _log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tiny_data, tmp_path_factory) -> Path:
+    """Two epochs without interruption: the reference."""
+    out = tmp_path_factory.mktemp("straight")
+    result = run_training(_cfg(tiny_data, out), progress=False)
+    assert result["epochs"] == 2 and result["iterations"] == 8
+    return out
+
+
+def test_resume_at_epoch_boundary_equals_straight_run(tiny_data, straight_run, tmp_path):
+    run_training(_cfg(tiny_data, tmp_path, "train.epochs=1"), progress=False)
+    assert ckio.load_checkpoint_file(tmp_path / ckio.LAST)["epoch"] == 1
+    result = run_training(_cfg(tiny_data, tmp_path), progress=False)  # resumes automatically
+    assert result["iterations"] == 8
+    _assert_same_weights(straight_run / ckio.LAST, tmp_path / ckio.LAST)
+    straight, resumed = _log(straight_run), _log(tmp_path)
+    assert [r["epoch"] for r in resumed] == [0, 1]
+    for a, b in zip(straight, resumed):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["test_coco_eval_bbox"] == pytest.approx(b["test_coco_eval_bbox"], abs=1e-9)
+    saved = ckio.load_checkpoint_file(tmp_path / ckio.LAST)
+    assert saved["config"]["model"]["num_classes"] == 4  # derived from the annotations
+    assert saved["config"]["train"]["output_dir"] == str(tmp_path)
+    assert saved["category_names"] == {1: "circle", 2: "square", 3: "triangle"}
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "train.log").is_file()
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early:\n{proc.stdout.read()}")
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError("timed out waiting for the training process")
+
+
+def test_sigkill_mid_epoch_then_resume_equals_straight_run(
+    tiny_data, straight_run, tmp_path, caplog
+):
+    args = [sys.executable, str(ROOT / "tools/train.py"), "synthetic_tiny",
+            f"data.root={tiny_data}", *OVERRIDES, "train.checkpoint_every=1",
+            "--output-dir", str(tmp_path), "--no-progress"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    log_file = tmp_path / "train.log"
+    # Kill right after the save of epoch 1, batch 1 was announced: training goes on, and
+    # the next save may be in flight.
+    _wait_for(lambda: log_file.exists() and "(epoch 1, batch 1," in log_file.read_text(),
+              180, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+    killed_at = ckio.find_resume_checkpoint(tmp_path)[1]
+    assert killed_at["epoch"] == 1 and killed_at["batch_in_epoch"] >= 1  # mid-epoch
+    result = run_training(_cfg(tiny_data, tmp_path, "train.checkpoint_every=1"), progress=False)
+    assert result["iterations"] == 8
+    _assert_same_weights(straight_run / ckio.LAST, tmp_path / ckio.LAST)
+    assert [r["epoch"] for r in _log(tmp_path)] == [0, 1]  # no duplicated epoch record
+    assert not list(tmp_path.glob(".*.tmp"))
+
+    # Damage the newest checkpoint: the run is resumed from checkpoint_prev.pth
+    # (epoch 1, batch 3), redoes the last step and ends with the same weights.
+    last = tmp_path / ckio.LAST
+    data = last.read_bytes()
+    last.write_bytes(data[: len(data) // 3])
+    prev = ckio.load_checkpoint_file(tmp_path / ckio.PREV)
+    assert (prev["epoch"], prev["batch_in_epoch"]) == (1, 3)
+    with caplog.at_level(logging.ERROR):
+        result = run_training(_cfg(tiny_data, tmp_path, "train.checkpoint_every=1"),
+                              progress=False)
+    assert any("checkpoint_last.pth" in r.getMessage() and "truncated or corrupt" in r.getMessage()
+               for r in caplog.records if r.levelno >= logging.ERROR)
+    assert result["iterations"] == 8
+    _assert_same_weights(straight_run / ckio.LAST, tmp_path / ckio.LAST)
