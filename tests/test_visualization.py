@@ -280,3 +280,17 @@ def test_tool_on_own_checkpoint(tmp_path, model_and_cfg, synthetic_image, capsys
     assert_png(out)
     printed = capsys.readouterr().out
     assert str(out) in printed
+
+
+@pytest.mark.gpu
+def test_capture_on_cuda(synthetic_image, tmp_path):
+    model = tiny_model()[0].cuda()
+    image = prepare_image(synthetic_image, size=64, max_size=160)
+    record = capture_attention(model, [image.tensor.cuda()], rpe_split=True)
+    assert record.encoder[0].device.type == "cpu" and record.padding.device.type == "cpu"
+    sums = record.encoder[0].sum(-1)
+    torch.testing.assert_close(sums, torch.ones_like(sums))
+    written = save_attention_maps(model, synthetic_image, tmp_path, size=64, max_size=160,
+                                  min_detections=2)
+    for out in written.values():
+        assert_png(out)

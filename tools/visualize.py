@@ -86,13 +86,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("predictions", help="boxes, class names and scores over the image")
+    def add(name: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kwargs)
+
+    p = add("predictions", help="boxes, class names and scores over the image")
     _image_args(p)
 
-    p = sub.add_parser("encoder-attention",
+    p = add("encoder-attention",
                        help="encoder self-attention of reference points, per head and mean")
     _image_args(p)
     p.add_argument("--points", nargs="+", type=_point, default=None, metavar="X,Y",
@@ -104,18 +108,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rpe-contribution", action="store_true",
                    help="also write the attention with / without the iRPE term and its logits")
 
-    p = sub.add_parser("decoder-attention",
+    p = add("decoder-attention",
                        help="last decoder layer's cross-attention of every kept detection")
     _image_args(p)
     p.add_argument("--layer", type=int, default=-1, help="decoder layer (default -1, the last)")
 
-    p = sub.add_parser("all", help="predictions, encoder (+ iRPE split) and decoder figures")
+    p = add("all", help="predictions, encoder (+ iRPE split) and decoder figures")
     _image_args(p, detections=False)
     p.add_argument("--out-dir", type=Path, default=None, help="folder (default outputs/visualize)")
     p.add_argument("--threshold", type=float, default=0.7)
     p.add_argument("--layer", type=int, default=-1, help="encoder layer (default -1)")
 
-    p = sub.add_parser("buckets", help="bucket layout of each iRPE method around a cell")
+    p = add("buckets", help="bucket layout of each iRPE method around a cell")
     p.add_argument("--ratio", type=float, default=2.0)
     p.add_argument("--grid", type=int, nargs=2, default=(15, 15), metavar=("H", "W"))
     p.add_argument("--point", type=_cell, default=None, metavar="ROW,COL",
@@ -124,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["euc", "quant", "cross", "product"])
     p.add_argument("--out", type=Path, default=None)
 
-    p = sub.add_parser("rpe-tables", help="learned iRPE tables on the 2D offset grid")
+    p = add("rpe-tables", help="learned iRPE tables on the 2D offset grid")
     _model_args(p)
     p.add_argument("--extent", type=int, default=None,
                    help="offsets -R..R (default: 8 ratio + 2, all buckets)")
@@ -132,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", nargs="+", type=int, default=None, help="encoder layers")
     p.add_argument("--out", type=Path, default=None)
 
-    p = sub.add_parser("curves", help="training curves of one or several runs")
+    p = add("curves", help="training curves of one or several runs")
     p.add_argument("logs", nargs="+", type=Path, help="log.txt files or run folders")
     p.add_argument("--labels", nargs="+", default=None, help="legend names (default folders)")
     p.add_argument("--out", type=Path, default=None)

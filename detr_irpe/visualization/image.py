@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torch import Tensor
 
@@ -102,21 +102,24 @@ def prepare_image(
         raise ValueError(f"image tensor must be (3, H, W), got shape {tuple(image.shape)}")
     image = image.detach().cpu()
     if image.dtype == torch.uint8:
-        image01 = image.float() / 255.0
+        pixels = image  # resized as uint8, like the evaluation transforms do
     elif normalized:
-        image01 = _denormalise(image.float()).clamp(0.0, 1.0)
+        pixels = _denormalise(image.float()).clamp(0.0, 1.0)
     else:
-        image01 = image.float()
-        if image01.min() < -1e-3 or image01.max() > 1.0 + 1e-3:
+        pixels = image.float()
+        if pixels.min() < -1e-3 or pixels.max() > 1.0 + 1e-3:
             raise ValueError(
                 "float image tensors must be in [0, 1]; pass normalized=True for an "
                 "ImageNet-normalised tensor"
             )
-    display = (image01.clamp(0, 1) * 255.0 + 0.5).to(torch.uint8).permute(1, 2, 0).numpy()
-    height, width = image01.shape[1:]
+    if pixels.dtype == torch.uint8:
+        display = pixels.permute(1, 2, 0).numpy().copy()
+    else:
+        display = (pixels.clamp(0, 1) * 255.0 + 0.5).to(torch.uint8).permute(1, 2, 0).numpy()
+    height, width = pixels.shape[1:]
     if size is not None:
         out_h, out_w = resized_hw(height, width, size, max_size)
         if (out_h, out_w) != (height, width):
-            image01 = F.interpolate(image01[None], size=(out_h, out_w), mode="bilinear",
-                                    align_corners=False, antialias=True)[0]
+            pixels = TF.resize(pixels, [out_h, out_w], antialias=True)
+    image01 = pixels.float() / 255.0 if pixels.dtype == torch.uint8 else pixels
     return InputImage(display=display, tensor=_normalise(image01), name=name or "image")
