@@ -25,9 +25,6 @@ from detr_irpe.data import (
     read_image,
 )
 
-# torchvision 0.29 deprecates its decoders; they are what the issue asks for.
-pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
-
 
 def _write_jpeg(path: Path, height: int = 32, width: int = 48, value: int = 100) -> None:
     pixels = np.full((height, width, 3), value, dtype=np.uint8)

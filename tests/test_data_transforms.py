@@ -32,10 +32,6 @@ COLOURS = {1: (255, 0, 0), 2: (0, 200, 0), 3: (0, 0, 255)}
 # ----------------------------------------------------------------------------- helpers
 
 
-# torchvision 0.29 deprecates its decoders; they are what the issue asks for.
-pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
-
-
 def rectangles_image(height: int, width: int, boxes: dict[int, tuple[int, int, int, int]]) -> np.ndarray:
     """Flat background with solid rectangles; ``boxes`` maps label -> (x1, y1, x2, y2) exclusive."""
     pixels = np.empty((height, width, 3), dtype=np.uint8)

@@ -21,8 +21,6 @@ from detr_irpe.data.synthetic import (
     shape_mask,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
-
 SMALL = SyntheticSpec(size=64)
 
 

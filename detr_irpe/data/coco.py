@@ -57,11 +57,8 @@ MAX_WARNINGS_PER_REASON = 10
 MAX_SUBSTITUTIONS = 50
 
 # torchvision 0.29 deprecates its image decoders (for TorchCodec) with a warning on every
-# call; they are still the fast path here, so keep that one message out of the logs.
-warnings.filterwarnings(
-    "ignore", message="The image decoding and encoding capabilities of TorchVision",
-    category=DeprecationWarning,
-)
+# call; they are still the fast path here, so that one message is kept out of the logs.
+_TV_DEPRECATION = "The image decoding and encoding capabilities of TorchVision"
 
 
 class DatasetError(ValueError):
@@ -99,13 +96,19 @@ def read_image(path: str | Path, apply_exif: bool = True) -> Tensor:
     missing, truncated or corrupt file.
     """
     path = Path(path)
-    try:
-        data = read_file(str(path))
-    except (OSError, RuntimeError) as err:
-        raise ImageReadError(f"cannot read image {path}: {err}") from None
-    try:
-        image = decode_image(data, mode=ImageReadMode.RGB, apply_exif_orientation=apply_exif)
-    except RuntimeError as tv_err:
+    image: Tensor | None = None
+    tv_err: Exception | None = None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TV_DEPRECATION, category=DeprecationWarning)
+        try:
+            data = read_file(str(path))
+        except (OSError, RuntimeError) as err:
+            raise ImageReadError(f"cannot read image {path}: {err}") from None
+        try:
+            image = decode_image(data, mode=ImageReadMode.RGB, apply_exif_orientation=apply_exif)
+        except RuntimeError as err:
+            tv_err = err
+    if image is None:
         # Unsupported by torchvision.io (BMP, TIFF, ...) or corrupt: PIL decides which.
         try:
             image = _decode_pil(path, apply_exif)
