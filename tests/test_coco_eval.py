@@ -209,3 +209,13 @@ def test_gather_across_two_ranks_equals_one_rank(tmp_path: Path) -> None:
         assert summary["stats"] == single["stats"]
         assert summary["per_class"] == single["per_class"]
         assert summary["num_images"] == NUM_IMAGES
+
+
+def test_synchronize_in_one_process_dedups_repeats() -> None:
+    coco = make_gt()
+    predictions = gt_predictions(coco, shift=3.0)
+    evaluator = CocoEvaluator(coco)
+    evaluator.update({i: predictions[i] for i in (1, 2, 3)})
+    evaluator.update({i: predictions[i] for i in (3, 4, 5, 6, 7, 8)})  # 3 again
+    evaluator.synchronize()
+    assert evaluator.summarize()["stats"] == evaluate_predictions(coco, predictions)["stats"]

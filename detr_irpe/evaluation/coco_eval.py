@@ -140,9 +140,18 @@ class CocoEvaluator:
                 merged.setdefault(image_id, entries)
         self.results = merged
         self.num_dropped_labels = sum(count for _, count in gathered)
-        summary = self._evaluate() if get_rank() == 0 else None
-        if is_dist():
-            summary = all_gather_object(summary)[0]
+        if not is_dist():
+            self._summary = self._evaluate()
+            return
+        summary, error = None, None
+        if get_rank() == 0:
+            try:
+                summary = self._evaluate()
+            except Exception as err:  # tell the other ranks instead of leaving them waiting
+                error = f"{type(err).__name__}: {err}"
+        summary, error = all_gather_object((summary, error))[0]
+        if error is not None:
+            raise RuntimeError(f"COCO evaluation failed on rank 0: {error}")
         self._summary = summary
 
     def _evaluate(self) -> dict[str, Any]:
