@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -33,7 +34,7 @@ def assert_png(path: Path, min_bytes: int = 5000) -> None:
 # --------------------------------------------------------------------------- buckets
 
 
-@pytest.mark.parametrize("ratio,grid,point", [(2.0, (15, 15), None), (1.9, (7, 12), (1, 9))])
+@pytest.mark.parametrize("ratio,grid,point", [(2.0, (9, 9), None), (1.9, (7, 12), (1, 9))])
 def test_bucket_layout_ids_equal_bucket_ids(tmp_path, ratio, grid, point):
     fig, layouts = plot_bucket_layout(ratio, grid, point, out=tmp_path / "b.png")
     assert_png(tmp_path / "b.png")
@@ -160,3 +161,19 @@ def test_curves_read_detr_log(tmp_path):
 def test_curves_missing_log(tmp_path):
     with pytest.raises(FileNotFoundError, match="log.txt"):
         read_log(tmp_path / "nothing_here")
+
+
+def test_tool_buckets_and_curves(tmp_path, capsys):
+    path = Path(__file__).resolve().parent.parent / "tools" / "visualize.py"
+    spec = importlib.util.spec_from_file_location("visualize_tool_irpe", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "b.png"
+    assert tool.main(["buckets", "--ratio", "1.9", "--grid", "7", "9", "--point", "2,3",
+                      "--methods", "product", "euc", "--out", str(out)]) == 0
+    assert_png(out, min_bytes=3000)
+    _write_log(tmp_path / "run", 2)
+    out = tmp_path / "c.png"
+    assert tool.main(["curves", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert_png(out)
+    assert str(out) in capsys.readouterr().out

@@ -251,7 +251,7 @@ class AttentionRecord:
         ``"rpe_logits"`` (the iRPE logits; 0 on padding) or ``"difference"``
         (weights - content softmax).
         """
-        layer = self._layer(self.encoder, layer, "encoder", self.num_encoder_layers)
+        layer = self.layer_index("encoder", layer)
         if what == "weights":
             row = self.encoder[layer][batch_index, :, token]
         elif what in ("content", "rpe_logits", "difference"):
@@ -272,12 +272,15 @@ class AttentionRecord:
 
     def decoder_maps(self, query: int, layer: int = -1, batch_index: int = 0) -> Tensor:
         """``(heads, H, W)`` cross-attention of object query ``query`` over the grid."""
-        layer = self._layer(self.decoder, layer, "decoder", self.num_decoder_layers)
+        layer = self.layer_index("decoder", layer)
         row = self.decoder[layer][batch_index, :, query]
         return row.reshape(row.shape[0], *self.hw)
 
-    @staticmethod
-    def _layer(store: dict[int, Tensor], layer: int, kind: str, count: int) -> int:
+    def layer_index(self, kind: str, layer: int) -> int:
+        """The captured ``"encoder"`` / ``"decoder"`` layer ``layer`` (negative: counted from
+        the model's last layer); a clear error when it was not captured."""
+        store = self.encoder if kind == "encoder" else self.decoder
+        count = self.num_encoder_layers if kind == "encoder" else self.num_decoder_layers
         if not store:
             raise ValueError(f"no {kind} attention was captured")
         if layer < 0:  # counted from the end of the model, not of the captured subset

@@ -234,7 +234,7 @@ def plot_encoder_attention(
     if not points:
         raise ValueError("plot_encoder_attention needs at least one reference point")
     tokens = _point_tokens(image, record, points, batch_index)
-    layer_idx = record._layer(record.encoder, layer, "encoder", record.num_encoder_layers)
+    layer_idx = record.layer_index("encoder", layer)
     first = record.encoder_maps(layer_idx, tokens[0], batch_index)
     head_ids = list(range(first.shape[0])) if heads is None else list(heads)
     h0, w0 = image.original_size
@@ -280,7 +280,7 @@ def plot_rpe_contribution(
     if not record.encoder_content:
         raise ValueError("the record has no iRPE split; capture with rpe_split=True")
     tokens = _point_tokens(image, record, points, batch_index)
-    layer_idx = record._layer(record.encoder, layer, "encoder", record.num_encoder_layers)
+    layer_idx = record.layer_index("encoder", layer)
     h0, w0 = image.original_size
     columns = [("weights", "with iRPE: softmax(content + rpe)", False),
                ("content", "without iRPE: softmax(content)", False),
@@ -330,7 +330,7 @@ def plot_decoder_attention(
 ) -> Figure:
     """The DETR paper's figure: per kept detection, the decoder cross-attention (mean of
     heads) of its object query over the image, next to its box; first panel = all boxes."""
-    layer_idx = record._layer(record.decoder, layer, "decoder", record.num_decoder_layers)
+    layer_idx = record.layer_index("decoder", layer)
     panels = len(detections) + 1
     cols = min(panels, max_columns)
     rows = -(-panels // cols)

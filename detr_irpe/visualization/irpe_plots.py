@@ -235,6 +235,9 @@ def model_rpe_table_maps(
 ) -> dict[tuple[int, str], np.ndarray]:
     """:func:`rpe_table_maps` of every (or the chosen) encoder layer: ``{(layer, name): map}``."""
     modules = encoder_attention_modules(model)
+    if not any(_module_rpe(m) is not None for m in modules):
+        raise ValueError("the model's encoder has no iRPE tables (model.rpe is 'none' or "
+                         "there are no encoder layers)")
     chosen = range(len(modules)) if layers is None else [i % len(modules) for i in layers]
     out = {}
     for i in chosen:
