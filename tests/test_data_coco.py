@@ -185,6 +185,8 @@ BAD_ANNOTATIONS = [
      "annotation 100: duplicate annotation id"),
     ({"id": 207, "image_id": 10, "category_id": 1, "bbox": [1, "x", 4, 4]}, "bad_bbox",
      "annotation 207: bbox must be 4 finite numbers"),
+    ({"id": 209, "image_id": [10], "category_id": 1, "bbox": [1, 2, 4, 4]}, "bad_id",
+     "annotation 209: image_id=[10] must be integers"),
 ]
 
 
@@ -203,7 +205,8 @@ def test_bad_annotations_are_dropped_with_warnings(tmp_path: Path, caplog) -> No
         assert hits, f"no warning containing {fragment!r}"
         assert all("ann.json" in m and "dropped" in m for m in hits)
     expected_counts = {"bad_bbox": 2, "non_positive_size": 2, "unknown_category": 1,
-                       "unknown_image": 1, "missing_key": 1, "duplicate_annotation_id": 1}
+                       "unknown_image": 1, "missing_key": 1, "duplicate_annotation_id": 1,
+                       "bad_id": 1}
     assert coco.drop_counts == expected_counts
     summary = [m for m in messages if "4 images, 5 annotations" in m]
     assert summary and "bad_bbox=2" in summary[0] and "non_positive_size=2" in summary[0]
@@ -218,7 +221,7 @@ def test_bad_annotations_strict(tmp_path: Path) -> None:
     with pytest.raises(DatasetError) as info:
         load(tmp_path, strict=True)
     message = str(info.value)
-    assert "ann.json" in message and "8 problem(s)" in message and "data.strict" in message
+    assert "ann.json" in message and "9 problem(s)" in message and "data.strict" in message
     for _, _, fragment in BAD_ANNOTATIONS:
         assert fragment in message
 

@@ -273,6 +273,16 @@ def _check_annotations(
         if missing:
             problems.add("missing_key", f"{name}: missing key(s) {', '.join(map(repr, missing))}")
             continue
+        not_int = [
+            key for key in ("id", "image_id", "category_id")
+            if not isinstance(ann[key], int) or isinstance(ann[key], bool)
+        ]
+        if not_int:
+            problems.add(
+                "bad_id",
+                f"{name}: {', '.join(f'{k}={ann[k]!r:.40}' for k in not_int)} must be integers",
+            )
+            continue
         if ann["id"] in seen:
             problems.add("duplicate_annotation_id", f"{name}: duplicate annotation id")
             continue
