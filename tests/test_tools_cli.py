@@ -1,0 +1,170 @@
+"""The command-line tools end to end on a tiny dataset: train (non-finite stop, AMP
+checks, eval-only), eval and predict."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from detr_irpe.config import ConfigError, load_config
+from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
+from detr_irpe.engine import checkpoint_io as ckio
+from detr_irpe.engine.runner import run_training
+from detr_irpe.models.criterion import SetCriterion
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _restore_globals():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_detr_irpe", False):
+            root.removeHandler(handler)
+            handler.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("synthetic")
+    generate_dataset(root, num_train=8, num_val=4, spec=SyntheticSpec(size=64), seed=2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory) -> Path:
+    """One epoch (2 steps); its checkpoint is what the tools below read."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}", f"train.output_dir={out}",
+                                         "train.epochs=1"])
+    run_training(cfg, progress=False)
+    return out
+
+
+def _final_ap(run: Path) -> list[float]:
+    lines = (run / "log.txt").read_text().splitlines()
+    return json.loads(lines[-1])["test_coco_eval_bbox"]
+
+
+def test_log_txt_has_detr_fields(trained):
+    record = json.loads((trained / "log.txt").read_text().splitlines()[0])
+    for key in ("epoch", "train_loss", "train_lr", "train_loss_ce", "train_loss_bbox",
+                "train_loss_giou", "train_class_error", "test_loss", "test_loss_ce",
+                "n_parameters", "epoch_time"):
+        assert key in record, key
+    assert len(record["test_coco_eval_bbox"]) == 12
+    assert record["train_loss"] > 0 and record["n_parameters"] > 0
+
+
+def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(
+    tiny_data, tmp_path, monkeypatch, capsys
+):
+    train = _tool("train")
+    out = tmp_path / "nan"
+    real_forward = SetCriterion.forward
+    calls = {"n": 0}
+
+    def forward(self, outputs, targets):
+        losses = real_forward(self, outputs, targets)
+        calls["n"] += 1
+        if self.training and calls["n"] == 4:  # the 4th training step of the run
+            losses["loss_bbox"] = losses["loss_bbox"] * float("nan")
+        return losses
+
+    monkeypatch.setattr(SetCriterion, "forward", forward)
+    code = train.main(["synthetic_tiny", f"data.root={tiny_data}", "--output-dir", str(out),
+                       "train.epochs=3", "train.checkpoint_every=1", "--no-progress"])
+    assert code == train.EXIT_NON_FINITE
+    err = capsys.readouterr().err
+    # Criterion calls: 2 training steps and 1 evaluation batch in epoch 0, then the
+    # first step of epoch 1: iteration 2 (both counted from 0).
+    assert "non-finite loss at epoch 1, iteration 2" in err
+    assert "loss_bbox=nan" in err and "loss_ce=" in err and "loss_giou=" in err
+    last = ckio.load_checkpoint_file(out / ckio.LAST, require_training_state=True)
+    assert (last["epoch"], last["batch_in_epoch"], last["iteration"]) == (1, 0, 2)
+    assert all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
+
+
+def test_fp16_on_cpu_is_refused(tiny_data, tmp_path):
+    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}",
+                                         f"train.output_dir={tmp_path}", "train.amp=fp16",
+                                         "train.device=cpu"])
+    with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):
+        run_training(cfg, progress=False)
+
+
+def test_bf16_autocast_trains_on_cpu(tiny_data, tmp_path):
+    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}", f"train.output_dir={tmp_path}",
+                                         "train.amp=bf16", "train.epochs=1"])
+    result = run_training(cfg, progress=False)
+    assert result["iterations"] == 2 and len(result["summary"]["stats"]) == 12
+
+
+def test_eval_only_on_saved_checkpoint(tiny_data, trained, tmp_path, capsys):
+    train = _tool("train")
+    code = train.main(["synthetic_tiny", f"data.root={tiny_data}", "--output-dir", str(tmp_path),
+                       "--eval-only", "--resume", str(trained / ckio.LAST), "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "AP50" in printed and "| circle |" in printed
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["bbox"]["stats"] == pytest.approx(_final_ap(trained), abs=1e-9)
+    assert isinstance(json.loads((tmp_path / "eval" / "results.json").read_text()), list)
+    assert not (tmp_path / ckio.LAST).exists()  # evaluation writes no checkpoint
+
+
+def test_eval_tool_uses_checkpoint_config(trained, tmp_path, capsys):
+    code = _tool("eval").main([str(trained / ckio.LAST), "--output-dir", str(tmp_path),
+                               "--no-progress"])
+    assert code == 0
+    assert "AP75" in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["bbox"]["stats"] == pytest.approx(_final_ap(trained), abs=1e-9)
+    assert {row["name"] for row in metrics["bbox"]["per_class"]} == {"circle", "square",
+                                                                     "triangle"}
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results and {"image_id", "category_id", "bbox", "score"} <= set(results[0])
+
+
+def test_eval_tool_reports_damaged_checkpoint(tmp_path, capsys):
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(b"not a checkpoint")
+    assert _tool("eval").main([str(bad), "--output-dir", str(tmp_path / "e")]) == 2
+    assert "bad.pth" in capsys.readouterr().err
+
+
+def test_predict_on_folder_writes_json_and_images(tiny_data, trained, tmp_path):
+    out = tmp_path / "pred"
+    code = _tool("predict").main([str(trained / ckio.LAST), str(tiny_data / "val"),
+                                  "--output-dir", str(out), "--score-threshold", "0",
+                                  "--device", "cpu"])
+    assert code == 0
+    detections = json.loads((out / "detections.json").read_text())
+    images = sorted((tiny_data / "val").glob("*.jpg"))
+    assert {d["file_name"] for d in detections} == {str(p) for p in images}
+    assert len(detections) == 4 * len(images)  # threshold 0 keeps every query
+    for d in detections:
+        assert d["category_name"] in {"circle", "square", "triangle"}
+        assert len(d["bbox"]) == 4 and 0.0 <= d["score"] <= 1.0
+    assert sorted(p.stem for p in out.glob("*.png")) == [p.stem for p in images]
+    # A glob selects a subset; a missing input is a clear error.
+    code = _tool("predict").main([str(trained / ckio.LAST), str(tiny_data / "val" / "000000.*"),
+                                  "--output-dir", str(tmp_path / "one"), "--no-draw"])
+    assert code == 0
+    assert not list((tmp_path / "one").glob("*.png"))
+    assert _tool("predict").main([str(trained / ckio.LAST), str(tmp_path / "nothing")]) == 2
