@@ -18,6 +18,9 @@ import torch.multiprocessing as mp
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
+from detr_irpe.config import DataConfig
+from detr_irpe.data import build_dataloader, build_dataset
+from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
 from detr_irpe.evaluation import STAT_NAMES, CocoEvaluator, evaluate_predictions
 
 NUM_IMAGES = 8
@@ -180,6 +183,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def loader_predictions(loader: Any) -> dict[int, dict]:
+    """Predictions made from the loader's own targets: boxes in original pixels, shifted."""
+    predictions = {}
+    for _, targets in loader:
+        for t in targets:
+            height, width = t["orig_size"].tolist()
+            cx, cy, w, h = (t["boxes"] * torch.tensor([width, height, width, height])).unbind(-1)
+            boxes = torch.stack((cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2), -1) + 2.0
+            predictions[int(t["image_id"])] = {
+                "boxes": boxes, "labels": t["labels"],
+                "scores": torch.linspace(0.9, 0.5, len(boxes)),
+            }
+    return predictions
+
+
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
@@ -192,23 +210,46 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
         evaluator = CocoEvaluator(coco)
         evaluator.update({i: predictions[i] for i in mine})
         evaluator.synchronize()
-        summary = evaluator.summarize()
+        out = {"manual": evaluator.summarize()}
+        # The real path: a distributed val loader over 5 images pads rank 1 with a repeat.
+        dataset = build_dataset(synthetic_config(Path(out_dir) / "data"), "val")
+        loader = build_dataloader(dataset, 2, train=False)
+        out["sampler"] = type(loader.sampler).__name__
+        evaluator = CocoEvaluator(dataset.coco)
+        evaluator.update(loader_predictions(loader))
+        evaluator.synchronize()
+        out["loader"] = evaluator.summarize()
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as handle:
-            pickle.dump(summary, handle)
+            pickle.dump(out, handle)
     finally:
         dist.destroy_process_group()
 
 
+def synthetic_config(root: Path) -> DataConfig:
+    return DataConfig(root=str(root), train_ann="annotations/instances_train.json",
+                      train_images="train", val_ann="annotations/instances_val.json",
+                      val_images="val", val_size=48, max_size=48)
+
+
 def test_gather_across_two_ranks_equals_one_rank(tmp_path: Path) -> None:
+    generate_dataset(tmp_path / "data", num_train=0, num_val=5, spec=SyntheticSpec(size=48))
     mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     coco = make_gt()
     single = evaluate_predictions(coco, gt_predictions(coco, shift=5.0))
+    dataset = build_dataset(synthetic_config(tmp_path / "data"), "val")
+    single_loader = evaluate_predictions(
+        dataset.coco, loader_predictions(build_dataloader(dataset, 2, train=False))
+    )
+    assert 0 < single_loader["AP"] < 1
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as handle:
-            summary: dict[str, Any] = pickle.load(handle)
-        assert summary["stats"] == single["stats"]
-        assert summary["per_class"] == single["per_class"]
-        assert summary["num_images"] == NUM_IMAGES
+            out: dict[str, Any] = pickle.load(handle)
+        assert out["manual"]["stats"] == single["stats"]
+        assert out["manual"]["per_class"] == single["per_class"]
+        assert out["manual"]["num_images"] == NUM_IMAGES
+        assert out["sampler"] == "DistributedEpochSampler"
+        assert out["loader"]["stats"] == single_loader["stats"]
+        assert out["loader"]["num_images"] == 5
 
 
 def test_synchronize_in_one_process_dedups_repeats() -> None:
