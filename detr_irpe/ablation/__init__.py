@@ -1,0 +1,55 @@
+"""iRPE ablations in one command: a grid of config overrides (x seeds), trained run
+by run through the normal training code, resumable, summarised as a paper-style table.
+
+    grid.py      the grid file: validation and expansion into runs
+    status.py    where a run stands, read from its folder; run-folder locks
+    schedule.py  launching the runs (python tools/train.py or torchrun), one after another
+    results.py   numbers of each run (log.txt) and one row per variant (mean ± std)
+    table.py     results.md, results.csv, runs.csv
+
+See docs/ablations.md and ``tools/ablate.py``.
+"""
+
+from detr_irpe.ablation.grid import Grid, GridError, RunSpec, Variant, load_grid
+from detr_irpe.ablation.results import (
+    RunResult,
+    VariantRow,
+    collect_run,
+    rpe_parameter_count,
+    step_time,
+    summarize,
+)
+from detr_irpe.ablation.schedule import GridReport, launch_command, prepare_data, run_grid
+from detr_irpe.ablation.status import RunState, run_state
+from detr_irpe.ablation.table import format_markdown, write_tables
+
+
+def collect_and_write(grid: Grid) -> tuple[list[VariantRow], dict]:
+    """Read every run folder of ``grid`` and (re)write its tables; returns (rows, paths)."""
+    results = [collect_run(run) for run in grid.runs]
+    rows = summarize(grid, results)
+    return rows, write_tables(grid, rows, results)
+
+
+__all__ = [
+    "Grid",
+    "GridError",
+    "GridReport",
+    "RunResult",
+    "RunSpec",
+    "RunState",
+    "Variant",
+    "VariantRow",
+    "collect_and_write",
+    "collect_run",
+    "format_markdown",
+    "launch_command",
+    "load_grid",
+    "prepare_data",
+    "rpe_parameter_count",
+    "run_grid",
+    "run_state",
+    "step_time",
+    "summarize",
+    "write_tables",
+]

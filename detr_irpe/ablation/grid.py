@@ -1,0 +1,375 @@
+"""Ablation grids: a YAML file that names a base config and the runs to make from it.
+
+A grid file (``configs/ablations/*.yaml``)::
+
+    name: methods                       # optional; the table's title
+    description: which bucket method    # optional; printed above the table
+    base: detr_r50_irpe                 # a config name in configs/ or a path
+    output_dir: outputs/ablations/methods
+    overrides: [train.epochs=150]       # common to every run
+    axes:                               # cartesian product of override values ...
+      model.rpe: [none, rpe-2.0-product-ctx-1-k, rpe-2.0-cross-ctx-1-k]
+      model.position_embedding: [sine, none]
+    variants:                           # ... and/or an explicit list (times the axes)
+      - name: product-ctx
+        overrides: [model.rpe=rpe-2.0-product-ctx-1-k]
+    seeds: [1, 2, 3]                    # sets train.seed; one run per seed
+    baseline: product-ctx               # the row the delta AP is taken against
+    launcher: local                     # local (python tools/train.py) | torchrun
+    nproc_per_node: 8                   # torchrun only
+    synthetic_data:                     # generate data.root with the synthetic generator
+      num_train: 2000                   # when its annotation files are missing
+      num_val: 200
+    _base_: other_grid.yaml             # optional: start from another grid file;
+                                        # top-level keys given here replace its keys
+
+Every run is ``base`` + ``overrides`` + the variant's overrides + ``train.seed``
++ ``train.output_dir=<output_dir>/<variant>/seed<k>``. :func:`load_grid` builds
+and validates the config of every run before anything starts, so a typo in an
+override fails at once, naming the grid file, the variant and the key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from detr_irpe.config import Config, ConfigError, load_config, parse_override, resolve_config_path
+
+GRID_KEYS = (
+    "name", "description", "base", "output_dir", "overrides", "axes", "variants", "seeds",
+    "baseline", "launcher", "nproc_per_node", "synthetic_data",
+)
+LAUNCHERS = ("local", "torchrun")
+VARIANT_KEYS = ("name", "overrides")
+SYNTHETIC_KEYS = ("num_train", "num_val", "seed")
+# Keys the grid sets itself for every run.
+_RESERVED = ("train.output_dir",)
+_SLUG = re.compile(r"[^A-Za-z0-9._+-]+")
+
+
+class GridError(ConfigError):
+    """A grid file, or one of the runs it describes, that the user has to fix."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the table: a name and the overrides that make it."""
+
+    name: str
+    overrides: tuple[str, ...]
+
+    @property
+    def slug(self) -> str:
+        """The variant's folder name."""
+        return _SLUG.sub("_", self.name).strip("_") or "variant"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run of a grid (a variant with one seed)."""
+
+    variant: Variant
+    seed: int
+    overrides: tuple[str, ...]  # everything on top of the base config, output_dir included
+    output_dir: Path
+    # Validated; ``model.num_classes`` may still be None. Not part of equality/hash.
+    config: Config = field(compare=False, hash=False)
+
+    @property
+    def key(self) -> str:
+        return f"{self.variant.name} / seed {self.seed}"
+
+
+@dataclass
+class Grid:
+    """A loaded, validated grid; ``runs`` in execution order (variant-major)."""
+
+    path: Path
+    name: str
+    description: str
+    base: Path
+    output_dir: Path
+    overrides: tuple[str, ...]
+    variants: list[Variant]
+    seeds: list[int]
+    baseline: str
+    launcher: str = "local"
+    nproc_per_node: int = 1
+    synthetic_data: dict[str, Any] | None = None
+    runs: list[RunSpec] = field(default_factory=list)
+
+    def runs_of(self, variant: Variant) -> list[RunSpec]:
+        return [r for r in self.runs if r.variant == variant]
+
+
+# ----------------------------------------------------------------------------- reading
+def _read_grid_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise GridError(f"{path}: _base_ chain loops back on itself")
+    if not path.is_file():
+        raise GridError(f"grid file {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise GridError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise GridError(f"{path}: the top level must be a mapping of grid keys "
+                        f"({', '.join(GRID_KEYS)})")
+    parent = data.pop("_base_", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise GridError(f"{path}: _base_ must be the path of another grid file, got {parent!r}")
+    merged = _read_grid_yaml(path.parent / parent, seen + (path,))
+    merged.update(data)  # top-level keys replace; no deep merge, so a grid reads on its own
+    return merged
+
+
+def _format_value(value: Any) -> str:
+    """An axis value as override text (parsed back as YAML by ``parse_override``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def _string_list(where: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise GridError(f"{where}: expected a list of 'section.key=value' strings, got {value!r}")
+    for text in value:
+        try:
+            parse_override(text)
+        except ConfigError as err:
+            raise GridError(f"{where}: {err}") from None
+    return tuple(value)
+
+
+def _check_reserved(where: str, overrides: Iterable[str], seeds_given: bool) -> None:
+    for text in overrides:
+        key = ".".join(parse_override(text)[0])
+        if key in _RESERVED:
+            raise GridError(f"{where}: {key} is set by the grid (output_dir/<variant>/seed<k>); "
+                            "set the grid's output_dir instead")
+        if key == "train.seed" and seeds_given:
+            raise GridError(f"{where}: train.seed is set by the grid's seeds list; "
+                            "remove it from the overrides")
+
+
+def _axis_variants(where: str, axes: Any) -> list[Variant]:
+    if not isinstance(axes, Mapping) or not axes:
+        raise GridError(f"{where}: axes must be a non-empty mapping of "
+                        "'section.key: [values]', e.g. model.rpe: [none, rpe-2.0-product-ctx-1-k]")
+    keys, values = [], []
+    for key, vals in axes.items():
+        if not isinstance(key, str) or len(key.split(".")) < 2:
+            raise GridError(f"{where}: axis {key!r} must be a config key 'section.key'")
+        if not isinstance(vals, list) or not vals:
+            raise GridError(f"{where}: axis {key}: expected a non-empty list of values, "
+                            f"got {vals!r}")
+        texts = [_format_value(v) for v in vals]
+        if len(set(texts)) != len(texts):
+            raise GridError(f"{where}: axis {key} lists a value twice: {texts}")
+        keys.append(key)
+        values.append(texts)
+    variants = []
+    for combo in itertools.product(*values):
+        if len(keys) == 1:
+            name = combo[0]
+        else:  # 'rpe=none,position_embedding=sine': a value alone can be ambiguous
+            name = ",".join(f"{k.split('.')[-1]}={v}" for k, v in zip(keys, combo))
+        variants.append(Variant(name, tuple(f"{k}={v}" for k, v in zip(keys, combo))))
+    return variants
+
+
+def _listed_variants(where: str, items: Any) -> list[Variant]:
+    if not isinstance(items, list) or not items:
+        raise GridError(f"{where}: variants must be a non-empty list of "
+                        "{name: ..., overrides: [...]}")
+    variants = []
+    for i, item in enumerate(items):
+        at = f"{where}: variants[{i}]"
+        if not isinstance(item, Mapping):
+            raise GridError(f"{at}: expected a mapping with keys name and overrides, got {item!r}")
+        unknown = sorted(set(item) - set(VARIANT_KEYS))
+        if unknown:
+            raise GridError(f"{at}: unknown key(s) {', '.join(map(str, unknown))}; "
+                            f"allowed: {', '.join(VARIANT_KEYS)}")
+        name = item.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise GridError(f"{at}: needs a non-empty string name")
+        variants.append(Variant(name.strip(), _string_list(f"{at} ({name})", item.get("overrides"))))
+    return variants
+
+
+def _combine(listed: list[Variant], axis: list[Variant]) -> list[Variant]:
+    if not listed:
+        return axis
+    if not axis:
+        return listed
+    return [Variant(f"{a.name},{b.name}", a.overrides + b.overrides) for a in listed for b in axis]
+
+
+def _seeds(where: str, value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in value)):
+        raise GridError(f"{where}: seeds must be a non-empty list of integers, got {value!r}")
+    if len(set(value)) != len(value):
+        raise GridError(f"{where}: seeds lists a seed twice: {value}")
+    return list(value)
+
+
+def _synthetic(where: str, value: Any) -> dict[str, Any] | None:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping):
+        raise GridError(f"{where}: synthetic_data must be true or a mapping "
+                        f"(keys {', '.join(SYNTHETIC_KEYS)} and SyntheticSpec fields)")
+    from detr_irpe.data.synthetic import SyntheticSpec
+
+    spec_keys = set(SyntheticSpec.__dataclass_fields__)
+    unknown = sorted(set(value) - set(SYNTHETIC_KEYS) - spec_keys)
+    if unknown:
+        raise GridError(f"{where}: synthetic_data: unknown key(s) {', '.join(unknown)}; allowed: "
+                        f"{', '.join(sorted(set(SYNTHETIC_KEYS) | spec_keys))}")
+    try:
+        SyntheticSpec(**{k: v for k, v in value.items() if k in spec_keys})
+    except (TypeError, ValueError) as err:
+        raise GridError(f"{where}: synthetic_data: {err}") from None
+    return dict(value)
+
+
+def _resolve_base(grid_path: Path, base: Any) -> Path:
+    if not isinstance(base, str) or not base:
+        raise GridError(f"{grid_path}: base must name a config (e.g. detr_r50_irpe or a path)")
+    beside = grid_path.parent / base
+    if beside.is_file():
+        return beside.resolve()
+    try:
+        return resolve_config_path(base).resolve()
+    except ConfigError as err:
+        raise GridError(f"{grid_path}: base: {err}") from None
+
+
+def load_grid(
+    path: str | Path,
+    extra_overrides: Sequence[str] = (),
+    output_dir: str | Path | None = None,
+) -> Grid:
+    """Read, expand and validate a grid file.
+
+    Args:
+        extra_overrides: appended to the grid's common overrides (command line).
+        output_dir: replaces the grid's ``output_dir``.
+
+    Raises:
+        GridError: naming the file and the key, variant or override that is wrong;
+            every run's config is built here, so bad overrides fail before any run.
+    """
+    path = Path(path)
+    data = _read_grid_yaml(path)
+    where = str(path)
+    unknown = sorted(set(data) - set(GRID_KEYS))
+    if unknown:
+        raise GridError(f"{where}: unknown grid key(s) {', '.join(map(str, unknown))}; "
+                        f"allowed: {', '.join(GRID_KEYS)}")
+    if "base" not in data:
+        raise GridError(f"{where}: missing 'base' (the config every run starts from)")
+    base = _resolve_base(path, data["base"])
+    seeds = _seeds(where, data.get("seeds"))
+    common = _string_list(f"{where}: overrides", data.get("overrides")) + _string_list(
+        "command-line overrides", list(extra_overrides))
+    _check_reserved(f"{where}: overrides", common, seeds is not None)
+
+    if "axes" not in data and "variants" not in data:
+        raise GridError(f"{where}: give 'axes' (override key -> list of values) and/or "
+                        "'variants' (list of {name, overrides})")
+    listed = _listed_variants(where, data["variants"]) if "variants" in data else []
+    axis = _axis_variants(where, data["axes"]) if "axes" in data else []
+    variants = _combine(listed, axis)
+    for v in variants:
+        # A variant's own seed would be overwritten by the grid's: always use seeds.
+        _check_reserved(f"{where}: variant {v.name!r}", v.overrides, True)
+    names = [v.name for v in variants]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise GridError(f"{where}: variant name(s) used twice: {', '.join(dupes)}")
+    slugs: dict[str, str] = {}
+    for v in variants:
+        if v.slug in slugs:
+            raise GridError(f"{where}: variants {slugs[v.slug]!r} and {v.name!r} map to the same "
+                            f"folder {v.slug!r}; rename one")
+        slugs[v.slug] = v.name
+
+    baseline = data.get("baseline", names[0])
+    if baseline not in names:
+        raise GridError(f"{where}: baseline {baseline!r} is not a variant; variants: "
+                        f"{', '.join(names)}")
+    launcher = data.get("launcher", "local")
+    if launcher not in LAUNCHERS:
+        raise GridError(f"{where}: launcher {launcher!r} is not allowed; choose one of "
+                        f"{', '.join(LAUNCHERS)}")
+    nproc = data.get("nproc_per_node", 1)
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise GridError(f"{where}: nproc_per_node must be a positive integer, got {nproc!r}")
+    if nproc > 1 and launcher != "torchrun":
+        raise GridError(f"{where}: nproc_per_node={nproc} needs launcher: torchrun")
+    out = output_dir if output_dir is not None else data.get("output_dir")
+    if not out or not isinstance(out, (str, Path)):
+        raise GridError(f"{where}: missing 'output_dir' (the folder of the grid's run folders)")
+    name = data.get("name") or path.stem
+    description = data.get("description") or ""
+
+    grid = Grid(
+        path=path, name=str(name), description=str(description).strip(), base=base,
+        output_dir=Path(out), overrides=common, variants=variants, seeds=seeds or [],
+        baseline=baseline, launcher=launcher, nproc_per_node=nproc,
+        synthetic_data=_synthetic(where, data.get("synthetic_data")),
+    )
+    grid.runs = _expand_runs(grid)
+    return grid
+
+
+def _expand_runs(grid: Grid) -> list[RunSpec]:
+    try:
+        base_cfg = load_config(grid.base, grid.overrides)
+    except ConfigError as err:
+        raise GridError(f"{grid.path}: base {grid.base} with the common overrides: {err}") from None
+    seeds = grid.seeds or [base_cfg.train.seed]
+    grid.seeds = seeds
+    runs = []
+    for variant in grid.variants:
+        for seed in seeds:
+            out = grid.output_dir / variant.slug / f"seed{seed}"
+            overrides = (*grid.overrides, *variant.overrides, f"train.seed={seed}",
+                         f"train.output_dir={out}")
+            try:
+                cfg = load_config(grid.base, overrides)
+            except ConfigError as err:
+                raise GridError(f"{grid.path}: variant {variant.name!r}: {err}") from None
+            runs.append(RunSpec(variant, seed, overrides, out, cfg))
+    return runs
+
+
+__all__ = ["GRID_KEYS", "LAUNCHERS", "Grid", "GridError", "RunSpec", "Variant", "load_grid"]

@@ -1,0 +1,193 @@
+"""Numbers of the runs of a grid, read from their folders, and one row per variant.
+
+Per run (from ``log.txt`` of the engine):
+
+- the 12 COCOeval numbers of the **last** epoch's evaluation (what papers report;
+  not the best epoch). COCOeval writes -1 for a size range without objects;
+  that becomes NaN here and ``n/a`` in the table.
+- training step time: for each logged epoch ``train_time / (iterations done in
+  that epoch)``, the median over epochs (robust to the first epoch's warm-up and
+  to an epoch cut short by a resume). It covers the data loading, forward,
+  backward and optimizer step of one iteration, not the evaluation.
+
+Per variant: parameters added by RPE (the ``rpe_*`` tables of the encoder; counted
+on a transformer built from the run's config, so it needs no training), and mean
+and sample standard deviation over the finished seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from detr_irpe.ablation.grid import Grid, RunSpec, Variant
+from detr_irpe.ablation.status import (
+    RunState,
+    final_evaluation,
+    read_log,
+    read_status,
+    run_state,
+)
+from detr_irpe.config import Config
+
+STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl",
+              "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+TABLE_STATS = STAT_NAMES[:6]
+
+
+@dataclass
+class RunResult:
+    """What one run folder says."""
+
+    run: RunSpec
+    state: RunState
+    stats: dict[str, float] = field(default_factory=dict)  # final epoch, fractions (NaN: n/a)
+    epochs_done: int = 0
+    iterations: int = 0
+    step_time_s: float | None = None
+    n_parameters: int | None = None
+    wall_time_s: float | None = None
+    error: str = ""
+
+
+@dataclass
+class Aggregate:
+    """Mean and sample standard deviation (None with fewer than two values)."""
+
+    mean: float
+    std: float | None
+    n: int
+
+
+@dataclass
+class VariantRow:
+    """One row of the ablation table."""
+
+    variant: Variant
+    rpe: str
+    position_embedding: str
+    rpe_parameters: int
+    runs: list[RunResult]
+    stats: dict[str, Aggregate | None]
+    step_time_ms: Aggregate | None
+    n_parameters: int | None
+    delta_ap: float | None = None  # points (AP in %) vs the baseline row
+    is_baseline: bool = False
+
+    @property
+    def finished(self) -> int:
+        return sum(r.state is RunState.FINISHED for r in self.runs)
+
+    @property
+    def failed(self) -> int:
+        return sum(r.state is RunState.FAILED for r in self.runs)
+
+    @property
+    def status(self) -> str:
+        n = len(self.runs)
+        if self.finished == n:
+            return "done"
+        parts = [f"{self.finished}/{n} done"]
+        for state in (RunState.FAILED, RunState.RUNNING, RunState.PARTIAL, RunState.PENDING,
+                      RunState.MISMATCH):
+            k = sum(r.state is state for r in self.runs)
+            if k:
+                parts.append(f"{k} {state.value}")
+        return ", ".join(parts)
+
+
+def step_time(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """Median over epochs of ``train_time / iterations of the epoch`` (seconds)."""
+    times = []
+    previous = 0
+    for record in sorted(records, key=lambda r: r.get("epoch", 0)):
+        iteration, train_time = record.get("iteration"), record.get("train_time")
+        if isinstance(iteration, int) and isinstance(train_time, (int, float)):
+            steps = iteration - previous
+            if steps > 0:
+                times.append(float(train_time) / steps)
+            previous = iteration
+    return statistics.median(times) if times else None
+
+
+def collect_run(run: RunSpec) -> RunResult:
+    state = run_state(run)
+    records = read_log(run.output_dir)
+    status = read_status(run.output_dir)
+    result = RunResult(run=run, state=state, error=str(status.get("error", "")))
+    if records:
+        last = max(records, key=lambda r: r.get("epoch", -1))
+        result.epochs_done = int(last.get("epoch", -1)) + 1
+        result.iterations = int(last.get("iteration", 0) or 0)
+        result.n_parameters = last.get("n_parameters")
+        result.step_time_s = step_time(records)
+    if isinstance(status.get("wall_time_total"), (int, float)):
+        result.wall_time_s = float(status["wall_time_total"])
+    final = final_evaluation(records, run.config.train.epochs)
+    if final is not None and state is RunState.FINISHED:
+        values = list(final["test_coco_eval_bbox"])
+        result.stats = {
+            name: (float(v) if v is not None and float(v) >= 0 else math.nan)
+            for name, v in zip(STAT_NAMES, values)
+        }
+    return result
+
+
+def rpe_parameter_count(cfg: Config) -> int:
+    """Parameters of the iRPE tables of the model ``cfg`` describes (0 without RPE)."""
+    from detr_irpe.models.build import build_transformer
+    from detr_irpe.models.checkpoint import is_rpe_key
+
+    transformer = build_transformer(cfg)
+    return sum(p.numel() for name, p in transformer.named_parameters() if is_rpe_key(name))
+
+
+def aggregate(values: Sequence[float]) -> Aggregate | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return None
+    std = statistics.stdev(values) if len(values) > 1 else None
+    return Aggregate(statistics.fmean(values), std, len(values))
+
+
+def summarize(grid: Grid, results: Sequence[RunResult] | None = None) -> list[VariantRow]:
+    """One row per variant, in grid order, with the delta AP against the baseline."""
+    if results is None:
+        results = [collect_run(run) for run in grid.runs]
+    rows = []
+    for variant in grid.variants:
+        runs = [r for r in results if r.run.variant == variant]
+        cfg = runs[0].run.config
+        done = [r for r in runs if r.state is RunState.FINISHED and r.stats]
+        stats = {name: aggregate([100.0 * r.stats[name] for r in done]) for name in TABLE_STATS}
+        steps = [1000.0 * r.step_time_s for r in done if r.step_time_s is not None]
+        params = [r.n_parameters for r in runs if r.n_parameters]
+        rows.append(VariantRow(
+            variant=variant, rpe=cfg.model.rpe, position_embedding=cfg.model.position_embedding,
+            rpe_parameters=rpe_parameter_count(cfg), runs=runs, stats=stats,
+            step_time_ms=aggregate(steps), n_parameters=params[0] if params else None,
+            is_baseline=variant.name == grid.baseline,
+        ))
+    baseline = next(r for r in rows if r.is_baseline)
+    base_ap = baseline.stats["AP"]
+    for row in rows:
+        if base_ap is not None and row.stats["AP"] is not None:
+            row.delta_ap = row.stats["AP"].mean - base_ap.mean
+    return rows
+
+
+__all__ = [
+    "STAT_NAMES",
+    "TABLE_STATS",
+    "Aggregate",
+    "RunResult",
+    "VariantRow",
+    "aggregate",
+    "collect_run",
+    "rpe_parameter_count",
+    "step_time",
+    "summarize",
+]

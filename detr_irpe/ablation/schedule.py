@@ -1,0 +1,316 @@
+"""Run the runs of a grid one after another, each as its own training process.
+
+Every run is ``python tools/train.py BASE OVERRIDES...`` (``launcher: local``)
+or ``python -m torch.distributed.run --standalone --nproc_per_node=N
+tools/train.py ...`` (``launcher: torchrun``): the same code and the same
+automatic resume as a hand-started training run, and a run that crashes or
+runs out of memory takes only itself down. Its console output goes to
+``<run folder>/ablation_output.log``.
+
+Finished runs are skipped (see :mod:`detr_irpe.ablation.status`), partial ones
+resume from their checkpoint, failed ones are recorded and skipped on later
+invocations unless ``retry_failed``. Each run folder is locked while it
+trains, so several schedulers may share one grid (e.g. one per GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from detr_irpe.ablation.grid import Grid, GridError, RunSpec
+from detr_irpe.ablation.status import (
+    OUTPUT_FILE,
+    RunLock,
+    RunState,
+    config_mismatch,
+    is_finished,
+    read_status,
+    run_state,
+    write_status,
+)
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_SCRIPT = ROOT / "tools" / "train.py"
+# Exit codes of tools/train.py.
+EXIT_MEANINGS = {2: "user error (config, data, checkpoint)", 3: "non-finite loss"}
+# How long a run gets to stop after SIGINT before it is killed.
+STOP_GRACE_S = 30.0
+
+
+@dataclass
+class GridReport:
+    """What one invocation of :func:`run_grid` did."""
+
+    done: list[RunSpec] = field(default_factory=list)  # trained to the end now
+    failed: list[RunSpec] = field(default_factory=list)  # launched now and failed
+    skipped_finished: list[RunSpec] = field(default_factory=list)
+    skipped_failed: list[RunSpec] = field(default_factory=list)  # failed before; not retried
+    busy: list[RunSpec] = field(default_factory=list)  # locked by another scheduler
+    not_started: list[RunSpec] = field(default_factory=list)  # left for later (max_runs)
+
+
+def launch_command(grid: Grid, run: RunSpec) -> list[str]:
+    """The command line that trains ``run`` (run from the current working directory)."""
+    if not TRAIN_SCRIPT.is_file():
+        raise GridError(f"{TRAIN_SCRIPT} not found: run the ablation tool from a source checkout")
+    args = [str(TRAIN_SCRIPT), str(grid.base), *run.overrides, "--no-progress"]
+    if grid.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={grid.nproc_per_node}", *args]
+    return [sys.executable, *args]
+
+
+def format_command(command: list[str]) -> str:
+    return shlex.join(command)
+
+
+# ----------------------------------------------------------------------------- data
+def prepare_data(grid: Grid) -> None:
+    """Make sure every run's annotation files exist; generate the synthetic dataset
+    (``detr_irpe.data.synthetic.generate_dataset``) when the grid asks for it.
+
+    Raises:
+        GridError: data missing and the grid has no ``synthetic_data``.
+    """
+    roots: dict[Path, RunSpec] = {}
+    for run in grid.runs:
+        roots.setdefault(Path(run.config.data.root), run)
+    for root, run in roots.items():
+        data = run.config.data
+        needed = [root / data.train_ann, root / data.val_ann]
+        missing = [p for p in needed if not p.is_file()]
+        if not missing:
+            continue
+        if grid.synthetic_data is None:
+            raise GridError(
+                f"{grid.path}: data of variant {run.variant.name!r} not found: "
+                f"{', '.join(map(str, missing))}; set data.root (e.g. as a command-line "
+                "override data.root=/path), or add 'synthetic_data:' to the grid to generate "
+                "the synthetic dataset there"
+            )
+        _generate_synthetic(grid, root, data)
+
+
+def _generate_synthetic(grid: Grid, root: Path, data) -> None:
+    from detr_irpe.data.synthetic import GeneratedDataset, SyntheticSpec, generate_dataset
+
+    layout = GeneratedDataset(root=root)
+    wanted = (layout.train_ann, layout.train_images, layout.val_ann, layout.val_images)
+    have = (data.train_ann, data.train_images, data.val_ann, data.val_images)
+    if wanted != have:
+        raise GridError(
+            f"{grid.path}: synthetic_data writes {', '.join(wanted)} under {root}, but the "
+            f"config reads {', '.join(have)}; point data.train_ann / val_ann / train_images / "
+            "val_images at the generator's layout"
+        )
+    options = dict(grid.synthetic_data or {})
+    num_train = int(options.pop("num_train", 2000))
+    num_val = int(options.pop("num_val", 200))
+    seed = int(options.pop("seed", 0))
+    logger.info("generating the synthetic dataset in %s (%d train + %d val images, seed %d)",
+                root, num_train, num_val, seed)
+    generate_dataset(root, num_train, num_val, SyntheticSpec(**options), seed=seed)
+
+
+# ----------------------------------------------------------------------------- one run
+def launch(command: list[str], output: Path | None) -> int:
+    """Run ``command`` to completion; its output appended to ``output`` (None: the console).
+
+    On KeyboardInterrupt / SystemExit the child is asked to stop (SIGINT; it
+    keeps its last checkpoint) and killed after a grace period; the exception
+    is re-raised.
+    """
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    sink = open(output, "a") if output is not None else None  # noqa: SIM115 - closed below
+    try:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT if sink else None,
+                                env=env)
+        try:
+            return proc.wait()
+        except BaseException:
+            _stop(proc)
+            raise
+    finally:
+        if sink is not None:
+            sink.close()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").rstrip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
+    """Train ``run`` (resuming whatever its folder holds); record the outcome in its
+    ``ablation_status.json``. Returns True when the run finished."""
+    folder = run.output_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    command = launch_command(grid, run)
+    previous = read_status(folder)
+    total_before = float(previous.get("wall_time_total", 0.0))
+    output = None if show_output else folder / OUTPUT_FILE
+    if output is not None:
+        with open(output, "a") as f:
+            f.write(f"\n$ {format_command(command)}\n")
+    write_status(folder, status="running", command=command, wall_time_total=total_before)
+    start = time.perf_counter()
+    returncode = launch(command, output)
+    wall = time.perf_counter() - start
+    finished = returncode == 0 and is_finished(run)
+    status = {
+        "status": "finished" if finished else "failed",
+        "returncode": returncode,
+        "wall_time": wall,
+        "wall_time_total": total_before + wall,
+        "command": command,
+    }
+    if returncode == 0 and not finished:
+        status["error"] = "exited 0 but log.txt lacks the last epoch's evaluation"
+    elif returncode != 0:
+        status["error"] = EXIT_MEANINGS.get(returncode, f"exit status {returncode}")
+    write_status(folder, **status)
+    if not finished:
+        where = output if output is not None else folder / "train.log"
+        tail = _tail(where)
+        logger.error("run %s failed (%s) after %.0f s; see %s%s", run.key, status["error"], wall,
+                     where, f":\n{tail}" if tail else "")
+    return finished
+
+
+# ----------------------------------------------------------------------------- the grid
+def grid_states(grid: Grid) -> list[tuple[RunSpec, RunState]]:
+    return [(run, run_state(run)) for run in grid.runs]
+
+
+def check_mismatches(grid: Grid) -> None:
+    """Raise when a run folder holds a run of another config (a renamed or edited variant)."""
+    problems = []
+    for run in grid.runs:
+        diff = config_mismatch(run)
+        if diff:
+            problems.append(f"  {run.output_dir}: " + "; ".join(diff[:5])
+                            + (f"; ... ({len(diff)} in all)" if len(diff) > 5 else ""))
+    if problems:
+        raise GridError(
+            "these run folders hold runs of a different config than the grid now describes "
+            "(edited overrides?); delete them, or rename the variants or output_dir:\n"
+            + "\n".join(problems)
+        )
+
+
+def run_grid(
+    grid: Grid,
+    *,
+    max_runs: int | None = None,
+    retry_failed: bool = False,
+    show_output: bool = False,
+    progress: bool = False,
+    after_run: Callable[[RunSpec, bool], None] | None = None,
+) -> GridReport:
+    """Train every run of ``grid`` that is not finished, one after another.
+
+    Args:
+        max_runs: launch at most this many runs now (the rest stay pending).
+        retry_failed: also relaunch runs whose last launch failed.
+        show_output: let the runs print to this console instead of their output file.
+        progress: a tqdm bar over the runs.
+        after_run: called with ``(run, finished)`` after each launched run (the tool
+            rewrites the tables there, so partial results are visible early).
+
+    Raises:
+        GridError: mismatched run folders or missing data, before anything starts.
+    """
+    check_mismatches(grid)
+    report = GridReport()
+    todo: list[RunSpec] = []
+    for run, state in grid_states(grid):
+        if state is RunState.FINISHED:
+            report.skipped_finished.append(run)
+        elif state is RunState.RUNNING:
+            report.busy.append(run)
+        elif state is RunState.FAILED and not retry_failed:
+            report.skipped_failed.append(run)
+        else:
+            todo.append(run)
+    logger.info(
+        "grid %s: %d runs; %d finished, %d to run%s%s", grid.name, len(grid.runs),
+        len(report.skipped_finished), len(todo),
+        f", {len(report.busy)} running elsewhere" if report.busy else "",
+        f", {len(report.skipped_failed)} failed before (not retried; --retry-failed)"
+        if report.skipped_failed else "",
+    )
+    if max_runs is not None and max_runs < len(todo):
+        report.not_started = todo[max_runs:]
+        todo = todo[:max_runs]
+    if todo:
+        prepare_data(grid)
+    bar = None
+    if progress and todo:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc=f"ablation {grid.name}", unit="run", dynamic_ncols=True)
+    try:
+        for i, run in enumerate(todo, 1):
+            lock = RunLock(run.output_dir)
+            if not lock.acquire():
+                logger.info("run %s is being trained by another process; skipping", run.key)
+                report.busy.append(run)
+                continue
+            try:
+                if is_finished(run):  # finished by another scheduler meanwhile
+                    report.skipped_finished.append(run)
+                    continue
+                logger.info("run %d/%d: %s -> %s", i, len(todo), run.key, run.output_dir)
+                start = time.perf_counter()
+                finished = execute_run(grid, run, show_output=show_output)
+            finally:
+                lock.release()
+            (report.done if finished else report.failed).append(run)
+            if finished:
+                logger.info("run %s finished in %.0f s", run.key, time.perf_counter() - start)
+            if after_run is not None:
+                after_run(run, finished)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return report
+
+
+__all__ = [
+    "GridReport",
+    "check_mismatches",
+    "execute_run",
+    "format_command",
+    "grid_states",
+    "launch",
+    "launch_command",
+    "prepare_data",
+    "run_grid",
+]

@@ -1,0 +1,172 @@
+"""The paper-style ablation table: ``results.md`` and ``results.csv`` (one row per
+variant) and ``runs.csv`` (one row per run) in the grid's output folder."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from detr_irpe.ablation.grid import Grid
+from detr_irpe.ablation.results import (
+    STAT_NAMES,
+    TABLE_STATS,
+    Aggregate,
+    RunResult,
+    VariantRow,
+)
+from detr_irpe.config import CONFIG_DIR
+
+RESULTS_MD = "results.md"
+RESULTS_CSV = "results.csv"
+RUNS_CSV = "runs.csv"
+
+
+def _pm(value: Aggregate | None, digits: int = 1) -> str:
+    if value is None:
+        return "n/a"
+    text = f"{value.mean:.{digits}f}"
+    if value.std is not None:
+        text += f" ± {value.std:.{digits}f}"
+    return text
+
+
+def _delta(row: VariantRow) -> str:
+    if row.is_baseline:
+        return "baseline"
+    if row.delta_ap is None:
+        return "n/a"
+    return f"{row.delta_ap:+.1f}"
+
+
+def _seeds(row: VariantRow) -> str:
+    return str(row.finished) if row.finished == len(row.runs) else f"{row.finished}/{len(row.runs)}"
+
+
+def _display_path(path: Path) -> str:
+    for root in (CONFIG_DIR.parent, Path.cwd()):
+        try:
+            return str(path.resolve().relative_to(root.resolve()))
+        except ValueError:
+            continue
+    return str(path)
+
+
+def format_markdown(grid: Grid, rows: Sequence[VariantRow]) -> str:
+    """The table with a short header saying what the numbers are."""
+    lines = [f"# Ablation: {grid.name}", ""]
+    if grid.description:
+        lines += [grid.description, ""]
+    seeds = ", ".join(map(str, grid.seeds))
+    lines.append(
+        f"Grid `{_display_path(grid.path)}`, base config `{_display_path(grid.base)}`, "
+        f"seeds {seeds}."
+        + (f" Common overrides: `{' '.join(grid.overrides)}`." if grid.overrides else "")
+    )
+    lines.append(
+        "COCO box AP / AP50 / AP75 / APs / APm / APl in % of the last epoch's evaluation, "
+        "mean ± sample std over the finished seeds; step = median training iteration time; "
+        f"Δ AP in points against `{grid.baseline}`; RPE params = parameters of the iRPE tables."
+    )
+    lines.append("")
+    show_status = any(r.status != "done" for r in rows)
+    header = ["variant", "rpe", "pos. emb.", "seeds", "RPE params", "step (ms)",
+              *TABLE_STATS, "Δ AP"] + (["status"] if show_status else [])
+    align = ["---", "---", "---", "--:", "--:", "--:"] + ["--:"] * (len(TABLE_STATS) + 1) + (
+        ["---"] if show_status else [])
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "|".join(align) + "|")
+    for row in rows:
+        cells = [
+            f"**{row.variant.name}**" if row.is_baseline else row.variant.name,
+            f"`{row.rpe}`", row.position_embedding, _seeds(row), f"{row.rpe_parameters:,}",
+            _pm(row.step_time_ms, 0), *(_pm(row.stats[name]) for name in TABLE_STATS),
+            _delta(row),
+        ]
+        if show_status:
+            cells.append(row.status)
+        lines.append("| " + " | ".join(cells) + " |")
+    failed = [r for row in rows for r in row.runs if r.error and r.state.value == "failed"]
+    if failed:
+        lines += ["", "Failed runs:", ""]
+        lines += [f"- {r.run.key}: {r.error} (`{r.run.output_dir}`)" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f"{value:.{digits}f}"
+
+
+def format_results_csv(rows: Sequence[VariantRow]) -> str:
+    header = ["variant", "rpe", "position_embedding", "is_baseline", "status", "seeds_finished",
+              "seeds_total", "rpe_parameters", "n_parameters", "step_time_ms_mean",
+              "step_time_ms_std"]
+    for name in TABLE_STATS:
+        header += [f"{name}_mean", f"{name}_std"]
+    header.append("delta_AP")
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    for row in rows:
+        values = [row.variant.name, row.rpe, row.position_embedding, int(row.is_baseline),
+                  row.status, row.finished, len(row.runs), row.rpe_parameters,
+                  row.n_parameters if row.n_parameters is not None else "",
+                  _num(row.step_time_ms.mean if row.step_time_ms else None, 2),
+                  _num(row.step_time_ms.std if row.step_time_ms else None, 2)]
+        for name in TABLE_STATS:
+            agg = row.stats[name]
+            values += [_num(agg.mean if agg else None, 2), _num(agg.std if agg else None, 2)]
+        values.append(_num(row.delta_ap, 2))
+        writer.writerow(values)
+    return buf.getvalue()
+
+
+def format_runs_csv(results: Sequence[RunResult]) -> str:
+    header = ["variant", "seed", "state", "output_dir", "epochs_done", "iterations",
+              "step_time_ms", "wall_time_s", *STAT_NAMES, "error"]
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    for r in results:
+        writer.writerow([
+            r.run.variant.name, r.run.seed, r.state.value, str(r.run.output_dir), r.epochs_done,
+            r.iterations, _num(1000 * r.step_time_s if r.step_time_s is not None else None, 2),
+            _num(r.wall_time_s, 1), *(_num(r.stats.get(n)) for n in STAT_NAMES), r.error,
+        ])
+    return buf.getvalue()
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_tables(grid: Grid, rows: Sequence[VariantRow],
+                 results: Sequence[RunResult]) -> dict[str, Path]:
+    """Write ``results.md``, ``results.csv`` and ``runs.csv`` to the grid's output folder."""
+    grid.output_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "markdown": grid.output_dir / RESULTS_MD,
+        "csv": grid.output_dir / RESULTS_CSV,
+        "runs": grid.output_dir / RUNS_CSV,
+    }
+    _write(paths["markdown"], format_markdown(grid, rows))
+    _write(paths["csv"], format_results_csv(rows))
+    _write(paths["runs"], format_runs_csv(results))
+    return paths
+
+
+__all__ = [
+    "RESULTS_CSV",
+    "RESULTS_MD",
+    "RUNS_CSV",
+    "format_markdown",
+    "format_results_csv",
+    "format_runs_csv",
+    "write_tables",
+]
