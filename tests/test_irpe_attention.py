@@ -9,6 +9,15 @@ from torch import nn
 
 from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig, gather_buckets, scatter_buckets
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add spin-wait overhead on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 METHODS = ["euc", "quant", "cross", "product"]
 CASES = [
     (method, mode, on, shared)
@@ -55,7 +64,8 @@ def _check_against_reference(module: IRPEMultiheadAttention, hw, batch=2, atol=1
     ref_grads = torch.autograd.grad(
         (ref_out * grad_out).sum(), [query, value, *params.values()], allow_unused=True
     )
-    for need_weights in (False, True):
+    for need_weights, sdpa in ((False, True), (False, False), (True, None)):
+        module.prefer_sdpa = sdpa
         out, w = module(query, query, value, hw, key_padding_mask=mask, need_weights=need_weights)
         torch.testing.assert_close(out, ref_out, atol=atol, rtol=1e-7)
         if need_weights:
@@ -130,7 +140,11 @@ def test_sdpa_path_equals_explicit_path_float32() -> None:
     module = IRPEMultiheadAttention(64, 4, rpe="rpe-2.0-product-ctx-0-qk").eval()
     _randomise_tables(module)
     query, value, mask = _inputs(2, 30, 64, torch.float32)
+    with torch.no_grad():  # the automatic choice: SDPA without gradients, explicit with
+        auto, _ = module(query, query, value, (5, 6), key_padding_mask=mask)
+    module.prefer_sdpa = True
     fast, _ = module(query, query, value, (5, 6), key_padding_mask=mask)
+    torch.testing.assert_close(fast, auto)
     slow, _ = module(query, query, value, (5, 6), key_padding_mask=mask, need_weights=True)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
     g_fast = torch.autograd.grad(fast.sum(), [query, module.rpe_k.lookup_table_weight])

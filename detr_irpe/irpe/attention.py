@@ -65,6 +65,9 @@ class IRPEMultiheadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.dropout = float(dropout)
         self.rpe = parse_rpe(rpe)
+        # None: choose per call (see _use_sdpa); True / False: force SDPA or the explicit path
+        # whenever both are possible (they compute the same function)
+        self.prefer_sdpa: bool | None = None
 
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
         if bias:
@@ -152,17 +155,38 @@ class IRPEMultiheadAttention(nn.Module):
         return ids
 
     def _rpe_logits(
-        self, q_scaled: torch.Tensor, k_scaled: torch.Tensor, ids: torch.Tensor | None
+        self, q_scaled: torch.Tensor, k_scaled: torch.Tensor | None, ids: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """RPE-K + RPE-Q logits, broadcastable to ``(B, h, L, L)``, or None."""
+        """RPE-K + RPE-Q logits as a 3-D tensor ``(B * h, L, L)`` (ctx) or ``(Hh, L, L)`` (bias)."""
         out = None
         if self.rpe_k is not None:
             out = self.rpe_k.pair_term(q_scaled, ids)
         if self.rpe_q is not None:
             # (s k_j) . Wq[b(j, i)]: the RPE-K pattern with keys, transposed
             term = self.rpe_q.pair_term(k_scaled, ids).transpose(-2, -1)
-            out = term if out is None else out + term
+            out = term if out is None else out.add_(term)  # out: a fresh gather result
         return out
+
+    def _use_sdpa(self, bias: torch.Tensor | None, need_weights: bool) -> bool:
+        """Fused ``scaled_dot_product_attention`` or the explicit softmax path.
+
+        SDPA cannot return weights nor add RPE-V. On CPU, a mask that needs a gradient makes
+        SDPA fall back to its math kernel, which measured slower than the explicit path
+        (which updates the RPE logits buffer in place); there the explicit path is used.
+        """
+        if need_weights or self.rpe_v is not None:
+            return False
+        if self.prefer_sdpa is not None:
+            return self.prefer_sdpa
+        if bias is None or bias.device.type != "cpu":
+            return True
+        return not (torch.is_grad_enabled() and bias.requires_grad)
+
+    def _as_4d(self, logits: torch.Tensor, batch: int) -> torch.Tensor:
+        """``(B * h, L, L)`` -> ``(B, h, L, L)``; ``(Hh, L, L)`` -> ``(1, Hh, L, L)``."""
+        if logits.shape[0] == batch * self.num_heads:
+            return logits.unflatten(0, (batch, self.num_heads))
+        return logits.unsqueeze(0)
 
     # ------------------------------------------------------------------ API
     def forward(
@@ -189,35 +213,55 @@ class IRPEMultiheadAttention(nn.Module):
         """
         self._check(query, key, hw)
         batch, length, _ = query.shape
+        heads, bh = self.num_heads, batch * self.num_heads
+        if key_padding_mask is not None and key_padding_mask.shape != (batch, length):
+            raise ValueError(
+                f"key_padding_mask must be (B, L) = {(batch, length)}, "
+                f"got {tuple(key_padding_mask.shape)}"
+            )
         q, k, v = self._project(query, key, value)
         ids = self._bucket_ids(hw, query.device)
         scale = self.head_dim ** -0.5
-        q_scaled = q * scale
-        bias = self._rpe_logits(q_scaled, k * scale if self.rpe_q is not None else k, ids)
+        q_scaled = (q * scale).contiguous()
+        k_scaled = k * scale if self.rpe_q is not None else None
+        bias = self._rpe_logits(q_scaled, k_scaled, ids)
+        # Fresh full-size RPE logits (contextual q/k) absorb the padding and the content logits
+        # in place: on CPU each avoided (L, L) buffer saves a large allocation. In-place ops
+        # stay on 3-D base tensors (never on views) to avoid autograd's CopySlices.
+        full = bias is not None and bias.is_contiguous() and bias.shape[0] == bh
+        pad = None
         if key_padding_mask is not None:
-            if key_padding_mask.shape != (batch, length):
-                raise ValueError(
-                    f"key_padding_mask must be (B, L) = {(batch, length)}, "
-                    f"got {tuple(key_padding_mask.shape)}"
-                )
             # a large finite value instead of -inf: rows whose keys are all padding get
             # uniform weights instead of NaN; other rows are unchanged (exp underflows to 0)
             pad = torch.zeros(key_padding_mask.shape, dtype=q.dtype, device=q.device)
             pad = pad.masked_fill(key_padding_mask.bool(), torch.finfo(q.dtype).min / 2)
-            pad = pad[:, None, None, :]
-            bias = pad if bias is None else bias + pad
+            pad = pad[:, None, None, :]  # (B, 1, 1, L)
+            if full:
+                bias.add_(pad.expand(batch, heads, 1, length).reshape(bh, 1, length))
+                pad = None
+        bias3 = bias  # the 3-D base tensor, for in-place updates
+        if bias is not None:
+            bias = self._as_4d(bias, batch)
         dropout_p = self.dropout if self.training else 0.0
 
-        if self.rpe_v is None and not need_weights:
+        if self._use_sdpa(bias, need_weights):
+            mask = bias if pad is None else (pad if bias is None else bias + pad)
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale
             )
             weights = None
         else:
-            logits = torch.matmul(q_scaled, k.transpose(-2, -1))
-            if bias is not None:
-                logits = logits + bias
-            attn = torch.softmax(logits, dim=-1)
+            if full:
+                k3t = k.reshape(bh, length, self.head_dim).transpose(1, 2)
+                q3 = q_scaled.view(bh, length, self.head_dim)
+                logits = bias3.baddbmm_(q3, k3t)
+            else:
+                logits = torch.matmul(q_scaled, k.transpose(-2, -1))
+                if bias is not None:
+                    logits.add_(bias)
+                if pad is not None:
+                    logits.add_(pad)
+            attn = torch.softmax(logits, dim=-1).view(batch, heads, length, length)
             if dropout_p > 0.0:
                 attn = F.dropout(attn, p=dropout_p)
             out = torch.matmul(attn, v)
@@ -252,5 +296,7 @@ class IRPEMultiheadAttention(nn.Module):
         q_scaled, k_scaled = q * scale, k * scale
         content = torch.matmul(q_scaled, k.transpose(-2, -1))
         rpe = self._rpe_logits(q_scaled, k_scaled, self._bucket_ids(hw, query.device))
-        rpe = torch.zeros_like(content) if rpe is None else rpe.expand_as(content).clone()
+        if rpe is None:
+            return content, torch.zeros_like(content)
+        return content, self._as_4d(rpe, query.shape[0]).expand_as(content).clone()
         return content, rpe

@@ -52,7 +52,7 @@ class RPEEncoding(nn.Module):
             self.lookup_table_weight = nn.Parameter(torch.zeros(tables, head_dim, num_buckets))
 
     def pair_term(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``out[b, h, i, j] = x[b, h, i] . W[h, :, ids[i, j]]`` (ctx) or ``T[h, ids[i, j]]`` (bias).
+        """``out[b h, i, j] = x[b, h, i] . W[h, :, ids[i, j]]`` (ctx) or ``T[h, ids[i, j]]`` (bias).
 
         Args:
             x: ``(B, h, L, D)``, the scaled queries (RPE-K) or scaled keys (RPE-Q;
@@ -60,16 +60,22 @@ class RPEEncoding(nn.Module):
             ids: ``(L, L)`` bucket ids.
 
         Returns:
-            ``(B, h, L, L)`` in ctx mode, ``(1, Hh, L, L)`` in bias mode.
+            a fresh contiguous tensor, ``(B * h, L, L)`` in ctx mode, ``(Hh, L, L)`` in bias
+            mode (3-D so that callers can update it in place without autograd view
+            bookkeeping).
         """
         length = ids.shape[-1]
         if self.mode is Mode.BIAS:
             table = self.lookup_table_bias.to(x.dtype)
             scores = table[:, None, :].expand(table.shape[0], length, self.num_buckets)
-            return gather_buckets(scores, ids).unsqueeze(0)
-        # (B, h, L, D) @ (Hh, D, K) -> (B, h, L, K): the O(L K D) projection, then gather
-        scores = torch.matmul(x, self.lookup_table_weight.to(x.dtype))
-        return gather_buckets(scores, ids)
+            return gather_buckets(scores, ids)
+        table = self.lookup_table_weight.to(x.dtype)
+        if table.shape[0] == 1:  # shared: one (B h L, D) @ (D, K) product
+            scores = torch.matmul(x.reshape(-1, x.shape[-1]), table[0])
+        else:  # (B, h, L, D) @ (h, D, K) -> (B, h, L, K)
+            scores = torch.matmul(x, table)
+        # the O(L K D) projection is done; the gather is O(L^2)
+        return gather_buckets(scores.reshape(-1, length, self.num_buckets), ids)
 
     def value_term(self, attn: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``out[b, h, i] = sum_j attn[b, h, i, j] W[h, ids[i, j], :]`` (ctx, values).
@@ -104,7 +110,8 @@ class CrossRPEEncoding(nn.Module):
 
     def pair_term(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """As :meth:`RPEEncoding.pair_term` with ``ids`` of shape ``(2, L, L)`` (rows, cols)."""
-        return self.rp_rows.pair_term(x, ids[0]) + self.rp_cols.pair_term(x, ids[1])
+        rows, cols = self.rp_rows.pair_term(x, ids[0]), self.rp_cols.pair_term(x, ids[1])
+        return rows.add_(cols)  # both fresh, same shape
 
     def value_term(self, attn: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """As :meth:`RPEEncoding.value_term` with ``ids`` of shape ``(2, L, L)``."""

@@ -1,0 +1,69 @@
+"""The naive O(L^2 D) iRPE attention, for benchmarks only (the baseline of irpe.md section 5).
+
+Builds the ``(L, L, D)`` tensors of gathered table entries with plain advanced indexing,
+as a straightforward implementation of the paper's Eqs. 14-16 would. Same parameters and
+results as :class:`~detr_irpe.irpe.IRPEMultiheadAttention` (dropout off); never use it for
+training.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import IRPEMultiheadAttention
+from .config import Method, Mode
+
+__all__ = ["naive_irpe_attention"]
+
+
+def _tables(module: IRPEMultiheadAttention, target: str) -> list:
+    enc = getattr(module, f"rpe_{target}")
+    if enc is None:
+        return []
+    return [enc.rp_rows, enc.rp_cols] if module.rpe.method is Method.CROSS else [enc]
+
+
+def naive_irpe_attention(
+    module: IRPEMultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    hw: tuple[int, int],
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense-gather iRPE attention with the parameters of ``module``.
+
+    Args:
+        module: the attention module whose parameters are used.
+        query, key, value: ``(B, L, C)``.
+        hw: ``(H, W)``.
+        key_padding_mask: ``(B, L)`` bool, True = padding.
+
+    Returns:
+        ``(B, L, C)``.
+    """
+    module._check(query, key, hw)
+    b, n, c = query.shape
+    q, k, v = module._project(query, key, value)
+    scale = module.head_dim ** -0.5
+    ids = module._bucket_ids(hw, query.device)
+    id_maps = [] if ids is None else ([ids[0], ids[1]] if ids.dim() == 3 else [ids])
+    logits = torch.matmul(q * scale, k.transpose(-2, -1))
+    for target in "qk":
+        x = (q if target == "k" else k) * scale
+        for table, idm in zip(_tables(module, target), id_maps):
+            bucket = idm if target == "k" else idm.t()
+            if table.mode is Mode.BIAS:
+                logits = logits + table.lookup_table_bias[:, bucket].unsqueeze(0)
+                continue
+            emb = table.lookup_table_weight[:, :, bucket]  # (Hh, D, L, L)
+            eq = "bhid,hdij->bhij" if target == "k" else "bhjd,hdij->bhij"
+            logits = logits + torch.einsum(eq, x, emb.expand(module.num_heads, *emb.shape[1:]))
+    if key_padding_mask is not None:
+        logits = logits.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+    attn = torch.softmax(logits, dim=-1)
+    out = torch.matmul(attn, v)
+    for table, idm in zip(_tables(module, "v"), id_maps):
+        emb = table.lookup_table_weight[:, idm]  # (Hh, L, L, D)
+        out = out + torch.einsum("bhij,hijd->bhid", attn, emb.expand(module.num_heads, *emb.shape[1:]))
+    return module.out_proj(out.transpose(1, 2).reshape(b, n, c))
