@@ -229,7 +229,8 @@ def get_rng_state() -> dict[str, Any]:
     py_version, py_internal, py_gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # Only this process's GPU: get_rng_state_all() would open a context on every GPU.
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_initialized() else [],
         "numpy": {
             "kind": str(np_state[0]),
             "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
@@ -246,15 +247,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda") or []
     if cuda and torch.cuda.is_available():
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            logger.warning(
-                "checkpoint has CUDA RNG states for %d devices, this machine has %d; "
-                "CUDA RNG not restored",
-                len(cuda),
-                torch.cuda.device_count(),
-            )
+        torch.cuda.set_rng_state(cuda[0])  # the current device of this rank
     np_state = state["numpy"]
     np.random.set_state(
         (
