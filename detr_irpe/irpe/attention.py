@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .buckets import cached_bucket_ids, num_buckets
+from .buckets import cached_bucket_ids, cached_transposed_flat_ids, num_buckets
 from .config import RPEConfig, parse_rpe
 from .encodings import build_encoding
 
@@ -155,15 +155,22 @@ class IRPEMultiheadAttention(nn.Module):
         return ids
 
     def _rpe_logits(
-        self, q_scaled: torch.Tensor, k_scaled: torch.Tensor | None, ids: torch.Tensor | None
+        self,
+        q_scaled: torch.Tensor,
+        k_scaled: torch.Tensor | None,
+        ids: torch.Tensor | None,
+        hw: tuple[int, int],
     ) -> torch.Tensor | None:
-        """RPE-K + RPE-Q logits as a 3-D tensor ``(B * h, L, L)`` (ctx) or ``(Hh, L, L)`` (bias)."""
+        """RPE-K + RPE-Q logits, a fresh 3-D ``(B * h, L, L)`` (ctx) or ``(Hh, L, L)`` (bias)."""
         out = None
         if self.rpe_k is not None:
             out = self.rpe_k.pair_term(q_scaled, ids)
         if self.rpe_q is not None:
-            # (s k_j) . Wq[b(j, i)]: the RPE-K pattern with keys, transposed
-            term = self.rpe_q.pair_term(k_scaled, ids).transpose(-2, -1)
+            # (s k_j) . Wq[b(j, i)]: looked up directly in (i, j) order
+            flat_t = cached_transposed_flat_ids(
+                self.rpe.method, int(hw[0]), int(hw[1]), self.rpe.ratio, self.rpe.skip, ids.device
+            )
+            term = self.rpe_q.pair_term(k_scaled, ids, flat_t)
             out = term if out is None else out.add_(term)  # out: a fresh gather result
         return out
 
@@ -224,7 +231,7 @@ class IRPEMultiheadAttention(nn.Module):
         scale = self.head_dim ** -0.5
         q_scaled = (q * scale).contiguous()
         k_scaled = k * scale if self.rpe_q is not None else None
-        bias = self._rpe_logits(q_scaled, k_scaled, ids)
+        bias = self._rpe_logits(q_scaled, k_scaled, ids, hw)
         # Fresh full-size RPE logits (contextual q/k) absorb the padding and the content logits
         # in place: on CPU each avoided (L, L) buffer saves a large allocation. In-place ops
         # stay on 3-D base tensors (never on views) to avoid autograd's CopySlices.
@@ -295,7 +302,7 @@ class IRPEMultiheadAttention(nn.Module):
         scale = self.head_dim ** -0.5
         q_scaled, k_scaled = q * scale, k * scale
         content = torch.matmul(q_scaled, k.transpose(-2, -1))
-        rpe = self._rpe_logits(q_scaled, k_scaled, self._bucket_ids(hw, query.device))
+        rpe = self._rpe_logits(q_scaled, k_scaled, self._bucket_ids(hw, query.device), hw)
         if rpe is None:
             return content, torch.zeros_like(content)
         return content, self._as_4d(rpe, query.shape[0]).expand_as(content).clone()

@@ -14,7 +14,14 @@ import torch
 
 from .config import Method
 
-__all__ = ["bucket_ids", "cached_bucket_ids", "num_buckets", "piecewise_index"]
+__all__ = [
+    "bucket_ids",
+    "cached_bucket_ids",
+    "cached_transposed_flat_ids",
+    "num_buckets",
+    "piecewise_index",
+    "transposed_flat_ids",
+]
 
 
 def _method(method: Method | str) -> Method:
@@ -99,6 +106,43 @@ def _spatial_ids_on(
     method: Method, height: int, width: int, ratio: float, skip: int, device: torch.device
 ) -> torch.Tensor:
     return _spatial_ids(method, height, width, ratio, skip).to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def _transposed_flat_on(
+    method: Method, height: int, width: int, ratio: float, skip: int, device: torch.device
+) -> torch.Tensor:
+    ids = _spatial_ids_on(method, height, width, ratio, skip, device)
+    return transposed_flat_ids(ids, num_buckets(method, ratio, skip))
+
+
+def transposed_flat_ids(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Flat index of the transposed lookup: ``flat[..., i * L + j] = j * K + ids[..., j, i]``.
+
+    With it, ``scores.flatten(-2)[..., flat]`` is ``scores[..., j, ids[j, i]]`` at ``(i, j)``
+    (the RPE-Q pattern) directly in row-major ``(i, j)`` order.
+
+    Args:
+        ids: ``(L, L)`` or ``(2, L, L)`` bucket ids.
+        num_buckets: K.
+
+    Returns:
+        int64 ``(L * L,)`` or ``(2, L * L)``.
+    """
+    length = ids.shape[-1]
+    rows = torch.arange(length, device=ids.device) * num_buckets
+    return (ids.transpose(-2, -1) + rows).flatten(-2).contiguous()
+
+
+def cached_transposed_flat_ids(
+    method: Method | str, height: int, width: int, ratio: float, skip: int = 0,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Cached :func:`transposed_flat_ids` of :func:`bucket_ids` (do not modify in place)."""
+    method = _method(method)
+    _check_args(height, width, ratio, skip)
+    device = torch.device("cpu" if device is None else device)
+    return _transposed_flat_on(method, height, width, float(ratio), skip, device)
 
 
 def cached_bucket_ids(

@@ -11,9 +11,15 @@ import torch
 from torch import nn
 
 from .config import Method, Mode
-from .functional import gather_buckets, scatter_buckets
+from .functional import gather_buckets, gather_buckets_transposed, scatter_buckets
 
 __all__ = ["CrossRPEEncoding", "RPEEncoding", "build_encoding"]
+
+
+def _lookup(scores: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None) -> torch.Tensor:
+    if flat_t is None:
+        return gather_buckets(scores, ids)
+    return gather_buckets_transposed(scores, flat_t)
 
 
 class RPEEncoding(nn.Module):
@@ -51,13 +57,17 @@ class RPEEncoding(nn.Module):
         else:
             self.lookup_table_weight = nn.Parameter(torch.zeros(tables, head_dim, num_buckets))
 
-    def pair_term(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def pair_term(
+        self, x: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``out[b h, i, j] = x[b, h, i] . W[h, :, ids[i, j]]`` (ctx) or ``T[h, ids[i, j]]`` (bias).
 
         Args:
-            x: ``(B, h, L, D)``, the scaled queries (RPE-K) or scaled keys (RPE-Q;
-                the caller transposes the result).
+            x: ``(B, h, L, D)``, the scaled queries (RPE-K) or scaled keys (RPE-Q).
             ids: ``(L, L)`` bucket ids.
+            flat_t: for RPE-Q, the flat transposed ids (see
+                :func:`~detr_irpe.irpe.buckets.transposed_flat_ids`); the result is then
+                ``out[b h, i, j] = x[b, h, j] . W[h, :, ids[j, i]]``.
 
         Returns:
             a fresh contiguous tensor, ``(B * h, L, L)`` in ctx mode, ``(Hh, L, L)`` in bias
@@ -68,14 +78,14 @@ class RPEEncoding(nn.Module):
         if self.mode is Mode.BIAS:
             table = self.lookup_table_bias.to(x.dtype)
             scores = table[:, None, :].expand(table.shape[0], length, self.num_buckets)
-            return gather_buckets(scores, ids)
+            return _lookup(scores, ids, flat_t)
         table = self.lookup_table_weight.to(x.dtype)
         if table.shape[0] == 1:  # shared: one (B h L, D) @ (D, K) product
             scores = torch.matmul(x.reshape(-1, x.shape[-1]), table[0])
         else:  # (B, h, L, D) @ (h, D, K) -> (B, h, L, K)
             scores = torch.matmul(x, table)
         # the O(L K D) projection is done; the gather is O(L^2)
-        return gather_buckets(scores.reshape(-1, length, self.num_buckets), ids)
+        return _lookup(scores.reshape(-1, length, self.num_buckets), ids, flat_t)
 
     def value_term(self, attn: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``out[b, h, i] = sum_j attn[b, h, i, j] W[h, ids[i, j], :]`` (ctx, values).
@@ -108,9 +118,13 @@ class CrossRPEEncoding(nn.Module):
         self.rp_rows = RPEEncoding(*args)
         self.rp_cols = RPEEncoding(*args)
 
-    def pair_term(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """As :meth:`RPEEncoding.pair_term` with ``ids`` of shape ``(2, L, L)`` (rows, cols)."""
-        rows, cols = self.rp_rows.pair_term(x, ids[0]), self.rp_cols.pair_term(x, ids[1])
+    def pair_term(
+        self, x: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """As :meth:`RPEEncoding.pair_term`; ``ids`` ``(2, L, L)``, ``flat_t`` ``(2, L * L)``."""
+        ft = (None, None) if flat_t is None else (flat_t[0], flat_t[1])
+        rows = self.rp_rows.pair_term(x, ids[0], ft[0])
+        cols = self.rp_cols.pair_term(x, ids[1], ft[1])
         return rows.add_(cols)  # both fresh, same shape
 
     def value_term(self, attn: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

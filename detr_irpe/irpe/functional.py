@@ -3,50 +3,89 @@
 ``gather_buckets`` turns per-bucket scores ``(..., L, K)`` into pair scores ``(..., L, L)``
 (contextual RPE-Q/K and bias tables); ``scatter_buckets`` sums pair weights ``(..., L, L)``
 into per-bucket weights ``(..., L, K)`` (contextual RPE-V). Each is the other's backward, so
-both are ``torch.autograd.Function`` s built on the same two primitives.
+both are ``torch.autograd.Function`` s over the same primitives, which plain advanced
+indexing (whose backward is a slow ``index_put_`` with accumulation) is not.
+
+Choices measured on CPU (see docs/irpe.md): ``torch.gather`` / ``scatter_add_`` with an
+expanded (stride-0) index beat ``index_select`` / ``index_add_`` and sparse-matrix products
+for the plain lookup; the transposed lookup of RPE-Q uses ``index_select`` / ``index_add_``
+with a flat index, which avoids a strided transposed add and a transposed copy of the
+gradient. Half-precision sums are accumulated in float32, chunked to keep temporaries small.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_buckets", "scatter_buckets"]
+__all__ = ["gather_buckets", "gather_buckets_transposed", "scatter_buckets"]
+
+_HALF = (torch.float16, torch.bfloat16)
+_CHUNK_BYTES = 16 * 2**20  # float32 temporaries of half-precision sums stay below this
 
 
-def _gather(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    # out[..., i, j] = scores[..., i, ids[i, j]]
-    return torch.gather(scores, -1, ids.expand(*scores.shape[:-2], *ids.shape))
+def _chunks(rows: int, row_elems: int) -> list[slice]:
+    step = max(1, _CHUNK_BYTES // (4 * max(row_elems, 1)))
+    return [slice(start, start + step) for start in range(0, rows, step)]
 
 
-def _scatter(weights: torch.Tensor, ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    # out[..., i, k] = sum_{j: ids[i, j] = k} weights[..., i, j]
-    out = weights.new_zeros(*weights.shape[:-1], num_buckets)
-    return out.scatter_add_(-1, ids.expand(weights.shape), weights)
+def _lookup(scores: torch.Tensor, index: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``(N, L, K)`` -> ``(N, L, L)``; ``index``: ids ``(L, L)`` or flat transposed ``(L*L,)``."""
+    if transposed:
+        n, length, _ = scores.shape
+        out = scores.new_empty(n, length, length)  # a base tensor, not a view
+        torch.index_select(scores.reshape(n, -1), 1, index, out=out.view(n, -1))
+        return out
+    return torch.gather(scores, -1, index.expand(scores.shape[0], *index.shape))
+
+
+def _reduce(
+    weights: torch.Tensor, index: torch.Tensor, num_buckets: int, transposed: bool
+) -> torch.Tensor:
+    """``(N, L, L)`` -> ``(N, L, K)``, the adjoint of :func:`_lookup`."""
+    n, length, _ = weights.shape
+    acc = torch.float32 if weights.dtype in _HALF else weights.dtype
+    out = weights.new_zeros(n, length, num_buckets, dtype=acc)
+    parts = _chunks(n, length * length) if acc != weights.dtype else [slice(0, n)]
+    for part in parts:
+        w = weights[part].to(acc)
+        if transposed:
+            out[part].view(w.shape[0], -1).index_add_(1, index, w.reshape(w.shape[0], -1))
+        else:
+            out[part].scatter_add_(-1, index.expand(w.shape[0], *index.shape), w)
+    return out.to(weights.dtype)
 
 
 class _GatherBuckets(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.num_buckets = scores.shape[-1]
-        return _gather(scores, ids)
+    def forward(ctx, scores: torch.Tensor, index: torch.Tensor, transposed: bool) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.num_buckets, ctx.transposed = scores.shape[-1], transposed
+        return _lookup(scores, index, transposed)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (ids,) = ctx.saved_tensors
-        return _scatter(grad.contiguous(), ids, ctx.num_buckets), None
+        (index,) = ctx.saved_tensors
+        grad_scores = _ScatterBuckets.apply(grad, index, ctx.num_buckets, ctx.transposed)
+        return grad_scores, None, None
 
 
 class _ScatterBuckets(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weights: torch.Tensor, ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        return _scatter(weights, ids, num_buckets)
+    def forward(
+        ctx, weights: torch.Tensor, index: torch.Tensor, num_buckets: int, transposed: bool
+    ) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.transposed = transposed
+        return _reduce(weights.contiguous(), index, num_buckets, transposed)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (ids,) = ctx.saved_tensors
-        return _gather(grad.contiguous(), ids), None, None
+        (index,) = ctx.saved_tensors
+        return _GatherBuckets.apply(grad.contiguous(), index, ctx.transposed), None, None, None
+
+
+def _flat3(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, *x.shape[-2:])
 
 
 def gather_buckets(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -57,9 +96,27 @@ def gather_buckets(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         ids: ``(L, L)`` int64 bucket ids in ``[0, K)``.
 
     Returns:
-        ``(..., L, L)``; its backward scatter-adds into the ``K`` buckets.
+        a fresh contiguous ``(..., L, L)``; its backward scatter-adds into the K buckets.
     """
-    return _GatherBuckets.apply(scores, ids)
+    out = _GatherBuckets.apply(_flat3(scores), ids, False)
+    # no view when already 3-D: callers update the result in place (a view would make
+    # autograd add CopySlices bookkeeping and full copies in the backward)
+    return out if scores.dim() == 3 else out.view(*scores.shape[:-1], ids.shape[-1])
+
+
+def gather_buckets_transposed(scores: torch.Tensor, flat_t: torch.Tensor) -> torch.Tensor:
+    """The RPE-Q lookup in row-major order: ``out[..., i, j] = scores[..., j, ids[j, i]]``.
+
+    Args:
+        scores: ``(..., L, K)`` float.
+        flat_t: ``(L * L,)`` from :func:`~detr_irpe.irpe.buckets.transposed_flat_ids`.
+
+    Returns:
+        a fresh contiguous ``(..., L, L)``, equal to ``gather_buckets(scores, ids).mT``.
+    """
+    length = scores.shape[-2]
+    out = _GatherBuckets.apply(_flat3(scores), flat_t, True)
+    return out if scores.dim() == 3 else out.view(*scores.shape[:-1], length)
 
 
 def scatter_buckets(weights: torch.Tensor, ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
@@ -71,6 +128,7 @@ def scatter_buckets(weights: torch.Tensor, ids: torch.Tensor, num_buckets: int) 
         num_buckets: K.
 
     Returns:
-        ``(..., L, K)``; its backward gathers.
+        ``(..., L, K)`` (float32 accumulation for half inputs); its backward gathers.
     """
-    return _ScatterBuckets.apply(weights, ids, num_buckets)
+    out = _ScatterBuckets.apply(_flat3(weights), ids, num_buckets, False)
+    return out if weights.dim() == 3 else out.view(*weights.shape[:-1], num_buckets)
