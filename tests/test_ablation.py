@@ -1,0 +1,386 @@
+"""Ablation grids (tools/ablate.py, detr_irpe.ablation): a real two-run grid on a tiny
+dataset gives the table with the right rows and the numbers of the runs' logs; an
+interrupted grid resumes without retraining finished runs; bad grids fail at once."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from detr_irpe.ablation import (
+    GridError,
+    RunState,
+    collect_and_write,
+    load_grid,
+    prepare_data,
+    rpe_parameter_count,
+    run_grid,
+    run_state,
+    schedule,
+    step_time,
+)
+from detr_irpe.ablation.status import RunLock, config_mismatch, lock_holder
+from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import ablate  # noqa: E402  (tools/ablate.py)
+
+STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")
+
+
+def _write_grid(path: Path, **keys) -> Path:
+    path.write_text(yaml.safe_dump(keys, sort_keys=False))
+    return path
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _fake_log(run, stats_per_epoch: list[list[float] | None], *, iters: int = 10,
+              train_time: float = 1.0) -> None:
+    """log.txt as the engine writes it: one record per epoch, evaluated ones with stats."""
+    run.output_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for epoch, stats in enumerate(stats_per_epoch):
+        record = {"epoch": epoch, "train_loss": 1.0, "iteration": iters * (epoch + 1),
+                  "train_time": train_time, "epoch_time": train_time + 0.5,
+                  "n_parameters": 1234}
+        if stats is not None:
+            record["test_coco_eval_bbox"] = stats
+        lines.append(json.dumps(record))
+    (run.output_dir / "log.txt").write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ablation_data")
+    generate_dataset(root, num_train=8, num_val=4, spec=SyntheticSpec(size=64), seed=0)
+    return root
+
+
+# ----------------------------------------------------------------------------- real runs
+@pytest.fixture(scope="module")
+def trained_grid(tiny_data, tmp_path_factory):
+    """A two-run grid trained for real in two invocations: ``--max-runs 1`` (the grid
+    is 'interrupted' after its first run), then the plain command that finishes it."""
+    tmp = tmp_path_factory.mktemp("ablation_grid")
+    grid_file = _write_grid(
+        tmp / "grid.yaml", name="tiny", base="synthetic_tiny", output_dir=str(tmp / "out"),
+        overrides=[f"data.root={tiny_data}", "train.epochs=1", "train.num_threads=1"],
+        variants=[{"name": "none", "overrides": ["model.rpe=none"]},
+                  {"name": "product-ctx-k", "overrides": ["model.rpe=rpe-2.0-product-ctx-1-k"]}],
+        seeds=[7], baseline="none",
+    )
+    launched: list[list[str]] = []
+    real_launch = schedule.launch
+
+    def counting_launch(command, output):
+        launched.append(list(command))
+        return real_launch(command, output)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(schedule, "launch", counting_launch)
+        rc_first = ablate.main([str(grid_file), "--max-runs", "1", "--no-progress"])
+        grid = load_grid(grid_file)
+        states_between = [run_state(r) for r in grid.runs]
+        first_log = grid.runs[0].output_dir / "log.txt"
+        mtime_between = first_log.stat().st_mtime_ns
+        launches_first = len(launched)
+        rc_second = ablate.main([str(grid_file), "--no-progress"])
+        launches_second = len(launched) - launches_first
+        rc_third = ablate.main([str(grid_file), "--no-progress"])
+        launches_third = len(launched) - launches_first - launches_second
+    return {
+        "grid": grid, "grid_file": grid_file, "rcs": (rc_first, rc_second, rc_third),
+        "states_between": states_between, "launches": (launches_first, launches_second,
+                                                       launches_third),
+        "commands": launched, "first_log_mtime": (mtime_between, first_log.stat().st_mtime_ns),
+    }
+
+
+def test_interrupted_grid_resumes_without_rerunning(trained_grid) -> None:
+    assert trained_grid["rcs"] == (1, 0, 0)  # 1: a run was left for later
+    assert trained_grid["states_between"] == [RunState.FINISHED, RunState.PENDING]
+    # One launch per invocation, then none: the finished run is never retrained.
+    assert trained_grid["launches"] == (1, 1, 0)
+    first, second = trained_grid["commands"]
+    assert "model.rpe=none" in first and "model.rpe=rpe-2.0-product-ctx-1-k" in second
+    before, after = trained_grid["first_log_mtime"]
+    assert before == after
+    grid = trained_grid["grid"]
+    assert [run_state(r) for r in grid.runs] == [RunState.FINISHED, RunState.FINISHED]
+    for run in grid.runs:
+        status = json.loads((run.output_dir / "ablation_status.json").read_text())
+        assert status["status"] == "finished" and status["returncode"] == 0
+        assert not (run.output_dir / ".ablation.lock").exists()
+
+
+def test_two_run_grid_table_rows_and_numbers(trained_grid) -> None:
+    grid = trained_grid["grid"]
+    out = grid.output_dir
+    rows = _read_csv(out / "results.csv")
+    assert [r["variant"] for r in rows] == ["none", "product-ctx-k"]
+    assert [r["rpe"] for r in rows] == ["none", "rpe-2.0-product-ctx-1-k"]
+    assert [r["status"] for r in rows] == ["done", "done"]
+    assert [r["is_baseline"] for r in rows] == ["1", "0"]
+    # Tiny model: d_model 32, 4 heads -> D = 8; product at ratio 2.0 -> 81 buckets;
+    # one shared contextual table on keys in the single encoder layer.
+    assert [int(r["rpe_parameters"]) for r in rows] == [0, 8 * 81]
+    for row, run in zip(rows, grid.runs):
+        record = [json.loads(x) for x in (run.output_dir / "log.txt").read_text().splitlines()][-1]
+        assert record["epoch"] == 0
+        for name, value in zip(STATS, record["test_coco_eval_bbox"]):
+            expected = "" if value < 0 else f"{100 * value:.2f}"
+            assert row[f"{name}_mean"] == expected, name
+            assert row[f"{name}_std"] == ""  # one seed
+        step_ms = 1000 * record["train_time"] / record["iteration"]
+        assert float(row["step_time_ms_mean"]) == pytest.approx(step_ms, abs=0.01)
+        assert int(row["n_parameters"]) == record["n_parameters"]
+    ap = [float(r["AP_mean"]) for r in rows]
+    assert float(rows[1]["delta_AP"]) == pytest.approx(ap[1] - ap[0], abs=0.011)
+    runs = _read_csv(out / "runs.csv")
+    assert [(r["variant"], r["seed"], r["state"]) for r in runs] == [
+        ("none", "7", "finished"), ("product-ctx-k", "7", "finished")]
+    md = (out / "results.md").read_text()
+    assert "| **none** | `none` | sine | 1 | 0 |" in md
+    assert "| product-ctx-k | `rpe-2.0-product-ctx-1-k` | sine | 1 | 648 |" in md
+    header = next(x for x in md.splitlines() if x.startswith("| variant"))
+    assert "status" not in header  # every row done
+
+
+# ----------------------------------------------------------------------------- fake runs
+def _fake_grid(tmp_path: Path, tiny_data: Path, **extra) -> Path:
+    keys = dict(
+        base="synthetic_tiny", output_dir=str(tmp_path / "out"),
+        overrides=[f"data.root={tiny_data}", "train.epochs=2"],
+        axes={"model.rpe": ["none", "rpe-2.0-product-ctx-1-k"]}, seeds=[1, 2], baseline="none",
+    )
+    keys.update(extra)
+    return _write_grid(tmp_path / "grid.yaml", **keys)
+
+
+def test_mean_std_over_seeds_and_delta(tmp_path, tiny_data) -> None:
+    grid = load_grid(_fake_grid(tmp_path, tiny_data))
+    assert [r.key for r in grid.runs] == [
+        "none / seed 1", "none / seed 2",
+        "rpe-2.0-product-ctx-1-k / seed 1", "rpe-2.0-product-ctx-1-k / seed 2"]
+    aps = {0: 0.10, 1: 0.14, 2: 0.20, 3: 0.26}
+    for i, run in enumerate(grid.runs):
+        stats = [aps[i], 0.3, 0.2, -1.0, 0.1, 0.2] + [0.5] * 6
+        _fake_log(run, [None, stats], iters=10, train_time=2.0 + i)
+    rows, paths = collect_and_write(grid)
+    assert [r.status for r in rows] == ["done", "done"]
+    assert rows[0].stats["AP"].mean == pytest.approx(12.0)
+    assert rows[0].stats["AP"].std == pytest.approx(statistics.stdev([10.0, 14.0]))
+    assert rows[1].stats["AP"].mean == pytest.approx(23.0)
+    assert rows[1].delta_ap == pytest.approx(11.0)
+    assert rows[0].stats["APs"] is None  # COCOeval's -1: no small objects
+    # epoch 0: 10 steps in 2+i s, epoch 1: 10 steps in 2+i s -> (2+i)/10 s per step
+    assert rows[0].step_time_ms.mean == pytest.approx(1000 * (2.5 / 10))
+    md = paths["markdown"].read_text()
+    assert "12.0 ± 2.8" in md and "+11.0" in md and "n/a" in md
+    csv_rows = _read_csv(paths["csv"])
+    assert csv_rows[1]["AP_mean"] == "23.00" and csv_rows[1]["delta_AP"] == "11.00"
+
+
+def test_step_time_is_the_median_over_epochs() -> None:
+    records = [{"epoch": 0, "iteration": 10, "train_time": 9.0},  # warm-up epoch
+               {"epoch": 1, "iteration": 20, "train_time": 1.0},
+               {"epoch": 2, "iteration": 30, "train_time": 1.2}]
+    assert step_time(records) == pytest.approx(0.12)
+    assert step_time([]) is None
+
+
+def test_run_states_from_the_folder(tmp_path, tiny_data) -> None:
+    grid = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1]))
+    run = grid.runs[0]
+    assert run_state(run) is RunState.PENDING
+    _fake_log(run, [None])  # epoch 0 of 2 done: resumes
+    assert run_state(run) is RunState.PARTIAL
+    _fake_log(run, [None, None])  # the last epoch without evaluation is not finished
+    assert run_state(run) is RunState.PARTIAL
+    _fake_log(run, [None, [0.1] * 12])
+    assert run_state(run) is RunState.FINISHED
+    # A longer schedule in the grid makes the finished folder partial again (it resumes).
+    longer = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1],
+                                  overrides=[f"data.root={tiny_data}", "train.epochs=3"]))
+    assert run_state(longer.runs[0]) is RunState.PARTIAL
+
+
+def test_failed_run_is_recorded_and_the_grid_goes_on(tmp_path, tiny_data, monkeypatch) -> None:
+    grid = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1]))
+    launched = []
+
+    def fake_launch(command, output):
+        out = Path(next(a for a in command if a.startswith("train.output_dir=")).split("=", 1)[1])
+        launched.append(out)
+        if "model.rpe=none" in command:
+            return 3  # tools/train.py: non-finite loss
+        run = next(r for r in grid.runs if r.output_dir == out)
+        _fake_log(run, [None, [0.2] * 12])
+        return 0
+
+    monkeypatch.setattr(schedule, "launch", fake_launch)
+    report = run_grid(grid)
+    assert [r.variant.name for r in report.failed] == ["none"]
+    assert [r.variant.name for r in report.done] == ["rpe-2.0-product-ctx-1-k"]
+    assert run_state(grid.runs[0]) is RunState.FAILED
+    rows, paths = collect_and_write(grid)
+    assert rows[0].status == "0/1 done, 1 failed" and rows[1].status == "done"
+    md = paths["markdown"].read_text()
+    assert "non-finite loss" in md and "0/1 done, 1 failed" in md
+    # Later invocations skip the failed run unless asked to retry it.
+    launched.clear()
+    report = run_grid(grid)
+    assert launched == [] and len(report.skipped_failed) == 1
+    run_grid(grid, retry_failed=True)
+    assert launched == [grid.runs[0].output_dir]
+
+
+def test_mismatched_run_folder_is_refused(tmp_path, tiny_data, monkeypatch) -> None:
+    grid = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1]))
+    run = grid.runs[0]
+    run.output_dir.mkdir(parents=True)
+    saved = run.config.to_dict()
+    saved["model"]["rpe"] = "rpe-1.9-cross-bias-0-k"  # the folder holds another experiment
+    saved["train"]["epochs"] = 5  # a different schedule alone would be fine
+    (run.output_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert config_mismatch(run) == ["model.rpe: 'rpe-1.9-cross-bias-0-k' -> 'none'"]
+    assert run_state(run) is RunState.MISMATCH
+    monkeypatch.setattr(schedule, "launch", lambda *a: pytest.fail("must not launch"))
+    with pytest.raises(GridError, match="model.rpe"):
+        run_grid(grid)
+
+
+def test_run_lock(tmp_path) -> None:
+    lock = RunLock(tmp_path)
+    assert lock.acquire()
+    assert lock_holder(tmp_path) is not None
+    assert not RunLock(tmp_path).acquire()
+    lock.release()
+    assert lock_holder(tmp_path) is None
+    # A lock left by a dead process on this host is stale and taken over.
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    import socket
+
+    (tmp_path / ".ablation.lock").write_text(f"{socket.gethostname()} {dead}\n")
+    assert lock_holder(tmp_path) is None
+    assert RunLock(tmp_path).acquire()
+
+
+def test_synthetic_data_is_generated_when_missing(tmp_path) -> None:
+    root = tmp_path / "synthetic"
+    grid_file = _write_grid(
+        tmp_path / "grid.yaml", base="synthetic_tiny", output_dir=str(tmp_path / "out"),
+        overrides=[f"data.root={root}"], axes={"model.rpe": ["none"]},
+        synthetic_data={"num_train": 2, "num_val": 1, "seed": 0, "size": 64},
+    )
+    prepare_data(load_grid(grid_file))
+    ann = json.loads((root / "annotations" / "instances_train.json").read_text())
+    assert len(ann["images"]) == 2
+    assert len(list((root / "val").glob("*.jpg"))) == 1
+    no_synth = _write_grid(tmp_path / "g2.yaml", base="synthetic_tiny",
+                           output_dir=str(tmp_path / "out2"),
+                           overrides=[f"data.root={tmp_path / 'missing'}"],
+                           axes={"model.rpe": ["none"]})
+    with pytest.raises(GridError, match="not found.*data.root"):
+        prepare_data(load_grid(no_synth))
+
+
+def test_torchrun_launch_command(tmp_path, tiny_data) -> None:
+    grid = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1], launcher="torchrun",
+                                nproc_per_node=4))
+    command = schedule.launch_command(grid, grid.runs[0])
+    assert command[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=4"]
+    assert command[5].endswith("tools/train.py") and command[-1] == "--no-progress"
+    assert f"train.output_dir={grid.runs[0].output_dir}" in command
+
+
+def test_axes_times_variants_and_names(tmp_path, tiny_data) -> None:
+    grid = load_grid(_fake_grid(
+        tmp_path, tiny_data, seeds=[1], baseline="a,position_embedding=sine,lr=0.0001",
+        variants=[{"name": "a", "overrides": ["model.rpe=none"]},
+                  {"name": "b", "overrides": ["model.rpe=rpe-2.0-cross-bias-0-k"]}],
+        axes={"model.position_embedding": ["sine", "none"], "train.lr": [1.0e-4]},
+    ))
+    assert [v.name for v in grid.variants] == [
+        "a,position_embedding=sine,lr=0.0001", "a,position_embedding=none,lr=0.0001",
+        "b,position_embedding=sine,lr=0.0001", "b,position_embedding=none,lr=0.0001",
+    ]
+    cfgs = [r.config for r in grid.runs]
+    assert [(c.model.rpe, c.model.position_embedding) for c in cfgs] == [
+        ("none", "sine"), ("none", "none"),
+        ("rpe-2.0-cross-bias-0-k", "sine"), ("rpe-2.0-cross-bias-0-k", "none")]
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"axes": {"model.rpe": ["none"]}, "bogus": 1}, "unknown grid key.*bogus"),
+    ({"variants": [{"name": "x", "overrides": ["model.rpee=none"]}]},
+     "variant 'x'.*model.rpee"),
+    ({"axes": {"model.rpe": ["none", "rpe-2.0-product-bias-1-v"]}},
+     "variant 'rpe-2.0-product-bias-1-v'.*model.rpe"),
+    ({"axes": {"model.rpe": ["none"]}, "baseline": "nope"}, "baseline 'nope' is not a variant"),
+    ({"axes": {"model.rpe": ["none"]}, "seeds": [1, "two"]}, "seeds must be"),
+    ({"axes": {"model.rpe": ["none"]}, "seeds": [1, 1]}, "seed twice"),
+    ({"axes": {"model.rpe": ["none"]}, "overrides": ["train.output_dir=x"]},
+     "train.output_dir is set by the grid"),
+    ({"axes": {"model.rpe": ["none"]}, "seeds": [1], "overrides": ["train.seed=3"]},
+     "train.seed is set by the grid"),
+    ({"axes": {"model.rpe": ["none"]}, "overrides": ["model.rpe"]}, "section.key=value"),
+    ({}, "give 'axes'"),
+    ({"axes": {"rpe": ["none"]}}, "axis 'rpe' must be a config key"),
+    ({"axes": {"model.rpe": []}}, "non-empty list"),
+    ({"variants": [{"name": "a"}, {"name": "a"}]}, "used twice: a"),
+    ({"variants": [{"name": "a", "overide": []}]}, r"variants\[0\]: unknown key"),
+    ({"axes": {"model.rpe": ["none"]}, "launcher": "slurm"}, "launcher 'slurm'"),
+    ({"axes": {"model.rpe": ["none"]}, "nproc_per_node": 2}, "needs launcher: torchrun"),
+    ({"axes": {"model.rpe": ["none"]}, "base": "no_such_config"}, "base:.*not found"),
+    ({"axes": {"model.rpe": ["none"]}, "synthetic_data": {"colour": 1}},
+     "synthetic_data: unknown key"),
+])
+def test_bad_grids_fail_with_the_key_named(tmp_path, keys, message) -> None:
+    grid = {"base": "synthetic_tiny", "output_dir": str(tmp_path / "out"), **keys}
+    path = _write_grid(tmp_path / "bad.yaml", **grid)
+    with pytest.raises(GridError, match=message):
+        load_grid(path)
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_tool_reports_a_bad_grid(tmp_path, capsys) -> None:
+    path = _write_grid(tmp_path / "bad.yaml", base="synthetic_tiny", output_dir="x",
+                       axes={"model.rpe": ["rpe-2.0-product-ctx-1-w"]})
+    assert ablate.main([str(path), "--dry-run"]) == 2
+    assert "model.rpe" in capsys.readouterr().err
+
+
+def test_shipped_grids_load() -> None:
+    files = sorted((ROOT / "configs" / "ablations").glob("*.yaml"))
+    names = {f.stem for f in files}
+    for question in ("methods", "modes", "placement", "ratio", "absolute", "shared_head"):
+        assert question in names and f"demo_{question}" in names
+    for path in files:
+        grid = load_grid(path)
+        assert grid.runs, path
+        if path.stem.startswith("demo"):
+            assert grid.base.name == "synthetic_demo.yaml" and grid.launcher == "local"
+            assert grid.synthetic_data is not None
+        else:
+            assert grid.base.name == "detr_r50.yaml" and grid.launcher == "torchrun"
+    ratio = load_grid(ROOT / "configs" / "ablations" / "ratio.yaml")
+    # Product buckets per ratio (irpe.md): 49, 81, 121, 169; D = 32, shared, 6 layers.
+    assert [rpe_parameter_count(r.config) for r in ratio.runs] == [
+        6 * 32 * k for k in (49, 81, 121, 169)]
