@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
     parser.add_argument("--repeats", type=int, default=5, help="timed iterations per variant")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--naive-repeats", type=int, default=1,
+                        help="timed iterations of the slow naive variant (no warmup)")
+    parser.add_argument("--baseline", default="need_weights=True",
+                        help="the x columns are relative to the first variant containing this")
     parser.add_argument("--only", default=None,
                         help="only variants whose name contains this text (e.g. irpe, naive)")
     parser.add_argument("--skip-naive", action="store_true", help="leave out the naive variant")
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_benchmark(
         batch=args.batch, height=args.height, width=args.width, dim=args.dim, heads=args.heads,
         ratio=args.ratio, device=args.device, dtype=DTYPES[args.dtype], repeats=args.repeats,
-        warmup=args.warmup, include=include,
+        warmup=args.warmup, naive_repeats=args.naive_repeats, include=include,
         progress=lambda name: print(f"measuring {name} ...", file=sys.stderr, flush=True),
     )
     machine = (
@@ -66,14 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"B={args.batch}, {args.height}x{args.width} (L={args.height * args.width}), "
         f"C={args.dim}, heads={args.heads}, {args.dtype}, {args.device} ({machine}), "
-        f"torch {torch.__version__}, median of {args.repeats}"
+        f"torch {torch.__version__}, median of {args.repeats} (naive: {args.naive_repeats})"
     )
+    baseline = next((i for i, r in enumerate(results) if args.baseline in r.name), 0)
     print(header)
+    print(f"x columns relative to: {results[baseline].name}")
     print()
-    print(to_markdown(results))
+    print(to_markdown(results, baseline))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"setup": header, "results": [r.as_dict() for r in results]}, f, indent=2)
+            json.dump({"setup": header, "baseline": results[baseline].name,
+                       "results": [r.as_dict() for r in results]}, f, indent=2)
     return 0
 
 

@@ -1,6 +1,8 @@
 """Forward+backward time and memory of iRPE attention vs ``nn.MultiheadAttention``.
 
-Used by ``tools/benchmark_irpe.py``. Memory is reported two ways:
+Used by ``tools/benchmark_irpe.py``. Time is the median over repeats of the wall time and of
+the process CPU time (``time.process_time``, all threads; steadier than wall time on a
+shared machine). Memory is reported two ways:
 
 - ``saved_mib``: bytes of the distinct tensor storages autograd saves for the backward
   (collected with ``torch.autograd.graph.saved_tensors_hooks``), excluding parameters,
@@ -34,6 +36,7 @@ class BenchResult:
 
     name: str
     median_ms: float
+    cpu_ms: float
     saved_mib: float
     peak_mib: float | None
 
@@ -95,6 +98,7 @@ def run_benchmark(
     dtype: torch.dtype = torch.float32,
     repeats: int = 5,
     warmup: int = 1,
+    naive_repeats: int = 1,
     pad_fraction: float = 0.1,
     include: Callable[[str], bool] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -106,6 +110,7 @@ def run_benchmark(
         ratio: iRPE ratio of the product-method variants.
         device, dtype: where / how to run.
         repeats, warmup: timed and untimed iterations per variant.
+        naive_repeats: timed iterations of the (slow) naive variant, which gets no warmup.
         pad_fraction: fraction of key positions of the last image marked as padding.
         include: optional filter on variant names.
         progress: optional callback with the name of the variant being measured.
@@ -135,15 +140,17 @@ def run_benchmark(
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 
-        for _ in range(warmup):
+        naive = name.startswith("naive")
+        for _ in range(0 if naive else warmup):
             step()
         sync()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
+        times, cpu_times = [], []
+        for _ in range(naive_repeats if naive else repeats):
+            start, cpu_start = time.perf_counter(), time.process_time()
             step()
             sync()
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
         exclude = {p.untyped_storage().data_ptr() for p in module.parameters()}
         exclude |= {query.untyped_storage().data_ptr(), value.untyped_storage().data_ptr()}
         if isinstance(module, IRPEMultiheadAttention) and module.rpe is not None:
@@ -158,21 +165,25 @@ def run_benchmark(
         if dev.type == "cuda":
             sync()
             peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
-        results.append(BenchResult(name, 1e3 * statistics.median(times), saved / 2**20, peak))
+        results.append(BenchResult(
+            name, 1e3 * statistics.median(times), 1e3 * statistics.median(cpu_times),
+            saved / 2**20, peak,
+        ))
     return results
 
 
-def to_markdown(results: list[BenchResult]) -> str:
-    """A markdown table with times and memory relative to the first row."""
-    base = results[0]
+def to_markdown(results: list[BenchResult], baseline: int = 0) -> str:
+    """A markdown table; the ``x`` columns are relative to row ``baseline``."""
+    base = results[baseline]
     lines = [
-        "| variant | fwd+bwd ms (median) | x time | saved for bwd MiB | x saved | peak MiB |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| variant | wall ms | x wall | CPU ms | x CPU | saved MiB | x saved | peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         peak = "n/a (CPU)" if r.peak_mib is None else f"{r.peak_mib:.1f}"
         lines.append(
             f"| {r.name} | {r.median_ms:.1f} | {r.median_ms / base.median_ms:.2f} | "
+            f"{r.cpu_ms:.1f} | {r.cpu_ms / base.cpu_ms:.2f} | "
             f"{r.saved_mib:.1f} | {r.saved_mib / max(base.saved_mib, 1e-9):.2f} | {peak} |"
         )
     return "\n".join(lines)
