@@ -84,9 +84,9 @@ def trained_grid(tiny_data, tmp_path_factory):
     launched: list[list[str]] = []
     real_launch = schedule.launch
 
-    def counting_launch(command, output):
+    def counting_launch(command, output, **kwargs):
         launched.append(list(command))
-        return real_launch(command, output)
+        return real_launch(command, output, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(schedule, "launch", counting_launch)
@@ -221,7 +221,7 @@ def test_failed_run_is_recorded_and_the_grid_goes_on(tmp_path, tiny_data, monkey
     grid = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1]))
     launched = []
 
-    def fake_launch(command, output):
+    def fake_launch(command, output, **kwargs):
         out = Path(next(a for a in command if a.startswith("train.output_dir=")).split("=", 1)[1])
         launched.append(out)
         if "model.rpe=none" in command:

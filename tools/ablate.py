@@ -24,6 +24,7 @@ import argparse
 import logging
 import signal
 import sys
+import time
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides for every run, e.g. data.root=/data/coco")
     parser.add_argument("--output-dir", metavar="DIR", help="replaces the grid's output_dir")
+    parser.add_argument("--seeds", type=int, nargs="+", metavar="K",
+                        help="replace the grid's seeds, e.g. --seeds 1 2 3")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the grid, list its runs and their state; train nothing")
     parser.add_argument("--print-commands", action="store_true",
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --max-runs must be >= 0", file=sys.stderr)
         return 2
     try:
-        grid = load_grid(args.grid, args.overrides, args.output_dir)
+        grid = load_grid(args.grid, args.overrides, args.output_dir, args.seeds)
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -98,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         def after_run(run, finished):
             collect_and_write(grid)
 
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        start = time.perf_counter()
         try:
-            report = run_grid(grid, max_runs=args.max_runs, retry_failed=args.retry_failed,
-                              show_output=args.show_output, progress=not args.no_progress,
-                              after_run=after_run)
+            with logging_redirect_tqdm():  # log lines above the bar, not through it
+                report = run_grid(grid, max_runs=args.max_runs, retry_failed=args.retry_failed,
+                                  show_output=args.show_output, progress=not args.no_progress,
+                                  after_run=after_run)
         except GridError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -113,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, paths = collect_and_write(grid)
     print(format_markdown(grid, rows))
     print(f"tables: {paths['markdown']}  {paths['csv']}  {paths['runs']}")
+    if report is not None:
+        print(f"{len(report.done)} run(s) trained in {time.perf_counter() - start:.0f} s; "
+              f"{len(report.skipped_finished)} already finished")
     if report is not None and (report.failed or report.not_started or report.busy
                                or report.skipped_failed):
         print(f"{len(report.done)} runs trained now, {len(report.failed)} failed, "

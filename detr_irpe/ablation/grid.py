@@ -276,12 +276,14 @@ def load_grid(
     path: str | Path,
     extra_overrides: Sequence[str] = (),
     output_dir: str | Path | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> Grid:
     """Read, expand and validate a grid file.
 
     Args:
         extra_overrides: appended to the grid's common overrides (command line).
         output_dir: replaces the grid's ``output_dir``.
+        seeds: replace the grid's ``seeds``.
 
     Raises:
         GridError: naming the file and the key, variant or override that is wrong;
@@ -297,7 +299,7 @@ def load_grid(
     if "base" not in data:
         raise GridError(f"{where}: missing 'base' (the config every run starts from)")
     base = _resolve_base(path, data["base"])
-    seeds = _seeds(where, data.get("seeds"))
+    seeds = _seeds(where, list(seeds) if seeds is not None else data.get("seeds"))
     common = _string_list(f"{where}: overrides", data.get("overrides")) + _string_list(
         "command-line overrides", list(extra_overrides))
     _check_reserved(f"{where}: overrides", common, seeds is not None)

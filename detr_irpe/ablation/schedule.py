@@ -33,6 +33,7 @@ from detr_irpe.ablation.status import (
     RunState,
     config_mismatch,
     is_finished,
+    read_log,
     read_status,
     run_state,
     write_status,
@@ -46,6 +47,8 @@ TRAIN_SCRIPT = ROOT / "tools" / "train.py"
 EXIT_MEANINGS = {2: "user error (config, data, checkpoint)", 3: "non-finite loss"}
 # How long a run gets to stop after SIGINT before it is killed.
 STOP_GRACE_S = 30.0
+# How often a running run's log.txt is looked at for progress reports.
+POLL_S = 20.0
 
 
 @dataclass
@@ -124,8 +127,14 @@ def _generate_synthetic(grid: Grid, root: Path, data) -> None:
 
 
 # ----------------------------------------------------------------------------- one run
-def launch(command: list[str], output: Path | None) -> int:
+def launch(
+    command: list[str],
+    output: Path | None,
+    on_poll: Callable[[], None] | None = None,
+    poll_s: float = POLL_S,
+) -> int:
     """Run ``command`` to completion; its output appended to ``output`` (None: the console).
+    ``on_poll`` is called every ``poll_s`` seconds while it runs (progress reports).
 
     On KeyboardInterrupt / SystemExit the child is asked to stop (SIGINT; it
     keeps its last checkpoint) and killed after a grace period; the exception
@@ -137,7 +146,11 @@ def launch(command: list[str], output: Path | None) -> int:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT if sink else None,
                                 env=env)
         try:
-            return proc.wait()
+            while True:
+                try:
+                    return proc.wait(timeout=poll_s if on_poll is not None else None)
+                except subprocess.TimeoutExpired:
+                    on_poll()
         except BaseException:
             _stop(proc)
             raise
@@ -165,6 +178,28 @@ def _tail(path: Path, lines: int = 5) -> str:
     return "\n".join(text[-lines:])
 
 
+def _progress_reporter(run: RunSpec) -> Callable[[], None]:
+    """Logs each newly finished epoch of ``run`` (read from its log.txt)."""
+    seen = {"epoch": None}
+    epochs = run.config.train.epochs
+
+    def report() -> None:
+        records = read_log(run.output_dir)
+        if not records:
+            return
+        last = max(records, key=lambda r: r.get("epoch", -1))
+        epoch = int(last.get("epoch", -1))
+        if epoch == seen["epoch"]:
+            return
+        seen["epoch"] = epoch
+        stats = last.get("test_coco_eval_bbox")
+        logger.info("  %s: epoch %s/%d done (iteration %s, loss %.4f%s)", run.key, epoch + 1,
+                    epochs, last.get("iteration"), float(last.get("train_loss", float("nan"))),
+                    f", AP {100 * stats[0]:.1f}" if stats else "")
+
+    return report
+
+
 def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
     """Train ``run`` (resuming whatever its folder holds); record the outcome in its
     ``ablation_status.json``. Returns True when the run finished."""
@@ -179,7 +214,7 @@ def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
             f.write(f"\n$ {format_command(command)}\n")
     write_status(folder, status="running", command=command, wall_time_total=total_before)
     start = time.perf_counter()
-    returncode = launch(command, output)
+    returncode = launch(command, output, on_poll=_progress_reporter(run))
     wall = time.perf_counter() - start
     finished = returncode == 0 and is_finished(run)
     status = {
