@@ -7,7 +7,15 @@ import torch
 from irpe_reference import ref_attention, ref_bucket_ids
 from torch import nn
 
-from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig, gather_buckets, scatter_buckets
+from detr_irpe.irpe import (
+    IRPEMultiheadAttention,
+    RPEConfig,
+    gather_buckets,
+    gather_buckets_transposed,
+    scatter_buckets,
+)
+from detr_irpe.irpe.buckets import transposed_flat_ids
+from detr_irpe.irpe.naive import naive_irpe_attention
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -52,6 +60,7 @@ def _ref_ids(cfg: RPEConfig, height: int, width: int) -> torch.Tensor:
 
 
 def _check_against_reference(module: IRPEMultiheadAttention, hw, batch=2, atol=1e-10):
+    """Forward (all paths), weights, and gradients of inputs and all parameters."""
     cfg = module.rpe
     length = cfg.skip + hw[0] * hw[1]
     query, value, mask = _inputs(batch, length, module.embed_dim)
@@ -94,6 +103,33 @@ def test_matches_dense_reference_other_ratios(ratio: float) -> None:
     module = IRPEMultiheadAttention(16, 2, rpe=f"rpe-{ratio}-product-ctx-0-qkv").double().eval()
     _randomise_tables(module)
     _check_against_reference(module, (4, 5), batch=1)
+
+
+@pytest.mark.parametrize("rpe", ["rpe-1.9-product-bias-0-qk", "rpe-2.0-cross-ctx-0-q",
+                                 "rpe-2.0-euc-ctx-1-qkv"])
+def test_matches_dense_reference_batch_one(rpe: str) -> None:
+    # B = 1 makes per-head bias tables (h, L, L) look like full (B h, L, L) logits
+    module = IRPEMultiheadAttention(16, 2, rpe=rpe).double().eval()
+    _randomise_tables(module)
+    _check_against_reference(module, (3, 4), batch=1)
+
+
+def test_cross_with_two_extra_tokens() -> None:
+    cfg = RPEConfig(ratio=2.0, method="cross", mode="ctx", shared_head=False, rpe_on="qkv",
+                    skip=2)
+    module = IRPEMultiheadAttention(16, 2, rpe=cfg).double().eval()
+    _randomise_tables(module)
+    _check_against_reference(module, (2, 5))
+
+
+def test_naive_benchmark_baseline_matches_reference() -> None:
+    for rpe in ("rpe-2.0-product-ctx-0-qkv", "rpe-1.9-cross-bias-1-qk"):
+        module = IRPEMultiheadAttention(16, 2, rpe=rpe).double().eval()
+        _randomise_tables(module)
+        query, value, mask = _inputs(2, 12, 16)
+        fast, _ = module(query, query, value, (3, 4), key_padding_mask=mask)
+        naive = naive_irpe_attention(module, query, query, value, (3, 4), key_padding_mask=mask)
+        torch.testing.assert_close(naive, fast)
 
 
 def test_class_token_skip_outside_detr() -> None:
@@ -229,6 +265,23 @@ def test_gradcheck_gather_scatter() -> None:
         for j in range(4):
             dense[..., i, ids[i, j]] += weights[..., i, j].detach()
     torch.testing.assert_close(scatter_buckets(weights, ids, 5), dense)
+    # the transposed (RPE-Q) lookup
+    flat_t = transposed_flat_ids(ids, 5)
+    torch.testing.assert_close(gather_buckets_transposed(scores, flat_t),
+                               gather_buckets(scores, ids).transpose(-2, -1))
+    assert torch.autograd.gradcheck(lambda s: gather_buckets_transposed(s, flat_t), (scores,))
+    assert torch.autograd.gradgradcheck(lambda s: gather_buckets_transposed(s, flat_t),
+                                        (scores,))
+
+
+def test_half_precision_bucket_sums_accumulate_in_float32() -> None:
+    ids = torch.randint(0, 3, (300, 300))
+    weights = torch.rand(2, 300, 300)
+    ref = scatter_buckets(weights.double(), ids, 3)
+    low = scatter_buckets(weights.bfloat16(), ids, 3)
+    assert low.dtype == torch.bfloat16
+    # float32 sums rounded once to bf16: relative error within one bf16 ulp
+    torch.testing.assert_close(low.double(), ref, rtol=2**-8, atol=0)
 
 
 @pytest.mark.gpu
@@ -249,3 +302,17 @@ def test_cuda_matches_reference(dtype: torch.dtype) -> None:
         for need_weights in (False, True):
             out, _ = cuda(q, q, v, hw, key_padding_mask=mask.cuda(), need_weights=need_weights)
             torch.testing.assert_close(out.double().cpu(), ref.detach(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rpe", ["rpe-2.0-product-ctx-1-k", "rpe-2.0-product-ctx-0-qkv",
+                                 "rpe-1.9-quant-bias-0-qk"])
+def test_cpu_autocast_bfloat16(rpe: str) -> None:
+    module = IRPEMultiheadAttention(64, 4, rpe=rpe)
+    _randomise_tables(module, 0.2)
+    query, value, mask = _inputs(2, 30, 64, torch.float32)
+    ref, _ = module(query, query, value, (5, 6), key_padding_mask=mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = module(query, query, value, (5, 6), key_padding_mask=mask)
+    out.float().sum().backward()
+    torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=5e-2)
+    assert all(torch.isfinite(p.grad).all() for p in module.parameters())

@@ -8,7 +8,7 @@
 from .attention import IRPEMultiheadAttention
 from .buckets import bucket_ids, num_buckets, piecewise_index
 from .config import Method, Mode, RPEConfig, parse_rpe
-from .functional import gather_buckets, scatter_buckets
+from .functional import gather_buckets, gather_buckets_transposed, scatter_buckets
 
 __all__ = [
     "IRPEMultiheadAttention",
@@ -17,6 +17,7 @@ __all__ = [
     "RPEConfig",
     "bucket_ids",
     "gather_buckets",
+    "gather_buckets_transposed",
     "num_buckets",
     "parse_rpe",
     "piecewise_index",

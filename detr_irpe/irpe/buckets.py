@@ -33,6 +33,13 @@ def _method(method: Method | str) -> Method:
         ) from None
 
 
+def _device(device: torch.device | str | None) -> torch.device:
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and device.index is None:  # one cache entry per physical device
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _beta_int(ratio: float) -> int:
     return int(math.floor(2.0 * ratio))
 
@@ -76,10 +83,15 @@ def _check_args(height: int, width: int, ratio: float, skip: int) -> None:
         raise ValueError(f"skip must be a non-negative integer, got {skip!r}")
 
 
-@functools.lru_cache(maxsize=64)
-def _spatial_ids(method: Method, height: int, width: int, ratio: float, skip: int) -> torch.Tensor:
-    rows = torch.arange(height, dtype=torch.float64).repeat_interleave(width)
-    cols = torch.arange(width, dtype=torch.float64).repeat(height)
+# Small caches: within a training step all encoder layers share one feature-map size, while
+# multi-scale training changes it from step to step (L = 1000 is 8 MB of int64 ids).
+@functools.lru_cache(maxsize=8)
+def _spatial_ids(
+    method: Method, height: int, width: int, ratio: float, skip: int, device: torch.device
+) -> torch.Tensor:
+    # float64 on the target device: exact for the offsets and g of any realistic map
+    rows = torch.arange(height, dtype=torch.float64, device=device).repeat_interleave(width)
+    cols = torch.arange(width, dtype=torch.float64, device=device).repeat(height)
     dr = rows[:, None] - rows[None, :]  # query minus key
     dc = cols[:, None] - cols[None, :]
     beta_int = _beta_int(ratio)
@@ -95,24 +107,17 @@ def _spatial_ids(method: Method, height: int, width: int, ratio: float, skip: in
     if skip > 0:
         extra = num_buckets(method, ratio, skip) - 1
         n = skip + height * width
-        full = torch.full((*ids.shape[:-2], n, n), extra, dtype=torch.int64)
+        full = torch.full((*ids.shape[:-2], n, n), extra, dtype=torch.int64, device=device)
         full[..., skip:, skip:] = ids
         ids = full
     return ids.contiguous()
 
 
-@functools.lru_cache(maxsize=32)
-def _spatial_ids_on(
-    method: Method, height: int, width: int, ratio: float, skip: int, device: torch.device
-) -> torch.Tensor:
-    return _spatial_ids(method, height, width, ratio, skip).to(device)
-
-
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=8)
 def _transposed_flat_on(
     method: Method, height: int, width: int, ratio: float, skip: int, device: torch.device
 ) -> torch.Tensor:
-    ids = _spatial_ids_on(method, height, width, ratio, skip, device)
+    ids = _spatial_ids(method, height, width, ratio, skip, device)
     return transposed_flat_ids(ids, num_buckets(method, ratio, skip))
 
 
@@ -141,8 +146,7 @@ def cached_transposed_flat_ids(
     """Cached :func:`transposed_flat_ids` of :func:`bucket_ids` (do not modify in place)."""
     method = _method(method)
     _check_args(height, width, ratio, skip)
-    device = torch.device("cpu" if device is None else device)
-    return _transposed_flat_on(method, height, width, float(ratio), skip, device)
+    return _transposed_flat_on(method, height, width, float(ratio), skip, _device(device))
 
 
 def cached_bucket_ids(
@@ -157,8 +161,7 @@ def cached_bucket_ids(
     method = _method(method)
     _check_args(height, width, ratio, skip)
     ratio = float(ratio)
-    device = torch.device("cpu" if device is None else device)
-    ids = _spatial_ids_on(method, height, width, ratio, skip, device)
+    ids = _spatial_ids(method, height, width, ratio, skip, _device(device))
     return ids, num_buckets(method, ratio, skip)
 
 
