@@ -10,6 +10,7 @@ from torch import nn
 from detr_irpe.irpe import (
     IRPEMultiheadAttention,
     RPEConfig,
+    attend_values,
     gather_buckets,
     gather_buckets_transposed,
     scatter_buckets,
@@ -272,6 +273,26 @@ def test_gradcheck_gather_scatter() -> None:
     assert torch.autograd.gradcheck(lambda s: gather_buckets_transposed(s, flat_t), (scores,))
     assert torch.autograd.gradgradcheck(lambda s: gather_buckets_transposed(s, flat_t),
                                         (scores,))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_gradcheck_attend_values(shared: bool) -> None:
+    batch, heads, length, dim, k = 2, 2, 5, 3, 4
+    ids = torch.randint(0, k, (2, length, length))
+    attn = torch.rand(batch * heads, length, length, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch * heads, length, dim, dtype=torch.float64, requires_grad=True)
+    tables = [torch.randn(1 if shared else heads, k, dim, dtype=torch.float64,
+                          requires_grad=True) for _ in range(2)]
+
+    def fn(attn, v, w0, w1):
+        return attend_values(attn, v, [(ids[0], w0), (ids[1], w1)], heads)
+
+    assert torch.autograd.gradcheck(fn, (attn, v, *tables))
+    # definition, with dense per-pair sums
+    emb = sum(w.expand(heads, k, dim)[:, idm] for w, idm in zip(tables, ids))  # (h, L, L, D)
+    a4 = attn.view(batch, heads, length, length)
+    ref = a4 @ v.view(batch, heads, length, dim) + torch.einsum("bhij,hijd->bhid", a4, emb)
+    torch.testing.assert_close(fn(attn, v, *tables), ref.view(batch * heads, length, dim))
 
 
 def test_half_precision_bucket_sums_accumulate_in_float32() -> None:

@@ -8,13 +8,19 @@
 from .attention import IRPEMultiheadAttention
 from .buckets import bucket_ids, num_buckets, piecewise_index
 from .config import Method, Mode, RPEConfig, parse_rpe
-from .functional import gather_buckets, gather_buckets_transposed, scatter_buckets
+from .functional import (
+    attend_values,
+    gather_buckets,
+    gather_buckets_transposed,
+    scatter_buckets,
+)
 
 __all__ = [
     "IRPEMultiheadAttention",
     "Method",
     "Mode",
     "RPEConfig",
+    "attend_values",
     "bucket_ids",
     "gather_buckets",
     "gather_buckets_transposed",

@@ -23,6 +23,7 @@ from torch import nn
 from .buckets import cached_bucket_ids, cached_transposed_flat_ids, num_buckets
 from .config import RPEConfig, parse_rpe
 from .encodings import build_encoding
+from .functional import attend_values
 
 __all__ = ["IRPEMultiheadAttention"]
 
@@ -271,9 +272,15 @@ class IRPEMultiheadAttention(nn.Module):
             attn = torch.softmax(logits, dim=-1).view(batch, heads, length, length)
             if dropout_p > 0.0:
                 attn = F.dropout(attn, p=dropout_p)
-            out = torch.matmul(attn, v)
-            if self.rpe_v is not None:
-                out = out + self.rpe_v.value_term(attn, ids)
+            if self.rpe_v is None:
+                out = torch.matmul(attn, v)
+            else:
+                v3 = v.reshape(bh, length, self.head_dim)
+                a3 = attn.reshape(bh, length, length)
+                if a3.dtype != v3.dtype:  # autocast: softmax may have run in float32
+                    a3 = a3.to(v3.dtype)
+                out = attend_values(a3, v3, self.rpe_v.value_tables(ids), heads)
+                out = out.view(batch, heads, length, self.head_dim)
             weights = attn if need_weights else None
         out = out.transpose(1, 2).reshape(batch, length, self.embed_dim)
         return self.out_proj(out), weights

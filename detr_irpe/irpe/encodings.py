@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .config import Method, Mode
-from .functional import gather_buckets, gather_buckets_transposed, scatter_buckets
+from .functional import gather_buckets, gather_buckets_transposed
 
 __all__ = ["CrossRPEEncoding", "RPEEncoding", "build_encoding"]
 
@@ -87,18 +87,11 @@ class RPEEncoding(nn.Module):
         # the O(L K D) projection is done; the gather is O(L^2)
         return _lookup(scores.reshape(-1, length, self.num_buckets), ids, flat_t)
 
-    def value_term(self, attn: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``out[b, h, i] = sum_j attn[b, h, i, j] W[h, ids[i, j], :]`` (ctx, values).
-
-        Args:
-            attn: ``(B, h, L, L)`` attention weights (after dropout).
-            ids: ``(L, L)`` bucket ids.
-
-        Returns:
-            ``(B, h, L, D)``.
-        """
-        per_bucket = scatter_buckets(attn, ids, self.num_buckets)  # (B, h, L, K)
-        return torch.matmul(per_bucket, self.lookup_table_weight.to(attn.dtype))
+    def value_tables(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(ids (L, L), W (Hh, K, D))]`` for :func:`~detr_irpe.irpe.functional.attend_values`."""
+        if self.target != "v" or self.mode is not Mode.CTX:
+            raise RuntimeError("value_tables() is only defined for contextual value tables")
+        return [(ids, self.lookup_table_weight)]
 
 
 class CrossRPEEncoding(nn.Module):
@@ -127,9 +120,9 @@ class CrossRPEEncoding(nn.Module):
         cols = self.rp_cols.pair_term(x, ids[1], ft[1])
         return rows.add_(cols)  # both fresh, same shape
 
-    def value_term(self, attn: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """As :meth:`RPEEncoding.value_term` with ``ids`` of shape ``(2, L, L)``."""
-        return self.rp_rows.value_term(attn, ids[0]) + self.rp_cols.value_term(attn, ids[1])
+    def value_tables(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rows and columns tables with their ``ids`` (``(2, L, L)``)."""
+        return self.rp_rows.value_tables(ids[0]) + self.rp_cols.value_tables(ids[1])
 
 
 def build_encoding(

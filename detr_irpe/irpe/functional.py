@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_buckets", "gather_buckets_transposed", "scatter_buckets"]
+__all__ = ["attend_values", "gather_buckets", "gather_buckets_transposed", "scatter_buckets"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _CHUNK_BYTES = 16 * 2**20  # float32 temporaries of half-precision sums stay below this
@@ -132,3 +132,81 @@ def scatter_buckets(weights: torch.Tensor, ids: torch.Tensor, num_buckets: int) 
     """
     out = _ScatterBuckets.apply(_flat3(weights), ids, num_buckets, False)
     return out if weights.dim() == 3 else out.view(*weights.shape[:-1], num_buckets)
+
+
+class _AttendValues(torch.autograd.Function):
+    """``out = attn @ v + sum_t scatter(attn, ids_t) @ W_t`` with a fused backward.
+
+    The fused backward writes the gradient of ``attn`` into one (L, L) buffer (the gathered
+    RPE-V part first, then ``dO @ v^T`` added in place) instead of summing two buffers.
+    """
+
+    @staticmethod
+    def forward(ctx, attn, v, ids, num_heads, *tables):
+        n, length, _ = attn.shape
+        batch = n // num_heads
+        with torch.autocast(attn.device.type, enabled=False):  # dtypes are set by the caller
+            out = torch.bmm(attn, v)
+            per_bucket = []
+            for index, table in zip(ids, tables):
+                a = _reduce(attn, index, table.shape[-2], False)  # (N, L, K)
+                per_bucket.append(a)
+                rpe = torch.matmul(a.view(batch, num_heads, length, -1), table.to(a.dtype))
+                out.add_(rpe.view(n, length, -1))
+        ctx.save_for_backward(attn, v, *ids, *per_bucket, *tables)
+        ctx.num_heads, ctx.num_tables = num_heads, len(tables)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        t = ctx.num_tables
+        attn, v = saved[0], saved[1]
+        ids, per_bucket, tables = saved[2:2 + t], saved[2 + t:2 + 2 * t], saved[2 + 2 * t:]
+        n, length, _ = attn.shape
+        heads = ctx.num_heads
+        grad_out = grad_out.contiguous()
+        g4 = grad_out.view(n // heads, heads, length, -1)
+        grad_attn = None
+        grad_tables = []
+        for index, a, table in zip(ids, per_bucket, tables):
+            # d attn: dO . W[b(i, j)], i.e. a lookup of dO @ W^T (N, L, K)
+            scores = torch.matmul(g4, table.to(g4.dtype).transpose(-2, -1))
+            looked_up = _lookup(scores.reshape(n, length, -1), index, False)
+            grad_attn = looked_up if grad_attn is None else grad_attn.add_(looked_up)
+            # d W[h, k] = sum_{b, i} A[b, h, i, k] dO[b, h, i]
+            gw = torch.matmul(a.view(n // heads, heads, length, -1).transpose(-2, -1), g4)
+            gw = gw.sum(0)
+            if table.shape[0] == 1:
+                gw = gw.sum(0, keepdim=True)
+            grad_tables.append(gw.to(table.dtype))
+        grad_attn.baddbmm_(grad_out, v.transpose(1, 2))
+        grad_v = torch.bmm(attn.transpose(1, 2), grad_out)
+        return (grad_attn, grad_v, None, None, *grad_tables)
+
+
+def attend_values(
+    attn: torch.Tensor,
+    v: torch.Tensor,
+    tables: list[tuple[torch.Tensor, torch.Tensor]],
+    num_heads: int,
+) -> torch.Tensor:
+    """Attention output with contextual RPE-V (irpe.md section 4, values).
+
+    ``out[b h, i] = sum_j attn[b h, i, j] (v[b h, j] + sum_t W_t[h, ids_t[i, j]])``, computed
+    as ``attn @ v + scatter(attn) @ W`` in O(L^2 + L K D) per head.
+
+    Args:
+        attn: ``(B * h, L, L)`` attention weights (after dropout).
+        v: ``(B * h, L, D)``.
+        tables: pairs ``(ids (L, L), W (Hh, K, D))`` (two for the cross method).
+        num_heads: h.
+
+    Returns:
+        ``(B * h, L, D)``.
+    """
+    ids = [index for index, _ in tables]
+    return _AttendValues.apply(
+        attn.contiguous(), v.contiguous(), ids, num_heads, *[w for _, w in tables]
+    )
