@@ -96,13 +96,12 @@ def main(argv: list[str] | None = None) -> int:
 
     report = None
     if not args.table_only:
-        signal.signal(signal.SIGTERM, _sigterm)
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         def after_run(run, finished):
             collect_and_write(grid)
 
-        from tqdm.contrib.logging import logging_redirect_tqdm
-
+        previous = signal.signal(signal.SIGTERM, _sigterm)
         start = time.perf_counter()
         try:
             with logging_redirect_tqdm():  # log lines above the bar, not through it
@@ -117,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             collect_and_write(grid)
             return 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     rows, paths = collect_and_write(grid)
     print(format_markdown(grid, rows))
     print(f"tables: {paths['markdown']}  {paths['csv']}  {paths['runs']}")

@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = ROOT / "tools" / "train.py"
 # Exit codes of tools/train.py.
 EXIT_MEANINGS = {2: "user error (config, data, checkpoint)", 3: "non-finite loss"}
-# How long a run gets to stop after SIGINT before it is killed.
-STOP_GRACE_S = 30.0
+# How long a run gets to stop after SIGINT, then after SIGTERM, before it is killed.
+STOP_GRACE_S = 10.0
 # How often a running run's log.txt is looked at for progress reports.
 POLL_S = 20.0
 
@@ -160,14 +160,19 @@ def launch(
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    """SIGINT (the training keeps its last checkpoint), then SIGTERM (a child started with
+    SIGINT ignored, e.g. from a background shell), then SIGKILL."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.kill()
+    proc.wait()
 
 
 def _tail(path: Path, lines: int = 5) -> str:
@@ -214,7 +219,12 @@ def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
             f.write(f"\n$ {format_command(command)}\n")
     write_status(folder, status="running", command=command, wall_time_total=total_before)
     start = time.perf_counter()
-    returncode = launch(command, output, on_poll=_progress_reporter(run))
+    try:
+        returncode = launch(command, output, on_poll=_progress_reporter(run))
+    except BaseException:  # interrupted: not a failure; keep the time spent
+        write_status(folder, status="interrupted", command=command,
+                     wall_time_total=total_before + time.perf_counter() - start)
+        raise
     wall = time.perf_counter() - start
     finished = returncode == 0 and is_finished(run)
     status = {
