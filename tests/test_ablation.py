@@ -220,12 +220,13 @@ def test_run_states_from_the_folder(tmp_path, tiny_data) -> None:
 def test_failed_run_is_recorded_and_the_grid_goes_on(tmp_path, tiny_data, monkeypatch) -> None:
     grid = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1]))
     launched = []
+    failure = {"rc": 3}  # tools/train.py: non-finite loss
 
     def fake_launch(command, output, **kwargs):
         out = Path(next(a for a in command if a.startswith("train.output_dir=")).split("=", 1)[1])
         launched.append(out)
         if "model.rpe=none" in command:
-            return 3  # tools/train.py: non-finite loss
+            return failure["rc"]
         run = next(r for r in grid.runs if r.output_dir == out)
         _fake_log(run, [None, [0.2] * 12])
         return 0
@@ -243,8 +244,11 @@ def test_failed_run_is_recorded_and_the_grid_goes_on(tmp_path, tiny_data, monkey
     launched.clear()
     report = run_grid(grid)
     assert launched == [] and len(report.skipped_failed) == 1
+    failure["rc"] = -9  # the kernel's OOM killer
     run_grid(grid, retry_failed=True)
     assert launched == [grid.runs[0].output_dir]
+    status = json.loads((grid.runs[0].output_dir / "ablation_status.json").read_text())
+    assert status["status"] == "failed" and "SIGKILL" in status["error"]
 
 
 def test_mismatched_run_folder_is_refused(tmp_path, tiny_data, monkeypatch) -> None:

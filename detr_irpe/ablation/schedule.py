@@ -236,6 +236,10 @@ def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
     }
     if returncode == 0 and not finished:
         status["error"] = "exited 0 but log.txt lacks the last epoch's evaluation"
+    elif returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else ""
+        status["error"] = f"killed by signal {-returncode} {name}".rstrip() + (
+            " (out of memory?)" if returncode == -signal.SIGKILL else "")
     elif returncode != 0:
         status["error"] = EXIT_MEANINGS.get(returncode, f"exit status {returncode}")
     write_status(folder, **status)
