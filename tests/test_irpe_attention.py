@@ -12,6 +12,7 @@ from detr_irpe.irpe import (
     RPEConfig,
     attend_values,
     gather_buckets,
+    gather_buckets_add_,
     gather_buckets_transposed,
     scatter_buckets,
 )
@@ -273,6 +274,17 @@ def test_gradcheck_gather_scatter() -> None:
     assert torch.autograd.gradcheck(lambda s: gather_buckets_transposed(s, flat_t), (scores,))
     assert torch.autograd.gradgradcheck(lambda s: gather_buckets_transposed(s, flat_t),
                                         (scores,))
+    # in-place accumulation into an existing buffer (both lookups)
+    scores3 = scores.detach().reshape(6, 4, 5).requires_grad_()
+    base = torch.randn(6, 4, 4, dtype=torch.float64, requires_grad=True)
+    for ft in (None, flat_t):
+        def add(s, b, ft=ft):
+            return gather_buckets_add_(b * 1.0, s, ids, ft)
+
+        expected = base + (gather_buckets(scores3, ids) if ft is None
+                           else gather_buckets_transposed(scores3, ft))
+        torch.testing.assert_close(add(scores3, base), expected)
+        assert torch.autograd.gradcheck(add, (scores3, base))
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -11,6 +11,7 @@ from .config import Method, Mode, RPEConfig, parse_rpe
 from .functional import (
     attend_values,
     gather_buckets,
+    gather_buckets_add_,
     gather_buckets_transposed,
     scatter_buckets,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "attend_values",
     "bucket_ids",
     "gather_buckets",
+    "gather_buckets_add_",
     "gather_buckets_transposed",
     "num_buckets",
     "parse_rpe",

@@ -171,8 +171,7 @@ class IRPEMultiheadAttention(nn.Module):
             flat_t = cached_transposed_flat_ids(
                 self.rpe.method, int(hw[0]), int(hw[1]), self.rpe.ratio, self.rpe.skip, ids.device
             )
-            term = self.rpe_q.pair_term(k_scaled, ids, flat_t)
-            out = term if out is None else out.add_(term)  # out: a fresh gather result
+            out = self.rpe_q.pair_term(k_scaled, ids, flat_t, out)  # in place into RPE-K
         return out
 
     def _use_sdpa(self, bias: torch.Tensor | None, need_weights: bool) -> bool:

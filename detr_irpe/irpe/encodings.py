@@ -11,12 +11,16 @@ import torch
 from torch import nn
 
 from .config import Method, Mode
-from .functional import gather_buckets, gather_buckets_transposed
+from .functional import gather_buckets, gather_buckets_add_, gather_buckets_transposed
 
 __all__ = ["CrossRPEEncoding", "RPEEncoding", "build_encoding"]
 
 
-def _lookup(scores: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None) -> torch.Tensor:
+def _lookup(
+    scores: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None, out: torch.Tensor | None
+) -> torch.Tensor:
+    if out is not None:
+        return gather_buckets_add_(out, scores, ids, flat_t)
     if flat_t is None:
         return gather_buckets(scores, ids)
     return gather_buckets_transposed(scores, flat_t)
@@ -58,7 +62,11 @@ class RPEEncoding(nn.Module):
             self.lookup_table_weight = nn.Parameter(torch.zeros(tables, head_dim, num_buckets))
 
     def pair_term(
-        self, x: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        flat_t: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``out[b h, i, j] = x[b, h, i] . W[h, :, ids[i, j]]`` (ctx) or ``T[h, ids[i, j]]`` (bias).
 
@@ -68,6 +76,7 @@ class RPEEncoding(nn.Module):
             flat_t: for RPE-Q, the flat transposed ids (see
                 :func:`~detr_irpe.irpe.buckets.transposed_flat_ids`); the result is then
                 ``out[b h, i, j] = x[b, h, j] . W[h, :, ids[j, i]]``.
+            out: if given, a previous result (base tensor of the same shape) to add to in place.
 
         Returns:
             a fresh contiguous tensor, ``(B * h, L, L)`` in ctx mode, ``(Hh, L, L)`` in bias
@@ -78,14 +87,14 @@ class RPEEncoding(nn.Module):
         if self.mode is Mode.BIAS:
             table = self.lookup_table_bias.to(x.dtype)
             scores = table[:, None, :].expand(table.shape[0], length, self.num_buckets)
-            return _lookup(scores, ids, flat_t)
+            return _lookup(scores, ids, flat_t, out)
         table = self.lookup_table_weight.to(x.dtype)
         if table.shape[0] == 1:  # shared: one (B h L, D) @ (D, K) product
             scores = torch.matmul(x.reshape(-1, x.shape[-1]), table[0])
         else:  # (B, h, L, D) @ (h, D, K) -> (B, h, L, K)
             scores = torch.matmul(x, table)
         # the O(L K D) projection is done; the gather is O(L^2)
-        return _lookup(scores.reshape(-1, length, self.num_buckets), ids, flat_t)
+        return _lookup(scores.reshape(-1, length, self.num_buckets), ids, flat_t, out)
 
     def value_tables(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(ids (L, L), W (Hh, K, D))]`` for :func:`~detr_irpe.irpe.functional.attend_values`."""
@@ -112,13 +121,16 @@ class CrossRPEEncoding(nn.Module):
         self.rp_cols = RPEEncoding(*args)
 
     def pair_term(
-        self, x: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        flat_t: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As :meth:`RPEEncoding.pair_term`; ``ids`` ``(2, L, L)``, ``flat_t`` ``(2, L * L)``."""
         ft = (None, None) if flat_t is None else (flat_t[0], flat_t[1])
-        rows = self.rp_rows.pair_term(x, ids[0], ft[0])
-        cols = self.rp_cols.pair_term(x, ids[1], ft[1])
-        return rows.add_(cols)  # both fresh, same shape
+        out = self.rp_rows.pair_term(x, ids[0], ft[0], out)
+        return self.rp_cols.pair_term(x, ids[1], ft[1], out)
 
     def value_tables(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows and columns tables with their ``ids`` (``(2, L, L)``)."""

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["attend_values", "gather_buckets", "gather_buckets_transposed", "scatter_buckets"]
+__all__ = [
+    "attend_values",
+    "gather_buckets",
+    "gather_buckets_add_",
+    "gather_buckets_transposed",
+    "scatter_buckets",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
 _CHUNK_BYTES = 16 * 2**20  # float32 temporaries of half-precision sums stay below this
@@ -82,6 +88,45 @@ class _ScatterBuckets(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
         return _GatherBuckets.apply(grad.contiguous(), index, ctx.transposed), None, None, None
+
+
+class _GatherAddBuckets(torch.autograd.Function):
+    """``out += lookup(scores)`` in place, in chunks: no full-size temporary."""
+
+    @staticmethod
+    def forward(ctx, out, scores, index, transposed):
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(index)
+        ctx.num_buckets, ctx.transposed = scores.shape[-1], transposed
+        for part in _chunks(out.shape[0], out.shape[1] * out.shape[2]):
+            out[part].add_(_lookup(scores[part], index, transposed))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        grad_scores = _ScatterBuckets.apply(grad, index, ctx.num_buckets, ctx.transposed)
+        return grad, grad_scores, None, None
+
+
+def gather_buckets_add_(
+    out: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None = None
+) -> torch.Tensor:
+    """In place ``out += gather_buckets(scores, ids)`` (or the transposed lookup with ``flat_t``).
+
+    Args:
+        out: ``(N, L, L)``, a base tensor (not a view) that autograd allows to modify.
+        scores: ``(N, L, K)``.
+        ids: ``(L, L)`` bucket ids (used when ``flat_t`` is None).
+        flat_t: ``(L * L,)`` flat transposed ids for the RPE-Q lookup.
+
+    Returns:
+        ``out``. Chunked so that the lookup temporaries stay small (on CPU, a fresh full-size
+        buffer costs more in page faults than the lookup itself).
+    """
+    if flat_t is None:
+        return _GatherAddBuckets.apply(out, scores, ids, False)
+    return _GatherAddBuckets.apply(out, scores, flat_t, True)
 
 
 def _flat3(x: torch.Tensor) -> torch.Tensor:
