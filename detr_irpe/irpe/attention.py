@@ -1,7 +1,8 @@
 """Multi-head self-attention with 2D image relative position encoding (iRPE).
 
 Adapted from ``torch.nn.MultiheadAttention`` (same parameters and initialisation, batch
-first) with the iRPE terms of irpe.md section 4 (paper Eqs. 14-16, contextual mode):
+first) with the iRPE terms of irpe.md section 4 (the paper's contextual mode; bias mode adds
+table scalars instead of the dot products):
 
     e_ij = s q_i . k_j + (s q_i) . Wk[b(i, j)] + (s k_j) . Wq[b(j, i)]
     z_i  = sum_j a_ij (v_j + Wv[b(i, j)])
@@ -9,7 +10,8 @@ first) with the iRPE terms of irpe.md section 4 (paper Eqs. 14-16, contextual mo
 computed in O(L K D + L^2) (irpe.md section 5): project onto the tables, then gather by
 bucket id; values scatter-add the weights into buckets. Without RPE on values and without
 returned weights the logits bias goes to ``F.scaled_dot_product_attention`` as an
-additive float mask; otherwise an explicit softmax path is used.
+additive float mask (on CPU only when no gradient flows into the mask, see ``_use_sdpa``);
+otherwise an explicit softmax path is used.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ __all__ = [
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
-_CHUNK_BYTES = 16 * 2**20  # float32 temporaries of half-precision sums stay below this
+# temporaries of chunked loops stay below this; on CPU, glibc serves blocks under its mmap
+# threshold (at most 32 MB) from reused heap memory instead of fresh, page-faulting mmaps
+_CHUNK_BYTES = 16 * 2**20
 
 
 def _chunks(rows: int, row_elems: int) -> list[slice]:

@@ -1,7 +1,7 @@
 """The naive O(L^2 D) iRPE attention, for benchmarks only (the baseline of irpe.md section 5).
 
 Builds the ``(L, L, D)`` tensors of gathered table entries with plain advanced indexing,
-as a straightforward implementation of the paper's Eqs. 14-16 would. Same parameters and
+as a straightforward implementation of the paper's attention equations would. Same parameters and
 results as :class:`~detr_irpe.irpe.IRPEMultiheadAttention` (dropout off); never use it for
 training.
 """
