@@ -349,3 +349,23 @@ def test_cpu_autocast_bfloat16(rpe: str) -> None:
     out.float().sum().backward()
     torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=5e-2)
     assert all(torch.isfinite(p.grad).all() for p in module.parameters())
+
+
+def test_projection_branches_and_no_bias() -> None:
+    """query is key is value / query is key / all distinct give the same result; bias=False."""
+    for bias in (True, False):
+        module = IRPEMultiheadAttention(16, 2, rpe="rpe-2.0-product-ctx-0-qkv", bias=bias)
+        module = module.double().eval()
+        _randomise_tables(module)
+        x = torch.randn(2, 12, 16, dtype=torch.float64)
+        same, _ = module(x, x, x, (3, 4))
+        shared_qk, _ = module(x, x, x.clone(), (3, 4))
+        distinct, _ = module(x, x.clone(), x.clone(), (3, 4))
+        torch.testing.assert_close(shared_qk, same)
+        torch.testing.assert_close(distinct, same)
+        assert (module.in_proj_bias is None) == (not bias)
+    plain = IRPEMultiheadAttention(16, 2, bias=False).eval()
+    mha = nn.MultiheadAttention(16, 2, bias=False, batch_first=True).eval()
+    mha.load_state_dict(plain.state_dict())
+    y = torch.randn(2, 12, 16)
+    torch.testing.assert_close(plain(y, y, y, (3, 4))[0], mha(y, y, y)[0])
