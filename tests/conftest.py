@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+# The suite is many small tensors: one intra-op thread is faster and steadier on a
+# 2-core machine (multi-process tests start their own interpreters).
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
