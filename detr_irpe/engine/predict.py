@@ -24,6 +24,8 @@ from detr_irpe.config import Config
 
 logger = logging.getLogger(__name__)
 
+# Images smaller than this (shorter side) are drawn enlarged by an integer factor.
+MIN_DRAW_SIZE = 320
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 _PALETTE = (
     "#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6",
@@ -109,8 +111,15 @@ class Predictor:
 def draw_detections(
     image: Tensor, detections: Mapping[str, Tensor], names: Mapping[int, str]
 ) -> Tensor:
-    """``(3, H, W)`` uint8 image with boxes, ``name score`` labels and per-class colours."""
+    """``(3, H, W)`` uint8 image with boxes, ``name score`` labels and per-class colours
+    (enlarged by an integer factor when its shorter side is below ``MIN_DRAW_SIZE``)."""
     boxes = detections["boxes"]
+    # Small images are enlarged first so that the (fixed-size) label text stays readable.
+    scale = max(1, -(-MIN_DRAW_SIZE // max(min(image.shape[-2:]), 1)))
+    if scale > 1:
+        image = F.resize(image, [image.shape[-2] * scale, image.shape[-1] * scale],
+                         interpolation=F.InterpolationMode.NEAREST)
+        boxes = boxes * scale
     if len(boxes) == 0:
         return image
     labels = [
