@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .blocked import blocked_attention
 from .buckets import cached_bucket_ids, cached_transposed_flat_ids, num_buckets
 from .config import RPEConfig, parse_rpe
 from .encodings import build_encoding
@@ -71,6 +72,10 @@ class IRPEMultiheadAttention(nn.Module):
         # None: choose per call (see _use_sdpa); True / False: force SDPA or the explicit path
         # whenever both are possible (they compute the same function)
         self.prefer_sdpa: bool | None = None
+        # None: automatic (see _use_blocked); True / False: force / forbid the row-blocked core
+        self.blocked: bool | None = None
+        # query rows per block of the blocked core (None: about 8 MiB per (B h, R, L) block)
+        self.block_rows: int | None = None
 
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
         if bias:
@@ -191,6 +196,53 @@ class IRPEMultiheadAttention(nn.Module):
             return True
         return not (torch.is_grad_enabled() and bias.requires_grad)
 
+    def _use_blocked(self, q: torch.Tensor, need_weights: bool) -> bool:
+        """The row-blocked core (:mod:`.blocked`) or one of the full-size paths.
+
+        ``blocked=None`` (automatic): on CPU, for float32 / float64, whenever the fused SDPA
+        kernel cannot run as flash attention, i.e. with RPE-V or with a gradient flowing into
+        the RPE logits (training); there it beats the explicit path, which allocates several
+        ``(B h, L, L)`` buffers. ``prefer_sdpa=True`` wins where SDPA can run.
+        """
+        if need_weights or self.rpe is None or q.dtype not in (torch.float32, torch.float64):
+            return False
+        if self.blocked is not None:
+            return self.blocked
+        if q.device.type != "cpu":
+            return False
+        if self.rpe_v is None and self.prefer_sdpa is True:
+            return False
+        if self.prefer_sdpa is False or self.rpe_v is not None:
+            return True
+        return torch.is_grad_enabled() and (
+            q.requires_grad or any(p.requires_grad for p in self._tables()))
+
+    def _tables(self) -> list[nn.Parameter]:
+        return [p for name, p in self.named_parameters() if "lookup_table" in name]
+
+    def _blocked(self, q_scaled, k, v, k_scaled, ids, hw, key_padding_mask, dropout_p):
+        """Attention output ``(B * h, L, D)`` by :func:`~.blocked.blocked_attention`."""
+        batch, heads, length, dim = q_scaled.shape
+        terms = []
+        if self.rpe_k is not None:
+            terms += self.rpe_k.lookup_terms(q_scaled, ids)
+        if self.rpe_q is not None:
+            flat_t = cached_transposed_flat_ids(
+                self.rpe.method, int(hw[0]), int(hw[1]), self.rpe.ratio, self.rpe.skip, ids.device
+            )
+            terms += self.rpe_q.lookup_terms(k_scaled, ids, flat_t)
+        values = self.rpe_v.value_tables(ids) if self.rpe_v is not None else []
+        pad = None
+        if key_padding_mask is not None:
+            # as in forward: a large finite value, so fully padded rows stay finite
+            pad = torch.zeros(key_padding_mask.shape, dtype=q_scaled.dtype, device=q_scaled.device)
+            pad = pad.masked_fill(key_padding_mask.bool(), torch.finfo(q_scaled.dtype).min / 2)
+        n = batch * heads
+        return blocked_attention(
+            q_scaled.reshape(n, length, dim), k.reshape(n, length, dim),
+            v.reshape(n, length, -1), heads, terms, values, pad, dropout_p, self.block_rows,
+        )
+
     def _as_4d(self, logits: torch.Tensor, batch: int) -> torch.Tensor:
         """``(B * h, L, L)`` -> ``(B, h, L, L)``; ``(Hh, L, L)`` -> ``(1, Hh, L, L)``."""
         if logits.shape[0] == batch * self.num_heads:
@@ -233,6 +285,12 @@ class IRPEMultiheadAttention(nn.Module):
         scale = self.head_dim ** -0.5
         q_scaled = (q * scale).contiguous()
         k_scaled = k * scale if self.rpe_q is not None else None
+        dropout_p = self.dropout if self.training else 0.0
+        if self._use_blocked(q, need_weights):
+            out = self._blocked(q_scaled, k, v, k_scaled, ids, hw, key_padding_mask, dropout_p)
+            out = out.view(batch, heads, length, -1).transpose(1, 2).reshape(
+                batch, length, self.embed_dim)
+            return self.out_proj(out), None
         bias = self._rpe_logits(q_scaled, k_scaled, ids, hw)
         # Fresh full-size RPE logits (contextual q/k) absorb the padding and the content logits
         # in place: on CPU each avoided (L, L) buffer saves a large allocation. In-place ops
@@ -251,7 +309,6 @@ class IRPEMultiheadAttention(nn.Module):
         bias3 = bias  # the 3-D base tensor, for in-place updates
         if bias is not None:
             bias = self._as_4d(bias, batch)
-        dropout_p = self.dropout if self.training else 0.0
 
         if self._use_sdpa(bias, need_weights):
             mask = bias if pad is None else (pad if bias is None else bias + pad)

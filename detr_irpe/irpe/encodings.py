@@ -83,18 +83,37 @@ class RPEEncoding(nn.Module):
             mode (3-D so that callers can update it in place without autograd view
             bookkeeping).
         """
-        length = ids.shape[-1]
+        # the O(L K D) projection is done; the gather is O(L^2)
+        return _lookup(self.bucket_scores(x), ids, flat_t, out)
+
+    def bucket_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-bucket scores before the lookup.
+
+        Args:
+            x: ``(B, h, L, D)``, the scaled queries (RPE-K) or scaled keys (RPE-Q).
+
+        Returns:
+            ctx: ``(B * h, L, K)`` = ``x @ W``; bias: the table ``(Hh, L, K)`` (expanded over L).
+        """
+        length = x.shape[-2]
         if self.mode is Mode.BIAS:
             table = self.lookup_table_bias.to(x.dtype)
-            scores = table[:, None, :].expand(table.shape[0], length, self.num_buckets)
-            return _lookup(scores, ids, flat_t, out)
+            return table[:, None, :].expand(table.shape[0], length, self.num_buckets)
         table = self.lookup_table_weight.to(x.dtype)
         if table.shape[0] == 1:  # shared: one (B h L, D) @ (D, K) product
             scores = torch.matmul(x.reshape(-1, x.shape[-1]), table[0])
         else:  # (B, h, L, D) @ (h, D, K) -> (B, h, L, K)
             scores = torch.matmul(x, table)
-        # the O(L K D) projection is done; the gather is O(L^2)
-        return _lookup(scores.reshape(-1, length, self.num_buckets), ids, flat_t, out)
+        return scores.reshape(-1, length, self.num_buckets)
+
+    def lookup_terms(
+        self, x: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """``[(scores, index, transposed)]`` for :func:`~detr_irpe.irpe.blocked.blocked_attention`
+        (the lookup of :meth:`pair_term`, left to the caller)."""
+        if flat_t is None:
+            return [(self.bucket_scores(x), ids, False)]
+        return [(self.bucket_scores(x), flat_t, True)]
 
     def value_tables(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(ids (L, L), W (Hh, K, D))]`` for :func:`~detr_irpe.irpe.functional.attend_values`."""
@@ -131,6 +150,14 @@ class CrossRPEEncoding(nn.Module):
         ft = (None, None) if flat_t is None else (flat_t[0], flat_t[1])
         out = self.rp_rows.pair_term(x, ids[0], ft[0], out)
         return self.rp_cols.pair_term(x, ids[1], ft[1], out)
+
+    def lookup_terms(
+        self, x: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """Rows and columns terms; ``ids`` ``(2, L, L)``, ``flat_t`` ``(2, L * L)``."""
+        ft = (None, None) if flat_t is None else (flat_t[0], flat_t[1])
+        return self.rp_rows.lookup_terms(x, ids[0], ft[0]) + self.rp_cols.lookup_terms(
+            x, ids[1], ft[1])
 
     def value_tables(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows and columns tables with their ``ids`` (``(2, L, L)``)."""
