@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Benchmark iRPE attention (forward+backward time, activation memory) at the DETR encoder size.
 
+The op level of tools/benchmark.py on its own (kept for its flags and JSON format).
+
     python tools/benchmark_irpe.py                       # CPU, 2 threads, B=2, 25x38, 256, 8 heads
     python tools/benchmark_irpe.py --device cuda --repeats 20 --out outputs/bench.json
     python tools/benchmark_irpe.py --only irpe --height 50 --width 76
@@ -19,7 +21,7 @@ import sys
 
 import torch
 
-from detr_irpe.irpe.benchmark import run_benchmark, to_markdown
+from detr_irpe.benchmark.op import run_benchmark, to_markdown
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

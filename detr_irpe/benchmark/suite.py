@@ -1,0 +1,231 @@
+"""The whole benchmark of ``tools/benchmark.py``: op, model, data and eval levels.
+
+:func:`run_suite` measures the requested sections, checks the CPU targets of the project
+(docs/benchmarks.md) and returns one JSON-able dict; :func:`suite_markdown` renders it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detr_irpe.benchmark import data as data_bench
+from detr_irpe.benchmark import evaluation as eval_bench
+from detr_irpe.benchmark import model as model_bench
+from detr_irpe.benchmark import op as op_bench
+from detr_irpe.benchmark.common import environment
+
+__all__ = ["SECTIONS", "SuiteOptions", "run_suite", "suite_markdown", "write_results"]
+
+logger = logging.getLogger(__name__)
+
+SECTIONS = ("op", "model", "data", "eval")
+# CPU targets (issue 7): iRPE-DETR step / plain DETR step, ctx-product-k layer / plain MHA,
+# qkv layer time and activation memory / plain MHA
+TARGETS = {"model_train_step": 1.05, "op_k_time": 1.15, "op_qkv_time": 2.0, "op_qkv_memory": 1.5}
+
+# tiny sizes for smoke tests (--quick)
+_QUICK_MODEL = [
+    "model.backbone=resnet18", "model.hidden_dim=32", "model.nheads=4", "model.enc_layers=1",
+    "model.dec_layers=1", "model.dim_feedforward=64", "model.num_queries=5",
+]
+_QUICK_DATA = ["data.train_scales=[64]", "data.crop_resize_scales=[48]",
+               "data.crop_size=[32,48]", "data.max_size=96"]
+
+
+@dataclass
+class SuiteOptions:
+    """What to measure; defaults = the documented CPU run (a few minutes on 2 cores)."""
+
+    device: str = "cpu"
+    sections: Sequence[str] = SECTIONS
+    threads: int = 2
+    quick: bool = False
+    # op level
+    op_batch: int = 2
+    op_hw: tuple[int, int] = (25, 38)
+    op_dim: int = 256
+    op_heads: int = 8
+    op_repeats: int = 5
+    op_dtype: str = "float32"
+    sweep: bool = True
+    sweep_grids: Sequence[tuple[int, int]] = op_bench.SWEEP_GRIDS
+    sweep_repeats: int = 1
+    naive_max_length: int = 1024
+    # model level
+    model_batch: int = 2
+    model_hw: tuple[int, int] = (512, 640)
+    model_repeats: int = 3
+    model_warmup: int = 1
+    amp: str = "none"
+    models: Sequence[str] = model_bench.DEFAULT_MODELS
+    # data / eval level
+    data_root: str = "datasets/synthetic"
+    data_batches: int = 30
+    data_workers: int = 0
+    eval_repeats: int = 3
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def quick_options(cls, **kwargs) -> SuiteOptions:
+        """Tiny sizes: every code path in seconds (smoke tests), numbers meaningless."""
+        base = dict(
+            quick=True, op_batch=1, op_hw=(4, 5), op_dim=32, op_heads=4, op_repeats=1,
+            sweep_grids=((4, 4), (4, 8), (8, 8)), naive_max_length=32, model_batch=1,
+            model_hw=(64, 64), model_repeats=1, model_warmup=0, data_batches=2, eval_repeats=1,
+        )
+        base.update(kwargs)
+        return cls(**base)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each CPU target with the measured ratio(s) and whether it is met."""
+    out = []
+    op = {r["key"]: r for r in results.get("op", {}).get("rows", [])}
+    for base_key, base_label in ((op_bench.MHA_WEIGHTS, "DETR MHA (need_weights=True)"),
+                                 (op_bench.MHA_SDPA, "SDPA MHA (need_weights=False)")):
+        base = op.get(base_key)
+        if base is None:
+            continue
+        for key, what, field_, limit in (
+            ("irpe_product_k", "ctx-product-k layer time", "median_ms", TARGETS["op_k_time"]),
+            ("irpe_product_qkv", "ctx-product-qkv layer time", "median_ms", TARGETS["op_qkv_time"]),
+            ("irpe_product_qkv", "ctx-product-qkv activation memory", "saved_mib",
+             TARGETS["op_qkv_memory"]),
+        ):
+            if key in op and base[field_]:
+                ratio = op[key][field_] / base[field_]
+                out.append({"target": f"{what} vs {base_label}", "limit": limit,
+                            "ratio": ratio, "met": ratio <= limit})
+    rows = {r["rpe"]: r for r in results.get("model", {}).get("rows", [])}
+    if "none" in rows:
+        for rpe, r in rows.items():
+            if rpe != "none":
+                ratio = r["train_step_s"] / rows["none"]["train_step_s"]
+                out.append({"target": f"DETR training step, {rpe} vs rpe=none",
+                            "limit": TARGETS["model_train_step"], "ratio": ratio,
+                            "met": ratio <= TARGETS["model_train_step"]})
+    return out
+
+
+def run_suite(
+    options: SuiteOptions, output_dir: str | Path, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Measure the requested sections; writes the sweep plot into ``output_dir``."""
+    unknown = [s for s in options.sections if s not in SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown benchmark section(s) {unknown}; choose from {list(SECTIONS)}")
+    dev = torch.device(options.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda requested but CUDA is not available")
+    if dev.type == "cpu":
+        torch.set_num_threads(options.threads)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    opts = asdict(options)
+    results: dict[str, Any] = {"environment": environment(options.device, options.threads),
+                               "options": opts}
+    torch.manual_seed(0)
+    if "op" in options.sections:
+        common = dict(batch=options.op_batch, dim=options.op_dim, heads=options.op_heads,
+                      device=options.device, dtype=_dtype(options.op_dtype), progress=progress)
+        rows = op_bench.run_benchmark(height=options.op_hw[0], width=options.op_hw[1],
+                                      repeats=options.op_repeats, **common)
+        section: dict[str, Any] = {"rows": [r.as_dict() for r in rows]}
+        if options.sweep:
+            sweep = op_bench.run_sweep(options.sweep_grids, naive_max_length=options.naive_max_length,
+                                       repeats=options.sweep_repeats, **common)
+            plot = op_bench.plot_sweep(
+                sweep, output_dir / "op_sweep.png",
+                title=f"one attention layer fwd+bwd, B={options.op_batch}, C={options.op_dim}, "
+                      f"{options.op_heads} heads, {options.device}",
+            )
+            section["sweep"] = sweep
+            section["plot"] = str(plot)
+        results["op"] = section
+    if "model" in options.sections:
+        rows = model_bench.run_model_benchmark(
+            options.models, options.model_batch, options.model_hw[0], options.model_hw[1],
+            options.device, options.model_repeats, options.model_warmup,
+            max(options.model_repeats, 1), 1 if options.model_warmup else 0, options.amp,
+            _QUICK_MODEL if options.quick else (), progress,
+        )
+        results["model"] = {"rows": rows}
+    if "data" in options.sections or "eval" in options.sections:
+        root = Path(options.data_root)
+        if options.quick and options.data_root == SuiteOptions.data_root:
+            root = output_dir / "synthetic_quick"
+        data_bench.ensure_synthetic(root, *((8, 4) if options.quick else (1600, 200)))
+        if "data" in options.sections:
+            if progress is not None:
+                progress("data loader")
+            results["data"] = {"rows": data_bench.run_data_benchmark(
+                root, num_batches=options.data_batches, num_workers=options.data_workers,
+                overrides=_QUICK_DATA if options.quick else (), progress=progress)}
+        if "eval" in options.sections:
+            if progress is not None:
+                progress("COCO evaluation")
+            results["eval"] = eval_bench.run_eval_benchmark(root, repeats=options.eval_repeats)
+    results["targets"] = _targets(results) if dev.type == "cpu" else []
+    return results
+
+
+def suite_markdown(results: dict[str, Any]) -> str:
+    """All measured tables as markdown, headed by the machine and versions."""
+    env, opts = results["environment"], results["options"]
+    parts = [
+        f"Machine: {env['cpu']} ({env['cpu_count']} CPUs"
+        + (f", GPU {env['gpu']}, CUDA {env['cuda']}" if "gpu" in env else "")
+        + f"), device {env['device']}, {env['threads']} threads, load average "
+        f"{env['load_average']}; torch {env['torch']}, torchvision {env['torchvision']}, "
+        f"python {env['python']}, commit {env['git_commit']}, {env['date']}"
+        + (" -- QUICK MODE (tiny sizes, numbers meaningless)" if opts["quick"] else ""),
+    ]
+    if "op" in results:
+        h, w = opts["op_hw"]
+        parts += [
+            f"\n### Op level: one attention layer, forward + backward\n\nB={opts['op_batch']}, "
+            f"{h}x{w} (L={h * w}), C={opts['op_dim']}, {opts['op_heads']} heads, "
+            f"{opts['op_dtype']}, 10% of the last image's keys padded, median of "
+            f"{opts['op_repeats']} (naive: 1).\n",
+            op_bench.op_table(results["op"]["rows"]),
+        ]
+        if "sweep" in results["op"]:
+            sweep = results["op"]["sweep"]
+            parts += [f"\n### Op level vs L (median of {opts['sweep_repeats']}; plot "
+                      f"{Path(results['op']['plot']).name})\n", op_bench.sweep_table(sweep)]
+            parts += [f"\n- {note}" for note in sweep["skipped"]]
+    if "model" in results:
+        parts += ["\n### Model level: DETR-R50 training step and inference\n",
+                  model_bench.model_table(results["model"]["rows"])]
+    if "data" in results:
+        parts += ["\n### Data loader (training split, decode + augmentation + collate)\n",
+                  data_bench.data_table(results["data"]["rows"])]
+    if "eval" in results:
+        parts += ["\n### COCO evaluation (CocoEvaluator, synthetic val split)\n",
+                  eval_bench.eval_table(results["eval"])]
+    if results.get("targets"):
+        parts += ["\n### CPU targets\n", "| target | limit | measured | met |", "|---|---:|---:|---|"]
+        parts += [f"| {t['target']} | {t['limit']:.2f}x | {t['ratio']:.2f}x | "
+                  f"{'yes' if t['met'] else 'NO'} |" for t in results["targets"]]
+    return "\n".join(parts) + "\n"
+
+
+def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path, Path]:
+    """``results.json`` and ``results.md`` in ``output_dir``."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = output_dir / "results.json", output_dir / "results.md"
+    json_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    md_path.write_text(suite_markdown(results))
+    return json_path, md_path

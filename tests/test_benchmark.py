@@ -1,0 +1,120 @@
+"""Smoke tests of the benchmarks at tiny sizes: table structure, JSON, plot; no timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from detr_irpe.benchmark import SuiteOptions, run_suite, suite_markdown, write_results
+from detr_irpe.benchmark import op as op_bench
+from detr_irpe.irpe import IRPEMultiheadAttention
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    results = run_suite(SuiteOptions.quick_options(threads=1), out)
+    write_results(results, out)
+    return results, out
+
+
+def test_quick_suite_structure(quick_results) -> None:
+    results, out = quick_results
+    assert set(results) >= {"environment", "options", "op", "model", "data", "eval", "targets"}
+    assert {"torch", "cpu", "threads", "date", "load_average"} <= set(results["environment"])
+    keys = [r["key"] for r in results["op"]["rows"]]
+    assert keys == list(op_bench.DEFAULT_VARIANTS)
+    for row in results["op"]["rows"]:
+        assert {"name", "median_ms", "cpu_ms", "saved_mib", "peak_mib", "length"} <= set(row)
+        assert row["median_ms"] > 0 and row["peak_mib"] is None  # no peak on CPU
+    sweep = results["op"]["sweep"]
+    lengths = sorted({r["length"] for r in sweep["rows"]})
+    assert lengths == [16, 32, 64]
+    assert not any(r["key"].startswith("naive") and r["length"] > 32 for r in sweep["rows"])
+    assert sweep["skipped"] and "naive_product_qkv at L=64" in sweep["skipped"][0]
+    assert Path(results["op"]["plot"]).is_file()
+    assert [r["rpe"] for r in results["model"]["rows"]] == ["none", "rpe-2.0-product-ctx-1-k"]
+    for row in results["model"]["rows"]:
+        assert row["train_step_s"] > 0 and row["infer_images_per_s"] > 0
+        assert len(row["train_step_s_all"]) == 1
+    assert [r["augmentation"] for r in results["data"]["rows"]] == ["detr", "simple"]
+    assert results["data"]["rows"][0]["images"] == 4
+    assert results["eval"]["images"] == 4 and results["eval"]["AP"] > 0.3
+    targets = {t["target"] for t in results["targets"]}
+    assert "DETR training step, rpe-2.0-product-ctx-1-k vs rpe=none" in targets
+    assert any("SDPA" in t for t in targets) and any("DETR MHA" in t for t in targets)
+
+
+def test_results_written(quick_results) -> None:
+    results, out = quick_results
+    loaded = json.loads((out / "results.json").read_text())
+    assert loaded["op"]["rows"][0]["key"] == "mha_sdpa"
+    md = (out / "results.md").read_text()
+    assert md == suite_markdown(results)
+    for title in ("Op level", "Model level", "Data loader", "COCO evaluation", "CPU targets"):
+        assert title in md
+    assert "| variant | wall ms | x DETR MHA | x SDPA MHA |" in md
+
+
+def test_tool_cli_quick_op_only(tmp_path: Path, capsys) -> None:
+    tool = _tool("benchmark")
+    assert tool.main(["--quick", "--only", "op", "--no-sweep", "--threads", "1",
+                      "--output-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "IRPEMultiheadAttention rpe-2.0-product-ctx-1-k" in printed
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "model" not in results and "sweep" not in results["op"]
+    assert tool.main(["--quick", "--only", "op,bogus", "--output-dir", str(tmp_path)]) == 2
+
+
+def test_benchmark_irpe_alias(tmp_path: Path) -> None:
+    tool = _tool("benchmark_irpe")
+    out = tmp_path / "r.json"
+    assert tool.main(["--batch", "1", "--height", "3", "--width", "4", "--dim", "16",
+                      "--heads", "2", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
+    names = [r["name"] for r in json.loads(out.read_text())["results"]]
+    assert "IRPEMultiheadAttention rpe-2.0-product-ctx-1-qkv" in names
+
+
+@pytest.mark.parametrize("rpe", ["rpe-2.0-product-ctx-1-k", "rpe-1.9-cross-ctx-0-qkv",
+                                 "rpe-2.0-euc-bias-0-qk"])
+def test_blocked_core_equals_explicit_over_several_blocks(rpe: str) -> None:
+    """The benchmarked CPU training path (row blocks, last one partial) vs the explicit one."""
+    module = IRPEMultiheadAttention(16, 2, rpe=rpe).double()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "lookup_table" in name:
+                p.normal_(0.0, 0.5)
+    query = torch.randn(2, 20, 16, dtype=torch.float64, requires_grad=True)
+    value = torch.randn(2, 20, 16, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, 20, dtype=torch.bool)
+    mask[-1, -5:] = True
+    results = []
+    for blocked in (False, True):
+        module.blocked, module.block_rows = blocked, 6
+        out, _ = module(query, query, value, (4, 5), key_padding_mask=mask)
+        grads = torch.autograd.grad(out.pow(2).sum(), [query, value, *module.parameters()])
+        results.append((out, grads))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b)

@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Benchmark iRPE at the op, model, data and eval levels; prints markdown tables.
+
+    python tools/benchmark.py                                  # CPU, 2 threads, a few minutes
+    python tools/benchmark.py --threads 1 --only op            # one attention layer + L sweep
+    python tools/benchmark.py --only model --model-repeats 5
+    python tools/benchmark.py --device cuda --model-size 800x1216 --op-repeats 20
+    python tools/benchmark.py --quick --output-dir /tmp/bench  # tiny sizes (smoke test)
+
+Writes results.json, results.md and op_sweep.png under --output-dir. What is measured and
+the published numbers: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _hw(text: str) -> tuple[int, int]:
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HxW, e.g. 512x640, got {text!r}") from None
+    return h, w
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from detr_irpe.benchmark import SECTIONS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (%(default)s)")
+    p.add_argument("--output-dir", default="outputs/benchmark", help="(%(default)s)")
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help="comma-separated sections out of op,model,data,eval (%(default)s)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every path")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU (%(default)s)")
+    g = p.add_argument_group("op level")
+    g.add_argument("--op-size", type=_hw, default=None, help="attention grid HxW (25x38)")
+    g.add_argument("--op-batch", type=int, default=None)
+    g.add_argument("--op-repeats", type=int, default=None, help="timed iterations (5)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--no-sweep", action="store_true", help="skip the L = 256..4096 sweep")
+    g.add_argument("--sweep-repeats", type=int, default=None, help="(1)")
+    g.add_argument("--naive-max-length", type=int, default=None,
+                   help="largest L of the naive O(L^2 D) variant in the sweep (1024)")
+    g = p.add_argument_group("model level")
+    g.add_argument("--model-size", type=_hw, default=None,
+                   help="padded image size HxW (512x640; COCO: 800x1216)")
+    g.add_argument("--model-batch", type=int, default=None, help="images per step (2)")
+    g.add_argument("--model-repeats", type=int, default=None, help="timed steps (3)")
+    g.add_argument("--model-warmup", type=int, default=None, help="untimed steps (1)")
+    g.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"])
+    g.add_argument("--models", default=None,
+                   help="comma-separated model.rpe values (none,rpe-2.0-product-ctx-1-k)")
+    g = p.add_argument_group("data / eval level")
+    g.add_argument("--data", default=None,
+                   help="synthetic dataset folder, generated when missing (datasets/synthetic)")
+    g.add_argument("--data-batches", type=int, default=None, help="timed batches (30)")
+    g.add_argument("--workers", type=int, default=0, help="data-loader workers (%(default)s)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from detr_irpe.benchmark import SuiteOptions, run_suite, suite_markdown, write_results
+
+    chosen = {
+        "device": args.device, "sections": [s.strip() for s in args.only.split(",") if s.strip()],
+        "threads": args.threads, "op_dtype": args.dtype, "amp": args.amp,
+        "data_workers": args.workers, "sweep": not args.no_sweep,
+    }
+    for flag, key in (("op_size", "op_hw"), ("op_batch", "op_batch"), ("op_repeats", "op_repeats"),
+                      ("sweep_repeats", "sweep_repeats"), ("naive_max_length", "naive_max_length"),
+                      ("model_size", "model_hw"), ("model_batch", "model_batch"),
+                      ("model_repeats", "model_repeats"), ("model_warmup", "model_warmup"),
+                      ("data", "data_root"), ("data_batches", "data_batches")):
+        if getattr(args, flag) is not None:
+            chosen[key] = getattr(args, flag)
+    if args.models:
+        chosen["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
+    options = SuiteOptions.quick_options(**chosen) if args.quick else SuiteOptions(**chosen)
+    try:
+        results = run_suite(options, args.output_dir,
+                            progress=lambda what: print(f"measuring {what} ...", file=sys.stderr,
+                                                        flush=True))
+    except (ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    json_path, md_path = write_results(results, args.output_dir)
+    print(suite_markdown(results))
+    print(f"written: {json_path}, {md_path}"
+          + (f", {results['op']['plot']}" if "plot" in results.get("op", {}) else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
