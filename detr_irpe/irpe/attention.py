@@ -196,23 +196,25 @@ class IRPEMultiheadAttention(nn.Module):
             return True
         return not (torch.is_grad_enabled() and bias.requires_grad)
 
-    def _use_blocked(self, q: torch.Tensor, need_weights: bool) -> bool:
+    def _use_blocked(self, q: torch.Tensor, need_weights: bool, dropout_p: float) -> bool:
         """The row-blocked core (:mod:`.blocked`) or one of the full-size paths.
 
         ``blocked=None`` (automatic): on CPU, for float32 / float64, whenever the fused SDPA
-        kernel cannot run as flash attention, i.e. with RPE-V or with a gradient flowing into
-        the RPE logits (training); there it beats the explicit path, which allocates several
-        ``(B h, L, L)`` buffers. ``prefer_sdpa=True`` wins where SDPA can run.
+        kernel cannot run as flash attention: with RPE-V, with a gradient flowing into the
+        RPE logits, or with attention dropout (training; PyTorch's CPU flash kernel has no
+        dropout, so SDPA falls back to its math kernel, also without iRPE). There it beats
+        the explicit path and SDPA's math kernel, which allocate several ``(B h, L, L)``
+        buffers. ``prefer_sdpa=True`` wins where SDPA can run.
         """
-        if need_weights or self.rpe is None or q.dtype not in (torch.float32, torch.float64):
+        if need_weights or q.dtype not in (torch.float32, torch.float64):
             return False
         if self.blocked is not None:
             return self.blocked
-        if q.device.type != "cpu":
+        if q.device.type != "cpu" or (self.rpe_v is None and self.prefer_sdpa is True):
             return False
-        if self.rpe_v is None and self.prefer_sdpa is True:
-            return False
-        if self.prefer_sdpa is False or self.rpe_v is not None:
+        if self.rpe is None:
+            return dropout_p > 0.0 and self.prefer_sdpa is None
+        if self.prefer_sdpa is False or self.rpe_v is not None or dropout_p > 0.0:
             return True
         return torch.is_grad_enabled() and (
             q.requires_grad or any(p.requires_grad for p in self._tables()))
@@ -286,7 +288,7 @@ class IRPEMultiheadAttention(nn.Module):
         q_scaled = (q * scale).contiguous()
         k_scaled = k * scale if self.rpe_q is not None else None
         dropout_p = self.dropout if self.training else 0.0
-        if self._use_blocked(q, need_weights):
+        if self._use_blocked(q, need_weights, dropout_p):
             out = self._blocked(q_scaled, k, v, k_scaled, ids, hw, key_padding_mask, dropout_p)
             out = out.view(batch, heads, length, -1).transpose(1, 2).reshape(
                 batch, length, self.embed_dim)
