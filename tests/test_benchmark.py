@@ -96,7 +96,7 @@ def test_benchmark_irpe_alias(tmp_path: Path) -> None:
     assert "IRPEMultiheadAttention rpe-2.0-product-ctx-1-qkv" in names
 
 
-@pytest.mark.parametrize("rpe", ["rpe-2.0-product-ctx-1-k", "rpe-1.9-cross-ctx-0-qkv",
+@pytest.mark.parametrize("rpe", [None, "rpe-2.0-product-ctx-1-k", "rpe-1.9-cross-ctx-0-qkv",
                                  "rpe-2.0-euc-bias-0-qk"])
 def test_blocked_core_equals_explicit_over_several_blocks(rpe: str) -> None:
     """The benchmarked CPU training path (row blocks, last one partial) vs the explicit one."""

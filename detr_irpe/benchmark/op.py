@@ -16,7 +16,8 @@ Variants (keys): ``mha_sdpa`` (``nn.MultiheadAttention``, ``need_weights=False``
 fused kernel), ``mha_weights`` (``need_weights=True``, as DETR calls it),
 ``irpe_{method}_{on}`` (``IRPEMultiheadAttention`` with ``rpe-{ratio}-{method}-ctx-1-{on}``,
 random non-zero tables), ``naive_product_qkv`` (the O(L^2 D) dense gathers of
-:mod:`detr_irpe.irpe.naive`).
+:mod:`detr_irpe.irpe.naive`); a ``_drop`` suffix = training with DETR's attention dropout
+0.1 (``irpe_none_drop``: this project's plain encoder layer, ``rpe=none``).
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ DEFAULT_VARIANTS = (
     "irpe_product_k", "irpe_product_qk", "irpe_product_qkv",
     "irpe_euc_k", "irpe_quant_k", "irpe_cross_k",
     "irpe_euc_qkv", "irpe_quant_qkv", "irpe_cross_qkv",
+    "mha_sdpa_drop", "irpe_none_drop", "irpe_product_k_drop", "irpe_product_qkv_drop",
     "naive_product_qkv",
 )
+PLAIN_TRAIN = "irpe_none_drop"  # the project's plain encoder layer in training (dropout 0.1)
+TRAIN_DROPOUT = 0.1  # DETR's attention dropout
 SWEEP_VARIANTS = (MHA_SDPA, MHA_WEIGHTS, "irpe_product_k", "irpe_product_qkv", "naive_product_qkv")
 # (H, W) grids of the L sweep: 256 ... 4096 tokens, 950 = DETR's 25 x 38 (800 x 1216 / 32)
 SWEEP_GRIDS = ((16, 16), (16, 32), (25, 38), (32, 48), (32, 64), (48, 64), (64, 64))
@@ -90,22 +94,34 @@ def _random_tables(module: nn.Module) -> None:
 def _variant(key: str, dim: int, heads: int, hw: tuple[int, int], ratio: float,
              modules: dict[str, nn.Module]) -> tuple[str, nn.Module, Step]:
     """(display name, module, step(query, value, mask) -> out) of a variant key."""
-    if key in (MHA_SDPA, MHA_WEIGHTS):
-        mha = modules.setdefault("mha", nn.MultiheadAttention(dim, heads, batch_first=True))
-        if key == MHA_SDPA:
-            return ("nn.MultiheadAttention (need_weights=False)", mha,
+    parts = key.split("_")
+    drop = parts[-1] == "drop"
+    p = TRAIN_DROPOUT if drop else 0.0
+    suffix = f", training, dropout {p}" if drop else ""
+    if parts[0] == "mha":
+        name = f"mha{p}"
+        mha = modules.setdefault(name, nn.MultiheadAttention(dim, heads, dropout=p,
+                                                              batch_first=True))
+        if parts[1] == "sdpa":
+            return (f"nn.MultiheadAttention (need_weights=False{suffix})", mha,
                     lambda q, v, m: mha(q, q, v, key_padding_mask=m, need_weights=False)[0])
         return ("nn.MultiheadAttention (need_weights=True, as DETR calls it)", mha,
                 lambda q, v, m: mha(q, q, v, key_padding_mask=m)[0])
-    kind, method, on = key.split("_")
-    rpe = f"rpe-{ratio}-{method}-ctx-1-{on}"
-    if rpe not in modules:
-        modules[rpe] = IRPEMultiheadAttention(dim, heads, rpe=rpe)
-        _random_tables(modules[rpe])
-    module = modules[rpe]
+    kind, method = parts[0], parts[1]
+    if method == "none":
+        rpe, on = None, ""
+    else:
+        on = parts[2]
+        rpe = f"rpe-{ratio}-{method}-ctx-1-{on}"
+    name = f"{rpe}/{p}"
+    if name not in modules:
+        modules[name] = IRPEMultiheadAttention(dim, heads, dropout=p, rpe=rpe)
+        _random_tables(modules[name])
+    module = modules[name]
     if kind == "irpe":
-        return (f"IRPEMultiheadAttention {rpe}", module,
-                lambda q, v, m: module(q, q, v, hw, key_padding_mask=m)[0])
+        label = "no iRPE (the project's plain DETR encoder layer)" if rpe is None else rpe
+        return (f"IRPEMultiheadAttention {label}{' (' + suffix[2:] + ')' if drop else ''}",
+                module, lambda q, v, m: module(q, q, v, hw, key_padding_mask=m)[0])
     if kind == "naive":
         return (f"naive O(L^2 D) {rpe}", module,
                 lambda q, v, m: naive_irpe_attention(module, q, q, v, hw, key_padding_mask=m))
@@ -228,31 +244,35 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def op_table(results: Sequence[BenchResult | dict]) -> str:
-    """Markdown table with ratios against both plain-attention baselines.
+    """Markdown table with ratios against the plain-attention baselines.
 
-    ``x DETR`` columns: relative to ``mha_weights`` (the layer DETR's encoder runs);
-    ``x SDPA`` columns: relative to ``mha_sdpa`` (PyTorch's fused kernel, no weights).
+    ``x DETR`` columns: relative to ``mha_weights`` (``nn.MultiheadAttention`` as the
+    original DETR encoder calls it); ``x SDPA``: relative to ``mha_sdpa`` (PyTorch's fused
+    kernel, no weights, no dropout); ``x plain train`` (rows with dropout only): relative
+    to ``irpe_none_drop``, this project's plain encoder layer in training mode.
     """
     rows = [r if isinstance(r, dict) else r.as_dict() for r in results]
     by_key = {r["key"]: r for r in rows}
     detr, sdpa = by_key.get(MHA_WEIGHTS), by_key.get(MHA_SDPA)
+    plain_train = by_key.get(PLAIN_TRAIN)
 
     def rel(r: dict, base: dict | None, field: str) -> str:
         value = _ratio(r[field], None if base is None else base[field])
         return "n/a" if value is None else f"{value:.2f}"
 
     lines = [
-        "| variant | wall ms | x DETR MHA | x SDPA MHA | CPU ms | x CPU DETR | x CPU SDPA "
-        "| saved MiB | x saved DETR | x saved SDPA | peak MiB |",
-        "|---|" + "---:|" * 10,
+        "| variant | wall ms | x DETR MHA | x SDPA MHA | x plain train | CPU ms | x CPU DETR "
+        "| x CPU SDPA | saved MiB | x saved DETR | x saved SDPA | peak MiB |",
+        "|---|" + "---:|" * 11,
     ]
     for r in rows:
         peak = "n/a (CPU)" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
+        train = rel(r, plain_train, "median_ms") if r["key"].endswith("_drop") else ""
         lines.append(
             f"| {r['name']} | {r['median_ms']:.1f} | {rel(r, detr, 'median_ms')} | "
-            f"{rel(r, sdpa, 'median_ms')} | {r['cpu_ms']:.1f} | {rel(r, detr, 'cpu_ms')} | "
-            f"{rel(r, sdpa, 'cpu_ms')} | {r['saved_mib']:.1f} | {rel(r, detr, 'saved_mib')} | "
-            f"{rel(r, sdpa, 'saved_mib')} | {peak} |"
+            f"{rel(r, sdpa, 'median_ms')} | {train} | {r['cpu_ms']:.1f} | "
+            f"{rel(r, detr, 'cpu_ms')} | {rel(r, sdpa, 'cpu_ms')} | {r['saved_mib']:.1f} | "
+            f"{rel(r, detr, 'saved_mib')} | {rel(r, sdpa, 'saved_mib')} | {peak} |"
         )
     return "\n".join(lines)
 

@@ -107,6 +107,14 @@ def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 ratio = op[key][field_] / base[field_]
                 out.append({"target": f"{what} vs {base_label}", "limit": limit,
                             "ratio": ratio, "met": ratio <= limit})
+    plain = op.get(op_bench.PLAIN_TRAIN)
+    for key in ("irpe_product_k_drop", "irpe_product_qkv_drop"):
+        if plain is not None and key in op:
+            limit = TARGETS["op_k_time"] if "_k_" in key else TARGETS["op_qkv_time"]
+            ratio = op[key]["median_ms"] / plain["median_ms"]
+            out.append({"target": f"{op[key]['name']} time vs the project's plain layer "
+                                  "(training, dropout 0.1)", "limit": limit, "ratio": ratio,
+                        "met": ratio <= limit})
     rows = {r["rpe"]: r for r in results.get("model", {}).get("rows", [])}
     if "none" in rows:
         for rpe, r in rows.items():
