@@ -96,20 +96,14 @@ class _BlockedAttention(torch.autograd.Function):
         batch = n // num_heads
         kt = k.transpose(1, 2)
         out = v.new_empty(n, length, v.shape[-1])
-        # row max and row sum of the softmax: the backward recomputes A in place, bit-exact
-        # (a log-sum-exp would lose the logits of fully padded rows next to the pad value)
-        row_max, row_sum = q.new_empty(n, length, 1), q.new_empty(n, length, 1)
         buckets = [v.new_empty(n, length, w.shape[-2]) for w in tables]  # (N, L, K), small
         keeps = []
         for r0 in range(0, length, block_rows):
             r1 = min(length, r0 + block_rows)
             rows = r1 - r0
-            s = _logits(q, kt, pad, terms, scores, r0, r1, num_heads)
-            m = torch.amax(s, dim=-1, keepdim=True)
-            a = s.sub_(m).exp_()
-            total = a.sum(-1, keepdim=True)
-            a.div_(total)
-            row_max[:, r0:r1], row_sum[:, r0:r1] = m, total
+            # the backward recomputes this softmax bit for bit (one fused kernel; a saved
+            # log-sum-exp would lose the logits of fully padded rows next to the pad value)
+            a = torch.softmax(_logits(q, kt, pad, terms, scores, r0, r1, num_heads), dim=-1)
             if dropout_p > 0.0:
                 keep = torch.rand_like(a) >= dropout_p
                 a.mul_(keep).mul_(1.0 / (1.0 - dropout_p))
@@ -123,7 +117,7 @@ class _BlockedAttention(torch.autograd.Function):
                 o.add_(torch.matmul(bucket.view(batch, num_heads, rows, kb), table)
                        .view(n, rows, -1))
             out[:, r0:r1] = o
-        ctx.save_for_backward(q, k, v, out, pad, row_max, row_sum, *tensors, *buckets)
+        ctx.save_for_backward(q, k, v, out, pad, *tensors, *buckets)
         ctx.terms, ctx.num_heads, ctx.dropout_p, ctx.block_rows = (
             terms, num_heads, dropout_p, block_rows)
         ctx.keeps = keeps
@@ -132,7 +126,7 @@ class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, out, pad, row_max, row_sum, *tensors = ctx.saved_tensors
+        q, k, v, out, pad, *tensors = ctx.saved_tensors
         terms, heads, p_drop, block_rows = ctx.terms, ctx.num_heads, ctx.dropout_p, ctx.block_rows
         t, tv = len(terms.logit_index), len(terms.value_index)
         scores, tables, buckets = tensors[:t], tensors[t:t + tv], tensors[t + tv:]
@@ -149,8 +143,7 @@ class _BlockedAttention(torch.autograd.Function):
             r1 = min(length, r0 + block_rows)
             rows = r1 - r0
             g_blk = grad_out[:, r0:r1]
-            a = _logits(q, kt, pad, terms, scores, r0, r1, heads)
-            a.sub_(row_max[:, r0:r1]).exp_().div_(row_sum[:, r0:r1])
+            a = torch.softmax(_logits(q, kt, pad, terms, scores, r0, r1, heads), dim=-1)
             if p_drop > 0.0:
                 keep = ctx.keeps[block]
                 ad = a * keep
