@@ -44,6 +44,7 @@ def test_quick_suite_structure(quick_results) -> None:
     assert {"torch", "cpu", "threads", "date", "load_average"} <= set(results["environment"])
     keys = [r["key"] for r in results["op"]["rows"]]
     assert keys == list(op_bench.DEFAULT_VARIANTS)
+    assert "explicit" in results["op"]["rows"][keys.index("irpe_product_k_explicit")]["name"]
     for row in results["op"]["rows"]:
         assert {"name", "median_ms", "cpu_ms", "saved_mib", "peak_mib", "length"} <= set(row)
         assert row["median_ms"] > 0 and row["peak_mib"] is None  # no peak on CPU

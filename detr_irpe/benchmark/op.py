@@ -17,7 +17,9 @@ fused kernel), ``mha_weights`` (``need_weights=True``, as DETR calls it),
 ``irpe_{method}_{on}`` (``IRPEMultiheadAttention`` with ``rpe-{ratio}-{method}-ctx-1-{on}``,
 random non-zero tables), ``naive_product_qkv`` (the O(L^2 D) dense gathers of
 :mod:`detr_irpe.irpe.naive`); a ``_drop`` suffix = training with DETR's attention dropout
-0.1 (``irpe_none_drop``: this project's plain encoder layer, ``rpe=none``).
+0.1 (``irpe_none_drop``: this project's plain encoder layer, ``rpe=none``); an
+``_explicit`` suffix = the full-size ``(B h, L, L)`` path (``module.blocked = False``)
+instead of the row-blocked core that the CPU training path uses.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ MHA_SDPA, MHA_WEIGHTS = "mha_sdpa", "mha_weights"
 DEFAULT_VARIANTS = (
     MHA_SDPA, MHA_WEIGHTS,
     "irpe_product_k", "irpe_product_qk", "irpe_product_qkv",
+    "irpe_product_k_explicit", "irpe_product_qkv_explicit",
     "irpe_euc_k", "irpe_quant_k", "irpe_cross_k",
     "irpe_euc_qkv", "irpe_quant_qkv", "irpe_cross_qkv",
     "mha_sdpa_drop", "irpe_none_drop", "irpe_product_k_drop", "irpe_product_qkv_drop",
@@ -95,6 +98,9 @@ def _variant(key: str, dim: int, heads: int, hw: tuple[int, int], ratio: float,
              modules: dict[str, nn.Module]) -> tuple[str, nn.Module, Step]:
     """(display name, module, step(query, value, mask) -> out) of a variant key."""
     parts = key.split("_")
+    explicit = parts[-1] == "explicit"  # the full-size (L, L) path instead of row blocks
+    if explicit:
+        parts = parts[:-1]
     drop = parts[-1] == "drop"
     p = TRAIN_DROPOUT if drop else 0.0
     suffix = f", training, dropout {p}" if drop else ""
@@ -113,14 +119,18 @@ def _variant(key: str, dim: int, heads: int, hw: tuple[int, int], ratio: float,
     else:
         on = parts[2]
         rpe = f"rpe-{ratio}-{method}-ctx-1-{on}"
-    name = f"{rpe}/{p}"
+    name = f"{rpe}/{p}/{explicit}"
     if name not in modules:
         modules[name] = IRPEMultiheadAttention(dim, heads, dropout=p, rpe=rpe)
         _random_tables(modules[name])
+        if explicit:
+            modules[name].blocked = False
     module = modules[name]
     if kind == "irpe":
         label = "no iRPE (the project's plain DETR encoder layer)" if rpe is None else rpe
-        return (f"IRPEMultiheadAttention {label}{' (' + suffix[2:] + ')' if drop else ''}",
+        notes = [suffix[2:]] if drop else []
+        notes += ["explicit (L, L) path, not row-blocked"] if explicit else []
+        return (f"IRPEMultiheadAttention {label}" + (f" ({'; '.join(notes)})" if notes else ""),
                 module, lambda q, v, m: module(q, q, v, hw, key_padding_mask=m)[0])
     if kind == "naive":
         return (f"naive O(L^2 D) {rpe}", module,

@@ -212,7 +212,8 @@ def suite_markdown(results: dict[str, Any]) -> str:
             sweep = results["op"]["sweep"]
             parts += [f"\n### Op level vs L (median of {opts['sweep_repeats']}; plot "
                       f"{Path(results['op']['plot']).name})\n", op_bench.sweep_table(sweep)]
-            parts += [f"\n- {note}" for note in sweep["skipped"]]
+            if sweep["skipped"]:
+                parts.append("\n" + "\n".join(f"- {note}" for note in sweep["skipped"]))
     if "model" in results:
         parts += ["\n### Model level: DETR-R50 training step and inference\n",
                   model_bench.model_table(results["model"]["rows"])]
