@@ -119,3 +119,11 @@ def test_blocked_core_equals_explicit_over_several_blocks(rpe: str) -> None:
     torch.testing.assert_close(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b)
+
+
+def test_render_from_json(quick_results) -> None:
+    tool = _tool("benchmark")
+    _, out = quick_results
+    (out / "results.md").unlink()
+    assert tool.main(["--render", "--output-dir", str(out)]) == 0
+    assert "CPU targets" in (out / "results.md").read_text()

@@ -6,6 +6,7 @@
     python tools/benchmark.py --only model --model-repeats 5
     python tools/benchmark.py --device cuda --model-size 800x1216 --op-repeats 20
     python tools/benchmark.py --quick --output-dir /tmp/bench  # tiny sizes (smoke test)
+    python tools/benchmark.py --render --output-dir outputs/benchmark   # re-render results.md
 
 Writes results.json, results.md and op_sweep.png under --output-dir. What is measured and
 the published numbers: docs/benchmarks.md.
@@ -36,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated sections out of op,model,data,eval (%(default)s)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every path")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU (%(default)s)")
+    p.add_argument("--render", action="store_true",
+                   help="measure nothing: rebuild results.md, targets and plot from the "
+                        "results.json in --output-dir")
     g = p.add_argument_group("op level")
     g.add_argument("--op-size", type=_hw, default=None, help="attention grid HxW (25x38)")
     g.add_argument("--op-batch", type=int, default=None)
@@ -65,7 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from detr_irpe.benchmark import SuiteOptions, run_suite, suite_markdown, write_results
+    from detr_irpe.benchmark import SuiteOptions, rerender, run_suite, suite_markdown, write_results
+
+    if args.render:
+        print(suite_markdown(rerender(args.output_dir)))
+        return 0
 
     chosen = {
         "device": args.device, "sections": [s.strip() for s in args.only.split(",") if s.strip()],

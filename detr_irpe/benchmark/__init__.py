@@ -10,9 +10,10 @@
 from detr_irpe.benchmark.suite import (
     SECTIONS,
     SuiteOptions,
+    rerender,
     run_suite,
     suite_markdown,
     write_results,
 )
 
-__all__ = ["SECTIONS", "SuiteOptions", "run_suite", "suite_markdown", "write_results"]
+__all__ = ["SECTIONS", "SuiteOptions", "rerender", "run_suite", "suite_markdown", "write_results"]

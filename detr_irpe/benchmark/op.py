@@ -317,21 +317,25 @@ def run_sweep(
 
 
 def sweep_table(sweep: dict) -> str:
-    """Markdown: one row per L, wall ms and saved (peak on CUDA) MiB per variant."""
+    """Markdown: one row per L; per variant the time (process CPU ms on CPU, which other
+    jobs on a shared machine disturb less than wall time; wall ms on CUDA) and memory
+    (saved MiB on CPU, peak MiB on CUDA)."""
     rows = sweep["rows"]
     keys = list(dict.fromkeys(r["key"] for r in rows))
     lengths = list(dict.fromkeys(r["length"] for r in rows))
     cell = {(r["length"], r["key"]): r for r in rows}
     cuda = any(r["peak_mib"] is not None for r in rows)
     mem = "peak MiB" if cuda else "saved MiB"
-    head = ["L (H x W)"] + [f"{k} ms" for k in keys] + [f"{k} {mem}" for k in keys]
+    time_key = "median_ms" if cuda else "cpu_ms"
+    head = (["L (H x W)"] + [f"{k} {'ms' if cuda else 'CPU ms'}" for k in keys]
+            + [f"{k} {mem}" for k in keys])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (2 * len(keys))]
     for length in lengths:
         hw = next(r["hw"] for r in rows if r["length"] == length)
         times, mems = [], []
         for k in keys:
             r = cell.get((length, k))
-            times.append("skipped" if r is None else f"{r['median_ms']:.1f}")
+            times.append("skipped" if r is None else f"{r[time_key]:.1f}")
             m = None if r is None else (r["peak_mib"] if cuda else r["saved_mib"])
             mems.append("skipped" if m is None else f"{m:.1f}")
         lines.append(f"| {length} ({hw[0]}x{hw[1]}) | " + " | ".join(times + mems) + " |")
@@ -347,16 +351,17 @@ def plot_sweep(sweep: dict, path: str | Path, title: str = "") -> Path:
 
     rows = sweep["rows"]
     cuda = any(r["peak_mib"] is not None for r in rows)
+    time_key = "median_ms" if cuda else "cpu_ms"
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     for key in dict.fromkeys(r["key"] for r in rows):
-        pts = sorted((r["length"], r["median_ms"], r["peak_mib"] if cuda else r["saved_mib"])
+        pts = sorted((r["length"], r[time_key], r["peak_mib"] if cuda else r["saved_mib"])
                      for r in rows if r["key"] == key)
         label = next(r["name"] for r in rows if r["key"] == key)
         xs = [p[0] for p in pts]
         style = "--" if key.startswith("mha") else ("-." if key.startswith("naive") else "-")
         ax_t.plot(xs, [p[1] for p in pts], style, marker="o", label=label)
         ax_m.plot(xs, [p[2] for p in pts], style, marker="o", label=label)
-    for ax, ylabel in ((ax_t, "forward+backward ms"),
+    for ax, ylabel in ((ax_t, "forward+backward ms" if cuda else "forward+backward CPU ms"),
                        (ax_m, "peak MiB" if cuda else "activation MiB (saved for backward)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -21,7 +21,7 @@ from detr_irpe.benchmark import model as model_bench
 from detr_irpe.benchmark import op as op_bench
 from detr_irpe.benchmark.common import environment
 
-__all__ = ["SECTIONS", "SuiteOptions", "run_suite", "suite_markdown", "write_results"]
+__all__ = ["SECTIONS", "SuiteOptions", "rerender", "run_suite", "suite_markdown", "write_results"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,12 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each CPU target with the measured ratio(s) and whether it is met."""
+    """Each CPU target with the measured ratios and whether it is met.
+
+    ``ratio`` (the verdict) uses process CPU time (all threads): on a shared machine other
+    jobs stretch wall time by whatever share of the cores they take, while CPU time only
+    grows with cache / memory-bandwidth contention. ``ratio_wall`` is given as well.
+    """
     out = []
     op = {r["key"]: r for r in results.get("op", {}).get("rows", [])}
     for base_key, base_label in ((op_bench.MHA_WEIGHTS, "DETR MHA (need_weights=True)"),
@@ -98,30 +103,35 @@ def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if base is None:
             continue
         for key, what, field_, limit in (
-            ("irpe_product_k", "ctx-product-k layer time", "median_ms", TARGETS["op_k_time"]),
-            ("irpe_product_qkv", "ctx-product-qkv layer time", "median_ms", TARGETS["op_qkv_time"]),
+            ("irpe_product_k", "ctx-product-k layer time", "cpu_ms", TARGETS["op_k_time"]),
+            ("irpe_product_qkv", "ctx-product-qkv layer time", "cpu_ms", TARGETS["op_qkv_time"]),
             ("irpe_product_qkv", "ctx-product-qkv activation memory", "saved_mib",
              TARGETS["op_qkv_memory"]),
         ):
             if key in op and base[field_]:
                 ratio = op[key][field_] / base[field_]
+                wall = (op[key]["median_ms"] / base["median_ms"]) if field_ == "cpu_ms" else None
                 out.append({"target": f"{what} vs {base_label}", "limit": limit,
-                            "ratio": ratio, "met": ratio <= limit})
+                            "ratio": ratio, "ratio_wall": wall, "met": ratio <= limit})
     plain = op.get(op_bench.PLAIN_TRAIN)
     for key in ("irpe_product_k_drop", "irpe_product_qkv_drop"):
         if plain is not None and key in op:
             limit = TARGETS["op_k_time"] if "_k_" in key else TARGETS["op_qkv_time"]
-            ratio = op[key]["median_ms"] / plain["median_ms"]
-            out.append({"target": f"{op[key]['name']} time vs the project's plain layer "
-                                  "(training, dropout 0.1)", "limit": limit, "ratio": ratio,
+            ratio = op[key]["cpu_ms"] / plain["cpu_ms"]
+            on = key.split("_")[2]
+            out.append({"target": f"ctx-product-{on} layer time, training (dropout 0.1), vs "
+                                  "the project's plain layer (rpe=none) in training",
+                        "limit": limit, "ratio": ratio,
+                        "ratio_wall": op[key]["median_ms"] / plain["median_ms"],
                         "met": ratio <= limit})
     rows = {r["rpe"]: r for r in results.get("model", {}).get("rows", [])}
     if "none" in rows:
         for rpe, r in rows.items():
             if rpe != "none":
-                ratio = r["train_step_s"] / rows["none"]["train_step_s"]
+                ratio = r["train_cpu_s"] / rows["none"]["train_cpu_s"]
                 out.append({"target": f"DETR training step, {rpe} vs rpe=none",
                             "limit": TARGETS["model_train_step"], "ratio": ratio,
+                            "ratio_wall": r["train_step_s"] / rows["none"]["train_step_s"],
                             "met": ratio <= TARGETS["model_train_step"]})
     return out
 
@@ -156,7 +166,7 @@ def run_suite(
             plot = op_bench.plot_sweep(
                 sweep, output_dir / "op_sweep.png",
                 title=f"one attention layer fwd+bwd, B={options.op_batch}, C={options.op_dim}, "
-                      f"{options.op_heads} heads, {options.device}",
+                      f"{options.op_heads} heads, {options.device}, {options.threads} threads",
             )
             section["sweep"] = sweep
             section["plot"] = str(plot)
@@ -224,9 +234,12 @@ def suite_markdown(results: dict[str, Any]) -> str:
         parts += ["\n### COCO evaluation (CocoEvaluator, synthetic val split)\n",
                   eval_bench.eval_table(results["eval"])]
     if results.get("targets"):
-        parts += ["\n### CPU targets\n", "| target | limit | measured | met |", "|---|---:|---:|---|"]
+        parts += ["\n### CPU targets (verdict on process CPU time; memory: saved MiB)\n",
+                  "| target | limit | measured | wall-time ratio | met |",
+                  "|---|---:|---:|---:|---|"]
         parts += [f"| {t['target']} | {t['limit']:.2f}x | {t['ratio']:.2f}x | "
-                  f"{'yes' if t['met'] else 'NO'} |" for t in results["targets"]]
+                  + ("" if t.get("ratio_wall") is None else f"{t['ratio_wall']:.2f}x")
+                  + f" | {'yes' if t['met'] else 'NO'} |" for t in results["targets"]]
     return "\n".join(parts) + "\n"
 
 
@@ -238,3 +251,20 @@ def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path
     json_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     md_path.write_text(suite_markdown(results))
     return json_path, md_path
+
+
+def rerender(output_dir: str | Path) -> dict[str, Any]:
+    """Rebuild targets, ``results.md`` and the sweep plot from ``results.json`` (no measuring)."""
+    output_dir = Path(output_dir)
+    results = json.loads((output_dir / "results.json").read_text())
+    if results["environment"]["device"].startswith("cpu"):
+        results["targets"] = _targets(results)
+    if "sweep" in results.get("op", {}):
+        opts = results["options"]
+        results["op"]["plot"] = str(op_bench.plot_sweep(
+            results["op"]["sweep"], output_dir / "op_sweep.png",
+            title=f"one attention layer fwd+bwd, B={opts['op_batch']}, C={opts['op_dim']}, "
+                  f"{opts['op_heads']} heads, {opts['device']}, {opts['threads']} threads",
+        ))
+    write_results(results, output_dir)
+    return results
