@@ -4,7 +4,7 @@
 1. generates the synthetic shapes dataset into datasets/synthetic/ when it is missing
    (1600 train + 200 val images of 128 px, 3 classes, 1-3 objects each);
 2. trains configs/synthetic_demo.yaml on the CPU (ResNet-18 at stride 16, 2 + 2
-   layers, d_model 128, iRPE rpe-2.0-product-ctx-1-k) for ~2600 optimizer steps,
+   layers, d_model 128, iRPE rpe-2.0-product-ctx-1-k) for ~3600 optimizer steps,
    into outputs/demo/ (log.txt, train.log, checkpoints);
 3. evaluates on the val split and prints the COCO numbers and AP per class;
 4. draws predictions on a few val images (outputs/demo/predictions/), and attention
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="synthetic dataset folder, generated when missing (%(default)s)")
     parser.add_argument("--output-dir", type=Path, default=OUTPUT_DIR,
                         help="run folder (%(default)s)")
-    parser.add_argument("--steps", type=int, default=2600,
+    parser.add_argument("--steps", type=int, default=3600,
                         help="target number of optimizer steps; sets train.epochs and "
                              "train.lr_drop (at ~85%%) from the training-set size (%(default)s)")
     parser.add_argument("--fresh", action="store_true",
