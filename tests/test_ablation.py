@@ -5,6 +5,7 @@ interrupted grid resumes without retraining finished runs; bad grids fail at onc
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import statistics
@@ -30,8 +31,9 @@ from detr_irpe.ablation.status import RunLock, config_mismatch, lock_holder
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import ablate  # noqa: E402  (tools/ablate.py)
+_spec = importlib.util.spec_from_file_location("ablate_tool", ROOT / "tools" / "ablate.py")
+ablate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ablate)
 
 STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 
