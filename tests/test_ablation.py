@@ -390,3 +390,13 @@ def test_shipped_grids_load() -> None:
     # Product buckets per ratio (irpe.md): 49, 81, 121, 169; D = 32, shared, 6 layers.
     assert [rpe_parameter_count(r.config) for r in ratio.runs] == [
         6 * 32 * k for k in (49, 81, 121, 169)]
+
+
+def test_variants_times_one_axis_names(tmp_path, tiny_data) -> None:
+    grid = load_grid(_fake_grid(
+        tmp_path, tiny_data, seeds=[1], baseline="none,position_embedding=sine",
+        variants=[{"name": "none", "overrides": ["model.rpe=none"]}],
+        axes={"model.position_embedding": ["sine", "none"]},
+    ))
+    assert [v.name for v in grid.variants] == [
+        "none,position_embedding=sine", "none,position_embedding=none"]

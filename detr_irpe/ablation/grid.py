@@ -222,7 +222,12 @@ def _combine(listed: list[Variant], axis: list[Variant]) -> list[Variant]:
         return axis
     if not axis:
         return listed
-    return [Variant(f"{a.name},{b.name}", a.overrides + b.overrides) for a in listed for b in axis]
+    def label(v: Variant) -> str:  # always key=value here: 'product,position_embedding=none'
+        return ",".join(f"{o.split('=', 1)[0].split('.')[-1]}={o.split('=', 1)[1]}"
+                        for o in v.overrides)
+
+    return [Variant(f"{a.name},{label(b)}", a.overrides + b.overrides)
+            for a in listed for b in axis]
 
 
 def _seeds(where: str, value: Any) -> list[int] | None:
