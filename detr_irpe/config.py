@@ -291,7 +291,8 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
 
 
 def list_configs() -> list[str]:
-    return sorted(str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.rglob("*.yaml"))
+    """Training configs shipped in ``configs/`` (ablation grids are not configs)."""
+    return sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
