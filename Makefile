@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(PY) tools/demo.py
 
 benchmark: $(STAMP)
-	$(PY) tools/benchmark_irpe.py
+	$(PY) tools/benchmark.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
