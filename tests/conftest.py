@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -22,3 +24,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed_everything() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _restore_globals():
+    """Undo what the tools set process-wide: torch threads and the run's log handlers."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_detr_irpe", False):
+            root.removeHandler(handler)
+            handler.close()

@@ -5,7 +5,6 @@ interrupted grid resumes without retraining finished runs; bad grids fail at onc
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import statistics
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import load_tool
 
 from detr_irpe.ablation import (
     GridError,
@@ -31,9 +31,7 @@ from detr_irpe.ablation.status import RunLock, config_mismatch, lock_holder
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("ablate_tool", ROOT / "tools" / "ablate.py")
-ablate = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ablate)
+ablate = load_tool("ablate")
 
 STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 

@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_tool
 
 from detr_irpe.benchmark import SuiteOptions, run_suite, suite_markdown, write_results
 from detr_irpe.benchmark import op as op_bench
 from detr_irpe.irpe import IRPEMultiheadAttention
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +64,7 @@ def test_results_written(quick_results) -> None:
 
 
 def test_tool_cli_quick_op_only(tmp_path: Path, capsys) -> None:
-    tool = _tool("benchmark")
+    tool = load_tool("benchmark")
     assert tool.main(["--quick", "--only", "op", "--no-sweep", "--threads", "1",
                       "--output-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
@@ -89,7 +75,7 @@ def test_tool_cli_quick_op_only(tmp_path: Path, capsys) -> None:
 
 
 def test_benchmark_irpe_alias(tmp_path: Path) -> None:
-    tool = _tool("benchmark_irpe")
+    tool = load_tool("benchmark_irpe")
     out = tmp_path / "r.json"
     assert tool.main(["--batch", "1", "--height", "3", "--width", "4", "--dim", "16",
                       "--heads", "2", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
@@ -122,7 +108,7 @@ def test_blocked_core_equals_explicit_over_several_blocks(rpe: str) -> None:
 
 
 def test_render_from_json(quick_results) -> None:
-    tool = _tool("benchmark")
+    tool = load_tool("benchmark")
     _, out = quick_results
     (out / "results.md").unlink()
     assert tool.main(["--render", "--output-dir", str(out)]) == 0

@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_tool
 from torch.testing import assert_close
 
 from detr_irpe.config import load_config
 from detr_irpe.models import CheckpointError, build_model, load_checkpoint
 
-
-def _load_tool():
-    path = Path(__file__).resolve().parent.parent / "tools" / "convert_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
-convert_main = _load_tool()
+convert_main = load_tool("convert_checkpoint").main
 
 REFERENCE = Path("/work/shared/reference/official_state_dict_keys.md")
 if not REFERENCE.is_file():

@@ -19,15 +19,6 @@ from detr_irpe.irpe import (
 from detr_irpe.irpe.buckets import transposed_flat_ids
 from detr_irpe.irpe.naive import naive_irpe_attention
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add spin-wait overhead on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 METHODS = ["euc", "quant", "cross", "product"]
 CASES = [
     (method, mode, on, shared)

@@ -10,15 +10,6 @@ from irpe_reference import ref_bucket_ids, ref_g
 
 from detr_irpe.irpe import Method, bucket_ids, num_buckets, piecewise_index
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add spin-wait overhead on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 METHODS = ["euc", "quant", "cross", "product"]
 RATIOS = [1.9, 2.0, 2.5, 3.0]
 GRIDS = [(1, 1), (3, 5), (7, 7), (13, 20)]

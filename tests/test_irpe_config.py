@@ -7,15 +7,6 @@ import torch
 
 from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig, parse_rpe
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add spin-wait overhead on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 # shared/reference/official_state_dict_keys.md section 3 (embed_dim 256, 8 heads)
 OFFICIAL_TABLES = {
     "rpe-2.0-product-ctx-1-k": {"rpe_k.lookup_table_weight": (1, 32, 81)},

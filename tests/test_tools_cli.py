@@ -3,13 +3,12 @@ checks, eval-only), eval and predict."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import logging
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_tool
 
 from detr_irpe.config import ConfigError, load_config
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
@@ -18,25 +17,6 @@ from detr_irpe.engine.runner import run_training
 from detr_irpe.models.criterion import SetCriterion
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def _restore_globals():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, "_detr_irpe", False):
-            root.removeHandler(handler)
-            handler.close()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +54,7 @@ def test_log_txt_has_detr_fields(trained):
 def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(
     tiny_data, tmp_path, monkeypatch, capsys
 ):
-    train = _tool("train")
+    train = load_tool("train")
     out = tmp_path / "nan"
     real_forward = SetCriterion.forward
     calls = {"n": 0}
@@ -116,7 +96,7 @@ def test_bf16_autocast_trains_on_cpu(tiny_data, tmp_path):
 
 
 def test_eval_only_on_saved_checkpoint(tiny_data, trained, tmp_path, capsys):
-    train = _tool("train")
+    train = load_tool("train")
     code = train.main(["synthetic_tiny", f"data.root={tiny_data}", "--output-dir", str(tmp_path),
                        "--eval-only", "--resume", str(trained / ckio.LAST), "--no-progress"])
     assert code == 0
@@ -129,7 +109,7 @@ def test_eval_only_on_saved_checkpoint(tiny_data, trained, tmp_path, capsys):
 
 
 def test_eval_tool_uses_checkpoint_config(trained, tmp_path, capsys):
-    code = _tool("eval").main([str(trained / ckio.LAST), "--output-dir", str(tmp_path),
+    code = load_tool("eval").main([str(trained / ckio.LAST), "--output-dir", str(tmp_path),
                                "--no-progress"])
     assert code == 0
     assert "AP75" in capsys.readouterr().out
@@ -144,13 +124,13 @@ def test_eval_tool_uses_checkpoint_config(trained, tmp_path, capsys):
 def test_eval_tool_reports_damaged_checkpoint(tmp_path, capsys):
     bad = tmp_path / "bad.pth"
     bad.write_bytes(b"not a checkpoint")
-    assert _tool("eval").main([str(bad), "--output-dir", str(tmp_path / "e")]) == 2
+    assert load_tool("eval").main([str(bad), "--output-dir", str(tmp_path / "e")]) == 2
     assert "bad.pth" in capsys.readouterr().err
 
 
 def test_predict_on_folder_writes_json_and_images(tiny_data, trained, tmp_path):
     out = tmp_path / "pred"
-    code = _tool("predict").main([str(trained / ckio.LAST), str(tiny_data / "val"),
+    code = load_tool("predict").main([str(trained / ckio.LAST), str(tiny_data / "val"),
                                   "--output-dir", str(out), "--score-threshold", "0",
                                   "--device", "cpu"])
     assert code == 0
@@ -163,8 +143,8 @@ def test_predict_on_folder_writes_json_and_images(tiny_data, trained, tmp_path):
         assert len(d["bbox"]) == 4 and 0.0 <= d["score"] <= 1.0
     assert sorted(p.stem for p in out.glob("*.png")) == [p.stem for p in images]
     # A glob selects a subset; a missing input is a clear error.
-    code = _tool("predict").main([str(trained / ckio.LAST), str(tiny_data / "val" / "000000.*"),
+    code = load_tool("predict").main([str(trained / ckio.LAST), str(tiny_data / "val" / "000000.*"),
                                   "--output-dir", str(tmp_path / "one"), "--no-draw"])
     assert code == 0
     assert not list((tmp_path / "one").glob("*.png"))
-    assert _tool("predict").main([str(trained / ckio.LAST), str(tmp_path / "nothing")]) == 2
+    assert load_tool("predict").main([str(trained / ckio.LAST), str(tmp_path / "nothing")]) == 2

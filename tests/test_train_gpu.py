@@ -3,11 +3,9 @@ train, checkpoint the scaler and resume."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
-import torch
 
 from detr_irpe.config import load_config
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
@@ -15,18 +13,6 @@ from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.runner import run_training
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _restore_globals():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, "_detr_irpe", False):
-            root.removeHandler(handler)
-            handler.close()
 
 
 @pytest.fixture(scope="module")

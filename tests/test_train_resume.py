@@ -30,18 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 OVERRIDES = ["model.frozen_bn=false", "model.dropout=0.1", "train.epochs=2"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_globals():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, "_detr_irpe", False):
-            root.removeHandler(handler)
-            handler.close()
-
-
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("synthetic")

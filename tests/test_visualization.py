@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import load_tool
 from PIL import Image
 
 from detr_irpe.config import load_config
@@ -255,14 +255,6 @@ def test_save_attention_maps(tmp_path, model_and_cfg, synthetic_image):
 # --------------------------------------------------------------------------- the tool
 
 
-def _load_tool():
-    path = Path(__file__).resolve().parent.parent / "tools" / "visualize.py"
-    spec = importlib.util.spec_from_file_location("visualize_tool", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_tool_on_own_checkpoint(tmp_path, model_and_cfg, synthetic_image, capsys):
     model, cfg = model_and_cfg
     ckpt = tmp_path / "checkpoint.pth"
@@ -270,7 +262,7 @@ def test_tool_on_own_checkpoint(tmp_path, model_and_cfg, synthetic_image, capsys
                ckpt)
     image = tmp_path / "img.png"
     Image.fromarray(synthetic_image).save(image)
-    tool = _load_tool()
+    tool = load_tool("visualize")
     out = tmp_path / "enc.png"
     assert tool.main(["encoder-attention", "--checkpoint", str(ckpt), "--image", str(image),
                       "--points", "20,20", "130,80", "--rpe-contribution",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import load_tool
 from PIL import Image
 
 from detr_irpe.irpe import IRPEMultiheadAttention, bucket_ids
@@ -164,10 +164,7 @@ def test_curves_missing_log(tmp_path):
 
 
 def test_tool_buckets_and_curves(tmp_path, capsys):
-    path = Path(__file__).resolve().parent.parent / "tools" / "visualize.py"
-    spec = importlib.util.spec_from_file_location("visualize_tool_irpe", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("visualize")
     out = tmp_path / "b.png"
     assert tool.main(["buckets", "--ratio", "1.9", "--grid", "7", "9", "--point", "2,3",
                       "--methods", "product", "euc", "--out", str(out)]) == 0
