@@ -247,10 +247,10 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:
-        where = prefix or "top level"
+        where = f"section {prefix.rstrip('.')!r}" if prefix else "the top level"
         raise ConfigError(
-            f"unknown config key(s) {', '.join(f'{prefix}{k}' for k in unknown)} "
-            f"({where}); allowed: {', '.join(sorted(names))}"
+            f"unknown config key(s) {', '.join(f'{prefix}{k}' for k in unknown)}; "
+            f"allowed in {where}: {', '.join(sorted(names))}"
         )
     kwargs = {}
     for name, value in values.items():

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from detr_irpe.models.checkpoint import CheckpointError as _ModelCheckpointError
+from detr_irpe.models.checkpoint import safe_torch_load
 
 logger = logging.getLogger(__name__)
 
@@ -160,15 +161,10 @@ def load_checkpoint_file(path: str | Path, *, require_training_state: bool = Fal
             or (with ``require_training_state``) lacks the model/optimizer/epoch state.
     """
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # zip/pickle errors of a truncated or foreign file
-        raise CheckpointError(
-            f"checkpoint {path} is truncated or corrupt and cannot be loaded "
-            f"({type(err).__name__}: {err})"
-        ) from err
+        state = safe_torch_load(path)
+    except _ModelCheckpointError as err:
+        raise CheckpointError(str(err)) from err.__cause__
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict")
     if require_training_state:

@@ -51,16 +51,12 @@ def _unpickler_detail(text: str) -> str:
     return match.group(1).strip()[:200] if match else ""
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Read a checkpoint file safely and find its model state dict.
-
-    Returns:
-        ``(state_dict, info)`` with ``info["format"]`` one of ``detr_irpe``,
-        ``detr``, ``irpe_detr``, ``state_dict`` and ``info["extra"]`` the other
-        top-level keys of the file.
+def safe_torch_load(path: str | Path) -> Any:
+    """``torch.load(path, map_location="cpu", weights_only=True)`` with errors a user can act on.
 
     Raises:
-        CheckpointError: missing, unreadable, truncated, pickled code, or no state dict.
+        CheckpointError: naming the file, when it is missing, truncated or foreign, or holds
+            pickled code (which ``weights_only=True`` refuses).
     """
     path = Path(path)
     if not path.is_file():
@@ -83,6 +79,22 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]
             f"checkpoint {path} is not a readable PyTorch checkpoint (truncated, corrupted or "
             f"not written by torch.save): {type(err).__name__}: {detail}"
         ) from err
+    return obj
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Read a checkpoint file safely and find its model state dict.
+
+    Returns:
+        ``(state_dict, info)`` with ``info["format"]`` one of ``detr_irpe``,
+        ``detr``, ``irpe_detr``, ``state_dict`` and ``info["extra"]`` the other
+        top-level keys of the file.
+
+    Raises:
+        CheckpointError: missing, unreadable, truncated, pickled code, or no state dict.
+    """
+    path = Path(path)
+    obj = safe_torch_load(path)
     if not isinstance(obj, Mapping):
         raise CheckpointError(
             f"checkpoint {path} holds a {type(obj).__name__}, not a dict with a 'model' state dict"
