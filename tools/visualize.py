@@ -57,8 +57,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", default=None,
                        help="config name or path (default: the one stored in an own "
                             "checkpoint, else the built-in DETR-R50 + iRPE defaults)")
-    group.add_argument("--opts", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                       help="config overrides, e.g. model.rpe=rpe-2.0-product-ctx-1-k")
+    group.add_argument("--set", "--opts", dest="opts", nargs="+", action="extend", default=[],
+                       metavar="KEY=VALUE",
+                       help="config overrides, e.g. model.rpe=rpe-2.0-product-ctx-1-k "
+                            "(--set as in tools/predict.py; --opts is an alias)")
     group.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
 
 
