@@ -54,6 +54,26 @@ def test_distributed_sampler_yields_keys_and_covers_the_dataset() -> None:
     assert sorted(set(indices)) == list(range(7))
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_distributed_order_deals_out_the_single_process_order(world: int) -> None:
+    """N processes with batch B/N see the global batches of one process with batch B."""
+    single = EpochSampler(10, shuffle=True, seed=5)
+    single.set_epoch(3)
+    order = [k.index for k in single]
+    shards = []
+    for rank in range(world):
+        sampler = DistributedEpochSampler(range(10), num_replicas=world, rank=rank,
+                                          shuffle=True, seed=5, drop_last=True)
+        sampler.set_epoch(3)
+        shards.append([k.index for k in sampler])
+    per_rank = 10 // world
+    dealt = [shards[step % world][step // world] for step in range(per_rank * world)]
+    assert dealt == order[: per_rank * world]
+    other_epoch = DistributedEpochSampler(range(10), num_replicas=1, rank=0, seed=5)
+    other_epoch.set_epoch(4)
+    assert [k.index for k in other_epoch] != order
+
+
 class _Squares(Dataset):
     """A plain dataset that uses torch's random generator (like an augmentation would)."""
 

@@ -13,6 +13,7 @@ untouched when loading runs in the main process.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
@@ -117,10 +118,23 @@ class EpochSampler(Sampler[SampleKey]):
 
 
 class DistributedEpochSampler(DistributedSampler):
-    """``DistributedSampler`` (same order, padding and ``set_epoch``) yielding :class:`SampleKey`."""
+    """``DistributedSampler`` (padding, sharding, ``set_epoch``) yielding :class:`SampleKey`.
+
+    The epoch's order is :class:`EpochSampler`'s permutation of ``(seed, epoch)``, dealt
+    out round-robin: one process sees exactly the single-process order, and N processes
+    with batch B/N together see the same global batches as one process with batch B.
+    """
 
     def __iter__(self) -> Iterator[SampleKey]:  # type: ignore[override]
-        for index in super().__iter__():
+        order = EpochSampler(len(self.dataset), self.shuffle, self.seed)  # type: ignore[arg-type]
+        order.set_epoch(self.epoch)
+        indices = order.order()
+        if self.drop_last:
+            indices = indices[: self.total_size]
+        else:  # repeat from the start to make it evenly divisible, as DistributedSampler does
+            padding = self.total_size - len(indices)
+            indices += (indices * math.ceil(padding / max(len(indices), 1)))[:padding]
+        for index in indices[self.rank : self.total_size : self.num_replicas]:
             yield SampleKey(int(index), self.epoch, self.seed)
 
 
