@@ -6,9 +6,9 @@ function of ``(seed, epoch)`` and augment sample ``i`` under an RNG seeded by
 afterwards. :func:`epoch_batches` adds the rest: it skips the batches already
 seen by index (nothing is loaded for them) and makes the iterator without
 touching the global RNG, so the RNG stream of training does not depend on
-when an epoch was entered. With the strided split of ``DistributedSampler``,
-the union of the N ranks' k-th batches of size B/N is the single-process k-th
-batch of size B (when N divides the dataset size).
+when an epoch was entered. ``DistributedEpochSampler`` deals the single-process
+order out round-robin, so the union of the N ranks' k-th batches of size B/N is
+the single-process k-th batch of size B.
 """
 
 from __future__ import annotations
