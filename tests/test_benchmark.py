@@ -6,12 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import load_tool
 
 from detr_irpe.benchmark import SuiteOptions, run_suite, suite_markdown, write_results
 from detr_irpe.benchmark import op as op_bench
-from detr_irpe.irpe import IRPEMultiheadAttention
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,30 +79,6 @@ def test_benchmark_irpe_alias(tmp_path: Path) -> None:
                       "--heads", "2", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
     names = [r["name"] for r in json.loads(out.read_text())["results"]]
     assert "IRPEMultiheadAttention rpe-2.0-product-ctx-1-qkv" in names
-
-
-@pytest.mark.parametrize("rpe", [None, "rpe-2.0-product-ctx-1-k", "rpe-1.9-cross-ctx-0-qkv",
-                                 "rpe-2.0-euc-bias-0-qk"])
-def test_blocked_core_equals_explicit_over_several_blocks(rpe: str) -> None:
-    """The benchmarked CPU training path (row blocks, last one partial) vs the explicit one."""
-    module = IRPEMultiheadAttention(16, 2, rpe=rpe).double()
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "lookup_table" in name:
-                p.normal_(0.0, 0.5)
-    query = torch.randn(2, 20, 16, dtype=torch.float64, requires_grad=True)
-    value = torch.randn(2, 20, 16, dtype=torch.float64, requires_grad=True)
-    mask = torch.zeros(2, 20, dtype=torch.bool)
-    mask[-1, -5:] = True
-    results = []
-    for blocked in (False, True):
-        module.blocked, module.block_rows = blocked, 6
-        out, _ = module(query, query, value, (4, 5), key_padding_mask=mask)
-        grads = torch.autograd.grad(out.pow(2).sum(), [query, value, *module.parameters()])
-        results.append((out, grads))
-    torch.testing.assert_close(results[0][0], results[1][0])
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b)
 
 
 def test_render_from_json(quick_results) -> None:
