@@ -178,8 +178,7 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-class ConfigError(ValueError):
-    """A config file, key or value the user has to fix."""
+from detr_irpe.errors import ConfigError  # noqa: E402,F401  (re-exported)
 
 
 def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:

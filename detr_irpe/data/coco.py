@@ -61,13 +61,7 @@ MAX_SUBSTITUTIONS = 50
 _TV_DEPRECATION = "The image decoding and encoding capabilities of TorchVision"
 
 
-class DatasetError(ValueError):
-    """A dataset the user has to fix: bad annotation file, missing or unreadable images."""
-
-
-class ImageReadError(DatasetError):
-    """An image file that cannot be read or decoded."""
-
+from detr_irpe.errors import DatasetError, ImageReadError  # noqa: E402,F401  (re-exported)
 
 # ----------------------------------------------------------------------------- image decoding
 

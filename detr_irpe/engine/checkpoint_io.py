@@ -49,10 +49,7 @@ BEST = "checkpoint_best.pth"
 _TRAINING_KEYS = ("model", "optimizer", "epoch", "iteration")
 
 
-class CheckpointError(_ModelCheckpointError):
-    """A checkpoint file that is missing, truncated, corrupt or not a training checkpoint.
-
-    A subclass of ``detr_irpe.models.CheckpointError``: catching that one catches both."""
+CheckpointError = _ModelCheckpointError  # the one class from detr_irpe.errors
 
 
 def _fsync_dir(folder: Path) -> None:

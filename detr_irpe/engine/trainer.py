@@ -21,6 +21,7 @@ from torch import nn
 
 from detr_irpe.config import ConfigError
 from detr_irpe.engine.logger import MetricTracker
+from detr_irpe.errors import NonFiniteError
 from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.dist import is_main_process, reduce_dict
 
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 _SHOWN = ("loss", "loss_ce", "loss_bbox", "loss_giou", "class_error", "lr")
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(NonFiniteError):
     """The training loss became NaN or infinite; training stops, checkpoints stay intact."""
 
     def __init__(self, epoch: int, iteration: int, losses: dict[str, float]) -> None:

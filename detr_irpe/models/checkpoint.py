@@ -31,8 +31,7 @@ HEAD_KEYS = ("class_embed.weight", "class_embed.bias")
 OWN_FORMAT = "detr_irpe"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file that cannot be read or does not fit the model."""
+from detr_irpe.errors import CheckpointError  # noqa: E402  (one error class for every checkpoint)
 
 
 def is_rpe_key(key: str) -> bool:

@@ -1,0 +1,127 @@
+"""What every command-line program shares: one way to name a config and override
+it, one device flag, and one mapping from errors to exit statuses.
+
+The override syntax, the same in every tool::
+
+    --config NAME|PATH --set train.lr=2e-4 model.rpe=rpe-2.0-product-ctx-1-k --set data.root=/x
+
+``--set`` takes one or more ``section.key=value`` items and may be repeated; later
+items win. Values are YAML scalars or lists (``data.train_scales=[480,512]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from detr_irpe.errors import (
+    EXIT_SIGINT,
+    EXIT_USER_ERROR,
+    ConfigError,
+    DetrIrpeError,
+)
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def parse_device(text: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; anything else is a usage error."""
+    value = text.strip().lower()
+    if not _DEVICE.match(value):
+        raise argparse.ArgumentTypeError(
+            f"device {text!r} is not one of auto, cpu, cuda, cuda:N (e.g. cuda:1)"
+        )
+    return value
+
+
+def new_parser(doc: str | None, prog: str | None = None) -> argparse.ArgumentParser:
+    """An argument parser whose help shows the module docstring as written."""
+    return argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser, *, required: bool = False, config_help: str | None = None
+) -> None:
+    """``--config NAME|PATH`` and ``--set KEY=VALUE [KEY=VALUE ...]`` (repeatable)."""
+    parser.add_argument(
+        "--config", "-c", required=required, metavar="NAME|PATH",
+        help=config_help or "config name (see configs/) or a YAML file",
+    )
+    parser.add_argument(
+        "--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+        help="config overrides, e.g. --set train.lr=2e-4 data.root=/data/coco (repeatable)",
+    )
+
+
+def add_device_argument(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    parser.add_argument(
+        "--device", type=parse_device, default=default, metavar="auto|cpu|cuda|cuda:N",
+        help="where the model runs (%(default)s: the GPU when there is one, else the CPU)",
+    )
+
+
+def checked_overrides(overrides: Iterable[str]) -> list[str]:
+    """The ``--set`` items, each checked to look like ``section.key=value``."""
+    out = []
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(
+                f"--set item {item!r} must look like section.key=value (e.g. train.lr=2e-4); "
+                "put positional arguments before --set"
+            )
+        out.append(item)
+    return out
+
+
+def load_config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Any:
+    """The config named by ``--config`` with ``--set`` and ``extra`` applied, or ``None``
+    when no ``--config`` was given (tools that read the config from a checkpoint)."""
+    from detr_irpe.config import load_config
+
+    overrides = checked_overrides(getattr(args, "overrides", []) or []) + list(extra)
+    if getattr(args, "config", None) is None:
+        return None
+    return load_config(args.config, overrides)
+
+
+def run_main(body: Callable[[], int | None], *, tool: str | None = None) -> int:
+    """Run a tool's body and turn errors into exit statuses.
+
+    A :class:`~detr_irpe.errors.DetrIrpeError` prints ``error: <message>`` (one line,
+    no traceback) and returns its ``exit_status`` (2 for user errors, 3 for NaN / inf,
+    128 + signal after an interruption that saved a checkpoint). Ctrl-C anywhere
+    else returns 130 without a traceback. Any other exception is a bug and propagates.
+    """
+    prefix = f"{tool}: " if tool else ""
+    try:
+        status = body()
+    except DetrIrpeError as err:
+        print(f"{prefix}error: {err}", file=sys.stderr)
+        return int(getattr(err, "exit_status", EXIT_USER_ERROR))
+    except KeyboardInterrupt:
+        print(f"{prefix}interrupted", file=sys.stderr)
+        return EXIT_SIGINT
+    return int(status or 0)
+
+
+def setup_tool_logging(level: int = logging.INFO) -> None:
+    """Plain ``LEVEL name: message`` lines on stderr for tools that do not set up a run folder."""
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+__all__ = [
+    "add_config_arguments",
+    "add_device_argument",
+    "checked_overrides",
+    "load_config_from_args",
+    "new_parser",
+    "parse_device",
+    "run_main",
+    "setup_tool_logging",
+]
