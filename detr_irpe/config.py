@@ -12,6 +12,7 @@ config; the classes take explicit keyword arguments.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -23,7 +24,9 @@ import yaml
 
 from detr_irpe.irpe.config import parse_rpe
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The configs ship inside the package (one copy; the repository's configs/ links here),
+# so a normal `pip install` finds them from any folder.
+CONFIG_DIR = Path(str(importlib.resources.files("detr_irpe").joinpath("configs")))
 
 BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
 POSITION_EMBEDDINGS = ("sine", "learned", "none")
