@@ -15,7 +15,7 @@ $(PY):
 
 $(STAMP): $(PY) setup.cfg pyproject.toml
 	$(PY) -c "import torch, torchvision" 2>/dev/null || $(PY) -m pip install $(TORCH_PINS)
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)
