@@ -21,7 +21,7 @@ from pycocotools.cocoeval import COCOeval
 from detr_irpe.config import DataConfig
 from detr_irpe.data import build_dataloader, build_dataset
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
-from detr_irpe.evaluation import STAT_NAMES, CocoEvaluator, evaluate_predictions
+from detr_irpe.evaluation import COCO_STAT_NAMES, CocoEvaluator, evaluate_predictions
 
 NUM_IMAGES = 8
 
@@ -92,7 +92,7 @@ def test_ground_truth_as_predictions_is_perfect() -> None:
     assert summary["AP"] == pytest.approx(1.0) and summary["AP50"] == pytest.approx(1.0)
     assert summary["AR100"] == pytest.approx(1.0)
     assert len(summary["stats"]) == 12
-    assert [summary[name] for name in STAT_NAMES] == summary["stats"]
+    assert [summary[name] for name in COCO_STAT_NAMES] == summary["stats"]
     assert [row["category_id"] for row in summary["per_class"]] == [1, 3, 7]
     assert all(row["AP"] == pytest.approx(1.0) for row in summary["per_class"])
 

@@ -1,5 +1,5 @@
 """Evaluation: COCO box mAP (pycocotools), gathered across processes."""
 
-from detr_irpe.evaluation.coco_eval import STAT_NAMES, CocoEvaluator, evaluate_predictions
+from detr_irpe.evaluation.coco_eval import COCO_STAT_NAMES, CocoEvaluator, evaluate_predictions
 
-__all__ = ["STAT_NAMES", "CocoEvaluator", "evaluate_predictions"]
+__all__ = ["COCO_STAT_NAMES", "CocoEvaluator", "evaluate_predictions"]

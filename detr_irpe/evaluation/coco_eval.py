@@ -36,7 +36,8 @@ from detr_irpe.utils.dist import all_gather_object, get_rank, is_dist
 
 logger = logging.getLogger(__name__)
 
-STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+# The order of COCOeval.stats; the one copy of these names in the package.
+COCO_STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 
 Prediction = Mapping[str, Any]
 
@@ -168,7 +169,7 @@ class CocoEvaluator:
         self.coco_eval = coco_eval
         stats = [float(v) for v in coco_eval.stats]
         summary: dict[str, Any] = {"stats": stats}
-        summary.update(zip(STAT_NAMES, stats))
+        summary.update(zip(COCO_STAT_NAMES, stats))
         summary["per_class"] = self._per_class(coco_eval)
         summary["num_images"] = len(image_ids)
         summary["num_detections"] = len(detections)
@@ -264,4 +265,4 @@ def evaluate_predictions(coco_gt: COCO, predictions: Mapping[int, Prediction]) -
     return evaluator.summarize()
 
 
-__all__ = ["STAT_NAMES", "CocoEvaluator", "evaluate_predictions", "predictions_to_results"]
+__all__ = ["COCO_STAT_NAMES", "CocoEvaluator", "evaluate_predictions", "predictions_to_results"]
