@@ -72,15 +72,6 @@ def test_tool_cli_quick_op_only(tmp_path: Path, capsys) -> None:
     assert tool.main(["--quick", "--only", "op,bogus", "--output-dir", str(tmp_path)]) == 2
 
 
-def test_benchmark_irpe_alias(tmp_path: Path) -> None:
-    tool = load_tool("benchmark_irpe")
-    out = tmp_path / "r.json"
-    assert tool.main(["--batch", "1", "--height", "3", "--width", "4", "--dim", "16",
-                      "--heads", "2", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
-    names = [r["name"] for r in json.loads(out.read_text())["results"]]
-    assert "IRPEMultiheadAttention rpe-2.0-product-ctx-1-qkv" in names
-
-
 def test_render_from_json(quick_results) -> None:
     tool = load_tool("benchmark")
     _, out = quick_results
