@@ -100,11 +100,33 @@ def assert_boxes_match_pixels(image: torch.Tensor, target: dict, tol: float = 2.
 # ----------------------------------------------------------------------------- resize rule
 
 
+def _reference_size(w: int, h: int, size: int, max_size: int | None) -> tuple[int, int]:
+    """DETR's ``get_size_with_aspect_ratio`` written out from its description: takes
+    ``(w, h)``, returns ``(oh, ow)``."""
+    if max_size is not None:
+        min_orig, max_orig = float(min(w, h)), float(max(w, h))
+        if max_orig / min_orig * size > max_size:
+            size = int(round(max_size * min_orig / max_orig))
+    if (w <= h and w == size) or (h <= w and h == size):
+        return h, w
+    if w < h:
+        ow = size
+        oh = int(size * h / w)
+    else:
+        oh = size
+        ow = int(size * w / h)
+    return oh, ow
+
+
 def test_resized_hw_known_values() -> None:
     # COCO-like 480x640 -> shorter side 800, longer 1066 (int of 1066.67), under 1333.
     assert resized_hw(480, 640, 800, 1333) == (800, 1066)
     assert resized_hw(640, 480, 800, 1333) == (1066, 800)
-    # Very wide: the longer side would be 8000 -> shorter side int(1333 * 100 / 1000) = 133.
+    # Elongated: the shorter side is round(1333 * 300 / 640) = round(624.8) = 625, the
+    # longer int(625 * 640 / 300) = 1333 (flooring 624.8 gave 624 x 1331).
+    assert resized_hw(300, 640, 800, 1333) == (625, 1333)
+    assert resized_hw(640, 300, 800, 1333) == (1333, 625)
+    # Very wide: the longer side would be 8000 -> shorter side round(133.3) = 133.
     assert resized_hw(100, 1000, 800, 1333) == (133, 1330)
     # Shorter side already at the size: unchanged.
     assert resized_hw(800, 1000, 800, 1333) == (800, 1000)
@@ -113,24 +135,24 @@ def test_resized_hw_known_values() -> None:
     assert resized_hw(100, 1000, 800) == (800, 8000)
 
 
-def test_resized_hw_against_direct_computation() -> None:
+def test_resized_hw_equals_reference_formula() -> None:
     rng = np.random.default_rng(0)
-    for _ in range(500):
-        height, width = (int(v) for v in rng.integers(16, 2000, size=2))
-        size = int(rng.integers(16, 900))
-        max_size = int(rng.integers(size, 2000))
-        out_h, out_w = resized_hw(height, width, size, max_size)
-        short, long = min(height, width), max(height, width)
-        # Direct: shorter side s, unless the longer side would pass max_size.
-        s = size if long * size / short <= max_size else math.floor(max_size * short / long)
-        expected_short = s
-        expected_long = long if short == s else int(s * long / short)
-        expected = (expected_long, expected_short) if height > width else (expected_short, expected_long)
-        if height == width:
-            expected = (s, s)
-        assert (out_h, out_w) == expected, (height, width, size, max_size)
-        assert max(out_h, out_w) <= max_size
-        assert abs(out_w / out_h - width / height) <= 1.0 / min(out_h, out_w) * (width / height + 1)
+    cases = [(int(w), int(h), int(s), int(m)) for w, h, s, m in zip(
+        rng.integers(16, 4000, 4000), rng.integers(16, 4000, 4000),
+        rng.integers(16, 1000, 4000), rng.integers(1000, 2000, 4000))]
+    # The recipe's own sizes over photograph shapes, and no max_size at all.
+    cases += [(w, h, s, 1333) for w in range(200, 1700, 97) for h in range(200, 1700, 89)
+              for s in (480, 800)]
+    cases += [(w, h, 800, None) for w in (17, 300, 640, 801) for h in (16, 480, 799, 2000)]
+    rounded_up = 0
+    for w, h, size, max_size in cases:
+        out_h, out_w = resized_hw(h, w, size, max_size)
+        assert (out_h, out_w) == _reference_size(w, h, size, max_size), (w, h, size, max_size)
+        if max_size is not None:
+            # The documented bound on the overshoot of rounding up.
+            assert max(out_h, out_w) <= max_size + max(w, h) / (2 * min(w, h))
+            rounded_up += max(out_h, out_w) > max_size
+    assert len(cases) > 4000 and rounded_up > 0  # the rounding case is exercised
 
 
 def test_random_resize_output_size_and_boxes() -> None:

@@ -42,17 +42,19 @@ Transform = Callable[[tv_tensors.Image, Target], tuple[tv_tensors.Image, Target]
 
 
 def resized_hw(height: int, width: int, size: int, max_size: int | None = None) -> tuple[int, int]:
-    """Output ``(height, width)`` for a shorter side of ``size``, longer side at most ``max_size``.
+    """Output ``(height, width)`` for a shorter side of ``size``, longer side about ``max_size``.
 
-    The aspect ratio is kept. When ``size * long / short`` would exceed
-    ``max_size`` the shorter side becomes ``int(max_size * short / long)``
-    (floored, so the longer side never exceeds ``max_size``; DETR rounds here,
-    which can overshoot by a pixel). The longer side is ``int(size * long / short)``;
-    an image whose shorter side already equals ``size`` keeps its size.
+    DETR's rule, so that a model sees the sizes it was trained and published with:
+    when ``size * long / short`` would exceed ``max_size`` the shorter side becomes
+    ``round(max_size * short / long)`` (Python's round, half to even; e.g.
+    300x640 -> 625x1333). Rounding up can put the longer side over ``max_size``,
+    by at most ``long / (2 * short)`` pixels (one or two for photographs). The
+    longer side is ``int(size * long / short)``; an image whose shorter side
+    already equals ``size`` keeps its size.
     """
     short, long = min(height, width), max(height, width)
     if max_size is not None and long / short * size > max_size:
-        size = int(max_size * short / long)
+        size = int(round(max_size * short / long))
     if short == size:
         return height, width
     if width < height:
