@@ -117,12 +117,15 @@ class DataConfig:
     cache_images: bool = False
     # Unreadable images: skipped with a warning (False) or an error (True).
     strict: bool = False
+    # Images declaring more pixels (width x height, read from the file header before
+    # decoding) are refused as unreadable: a small file can declare a huge image.
+    max_image_pixels: int = 89_478_485
 
     def __post_init__(self) -> None:
         _choice("data.augmentation", self.augmentation, AUGMENTATIONS)
         if len(self.crop_size) != 2 or self.crop_size[0] > self.crop_size[1]:
             raise ConfigError(f"data.crop_size must be [min, max], got {self.crop_size}")
-        for key in ("max_size", "val_size"):
+        for key in ("max_size", "val_size", "max_image_pixels"):
             _positive(f"data.{key}", getattr(self, key))
         if not self.train_scales:
             raise ConfigError("data.train_scales must not be empty")
