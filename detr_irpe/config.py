@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -95,6 +96,15 @@ class LossConfig:
     # Weight of the "no object" class in the cross-entropy.
     eos_coef: float = 0.1
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _at_least(f"loss.{f.name}", getattr(self, f.name), 0)
+        if not (self.set_cost_class or self.set_cost_bbox or self.set_cost_giou):
+            raise ConfigError(
+                "loss.set_cost_class, set_cost_bbox and set_cost_giou are all 0: the "
+                "matcher needs at least one cost > 0 to pair predictions with objects"
+            )
+
 
 @dataclass
 class DataConfig:
@@ -123,14 +133,14 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _choice("data.augmentation", self.augmentation, AUGMENTATIONS)
+        # Image sizes in pixels: a size of 0 only fails at the first batch, far from its cause.
+        for key in ("train_scales", "crop_resize_scales", "crop_size"):
+            _sizes(f"data.{key}", getattr(self, key))
         if len(self.crop_size) != 2 or self.crop_size[0] > self.crop_size[1]:
             raise ConfigError(f"data.crop_size must be [min, max], got {self.crop_size}")
         for key in ("max_size", "val_size", "max_image_pixels"):
             _positive(f"data.{key}", getattr(self, key))
-        if not self.train_scales:
-            raise ConfigError("data.train_scales must not be empty")
-        if self.num_workers < 0:
-            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        _at_least("data.num_workers", self.num_workers, 0)
 
 
 @dataclass
@@ -161,13 +171,18 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _choice("train.amp", self.amp, AMP_MODES)
         _choice("train.device", self.device, DEVICES)
-        for key in ("epochs", "batch_size", "eval_every"):
+        if not self.output_dir.strip():
+            raise ConfigError("train.output_dir must name a folder, got an empty string")
+        for key in ("epochs", "lr_drop", "batch_size", "lr", "eval_every", "print_freq"):
             _positive(f"train.{key}", getattr(self, key))
-        if self.lr <= 0 or self.lr_backbone < 0:
-            raise ConfigError(
-                f"train.lr must be > 0 and train.lr_backbone >= 0, got {self.lr}, "
-                f"{self.lr_backbone}"
-            )
+        # 0 is meaningful for these: a frozen backbone, no decay, no clipping, no warm-up,
+        # only epoch-end checkpoints, torch's default thread count.
+        for key in ("lr_backbone", "weight_decay", "clip_max_norm", "warmup_iters",
+                    "checkpoint_every", "num_threads"):
+            _at_least(f"train.{key}", getattr(self, key), 0)
+        # The seed goes to torch, NumPy and Python's random: an unsigned 64-bit value.
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"train.seed must be in [0, 2**63), got {self.seed}")
 
 
 @dataclass
@@ -193,9 +208,23 @@ def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:
         raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(allowed)}")
 
 
-def _positive(key: str, value: Any) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value!r}")
+def _at_least(key: str, value: float, minimum: float) -> None:
+    """``value >= minimum`` and finite (NaN compares False to everything, so test it first)."""
+    if not math.isfinite(value) or value < minimum:
+        raise ConfigError(f"{key} must be a finite number >= {minimum}, got {value!r}")
+
+
+def _positive(key: str, value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
+
+
+def _sizes(key: str, values: list[int]) -> None:
+    if not values:
+        raise ConfigError(f"{key} must list at least one size in pixels, got []")
+    bad = [v for v in values if v <= 0]
+    if bad:
+        raise ConfigError(f"{key} must hold sizes > 0 in pixels, got {values} ({bad[0]} <= 0)")
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
@@ -270,11 +299,12 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+def merge_dicts(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """``update`` over ``base``: nested mappings merge key by key, other values replace."""
     out = dict(base)
     for key, value in update.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_dicts(out[key], value)
         else:
             out[key] = value
     return out
@@ -300,23 +330,58 @@ def list_configs() -> list[str]:
     return sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
 
 
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = path.resolve()
-    if path in seen:
+def read_yaml_with_base(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML mapping with its ``_base_`` chain resolved; configs and ablation grids
+    both read their files through here, so both inherit the same way.
+
+    ``_base_: other.yaml`` (relative to the file) is read first and this file's keys
+    are merged over it: mappings merge key by key, any other value (a list, a scalar,
+    ``null``) replaces the base's value.
+
+    Raises:
+        ConfigError: naming the file when it is missing, unreadable, not UTF-8 text,
+            not YAML, not a mapping, or when its ``_base_`` chain is broken or loops.
+    """
+    path = Path(path).resolve()
+    if path in _seen:
         raise ConfigError(f"{path}: _base_ chain loops back on itself")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    data = _load_yaml_mapping(path)
     base = data.pop("_base_", None)
     if base is None:
         return data
-    base_path = (path.parent / base) if not Path(base).is_absolute() else Path(base)
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: _base_ must be the path of another YAML file, got {base!r}")
+    base_path = Path(base) if Path(base).is_absolute() else path.parent / base
     if not base_path.is_file():
         raise ConfigError(f"{path}: _base_ file {base!r} not found")
-    return _merge(_read_yaml(base_path, seen + (path,)), data)
+    return merge_dicts(read_yaml_with_base(base_path, _seen + (path,)), data)
+
+
+def _load_yaml_mapping(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot be read ({err.strerror or err})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {raw[err.start:err.start + 1]!r} at offset "
+            f"{err.start}); a config must be a YAML text file"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of keys, got {type(data).__name__}"
+        )
+    return data
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -341,7 +406,7 @@ def config_from_dict(values: Mapping[str, Any], overrides: Iterable[str] = ()) -
         update: dict[str, Any] = {parts[-1]: value}
         for part in reversed(parts[:-1]):
             update = {part: update}
-        data = _merge(data, update)
+        data = merge_dicts(data, update)
     return _build(Config, data, "")
 
 
@@ -350,7 +415,7 @@ def load_config(name_or_path: str | Path | None = None, overrides: Iterable[str]
 
     ``None`` gives the built-in defaults (the DETR-R50 + iRPE recipe).
     """
-    data = {} if name_or_path is None else _read_yaml(resolve_config_path(name_or_path))
+    data = {} if name_or_path is None else read_yaml_with_base(resolve_config_path(name_or_path))
     return config_from_dict(data, overrides)
 
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from detr_irpe.config import Config, ConfigError, config_from_dict, load_config, parse_override
+from detr_irpe.config import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    load_config,
+    parse_override,
+    read_yaml_with_base,
+    resolve_config_path,
+)
 
 
 def test_defaults_are_the_irpe_recipe() -> None:
@@ -92,6 +101,18 @@ def test_unknown_keys_named() -> None:
         ("model.frozen_bn=maybe", "model.frozen_bn"),
         ("model.num_classes=0", "model.num_classes"),
         ("train.epochs=0", "train.epochs"),
+        ("train.lr=0", "train.lr"),
+        ("train.lr=-0.5", "train.lr"),
+        ("train.lr_backbone=-0.5", "train.lr_backbone"),
+        ("train.batch_size=0", "train.batch_size"),
+        ("train.eval_every=0", "train.eval_every"),
+        ("data.train_scales=[]", "data.train_scales"),
+        ("data.max_size=0", "data.max_size"),
+        ("data.val_size=-800", "data.val_size"),
+        ("data.num_workers=-1", "data.num_workers"),
+        ("model.dropout=.nan", "model.dropout"),
+        ("model.num_queries=0", "model.num_queries"),
+        ("model.enc_layers=-1", "model.enc_layers"),
     ],
 )
 def test_bad_values_named(override: str, key: str) -> None:
@@ -110,3 +131,122 @@ def test_rpe_validation(rpe: str) -> None:
 def test_missing_config_lists_available() -> None:
     with pytest.raises(ConfigError, match="detr_r50_irpe"):
         load_config("no_such_config")
+
+
+# ----------------------------------------------------------------------------- value ranges
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.lr=.nan",
+        "train.lr=.inf",
+        "train.lr_backbone=.nan",
+        "train.lr_backbone=.inf",
+        "train.weight_decay=-0.5",
+        "train.weight_decay=.nan",
+        "train.clip_max_norm=-0.1",
+        "train.clip_max_norm=.nan",
+        "train.warmup_iters=-1",
+        "train.checkpoint_every=-5",
+        "train.print_freq=0",
+        "train.num_threads=-1",
+        "train.lr_drop=0",
+        "train.lr_drop=-3",
+        "train.seed=-1",
+        "train.output_dir=''",
+        "loss.ce_loss_coef=-1",
+        "loss.bbox_loss_coef=.nan",
+        "loss.giou_loss_coef=-2",
+        "loss.set_cost_class=-1",
+        "loss.set_cost_bbox=.inf",
+        "loss.set_cost_giou=-0.5",
+        "loss.eos_coef=-0.1",
+        "data.train_scales=[0]",
+        "data.train_scales=[480, -32]",
+        "data.crop_resize_scales=[0, 500]",
+        "data.crop_size=[0, 600]",
+    ],
+)
+def test_values_that_cannot_work_are_refused_naming_key_and_value(override: str) -> None:
+    key, value = override.split("=", 1)
+    with pytest.raises(ConfigError, match=re.escape(key)) as info:
+        load_config("synthetic_tiny", [override])
+    if value not in ("''", "[]"):  # the message shows the value as it was read
+        shown = {".nan": "nan", ".inf": "inf"}.get(value, value.strip("[]").split(",")[-1].strip())
+        assert shown in str(info.value)
+
+
+def test_all_matching_costs_zero_is_refused() -> None:
+    zero = ["loss.set_cost_class=0", "loss.set_cost_bbox=0", "loss.set_cost_giou=0"]
+    with pytest.raises(ConfigError, match="matcher"):
+        load_config("synthetic_tiny", zero)
+    assert load_config("synthetic_tiny", zero[:2]).loss.set_cost_giou > 0
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.lr_backbone=0",  # a frozen backbone
+        "train.weight_decay=0",
+        "train.clip_max_norm=0",  # no clipping
+        "train.warmup_iters=0",
+        "train.checkpoint_every=0",
+        "train.num_threads=0",
+        "loss.eos_coef=0",
+        "train.seed=0",
+    ],
+)
+def test_meaningful_zeros_are_accepted(override: str) -> None:
+    load_config("synthetic_tiny", [override])
+
+
+@pytest.mark.parametrize("section", ["model", "loss", "data", "train"])
+@pytest.mark.parametrize("value", ["5", "[1, 2]", "fast", "''"])
+def test_section_given_as_a_scalar_is_an_error(tmp_path: Path, section: str, value: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"_base_: {load_config_path('synthetic_tiny')}\n{section}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"^{section}: expected a mapping"):
+        load_config(path)
+
+
+def test_binary_or_non_utf8_file_names_the_file(tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("train:\n  output_dir: outputs/caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.yaml.*not UTF-8"):
+        load_config(latin1)
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ConfigError, match=r"weights\.yaml"):
+        load_config(binary)
+    folder = tmp_path / "folder.yaml"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match=r"folder\.yaml"):
+        read_yaml_with_base(folder)
+
+
+def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n- train\n")
+    with pytest.raises(ConfigError, match=r"list\.yaml.*mapping"):
+        load_config(path)
+
+
+# ----------------------------------------------------------------------------- _base_ merge
+def test_read_yaml_with_base_merges_mappings_and_replaces_the_rest(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(
+        "model: {hidden_dim: 64, nheads: 4}\ndata: {train_scales: [1, 2, 3]}\nname: a\n"
+    )
+    (tmp_path / "b.yaml").write_text(
+        "_base_: a.yaml\nmodel: {nheads: 8}\ndata: {train_scales: [4]}\nname: b\n"
+    )
+    assert read_yaml_with_base(tmp_path / "b.yaml") == {
+        "model": {"hidden_dim": 64, "nheads": 8},  # merged key by key
+        "data": {"train_scales": [4]},  # a list replaces, it is not appended to
+        "name": "b",
+    }
+    (tmp_path / "c.yaml").write_text("_base_: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="_base_ must be"):
+        read_yaml_with_base(tmp_path / "c.yaml")
+
+
+def load_config_path(name: str) -> Path:
+    return resolve_config_path(name).resolve()
