@@ -34,6 +34,7 @@ POSITION_EMBEDDINGS = ("sine", "learned", "none")
 AMP_MODES = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 AUGMENTATIONS = ("detr", "simple")
+RPE_INIT_MODES = ("xavier", "zero")
 
 
 @dataclass
@@ -51,6 +52,9 @@ class ModelConfig:
     position_embedding: str = "sine"
     # iRPE of every encoder self-attention: a model-zoo string or "none".
     rpe: str = "rpe-2.0-product-ctx-1-k"
+    # How the iRPE tables start: "xavier" (DETR's reset of every matrix, the published
+    # recipe) or "zero" (a fresh model then equals the model without iRPE).
+    rpe_init: str = "xavier"
     hidden_dim: int = 256
     nheads: int = 8
     enc_layers: int = 6
@@ -70,6 +74,7 @@ class ModelConfig:
             parse_rpe(self.rpe)
         except ValueError as err:
             raise ConfigError(f"model.rpe: {err}") from None
+        _choice("model.rpe_init", self.rpe_init, RPE_INIT_MODES)
         if self.hidden_dim % self.nheads:
             raise ConfigError(
                 f"model.hidden_dim ({self.hidden_dim}) must be divisible by "
