@@ -31,7 +31,8 @@ CONFIG_DIR = Path(str(importlib.resources.files("detr_irpe").joinpath("configs")
 
 BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
 POSITION_EMBEDDINGS = ("sine", "learned", "none")
-AMP_MODES = ("none", "bf16", "fp16")
+# "auto": bf16 autocast on a CPU with native bf16 support, float32 ("none") elsewhere.
+AMP_MODES = ("none", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 AUGMENTATIONS = ("detr", "simple")
 RPE_INIT_MODES = ("xavier", "zero")
@@ -152,10 +153,13 @@ class DataConfig:
 class TrainConfig:
     output_dir: str = "outputs/run"
     epochs: int = 150
-    # The lr is divided by 10 after this many epochs.
+    # The lr is divided by 10 every this many epochs (the reference's StepLR).
     lr_drop: int = 100
-    # Images per process and step.
+    # Images per process and micro-batch.
     batch_size: int = 2
+    # Micro-batches per optimizer step (gradient accumulation): a step sees
+    # batch_size x processes x accumulate_steps images.
+    accumulate_steps: int = 1
     lr: float = 1e-4
     lr_backbone: float = 1e-5
     weight_decay: float = 1e-4
@@ -178,7 +182,8 @@ class TrainConfig:
         _choice("train.device", self.device, DEVICES)
         if not self.output_dir.strip():
             raise ConfigError("train.output_dir must name a folder, got an empty string")
-        for key in ("epochs", "lr_drop", "batch_size", "lr", "eval_every", "print_freq"):
+        for key in ("epochs", "lr_drop", "batch_size", "accumulate_steps", "lr", "eval_every",
+                    "print_freq"):
             _positive(f"train.{key}", getattr(self, key))
         # 0 is meaningful for these: a frozen backbone, no decay, no clipping, no warm-up,
         # only epoch-end checkpoints, torch's default thread count.
