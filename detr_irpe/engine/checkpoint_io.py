@@ -7,6 +7,8 @@ A training checkpoint is a dict that ``torch.load(weights_only=True)`` accepts
      "model": state_dict, "optimizer": ..., "lr_scheduler": ..., "scaler": ... | None,
      "epoch": completed epochs, "batch_in_epoch": batches done in the next epoch,
      "iteration": optimizer steps done, "best_ap": float | None,
+     "best_epoch": ``epoch`` of the checkpoint with best_ap | None,
+     "metrics": the epoch's running loss sums so far (MetricTracker.state_dict()),
      "rng": [per-rank RNG states, see get_rng_state], "world_size": int,
      "config": Config.to_dict(), "category_names": {category_id: name}}
 
@@ -19,15 +21,23 @@ Files in a run folder:
 
 Every file is written to a temporary file in the same folder, flushed and
 fsync'ed, then renamed over the target with ``os.replace``; a process killed
-at any moment leaves either the old or the new file, never half of one.
+at any moment leaves either the old or the new file, never half of one. An
+``OSError`` while writing (no space left, permissions) removes the temporary
+file, leaves the previous checkpoint in place and becomes a
+:class:`~detr_irpe.errors.RunFolderError` naming the file and the reason.
+
+``best_epoch`` records the ``epoch`` of the checkpoint that reached ``best_ap``;
+when ``checkpoint_last.pth`` is itself the best one but ``checkpoint_best.pth``
+is another file (a run stopped between the two writes), :func:`repair_best`
+links it again at the next start.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,21 +45,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from detr_irpe.models.checkpoint import CheckpointError as _ModelCheckpointError
-from detr_irpe.models.checkpoint import safe_torch_load
+from detr_irpe.checkpoint import FORMAT, atomic_save, safe_load, write_temp
+from detr_irpe.errors import CheckpointError, RunFolderError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "detr_irpe"
 VERSION = 1
 LAST = "checkpoint_last.pth"
 PREV = "checkpoint_prev.pth"
 BEST = "checkpoint_best.pth"
 
 _TRAINING_KEYS = ("model", "optimizer", "epoch", "iteration")
-
-
-CheckpointError = _ModelCheckpointError  # the one class from detr_irpe.errors
+# Names of the temporary files of an unfinished save (see _write_temp, _rotate, link_best).
+_TEMP_PATTERNS = (".checkpoint_*.pth.*.tmp", ".checkpoint_*.pth.link")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -67,30 +75,7 @@ def _fsync_dir(folder: Path) -> None:
 
 def _write_temp(obj: Any, target: Path) -> Path:
     """``torch.save`` ``obj`` completely (flushed, fsync'ed) to a temporary file next to ``target``."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        os.chmod(tmp_name, 0o644)  # mkstemp makes 0600 files; checkpoints are shared
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return Path(tmp_name)
-
-
-def atomic_save(obj: Any, path: str | Path) -> None:
-    """``torch.save`` to a temporary file next to ``path``, fsync, then ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _write_temp(obj, path)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    return write_temp(target, lambda f: torch.save(obj, f))
 
 
 def _rotate(last: Path, prev: Path) -> None:
@@ -109,45 +94,131 @@ def _rotate(last: Path, prev: Path) -> None:
         os.replace(last, prev)
 
 
+def _write_error(err: OSError, path: Path, kept: Path | None) -> RunFolderError:
+    reason = os.strerror(err.errno) if err.errno is not None else str(err)
+    hint = "free some space" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "fix the folder"
+    intact = f"; {kept.name} is intact" if kept is not None and kept.exists() else ""
+    return RunFolderError(
+        f"could not write {path}: {reason}{intact}; {hint} and run the same command to resume"
+    )
+
+
 def save_training_checkpoint(state: Mapping[str, Any], output_dir: str | Path) -> Path:
-    """Write ``state`` as ``checkpoint_last.pth``, first rotating the old one to ``_prev``."""
+    """Write ``state`` as ``checkpoint_last.pth``, first rotating the old one to ``_prev``.
+
+    Raises:
+        RunFolderError: on an ``OSError`` (e.g. no space left); the previous
+            ``checkpoint_last.pth`` is then unchanged and no temporary file is left.
+    """
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    state = {"format": FORMAT, "version": VERSION, **state}
     last = output_dir / LAST
-    # The new file is complete on disk before the old ones are touched.
-    tmp = _write_temp(state, last)
+    state = {"format": FORMAT, "version": VERSION, **state}
     try:
-        _rotate(last, output_dir / PREV)
-        os.replace(tmp, last)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        # The new file is complete on disk before the old ones are touched.
+        tmp = _write_temp(state, last)
+        try:
+            _rotate(last, output_dir / PREV)
+            os.replace(tmp, last)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(output_dir)
+    except OSError as err:
+        raise _write_error(err, last, last) from None
     return last
 
 
-def link_best(output_dir: str | Path) -> Path:
-    """Make ``checkpoint_best.pth`` the current ``checkpoint_last.pth`` (a hard link or a copy)."""
+def link_best(output_dir: str | Path, source: str = LAST) -> Path:
+    """Make ``checkpoint_best.pth`` the current ``source`` file of ``output_dir``
+    (a hard link, or a copy where the file system has none).
+
+    Raises:
+        RunFolderError: on an ``OSError`` while copying; the old best file stays.
+    """
     output_dir = Path(output_dir)
-    last, best = output_dir / LAST, output_dir / BEST
+    src, best = output_dir / source, output_dir / BEST
     link = best.with_name(f".{best.name}.link")
     try:
         link.unlink(missing_ok=True)
-        os.link(last, link)
+        os.link(src, link)
         os.replace(link, best)
     except OSError:
-        atomic_save(load_checkpoint_file(last), best)
+        link.unlink(missing_ok=True)
+        try:
+            atomic_save(load_checkpoint_file(src), best)
+        except OSError as err:
+            raise _write_error(err, best, best) from None
     _fsync_dir(output_dir)
     return best
 
 
-def remove_stale_temp_files(output_dir: str | Path) -> None:
-    """Delete temporary files left by a process killed while saving."""
-    for pattern in (".checkpoint_*.tmp", ".checkpoint_*.link"):
-        for path in Path(output_dir).glob(pattern):
+def is_best_checkpoint(state: Mapping[str, Any]) -> bool:
+    """Whether ``state`` is the checkpoint that reached its own recorded ``best_ap``
+    (saved at the end of the epoch whose evaluation gave it)."""
+    best_epoch = state.get("best_epoch")
+    return (
+        state.get("best_ap") is not None
+        and best_epoch is not None
+        and int(best_epoch) == int(state.get("epoch", -1))
+        and int(state.get("batch_in_epoch", 0)) == 0
+    )
+
+
+def repair_best(path: str | Path, state: Mapping[str, Any]) -> bool:
+    """Re-link ``checkpoint_best.pth`` to the resumed checkpoint ``path`` when ``state``
+    (its contents) says it is the best one but the best file is another file.
+
+    A run stopped between writing ``checkpoint_last.pth`` and linking the best
+    leaves exactly this; it is repaired before the resumed run writes anything.
+    Returns whether the best file was re-linked.
+    """
+    path = Path(path)
+    best = path.parent / BEST
+    if not is_best_checkpoint(state):
+        return False
+    if best.exists() and os.path.samefile(path, best):
+        return False
+    logger.warning(
+        "%s was not the checkpoint with the best AP %.4f recorded in %s (the run "
+        "stopped while saving); linking it again", best, float(state["best_ap"]), path,
+    )
+    link_best(path.parent, source=path.name)
+    return True
+
+
+def remove_stale_temp_files(output_dir: str | Path, lock: Any = None) -> list[Path]:
+    """Delete temporary files that a process killed while saving left in ``output_dir``.
+
+    Only this module's temporary names are removed, and only while ``lock`` (the
+    :class:`~detr_irpe.engine.run_lock.RunLock` of the folder) is held: with the
+    lock no other run can be writing there. Every removed file is logged.
+    """
+    if lock is not None and not lock.held:
+        raise RuntimeError("remove_stale_temp_files needs the run folder's lock held")
+    removed = []
+    for pattern in _TEMP_PATTERNS:
+        for path in sorted(Path(output_dir).glob(pattern)):
             path.unlink(missing_ok=True)
             logger.info("removed %s, left by an interrupted save", path)
+            removed.append(path)
+    return removed
+
+
+def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
+    """Names of the floating-point tensors in ``tensors`` holding NaN or inf.
+
+    One host synchronisation for the whole mapping (a save already waits for the
+    device), the names are only looked for when something is wrong.
+    """
+    named = [(k, v) for k, v in tensors.items()
+             if torch.is_tensor(v) and v.is_floating_point() and v.numel()]
+    if not named:
+        return []
+    flags = torch.stack([v.detach().isfinite().all() for _, v in named])
+    if bool(flags.all()):
+        return []
+    return [k for (k, _), ok in zip(named, flags.tolist()) if not ok]
 
 
 def load_checkpoint_file(path: str | Path, *, require_training_state: bool = False) -> dict:
@@ -158,10 +229,7 @@ def load_checkpoint_file(path: str | Path, *, require_training_state: bool = Fal
             or (with ``require_training_state``) lacks the model/optimizer/epoch state.
     """
     path = Path(path)
-    try:
-        state = safe_torch_load(path)
-    except _ModelCheckpointError as err:
-        raise CheckpointError(str(err)) from err.__cause__
+    state = safe_load(path)
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict")
     if require_training_state:
@@ -257,15 +325,19 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 __all__ = [
     "BEST",
+    "FORMAT",
     "LAST",
     "PREV",
     "CheckpointError",
     "atomic_save",
     "find_resume_checkpoint",
     "get_rng_state",
+    "is_best_checkpoint",
     "link_best",
     "load_checkpoint_file",
+    "nonfinite_tensors",
     "remove_stale_temp_files",
+    "repair_best",
     "save_training_checkpoint",
     "set_rng_state",
 ]
