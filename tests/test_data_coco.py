@@ -243,6 +243,48 @@ def test_images_missing_on_disk(tmp_path: Path, caplog) -> None:
         load(tmp_path, strict=True)
 
 
+ESCAPING_NAMES = ["../outside.jpg", "img/../../outside.jpg", "..\\outside.jpg", "{abs}",
+                  "C:\\data\\outside.jpg", "\\\\server\\share\\x.jpg"]
+
+
+@pytest.mark.parametrize("index", range(len(ESCAPING_NAMES)))
+def test_file_names_escaping_the_image_folder_are_dropped(tmp_path: Path, caplog, index) -> None:
+    data = make_dataset(tmp_path)
+    # A real file outside the image folder: without the check it would be read.
+    _write_jpeg(tmp_path / "outside.jpg")
+    name = ESCAPING_NAMES[index].format(abs=tmp_path / "outside.jpg")
+    data["images"][1]["file_name"] = name
+    write(tmp_path, data)
+    with caplog.at_level(logging.WARNING, logger="detr_irpe.data.coco"):
+        coco = load(tmp_path)
+    assert sorted(coco.imgs) == [10, 12, 13]
+    assert coco.drop_counts["unsafe_file_name"] == 1
+    assert f"image 11: file_name {name!r}" in caplog.text
+    with pytest.raises(DatasetError, match=r"image 11: file_name .* (absolute|'\.\.')"):
+        load(tmp_path, strict=True)
+
+
+def test_file_names_inside_the_folder_are_kept(tmp_path: Path) -> None:
+    data = make_dataset(tmp_path)
+    (tmp_path / "img" / "sub").mkdir()
+    _write_jpeg(tmp_path / "img" / "sub" / "x..y.jpg")
+    data["images"][1]["file_name"] = "sub/x..y.jpg"  # '..' inside a name is not a parent
+    write(tmp_path, data)
+    assert sorted(load(tmp_path, strict=True).imgs) == [10, 11, 12, 13]
+
+
+def test_labels_fit_the_class_count(tmp_path: Path) -> None:
+    make_dataset(tmp_path)
+    dataset = CocoDetection(tmp_path / "img", tmp_path / "ann.json")
+    labels = torch.cat([dataset[i][1]["labels"] for i in range(len(dataset))])
+    assert labels.dtype == torch.int64 and 0 <= int(labels.min())
+    assert int(labels.max()) < dataset.num_classes == 6
+    dataset.check_num_classes(6)
+    dataset.check_num_classes(91)
+    with pytest.raises(DatasetError, match=r"category ids go up to 5.*num_classes >= 6.*=5"):
+        dataset.check_num_classes(5)
+
+
 # ----------------------------------------------------------------------------- unreadable images
 
 

@@ -114,7 +114,9 @@ def test_loader_is_reproducible_and_leaves_the_global_rng_alone() -> None:
 def test_loader_with_workers_matches_main_process(tmp_path: Path) -> None:
     cfg = write_rectangles_dataset(tmp_path, [(40, 60), (50, 40), (44, 44), (30, 70)])
     dataset = build_dataset(cfg, "train")
-    assert build_dataloader(dataset, 2, train=True).dataset is dataset  # keyed natively
+    wrapped = build_dataloader(dataset, 2, train=True).dataset  # one seeding mechanism
+    assert isinstance(wrapped, KeyedDataset) and wrapped.dataset is dataset
+    assert build_dataloader(wrapped, 2, train=True).dataset is wrapped  # never wrapped twice
     results = []
     for workers in (0, 2):
         loader = build_dataloader(dataset, 2, train=True, num_workers=workers, seed=5)

@@ -12,7 +12,7 @@ from PIL import Image
 from torchvision import tv_tensors
 
 from detr_irpe.config import DataConfig
-from detr_irpe.data import SampleKey, build_dataset, collate_fn
+from detr_irpe.data import KeyedDataset, SampleKey, build_dataset, collate_fn
 from detr_irpe.data.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -294,7 +294,7 @@ def write_rectangles_dataset(root: Path, sizes: list[tuple[int, int]]) -> DataCo
 
 def test_dataset_augmentation_and_collate_padding(tmp_path: Path) -> None:
     cfg = write_rectangles_dataset(tmp_path, [(60, 100), (90, 70), (64, 64)])
-    dataset = build_dataset(cfg, "train")
+    dataset = KeyedDataset(build_dataset(cfg, "train"))
     for epoch in range(6):
         batch = [dataset[SampleKey(i, epoch, 0)] for i in range(len(dataset))]
         for image, target in batch:
@@ -329,7 +329,7 @@ def test_dataset_val_targets(tmp_path: Path) -> None:
 def test_seeded_samples_are_reproducible(tmp_path: Path, augmentation: str) -> None:
     cfg = write_rectangles_dataset(tmp_path, [(60, 100)])
     cfg.augmentation = augmentation
-    dataset = build_dataset(cfg, "train")
+    dataset = KeyedDataset(build_dataset(cfg, "train"))
     a = dataset[SampleKey(0, 5, 1)]
     b = dataset[SampleKey(0, 5, 1)]
     torch.testing.assert_close(a[0], b[0])

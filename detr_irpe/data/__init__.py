@@ -3,26 +3,35 @@
 from detr_irpe.data.coco import (
     CocoDetection,
     DatasetError,
+    ImageList,
     ImageReadError,
     build_dataset,
     load_coco_annotations,
-    read_image,
+    load_image_list,
+    unsafe_file_name,
 )
+from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS, image_size, read_image
 from detr_irpe.data.loader import build_dataloader, collate_fn
-from detr_irpe.data.sampling import DistributedEpochSampler, EpochSampler, SampleKey
+from detr_irpe.data.sampling import DistributedEpochSampler, EpochSampler, KeyedDataset, SampleKey
 from detr_irpe.data.transforms import build_transforms
 
 __all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "CocoDetection",
     "DatasetError",
     "DistributedEpochSampler",
     "EpochSampler",
+    "ImageList",
     "ImageReadError",
+    "KeyedDataset",
     "SampleKey",
     "build_dataloader",
     "build_dataset",
     "build_transforms",
     "collate_fn",
+    "image_size",
     "load_coco_annotations",
+    "load_image_list",
     "read_image",
+    "unsafe_file_name",
 ]

@@ -11,15 +11,16 @@ when loaded:
   zero or negative width/height, an unknown category or image id, a duplicate
   annotation id) drop the annotation with a warning naming the file, the
   annotation id and the problem, or raise with ``strict=True``;
-- images listed but missing on disk (or with a non-positive width/height) are
-  dropped with a warning, or raise with ``strict=True``.
+- images listed but missing on disk, with a non-positive width/height, or whose
+  ``file_name`` is absolute or contains ``..`` (it would read a file outside the
+  image folder) are dropped with a warning, or raise with ``strict=True``.
 
 A summary line counts what was dropped per reason. The cleaned annotations are
 what ``dataset.coco`` (a pycocotools ``COCO``) holds, so training and
 evaluation see the same ground truth.
 
-An image that cannot be decoded at load time (truncated, corrupt) is skipped
-with a warning and the next readable index is returned in its place, so batch
+An image that cannot be decoded at load time (truncated, corrupt, or declaring
+more than ``max_image_pixels`` pixels) is skipped with a warning and the next readable index is returned in its place, so batch
 sizes and the number of steps per process stay the same; ``strict=True`` raises.
 """
 
@@ -31,9 +32,9 @@ import json
 import logging
 import math
 import os
-import warnings
 from collections import Counter
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 import torch
@@ -41,11 +42,11 @@ from pycocotools.coco import COCO
 from torch import Tensor
 from torch.utils.data import Dataset
 from torchvision import tv_tensors
-from torchvision.io import ImageReadMode, decode_image, read_file
 
 from detr_irpe.config import DataConfig
-from detr_irpe.data.sampling import SampleKey, seeded_call
+from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS, read_image
 from detr_irpe.data.transforms import Transform, build_transforms, drop_degenerate, to_model_input
+from detr_irpe.errors import DatasetError, ImageReadError
 
 logger = logging.getLogger(__name__)
 
@@ -56,63 +57,24 @@ MAX_WARNINGS_PER_REASON = 10
 # Consecutive unreadable images tolerated before giving up on a sample.
 MAX_SUBSTITUTIONS = 50
 
-# torchvision 0.29 deprecates its image decoders (for TorchCodec) with a warning on every
-# call; they are still the fast path here, so that one message is kept out of the logs.
-_TV_DEPRECATION = "The image decoding and encoding capabilities of TorchVision"
-
-
-from detr_irpe.errors import DatasetError, ImageReadError  # noqa: E402,F401  (re-exported)
-
-# ----------------------------------------------------------------------------- image decoding
-
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _decode_pil(path: Path, apply_exif: bool) -> Tensor:
-    from PIL import Image, ImageOps
+def unsafe_file_name(name: str) -> str | None:
+    """Why an annotation's ``file_name`` would leave the image folder, or None if it stays.
 
-    with Image.open(path) as pil:
-        if apply_exif:
-            pil = ImageOps.exif_transpose(pil)
-        pil = pil.convert("RGB")
-        array = torch.frombuffer(bytearray(pil.tobytes()), dtype=torch.uint8)
-        return array.view(pil.height, pil.width, 3).permute(2, 0, 1).contiguous()
-
-
-def read_image(path: str | Path, apply_exif: bool = True) -> Tensor:
-    """Decode an image file to a uint8 RGB tensor ``(3, H, W)``.
-
-    torchvision.io decodes JPEG, PNG, GIF and WebP fast (grayscale, palette and
-    alpha are converted to RGB, EXIF orientation applied when ``apply_exif``);
-    other formats fall back to PIL. Raises :class:`ImageReadError` for a
-    missing, truncated or corrupt file.
+    Absolute paths (POSIX, Windows drive or UNC) and any ``..`` component are
+    refused, whichever separator they use: the annotation file must not make the
+    loader read files outside the dataset. Symbolic links inside the folder are
+    the user's own choice and are followed.
     """
-    path = Path(path)
-    image: Tensor | None = None
-    tv_err: Exception | None = None
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_TV_DEPRECATION, category=DeprecationWarning)
-        try:
-            data = read_file(str(path))
-        except (OSError, RuntimeError) as err:
-            raise ImageReadError(f"cannot read image {path}: {err}") from None
-        try:
-            image = decode_image(data, mode=ImageReadMode.RGB, apply_exif_orientation=apply_exif)
-        except RuntimeError as err:
-            tv_err = err
-    if image is None:
-        # Unsupported by torchvision.io (BMP, TIFF, ...) or corrupt: PIL decides which.
-        try:
-            image = _decode_pil(path, apply_exif)
-        except Exception as pil_err:  # PIL raises several unrelated types for bad files
-            raise ImageReadError(
-                f"cannot decode image {path}: {tv_err}; PIL: {pil_err}"
-            ) from None
-    if image.dtype != torch.uint8:  # 16-bit PNG
-        image = (image.float() * (255.0 / 65535.0)).round().to(torch.uint8)
-    return image
+    if name.startswith(("/", "\\")) or PureWindowsPath(name).drive:
+        return "is an absolute path"
+    if ".." in name.replace("\\", "/").split("/"):
+        return "contains '..'"
+    return None
 
 
 # ----------------------------------------------------------------------------- validation
@@ -126,10 +88,14 @@ class _Problems:
         self.strict = strict
         self.counts: Counter[str] = Counter()
         self.messages: list[str] = []
+        # The dropped image entries with their message (for tools that list them).
+        self.dropped_images: list[tuple[dict[str, Any], str]] = []
 
-    def add(self, reason: str, message: str) -> None:
+    def add(self, reason: str, message: str, image: dict[str, Any] | None = None) -> None:
         self.counts[reason] += 1
         self.messages.append(message)
+        if image is not None:
+            self.dropped_images.append((image, message))
         if not self.strict and self.counts[reason] <= MAX_WARNINGS_PER_REASON:
             logger.warning("%s: %s; dropped", self.ann_file, message)
 
@@ -149,7 +115,7 @@ class _Problems:
         return "dropped " + ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
 
 
-def _read_json(ann_file: Path) -> dict[str, Any]:
+def _read_json(ann_file: Path, required: tuple[str, ...] = REQUIRED_TOP_LEVEL) -> dict[str, Any]:
     if not ann_file.is_file():
         raise DatasetError(
             f"annotation file {ann_file} not found (see datasets/README.md for the layout, or "
@@ -164,14 +130,14 @@ def _read_json(ann_file: Path) -> dict[str, Any]:
             f"{ann_file}: the top level must be a JSON object with keys "
             f"{', '.join(REQUIRED_TOP_LEVEL)}, got {type(data).__name__}"
         )
-    missing = [key for key in REQUIRED_TOP_LEVEL if key not in data]
+    missing = [key for key in required if key not in data]
     if missing:
         raise DatasetError(
             f"{ann_file}: missing top-level key(s) {', '.join(map(repr, missing))}; a COCO "
-            f"detection file needs {', '.join(REQUIRED_TOP_LEVEL)}"
+            f"detection file needs {', '.join(required)}"
         )
     for key in REQUIRED_TOP_LEVEL:
-        if not isinstance(data[key], list):
+        if key in data and not isinstance(data[key], list):
             raise DatasetError(
                 f"{ann_file}: top-level {key!r} must be a list, got {type(data[key]).__name__}"
             )
@@ -233,15 +199,25 @@ def _check_images(
                 "bad_image_size",
                 f"image {img_id}: {' and '.join(bad_size)} must be > 0, got "
                 + ", ".join(f"{k}={img[k]!r}" for k in bad_size),
+                img,
             )
             continue
         name = img["file_name"]
+        unsafe = unsafe_file_name(name)
+        if unsafe is not None:
+            problems.add(
+                "unsafe_file_name",
+                f"image {img_id}: file_name {name!r} {unsafe} (it must name a file inside "
+                f"{images_dir})",
+                img,
+            )
+            continue
         exists = name in on_disk if os.sep not in name and "/" not in name else (
             images_dir / name
         ).is_file()
         if not exists:
             problems.add(
-                "missing_file", f"image {img_id}: file {images_dir / name} does not exist"
+                "missing_file", f"image {img_id}: file {images_dir / name} does not exist", img
             )
             continue
         out[img_id] = img
@@ -359,6 +335,47 @@ def load_coco_annotations(
     return coco
 
 
+@dataclass
+class ImageList:
+    """The images of a COCO file (annotations optional, e.g. COCO's ``image_info_test-dev2017.json``).
+
+    Attributes:
+        images: the usable image entries (``id``, ``file_name``, ...), in file order.
+        category_names: ``{category_id: name}`` of the file's ``categories`` (may be empty).
+        dropped: ``(image entry, why)`` for entries left out (missing file, unsafe path, ...).
+    """
+
+    images: list[dict[str, Any]]
+    category_names: dict[int, str]
+    dropped: list[tuple[dict[str, Any], str]]
+
+
+def load_image_list(
+    ann_file: str | Path, images_dir: str | Path, strict: bool = False
+) -> ImageList:
+    """The images listed by a COCO file, checked like :func:`load_coco_annotations` checks them.
+
+    Only ``images`` is required. Entries whose file is missing or whose ``file_name``
+    leaves ``images_dir`` are dropped with a warning (``strict``: :class:`DatasetError`).
+    """
+    ann_file = Path(ann_file)
+    images_dir = Path(images_dir)
+    data = _read_json(ann_file, required=("images",))
+    if not images_dir.is_dir():
+        raise DatasetError(f"image folder {images_dir} (for {ann_file}) does not exist")
+    problems = _Problems(ann_file, strict)
+    images = _check_images(ann_file, data["images"], images_dir, problems)
+    problems.raise_if_strict()
+    names: dict[int, str] = {}
+    if data.get("categories"):
+        names = {k: str(c["name"]) for k, c in _check_categories(ann_file, data["categories"]).items()}
+    logger.log(
+        logging.WARNING if problems.counts else logging.INFO,
+        "%s: %d images; %s", ann_file, len(images), problems.summary(),
+    )
+    return ImageList(list(images.values()), names, problems.dropped_images)
+
+
 # ----------------------------------------------------------------------------- dataset
 
 
@@ -370,17 +387,21 @@ class CocoDetection(Dataset):
     dict of ``docs/architecture.md`` (``boxes`` ``(N, 4)`` normalised cxcywh,
     ``labels`` ``(N,)`` int64 category ids, ``image_id``, ``orig_size``,
     ``size``, ``area``, ``iscrowd``). Crowd annotations are left out of the
-    targets. Indices may also be :class:`SampleKey` (the samplers of
-    :func:`detr_irpe.data.build_dataloader` yield them) to seed the augmentation
-    per sample.
+    targets. Augmentation draws from torch's global generator;
+    :func:`detr_irpe.data.build_dataloader` seeds it per sample.
+
+    Every label is a category id of the annotation file (checked when the file
+    is loaded: integer ids >= 0, each annotation's ``category_id`` among the
+    categories, boxes 4 finite numbers), so ``0 <= label < num_classes`` holds for
+    every target and the training step needs no check of its own.
 
     Attributes:
         coco: the pycocotools ``COCO`` of the validated annotations.
         ids: image ids in index order (sorted).
         category_names: ``{category_id: name}``.
+        max_image_pixels: images declaring more pixels are unreadable (see
+            :func:`~detr_irpe.data.images.read_image`).
     """
-
-    accepts_sample_keys = True
 
     def __init__(
         self,
@@ -389,11 +410,13 @@ class CocoDetection(Dataset):
         transforms: Transform | None = None,
         cache_images: bool = False,
         strict: bool = False,
+        max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> None:
         self.images_dir = Path(images_dir)
         self.ann_file = Path(ann_file)
         self.transforms = transforms
         self.strict = strict
+        self.max_image_pixels = max_image_pixels
         self.coco = load_coco_annotations(self.ann_file, self.images_dir, strict=strict)
         self.ids: list[int] = sorted(self.coco.imgs)
         self.category_names: dict[int, str] = {
@@ -410,6 +433,19 @@ class CocoDetection(Dataset):
     def num_classes(self) -> int:
         """Largest category id + 1 (the model's classes; the extra logit is "no object")."""
         return max(self.category_names) + 1
+
+    def check_num_classes(self, num_classes: int) -> None:
+        """Raise :class:`DatasetError` unless every label fits a head of ``num_classes``.
+
+        Call once before training: labels are category ids, so a head with fewer
+        classes than the largest id + 1 would index outside its logits.
+        """
+        if num_classes < self.num_classes:
+            raise DatasetError(
+                f"{self.ann_file}: category ids go up to {self.num_classes - 1}, so the model "
+                f"needs num_classes >= {self.num_classes} (largest category id + 1); got "
+                f"model.num_classes={num_classes}"
+            )
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -433,11 +469,11 @@ class CocoDetection(Dataset):
     def _decode(self, index: int) -> Tensor:
         info = self.coco.imgs[self.ids[index]]
         path = self.images_dir / info["file_name"]
-        image = read_image(path)
+        image = read_image(path, max_pixels=self.max_image_pixels)
         expected = (info.get("height"), info.get("width"))
         if None not in expected and tuple(image.shape[-2:]) != expected:
             # EXIF rotation can swap the sides; annotations made on the stored pixels keep them.
-            raw = read_image(path, apply_exif=False)
+            raw = read_image(path, apply_exif=False, max_pixels=self.max_image_pixels)
             if tuple(raw.shape[-2:]) == expected:
                 return raw
             logger.warning(
@@ -491,12 +527,9 @@ class CocoDetection(Dataset):
             image, target = self.transforms(image, target)
         return to_model_input(image, target)
 
-    def __getitem__(self, key: int | SampleKey) -> tuple[Tensor, dict[str, Any]]:
-        if isinstance(key, SampleKey):
-            return seeded_call(key, self._getitem)
-        return self._getitem(int(key))
-
-    def _getitem(self, index: int) -> tuple[Tensor, dict[str, Any]]:
+    def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Any]]:
+        """The sample of ``index``; an unreadable image is replaced by the next readable one."""
+        index = int(index)
         if index < 0:
             index += len(self)
         for attempt in range(min(MAX_SUBSTITUTIONS, len(self))):
@@ -539,15 +572,18 @@ def build_dataset(
         transforms = build_transforms(cfg_data, split)
     return CocoDetection(
         images, ann, transforms=transforms, cache_images=cfg_data.cache_images,
-        strict=cfg_data.strict,
+        strict=cfg_data.strict, max_image_pixels=cfg_data.max_image_pixels,
     )
 
 
 __all__ = [
     "CocoDetection",
     "DatasetError",
+    "ImageList",
     "ImageReadError",
     "build_dataset",
     "load_coco_annotations",
+    "load_image_list",
     "read_image",
+    "unsafe_file_name",
 ]

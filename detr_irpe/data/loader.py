@@ -91,7 +91,8 @@ def build_dataloader(
         sampler: Any = DistributedEpochSampler(dataset, shuffle=train, seed=seed, drop_last=False)
     else:
         sampler = EpochSampler(len(dataset), shuffle=train, seed=seed)  # type: ignore[arg-type]
-    if not getattr(dataset, "accepts_sample_keys", False):
+    # The samplers yield SampleKeys; the wrapper seeds each sample's augmentation from its key.
+    if not isinstance(dataset, KeyedDataset):
         dataset = KeyedDataset(dataset)
     generator = torch.Generator()
     generator.manual_seed(mix_seed(seed, rank))

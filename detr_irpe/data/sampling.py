@@ -3,8 +3,9 @@
 A resumed run must see the same data, in the same order, with the same
 augmentations as an uninterrupted one, whatever the number of loader workers.
 So the samplers yield :class:`SampleKey` ``(index, epoch, seed)`` instead of
-bare indices, and the dataset runs each sample under torch's (and Python's and
-NumPy's) global generators seeded from that key, restoring them afterwards:
+bare indices, and :class:`KeyedDataset` (which ``build_dataloader`` wraps around
+every dataset) runs each sample under torch's (and Python's and NumPy's) global
+generators seeded from that key, restoring them afterwards:
 augmentation is a function of ``(seed, epoch, index)``, independent of which
 worker or process loads it, and the training loop's own random state is
 untouched when loading runs in the main process.
@@ -58,7 +59,8 @@ def seeded_call(key: SampleKey, fn: Callable[[int], T]) -> T:
 
 
 class KeyedDataset(Dataset):
-    """Adapter giving any map-style dataset :class:`SampleKey` indexing.
+    """The one way a dataset gets :class:`SampleKey` indexing: ``wrapped[key]`` runs
+    ``dataset[key.index]`` under :func:`seeded_call`; plain ints pass through.
 
     Attribute access falls through to the wrapped dataset.
     """
