@@ -1,11 +1,18 @@
-"""Shared pytest set-up: deterministic, CPU-first, GPU tests skipped without CUDA."""
+"""Shared pytest set-up: deterministic, CPU-first, GPU tests skipped without CUDA; the
+tiny config (``configs/synthetic_tiny.yaml``) and the tiny synthetic dataset that the
+training, tool and ablation tests run on."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_DATASET, load_tiny_config
+
+from detr_irpe.config import Config
+from detr_irpe.data.synthetic import generate_dataset
 
 # The suite is many small tensors: one intra-op thread is faster and steadier on a
 # 2-core machine (multi-process tests start their own interpreters).
@@ -37,3 +44,18 @@ def _restore_globals():
         if getattr(handler, "_detr_irpe", False):
             root.removeHandler(handler)
             handler.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny synthetic COCO-format dataset (``helpers.TINY_DATASET``), generated once
+    per session; its root is what ``data.root`` takes. Tests read it and never write to it."""
+    root = tmp_path_factory.mktemp("tiny_dataset")
+    generate_dataset(root, **TINY_DATASET)
+    return root
+
+
+@pytest.fixture
+def tiny_config(tiny_dataset: Path) -> Config:
+    """``configs/synthetic_tiny.yaml`` on the tiny dataset; a fresh object per test."""
+    return load_tiny_config(f"data.root={tiny_dataset}")

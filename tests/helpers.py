@@ -5,8 +5,23 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+from detr_irpe.config import Config, load_config
+from detr_irpe.data.synthetic import SyntheticSpec
 
 ROOT = Path(__file__).resolve().parent.parent
+# The config every small training / model / tool test starts from (configs/synthetic_tiny.yaml).
+TINY_CONFIG = "synthetic_tiny"
+# generate_dataset() arguments of the session's tiny dataset (the ``tiny_dataset`` fixture).
+TINY_DATASET: dict[str, Any] = {
+    "num_train": 8, "num_val": 4, "spec": SyntheticSpec(size=64), "seed": 0,
+}
+
+
+def load_tiny_config(*overrides: str) -> Config:
+    """The tiny config with ``section.key=value`` overrides applied."""
+    return load_config(TINY_CONFIG, overrides)
 
 
 def load_tool(name: str) -> ModuleType:

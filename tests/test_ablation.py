@@ -1,4 +1,4 @@
-"""Ablation grids (tools/ablate.py, detr_irpe.ablation): a real two-run grid on a tiny
+"""Ablation grids (detr-irpe-ablate, detr_irpe.ablation): a real two-run grid on the tiny
 dataset gives the table with the right rows and the numbers of the runs' logs; an
 interrupted grid resumes without retraining finished runs; bad grids fail at once."""
 
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import load_tool
 
 from detr_irpe.ablation import (
     GridError,
@@ -27,11 +26,10 @@ from detr_irpe.ablation import (
     schedule,
     step_time,
 )
+from detr_irpe.ablation.grid import GRID_DIR
 from detr_irpe.ablation.status import RunLock, config_mismatch, lock_holder
-from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
-
-ROOT = Path(__file__).resolve().parent.parent
-ablate = load_tool("ablate")
+from detr_irpe.cli import ablate
+from detr_irpe.config import read_yaml_with_base
 
 STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 
@@ -61,22 +59,17 @@ def _fake_log(run, stats_per_epoch: list[list[float] | None], *, iters: int = 10
     (run.output_dir / "log.txt").write_text("\n".join(lines) + "\n")
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ablation_data")
-    generate_dataset(root, num_train=8, num_val=4, spec=SyntheticSpec(size=64), seed=0)
-    return root
-
-
 # ----------------------------------------------------------------------------- real runs
 @pytest.fixture(scope="module")
-def trained_grid(tiny_data, tmp_path_factory):
+def trained_grid(tiny_dataset, tmp_path_factory):
     """A two-run grid trained for real in two invocations: ``--max-runs 1`` (the grid
-    is 'interrupted' after its first run), then the plain command that finishes it."""
+    is 'interrupted' after its first run), then the plain command that finishes it.
+    It runs from a folder outside the repository: the runs start through the installed
+    package's training module, not a path into the source tree."""
     tmp = tmp_path_factory.mktemp("ablation_grid")
     grid_file = _write_grid(
         tmp / "grid.yaml", name="tiny", base="synthetic_tiny", output_dir=str(tmp / "out"),
-        overrides=[f"data.root={tiny_data}", "train.epochs=1", "train.num_threads=1"],
+        overrides=[f"data.root={tiny_dataset}", "train.epochs=1", "train.num_threads=1"],
         variants=[{"name": "none", "overrides": ["model.rpe=none"]},
                   {"name": "product-ctx-k", "overrides": ["model.rpe=rpe-2.0-product-ctx-1-k"]}],
         seeds=[7], baseline="none",
@@ -90,6 +83,7 @@ def trained_grid(tiny_data, tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(schedule, "launch", counting_launch)
+        mp.chdir(tmp)
         rc_first = ablate.main([str(grid_file), "--max-runs", "1", "--no-progress"])
         grid = load_grid(grid_file)
         states_between = [run_state(r) for r in grid.runs]
@@ -115,6 +109,8 @@ def test_interrupted_grid_resumes_without_rerunning(trained_grid) -> None:
     assert trained_grid["launches"] == (1, 1, 0)
     first, second = trained_grid["commands"]
     assert "model.rpe=none" in first and "model.rpe=rpe-2.0-product-ctx-1-k" in second
+    assert first[:5] == [sys.executable, "-m", "detr_irpe.cli.train", "--config",
+                         str(trained_grid["grid"].base)]
     before, after = trained_grid["first_log_mtime"]
     assert before == after
     grid = trained_grid["grid"]
@@ -159,18 +155,18 @@ def test_two_run_grid_table_rows_and_numbers(trained_grid) -> None:
 
 
 # ----------------------------------------------------------------------------- fake runs
-def _fake_grid(tmp_path: Path, tiny_data: Path, **extra) -> Path:
+def _fake_grid(tmp_path: Path, tiny_dataset: Path, **extra) -> Path:
     keys = dict(
         base="synthetic_tiny", output_dir=str(tmp_path / "out"),
-        overrides=[f"data.root={tiny_data}", "train.epochs=2"],
+        overrides=[f"data.root={tiny_dataset}", "train.epochs=2"],
         axes={"model.rpe": ["none", "rpe-2.0-product-ctx-1-k"]}, seeds=[1, 2], baseline="none",
     )
     keys.update(extra)
     return _write_grid(tmp_path / "grid.yaml", **keys)
 
 
-def test_mean_std_over_seeds_and_delta(tmp_path, tiny_data) -> None:
-    grid = load_grid(_fake_grid(tmp_path, tiny_data))
+def test_mean_std_over_seeds_and_delta(tmp_path, tiny_dataset) -> None:
+    grid = load_grid(_fake_grid(tmp_path, tiny_dataset))
     assert [r.key for r in grid.runs] == [
         "none / seed 1", "none / seed 2",
         "rpe-2.0-product-ctx-1-k / seed 1", "rpe-2.0-product-ctx-1-k / seed 2"]
@@ -201,8 +197,8 @@ def test_step_time_is_the_median_over_epochs() -> None:
     assert step_time([]) is None
 
 
-def test_run_states_from_the_folder(tmp_path, tiny_data) -> None:
-    grid = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1]))
+def test_run_states_from_the_folder(tmp_path, tiny_dataset) -> None:
+    grid = load_grid(_fake_grid(tmp_path, tiny_dataset, seeds=[1]))
     run = grid.runs[0]
     assert run_state(run) is RunState.PENDING
     _fake_log(run, [None])  # epoch 0 of 2 done: resumes
@@ -212,13 +208,13 @@ def test_run_states_from_the_folder(tmp_path, tiny_data) -> None:
     _fake_log(run, [None, [0.1] * 12])
     assert run_state(run) is RunState.FINISHED
     # A longer schedule in the grid makes the finished folder partial again (it resumes).
-    longer = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1],
-                                  overrides=[f"data.root={tiny_data}", "train.epochs=3"]))
+    longer = load_grid(_fake_grid(tmp_path, tiny_dataset, seeds=[1],
+                                  overrides=[f"data.root={tiny_dataset}", "train.epochs=3"]))
     assert run_state(longer.runs[0]) is RunState.PARTIAL
 
 
-def test_failed_run_is_recorded_and_the_grid_goes_on(tmp_path, tiny_data, monkeypatch) -> None:
-    grid = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1]))
+def test_failed_run_is_recorded_and_the_grid_goes_on(tmp_path, tiny_dataset, monkeypatch) -> None:
+    grid = load_grid(_fake_grid(tmp_path, tiny_dataset, seeds=[1]))
     launched = []
     failure = {"rc": 3}  # tools/train.py: non-finite loss
 
@@ -251,8 +247,8 @@ def test_failed_run_is_recorded_and_the_grid_goes_on(tmp_path, tiny_data, monkey
     assert status["status"] == "failed" and "SIGKILL" in status["error"]
 
 
-def test_mismatched_run_folder_is_refused(tmp_path, tiny_data, monkeypatch) -> None:
-    grid = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1]))
+def test_mismatched_run_folder_is_refused(tmp_path, tiny_dataset, monkeypatch) -> None:
+    grid = load_grid(_fake_grid(tmp_path, tiny_dataset, seeds=[1]))
     run = grid.runs[0]
     run.output_dir.mkdir(parents=True)
     saved = run.config.to_dict()
@@ -304,19 +300,21 @@ def test_synthetic_data_is_generated_when_missing(tmp_path) -> None:
         prepare_data(load_grid(no_synth))
 
 
-def test_torchrun_launch_command(tmp_path, tiny_data) -> None:
-    grid = load_grid(_fake_grid(tmp_path, tiny_data, seeds=[1], launcher="torchrun",
+def test_torchrun_launch_command(tmp_path, tiny_dataset) -> None:
+    grid = load_grid(_fake_grid(tmp_path, tiny_dataset, seeds=[1], launcher="torchrun",
                                 nproc_per_node=4))
     command = schedule.launch_command(grid, grid.runs[0])
-    assert command[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=4"]
-    assert command[5].endswith("tools/train.py") and command[-1] == "--no-progress"
+    assert command[:8] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=4", "-m", "detr_irpe.cli.train", "--config"]
+    assert command[8] == str(grid.base) and command[9] == "--set"
+    assert command[-1] == "--no-progress"
     assert f"train.output_dir={grid.runs[0].output_dir}" in command
+    assert not any(part.endswith(".py") for part in command)  # no path into a source tree
 
 
-def test_axes_times_variants_and_names(tmp_path, tiny_data) -> None:
+def test_axes_times_variants_and_names(tmp_path, tiny_dataset) -> None:
     grid = load_grid(_fake_grid(
-        tmp_path, tiny_data, seeds=[1], baseline="a,position_embedding=sine,lr=0.0001",
+        tmp_path, tiny_dataset, seeds=[1], baseline="a,position_embedding=sine,lr=0.0001",
         variants=[{"name": "a", "overrides": ["model.rpe=none"]},
                   {"name": "b", "overrides": ["model.rpe=rpe-2.0-cross-bias-0-k"]}],
         axes={"model.position_embedding": ["sine", "none"], "train.lr": [1.0e-4]},
@@ -368,11 +366,12 @@ def test_tool_reports_a_bad_grid(tmp_path, capsys) -> None:
     path = _write_grid(tmp_path / "bad.yaml", base="synthetic_tiny", output_dir="x",
                        axes={"model.rpe": ["rpe-2.0-product-ctx-1-w"]})
     assert ablate.main([str(path), "--dry-run"]) == 2
-    assert "model.rpe" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "model.rpe" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_shipped_grids_load() -> None:
-    files = sorted((ROOT / "configs" / "ablations").glob("*.yaml"))
+    files = sorted(GRID_DIR.glob("*.yaml"))
     names = {f.stem for f in files}
     for question in ("methods", "modes", "placement", "ratio", "absolute", "shared_head"):
         assert question in names and f"demo_{question}" in names
@@ -384,17 +383,71 @@ def test_shipped_grids_load() -> None:
             assert grid.synthetic_data is not None
         else:
             assert grid.base.name == "detr_r50.yaml" and grid.launcher == "torchrun"
-    ratio = load_grid(ROOT / "configs" / "ablations" / "ratio.yaml")
+    ratio = load_grid("ratio")  # a shipped grid by name, from any folder
     # Product buckets per ratio (irpe.md): 49, 81, 121, 169; D = 32, shared, 6 layers.
     assert [rpe_parameter_count(r.config) for r in ratio.runs] == [
         6 * 32 * k for k in (49, 81, 121, 169)]
 
 
-def test_variants_times_one_axis_names(tmp_path, tiny_data) -> None:
+def test_variants_times_one_axis_names(tmp_path, tiny_dataset) -> None:
     grid = load_grid(_fake_grid(
-        tmp_path, tiny_data, seeds=[1], baseline="none,position_embedding=sine",
+        tmp_path, tiny_dataset, seeds=[1], baseline="none,position_embedding=sine",
         variants=[{"name": "none", "overrides": ["model.rpe=none"]}],
         axes={"model.position_embedding": ["sine", "none"]},
     ))
     assert [v.name for v in grid.variants] == [
         "none,position_embedding=sine", "none,position_embedding=none"]
+
+
+def test_grid_base_merges_like_a_config(tmp_path, tiny_dataset) -> None:
+    """Grids and configs share one _base_ reader: mappings (axes, synthetic_data) merge key
+    by key and lists / scalars replace, in a grid exactly as in a config file."""
+    (tmp_path / "parent.yaml").write_text(yaml.safe_dump({
+        "base": "synthetic_tiny", "output_dir": str(tmp_path / "out"),
+        "overrides": [f"data.root={tiny_dataset}"],
+        "axes": {"model.rpe": ["none", "rpe-2.0-product-ctx-1-k"]},
+        "synthetic_data": {"num_train": 4, "num_val": 2},
+    }))
+    (tmp_path / "child.yaml").write_text(yaml.safe_dump({
+        "_base_": "parent.yaml", "overrides": [f"data.root={tiny_dataset}", "train.epochs=3"],
+        "axes": {"model.position_embedding": ["sine", "none"]},
+        "synthetic_data": {"num_val": 1},
+    }))
+    merged = read_yaml_with_base(tmp_path / "child.yaml")
+    assert merged["axes"] == {"model.rpe": ["none", "rpe-2.0-product-ctx-1-k"],
+                              "model.position_embedding": ["sine", "none"]}
+    assert merged["synthetic_data"] == {"num_train": 4, "num_val": 1}
+    grid = load_grid(tmp_path / "child.yaml")
+    assert grid.synthetic_data == {"num_train": 4, "num_val": 1}
+    assert len(grid.variants) == 4  # both axes: the child's axis did not replace the parent's
+    assert all(r.config.train.epochs == 3 for r in grid.runs)  # the list replaced
+    # The same two files as configs merge the same way (the reader does not know which).
+    for name, text in (("cparent.yaml", "model: {hidden_dim: 64, nheads: 4}\n"),
+                       ("cchild.yaml", "_base_: cparent.yaml\nmodel: {nheads: 8}\n")):
+        (tmp_path / name).write_text(text)
+    assert read_yaml_with_base(tmp_path / "cchild.yaml") == {
+        "model": {"hidden_dim": 64, "nheads": 8}}
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe\x00\x01 binary", r"bad\.yaml.*not UTF-8"),
+    (b"_base_: nowhere.yaml\n", "nowhere.yaml"),
+    (b"- a\n- b\n", "mapping"),
+])
+def test_unreadable_grid_files_name_the_file(tmp_path, content, message) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    with pytest.raises(GridError, match=message):
+        load_grid(path)
+
+
+def test_shipped_grid_by_name_and_base_from_the_command_line(tmp_path, monkeypatch,
+                                                             capsys) -> None:
+    monkeypatch.chdir(tmp_path)  # any folder: the shipped grids come with the package
+    assert ablate.main(["demo_methods", "--dry-run", "--config", "synthetic_tiny",
+                        "--set", "train.epochs=1", "--output-dir", "out"]) == 0
+    grid = load_grid("demo_methods", ["train.epochs=1"], "out", base="synthetic_tiny")
+    assert grid.base.name == "synthetic_tiny.yaml" and grid.runs[0].config.train.epochs == 1
+    assert str(Path("out") / grid.variants[0].slug / "seed42") in capsys.readouterr().out
+    assert ablate.main(["no_such_grid", "--dry-run"]) == 2
+    assert "demo_methods" in capsys.readouterr().err  # the shipped grids are listed

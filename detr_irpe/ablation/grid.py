@@ -20,8 +20,9 @@ A grid file (``configs/ablations/*.yaml``)::
     synthetic_data:                     # generate data.root with the synthetic generator
       num_train: 2000                   # when its annotation files are missing
       num_val: 200
-    _base_: other_grid.yaml             # optional: start from another grid file;
-                                        # top-level keys given here replace its keys
+    _base_: other_grid.yaml             # optional: start from another grid file, merged
+                                        # like a config's _base_ (mappings such as axes
+                                        # merge key by key; lists and scalars replace)
 
 Every run is ``base`` + ``overrides`` + the variant's overrides + ``train.seed``
 + ``train.output_dir=<output_dir>/<variant>/seed<k>``. :func:`load_grid` builds
@@ -39,15 +40,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from detr_irpe.config import Config, ConfigError, load_config, parse_override, resolve_config_path
+from detr_irpe.config import (
+    CONFIG_DIR,
+    Config,
+    ConfigError,
+    load_config,
+    parse_override,
+    read_yaml_with_base,
+    resolve_config_path,
+)
 
 GRID_KEYS = (
     "name", "description", "base", "output_dir", "overrides", "axes", "variants", "seeds",
     "baseline", "launcher", "nproc_per_node", "synthetic_data",
 )
 LAUNCHERS = ("local", "torchrun")
+# The grids shipped with the package (demo_* on synthetic data, the rest on COCO).
+GRID_DIR = CONFIG_DIR / "ablations"
 VARIANT_KEYS = ("name", "overrides")
 SYNTHETIC_KEYS = ("num_train", "num_val", "seed")
 # Keys the grid sets itself for every run.
@@ -111,27 +120,31 @@ class Grid:
 
 
 # ----------------------------------------------------------------------------- reading
-def _read_grid_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = path.resolve()
-    if path in seen:
-        raise GridError(f"{path}: _base_ chain loops back on itself")
+def resolve_grid_path(name_or_path: str | Path) -> Path:
+    """A grid file as given, or a bare name looked up in the shipped
+    ``configs/ablations/`` (``.yaml`` optional), so the tool works from any folder."""
+    path = Path(name_or_path)
+    candidates = [path, GRID_DIR / path]
+    if path.suffix not in (".yaml", ".yml"):
+        candidates += [p.with_name(p.name + ".yaml") for p in candidates]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    shipped = ", ".join(sorted(p.stem for p in GRID_DIR.glob("*.yaml")))
+    raise GridError(f"grid file {str(name_or_path)!r} not found (looked in the working "
+                    f"directory and {GRID_DIR}); shipped grids: {shipped}")
+
+
+def _read_grid_yaml(path: Path) -> dict[str, Any]:
+    """The grid file with its ``_base_`` chain merged exactly as config files merge."""
     if not path.is_file():
         raise GridError(f"grid file {path} not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise GridError(f"{path}: not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise GridError(f"{path}: the top level must be a mapping of grid keys "
-                        f"({', '.join(GRID_KEYS)})")
-    parent = data.pop("_base_", None)
-    if parent is None:
-        return data
-    if not isinstance(parent, str):
-        raise GridError(f"{path}: _base_ must be the path of another grid file, got {parent!r}")
-    merged = _read_grid_yaml(path.parent / parent, seen + (path,))
-    merged.update(data)  # top-level keys replace; no deep merge, so a grid reads on its own
-    return merged
+        return read_yaml_with_base(path)
+    except GridError:
+        raise
+    except ConfigError as err:
+        raise GridError(str(err)) from None
 
 
 def _format_value(value: Any) -> str:
@@ -282,20 +295,26 @@ def load_grid(
     extra_overrides: Sequence[str] = (),
     output_dir: str | Path | None = None,
     seeds: Sequence[int] | None = None,
+    base: str | Path | None = None,
 ) -> Grid:
     """Read, expand and validate a grid file.
 
     Args:
+        path: a grid file, or the name of a grid shipped in ``configs/ablations/``
+            (``demo_methods``; see :func:`resolve_grid_path`).
         extra_overrides: appended to the grid's common overrides (command line).
         output_dir: replaces the grid's ``output_dir``.
         seeds: replace the grid's ``seeds``.
+        base: replaces the grid's ``base`` config (a config name or a path).
 
     Raises:
         GridError: naming the file and the key, variant or override that is wrong;
             every run's config is built here, so bad overrides fail before any run.
     """
-    path = Path(path)
+    path = resolve_grid_path(path)
     data = _read_grid_yaml(path)
+    if base is not None:
+        data["base"] = str(base)
     where = str(path)
     unknown = sorted(set(data) - set(GRID_KEYS))
     if unknown:
@@ -379,4 +398,14 @@ def _expand_runs(grid: Grid) -> list[RunSpec]:
     return runs
 
 
-__all__ = ["GRID_KEYS", "LAUNCHERS", "Grid", "GridError", "RunSpec", "Variant", "load_grid"]
+__all__ = [
+    "GRID_DIR",
+    "GRID_KEYS",
+    "LAUNCHERS",
+    "Grid",
+    "GridError",
+    "RunSpec",
+    "Variant",
+    "load_grid",
+    "resolve_grid_path",
+]

@@ -1,10 +1,11 @@
 """Run the runs of a grid one after another, each as its own training process.
 
-Every run is ``python tools/train.py BASE OVERRIDES...`` (``launcher: local``)
-or ``python -m torch.distributed.run --standalone --nproc_per_node=N
-tools/train.py ...`` (``launcher: torchrun``): the same code and the same
-automatic resume as a hand-started training run, and a run that crashes or
-runs out of memory takes only itself down. Its console output goes to
+Every run is ``python -m detr_irpe.cli.train --config BASE --set OVERRIDES...``
+(``launcher: local``) or ``python -m torch.distributed.run --standalone
+--nproc_per_node=N -m detr_irpe.cli.train ...`` (``launcher: torchrun``): the
+training tool of the installed package (``detr-irpe-train``), so the same code
+and the same automatic resume as a hand-started run, from any folder; a run that
+crashes or runs out of memory takes only itself down. Its console output goes to
 ``<run folder>/ablation_output.log``.
 
 Finished runs are skipped (see :mod:`detr_irpe.ablation.status`), partial ones
@@ -38,13 +39,18 @@ from detr_irpe.ablation.status import (
     run_state,
     write_status,
 )
+from detr_irpe.errors import EXIT_NON_FINITE, EXIT_USER_ERROR
 
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAIN_SCRIPT = ROOT / "tools" / "train.py"
-# Exit codes of tools/train.py.
-EXIT_MEANINGS = {2: "user error (config, data, checkpoint)", 3: "non-finite loss"}
+# The module that trains one run: the package's training tool, found by import, not by a
+# path into a source tree (an installed package has none).
+TRAIN_MODULE = "detr_irpe.cli.train"
+# Exit codes of the training tool (detr_irpe.errors).
+EXIT_MEANINGS = {
+    EXIT_USER_ERROR: "user error (config, data, checkpoint)",
+    EXIT_NON_FINITE: "non-finite loss",
+}
 # How long a run gets to stop after SIGINT, then after SIGTERM, before it is killed.
 STOP_GRACE_S = 10.0
 # How often a running run's log.txt is looked at for progress reports.
@@ -63,11 +69,11 @@ class GridReport:
     not_started: list[RunSpec] = field(default_factory=list)  # left for later (max_runs)
 
 
-def launch_command(grid: Grid, run: RunSpec) -> list[str]:
-    """The command line that trains ``run`` (run from the current working directory)."""
-    if not TRAIN_SCRIPT.is_file():
-        raise GridError(f"{TRAIN_SCRIPT} not found: run the ablation tool from a source checkout")
-    args = [str(TRAIN_SCRIPT), str(grid.base), *run.overrides, "--no-progress"]
+def launch_command(grid: Grid, run: RunSpec, module: str = TRAIN_MODULE) -> list[str]:
+    """The command line that trains ``run`` (run from the current working directory):
+    ``python -m <module> --config BASE --set OVERRIDES... --no-progress``, under
+    ``torch.distributed.run`` for ``launcher: torchrun``."""
+    args = ["-m", module, "--config", str(grid.base), "--set", *run.overrides, "--no-progress"]
     if grid.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={grid.nproc_per_node}", *args]
