@@ -3,11 +3,12 @@ by run through the normal training code, resumable, summarised as a paper-style 
 
     grid.py      the grid file: validation and expansion into runs
     status.py    where a run stands, read from its folder; run-folder locks
-    schedule.py  launching the runs (python tools/train.py or torchrun), one after another
+    schedule.py  launching the runs (python -m detr_irpe.cli.train, or under torchrun),
+                 one after another
     results.py   numbers of each run (log.txt) and one row per variant (mean ± std)
     table.py     results.md, results.csv, runs.csv
 
-See docs/ablations.md and ``tools/ablate.py``.
+See docs/ablations.md and ``detr_irpe.cli.ablate`` (the ``detr-irpe-ablate`` command).
 """
 
 from detr_irpe.ablation.grid import Grid, GridError, RunSpec, Variant, load_grid
