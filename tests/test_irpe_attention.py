@@ -16,6 +16,8 @@ from detr_irpe.irpe import (
     gather_buckets_transposed,
     scatter_buckets,
 )
+from detr_irpe.irpe import attention as attention_module
+from detr_irpe.irpe.attention import choose_impl
 from detr_irpe.irpe.buckets import transposed_flat_ids
 from detr_irpe.irpe.naive import naive_irpe_attention
 
@@ -52,8 +54,24 @@ def _ref_ids(cfg: RPEConfig, height: int, width: int) -> torch.Tensor:
     return torch.tensor(ids)
 
 
+def _with_impl(module: IRPEMultiheadAttention, impl: str) -> IRPEMultiheadAttention:
+    """A copy of ``module`` (same parameters, dtype and mode) computed by ``impl``."""
+    other = IRPEMultiheadAttention(
+        module.embed_dim, module.num_heads, dropout=module.dropout, rpe=module.rpe,
+        bias=module.in_proj_bias is not None, impl=impl,
+    ).to(module.in_proj_weight.dtype).train(module.training)
+    other.load_state_dict(module.state_dict())
+    return other
+
+
+def _paths(module: IRPEMultiheadAttention) -> list[tuple[IRPEMultiheadAttention, bool]]:
+    """``(module, need_weights)`` for every computation path ``module``'s settings allow."""
+    impls = ["explicit", "blocked"] + (["sdpa"] if module.rpe_v is None else [])
+    return [(_with_impl(module, impl), False) for impl in impls] + [(module, True)]
+
+
 def _check_against_reference(module: IRPEMultiheadAttention, hw, batch=2, atol=1e-10):
-    """Forward (all paths), weights, and gradients of inputs and all parameters."""
+    """Forward (every impl), weights, and gradients of inputs and all parameters."""
     cfg = module.rpe
     length = cfg.skip + hw[0] * hw[1]
     query, value, mask = _inputs(batch, length, module.embed_dim)
@@ -66,17 +84,16 @@ def _check_against_reference(module: IRPEMultiheadAttention, hw, batch=2, atol=1
     ref_grads = torch.autograd.grad(
         (ref_out * grad_out).sum(), [query, value, *params.values()], allow_unused=True
     )
-    for need_weights, sdpa in ((False, True), (False, False), (True, None)):
-        module.prefer_sdpa = sdpa
-        out, w = module(query, query, value, hw, key_padding_mask=mask, need_weights=need_weights)
+    for path, need_weights in _paths(module):
+        out, w = path(query, query, value, hw, key_padding_mask=mask, need_weights=need_weights)
         torch.testing.assert_close(out, ref_out, atol=atol, rtol=1e-7)
         if need_weights:
             torch.testing.assert_close(w, ref_w, atol=atol, rtol=1e-7)
         else:
             assert w is None
-        names = [n for n, _ in module.named_parameters()]
+        names = [n for n, _ in path.named_parameters()]
         grads = torch.autograd.grad(
-            (out * grad_out).sum(), [query, value, *module.parameters()], allow_unused=True
+            (out * grad_out).sum(), [query, value, *path.parameters()], allow_unused=True
         )
         ref_by_name = dict(zip(["query", "value", *params], ref_grads))
         for name, g in zip(["query", "value", *names], grads):
@@ -169,17 +186,90 @@ def test_sdpa_path_equals_explicit_path_float32() -> None:
     module = IRPEMultiheadAttention(64, 4, rpe="rpe-2.0-product-ctx-0-qk").eval()
     _randomise_tables(module)
     query, value, mask = _inputs(2, 30, 64, torch.float32)
-    with torch.no_grad():  # the automatic choice: SDPA without gradients, explicit with
+    with torch.no_grad():  # the automatic choice: SDPA without gradients
         auto, _ = module(query, query, value, (5, 6), key_padding_mask=mask)
-    module.prefer_sdpa = True
-    fast, _ = module(query, query, value, (5, 6), key_padding_mask=mask)
+    sdpa = _with_impl(module, "sdpa")
+    fast, _ = sdpa(query, query, value, (5, 6), key_padding_mask=mask)
     torch.testing.assert_close(fast, auto)
     slow, _ = module(query, query, value, (5, 6), key_padding_mask=mask, need_weights=True)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
-    g_fast = torch.autograd.grad(fast.sum(), [query, module.rpe_k.lookup_table_weight])
+    g_fast = torch.autograd.grad(fast.sum(), [query, sdpa.rpe_k.lookup_table_weight])
     g_slow = torch.autograd.grad(slow.sum(), [query, module.rpe_k.lookup_table_weight])
     for a, b in zip(g_fast, g_slow):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def _auto(**changes) -> str:
+    """``choose_impl("auto", ...)`` for CPU float32 inference with RPE-K, plus ``changes``."""
+    args = dict(device_type="cpu", dtype=torch.float32, need_weights=False, dropout_p=0.0,
+                rpe_logits=True, rpe_values=False, logits_need_grad=False, exporting=False)
+    return choose_impl("auto", **{**args, **changes})
+
+
+def test_auto_impl_choice() -> None:
+    assert _auto() == "sdpa"  # inference: the fused kernel takes the logits as a mask
+    # CPU float training-type calls: the row-blocked core
+    assert _auto(logits_need_grad=True) == "blocked"
+    assert _auto(dropout_p=0.1) == "blocked"
+    assert _auto(rpe_values=True) == "blocked"
+    assert _auto(rpe_logits=False, dropout_p=0.1) == "blocked"
+    assert _auto(rpe_logits=False) == "sdpa"
+    assert _auto(dtype=torch.float64, logits_need_grad=True) == "blocked"
+    # where SDPA cannot add the terms or would copy a mask that needs a gradient
+    assert _auto(device_type="cuda", rpe_values=True) == "explicit"
+    assert _auto(device_type="cuda", logits_need_grad=True, dropout_p=0.1) == "sdpa"
+    assert _auto(dtype=torch.bfloat16, logits_need_grad=True) == "explicit"
+    assert _auto(dtype=torch.bfloat16, rpe_values=True) == "explicit"
+    assert _auto(dtype=torch.bfloat16, dropout_p=0.1) == "sdpa"
+    # exporters trace neither the blocked core's loop nor SDPA with RPE-V
+    assert _auto(exporting=True, logits_need_grad=True, dropout_p=0.1) == "sdpa"
+    assert _auto(exporting=True, rpe_values=True) == "explicit"
+    # only the explicit path returns weights, whatever impl says
+    assert _auto(need_weights=True, logits_need_grad=True) == "explicit"
+    assert choose_impl("sdpa", device_type="cpu", dtype=torch.float32, need_weights=True,
+                       dropout_p=0.0, rpe_logits=True, rpe_values=False,
+                       logits_need_grad=False) == "explicit"
+
+
+def test_impl_is_validated() -> None:
+    with pytest.raises(ValueError, match="allowed: auto, sdpa, explicit, blocked"):
+        IRPEMultiheadAttention(16, 2, impl="flash")
+    with pytest.raises(ValueError, match="impl='sdpa' cannot add iRPE terms to the values"):
+        IRPEMultiheadAttention(16, 2, rpe="rpe-2.0-product-ctx-1-qkv", impl="sdpa")
+    with pytest.raises(ValueError, match="block_rows"):
+        IRPEMultiheadAttention(16, 2, impl="blocked", block_rows=0)
+    module = IRPEMultiheadAttention(16, 2, rpe="rpe-2.0-product-ctx-1-k", impl="blocked")
+    x = torch.randn(1, 12, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"impl='blocked' computes in float32 / float64"):
+        module.to(torch.bfloat16)(x, x, x, (3, 4))
+    assert "impl=blocked" in repr(module)
+
+
+@pytest.mark.parametrize("impl", ["auto", "sdpa", "explicit", "blocked"])
+def test_impl_runs_the_named_path(monkeypatch, impl: str) -> None:
+    """CPU training with gradients: "auto" takes the blocked core, a forced impl its own."""
+    calls = []
+
+    def recorded(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(attention_module, "blocked_attention",
+                        recorded("blocked", attention_module.blocked_attention))
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention",
+                        recorded("sdpa", attention_module.F.scaled_dot_product_attention))
+    module = IRPEMultiheadAttention(16, 2, dropout=0.1, rpe="rpe-2.0-product-ctx-1-k",
+                                    impl=impl).train()
+    query, value, mask = _inputs(2, 12, 16, torch.float32)
+    out, _ = module(query, query, value, (3, 4), key_padding_mask=mask)
+    out.sum().backward()
+    expected = {"auto": ["blocked"], "sdpa": ["sdpa"], "explicit": [], "blocked": ["blocked"]}
+    assert calls == expected[impl]
+    calls.clear()
+    module(query, query, value, (3, 4), key_padding_mask=mask, need_weights=True)
+    assert calls == []  # weights: always the explicit path
 
 
 def test_attention_logits_split() -> None:
@@ -376,10 +466,11 @@ def test_blocked_core_equals_explicit_over_several_blocks(rpe: str) -> None:
     mask = torch.zeros(2, 20, dtype=torch.bool)
     mask[-1, -5:] = True
     results = []
-    for blocked in (False, True):
-        module.blocked, module.block_rows = blocked, 6
-        out, _ = module(query, query, value, (4, 5), key_padding_mask=mask)
-        grads = torch.autograd.grad(out.pow(2).sum(), [query, value, *module.parameters()])
+    for impl in ("explicit", "blocked"):
+        other = IRPEMultiheadAttention(16, 2, rpe=rpe, impl=impl, block_rows=6).double()
+        other.load_state_dict(module.state_dict())
+        out, _ = other(query, query, value, (4, 5), key_padding_mask=mask)
+        grads = torch.autograd.grad(out.pow(2).sum(), [query, value, *other.parameters()])
         results.append((out, grads))
     torch.testing.assert_close(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):

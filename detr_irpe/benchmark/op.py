@@ -18,8 +18,8 @@ fused kernel), ``mha_weights`` (``need_weights=True``, as DETR calls it),
 random non-zero tables), ``naive_product_qkv`` (the O(L^2 D) dense gathers of
 :mod:`detr_irpe.irpe.naive`); a ``_drop`` suffix = training with DETR's attention dropout
 0.1 (``irpe_none_drop``: this project's plain encoder layer, ``rpe=none``); an
-``_explicit`` suffix = the full-size ``(B h, L, L)`` path (``module.blocked = False``)
-instead of the row-blocked core that the CPU training path uses.
+``_explicit`` suffix = the full-size ``(B h, L, L)`` path (``impl="explicit"``) instead of
+the row-blocked core that the CPU training path uses.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch import nn
 
 from detr_irpe.benchmark.common import median, sync, timed
 from detr_irpe.irpe.attention import IRPEMultiheadAttention
+from detr_irpe.irpe.buckets import cached_bucket_ids
 from detr_irpe.irpe.naive import naive_irpe_attention
 
 __all__ = [
@@ -121,10 +122,9 @@ def _variant(key: str, dim: int, heads: int, hw: tuple[int, int], ratio: float,
         rpe = f"rpe-{ratio}-{method}-ctx-1-{on}"
     name = f"{rpe}/{p}/{explicit}"
     if name not in modules:
-        modules[name] = IRPEMultiheadAttention(dim, heads, dropout=p, rpe=rpe)
+        impl = "explicit" if explicit else "auto"
+        modules[name] = IRPEMultiheadAttention(dim, heads, dropout=p, rpe=rpe, impl=impl)
         _random_tables(modules[name])
-        if explicit:
-            modules[name].blocked = False
     module = modules[name]
     if kind == "irpe":
         label = "no iRPE (the project's plain DETR encoder layer)" if rpe is None else rpe
@@ -212,7 +212,9 @@ def run_benchmark(
         exclude = {p.untyped_storage().data_ptr() for p in module.parameters()}
         exclude |= {query.untyped_storage().data_ptr(), value.untyped_storage().data_ptr()}
         if isinstance(module, IRPEMultiheadAttention) and module.rpe is not None:
-            exclude.add(module._bucket_ids(hw, dev).untyped_storage().data_ptr())
+            cfg = module.rpe
+            ids, _ = cached_bucket_ids(cfg.method, height, width, cfg.ratio, cfg.skip, dev)
+            exclude.add(ids.untyped_storage().data_ptr())
         module.zero_grad(set_to_none=True)
         query.grad = value.grad = None
         peak = None

@@ -1,22 +1,22 @@
 """Multi-head self-attention with 2D image relative position encoding (iRPE).
 
 Adapted from ``torch.nn.MultiheadAttention`` (same parameters and initialisation, batch
-first) with the iRPE terms of irpe.md section 4 (the paper's contextual mode; bias mode adds
+first) with the iRPE terms of docs/irpe.md (the paper's contextual mode; bias mode adds
 table scalars instead of the dot products):
 
     e_ij = s q_i . k_j + (s q_i) . Wk[b(i, j)] + (s k_j) . Wq[b(j, i)]
     z_i  = sum_j a_ij (v_j + Wv[b(i, j)])
 
-computed in O(L K D + L^2) (irpe.md section 5): project onto the tables, then gather by
-bucket id; values scatter-add the weights into buckets. Without RPE on values and without
-returned weights the logits bias goes to ``F.scaled_dot_product_attention`` as an
-additive float mask (on CPU only when no gradient flows into the mask, see ``_use_sdpa``);
-otherwise an explicit softmax path is used.
+computed in O(L K D + L^2): project onto the tables, then gather by bucket id; values
+scatter-add the weights into buckets. Three interchangeable computations of the same
+function exist (see :func:`choose_impl`): PyTorch's fused
+``F.scaled_dot_product_attention`` with the iRPE logits as an additive float mask, an
+explicit softmax path, and the row-blocked core of :mod:`.blocked`.
 """
 
 from __future__ import annotations
 
-import logging
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,98 @@ from .config import RPEConfig, parse_rpe
 from .encodings import build_encoding
 from .functional import attend_values
 
-__all__ = ["IRPEMultiheadAttention"]
+__all__ = ["IMPLS", "IRPEMultiheadAttention", "choose_impl"]
 
-logger = logging.getLogger(__name__)
+IMPLS = ("auto", "sdpa", "explicit", "blocked")
+_BLOCKED_DTYPES = (torch.float32, torch.float64)
+
+
+def _check_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; allowed: {', '.join(IMPLS)}")
+    return impl
+
+
+def choose_impl(
+    impl: str,
+    *,
+    device_type: str,
+    dtype: torch.dtype,
+    need_weights: bool,
+    dropout_p: float,
+    rpe_logits: bool,
+    rpe_values: bool,
+    logits_need_grad: bool,
+    exporting: bool = False,
+) -> str:
+    """The computation one call uses: ``"sdpa"``, ``"explicit"`` or ``"blocked"``.
+
+    All three compute the same function; they differ in speed, memory and what they can
+    return. ``need_weights`` always gives ``"explicit"``, the only path that materialises
+    the weights. Any other ``impl`` than ``"auto"`` is used as given. ``"auto"`` picks:
+
+    - while exporting (``torch.export`` / ONNX): ``"sdpa"``, or ``"explicit"`` with RPE-V.
+      The blocked core is an autograd Function with a Python loop over row blocks that an
+      exporter cannot trace into a graph.
+    - ``"blocked"`` on CPU in float32 / float64 when the fused kernel cannot run as flash
+      attention: with RPE-V, with attention dropout (PyTorch's CPU flash kernel has no
+      dropout, with or without iRPE) or with a gradient flowing into the iRPE logits (a
+      mask that needs a gradient sends SDPA to its math kernel). There SDPA's math kernel
+      and the explicit path allocate several full ``(B h, L, L)`` buffers, each a costly
+      fresh allocation on CPU; the blocked core keeps only ``(B h, R, L)`` row blocks.
+    - ``"explicit"`` where SDPA cannot add the iRPE terms: with RPE-V (SDPA has no hook
+      inside its softmax-times-values product), and on CPU in half precision when a
+      gradient flows into the iRPE logits (the explicit path updates that buffer in place,
+      SDPA's math kernel copies it).
+    - ``"sdpa"`` otherwise: PyTorch's fused kernel with the iRPE logits as additive mask.
+
+    Args:
+        impl: ``"auto"``, ``"sdpa"``, ``"explicit"`` or ``"blocked"``.
+        device_type: ``"cpu"``, ``"cuda"``, ...
+        dtype: the dtype of the projected queries (the autocast dtype under autocast).
+        need_weights: the caller wants the attention weights.
+        dropout_p: the attention dropout of this call (0 in eval mode).
+        rpe_logits: iRPE terms on the logits (RPE-Q or RPE-K tables).
+        rpe_values: iRPE terms on the values (RPE-V tables).
+        logits_need_grad: autograd is on and the iRPE logits need a gradient.
+        exporting: inside ``torch.export`` (and so ONNX export).
+
+    Raises:
+        ValueError: an unknown ``impl``; ``"sdpa"`` with RPE-V; ``"blocked"`` outside
+            float32 / float64 or while exporting.
+    """
+    _check_impl(impl)
+    if need_weights:
+        return "explicit"
+    if impl == "sdpa" and rpe_values:
+        raise ValueError("impl='sdpa' cannot add iRPE terms to the values (rpe_on has 'v'); "
+                         "use impl='auto', 'explicit' or 'blocked'")
+    if impl == "blocked" and (exporting or dtype not in _BLOCKED_DTYPES):
+        why = "cannot be exported" if exporting else f"computes in float32 / float64, not {dtype}"
+        raise ValueError(f"impl='blocked' {why}; use impl='auto', 'sdpa' or 'explicit'")
+    if impl != "auto":
+        return impl
+    if exporting:
+        return "explicit" if rpe_values else "sdpa"
+    cpu = device_type == "cpu"
+    if cpu and dtype in _BLOCKED_DTYPES and (
+            rpe_values or dropout_p > 0.0 or (rpe_logits and logits_need_grad)):
+        return "blocked"
+    if rpe_values or (cpu and rpe_logits and logits_need_grad):
+        return "explicit"
+    return "sdpa"
+
+
+def _padding_bias(key_padding_mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """``(B, L)`` bool (True = padding) -> ``(B, L)`` additive key bias of ``like``'s dtype.
+
+    A large finite value instead of -inf: rows whose keys are all padding get uniform
+    weights instead of NaN; other rows are unchanged (exp underflows to 0).
+    """
+    if key_padding_mask is None:
+        return None
+    pad = torch.zeros(key_padding_mask.shape, dtype=like.dtype, device=like.device)
+    return pad.masked_fill(key_padding_mask.bool(), torch.finfo(like.dtype).min / 2)
 
 
 class IRPEMultiheadAttention(nn.Module):
@@ -43,6 +132,13 @@ class IRPEMultiheadAttention(nn.Module):
         rpe: ``None`` (plain attention), a model-zoo string such as
             ``"rpe-2.0-product-ctx-1-k"`` or an :class:`RPEConfig`.
         bias: whether the input / output projections have biases.
+        impl: how to compute it: ``"auto"`` (chosen per call by :func:`choose_impl`),
+            ``"sdpa"`` (fused ``F.scaled_dot_product_attention``; not with RPE on values),
+            ``"explicit"`` (full ``(B h, L, L)`` logits and softmax) or ``"blocked"``
+            (row blocks, :mod:`.blocked`; float32 / float64). All compute the same
+            function; a call with ``need_weights=True`` always runs the explicit path.
+        block_rows: query rows per block of the blocked core (None: about 8 MiB per
+            ``(B h, R, L)`` block).
 
     Parameters (names as in ``nn.MultiheadAttention`` and the public iRPE checkpoints):
         ``in_proj_weight (3C, C)``, ``in_proj_bias (3C)``, ``out_proj.{weight,bias}`` and the
@@ -56,6 +152,8 @@ class IRPEMultiheadAttention(nn.Module):
         dropout: float = 0.0,
         rpe: RPEConfig | str | None = None,
         bias: bool = True,
+        impl: str = "auto",
+        block_rows: int | None = None,
     ) -> None:
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads != 0:
@@ -64,18 +162,18 @@ class IRPEMultiheadAttention(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if block_rows is not None and block_rows <= 0:
+            raise ValueError(f"block_rows must be a positive integer or None, got {block_rows}")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
         self.dropout = float(dropout)
         self.rpe = parse_rpe(rpe)
-        # None: choose per call (see _use_sdpa); True / False: force SDPA or the explicit path
-        # whenever both are possible (they compute the same function)
-        self.prefer_sdpa: bool | None = None
-        # None: automatic (see _use_blocked); True / False: force / forbid the row-blocked core
-        self.blocked: bool | None = None
-        # query rows per block of the blocked core (None: about 8 MiB per (B h, R, L) block)
-        self.block_rows: int | None = None
+        self.impl = _check_impl(impl)
+        self.block_rows = block_rows
+        if impl == "sdpa" and self.rpe is not None and "v" in self.rpe.rpe_on:
+            raise ValueError(f"impl='sdpa' cannot add iRPE terms to the values ({self.rpe}); "
+                             "use impl='auto', 'explicit' or 'blocked'")
 
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
         if bias:
@@ -96,7 +194,7 @@ class IRPEMultiheadAttention(nn.Module):
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        # as nn.MultiheadAttention; the RPE tables start at zero (irpe.md section 4)
+        # as nn.MultiheadAttention; the RPE tables start at zero (docs/irpe.md)
         nn.init.xavier_uniform_(self.in_proj_weight)
         if self.in_proj_bias is not None:
             nn.init.zeros_(self.in_proj_bias)
@@ -104,9 +202,42 @@ class IRPEMultiheadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         rpe = self.rpe.to_string() if self.rpe is not None else None
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, rpe={rpe}"
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"dropout={self.dropout}, rpe={rpe}, impl={self.impl}")
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ steps of forward
+    def _check(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        hw: tuple[int, int],
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> None:
+        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"query must be (B, L, {self.embed_dim}) (batch first), got {tuple(query.shape)}"
+            )
+        if key.shape != query.shape:
+            raise ValueError(
+                "iRPE attention is self-attention over one feature map: key must have the "
+                f"query's shape {tuple(query.shape)}, got {tuple(key.shape)}"
+            )
+        height, width = _hw(hw)
+        skip = self.rpe.skip if self.rpe is not None else 0
+        if height <= 0 or width <= 0 or query.shape[1] != skip + height * width:
+            raise ValueError(
+                f"sequence length {query.shape[1]} does not match hw=({height}, {width})"
+                f"{f' with skip={skip} extra tokens' if skip else ''}: expected "
+                f"{skip} + {height} * {width} = {skip + height * width} tokens "
+                "(inputs are batch first: (B, L, C))"
+            )
+        batch, length = query.shape[:2]
+        if key_padding_mask is not None and key_padding_mask.shape != (batch, length):
+            raise ValueError(
+                f"key_padding_mask must be (B, L) = {(batch, length)}, "
+                f"got {tuple(key_padding_mask.shape)}"
+            )
+
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
         return x.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
@@ -131,125 +262,130 @@ class IRPEMultiheadAttention(nn.Module):
             v = None if value is None else lin(value, 2, 3)
         return self._heads(q), self._heads(k), None if v is None else self._heads(v)
 
-    def _check(self, query: torch.Tensor, key: torch.Tensor, hw: tuple[int, int]) -> None:
-        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
-            raise ValueError(
-                f"query must be (B, L, {self.embed_dim}) (batch first), got {tuple(query.shape)}"
-            )
-        if key.shape != query.shape:
-            raise ValueError(
-                "iRPE attention is self-attention over one feature map: key must have the "
-                f"query's shape {tuple(query.shape)}, got {tuple(key.shape)}"
-            )
-        try:
-            height, width = (int(v) for v in hw)
-        except (TypeError, ValueError):
-            raise ValueError(f"hw must be a pair (H, W) of ints, got {hw!r}") from None
-        skip = self.rpe.skip if self.rpe is not None else 0
-        if height <= 0 or width <= 0 or query.shape[1] != skip + height * width:
-            raise ValueError(
-                f"sequence length {query.shape[1]} does not match hw=({height}, {width})"
-                f"{f' with skip={skip} extra tokens' if skip else ''}: expected "
-                f"{skip} + {height} * {width} = {skip + height * width} tokens "
-                "(inputs are batch first: (B, L, C))"
-            )
-
-    def _bucket_ids(self, hw: tuple[int, int], device: torch.device) -> torch.Tensor | None:
+    def _bucket_ids(
+        self, hw: tuple[int, int], device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(ids, flat_t)``: bucket ids ``(L, L)`` (``(2, L, L)`` cross) and, with RPE-Q,
+        the flat transposed ids of its lookup; None without iRPE."""
         if self.rpe is None:
-            return None
-        ids, _ = cached_bucket_ids(
-            self.rpe.method, int(hw[0]), int(hw[1]), self.rpe.ratio, self.rpe.skip, device
+            return None, None
+        height, width = _hw(hw)
+        args = (self.rpe.method, height, width, self.rpe.ratio, self.rpe.skip, device)
+        ids, _ = cached_bucket_ids(*args)
+        flat_t = cached_transposed_flat_ids(*args) if self.rpe_q is not None else None
+        return ids, flat_t
+
+    def _impl_for(self, q: torch.Tensor, k: torch.Tensor, need_weights: bool) -> str:
+        logit_tables = [p for enc in (self.rpe_q, self.rpe_k) if enc is not None
+                        for p in enc.parameters()]
+        needs_grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or any(p.requires_grad for p in logit_tables))
+        return choose_impl(
+            self.impl,
+            device_type=q.device.type,
+            dtype=q.dtype,
+            need_weights=need_weights,
+            dropout_p=self.dropout if self.training else 0.0,
+            rpe_logits=bool(logit_tables),
+            rpe_values=self.rpe_v is not None,
+            logits_need_grad=bool(logit_tables) and needs_grad,
+            exporting=torch.compiler.is_exporting(),
         )
-        return ids
 
     def _rpe_logits(
         self,
         q_scaled: torch.Tensor,
         k_scaled: torch.Tensor | None,
         ids: torch.Tensor | None,
-        hw: tuple[int, int],
+        flat_t: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """RPE-K + RPE-Q logits, a fresh 3-D ``(B * h, L, L)`` (ctx) or ``(Hh, L, L)`` (bias)."""
         out = None
         if self.rpe_k is not None:
             out = self.rpe_k.pair_term(q_scaled, ids)
         if self.rpe_q is not None:
-            # (s k_j) . Wq[b(j, i)]: looked up directly in (i, j) order
-            flat_t = cached_transposed_flat_ids(
-                self.rpe.method, int(hw[0]), int(hw[1]), self.rpe.ratio, self.rpe.skip, ids.device
-            )
-            out = self.rpe_q.pair_term(k_scaled, ids, flat_t, out)  # in place into RPE-K
+            # (s k_j) . Wq[b(j, i)]: looked up directly in (i, j) order, in place into RPE-K
+            out = self.rpe_q.pair_term(k_scaled, ids, flat_t, out)
         return out
 
-    def _use_sdpa(self, bias: torch.Tensor | None, need_weights: bool) -> bool:
-        """Fused ``scaled_dot_product_attention`` or the explicit softmax path.
+    def _logit_bias(
+        self,
+        q_scaled: torch.Tensor,
+        k_scaled: torch.Tensor | None,
+        ids: torch.Tensor | None,
+        flat_t: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(bias, pad)``: the iRPE logits (a 3-D base tensor, see :meth:`_rpe_logits`) and
+        the padding ``(B, 1, 1, L)`` still to add (None once folded into ``bias``)."""
+        batch, heads, length, _ = q_scaled.shape
+        bias = self._rpe_logits(q_scaled, k_scaled, ids, flat_t)
+        pad = _padding_bias(key_padding_mask, q_scaled)
+        if pad is None:
+            return bias, None
+        pad = pad[:, None, None, :]
+        if _is_full(bias, batch * heads):
+            # fresh full-size logits absorb the padding in place: on CPU each avoided
+            # (L, L) buffer saves a large allocation
+            bias.add_(pad.expand(batch, heads, 1, length).reshape(batch * heads, 1, length))
+            return bias, None
+        return bias, pad
 
-        SDPA cannot return weights nor add RPE-V. On CPU, a mask that needs a gradient makes
-        SDPA fall back to its math kernel, which measured slower than the explicit path
-        (which updates the RPE logits buffer in place); there the explicit path is used.
-        """
-        if need_weights or self.rpe_v is not None:
-            return False
-        if self.prefer_sdpa is not None:
-            return self.prefer_sdpa
-        if bias is None or bias.device.type != "cpu":
-            return True
-        return not (torch.is_grad_enabled() and bias.requires_grad)
+    def _attend_sdpa(self, q, k, v, bias, pad, dropout_p, scale) -> torch.Tensor:
+        """Fused attention, ``(B, h, L, D)``; ``bias`` as :meth:`_logit_bias`."""
+        if bias is not None:
+            bias = _as_4d(bias, q.shape[0], self.num_heads)
+        mask = bias if pad is None else (pad if bias is None else bias + pad)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                              scale=scale)
 
-    def _use_blocked(self, q: torch.Tensor, need_weights: bool, dropout_p: float) -> bool:
-        """The row-blocked core (:mod:`.blocked`) or one of the full-size paths.
+    def _attend_explicit(
+        self, q_scaled, k, v, bias, pad, dropout_p, ids
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out (B, h, L, D), weights (B, h, L, L))`` with a materialised softmax."""
+        batch, heads, length, dim = q_scaled.shape
+        bh = batch * heads
+        if _is_full(bias, bh):
+            # in-place updates stay on 3-D base tensors (never on views) to avoid
+            # autograd's CopySlices
+            k3t = k.reshape(bh, length, dim).transpose(1, 2)
+            logits = bias.baddbmm_(q_scaled.view(bh, length, dim), k3t)
+        else:
+            logits = torch.matmul(q_scaled, k.transpose(-2, -1))
+            if bias is not None:
+                logits.add_(_as_4d(bias, batch, heads))
+            if pad is not None:
+                logits.add_(pad)
+        attn = torch.softmax(logits, dim=-1).view(batch, heads, length, length)
+        if dropout_p > 0.0:
+            attn = F.dropout(attn, p=dropout_p)
+        if self.rpe_v is None:
+            return torch.matmul(attn, v), attn
+        v3 = v.reshape(bh, length, dim)
+        a3 = attn.reshape(bh, length, length)
+        if a3.dtype != v3.dtype:  # autocast: softmax may have run in float32
+            a3 = a3.to(v3.dtype)
+        out = attend_values(a3, v3, self.rpe_v.value_tables(ids), heads)
+        return out.view(batch, heads, length, dim), attn
 
-        ``blocked=None`` (automatic): on CPU, for float32 / float64, whenever the fused SDPA
-        kernel cannot run as flash attention: with RPE-V, with a gradient flowing into the
-        RPE logits, or with attention dropout (training; PyTorch's CPU flash kernel has no
-        dropout, so SDPA falls back to its math kernel, also without iRPE). There it beats
-        the explicit path and SDPA's math kernel, which allocate several ``(B h, L, L)``
-        buffers. ``prefer_sdpa=True`` wins where SDPA can run.
-        """
-        if need_weights or q.dtype not in (torch.float32, torch.float64):
-            return False
-        if self.blocked is not None:
-            return self.blocked
-        if q.device.type != "cpu" or (self.rpe_v is None and self.prefer_sdpa is True):
-            return False
-        if self.rpe is None:
-            return dropout_p > 0.0 and self.prefer_sdpa is None
-        if self.prefer_sdpa is False or self.rpe_v is not None or dropout_p > 0.0:
-            return True
-        return torch.is_grad_enabled() and (
-            q.requires_grad or any(p.requires_grad for p in self._tables()))
-
-    def _tables(self) -> list[nn.Parameter]:
-        return [p for name, p in self.named_parameters() if "lookup_table" in name]
-
-    def _blocked(self, q_scaled, k, v, k_scaled, ids, hw, key_padding_mask, dropout_p):
-        """Attention output ``(B * h, L, D)`` by :func:`~.blocked.blocked_attention`."""
+    def _attend_blocked(
+        self, q_scaled, k, v, k_scaled, ids, flat_t, key_padding_mask, dropout_p
+    ) -> torch.Tensor:
+        """Attention output ``(B, h, L, D)`` by :func:`~.blocked.blocked_attention`."""
         batch, heads, length, dim = q_scaled.shape
         terms = []
         if self.rpe_k is not None:
             terms += self.rpe_k.lookup_terms(q_scaled, ids)
         if self.rpe_q is not None:
-            flat_t = cached_transposed_flat_ids(
-                self.rpe.method, int(hw[0]), int(hw[1]), self.rpe.ratio, self.rpe.skip, ids.device
-            )
             terms += self.rpe_q.lookup_terms(k_scaled, ids, flat_t)
         values = self.rpe_v.value_tables(ids) if self.rpe_v is not None else []
-        pad = None
-        if key_padding_mask is not None:
-            # as in forward: a large finite value, so fully padded rows stay finite
-            pad = torch.zeros(key_padding_mask.shape, dtype=q_scaled.dtype, device=q_scaled.device)
-            pad = pad.masked_fill(key_padding_mask.bool(), torch.finfo(q_scaled.dtype).min / 2)
         n = batch * heads
-        return blocked_attention(
+        out = blocked_attention(
             q_scaled.reshape(n, length, dim), k.reshape(n, length, dim),
-            v.reshape(n, length, -1), heads, terms, values, pad, dropout_p, self.block_rows,
+            v.reshape(n, length, -1), heads, terms, values,
+            _padding_bias(key_padding_mask, q_scaled), dropout_p, self.block_rows,
         )
-
-    def _as_4d(self, logits: torch.Tensor, batch: int) -> torch.Tensor:
-        """``(B * h, L, L)`` -> ``(B, h, L, L)``; ``(Hh, L, L)`` -> ``(1, Hh, L, L)``."""
-        if logits.shape[0] == batch * self.num_heads:
-            return logits.unflatten(0, (batch, self.num_heads))
-        return logits.unsqueeze(0)
+        return out.view(batch, heads, length, -1)
 
     # ------------------------------------------------------------------ API
     def forward(
@@ -274,74 +410,26 @@ class IRPEMultiheadAttention(nn.Module):
             ``(out, weights)``: out ``(B, L, C)``; weights ``(B, h, L, L)`` (after dropout,
             as ``nn.MultiheadAttention`` with ``average_attn_weights=False``) or None.
         """
-        self._check(query, key, hw)
+        self._check(query, key, hw, key_padding_mask)
         batch, length, _ = query.shape
-        heads, bh = self.num_heads, batch * self.num_heads
-        if key_padding_mask is not None and key_padding_mask.shape != (batch, length):
-            raise ValueError(
-                f"key_padding_mask must be (B, L) = {(batch, length)}, "
-                f"got {tuple(key_padding_mask.shape)}"
-            )
         q, k, v = self._project(query, key, value)
-        ids = self._bucket_ids(hw, query.device)
+        ids, flat_t = self._bucket_ids(hw, query.device)
         scale = self.head_dim ** -0.5
         q_scaled = (q * scale).contiguous()
         k_scaled = k * scale if self.rpe_q is not None else None
         dropout_p = self.dropout if self.training else 0.0
-        if self._use_blocked(q, need_weights, dropout_p):
-            out = self._blocked(q_scaled, k, v, k_scaled, ids, hw, key_padding_mask, dropout_p)
-            out = out.view(batch, heads, length, -1).transpose(1, 2).reshape(
-                batch, length, self.embed_dim)
-            return self.out_proj(out), None
-        bias = self._rpe_logits(q_scaled, k_scaled, ids, hw)
-        # Fresh full-size RPE logits (contextual q/k) absorb the padding and the content logits
-        # in place: on CPU each avoided (L, L) buffer saves a large allocation. In-place ops
-        # stay on 3-D base tensors (never on views) to avoid autograd's CopySlices.
-        full = bias is not None and bias.is_contiguous() and bias.shape[0] == bh
-        pad = None
-        if key_padding_mask is not None:
-            # a large finite value instead of -inf: rows whose keys are all padding get
-            # uniform weights instead of NaN; other rows are unchanged (exp underflows to 0)
-            pad = torch.zeros(key_padding_mask.shape, dtype=q.dtype, device=q.device)
-            pad = pad.masked_fill(key_padding_mask.bool(), torch.finfo(q.dtype).min / 2)
-            pad = pad[:, None, None, :]  # (B, 1, 1, L)
-            if full:
-                bias.add_(pad.expand(batch, heads, 1, length).reshape(bh, 1, length))
-                pad = None
-        bias3 = bias  # the 3-D base tensor, for in-place updates
-        if bias is not None:
-            bias = self._as_4d(bias, batch)
-
-        if self._use_sdpa(bias, need_weights):
-            mask = bias if pad is None else (pad if bias is None else bias + pad)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale
-            )
-            weights = None
+        impl = self._impl_for(q, k, need_weights)
+        weights = None
+        if impl == "blocked":
+            out = self._attend_blocked(q_scaled, k, v, k_scaled, ids, flat_t, key_padding_mask,
+                                       dropout_p)
         else:
-            if full:
-                k3t = k.reshape(bh, length, self.head_dim).transpose(1, 2)
-                q3 = q_scaled.view(bh, length, self.head_dim)
-                logits = bias3.baddbmm_(q3, k3t)
+            bias, pad = self._logit_bias(q_scaled, k_scaled, ids, flat_t, key_padding_mask)
+            if impl == "sdpa":
+                out = self._attend_sdpa(q, k, v, bias, pad, dropout_p, scale)
             else:
-                logits = torch.matmul(q_scaled, k.transpose(-2, -1))
-                if bias is not None:
-                    logits.add_(bias)
-                if pad is not None:
-                    logits.add_(pad)
-            attn = torch.softmax(logits, dim=-1).view(batch, heads, length, length)
-            if dropout_p > 0.0:
-                attn = F.dropout(attn, p=dropout_p)
-            if self.rpe_v is None:
-                out = torch.matmul(attn, v)
-            else:
-                v3 = v.reshape(bh, length, self.head_dim)
-                a3 = attn.reshape(bh, length, length)
-                if a3.dtype != v3.dtype:  # autocast: softmax may have run in float32
-                    a3 = a3.to(v3.dtype)
-                out = attend_values(a3, v3, self.rpe_v.value_tables(ids), heads)
-                out = out.view(batch, heads, length, self.head_dim)
-            weights = attn if need_weights else None
+                out, attn = self._attend_explicit(q_scaled, k, v, bias, pad, dropout_p, ids)
+                weights = attn if need_weights else None
         out = out.transpose(1, 2).reshape(batch, length, self.embed_dim)
         return self.out_proj(out), weights
 
@@ -369,8 +457,29 @@ class IRPEMultiheadAttention(nn.Module):
         scale = self.head_dim ** -0.5
         q_scaled, k_scaled = q * scale, k * scale
         content = torch.matmul(q_scaled, k.transpose(-2, -1))
-        rpe = self._rpe_logits(q_scaled, k_scaled, self._bucket_ids(hw, query.device), hw)
+        rpe = self._rpe_logits(q_scaled, k_scaled, *self._bucket_ids(hw, query.device))
         if rpe is None:
             return content, torch.zeros_like(content)
-        return content, self._as_4d(rpe, query.shape[0]).expand_as(content).clone()
-        return content, rpe
+        return content, _as_4d(rpe, query.shape[0], self.num_heads).expand_as(content).clone()
+
+
+def _hw(hw: tuple[int, int]) -> tuple[int, int]:
+    """``(H, W)`` as ints; symbolic sizes (``torch.export`` with dynamic shapes) stay symbolic."""
+    try:
+        height, width = hw
+        return tuple(v if isinstance(v, torch.SymInt) else operator.index(v)
+                     for v in (height, width))
+    except (TypeError, ValueError):
+        raise ValueError(f"hw must be a pair (H, W) of ints, got {hw!r}") from None
+
+
+def _is_full(bias: torch.Tensor | None, batch_heads: int) -> bool:
+    """Whether the iRPE logits are a fresh contiguous ``(B h, L, L)`` that may be updated in place."""
+    return bias is not None and bias.is_contiguous() and bias.shape[0] == batch_heads
+
+
+def _as_4d(logits: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """``(B * h, L, L)`` -> ``(B, h, L, L)``; ``(Hh, L, L)`` -> ``(1, Hh, L, L)``."""
+    if logits.shape[0] == batch * heads:
+        return logits.unflatten(0, (batch, heads))
+    return logits.unsqueeze(0)

@@ -9,8 +9,10 @@ training.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .attention import IRPEMultiheadAttention
+from .buckets import cached_bucket_ids
 from .config import Method, Mode
 
 __all__ = ["naive_irpe_attention"]
@@ -42,11 +44,19 @@ def naive_irpe_attention(
     Returns:
         ``(B, L, C)``.
     """
-    module._check(query, key, hw)
     b, n, c = query.shape
-    q, k, v = module._project(query, key, value)
-    scale = module.head_dim ** -0.5
-    ids = module._bucket_ids(hw, query.device)
+    heads, dim = module.num_heads, module.head_dim
+    w, bias = module.in_proj_weight, module.in_proj_bias
+    q, k, v = (
+        F.linear(x, w[i * c:(i + 1) * c], None if bias is None else bias[i * c:(i + 1) * c])
+        .view(b, n, heads, dim).transpose(1, 2)
+        for i, x in enumerate((query, key, value))
+    )
+    scale = dim ** -0.5
+    ids = None
+    if module.rpe is not None:
+        cfg = module.rpe
+        ids, _ = cached_bucket_ids(cfg.method, hw[0], hw[1], cfg.ratio, cfg.skip, query.device)
     id_maps = [] if ids is None else ([ids[0], ids[1]] if ids.dim() == 3 else [ids])
     logits = torch.matmul(q * scale, k.transpose(-2, -1))
     for target in "qk":
