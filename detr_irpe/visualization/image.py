@@ -16,6 +16,7 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torch import Tensor
 
+from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS, read_image
 from detr_irpe.data.transforms import IMAGENET_MEAN, IMAGENET_STD, resized_hw
 
 __all__ = ["InputImage", "prepare_image", "load_image"]
@@ -46,16 +47,13 @@ class InputImage:
         return int(self.tensor.shape[1]), int(self.tensor.shape[2])
 
 
-def load_image(path: str | Path) -> np.ndarray:
-    """``(H, W, 3)`` uint8 RGB from an image file, with a clear error when it is unreadable."""
+def load_image(path: str | Path, max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
+    """``(H, W, 3)`` uint8 RGB from an image file through the data layer's safe reader
+    (pixel limit checked before decoding); ``ImageReadError`` when it is unreadable."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"image {path} not found")
-    try:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB")).copy()
-    except OSError as err:
-        raise ValueError(f"cannot read image {path}: {err}") from None
+    return read_image(path, max_pixels=max_pixels).permute(1, 2, 0).numpy().copy()
 
 
 def _normalise(image01: Tensor) -> Tensor:
