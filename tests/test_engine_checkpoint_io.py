@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from detr_irpe.config import TrainConfig
 from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.logger import JsonLinesLog
-from detr_irpe.engine.optim import StepWithWarmup, build_lr_scheduler
 from detr_irpe.models import CheckpointError as ModelCheckpointError
 
 
@@ -120,26 +118,6 @@ def test_rng_state_round_trip_through_weights_only_file(tmp_path):
     np.testing.assert_array_equal(np.random.rand(5), expected[1])
     assert [random.random() for _ in range(5)] == expected[2]
     assert np.random.normal() == expected[3]
-
-
-def test_step_with_warmup_schedule(tmp_path):
-    schedule = StepWithWarmup(iters_per_epoch=10, lr_drop=3, warmup_iters=4)
-    assert [schedule(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert schedule(29) == 1.0 and schedule(30) == pytest.approx(0.1)
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.AdamW([{"params": [param], "lr": 1.0}])
-    scheduler = build_lr_scheduler(optimizer, TrainConfig(lr=1.0, lr_drop=1), iters_per_epoch=2)
-    lrs = []
-    for _ in range(4):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    assert lrs == pytest.approx([1.0, 1.0, 0.1, 0.1])
-    # The state dict (with the schedule's fields) survives a weights_only round trip.
-    restored = torch.optim.lr_scheduler.LambdaLR(optimizer, StepWithWarmup(1, 1))
-    torch.save(scheduler.state_dict(), tmp_path / "sched.pth")
-    restored.load_state_dict(torch.load(tmp_path / "sched.pth", weights_only=True))
-    assert restored.lr_lambdas[0].iters_per_epoch == 2 and restored.last_epoch == 4
 
 
 def test_json_lines_log_truncation(tmp_path):

@@ -14,6 +14,7 @@ from detr_irpe.config import ConfigError, load_config
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
 from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.runner import run_training
+from detr_irpe.errors import EXIT_NON_FINITE
 from detr_irpe.models.criterion import SetCriterion
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,17 +60,18 @@ def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(
     real_forward = SetCriterion.forward
     calls = {"n": 0}
 
-    def forward(self, outputs, targets):
-        losses = real_forward(self, outputs, targets)
+    def forward(self, outputs, targets, **kwargs):
+        losses = real_forward(self, outputs, targets, **kwargs)
         calls["n"] += 1
         if self.training and calls["n"] == 4:  # the 4th training step of the run
             losses["loss_bbox"] = losses["loss_bbox"] * float("nan")
         return losses
 
     monkeypatch.setattr(SetCriterion, "forward", forward)
-    code = train.main(["synthetic_tiny", f"data.root={tiny_data}", "--output-dir", str(out),
-                       "train.epochs=3", "train.checkpoint_every=1", "--no-progress"])
-    assert code == train.EXIT_NON_FINITE
+    code = train.main(["--config", "synthetic_tiny", "--output-dir", str(out), "--no-progress",
+                       "--set", f"data.root={tiny_data}", "train.epochs=3",
+                       "train.checkpoint_every=1"])
+    assert code == EXIT_NON_FINITE
     err = capsys.readouterr().err
     # Criterion calls: 2 training steps and 1 evaluation batch in epoch 0, then the
     # first step of epoch 1: iteration 2 (both counted from 0).
@@ -97,8 +99,9 @@ def test_bf16_autocast_trains_on_cpu(tiny_data, tmp_path):
 
 def test_eval_only_on_saved_checkpoint(tiny_data, trained, tmp_path, capsys):
     train = load_tool("train")
-    code = train.main(["synthetic_tiny", f"data.root={tiny_data}", "--output-dir", str(tmp_path),
-                       "--eval-only", "--resume", str(trained / ckio.LAST), "--no-progress"])
+    code = train.main(["--config", "synthetic_tiny", "--set", f"data.root={tiny_data}",
+                       "--output-dir", str(tmp_path), "--eval-only",
+                       "--resume", str(trained / ckio.LAST), "--no-progress"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "AP50" in printed and "| circle |" in printed

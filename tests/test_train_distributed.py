@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def _torchrun(nproc: int, data: Path, out: Path, batch_size: int) -> None:
     args = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(ROOT / "tools/train.py"), "synthetic_tiny",
-        f"data.root={data}", f"train.batch_size={batch_size}", "train.epochs=2",
+        f"--nproc_per_node={nproc}", str(ROOT / "tools/train.py"), "--config", "synthetic_tiny",
+        "--device", "cpu", "--output-dir", str(out), "--no-progress",
+        "--set", f"data.root={data}", f"train.batch_size={batch_size}", "train.epochs=2",
         "model.frozen_bn=true", "model.dropout=0.0", "train.num_threads=1",
-        "--output-dir", str(out), "--no-progress",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

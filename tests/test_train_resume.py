@@ -101,9 +101,9 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
 def test_sigkill_mid_epoch_then_resume_equals_straight_run(
     tiny_data, straight_run, tmp_path, caplog
 ):
-    args = [sys.executable, str(ROOT / "tools/train.py"), "synthetic_tiny",
-            f"data.root={tiny_data}", *OVERRIDES, "train.checkpoint_every=1",
-            "--output-dir", str(tmp_path), "--no-progress"]
+    args = [sys.executable, str(ROOT / "tools/train.py"), "--config", "synthetic_tiny",
+            "--output-dir", str(tmp_path), "--no-progress",
+            "--set", f"data.root={tiny_data}", *OVERRIDES, "train.checkpoint_every=1"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     log_file = tmp_path / "train.log"

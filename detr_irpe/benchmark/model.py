@@ -19,8 +19,8 @@ import torch
 
 from detr_irpe.benchmark.common import median, sync
 from detr_irpe.config import load_config
-from detr_irpe.engine.optim import build_lr_scheduler, build_optimizer
-from detr_irpe.engine.trainer import StepState, autocast_context, train_one_epoch
+from detr_irpe.engine.optim import build_optimizer, build_schedule
+from detr_irpe.engine.trainer import StepSettings, StepState, autocast_context, train_one_epoch
 from detr_irpe.models import build_model
 from detr_irpe.structures import ImageBatch
 
@@ -113,11 +113,11 @@ def run_model_benchmark(
             progress(f"DETR-R50 rpe={rpe} at {batch} x {height}x{width}")
         cfg, model, criterion, postprocessor = _build(rpe, dev, overrides)
         optimizer = build_optimizer(model, cfg.train)
-        scheduler = build_lr_scheduler(optimizer, cfg.train, iters_per_epoch=1000)
+        schedule = build_schedule(cfg.train)
         steps = train_warmup + train_repeats
         marks: list[tuple[float, float]] = []
 
-        def on_step(_state: StepState, marks=marks) -> None:
+        def on_step(_state: StepState, _read_losses: Callable, marks=marks) -> None:
             sync(dev)
             marks.append((time.perf_counter(), time.process_time()))
 
@@ -125,8 +125,9 @@ def run_model_benchmark(
             torch.cuda.reset_peak_memory_stats(dev)
         marks.append((time.perf_counter(), time.process_time()))
         train_one_epoch(
-            model, criterion, [(images, targets)] * steps, optimizer, scheduler, dev,
-            StepState(), num_batches=steps, amp=amp, clip_max_norm=cfg.train.clip_max_norm,
+            model, criterion, [(images, targets)] * steps, optimizer, schedule, dev,
+            StepState(), num_steps=steps,
+            settings=StepSettings(amp=amp, clip_max_norm=cfg.train.clip_max_norm),
             print_freq=0, progress=False, on_step=on_step,
         )
         walls = [b[0] - a[0] for a, b in zip(marks, marks[1:])][train_warmup:]
@@ -160,7 +161,7 @@ def run_model_benchmark(
             "infer_images_per_s": batch / median(infer),
             "peak_train_mib": peak,
         })
-        del model, criterion, optimizer, scheduler
+        del model, criterion, optimizer, schedule
     return results
 
 

@@ -1,7 +1,8 @@
 """Training and evaluation engine: loops, atomic checkpoints, resume, distributed set-up, logs.
 
 - :func:`run_training` / :func:`run_evaluation` (``runner``): a whole run, as the tools call it.
-- :func:`train_one_epoch` / :func:`evaluate` (``trainer``): the loops.
+- :func:`train_step` / :func:`train_one_epoch` / :func:`evaluate` (``trainer``): the loops.
+- ``optim``: AdamW groups and the lr schedule (StepLR in epochs, warm-up in iterations).
 - ``checkpoint_io``: atomic save, rotation, validation, resume discovery, RNG states.
 - ``distributed``: process groups for one process, ``torchrun`` and SLURM.
 """
@@ -14,7 +15,7 @@ from detr_irpe.engine.checkpoint_io import (
 )
 from detr_irpe.engine.distributed import DistInfo, init_distributed, seed_everything
 from detr_irpe.engine.runner import format_summary, run_evaluation, run_training
-from detr_irpe.engine.trainer import NonFiniteLossError, evaluate, train_one_epoch
+from detr_irpe.engine.trainer import NonFiniteLossError, evaluate, train_one_epoch, train_step
 
 __all__ = [
     "CheckpointError",
@@ -30,4 +31,5 @@ __all__ = [
     "save_training_checkpoint",
     "seed_everything",
     "train_one_epoch",
+    "train_step",
 ]

@@ -1,6 +1,11 @@
 """A whole training run and a stand-alone evaluation, as called by ``tools/train.py``
 and ``tools/eval.py`` (one process, or one of many under ``torchrun``).
 
+A training run is four named steps: :func:`resolve_start` (a run to resume,
+weights to fine-tune from, or scratch), :func:`build_parts` (data, model,
+optimizer, schedule), :func:`run_epochs` (train, evaluate, checkpoint) and
+:func:`finish` (the final evaluation outputs).
+
 A run folder (``train.output_dir``) holds::
 
     config.yaml             the resolved config (num_classes filled in)
@@ -18,6 +23,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,23 +40,25 @@ from detr_irpe.engine.distributed import (
     seed_everything,
 )
 from detr_irpe.engine.logger import JsonLinesLog, TensorBoardWriter, setup_logging
-from detr_irpe.engine.optim import build_lr_scheduler, build_optimizer
+from detr_irpe.engine.optim import (
+    StepSchedule,
+    apply_config_hyperparameters,
+    build_optimizer,
+    build_schedule,
+)
 from detr_irpe.engine.sampling import epoch_batches
 from detr_irpe.engine.trainer import (
-    NonFiniteLossError,
+    StepSettings,
     StepState,
-    autocast_context,
     build_grad_scaler,
     evaluate,
+    resolve_amp,
     train_one_epoch,
 )
+from detr_irpe.evaluation import COCO_STAT_NAMES
 from detr_irpe.utils.dist import all_gather_object, barrier
 
 logger = logging.getLogger(__name__)
-
-COCO_STAT_NAMES = (
-    "AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl",
-)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -61,6 +69,27 @@ def _set_threads(cfg: Config) -> None:
 
 def with_num_classes(cfg: Config, num_classes: int) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=num_classes))
+
+
+def resolve_num_classes(cfg: Config, datasets: list[Any]) -> int:
+    """``model.num_classes`` from the data (largest category id + 1 over the splits).
+
+    Raises:
+        ConfigError: an explicit ``model.num_classes`` that differs from the data.
+    """
+    from_data = max((int(d.num_classes) for d in datasets if d is not None), default=None)
+    explicit = cfg.model.num_classes
+    if from_data is None:
+        if explicit is None:
+            raise ConfigError("cannot derive model.num_classes without a dataset: set it")
+        return explicit
+    if explicit is not None and explicit != from_data:
+        raise ConfigError(
+            f"model.num_classes={explicit} disagrees with the data: its largest category id "
+            f"is {from_data - 1}, so num_classes must be {from_data}; remove model.num_classes "
+            "(it defaults to the data) or fix data.root / the annotation files"
+        )
+    return from_data
 
 
 def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
@@ -114,11 +143,14 @@ def write_eval_outputs(
     evaluator: Any, summary: Mapping[str, Any], losses: Mapping[str, float], folder: Path,
     extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """``results.json`` (COCO results format) and ``metrics.json`` in ``folder`` (rank 0)."""
+    """``results.json`` (COCO results format), ``metrics.json`` and, when the evaluator
+    keeps them, the precision / recall arrays (``precision.npz``) in ``folder`` (rank 0)."""
     folder.mkdir(parents=True, exist_ok=True)
     evaluator.write_results(folder / "results.json")
     metrics = {"bbox": _jsonable(summary), "losses": dict(losses), **dict(extra or {})}
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    if hasattr(evaluator, "save_pr_arrays"):
+        evaluator.save_pr_arrays(folder / "precision.npz")
 
 
 def _jsonable(obj: Any) -> Any:
@@ -155,37 +187,157 @@ def _without_backbone_download(cfg: Config, from_checkpoint: bool) -> Config:
     )
 
 
-def _resolve_num_classes(cfg: Config, saved_cfg: Mapping[str, Any] | None, datasets: list) -> int:
-    if cfg.model.num_classes is not None:
-        return cfg.model.num_classes
-    if saved_cfg is not None:
-        saved = (saved_cfg.get("model") or {}).get("num_classes")
-        if saved:
-            return int(saved)
-    for dataset in datasets:
-        if dataset is not None:
-            return int(dataset.num_classes)
-    raise ConfigError("cannot derive model.num_classes: set model.num_classes or --num-classes")
+def _resolved_amp(cfg: Config, info: DistInfo) -> Config:
+    """``train.amp=auto`` replaced by the precision chosen for this device (logged)."""
+    amp = resolve_amp(cfg.train.amp, info.device)
+    if cfg.train.amp == "auto":
+        logger.info("train.amp=auto: %s on %s", "bf16 autocast" if amp == "bf16" else
+                    "float32", info.device)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp))
+
+
+def _prepare_output_dir(cfg: Config, info: DistInfo) -> Path:
+    output_dir = Path(cfg.train.output_dir)
+    if info.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        ckio.remove_stale_temp_files(output_dir)
+    barrier()
+    setup_logging(output_dir, info.rank)
+    return output_dir
 
 
 # ----------------------------------------------------------------------------- training
+@dataclass
+class StartState:
+    """What a training run starts from: a checkpoint to resume, weights to fine-tune
+    from, or (both ``None``) scratch."""
+
+    resume_path: Path | None = None
+    resume_state: dict | None = None
+    finetune: Path | None = None
+
+    @property
+    def saved_config(self) -> Mapping[str, Any] | None:
+        saved = (self.resume_state or {}).get("config")
+        return saved if isinstance(saved, Mapping) else None
+
+
+def resolve_start(output_dir: Path, resume: str | Path | None,
+                  finetune: str | Path | None) -> StartState:
+    """A run to resume (``resume``, else ``output_dir``'s newest intact checkpoint), else
+    fine-tuning weights, else scratch."""
+    found = ckio.find_resume_checkpoint(output_dir, resume)
+    if found is not None:
+        logger.info("resuming from %s", found[0])
+        return StartState(resume_path=Path(found[0]), resume_state=found[1])
+    return StartState(finetune=Path(finetune) if finetune is not None else None)
+
+
+@dataclass
+class RunParts:
+    """Everything a training run works with, built by :func:`build_parts`."""
+
+    cfg: Config
+    model: nn.Module
+    criterion: nn.Module
+    postprocessor: Any
+    optimizer: torch.optim.Optimizer
+    schedule: StepSchedule
+    settings: StepSettings
+    train_loader: Any
+    val_loader: Any
+    val_dataset: Any
+    steps_per_epoch: int
+    n_parameters: int
+    category_names: dict[int, str] = field(default_factory=dict)
+
+
+def _settle_config(cfg: Config, start: StartState, info: DistInfo, datasets: list) -> Config:
+    """Fill in ``num_classes`` and ``amp``, compare with a resumed run's config, log and
+    write ``config.yaml``."""
+    cfg = with_num_classes(cfg, resolve_num_classes(cfg, datasets))
+    cfg = _resolved_amp(cfg, info)
+    if start.saved_config is not None:
+        changed = config_differences(start.saved_config, cfg.to_dict())
+        if changed:
+            logger.warning("config differs from the resumed checkpoint's: %s", "; ".join(changed))
+    logger.info("config:\n%s", cfg.to_yaml())
+    if info.is_main:
+        save_config(cfg, Path(cfg.train.output_dir) / "config.yaml")
+    return cfg
+
+
+def _steps_per_epoch(cfg: Config, train_loader: Any, train_ds: Any, info: DistInfo) -> int:
+    accumulate = cfg.train.accumulate_steps
+    steps = len(train_loader) // accumulate
+    if steps == 0:
+        raise ConfigError(
+            f"the training set ({len(train_ds)} images) gives no full step of "
+            f"train.batch_size={cfg.train.batch_size} x {info.world_size} processes x "
+            f"train.accumulate_steps={accumulate}; lower train.batch_size or accumulate_steps"
+        )
+    if len(train_loader) % accumulate:
+        logger.warning("the last %d batch(es) of every epoch do not fill a step of %d "
+                       "micro-batches and are skipped", len(train_loader) % accumulate, accumulate)
+    return steps
+
+
+def build_parts(cfg: Config, info: DistInfo, start: StartState) -> RunParts:
+    """Datasets, loaders, model, criterion, optimizer and schedule of the run."""
+    from detr_irpe.data import build_dataloader, build_dataset
+    from detr_irpe.models import build_model
+
+    train_ds = build_dataset(cfg.data, "train")
+    val_ds = build_dataset(cfg.data, "val")
+    cfg = _settle_config(cfg, start, info, [train_ds, val_ds])
+
+    seed_everything(cfg.train.seed)  # the same initial weights on every rank
+    from_weights = start.resume_state is not None or start.finetune is not None
+    model, criterion, postprocessor = build_model(_without_backbone_download(cfg, from_weights))
+    model.to(info.device)
+    criterion.to(info.device)
+    seed_everything(cfg.train.seed + info.rank)
+
+    def loader(dataset: Any, train: bool) -> Any:
+        return build_dataloader(dataset, cfg.train.batch_size, train=train,
+                                num_workers=cfg.data.num_workers,
+                                distributed=info.distributed, seed=cfg.train.seed)
+
+    train_loader = loader(train_ds, True)
+    settings = StepSettings(amp=cfg.train.amp, scaler=build_grad_scaler(info.device, cfg.train.amp),
+                            clip_max_norm=cfg.train.clip_max_norm,
+                            accumulate_steps=cfg.train.accumulate_steps)
+    return RunParts(
+        cfg=cfg, model=model, criterion=criterion, postprocessor=postprocessor,
+        optimizer=build_optimizer(model, cfg.train), schedule=build_schedule(cfg.train),
+        settings=settings, train_loader=train_loader, val_loader=loader(val_ds, False),
+        val_dataset=val_ds, steps_per_epoch=_steps_per_epoch(cfg, train_loader, train_ds, info),
+        n_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        category_names=category_names_of(train_ds),
+    )
+
+
 class _Run:
     """State shared by the steps of one training run."""
 
-    def __init__(self, cfg: Config, info: DistInfo, output_dir: Path) -> None:
-        self.cfg = cfg
+    def __init__(self, parts: RunParts, info: DistInfo, output_dir: Path, progress: bool) -> None:
+        self.parts = parts
+        self.cfg = parts.cfg
         self.info = info
         self.output_dir = output_dir
+        self.progress = progress
         self.best_ap: float | None = None
-        self.category_names: dict[int, str] = {}
+        self.step = StepState()
+        self.model: nn.Module = parts.model  # wrapped for DDP by run_epochs
 
-    def checkpoint_state(self, model, optimizer, scheduler, scaler, step: StepState) -> dict:
+    def checkpoint_state(self, step: StepState) -> dict:
+        p = self.parts
         rng = all_gather_object(ckio.get_rng_state())  # collective: every rank calls it
         return {
-            "model": _unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "lr_scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
+            "model": _unwrap(self.model).state_dict(),
+            "optimizer": p.optimizer.state_dict(),
+            "lr_scheduler": p.schedule.state_dict(),
+            "scaler": p.settings.scaler.state_dict() if p.settings.scaler is not None else None,
             "epoch": step.epoch,
             "batch_in_epoch": step.batch_in_epoch,
             "iteration": step.iteration,
@@ -194,11 +346,11 @@ class _Run:
             "world_size": self.info.world_size,
             "batch_size": self.cfg.train.batch_size,
             "config": self.cfg.to_dict(),
-            "category_names": self.category_names,
+            "category_names": p.category_names,
         }
 
-    def save(self, model, optimizer, scheduler, scaler, step: StepState, is_best: bool = False):
-        state = self.checkpoint_state(model, optimizer, scheduler, scaler, step)
+    def save(self, step: StepState, is_best: bool = False) -> None:
+        state = self.checkpoint_state(step)
         if self.info.is_main:
             path = ckio.save_training_checkpoint(state, self.output_dir)
             if is_best:
@@ -210,264 +362,34 @@ class _Run:
             )
         barrier()
 
-
-def run_training(
-    cfg: Config,
-    *,
-    resume: str | Path | None = None,
-    eval_only: bool = False,
-    finetune: str | Path | None = None,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Train (or, with ``eval_only``, evaluate) as described by ``cfg``.
-
-    Resumes automatically from ``train.output_dir/checkpoint_last.pth`` (or
-    ``_prev`` when ``last`` is damaged); ``resume`` names another checkpoint.
-    ``finetune`` initialises the weights from a checkpoint (any format; the
-    class head is swapped when the class counts differ) when there is nothing
-    to resume.
-
-    Returns:
-        ``{"summary": last COCO summary or None, "per_class_table": str,
-        "best_ap", "epochs", "iterations", "train_time", "output_dir", "config"}``.
-
-    Raises:
-        NonFiniteLossError: the loss became NaN/inf (checkpoints stay intact).
-        CheckpointError, ConfigError, DatasetError: user-fixable problems.
-    """
-    info = init_distributed(cfg.train.device)
-    try:
-        return _run_training(cfg, info, resume, eval_only, finetune, progress)
-    finally:
-        cleanup_distributed()
-
-
-def _run_training(cfg, info, resume, eval_only, finetune, progress) -> dict[str, Any]:
-    from detr_irpe.data import build_dataloader, build_dataset
-    from detr_irpe.models import build_model, load_checkpoint
-
-    output_dir = Path(cfg.train.output_dir)
-    if info.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        ckio.remove_stale_temp_files(output_dir)
-    barrier()
-    setup_logging(output_dir, info.rank)
-    _set_threads(cfg)
-    scaler = build_grad_scaler(info.device, cfg.train.amp)  # refuses fp16 on the CPU early
-    autocast_context(info.device, cfg.train.amp)
-
-    # What to start from: a run to resume, else fine-tuning weights, else scratch.
-    resume_state = None
-    resume_cfg = None
-    eval_weights: Path | None = None
-    if eval_only and resume is not None:
-        eval_weights = Path(resume)
-        try:  # its config, if it has one, knows the number of classes
-            resume_cfg = ckio.load_checkpoint_file(eval_weights).get("config")
-        except ckio.CheckpointError:
-            resume_cfg = None  # load_checkpoint below reports the problem
-    else:
-        found = ckio.find_resume_checkpoint(output_dir, resume)
-        if found is not None:
-            resume_path, resume_state = found
-            resume_cfg = resume_state.get("config")
-            logger.info("resuming from %s", resume_path)
-            if eval_only:
-                eval_weights = resume_path
-    if eval_only and eval_weights is None:
-        if finetune is None:
-            raise ConfigError(
-                f"--eval-only needs weights: --resume CHECKPOINT, a checkpoint_last.pth in "
-                f"{output_dir}, or --finetune CHECKPOINT"
-            )
-        eval_weights = Path(finetune)
-
-    train_ds = None if eval_only else build_dataset(cfg.data, "train")
-    val_ds = build_dataset(cfg.data, "val")
-    saved_cfg = resume_cfg if isinstance(resume_cfg, Mapping) else None
-    cfg = with_num_classes(
-        cfg, _resolve_num_classes(cfg, saved_cfg, [train_ds, val_ds])
-    )
-    if saved_cfg is not None and resume_state is not None:
-        changed = config_differences(saved_cfg, cfg.to_dict())
-        if changed:
-            logger.warning("config differs from the resumed checkpoint's: %s", "; ".join(changed))
-    logger.info("config:\n%s", cfg.to_yaml())
-    if info.is_main:
-        save_config(cfg, output_dir / "config.yaml")
-
-    run = _Run(cfg, info, output_dir)
-    run.category_names = category_names_of(train_ds if train_ds is not None else val_ds)
-
-    seed_everything(cfg.train.seed)  # the same initial weights on every rank
-    from_weights = resume_state is not None or eval_weights is not None or finetune is not None
-    model, criterion, postprocessor = build_model(_without_backbone_download(cfg, from_weights))
-    model.to(info.device)
-    criterion.to(info.device)
-    seed_everything(cfg.train.seed + info.rank)
-    n_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-    val_loader = build_dataloader(
-        val_ds, cfg.train.batch_size, train=False, num_workers=cfg.data.num_workers,
-        distributed=info.distributed, seed=cfg.train.seed,
-    )
-
-    def run_eval() -> tuple[dict[str, float], dict[str, Any], Any]:
-        evaluator = new_evaluator(val_ds)
+    def evaluate(self) -> tuple[dict[str, float], dict[str, Any], Any]:
+        p = self.parts
+        evaluator = new_evaluator(p.val_dataset)
         losses, summary = evaluate(
-            model, criterion, postprocessor, val_loader, evaluator, info.device,
-            amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5,
+            self.model, p.criterion, p.postprocessor, p.val_loader, evaluator, self.info.device,
+            amp=self.cfg.train.amp, progress=self.progress,
+            print_freq=self.cfg.train.print_freq * 5,
         )
         return losses, summary, evaluator
 
-    if eval_only:
-        if resume_state is not None and eval_weights is not None:
-            model.load_state_dict(resume_state["model"])
-        else:
-            load_info = load_checkpoint(model, eval_weights, strict_head=True)
-            logger.info("loaded %s (%s)", eval_weights, load_info.get("format"))
-        losses, summary, evaluator = run_eval()
-        table = per_class_table(evaluator)
-        if info.is_main:
-            logger.info("evaluation of %s:\n%s", eval_weights, format_summary(summary))
-            if table:
-                logger.info("per-class AP:\n%s", table)
-            write_eval_outputs(evaluator, summary, losses, output_dir / "eval",
-                               {"checkpoint": str(eval_weights)})
-        return {"summary": summary, "per_class_table": table, "best_ap": None, "epochs": 0,
-                "iterations": 0, "train_time": 0.0, "output_dir": str(output_dir),
-                "config": cfg, "rank": info.rank}
 
-    if finetune is not None and resume_state is None:
-        load_info = load_checkpoint(model, finetune)
-        logger.info("fine-tuning from %s (%s); re-initialised: %s", finetune,
-                    load_info.get("format"), load_info.get("reinitialized") or "nothing")
-
-    train_loader = build_dataloader(
-        train_ds, cfg.train.batch_size, train=True, num_workers=cfg.data.num_workers,
-        distributed=info.distributed, seed=cfg.train.seed,
-    )
-    iters_per_epoch = len(train_loader)
-    if iters_per_epoch == 0:
-        raise ConfigError(
-            f"the training set ({len(train_ds)} images) gives no full batch of "
-            f"train.batch_size={cfg.train.batch_size} x {info.world_size} processes; "
-            "lower train.batch_size"
-        )
-    optimizer = build_optimizer(model, cfg.train)
-    scheduler = build_lr_scheduler(optimizer, cfg.train, iters_per_epoch)
-    step = StepState()
-
-    if resume_state is not None:
-        _restore(resume_state, model, optimizer, scheduler, scaler, step, run, info)
-        # The schedule follows this run's config (load_state_dict restored the saved one).
-        schedule = scheduler.lr_lambdas[0]
-        schedule.iters_per_epoch = iters_per_epoch
-        schedule.lr_drop = cfg.train.lr_drop
-        schedule.warmup_iters = cfg.train.warmup_iters
-        if step.batch_in_epoch >= iters_per_epoch:
-            step.epoch, step.batch_in_epoch = step.epoch + 1, 0
-
-    model = _wrap_ddp(model, info)
-    log = JsonLinesLog(output_dir / "log.txt")
-    tensorboard = TensorBoardWriter(output_dir / "tensorboard" if info.is_main else None)
-    if info.is_main:
-        log.truncate_to(step.epoch)  # drop records of epochs about to be redone
-
-    def on_step(state: StepState) -> None:
-        every = cfg.train.checkpoint_every
-        if every > 0 and state.iteration % every == 0 and state.batch_in_epoch < iters_per_epoch:
-            run.save(model, optimizer, scheduler, scaler, state)
-
-    logger.info(
-        "training %d epochs x %d iterations (%d images per step on %d process(es)); "
-        "starting at epoch %d, batch %d, iteration %d",
-        cfg.train.epochs, iters_per_epoch, cfg.train.batch_size * info.world_size,
-        info.world_size, step.epoch, step.batch_in_epoch, step.iteration,
-    )
-    summary = None
-    evaluator = None
-    train_start = time.perf_counter()
+def restore(run: _Run, state: Mapping[str, Any]) -> None:
+    """Weights, optimizer, scaler, position, best AP and RNG states of a checkpoint; the
+    base lrs and weight decay then follow this run's config."""
+    p, info = run.parts, run.info
     try:
-        while step.epoch < cfg.train.epochs:
-            epoch = step.epoch
-            epoch_start = time.perf_counter()
-            try:
-                train_stats = train_one_epoch(
-                    model, criterion, epoch_batches(train_loader, epoch, step.batch_in_epoch),
-                    optimizer, scheduler, info.device, step,
-                    num_batches=iters_per_epoch, amp=cfg.train.amp, scaler=scaler,
-                    clip_max_norm=cfg.train.clip_max_norm, print_freq=cfg.train.print_freq,
-                    progress=progress, total_epochs=cfg.train.epochs, on_step=on_step,
-                )
-            except NonFiniteLossError as err:
-                logger.error("%s", err)
-                raise
-            train_time = time.perf_counter() - epoch_start
-            record: dict[str, Any] = {"epoch": epoch}
-            record.update({f"train_{k}": v for k, v in train_stats.items()})
-            is_best = False
-            last = epoch + 1 == cfg.train.epochs
-            if (epoch + 1) % cfg.train.eval_every == 0 or last:
-                losses, summary, evaluator = run_eval()
-                record.update({f"test_{k}": v for k, v in losses.items()})
-                if summary is not None:
-                    record["test_coco_eval_bbox"] = [float(v) for v in summary["stats"]]
-                    ap = float(summary["AP"])
-                    is_best = run.best_ap is None or ap > run.best_ap
-                    if is_best:
-                        run.best_ap = ap
-                    logger.info("epoch %d evaluation:\n%s", epoch, format_summary(summary))
-            record.update({
-                "n_parameters": n_parameters,
-                "iteration": step.iteration,
-                "epoch_time": time.perf_counter() - epoch_start,
-                "train_time": train_time,
-            })
-            if info.is_main:
-                log.append(record)
-                tensorboard.scalars(train_stats, epoch, "train/")
-                tensorboard.scalars(
-                    {k[5:]: v for k, v in record.items() if k.startswith("test_")
-                     and isinstance(v, float)}, epoch, "test/",
-                )
-                if summary is not None:
-                    tensorboard.scalars(
-                        dict(zip(COCO_STAT_NAMES, record.get("test_coco_eval_bbox", []))),
-                        epoch, "coco/",
-                    )
-            step.epoch, step.batch_in_epoch = epoch + 1, 0
-            run.save(model, optimizer, scheduler, scaler, step, is_best=is_best)
-    finally:
-        tensorboard.close()
-
-    table = per_class_table(evaluator) if evaluator is not None else ""
-    if info.is_main and evaluator is not None:
-        write_eval_outputs(evaluator, summary, {}, output_dir / "eval")
-        if table:
-            logger.info("per-class AP:\n%s", table)
-    total = time.perf_counter() - train_start
-    logger.info("training done in %.1f s; best AP %s", total, run.best_ap)
-    return {"summary": summary, "per_class_table": table, "best_ap": run.best_ap,
-            "epochs": step.epoch, "iterations": step.iteration, "train_time": total,
-            "output_dir": str(output_dir), "config": cfg, "rank": info.rank}
-
-
-def _restore(state, model, optimizer, scheduler, scaler, step, run, info) -> None:
-    try:
-        model.load_state_dict(state["model"])
+        p.model.load_state_dict(state["model"])
     except RuntimeError as err:
         raise ckio.CheckpointError(
             f"the resumed checkpoint does not fit the model of this config: {err}"
         ) from None
-    optimizer.load_state_dict(state["optimizer"])
-    if state.get("lr_scheduler") is not None:
-        scheduler.load_state_dict(state["lr_scheduler"])
-    if scaler is not None and state.get("scaler") is not None:
-        scaler.load_state_dict(state["scaler"])
-    step.epoch = int(state["epoch"])
-    step.batch_in_epoch = int(state.get("batch_in_epoch", 0))
-    step.iteration = int(state["iteration"])
+    p.optimizer.load_state_dict(state["optimizer"])
+    for line in apply_config_hyperparameters(p.optimizer, run.cfg.train):
+        logger.info("optimizer setting from this run's config: %s", line)
+    if p.settings.scaler is not None and state.get("scaler") is not None:
+        p.settings.scaler.load_state_dict(state["scaler"])
+    run.step = StepState(int(state["epoch"]), int(state.get("batch_in_epoch", 0)),
+                         int(state["iteration"]))
     run.best_ap = state.get("best_ap")
     saved_world = int(state.get("world_size", 1))
     rng = state.get("rng") or []
@@ -480,11 +402,193 @@ def _restore(state, model, optimizer, scheduler, scaler, step, run, info) -> Non
         )
     if saved_world * int(state.get("batch_size", run.cfg.train.batch_size)) != (
         info.world_size * run.cfg.train.batch_size
-    ) and step.batch_in_epoch:
+    ) and run.step.batch_in_epoch:
         logger.warning("the global batch size changed; mid-epoch position is approximate")
+    if run.step.batch_in_epoch >= p.steps_per_epoch:
+        run.step.epoch, run.step.batch_in_epoch = run.step.epoch + 1, 0
+
+
+def _load_finetune_weights(model: nn.Module, path: Path) -> None:
+    from detr_irpe.models import load_checkpoint
+
+    load_info = load_checkpoint(model, path)
+    logger.info("fine-tuning from %s (%s); re-initialised: %s", path,
+                load_info.get("format"), load_info.get("reinitialized") or "nothing")
+
+
+def _epoch_record(run: _Run, epoch: int, train_stats: Mapping[str, float],
+                  eval_result: tuple | None, times: tuple[float, float]) -> dict[str, Any]:
+    record: dict[str, Any] = {"epoch": epoch}
+    record.update({f"train_{k}": v for k, v in train_stats.items()})
+    if eval_result is not None:
+        losses, summary, _ = eval_result
+        record.update({f"test_{k}": v for k, v in losses.items()})
+        if summary is not None:
+            record["test_coco_eval_bbox"] = [float(v) for v in summary["stats"]]
+    record.update({"n_parameters": run.parts.n_parameters, "iteration": run.step.iteration,
+                   "epoch_time": times[0], "train_time": times[1]})
+    return record
+
+
+def _log_epoch(run: _Run, record: Mapping[str, Any], log: JsonLinesLog,
+               tensorboard: TensorBoardWriter) -> None:
+    """``log.txt`` and the epoch's TensorBoard scalars (rank 0), keyed by iteration."""
+    if not run.info.is_main:
+        return
+    log.append(record)
+    step = int(record["iteration"])
+    tensorboard.scalars({k[6:]: v for k, v in record.items() if k.startswith("train_")},
+                        step, "epoch/")
+    tensorboard.scalars({k[5:]: v for k, v in record.items()
+                         if k.startswith("test_") and isinstance(v, float)}, step, "test/")
+    if "test_coco_eval_bbox" in record:
+        tensorboard.scalars(dict(zip(COCO_STAT_NAMES, record["test_coco_eval_bbox"])),
+                            step, "coco/")
+
+
+def _train_epoch(run: _Run, tensorboard: TensorBoardWriter) -> dict[str, float]:
+    p, cfg, step = run.parts, run.cfg, run.step
+
+    def on_step(state: StepState, read_losses) -> None:
+        every = cfg.train.checkpoint_every
+        if every > 0 and state.iteration % every == 0 and state.batch_in_epoch < p.steps_per_epoch:
+            read_losses()  # never checkpoint weights after a NaN / inf loss
+            run.save(state)
+
+    micro_done = step.batch_in_epoch * cfg.train.accumulate_steps
+    return train_one_epoch(
+        run.model, p.criterion, epoch_batches(p.train_loader, step.epoch, micro_done),
+        p.optimizer, p.schedule, run.info.device, step,
+        num_steps=p.steps_per_epoch, settings=p.settings, print_freq=cfg.train.print_freq,
+        progress=run.progress, total_epochs=cfg.train.epochs, on_step=on_step,
+        tensorboard=tensorboard,
+    )
+
+
+def run_epochs(run: _Run) -> tuple[dict[str, Any] | None, Any]:
+    """Train from ``run.step`` to the last epoch, evaluating every ``eval_every`` epochs
+    and checkpointing after each one. Returns the last ``(summary, evaluator)``."""
+    cfg, step = run.cfg, run.step
+    log = JsonLinesLog(run.output_dir / "log.txt")
+    tensorboard = TensorBoardWriter(run.output_dir / "tensorboard" if run.info.is_main else None)
+    if run.info.is_main:
+        log.truncate_to(step.epoch)  # drop records of epochs about to be redone
+    summary = evaluator = None
+    try:
+        while step.epoch < cfg.train.epochs:
+            epoch, epoch_start = step.epoch, time.perf_counter()
+            train_stats = _train_epoch(run, tensorboard)
+            train_time = time.perf_counter() - epoch_start
+            eval_result = None
+            if (epoch + 1) % cfg.train.eval_every == 0 or epoch + 1 == cfg.train.epochs:
+                eval_result = run.evaluate()
+                _, summary, evaluator = eval_result
+            is_best = _update_best(run, summary if eval_result is not None else None, epoch)
+            record = _epoch_record(run, epoch, train_stats, eval_result,
+                                   (time.perf_counter() - epoch_start, train_time))
+            _log_epoch(run, record, log, tensorboard)
+            step.epoch, step.batch_in_epoch = epoch + 1, 0
+            run.save(step, is_best=is_best)
+    finally:
+        tensorboard.close()
+    return summary, evaluator
+
+
+def _update_best(run: _Run, summary: Mapping[str, Any] | None, epoch: int) -> bool:
+    if summary is None:
+        return False
+    logger.info("epoch %d evaluation:\n%s", epoch, format_summary(summary))
+    ap = float(summary["AP"])
+    if run.best_ap is not None and ap <= run.best_ap:
+        return False
+    run.best_ap = ap
+    return True
+
+
+def finish(run: _Run, summary: Mapping[str, Any] | None, evaluator: Any,
+           started: float) -> dict[str, Any]:
+    """Write the last evaluation's outputs and return the run's result."""
+    table = per_class_table(evaluator) if evaluator is not None else ""
+    if run.info.is_main and evaluator is not None:
+        write_eval_outputs(evaluator, summary, {}, run.output_dir / "eval")
+        if table:
+            logger.info("per-class AP:\n%s", table)
+    total = time.perf_counter() - started
+    logger.info("training done in %.1f s; best AP %s", total, run.best_ap)
+    return {"summary": summary, "per_class_table": table, "best_ap": run.best_ap,
+            "epochs": run.step.epoch, "iterations": run.step.iteration, "train_time": total,
+            "output_dir": str(run.output_dir), "config": run.cfg, "rank": run.info.rank}
+
+
+def run_training(
+    cfg: Config,
+    *,
+    resume: str | Path | None = None,
+    finetune: str | Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train as described by ``cfg``.
+
+    Resumes automatically from ``train.output_dir/checkpoint_last.pth`` (or
+    ``_prev`` when ``last`` is damaged); ``resume`` names another checkpoint.
+    ``finetune`` initialises the weights from a checkpoint (any format; the
+    class head is swapped when the class counts differ) when there is nothing
+    to resume.
+
+    Returns:
+        ``{"summary": last COCO summary or None, "per_class_table": str,
+        "best_ap", "epochs", "iterations", "train_time", "output_dir", "config", "rank"}``.
+
+    Raises:
+        NonFiniteLossError: the loss became NaN/inf (checkpoints stay intact).
+        CheckpointError, ConfigError, DatasetError, RunFolderError: user-fixable problems.
+    """
+    info = init_distributed(cfg.train.device)
+    try:
+        return _run_training(cfg, info, resume, finetune, progress)
+    finally:
+        cleanup_distributed()
+
+
+def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
+                  finetune: str | Path | None, progress: bool) -> dict[str, Any]:
+    output_dir = _prepare_output_dir(cfg, info)
+    _set_threads(cfg)
+    build_grad_scaler(info.device, resolve_amp(cfg.train.amp, info.device))  # fp16 on CPU: early
+    start = resolve_start(output_dir, resume, finetune)
+    run = _Run(build_parts(cfg, info, start), info, output_dir, progress)
+    if start.resume_state is not None:
+        restore(run, start.resume_state)
+    elif start.finetune is not None:
+        _load_finetune_weights(run.parts.model, start.finetune)
+    run.model = _wrap_ddp(run.parts.model, info)
+    logger.info(
+        "training %d epochs x %d steps (%d images per step: %d per process x %d process(es) "
+        "x %d micro-batches); starting at epoch %d, batch %d, iteration %d",
+        run.cfg.train.epochs, run.parts.steps_per_epoch,
+        run.cfg.train.batch_size * info.world_size * run.cfg.train.accumulate_steps,
+        run.cfg.train.batch_size, info.world_size, run.cfg.train.accumulate_steps,
+        run.step.epoch, run.step.batch_in_epoch, run.step.iteration,
+    )
+    started = time.perf_counter()
+    summary, evaluator = run_epochs(run)
+    return finish(run, summary, evaluator, started)
 
 
 # ----------------------------------------------------------------------------- evaluation
+def _evaluation_config(cfg: Config | None, checkpoint: Path,
+                       overrides: list[str] | tuple[str, ...]) -> Config:
+    if cfg is not None:
+        return cfg
+    saved = ckio.load_checkpoint_file(checkpoint).get("config")
+    if not isinstance(saved, Mapping):
+        raise ConfigError(
+            f"checkpoint {checkpoint} carries no config (a public checkpoint?): pass "
+            "--config CONFIG, e.g. --config detr_r50"
+        )
+    return config_from_dict(saved, overrides)
+
+
 def run_evaluation(
     cfg: Config | None,
     checkpoint: str | Path,
@@ -495,20 +599,18 @@ def run_evaluation(
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (this project's or a public DETR / iRPE-DETR one) on the
     val split of ``cfg.data``; with ``cfg=None`` the checkpoint's own config is used
-    (``overrides`` apply on top of it). Writes ``results.json`` and ``metrics.json``
-    to ``output_dir``. Works under ``torchrun`` (results gathered from all ranks)."""
+    (``overrides`` apply on top of it). Writes ``results.json``, ``metrics.json`` (and
+    ``precision.npz`` when the evaluator provides it) to ``output_dir``. Works under
+    ``torchrun`` (results gathered from all ranks).
+
+    Returns:
+        ``{"summary", "per_class_table", "losses", "output_dir", "config", "rank"}``.
+    """
     from detr_irpe.data import build_dataloader, build_dataset
     from detr_irpe.models import build_model, load_checkpoint
 
     checkpoint = Path(checkpoint)
-    if cfg is None:
-        saved = ckio.load_checkpoint_file(checkpoint).get("config")
-        if not isinstance(saved, Mapping):
-            raise ConfigError(
-                f"checkpoint {checkpoint} carries no config (a public checkpoint?): pass "
-                "--config CONFIG, e.g. --config detr_r50"
-            )
-        cfg = config_from_dict(saved, overrides)
+    cfg = _evaluation_config(cfg, checkpoint, overrides)
     info = init_distributed(cfg.train.device)
     try:
         output_dir = Path(output_dir)
@@ -517,8 +619,7 @@ def run_evaluation(
         setup_logging(output_dir, info.rank, filename="eval.log")
         _set_threads(cfg)
         val_ds = build_dataset(cfg.data, "val")
-        if cfg.model.num_classes is None:
-            cfg = with_num_classes(cfg, val_ds.num_classes)
+        cfg = _resolved_amp(with_num_classes(cfg, resolve_num_classes(cfg, [val_ds])), info)
         model, criterion, postprocessor = build_model(_without_backbone_download(cfg, True))
         load_info = load_checkpoint(model, checkpoint, strict_head=True)
         logger.info("loaded %s (%s)", checkpoint, load_info.get("format"))
@@ -535,6 +636,7 @@ def run_evaluation(
         )
         table = per_class_table(evaluator)
         if info.is_main:
+            logger.info("evaluation of %s:\n%s", checkpoint, format_summary(summary))
             write_eval_outputs(evaluator, summary, losses, output_dir,
                                {"checkpoint": str(checkpoint)})
         return {"summary": summary, "per_class_table": table, "losses": losses,
@@ -544,9 +646,14 @@ def run_evaluation(
 
 
 __all__ = [
-    "COCO_STAT_NAMES",
+    "RunParts",
+    "StartState",
+    "build_parts",
     "config_differences",
     "format_summary",
+    "resolve_num_classes",
+    "resolve_start",
+    "run_epochs",
     "run_evaluation",
     "run_training",
     "with_num_classes",

@@ -1,34 +1,48 @@
-"""One training epoch and one evaluation pass (DDP, AMP, non-finite guard, progress).
+"""One training step, one training epoch and one evaluation pass (DDP, AMP, gradient
+accumulation, non-finite guard, progress).
 
-Both loops work on the model, criterion and post-processor of
-``build_model`` and batches ``(ImageBatch, list[target])`` of the data loaders;
+The loops work on the model, criterion and post-processor of ``build_model`` and
+batches ``(ImageBatch, list[target])`` of the data loaders;
 :mod:`detr_irpe.engine.runner` strings them together into a run.
+
+A training step does not wait for the device except where the matcher needs it
+(scipy solves the assignment on the host: the cost matrices are copied once per
+decoder output). Loss values stay on the device in :class:`PendingLosses`; they
+are read, averaged over the processes and checked for NaN / inf every
+``print_freq`` steps, before each checkpoint and at the end of an epoch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from detr_irpe.config import ConfigError
-from detr_irpe.engine.logger import MetricTracker
+from detr_irpe.engine.logger import MetricTracker, TensorBoardWriter
+from detr_irpe.engine.optim import StepSchedule
 from detr_irpe.errors import NonFiniteError
 from detr_irpe.structures import ImageBatch
-from detr_irpe.utils.dist import is_main_process, reduce_dict
+from detr_irpe.utils.dist import all_reduce_mean, get_world_size, is_main_process
 
 logger = logging.getLogger(__name__)
 
 # Terms shown on the progress bar and in the periodic log lines.
 _SHOWN = ("loss", "loss_ce", "loss_bbox", "loss_giou", "class_error", "lr")
+# Logged, not trained: averaged (not summed) over the micro-batches of a step.
+_METRICS = ("class_error", "cardinality_error")
+
+Batch = tuple[ImageBatch, list[dict]]
+T = TypeVar("T")
 
 
 class NonFiniteLossError(NonFiniteError):
@@ -44,6 +58,33 @@ class NonFiniteLossError(NonFiniteError):
             "Training stopped; the last checkpoint on disk is intact. Lower train.lr, "
             "keep train.clip_max_norm > 0 or use train.amp=bf16 instead of fp16."
         )
+
+
+# ----------------------------------------------------------------------------- precision
+@functools.lru_cache(maxsize=1)
+def native_bf16_cpu() -> bool:
+    """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX-BF16).
+
+    Elsewhere bf16 autocast on the CPU is emulated and slower than float32.
+    Read from the kernel's CPU flags; ``False`` where they cannot be read.
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_amp(amp: str, device: torch.device) -> str:
+    """``train.amp`` with ``auto`` resolved: bf16 on a CPU with native bf16, else
+    ``none`` (float32; also on GPUs, where the published recipe is float32)."""
+    if amp != "auto":
+        return amp
+    return "bf16" if device.type == "cpu" and native_bf16_cpu() else "none"
 
 
 def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
@@ -68,6 +109,76 @@ def build_grad_scaler(device: torch.device, amp: str) -> torch.amp.GradScaler | 
     return None
 
 
+# ----------------------------------------------------------------------------- loss terms
+def weighted_terms(loss_dict: Mapping[str, T], weight_dict: Mapping[str, float]) -> dict[str, T]:
+    """``loss[k] * weight[k]`` for every trained term (tensors or floats)."""
+    return {k: v * weight_dict[k] for k, v in loss_dict.items() if k in weight_dict}
+
+
+def weighted_loss(loss_dict: Mapping[str, T], weight_dict: Mapping[str, float]) -> T:
+    """The total that is back-propagated: the sum of :func:`weighted_terms`."""
+    return sum(weighted_terms(loss_dict, weight_dict).values())
+
+
+def loss_record(raw: Mapping[str, float], weight_dict: Mapping[str, float]) -> dict[str, float]:
+    """What the logs show of one step: ``loss``, the weighted terms, the raw terms with
+    suffix ``_unscaled`` and the metrics (``class_error``, ``cardinality_error``)."""
+    weighted = weighted_terms(raw, weight_dict)
+    return {
+        "loss": float(sum(weighted.values())),
+        **weighted,
+        **{f"{k}_unscaled": v for k, v in raw.items()},
+        **{k: raw[k] for k in _METRICS if k in raw},
+    }
+
+
+@dataclass
+class _Pending:
+    epoch: int
+    iteration: int
+    lr: float
+    names: list[str]
+    values: Tensor  # (T,) on the device
+
+
+@dataclass
+class PendingLosses:
+    """Loss terms of the steps since the last :meth:`read`, kept on the device so that
+    a step never waits for them."""
+
+    weight_dict: Mapping[str, float]
+    check_finite: bool = True
+    rows: list[_Pending] = field(default_factory=list)
+
+    def add(self, epoch: int, iteration: int, lr: float, losses: Mapping[str, Tensor]) -> None:
+        names = sorted(losses)
+        values = torch.stack([losses[n].detach().float().reshape(()) for n in names])
+        self.rows.append(_Pending(epoch, iteration, lr, names, values))
+
+    def read(self) -> list[dict[str, float]]:
+        """One record per pending step, averaged over the processes (a collective:
+        every process calls it at the same steps).
+
+        Raises:
+            NonFiniteLossError: naming the first step whose loss is NaN / inf.
+        """
+        if not self.rows:
+            return []
+        values = all_reduce_mean(torch.stack([r.values for r in self.rows])).cpu().tolist()
+        records = []
+        for row, vals in zip(self.rows, values):
+            raw = dict(zip(row.names, vals))
+            record = loss_record(raw, self.weight_dict)
+            if self.check_finite and not math.isfinite(record["loss"]):
+                self.rows.clear()
+                raise NonFiniteLossError(row.epoch, row.iteration, {**raw, "loss": record["loss"]})
+            record["lr"] = row.lr
+            records.append(record)
+        self.rows.clear()
+        return records
+
+
+# ----------------------------------------------------------------------------- one step
 def targets_to(targets: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
     return [
         {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()}
@@ -75,41 +186,217 @@ def targets_to(targets: list[dict[str, Any]], device: torch.device) -> list[dict
     ]
 
 
-def _format_eta(seconds: float) -> str:
-    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+def model_outputs(model: nn.Module, images: ImageBatch, device: torch.device, amp: str) -> dict:
+    """The forward pass under the run's autocast."""
+    with autocast_context(device, amp):
+        return model(images)
 
 
+def loss_and_backward(
+    criterion: nn.Module,
+    outputs: dict,
+    targets: list[dict],
+    indices: list,
+    norms: Mapping[str, Any],
+    scaler: torch.amp.GradScaler | None = None,
+) -> dict[str, Tensor]:
+    """Loss terms of matched ``outputs`` and the backward pass of their weighted sum.
+
+    Args:
+        indices: ``criterion.match(outputs, targets)``.
+        norms: ``criterion.normalizers(...)`` of the whole accumulated batch.
+    """
+    loss_dict = criterion(outputs, targets, indices=indices, **norms)
+    loss = weighted_loss(loss_dict, criterion.weight_dict)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    return loss_dict
+
+
+def _optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    clip_max_norm: float,
+) -> None:
+    if scaler is not None:
+        if clip_max_norm > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        return
+    if clip_max_norm > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_max_norm)
+    optimizer.step()
+
+
+def _add_micro_losses(total: dict[str, Tensor], loss_dict: Mapping[str, Tensor], n: int) -> None:
+    """Loss terms add up over micro-batches (each is normalised by the whole step's
+    counts); metrics are averaged."""
+    for k, v in loss_dict.items():
+        v = v.detach() / n if k.startswith(_METRICS) else v.detach()
+        total[k] = total[k] + v if k in total else v
+
+
+def train_step(
+    model: nn.Module,
+    criterion: nn.Module,
+    micro_batches: Sequence[Batch],
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    amp: str = "none",
+    scaler: torch.amp.GradScaler | None = None,
+    clip_max_norm: float = 0.0,
+) -> dict[str, Tensor]:
+    """One optimizer step over one or more micro-batches (gradient accumulation).
+
+    Each micro-batch's loss is normalised by the box count and the class-weight
+    total of the whole step (:meth:`SetCriterion.normalizers`), so the summed
+    gradients are those of one batch holding every micro-batch. Under DDP the
+    gradients are synchronised in the backward pass of the last micro-batch only.
+
+    Returns:
+        the step's loss terms of this process, detached, on the device: loss terms
+        summed over the micro-batches, ``class_error`` / ``cardinality_error`` averaged.
+    """
+    micro = [(images.to(device, non_blocking=True), targets_to(targets, device))
+             for images, targets in micro_batches]
+    optimizer.zero_grad(set_to_none=True)
+    total: dict[str, Tensor] = {}
+    norms: dict[str, Any] = {}
+    for k, (images, targets) in enumerate(micro):
+        last = k == len(micro) - 1
+        no_sync = getattr(model, "no_sync", None)
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            outputs = model_outputs(model, images, device, amp)
+            if not norms:
+                norms = criterion.normalizers(
+                    [t for _, t in micro], outputs["pred_logits"].shape[1], device
+                )
+            indices = criterion.match(outputs, targets)
+            loss_dict = loss_and_backward(criterion, outputs, targets, indices, norms, scaler)
+        _add_micro_losses(total, loss_dict, len(micro))
+    _optimizer_step(model, optimizer, scaler, clip_max_norm)
+    return total
+
+
+# ----------------------------------------------------------------------------- one epoch
 @dataclass
 class StepState:
     """Where training stands; updated in place by :func:`train_one_epoch`."""
 
     epoch: int = 0  # epochs fully done
-    batch_in_epoch: int = 0  # batches done in epoch ``epoch``
+    batch_in_epoch: int = 0  # optimizer steps done in epoch ``epoch``
     iteration: int = 0  # optimizer steps done
+
+
+@dataclass
+class StepSettings:
+    """How each step runs (from ``train.*``)."""
+
+    amp: str = "none"
+    scaler: torch.amp.GradScaler | None = None
+    clip_max_norm: float = 0.0
+    accumulate_steps: int = 1
+
+
+def group_micro_batches(batches: Iterable[T], size: int) -> Iterator[list[T]]:
+    """Consecutive groups of ``size`` batches; an incomplete last group is dropped."""
+    group: list[T] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+
+
+def _format_eta(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+
+
+class _EpochLog:
+    """Progress bar, periodic log lines and per-iteration TensorBoard scalars of an epoch."""
+
+    def __init__(self, state: StepState, num_steps: int, print_freq: int, progress: bool,
+                 total_epochs: int | None, tensorboard: TensorBoardWriter | None) -> None:
+        self.num_steps = num_steps
+        self.print_freq = print_freq
+        self.tensorboard = tensorboard
+        self.tracker = MetricTracker(window=max(print_freq, 1))
+        self.label = f"epoch {state.epoch}" + (f"/{total_epochs - 1}" if total_epochs else "")
+        self.first_batch = state.batch_in_epoch
+        self.start = self.last_read = time.perf_counter()
+        self.images_since_read = 0
+        self.bar = None
+        if progress and is_main_process():
+            from tqdm import tqdm
+
+            # disable=None: tqdm turns itself off when stderr is not a terminal.
+            self.bar = tqdm(total=num_steps, initial=state.batch_in_epoch, desc=self.label,
+                            dynamic_ncols=True, disable=None, leave=False)
+
+    def due(self, state: StepState) -> bool:
+        return self.print_freq > 0 and (
+            state.batch_in_epoch % self.print_freq == 0 or state.batch_in_epoch == self.num_steps
+        )
+
+    def records(self, records: list[dict[str, float]], state: StepState) -> None:
+        """Take the records of :meth:`PendingLosses.read` (up to ``state``)."""
+        for record in records:
+            self.tracker.update(**record)
+        now = time.perf_counter()
+        if records and self.tensorboard is not None:
+            images_per_s = self.images_since_read / max(now - self.last_read, 1e-9)
+            recent = self.tracker.recent()
+            self.tensorboard.scalars({**recent, "images_per_s": images_per_s},
+                                     state.iteration, "train/")
+        self.last_read, self.images_since_read = now, 0
+
+    def step_done(self, state: StepState, images: int) -> None:
+        self.images_since_read += images
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def line(self, state: StepState) -> None:
+        done = max(state.batch_in_epoch - self.first_batch, 1)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done * (self.num_steps - state.batch_in_epoch)
+        if self.bar is not None:
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in self.tracker.recent(list(_SHOWN)).items()})
+        logger.info("%s [%d/%d] it %d  eta %s  %s  %.3f s/it", self.label, state.batch_in_epoch,
+                    self.num_steps, state.iteration, _format_eta(eta),
+                    self.tracker.format(list(_SHOWN)), elapsed / done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def train_one_epoch(
     model: nn.Module,
     criterion: nn.Module,
-    batches: Iterable[tuple[ImageBatch, list[dict]]],
+    batches: Iterable[Batch],
     optimizer: torch.optim.Optimizer,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    schedule: StepSchedule,
     device: torch.device,
     state: StepState,
     *,
-    num_batches: int,
-    amp: str = "none",
-    scaler: torch.amp.GradScaler | None = None,
-    clip_max_norm: float = 0.0,
+    num_steps: int,
+    settings: StepSettings | None = None,
     print_freq: int = 10,
     progress: bool = False,
     total_epochs: int | None = None,
-    on_step: Callable[[StepState], None] | None = None,
+    on_step: Callable[[StepState, Callable[[], None]], None] | None = None,
+    tensorboard: TensorBoardWriter | None = None,
 ) -> dict[str, float]:
-    """Train over ``batches`` (the rest of epoch ``state.epoch``).
+    """Train over ``batches`` (the rest of epoch ``state.epoch``), one optimizer step per
+    ``settings.accumulate_steps`` batches.
 
-    After each optimizer step ``state`` is advanced and ``on_step(state)`` is
-    called (the runner writes mid-epoch checkpoints there).
+    Before each step the lr follows ``schedule`` at ``(state.epoch, state.iteration)``;
+    after it ``state`` is advanced and ``on_step(state, read_losses)`` is called (the
+    runner writes mid-epoch checkpoints there, calling ``read_losses()`` first: it
+    reads the pending loss values, checking them for NaN / inf).
 
     Returns:
         Averages over the processes and the epoch's steps of every loss term
@@ -119,94 +406,38 @@ def train_one_epoch(
     Raises:
         NonFiniteLossError: naming the epoch, iteration and every loss term.
     """
+    settings = settings or StepSettings()
     model.train()
     criterion.train()
-    weight_dict = criterion.weight_dict
-    tracker = MetricTracker(window=max(print_freq, 1))
-    epoch_label = f"epoch {state.epoch}" + (f"/{total_epochs - 1}" if total_epochs else "")
-    bar = None
-    if progress and is_main_process():
-        from tqdm import tqdm
-
-        # disable=None: tqdm turns itself off when stderr is not a terminal.
-        bar = tqdm(total=num_batches, initial=state.batch_in_epoch, desc=epoch_label,
-                   dynamic_ncols=True, disable=None, leave=False)
-    start = time.perf_counter()
-    first_batch = state.batch_in_epoch
-    for images, targets in batches:
-        images = images.to(device, non_blocking=True)
-        targets = targets_to(targets, device)
-        with autocast_context(device, amp):
-            outputs = model(images)
-        loss_dict = criterion(outputs, targets)
-        losses = sum(loss_dict[k] * weight_dict[k] for k in loss_dict if k in weight_dict)
-
-        reduced = reduce_dict({k: v.detach() for k, v in loss_dict.items()})
-        weighted = {k: v * weight_dict[k] for k, v in reduced.items() if k in weight_dict}
-        unscaled = {f"{k}_unscaled": v for k, v in reduced.items()}
-        total = sum(weighted.values())
-        loss_value = float(total)
-        if not math.isfinite(loss_value):
-            values = {k: float(v) for k, v in reduced.items()}
-            values["loss"] = loss_value
-            raise NonFiniteLossError(state.epoch, state.iteration, values)
-
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(losses).backward()
-            if clip_max_norm > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_max_norm)
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            losses.backward()
-            if clip_max_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_max_norm)
-            optimizer.step()
-        lr = optimizer.param_groups[0]["lr"]
-        lr_scheduler.step()
-
-        state.iteration += 1
-        state.batch_in_epoch += 1
-        tracker.update(
-            loss=loss_value,
-            lr=lr,
-            **{k: float(v) for k, v in weighted.items()},
-            **{k: float(v) for k, v in unscaled.items()},
-            **{k: float(reduced[k]) for k in ("class_error", "cardinality_error") if k in reduced},
-        )
-        done = state.batch_in_epoch - first_batch
-        if bar is not None:
-            bar.set_postfix({k: f"{v:.4g}" for k, v in tracker.recent(list(_SHOWN)).items()})
-            bar.update(1)
-        if print_freq > 0 and (state.batch_in_epoch % print_freq == 0 or
-                               state.batch_in_epoch == num_batches):
-            elapsed = time.perf_counter() - start
-            eta = elapsed / done * (num_batches - state.batch_in_epoch)
-            logger.info(
-                "%s [%d/%d] it %d  eta %s  %s  %.3f s/it",
-                epoch_label,
-                state.batch_in_epoch,
-                num_batches,
-                state.iteration,
-                _format_eta(eta),
-                tracker.format(list(_SHOWN)),
-                elapsed / done,
-            )
-        if on_step is not None:
-            on_step(state)
-    if bar is not None:
-        bar.close()
-    return tracker.averages()
+    pending = PendingLosses(criterion.weight_dict)
+    log = _EpochLog(state, num_steps, print_freq, progress, total_epochs, tensorboard)
+    try:
+        for micro in group_micro_batches(batches, settings.accumulate_steps):
+            schedule.apply(optimizer, state.epoch, state.iteration)
+            losses = train_step(model, criterion, micro, optimizer, device, amp=settings.amp,
+                                scaler=settings.scaler, clip_max_norm=settings.clip_max_norm)
+            pending.add(state.epoch, state.iteration, optimizer.param_groups[0]["lr"], losses)
+            state.iteration += 1
+            state.batch_in_epoch += 1
+            log.step_done(state, sum(len(t) for _, t in micro) * get_world_size())
+            if log.due(state):
+                log.records(pending.read(), state)
+                log.line(state)
+            if on_step is not None:
+                on_step(state, lambda: log.records(pending.read(), state))
+        log.records(pending.read(), state)
+    finally:
+        log.close()
+    return log.tracker.averages()
 
 
+# ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
     criterion: nn.Module,
     postprocessor: Callable,
-    loader: Iterable[tuple[ImageBatch, list[dict]]],
+    loader: Iterable[Batch],
     evaluator: Any,
     device: torch.device,
     *,
@@ -227,8 +458,7 @@ def evaluate(
     """
     model.eval()
     criterion.eval()
-    weight_dict = criterion.weight_dict
-    tracker = MetricTracker()
+    pending = PendingLosses(criterion.weight_dict, check_finite=False)
     num_batches = len(loader) if hasattr(loader, "__len__") else None
     iterable: Iterable = loader
     if progress and is_main_process():
@@ -240,17 +470,8 @@ def evaluate(
     for k, (images, targets) in enumerate(iterable):
         images = images.to(device, non_blocking=True)
         targets = targets_to(targets, device)
-        with autocast_context(device, amp):
-            outputs = model(images)
-        loss_dict = criterion(outputs, targets)
-        reduced = reduce_dict({n: v.detach() for n, v in loss_dict.items()})
-        weighted = {n: v * weight_dict[n] for n, v in reduced.items() if n in weight_dict}
-        tracker.update(
-            loss=float(sum(weighted.values())),
-            **{n: float(v) for n, v in weighted.items()},
-            **{f"{n}_unscaled": float(v) for n, v in reduced.items()},
-            **{n: float(reduced[n]) for n in ("class_error", "cardinality_error") if n in reduced},
-        )
+        outputs = model_outputs(model, images, device, amp)
+        pending.add(0, k, 0.0, criterion(outputs, targets))
         orig_sizes = torch.stack([t["orig_size"] for t in targets])
         results = postprocessor(_float32(outputs), orig_sizes)
         evaluator.update(
@@ -262,6 +483,10 @@ def evaluate(
         if print_freq > 0 and num_batches and (k + 1) % print_freq == 0:
             logger.info("eval [%d/%d] %.3f s/it", k + 1, num_batches,
                         (time.perf_counter() - start) / (k + 1))
+    tracker = MetricTracker()
+    for record in pending.read():
+        record.pop("lr")
+        tracker.update(**record)
     evaluator.synchronize()
     summary = evaluator.summarize()
     return tracker.averages(), summary
@@ -280,9 +505,19 @@ def _float32(outputs: Any) -> Any:
 
 __all__ = [
     "NonFiniteLossError",
+    "PendingLosses",
+    "StepSettings",
     "StepState",
     "autocast_context",
     "build_grad_scaler",
     "evaluate",
+    "loss_and_backward",
+    "loss_record",
+    "model_outputs",
+    "native_bf16_cpu",
+    "resolve_amp",
     "train_one_epoch",
+    "train_step",
+    "weighted_loss",
+    "weighted_terms",
 ]

@@ -11,7 +11,11 @@ For predictions matched to targets by :class:`HungarianMatcher`:
   matched queries) and ``cardinality_error`` (|#non-empty predictions - #targets|).
 
 ``num_boxes`` is the number of target boxes in the whole batch, summed over
-all processes, divided by the world size and at least 1. Auxiliary decoder
+all processes, divided by the world size and at least 1. With gradient
+accumulation "the batch" is every micro-batch of one optimizer step: the trainer
+passes :meth:`SetCriterion.normalizers` of the whole step to each micro-batch,
+so the summed micro-batch losses equal the loss of one batch holding them all
+(the cross-entropy's denominator likewise covers the whole step). Auxiliary decoder
 outputs get the same terms with suffixes ``_0`` .. ``_{n-2}``. Box terms are
 computed in float32 with autocast disabled.
 """
@@ -69,21 +73,21 @@ class SetCriterion(nn.Module):
         empty_weight[-1] = eos_coef
         self.register_buffer("empty_weight", empty_weight)
 
-    def _check_targets(self, outputs: dict, targets: list[dict]) -> None:
+    def _check_batch(self, outputs: dict, targets: list[dict]) -> None:
+        # Only shapes: label ranges are checked once when the data is read, never per
+        # step (reading a label value would make the host wait for the device).
         if len(targets) != outputs["pred_logits"].shape[0]:
             raise ValueError(
                 f"{len(targets)} targets for a batch of {outputs['pred_logits'].shape[0]} images"
             )
-        for t in targets:
-            labels = t["labels"]
-            if labels.numel() and (int(labels.max()) >= self.num_classes or int(labels.min()) < 0):
-                raise ValueError(
-                    f"target label {int(labels.max())} is outside [0, {self.num_classes}); "
-                    f"model.num_classes ({self.num_classes}) must be the largest category id + 1"
-                )
 
     def loss_labels(
-        self, outputs: dict, targets: list[dict], indices: list[tuple[Tensor, Tensor]], log: bool
+        self,
+        outputs: dict,
+        targets: list[dict],
+        indices: list[tuple[Tensor, Tensor]],
+        log: bool,
+        class_weight_total: float,
     ) -> dict[str, Tensor]:
         logits = outputs["pred_logits"].float()  # (B, Q, C + 1)
         idx = _batch_query_index(indices, logits.device)
@@ -93,8 +97,9 @@ class SetCriterion(nn.Module):
         )
         target_classes[idx] = matched_classes
         loss = F.cross_entropy(
-            logits.transpose(1, 2), target_classes, weight=self.empty_weight.to(logits.device)
-        )
+            logits.transpose(1, 2), target_classes, weight=self.empty_weight.to(logits.device),
+            reduction="sum",
+        ) / class_weight_total
         losses = {"loss_ce": loss}
         if log:
             with torch.no_grad():
@@ -109,9 +114,9 @@ class SetCriterion(nn.Module):
     def loss_cardinality(self, outputs: dict, targets: list[dict]) -> dict[str, Tensor]:
         logits = outputs["pred_logits"]
         num_pred = (logits.argmax(-1) != self.num_classes).sum(1).float()
-        num_tgt = torch.as_tensor(
-            [len(t["labels"]) for t in targets], dtype=torch.float32, device=logits.device
-        )
+        # new_full fills on the device; a tensor made from a list would be a copy that waits.
+        num_tgt = torch.stack([logits.new_full((), len(t["labels"]), dtype=torch.float32)
+                               for t in targets])
         return {"cardinality_error": F.l1_loss(num_pred, num_tgt)}
 
     def loss_boxes(
@@ -119,7 +124,7 @@ class SetCriterion(nn.Module):
         outputs: dict,
         targets: list[dict],
         indices: list[tuple[Tensor, Tensor]],
-        num_boxes: float,
+        num_boxes: float | Tensor,
     ) -> dict[str, Tensor]:
         pred = outputs["pred_boxes"]
         with torch.autocast(device_type=pred.device.type, enabled=False):
@@ -130,36 +135,87 @@ class SetCriterion(nn.Module):
             loss_giou = (1 - giou).sum() / num_boxes
         return {"loss_bbox": loss_bbox, "loss_giou": loss_giou}
 
-    def _num_boxes(self, targets: list[dict], device: torch.device) -> float:
-        count = torch.as_tensor(
-            [float(sum(len(t["labels"]) for t in targets))], dtype=torch.float32, device=device
-        )
-        count = all_reduce_sum(count)
-        return max(count.item() / get_world_size(), 1.0)
+    def normalizers(
+        self, target_batches: list[list[dict]], num_queries: int, device: torch.device
+    ) -> dict[str, float | Tensor]:
+        """The denominators of the losses of one optimizer step whose images are split
+        into the micro-batches ``target_batches`` (one list of targets each).
 
-    def forward(self, outputs: dict, targets: list[dict]) -> dict[str, Tensor]:
+        - ``num_boxes``: target boxes of the whole step summed over the processes,
+          divided by the world size, at least 1 (DETR's box-loss normaliser);
+        - ``class_weight_total``: the cross-entropy weights of every query of the step
+          on this process (1 per matched query, ``eos_coef`` per unmatched one), what
+          ``F.cross_entropy(weight=...)`` divides by for one batch.
+
+        Computed from target counts alone: no value is read back from the device.
+        """
+        counts = [len(t["labels"]) for targets in target_batches for t in targets]
+        matched = sum(min(n, num_queries) for n in counts)
+        class_weight_total = matched + self.eos_coef * (len(counts) * num_queries - matched)
+        return {"num_boxes": self._num_boxes(sum(counts), device),
+                "class_weight_total": max(float(class_weight_total), 1e-12)}
+
+    @staticmethod
+    def _num_boxes(count: int, device: torch.device) -> float | Tensor:
+        if get_world_size() == 1:
+            return max(float(count), 1.0)
+        # Summed over the processes on the device (NCCL needs a device tensor).
+        total = all_reduce_sum(torch.full((), float(count), device=device))
+        return torch.clamp(total / get_world_size(), min=1.0)
+
+    def match(self, outputs: dict, targets: list[dict]) -> list[list[tuple[Tensor, Tensor]]]:
+        """Hungarian matching of the final and every auxiliary output (in this order),
+        the indices moved to the outputs' device.
+
+        The one place of a training step that waits for the device: the matcher solves
+        the assignment on the host.
+        """
+        self._check_batch(outputs, targets)
+        device = outputs["pred_logits"].device
+        stages = [outputs] + list(outputs.get("aux_outputs", []))
+        return [
+            [(src.to(device), tgt.to(device)) for src, tgt in self.matcher(out, targets)]
+            for out in stages
+        ]
+
+    def forward(
+        self,
+        outputs: dict,
+        targets: list[dict],
+        *,
+        indices: list[list[tuple[Tensor, Tensor]]] | None = None,
+        num_boxes: float | Tensor | None = None,
+        class_weight_total: float | None = None,
+    ) -> dict[str, Tensor]:
         """
         Args:
             outputs: the model's dict (``pred_logits``, ``pred_boxes``, optional ``aux_outputs``).
             targets: B dicts with ``labels`` ``(N_b,)`` int64 and ``boxes`` ``(N_b, 4)``
                 cxcywh normalised.
+            indices: :meth:`match` of ``outputs`` (matched here when not given).
+            num_boxes, class_weight_total: :meth:`normalizers` of the whole step (those
+                of this batch alone when not given).
 
         Returns:
             scalar tensors ``loss_ce``, ``loss_bbox``, ``loss_giou``, ``class_error``,
             ``cardinality_error`` and, per auxiliary output ``i``, the same with ``_i``
             (without ``class_error``).
         """
-        self._check_targets(outputs, targets)
-        device = outputs["pred_logits"].device
-        num_boxes = self._num_boxes(targets, device)
+        if indices is None:
+            indices = self.match(outputs, targets)
+        if num_boxes is None or class_weight_total is None:
+            norms = self.normalizers([targets], outputs["pred_logits"].shape[1],
+                                     outputs["pred_logits"].device)
+            num_boxes = norms["num_boxes"] if num_boxes is None else num_boxes
+            if class_weight_total is None:
+                class_weight_total = norms["class_weight_total"]
         stages = [("", outputs, True)] + [
             (f"_{i}", aux, False) for i, aux in enumerate(outputs.get("aux_outputs", []))
         ]
         losses: dict[str, Tensor] = {}
-        for suffix, out, log in stages:
-            indices = self.matcher(out, targets)
-            terms = self.loss_labels(out, targets, indices, log)
-            terms.update(self.loss_boxes(out, targets, indices, num_boxes))
+        for (suffix, out, log), stage_indices in zip(stages, indices):
+            terms = self.loss_labels(out, targets, stage_indices, log, class_weight_total)
+            terms.update(self.loss_boxes(out, targets, stage_indices, num_boxes))
             terms.update(self.loss_cardinality(out, targets))
             losses.update({k + suffix: v for k, v in terms.items()})
         return losses

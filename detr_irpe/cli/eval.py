@@ -1,0 +1,67 @@
+"""Evaluate a checkpoint (this project's, or a public DETR / iRPE-DETR one) on the
+val split of a COCO-format dataset: COCO box AP (the 12 COCOeval numbers) and AP per class.
+
+A checkpoint written by tools/train.py carries its config; public checkpoints
+need one (--config). --set points at other data::
+
+    python tools/eval.py outputs/demo/checkpoint_best.pth
+    python tools/eval.py detr-r50-e632da11.pth --config detr_r50 --set data.root=/data/coco
+    torchrun --nproc_per_node=8 tools/eval.py irpe_detr_r50.pth --config detr_r50_irpe \\
+        --set data.root=/data/coco --output-dir outputs/eval_irpe
+
+Writes OUTPUT_DIR/results.json (COCO results format), metrics.json (the 12
+numbers, per-class AP, losses) and eval.log; prints the numbers and the table.
+Exit status 2 on a config, data or checkpoint problem (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from detr_irpe.cli.common import (
+    add_config_arguments,
+    add_device_argument,
+    checked_overrides,
+    load_config_from_args,
+    new_parser,
+    run_main,
+)
+from detr_irpe.cli.train import device_override
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser(__doc__, prog="eval.py")
+    parser.add_argument("checkpoint", type=Path, help="checkpoint file (.pth)")
+    add_config_arguments(parser, config_help="config name or YAML path (default: the "
+                                             "checkpoint's own)")
+    add_device_argument(parser)
+    parser.add_argument("--output-dir", type=Path,
+                        help="where results go (default: CHECKPOINT_DIR/eval_CHECKPOINT_STEM)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        from detr_irpe.engine import format_summary, run_evaluation
+
+        extra = device_override(args.device)
+        cfg = load_config_from_args(args, extra)
+        overrides = checked_overrides(args.overrides) + extra
+        output_dir = args.output_dir or args.checkpoint.parent / f"eval_{args.checkpoint.stem}"
+        result = run_evaluation(cfg, args.checkpoint, output_dir, overrides=overrides,
+                                progress=not args.no_progress)
+        if result["rank"] == 0:
+            print(format_summary(result["summary"]))
+            if result["per_class_table"]:
+                print(result["per_class_table"])
+            print(f"results in {result['output_dir']}")
+        return 0
+
+    return run_main(body)
+
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,143 @@
+"""Train DETR with iRPE in the encoder (or evaluate a checkpoint with --eval-only).
+
+A config is a YAML file in configs/ (a name or a path); --set changes any key.
+Default recipe (configs/detr_r50_irpe.yaml): DETR-R50 + rpe-2.0-product-ctx-1-k,
+AdamW lr 1e-4 (backbone 1e-5), weight decay 1e-4, clipping 0.1, 150 epochs with
+lr / 10 after 100, 2 images per GPU.
+
+One process (CPU or one GPU)::
+
+    python tools/train.py --config synthetic_demo
+    python tools/train.py --config detr_r50_irpe --set train.batch_size=4 train.amp=bf16
+
+8 GPUs on one node (2 images each, 16 in all, as in the iRPE runs)::
+
+    torchrun --nproc_per_node=8 tools/train.py --config detr_r50_irpe --set data.root=/data/coco
+
+One GPU with the same 16 images per optimizer step (gradient accumulation)::
+
+    python tools/train.py --config detr_r50_irpe --set data.root=/data/coco train.accumulate_steps=8
+
+Several nodes (run on every node; see docs/training.md for SLURM)::
+
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+        --rdzv-endpoint=$MASTER_HOST:29400 --rdzv-id=detr_irpe \\
+        tools/train.py --config detr_r50_irpe --output-dir outputs/r50_irpe_16gpu
+
+Resuming is automatic from OUTPUT_DIR/checkpoint_last.pth (or checkpoint_prev.pth
+when the last one is damaged) when that run has the same model and data settings;
+--resume PATH picks a checkpoint on purpose. Fine-tuning on another dataset swaps
+the class head (the class count comes from the annotations)::
+
+    python tools/train.py --config detr_r50_irpe --finetune detr_irpe_r50.pth \\
+        --set data.root=/data/voc_coco_format --output-dir outputs/voc_ft
+
+Evaluation only (weights from --resume, OUTPUT_DIR/checkpoint_last.pth or --finetune;
+results in OUTPUT_DIR/eval)::
+
+    python tools/train.py --config detr_r50_irpe --eval-only \\
+        --resume outputs/detr_r50_irpe/checkpoint_best.pth
+
+Exit status: 0 done; 2 a user error (config, data, checkpoint, run folder), one line
+on stderr; 3 the loss became NaN / inf (the last checkpoint is intact).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from detr_irpe.cli.common import (
+    add_config_arguments,
+    add_device_argument,
+    load_config_from_args,
+    new_parser,
+    run_main,
+)
+from detr_irpe.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser(__doc__, prog="train.py")
+    add_config_arguments(parser, required=True)
+    add_device_argument(parser)
+    parser.add_argument("--resume", metavar="PATH",
+                        help="checkpoint to resume from on purpose (default: OUTPUT_DIR/"
+                             "checkpoint_last.pth of the same experiment); with --eval-only, "
+                             "the weights to evaluate")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="evaluate on the val split and exit (weights from --resume, "
+                             "OUTPUT_DIR/checkpoint_last.pth or --finetune)")
+    parser.add_argument("--finetune", metavar="CKPT",
+                        help="start from these weights (own or public DETR / iRPE-DETR); the "
+                             "class head is re-initialised when the class count differs")
+    parser.add_argument("--output-dir", metavar="DIR", help="run folder (train.output_dir)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def device_override(device: str) -> list[str]:
+    """``--device`` as a ``train.device`` override (``cuda:N`` is not a run setting)."""
+    if ":" in device:
+        raise ConfigError(
+            f"--device {device}: training and evaluation take auto, cpu or cuda (each process "
+            "uses the GPU of its local rank); pick a GPU with CUDA_VISIBLE_DEVICES=N"
+        )
+    return [f"train.device={device}"]
+
+
+def _eval_weights(args: argparse.Namespace, output_dir: Path) -> Path:
+    from detr_irpe.engine import checkpoint_io as ckio
+
+    if args.resume is not None:
+        return Path(args.resume)
+    found = ckio.find_resume_checkpoint(output_dir)
+    if found is not None:
+        return Path(found[0])
+    if args.finetune is not None:
+        return Path(args.finetune)
+    raise ConfigError(
+        f"--eval-only needs weights: --resume CHECKPOINT, a checkpoint_last.pth in "
+        f"{output_dir}, or --finetune CHECKPOINT"
+    )
+
+
+def _print_result(result: dict) -> None:
+    from detr_irpe.engine import format_summary
+
+    if result["rank"] != 0 or result["summary"] is None:
+        return
+    print(format_summary(result["summary"]))
+    if result["per_class_table"]:
+        print(result["per_class_table"])
+    print(f"outputs in {result['output_dir']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        from detr_irpe.engine import run_evaluation, run_training
+
+        extra = device_override(args.device)
+        if args.output_dir is not None:
+            extra.append(f"train.output_dir={args.output_dir}")
+        cfg = load_config_from_args(args, extra)
+        if args.eval_only:
+            output_dir = Path(cfg.train.output_dir)
+            result = run_evaluation(cfg, _eval_weights(args, output_dir), output_dir / "eval",
+                                    progress=not args.no_progress)
+        else:
+            result = run_training(cfg, resume=args.resume, finetune=args.finetune,
+                                  progress=not args.no_progress)
+        _print_result(result)
+        return 0
+
+    return run_main(body)
+
+
+__all__ = ["build_parser", "device_override", "main"]
+
+
+if __name__ == "__main__":  # python -m detr_irpe.cli.train (the ablation scheduler, torchrun -m)
+    raise SystemExit(main())
