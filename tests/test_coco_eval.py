@@ -21,7 +21,13 @@ from pycocotools.cocoeval import COCOeval
 from detr_irpe.config import DataConfig
 from detr_irpe.data import build_dataloader, build_dataset
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
-from detr_irpe.evaluation import COCO_STAT_NAMES, CocoEvaluator, evaluate_predictions
+from detr_irpe.errors import DetrIrpeError
+from detr_irpe.evaluation import (
+    COCO_STAT_NAMES,
+    CocoEvaluator,
+    evaluate_predictions,
+    load_pr_arrays,
+)
 
 NUM_IMAGES = 8
 
@@ -70,8 +76,8 @@ def gt_predictions(coco: COCO, shift: float = 0.0, keep_every: int = 1) -> dict[
     return predictions
 
 
-def direct_cocoeval(coco: COCO, predictions: dict[int, dict]) -> list[float]:
-    """pycocotools run by hand on the same detections."""
+def direct_cocoeval_run(coco: COCO, predictions: dict[int, dict]) -> COCOeval:
+    """pycocotools run by hand on the same detections; the accumulated COCOeval."""
     results = []
     for image_id, p in predictions.items():
         for box, score, label in zip(p["boxes"].tolist(), p["scores"].tolist(), p["labels"].tolist()):
@@ -83,7 +89,11 @@ def direct_cocoeval(coco: COCO, predictions: dict[int, dict]) -> list[float]:
         coco_eval.evaluate()
         coco_eval.accumulate()
         coco_eval.summarize()
-    return [float(v) for v in coco_eval.stats]
+    return coco_eval
+
+
+def direct_cocoeval(coco: COCO, predictions: dict[int, dict]) -> list[float]:
+    return [float(v) for v in direct_cocoeval_run(coco, predictions).stats]
 
 
 def test_ground_truth_as_predictions_is_perfect() -> None:
@@ -108,6 +118,51 @@ def test_perturbed_predictions_match_cocoeval(shift: float, keep_every: int) -> 
     # The per-class table's mean is the overall AP.
     per_class = [row["AP"] for row in summary["per_class"] if row["AP"] >= 0]
     assert np.mean(per_class) == pytest.approx(summary["AP"], abs=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["pycocotools", "auto"])
+def test_saved_pr_arrays_equal_cocoeval_eval_dict(tmp_path: Path, backend: str) -> None:
+    coco = make_gt()
+    predictions = gt_predictions(coco, shift=4.0, keep_every=2)
+    evaluator = CocoEvaluator(coco, backend=backend)
+    evaluator.update(predictions)
+    evaluator.synchronize()
+    written = evaluator.save_pr_arrays(tmp_path / "eval" / "precision.npz")
+    assert written == tmp_path / "eval" / "precision.npz"
+    assert [p.name for p in written.parent.iterdir()] == ["precision.npz"]  # no temp file left
+    expected = direct_cocoeval_run(coco, predictions)
+    arrays = load_pr_arrays(tmp_path)  # a run folder: finds eval/precision.npz
+    T, R, K, A, M = 10, 101, 3, 4, 3
+    assert arrays["precision"].shape == (T, R, K, A, M)
+    assert arrays["recall"].shape == (T, K, A, M)
+    for key in ("precision", "recall", "scores"):
+        np.testing.assert_allclose(arrays[key], expected.eval[key], rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(arrays["iouThrs"], expected.params.iouThrs)
+    np.testing.assert_array_equal(arrays["recThrs"], expected.params.recThrs)
+    assert arrays["catIds"].tolist() == [1, 3, 7]
+    assert arrays["catNames"].tolist() == ["one", "three", "seven"]
+    assert arrays["areaRngLbl"].tolist() == ["all", "small", "medium", "large"]
+    np.testing.assert_array_equal(arrays["areaRng"], np.asarray(expected.params.areaRng))
+    assert arrays["maxDets"].tolist() == [1, 10, 100]
+    np.testing.assert_allclose(arrays["stats"], expected.stats, rtol=0, atol=1e-12)
+    assert str(arrays["backend"]) == evaluator.backend
+
+
+def test_save_pr_arrays_into_a_folder_and_bad_files(tmp_path: Path) -> None:
+    coco = make_gt()
+    evaluator = CocoEvaluator(coco)
+    evaluator.update(gt_predictions(coco, shift=2.0))
+    # No explicit synchronize: saving evaluates first.
+    assert evaluator.save_pr_arrays(tmp_path) == tmp_path / "precision.npz"
+    assert load_pr_arrays(tmp_path / "precision.npz")["precision"].shape[2] == 3
+    with pytest.raises(DetrIrpeError, match="no precision arrays"):
+        load_pr_arrays(tmp_path / "missing")
+    (tmp_path / "broken.npz").write_text("not a zip")
+    with pytest.raises(DetrIrpeError, match="not a readable"):
+        load_pr_arrays(tmp_path / "broken.npz")
+    np.savez(tmp_path / "other.npz", precision=np.zeros(3))
+    with pytest.raises(DetrIrpeError, match="lacks"):
+        load_pr_arrays(tmp_path / "other.npz")
 
 
 def test_per_class_table() -> None:

@@ -1,24 +1,25 @@
-"""COCO box evaluation with pycocotools, gathered across processes, with per-class AP.
+"""COCO box evaluation, gathered across processes, with per-class AP and the PR arrays.
 
 Usage (every process)::
 
-    evaluator = CocoEvaluator(dataset.coco)
+    evaluator = CocoEvaluator(dataset.coco)  # backend="auto": faster-coco-eval if installed
     for images, targets in loader:
         ...
         evaluator.update({int(t["image_id"]): p for t, p in zip(targets, predictions)})
     evaluator.synchronize()          # collective: gathers from all ranks, rank 0 evaluates
     summary = evaluator.summarize()  # the same dict on every rank
+    evaluator.save_pr_arrays(run_dir / "eval" / "precision.npz")  # rank 0 writes
 
 Predictions are ``{"scores" (N,), "labels" (N,) category ids, "boxes" (N, 4)
 absolute xyxy in the original image size}`` per image id. Only the images that
 were updated are evaluated; an image reported twice (``DistributedSampler``
-pads the last batch with repeats) counts once.
+pads the last batch with repeats) counts once. The COCOeval implementation is
+chosen in :mod:`detr_irpe.evaluation.backends`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -30,8 +31,14 @@ from typing import Any
 import numpy as np
 import torch
 from pycocotools.coco import COCO
-from pycocotools.cocoeval import COCOeval
 
+from detr_irpe.evaluation.backends import (
+    CocoEvalRun,
+    ground_truth_for,
+    resolve_backend,
+    run_cocoeval,
+)
+from detr_irpe.evaluation.pr_arrays import pr_arrays_from_cocoeval, save_pr_arrays
 from detr_irpe.utils.dist import all_gather_object, get_rank, is_dist
 
 logger = logging.getLogger(__name__)
@@ -92,19 +99,24 @@ class CocoEvaluator:
     Args:
         coco_gt: the ground truth (``dataset.coco``).
         iou_type: only ``"bbox"`` is supported.
+        backend: ``"auto"`` (faster-coco-eval when installed, else pycocotools),
+            ``"pycocotools"`` or ``"faster"``.
     """
 
-    def __init__(self, coco_gt: COCO, iou_type: str = "bbox") -> None:
+    def __init__(self, coco_gt: COCO, iou_type: str = "bbox", backend: str = "auto") -> None:
         if iou_type != "bbox":
             raise ValueError(f"iou_type {iou_type!r} is not supported; only 'bbox'")
         self.coco_gt = coco_gt
         self.iou_type = iou_type
+        self.backend = resolve_backend(backend)
+        self._backend_gt: Any = None  # coco_gt as the backend's COCO class, built on first use
         self.category_ids = sorted(coco_gt.getCatIds())
         self._valid = set(self.category_ids)
         # image id -> its result entries; the first report of an image wins.
         self.results: dict[int, list[dict[str, Any]]] = {}
         self.num_dropped_labels = 0
-        self.coco_eval: COCOeval | None = None
+        self.coco_eval: Any = None  # the backend's COCOeval after an evaluation on this process
+        self.pr_arrays: dict[str, np.ndarray] | None = None
         self._summary: dict[str, Any] | None = None
 
     def update(self, predictions: Mapping[int, Prediction]) -> None:
@@ -158,43 +170,27 @@ class CocoEvaluator:
     def _evaluate(self) -> dict[str, Any]:
         image_ids = self.image_ids
         detections = [entry for image_id in image_ids for entry in self.results[image_id]]
-        coco_dt = self._load_results(detections)
-        coco_eval = COCOeval(self.coco_gt, coco_dt, self.iou_type)
-        coco_eval.params.imgIds = image_ids
-        output = io.StringIO()
-        with contextlib.redirect_stdout(output):
-            coco_eval.evaluate()
-            coco_eval.accumulate()
-            coco_eval.summarize()
-        self.coco_eval = coco_eval
-        stats = [float(v) for v in coco_eval.stats]
-        summary: dict[str, Any] = {"stats": stats}
-        summary.update(zip(COCO_STAT_NAMES, stats))
-        summary["per_class"] = self._per_class(coco_eval)
+        if self._backend_gt is None:
+            self._backend_gt = ground_truth_for(self.coco_gt, self.backend)
+        run: CocoEvalRun = run_cocoeval(
+            self._backend_gt, detections, image_ids, self.backend, self.iou_type
+        )
+        self.coco_eval = run.coco_eval
+        names = {cat_id: str(cat.get("name", cat_id)) for cat_id, cat in self.coco_gt.cats.items()}
+        self.pr_arrays = pr_arrays_from_cocoeval(run.coco_eval, names, run.stats, run.backend)
+        summary: dict[str, Any] = {"stats": run.stats}
+        summary.update(zip(COCO_STAT_NAMES, run.stats))
+        summary["per_class"] = self._per_class(run.coco_eval)
         summary["num_images"] = len(image_ids)
         summary["num_detections"] = len(detections)
+        summary["backend"] = run.backend
         logger.info(
-            "COCO bbox evaluation on %d images, %d detections:\n%s",
-            len(image_ids), len(detections), output.getvalue().rstrip(),
+            "COCO bbox evaluation (%s) on %d images, %d detections:\n%s",
+            run.backend, len(image_ids), len(detections), run.text,
         )
         return summary
 
-    def _load_results(self, detections: list[dict[str, Any]]) -> COCO:
-        if detections:
-            with contextlib.redirect_stdout(io.StringIO()):
-                return self.coco_gt.loadRes(detections)
-        # pycocotools' loadRes cannot take an empty list: build the empty result set directly.
-        coco_dt = COCO()
-        coco_dt.dataset = {
-            "images": list(self.coco_gt.dataset.get("images", [])),
-            "categories": list(self.coco_gt.dataset.get("categories", [])),
-            "annotations": [],
-        }
-        with contextlib.redirect_stdout(io.StringIO()):
-            coco_dt.createIndex()
-        return coco_dt
-
-    def _per_class(self, coco_eval: COCOeval) -> list[dict[str, Any]]:
+    def _per_class(self, coco_eval: Any) -> list[dict[str, Any]]:
         # precision: (iou thresholds, recall thresholds, categories, area ranges, max dets);
         # area "all" is index 0 and maxDets 100 the last, as for the overall AP.
         precision = coco_eval.eval["precision"]
@@ -241,6 +237,20 @@ class CocoEvaluator:
             lines.append(f"| | **mean** | {mean_ap:.1f} | {mean_ap50:.1f} |")
         return "\n".join(lines)
 
+    def save_pr_arrays(self, path: str | Path) -> Path | None:
+        """Write the last evaluation's precision / recall arrays to ``path`` (atomically).
+
+        ``path`` is a ``.npz`` file or a folder (``precision.npz`` inside it); the
+        layout is described in :mod:`detr_irpe.evaluation.pr_arrays`. Under
+        ``torch.distributed`` only rank 0 holds the arrays: it writes and returns the
+        file, other ranks return ``None``. Without an evaluation yet, evaluates first.
+        """
+        if is_dist() and get_rank() != 0:
+            return None
+        if self.pr_arrays is None:
+            self._summary = self._evaluate()
+        return save_pr_arrays(self.pr_arrays, path)
+
     def write_results(self, path: str | Path) -> Path:
         """Write the detections as a COCO results JSON list (atomically: temp file + rename)."""
         path = Path(path)
@@ -258,9 +268,11 @@ class CocoEvaluator:
         return path
 
 
-def evaluate_predictions(coco_gt: COCO, predictions: Mapping[int, Prediction]) -> dict[str, Any]:
+def evaluate_predictions(
+    coco_gt: COCO, predictions: Mapping[int, Prediction], backend: str = "auto"
+) -> dict[str, Any]:
     """Evaluate one process's predictions (no gathering); returns :meth:`CocoEvaluator.summarize`."""
-    evaluator = CocoEvaluator(coco_gt)
+    evaluator = CocoEvaluator(coco_gt, backend=backend)
     evaluator.update(predictions)
     return evaluator.summarize()
 
