@@ -1,5 +1,12 @@
-"""DETR with an iRPE encoder: backbone, transformer, heads, matcher, loss, checkpoints."""
+"""DETR with an iRPE encoder: backbone, transformer, heads, matcher, loss, and building a
+model from a config or from a checkpoint."""
 
+from detr_irpe.checkpoint import (
+    CheckpointError,
+    convert_state_dict,
+    load_checkpoint,
+    read_checkpoint,
+)
 from detr_irpe.models.backbone import Backbone, FrozenBatchNorm2d, Joiner
 from detr_irpe.models.build import (
     build_backbone,
@@ -8,14 +15,9 @@ from detr_irpe.models.build import (
     build_transformer,
     count_parameters,
 )
-from detr_irpe.models.checkpoint import (
-    CheckpointError,
-    convert_state_dict,
-    load_checkpoint,
-    read_checkpoint,
-)
 from detr_irpe.models.criterion import SetCriterion
 from detr_irpe.models.detr import DETR, MLP
+from detr_irpe.models.from_checkpoint import LoadedModel, model_from_checkpoint
 from detr_irpe.models.matcher import HungarianMatcher
 from detr_irpe.models.position_encoding import (
     PositionEmbeddingLearned,
@@ -34,6 +36,7 @@ __all__ = [
     "FrozenBatchNorm2d",
     "HungarianMatcher",
     "Joiner",
+    "LoadedModel",
     "PositionEmbeddingLearned",
     "PositionEmbeddingNone",
     "PositionEmbeddingSine",
@@ -48,5 +51,6 @@ __all__ = [
     "convert_state_dict",
     "count_parameters",
     "load_checkpoint",
+    "model_from_checkpoint",
     "read_checkpoint",
 ]

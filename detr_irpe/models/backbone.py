@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
 
-from detr_irpe.models.checkpoint import CheckpointError, read_checkpoint
+from detr_irpe.checkpoint import CheckpointError, format_keys, read_checkpoint
 from detr_irpe.structures import ImageBatch
 
 logger = logging.getLogger(__name__)
@@ -74,8 +74,11 @@ class FrozenBatchNorm2d(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def _resnet(name: str, weights: str, frozen_bn: bool, dilation: bool) -> torchvision.models.ResNet:
-    """A torchvision ResNet with the requested norm layer, stride and weights."""
+def _resnet(
+    name: str, weights: str | None, frozen_bn: bool, dilation: bool
+) -> torchvision.models.ResNet:
+    """A torchvision ResNet with the requested norm layer, stride and weights
+    (``None``: random, because a checkpoint will be loaded over it)."""
     if name not in _CHANNELS:
         raise ValueError(f"unknown backbone {name!r}; choose one of {', '.join(_CHANNELS)}")
     norm_layer = FrozenBatchNorm2d if frozen_bn else nn.BatchNorm2d
@@ -103,7 +106,9 @@ def _resnet(name: str, weights: str, frozen_bn: bool, dilation: bool) -> torchvi
         block = net.layer4[0]
         block.conv1.stride = (1, 1)
         block.downsample[0].stride = (1, 1)
-    if weights == "none":
+    if weights is None:
+        logger.debug("backbone %s: random start, its weights come from a checkpoint", name)
+    elif weights == "none":
         logger.warning(
             "backbone %s starts from RANDOM weights (model.backbone_weights=none); "
             "set it to 'imagenet' or a state-dict path to start from a pretrained ResNet",
@@ -139,21 +144,19 @@ def _load_local_weights(net: nn.Module, path: Path, name: str) -> None:
     if missing or unexpected or mismatched:
         raise CheckpointError(
             f"model.backbone_weights: {path} is not a {name} state dict: "
-            + _describe("missing", missing)
-            + _describe("unexpected", unexpected)
-            + _describe("shape mismatch", mismatched)
+            + "; ".join(
+                f"{len(keys)} {what} key(s): {format_keys(keys)}"
+                for what, keys in (
+                    ("missing", missing),
+                    ("unexpected", unexpected),
+                    ("shape mismatch", mismatched),
+                )
+                if keys
+            )
         )
     state = {k: v for k, v in state.items() if k in expected and not k.startswith("fc.")}
     net.load_state_dict(state, strict=False)
     logger.info("backbone %s: loaded weights from %s", name, path)
-
-
-def _describe(what: str, keys: list[str]) -> str:
-    if not keys:
-        return ""
-    shown = ", ".join(keys[:10])
-    more = f", ... ({len(keys)} in all)" if len(keys) > 10 else ""
-    return f"{len(keys)} {what} key(s): {shown}{more}; "
 
 
 class Backbone(nn.Module):
@@ -162,17 +165,18 @@ class Backbone(nn.Module):
     Args:
         name: ``resnet18`` | ``resnet34`` | ``resnet50`` | ``resnet101``.
         weights: ``none`` (random init, logged as a warning), ``imagenet``
-            (torchvision weights; may download) or the path of a local state dict.
+            (torchvision weights; may download), the path of a local state dict, or
+            ``None`` (random, quietly: a checkpoint will be loaded over the model).
         frozen_bn: FrozenBatchNorm2d instead of trainable BatchNorm2d.
         dilation: DC5, output stride 16 instead of 32 (see the module docstring).
-        train_backbone: False freezes every backbone parameter (``lr_backbone == 0``).
+        train_backbone: False freezes every backbone parameter.
         freeze_stem: keep the stem and ``layer1`` fixed (DETR recipe).
     """
 
     def __init__(
         self,
         name: str = "resnet50",
-        weights: str = "none",
+        weights: str | None = "none",
         frozen_bn: bool = True,
         dilation: bool = False,
         train_backbone: bool = True,
@@ -191,7 +195,7 @@ class Backbone(nn.Module):
         self.train()
 
     def train(self, mode: bool = True) -> Backbone:
-        # A trainable BatchNorm whose affine parameters are frozen (stem / lr_backbone 0)
+        # A trainable BatchNorm whose affine parameters are frozen (stem / a frozen backbone)
         # stays in eval mode, so that its running statistics stay fixed too.
         super().train(mode)
         for module in self.body.modules():

@@ -8,7 +8,11 @@ What changed:
   (iRPE on the ``H x W`` token grid, or plain attention with ``rpe=None``), so
   the encoder layers also take the grid size ``hw``;
 - post-norm / pre-norm is one ``forward`` with a branch (``_residual``) instead
-  of DETR's duplicated ``forward_post`` / ``forward_pre``.
+  of DETR's duplicated ``forward_post`` / ``forward_pre``;
+- how the iRPE tables start is a choice (``rpe_init``): ``xavier`` is DETR's own
+  parameter reset, which re-initialises every matrix including the tables (the
+  published iRPE-DETR recipe); ``zero`` makes a fresh iRPE model compute exactly the
+  model without iRPE.
 
 Parameter names are DETR's (``self_attn``, ``multihead_attn``, ``linear1``,
 ``linear2``, ``norm1..3``, ``decoder.norm``), so public DETR and iRPE-DETR
@@ -26,6 +30,19 @@ from torch import Tensor, nn
 
 from detr_irpe.irpe import IRPEMultiheadAttention
 from detr_irpe.irpe.config import RPEConfig
+
+RPE_INIT_MODES = ("xavier", "zero")
+
+
+def init_rpe_table(table: Tensor, mode: str) -> None:
+    """Start one iRPE table ``(Hh, D, K)``, ``(Hh, K, D)`` or ``(Hh, K)`` in place:
+    ``xavier`` (``xavier_uniform_`` with torch's fan-in / fan-out for that shape) or ``zero``."""
+    if mode == "xavier":
+        nn.init.xavier_uniform_(table)
+    elif mode == "zero":
+        nn.init.zeros_(table)
+    else:
+        raise ValueError(f"rpe_init must be one of {', '.join(RPE_INIT_MODES)}, got {mode!r}")
 
 
 def _residual(
@@ -208,6 +225,7 @@ class Transformer(nn.Module):
         dropout: dropout of attention weights, residual branches and FFN.
         pre_norm: pre-norm layers (adds ``encoder.norm``); default post-norm.
         rpe: iRPE of the encoder self-attention (model-zoo string, RPEConfig or None).
+        rpe_init: how the iRPE tables start: ``xavier`` (the reference recipe) or ``zero``.
     """
 
     def __init__(
@@ -220,8 +238,13 @@ class Transformer(nn.Module):
         dropout: float = 0.1,
         pre_norm: bool = False,
         rpe: RPEConfig | str | None = None,
+        rpe_init: str = "xavier",
     ) -> None:
         super().__init__()
+        if rpe_init not in RPE_INIT_MODES:
+            raise ValueError(
+                f"rpe_init must be one of {', '.join(RPE_INIT_MODES)}, got {rpe_init!r}"
+            )
         self.encoder = TransformerEncoder(
             [
                 TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, pre_norm, rpe)
@@ -238,13 +261,18 @@ class Transformer(nn.Module):
         )
         self.d_model = d_model
         self.nhead = nhead
+        self.rpe_init = rpe_init
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        # DETR: xavier_uniform on every matrix. The iRPE tables are excluded: they
-        # start at zero so that a fresh iRPE model equals the model without iRPE.
+        # DETR: xavier_uniform on every matrix, which in DETR-with-iRPE includes the
+        # iRPE tables; rpe_init="zero" keeps them at zero instead.
         for name, param in self.named_parameters():
-            if param.dim() > 1 and "rpe_" not in name and "lookup_table" not in name:
+            if param.dim() <= 1:
+                continue
+            if "lookup_table" in name:
+                init_rpe_table(param, self.rpe_init)
+            else:
                 nn.init.xavier_uniform_(param)
 
     def forward(

@@ -1,0 +1,309 @@
+"""Key layouts of DETR state dicts: recognising them, describing them, converting them.
+
+This project's key layout *is* the public one: facebookresearch/detr files and the
+iRPE-DETR model-zoo files load without renaming (``transformer.encoder.layers.N.
+self_attn.rpe_k.lookup_table_weight`` are the iRPE tables). What differs between
+files is the container (see :mod:`detr_irpe.checkpoint.files`), a ``module.``
+prefix from DDP, and Hugging Face's names (converted in :mod:`detr_irpe.checkpoint.hf`).
+
+:func:`architecture` reads the model settings a state dict implies (hidden size,
+layer counts, backbone, iRPE tables, ...), so that a checkpoint that does not fit a
+model is reported as "model.hidden_dim: checkpoint 256, model 128", not as a list of
+shapes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+from detr_irpe.errors import CheckpointError
+
+HEAD_KEYS = ("class_embed.weight", "class_embed.bias")
+
+# ResNet stage-3 block counts: they tell the depth apart within one block type.
+_RESNETS = {
+    ("basic", 2): "resnet18",
+    ("basic", 6): "resnet34",
+    ("bottleneck", 6): "resnet50",
+    ("bottleneck", 23): "resnet101",
+}
+
+
+def is_rpe_key(key: str) -> bool:
+    """True for the iRPE lookup tables, e.g. ``...self_attn.rpe_k.lookup_table_weight``."""
+    return ".rpe_" in key or key.startswith("rpe_")
+
+
+def is_hf_layout(state: Mapping[str, Any]) -> bool:
+    """A quick test for Hugging Face ``DetrForObjectDetection`` names (``model.backbone...``,
+    ``class_labels_classifier``); this project's keys never start with them."""
+    return any(k.startswith(("model.", "class_labels_classifier.")) for k in state)
+
+
+def layout_of(state: Mapping[str, Any]) -> str:
+    """``irpe_detr`` when the state dict has iRPE tables, else ``detr``."""
+    return "irpe_detr" if any(is_rpe_key(k) for k in state) else "detr"
+
+
+def strip_ddp_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Remove the ``module.`` prefix a DistributedDataParallel wrapper adds to every key."""
+    if state and all(k.startswith("module.") for k in state):
+        return {k.removeprefix("module."): v for k, v in state.items()}
+    return state
+
+
+# ------------------------------------------------------------------- what a layout implies
+def _layer_count(state: Mapping[str, Tensor], prefix: str) -> int:
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    ids = {int(m.group(1)) for k in state if (m := pattern.match(k))}
+    return max(ids) + 1 if ids else 0
+
+
+def _backbone_name(state: Mapping[str, Tensor]) -> str | None:
+    body = "backbone.0.body."
+    if not any(k.startswith(body) for k in state):
+        return None
+    block = "bottleneck" if f"{body}layer1.0.conv3.weight" in state else "basic"
+    depth = _layer_count(state, f"{body}layer3.")
+    return _RESNETS.get((block, depth), f"a {block}-block ResNet with {depth} layer3 blocks")
+
+
+def _first_shape(state: Mapping[str, Tensor], keys: tuple[str, ...], dim: int) -> int | None:
+    for key in keys:
+        if key in state:
+            return int(state[key].shape[dim])
+    return None
+
+
+def _rpe_tables(state: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
+    """The iRPE tables of the first encoder layer that has them: ``{name: shape}``."""
+    pattern = re.compile(r"transformer\.encoder\.layers\.(\d+)\.self_attn\.(.+)")
+    tables: dict[int, dict[str, tuple[int, ...]]] = {}
+    for key, value in state.items():
+        match = pattern.match(key)
+        if match and is_rpe_key(key):
+            tables.setdefault(int(match.group(1)), {})[match.group(2)] = tuple(value.shape)
+    return tables[min(tables)] if tables else {}
+
+
+def architecture(state: Mapping[str, Tensor]) -> dict[str, Any]:
+    """The model settings a DETR state dict implies, keyed by their config names.
+
+    Settings a state dict does not show (``model.nheads`` without per-head tables,
+    ``model.dilation``) are absent; ``model.rpe`` is the ``{table: shape}`` dict of
+    one encoder layer (empty without iRPE).
+    """
+    facts: dict[str, Any] = {
+        "model.backbone": _backbone_name(state),
+        "model.hidden_dim": _first_shape(
+            state, ("query_embed.weight", "transformer.decoder.norm.weight"), -1
+        ),
+        "model.num_queries": _first_shape(state, ("query_embed.weight",), 0),
+        "model.enc_layers": _layer_count(state, "transformer.encoder.layers."),
+        "model.dec_layers": _layer_count(state, "transformer.decoder.layers."),
+        "model.dim_feedforward": _first_shape(
+            state,
+            ("transformer.encoder.layers.0.linear1.weight",
+             "transformer.decoder.layers.0.linear1.weight"),
+            0,
+        ),
+        "model.pre_norm": "transformer.encoder.norm.weight" in state,
+        "model.position_embedding": (
+            "learned" if "backbone.1.row_embed.weight" in state else "sine or none"
+        ),
+        "model.rpe": _rpe_tables(state),
+    }
+    if HEAD_KEYS[1] in state:
+        facts["model.num_classes"] = int(state[HEAD_KEYS[1]].shape[0]) - 1
+    return {k: v for k, v in facts.items() if v is not None}
+
+
+def _bucket_axis(name: str, ndim: int) -> int:
+    """The K axis of a table: ``(Hh, D, K)`` for q/k, ``(Hh, K, D)`` for v, ``(Hh, K)`` bias."""
+    return 1 if ndim == 2 or name.startswith("rpe_v") else 2
+
+
+def _rpe_difference(saved: dict[str, tuple], model: dict[str, tuple]) -> str:
+    """Which setting explains differing iRPE tables: the rpe string or the head count."""
+    if set(saved) != set(model):
+        return "model.rpe"
+    for name, shape in saved.items():
+        axis = _bucket_axis(name, len(shape))
+        if len(shape) != len(model[name]) or shape[axis] != model[name][axis]:
+            return "model.rpe"  # another mode or another bucket count (ratio / method)
+        if shape[0] != model[name][0] and 1 in (shape[0], model[name][0]):
+            return "model.rpe"  # shared_head differs
+    return "model.nheads"  # same buckets, other per-head width or head count
+
+
+def _show(key: str, value: Any) -> str:
+    if key == "model.rpe":
+        return "; ".join(f"{k} {v}" for k, v in sorted(value.items())) or "no iRPE tables"
+    return str(value)
+
+
+def explain_mismatch(
+    saved: Mapping[str, Tensor], model: Mapping[str, Tensor]
+) -> list[tuple[str, str, str]]:
+    """The config keys whose values differ between a checkpoint and a model.
+
+    Returns:
+        ``[(config key, checkpoint value, model value), ...]``. A different hidden size
+        changes every table's shape too, so the iRPE tables are only blamed when the
+        hidden size agrees; a different per-head width with the same buckets is
+        ``model.nheads``.
+    """
+    a, b = architecture(saved), architecture(model)
+    out = []
+    for key in a.keys() & b.keys():
+        if a[key] == b[key]:
+            continue
+        if key == "model.rpe":
+            if a.get("model.hidden_dim") != b.get("model.hidden_dim"):
+                continue
+            if a[key] and b[key]:
+                key_name = _rpe_difference(a[key], b[key])
+                out.append((key_name, _show("model.rpe", a[key]), _show("model.rpe", b[key])))
+                continue
+        out.append((key, _show(key, a[key]), _show(key, b[key])))
+    order = list(a)
+    return sorted(out, key=lambda item: order.index(item[0]) if item[0] in order else len(order))
+
+
+# ------------------------------------------------------------------------- conversion
+def resize_class_head(state: dict[str, Tensor], num_classes: int) -> str | None:
+    """Resize the class head in place to ``num_classes + 1`` outputs.
+
+    Rows of class ids ``< min(old, new)`` and the "no object" row (last) are kept;
+    new rows get ``nn.Linear``'s default initialisation. Returns a note, or None when
+    the head already has that size.
+    """
+    weight, bias = state.get(HEAD_KEYS[0]), state.get(HEAD_KEYS[1])
+    if weight is None or bias is None:
+        raise CheckpointError("no class_embed.weight/bias in the state dict to resize")
+    old = weight.shape[0] - 1
+    if old == num_classes:
+        return None
+    fresh = nn.Linear(weight.shape[1], num_classes + 1)
+    keep = min(old, num_classes)
+    new_w, new_b = fresh.weight.detach().clone(), fresh.bias.detach().clone()
+    new_w[:keep], new_b[:keep] = weight[:keep], bias[:keep]
+    new_w[-1], new_b[-1] = weight[-1], bias[-1]
+    state[HEAD_KEYS[0]], state[HEAD_KEYS[1]] = new_w.to(weight.dtype), new_b.to(bias.dtype)
+    return f"class head resized from {old} to {num_classes} classes (kept rows 0..{keep - 1} and no-object)"
+
+
+def _encoder_attention_prefixes(state: Mapping[str, Tensor]) -> list[str]:
+    suffix = ".self_attn.in_proj_weight"
+    prefixes = sorted(
+        k[: -len(suffix)]
+        for k in state
+        if k.startswith("transformer.encoder.layers.") and k.endswith(suffix)
+    )
+    if not prefixes:
+        raise CheckpointError("no encoder self-attention found (transformer.encoder.layers.*)")
+    return prefixes
+
+
+def _new_tables(d_model: int, nheads: int, rpe: Any, rpe_init: str) -> dict[str, Tensor]:
+    """Fresh tables of one encoder attention, started as a new model's (``rpe_init``)."""
+    from detr_irpe.irpe import IRPEMultiheadAttention
+    from detr_irpe.models.transformer import init_rpe_table
+
+    attention = IRPEMultiheadAttention(d_model, nheads, rpe=rpe)
+    tables = {}
+    for name, param in attention.named_parameters():
+        if is_rpe_key(name):
+            init_rpe_table(param, rpe_init)
+            tables[name] = param.detach().clone()
+    return tables
+
+
+def add_rpe_tables(
+    state: dict[str, Tensor], rpe: str, *, nheads: int = 8, rpe_init: str = "xavier"
+) -> tuple[dict[str, Tensor], str | None]:
+    """Add iRPE tables of setting ``rpe`` to every encoder layer of a state dict without.
+
+    Each layer gets its own fresh tables, started as ``rpe_init`` says (``xavier``: as
+    a new model of the reference recipe; ``zero``: the model then computes exactly the
+    plain DETR). Tables sit right after each attention's ``out_proj.bias``, the public
+    key order. Returns the new state dict and a note (None for ``rpe="none"``).
+    """
+    from detr_irpe.irpe.config import parse_rpe
+
+    rpe_cfg = parse_rpe(rpe)
+    if rpe_cfg is None:
+        return state, None
+    existing = sorted(k for k in state if is_rpe_key(k))
+    if existing:
+        raise CheckpointError(
+            f"the state dict already has iRPE tables ({', '.join(existing[:3])}); --rpe only "
+            "adds tables to a checkpoint without them"
+        )
+    prefixes = _encoder_attention_prefixes(state)
+    d_model = state[prefixes[0] + ".self_attn.in_proj_weight"].shape[1]
+    if d_model % nheads:
+        raise CheckpointError(f"d_model {d_model} is not divisible by nheads {nheads}")
+    tables = {p: _new_tables(d_model, nheads, rpe_cfg, rpe_init) for p in prefixes}
+    anchors = {f"{p}.self_attn.out_proj.bias": p for p in prefixes}
+    ordered: dict[str, Tensor] = {}
+    for key, value in state.items():
+        ordered[key] = value
+        if key in anchors:
+            for name, table in tables[anchors[key]].items():
+                ordered[f"{anchors[key]}.self_attn.{name}"] = table
+    for prefix in prefixes:  # layers without out_proj.bias (unusual): append
+        for name, table in tables[prefix].items():
+            ordered.setdefault(f"{prefix}.self_attn.{name}", table)
+    names = ", ".join(sorted(tables[prefixes[0]]))
+    return ordered, f"added {rpe_init} {rpe_cfg} tables ({names}) to {len(prefixes)} encoder layers"
+
+
+def convert_state_dict(
+    state: Mapping[str, Tensor],
+    *,
+    num_classes: int | None = None,
+    rpe: str | None = None,
+    nheads: int = 8,
+    rpe_init: str = "xavier",
+) -> tuple[dict[str, Tensor], list[str]]:
+    """Offline conversion of a (public) DETR state dict to a target layout.
+
+    Args:
+        state: the checkpoint's state dict (not modified).
+        num_classes: resize the class head (see :func:`resize_class_head`).
+        rpe: add iRPE tables of this setting (see :func:`add_rpe_tables`);
+            ``None`` / ``"none"`` adds nothing.
+        nheads: attention heads of the model (not stored in a state dict);
+            needed for per-head / contextual table shapes.
+        rpe_init: how added tables start: ``xavier`` or ``zero``.
+
+    Returns:
+        the converted state dict and a list of human-readable notes.
+    """
+    out = dict(state)
+    notes = []
+    if num_classes is not None:
+        notes.append(resize_class_head(out, num_classes))
+    if rpe is not None:
+        out, note = add_rpe_tables(out, rpe, nheads=nheads, rpe_init=rpe_init)
+        notes.append(note)
+    return out, [n for n in notes if n]
+
+
+__all__ = [
+    "HEAD_KEYS",
+    "add_rpe_tables",
+    "architecture",
+    "convert_state_dict",
+    "explain_mismatch",
+    "is_hf_layout",
+    "is_rpe_key",
+    "layout_of",
+    "resize_class_head",
+    "strip_ddp_prefix",
+]

@@ -1,0 +1,59 @@
+"""Published checkpoints: file names and download addresses, kept in this one place.
+
+Used by ``hubconf.py`` (``torch.hub.load(..., pretrained=True)``) and named in the docs.
+Nothing in the package downloads these on its own.
+
+- DETR-R50 (facebookresearch/detr model zoo, 500 epochs, 42.0 AP on COCO val2017).
+- DETR-R50 with iRPE ``rpe-2.0-product-ctx-1-k`` (the iRPE paper's model zoo, 150 and
+  300 epochs, 41.0 / 42.2 AP), and ``rpe-1.9-product-ctx-1-k`` (150 epochs, 40.9 AP).
+
+``check_hash``: the DETR file name ends in the first hex digits of its SHA-256, which
+``torch.hub`` verifies; the iRPE file names carry no hash, so they are not verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One published checkpoint: the config it matches, its address and whether its file
+    name carries a SHA-256 prefix that ``torch.hub`` can check."""
+
+    config: str
+    url: str
+    check_hash: bool
+
+    @property
+    def file_name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+
+_IRPE_RELEASE = "https://github.com/wkcn/iRPE-model-zoo/releases/download/1.0"
+
+ZOO: dict[str, ZooEntry] = {
+    "detr_r50": ZooEntry(
+        "detr_r50", "https://dl.fbaipublicfiles.com/detr/detr-r50-e632da11.pth", True
+    ),
+    "detr_r50_irpe/rpe-2.0-product-ctx-1-k": ZooEntry(
+        "detr_r50_irpe", f"{_IRPE_RELEASE}/rpe-2.0-product-ctx-1-k.pth", False
+    ),
+    "detr_r50_irpe/rpe-2.0-product-ctx-1-k/300e": ZooEntry(
+        "detr_r50_irpe_300e", f"{_IRPE_RELEASE}/rpe-2.0-product-ctx-1-k_300epochs.pth", False
+    ),
+    "detr_r50_irpe/rpe-1.9-product-ctx-1-k": ZooEntry(
+        "detr_r50_irpe_1.9", f"{_IRPE_RELEASE}/rpe-1.9-product-ctx-1-k.pth", False
+    ),
+}
+
+
+def zoo_entry(name: str) -> ZooEntry:
+    """The entry called ``name``; a KeyError lists the names there are."""
+    try:
+        return ZOO[name]
+    except KeyError:
+        raise KeyError(f"no published checkpoint {name!r}; there are: {', '.join(ZOO)}") from None
+
+
+__all__ = ["ZOO", "ZooEntry", "zoo_entry"]
