@@ -105,6 +105,23 @@ class MetricTracker:
     def format(self, names: list[str] | None = None) -> str:
         return "  ".join(f"{k} {v:.4f}" for k, v in self.recent(names).items())
 
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Running sums and windows of every series (plain types, for a checkpoint), so
+        that an epoch resumed in the middle averages over all of its steps."""
+        return {
+            name: {"total": m.total, "count": m.count, "window": list(m.window)}
+            for name, m in self.meters.items()
+        }
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        self.meters = {}
+        for name, saved in state.items():
+            meter = SmoothedValue(self.window)
+            meter.window.extend(float(v) for v in saved["window"])
+            meter.total = float(saved["total"])
+            meter.count = int(saved["count"])
+            self.meters[name] = meter
+
 
 class JsonLinesLog:
     """DETR's ``log.txt``: one JSON object per epoch, appended and flushed."""
