@@ -30,7 +30,8 @@ def test_defaults_are_the_irpe_recipe() -> None:
 def test_repo_configs_and_inheritance() -> None:
     plain = load_config("detr_r50")
     assert plain.model.rpe == "none" and plain.model.backbone_weights == "imagenet"
-    assert (plain.train.epochs, plain.train.lr_drop, plain.model.num_classes) == (150, 100, 91)
+    # The class count comes from the annotations (91 for COCO), never pinned by a config.
+    assert (plain.train.epochs, plain.train.lr_drop, plain.model.num_classes) == (150, 100, None)
     irpe = load_config("detr_r50_irpe.yaml")
     assert irpe.model.rpe == "rpe-2.0-product-ctx-1-k"
     assert irpe.train.epochs == 150 and irpe.data.root == plain.data.root
