@@ -1,0 +1,124 @@
+"""The package as a user installs it: a wheel built from the sources (``pip install .``,
+not editable) into a fresh virtual environment, used from a folder outside the
+repository. The environment reuses this interpreter's installed torch and other
+dependencies through a ``.pth`` file, so nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+from detr_irpe.config import CONFIG_DIR
+
+# Every console script setup.cfg declares, and the module whose main() it calls.
+CONSOLE_SCRIPTS = {
+    f"detr-irpe-{name}": f"detr_irpe.cli.{name}:main"
+    for name in ("train", "eval", "predict", "visualize", "export", "convert", "ablate")
+}
+# What a wheel is built from (the same files as a source distribution holds).
+_SOURCES = ("detr_irpe", "setup.cfg", "pyproject.toml", "README.md", "LICENSE")
+
+
+def _run(command: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PIP_NO_INDEX"] = "1"  # never the network
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, command))} exited {result.returncode}:\n"
+        f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
+    return result
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from a copy of the sources (the build writes nothing into the checkout)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in _SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif path.is_file():
+            shutil.copy2(path, src / name)
+    out = tmp / "dist"
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+          "--no-index", "-q", "-w", str(out), str(src)], cwd=tmp)
+    (built,) = out.glob("detr_irpe-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``bin/`` of a fresh virtual environment with the wheel installed (not editable)."""
+    env_dir = tmp_path_factory.mktemp("venv") / "env"
+    venv.create(env_dir, with_pip=False, symlinks=True)
+    python = env_dir / "bin" / "python"
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                     cwd=env_dir).stdout.strip())
+    # This interpreter's packages (torch, ...) after the environment's own: the wheel's
+    # detr_irpe comes first, and the editable install's hook here is not run (a directory
+    # added by a .pth file is not a site directory, so its own .pth files are skipped).
+    outer = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (site / "outer_site_packages.pth").write_text("\n".join(sorted(outer)) + "\n")
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+          "--no-index", "-q", str(wheel)], cwd=env_dir)
+    return env_dir / "bin"
+
+
+def test_wheel_ships_every_config_and_grid(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        entries = archive.read(entry_points).decode()
+    shipped = {f"detr_irpe/configs/{p.relative_to(CONFIG_DIR).as_posix()}"
+               for p in CONFIG_DIR.rglob("*.yaml")}
+    assert any("/ablations/" in name for name in shipped)
+    assert shipped <= names, sorted(shipped - names)
+    assert "detr_irpe/cli/common.py" in names
+    for script, target in CONSOLE_SCRIPTS.items():
+        assert f"{script} = {target}" in entries
+
+
+def test_installed_package_runs_from_any_folder(installed: Path, tmp_path: Path) -> None:
+    """Not editable: the package, its configs and grids come from the environment, and
+    the console script answers from a folder that is not the repository."""
+    python = installed / "python"
+    probe = _run([str(python), "-c",
+                  "import detr_irpe, detr_irpe.config as c\n"
+                  "print(detr_irpe.__file__)\n"
+                  "print(c.load_config('detr_r50_irpe').model.rpe)\n"
+                  "print((c.CONFIG_DIR / 'ablations' / 'demo_methods.yaml').is_file())"],
+                 cwd=tmp_path)
+    location, rpe, grid_found = probe.stdout.split()
+    assert Path(location).is_relative_to(installed.parent), location
+    assert not Path(location).is_relative_to(ROOT)
+    assert rpe == "rpe-2.0-product-ctx-1-k" and grid_found == "True"
+    help_text = _run([str(installed / "detr-irpe-train"), "--help"], cwd=tmp_path).stdout
+    assert "--config" in help_text and "--set" in help_text
+
+
+# Building, installing and one epoch together take about a minute on 2 busy cores: the
+# default run keeps the build, install and --help checks above.
+@pytest.mark.slow
+def test_console_script_trains_the_tiny_config(installed: Path, tiny_dataset: Path,
+                                               tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _run([str(installed / "detr-irpe-train"), "--config", "synthetic_tiny", "--set",
+          f"data.root={tiny_dataset}", "train.epochs=1", f"train.output_dir={out}",
+          "--no-progress"], cwd=tmp_path, timeout=600)
+    assert (out / "checkpoint_last.pth").is_file()
+    log = (out / "log.txt").read_text().splitlines()
+    assert len(log) == 1 and '"epoch": 0' in log[0]
