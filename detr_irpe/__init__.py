@@ -20,6 +20,7 @@ _LAZY = {
     "ConfigError": "detr_irpe.config",
     "build_model": "detr_irpe.models",
     "load_checkpoint": "detr_irpe.models",
+    "Predictor": "detr_irpe.inference",
 }
 
 

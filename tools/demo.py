@@ -74,12 +74,12 @@ def schedule_for(num_train: int, batch_size: int, steps: int) -> tuple[int, int]
 
 def draw_figures(checkpoint: Path, val_images: list[Path], out: Path, run_dir: Path) -> None:
     """Predictions (always), attention maps and curves (when detr_irpe.visualization has them)."""
-    from detr_irpe.engine.predict import Predictor, predict_files
+    from detr_irpe.inference import Predictor, predict_files
 
     predictor = Predictor.from_checkpoint(checkpoint, device="cpu")
     result = predict_files(predictor, val_images, out / "predictions", score_threshold=0.5)
     print(f"[demo] predictions on {len(val_images)} val images -> {out / 'predictions'} "
-          f"({len(result['detections'])} detections with score >= 0.5)")
+          f"({len(result.detections)} detections with score >= 0.5)")
 
     # --- Hook: attention maps and training curves from detr_irpe.visualization. -----------
     try:

@@ -1,0 +1,26 @@
+"""Inference with a trained DETR: :class:`Predictor` from Python, :func:`predict_files` for
+folders of images (JSON results, drawn images, skipped files listed)."""
+
+from detr_irpe.inference.files import (
+    IMAGE_SUFFIXES,
+    ImageSource,
+    PredictionReport,
+    collect_images,
+    draw_detections,
+    images_from_annotations,
+    predict_files,
+)
+from detr_irpe.inference.predictor import Predictor, resolve_device, to_uint8_image
+
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "ImageSource",
+    "PredictionReport",
+    "Predictor",
+    "collect_images",
+    "draw_detections",
+    "images_from_annotations",
+    "predict_files",
+    "resolve_device",
+    "to_uint8_image",
+]

@@ -1,0 +1,318 @@
+"""Detections for many image files: JSON results, drawn images, and a list of bad files.
+
+A folder of photographs often holds a few files that cannot be read (cut off
+while copying, empty, text saved as ``.jpg``, a header declaring more pixels than
+``data.max_image_pixels``). Each is skipped with its reason and the rest are
+processed; the results file lists the skipped ones.
+
+Two output layouts, both written atomically into the output folder:
+
+- ``detections.json`` (default): an object
+  ``{"detections": [...], "images": [...], "skipped": [...], "categories": [...],
+  "score_threshold": t}``. ``detections`` is a COCO results list (``image_id``,
+  ``category_id``, ``bbox`` ``[x, y, w, h]`` in the image's pixels, ``score``) whose
+  entries also carry ``file_name`` and ``category_name``; ``images`` are
+  ``{"id", "file_name", "height", "width"}`` of every image that was read;
+  ``skipped`` are ``{"id", "file_name", "reason"}``.
+- ``results.json`` (``format_only``): the plain COCO results list and nothing else,
+  what an evaluation server (COCO test-dev) takes; the skipped files go to
+  ``skipped.json``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torchvision.transforms.v2.functional as F
+from torch import Tensor
+from torchvision.utils import draw_bounding_boxes
+
+from detr_irpe.data import ImageReadError, load_image_list, read_image
+from detr_irpe.inference.predictor import Predictor
+
+logger = logging.getLogger(__name__)
+
+# Images smaller than this (shorter side) are drawn enlarged by an integer factor.
+MIN_DRAW_SIZE = 320
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+_PALETTE = (
+    "#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6",
+    "#bfef45", "#fabed4", "#469990", "#dcbeff", "#9a6324", "#800000", "#aaffc3",
+)
+
+
+@dataclass
+class ImageSource:
+    """One image to predict: where it is, the id its results get, the name they record."""
+
+    path: Path
+    image_id: int
+    file_name: str
+
+
+@dataclass
+class PredictionReport:
+    """What :func:`predict_files` did.
+
+    Attributes:
+        detections: the COCO results entries written.
+        images: ``{"id", "file_name", "height", "width"}`` of the images read.
+        skipped: ``{"id", "file_name", "reason"}`` of the images that were not.
+        json: the results file written.
+        drawn: the PNG files written.
+    """
+
+    detections: list[dict[str, Any]] = field(default_factory=list)
+    images: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    json: Path | None = None
+    drawn: list[Path] = field(default_factory=list)
+
+
+def collect_images(inputs: Iterable[str | Path]) -> list[ImageSource]:
+    """Files named by ``inputs``: image files, folders (their images, sorted) or globs.
+
+    ``image_id`` is the 1-based position in the returned list; ``file_name`` the path
+    as found.
+
+    Raises:
+        ImageReadError: an input matches nothing, or no image is found at all.
+    """
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            found += sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        elif path.is_file():
+            found.append(path)
+        else:
+            matches = sorted(Path(m) for m in glob.glob(str(item), recursive=True))
+            matches = [m for m in matches if m.is_file() and m.suffix.lower() in IMAGE_SUFFIXES]
+            if not matches:
+                raise ImageReadError(f"{item}: no such image file, folder or glob match")
+            found += matches
+    unique = list(dict.fromkeys(found))
+    if not unique:
+        raise ImageReadError(f"no images found in {', '.join(map(str, inputs))}")
+    return [ImageSource(path, index + 1, str(path)) for index, path in enumerate(unique)]
+
+
+def images_from_annotations(
+    ann_file: str | Path, images_dir: str | Path, strict: bool = False
+) -> tuple[list[ImageSource], list[dict[str, Any]], dict[int, str]]:
+    """Every image of a COCO file (e.g. ``image_info_test-dev2017.json``), found in ``images_dir``.
+
+    Returns ``(sources, skipped, category names)``: the sources carry the file's image
+    ids and ``file_name`` values; entries whose file is missing or whose name leaves
+    ``images_dir`` are in ``skipped`` (``strict``: a :class:`DatasetError`).
+    """
+    listed = load_image_list(ann_file, images_dir, strict=strict)
+    sources = [ImageSource(Path(images_dir) / entry["file_name"], int(entry["id"]),
+                           str(entry["file_name"])) for entry in listed.images]
+    skipped = [{"id": entry.get("id"), "file_name": entry.get("file_name"), "reason": why}
+               for entry, why in listed.dropped]
+    return sources, skipped, listed.category_names
+
+
+def draw_detections(
+    image: Tensor, detections: Mapping[str, Tensor], names: Mapping[int, str]
+) -> Tensor:
+    """``(3, H, W)`` uint8 image with boxes, ``name score`` labels and per-class colours
+    (enlarged by an integer factor when its shorter side is below ``MIN_DRAW_SIZE``)."""
+    boxes = detections["boxes"]
+    # Small images are enlarged first so that the (fixed-size) label text stays readable.
+    scale = max(1, -(-MIN_DRAW_SIZE // max(min(image.shape[-2:]), 1)))
+    if scale > 1:
+        image = F.resize(image, [image.shape[-2] * scale, image.shape[-1] * scale],
+                         interpolation=F.InterpolationMode.NEAREST)
+        boxes = boxes * scale
+    if len(boxes) == 0:
+        return image
+    labels = [
+        f"{names.get(int(c), f'class {int(c)}')} {float(s):.2f}"
+        for c, s in zip(detections["labels"], detections["scores"])
+    ]
+    colors = [_PALETTE[int(c) % len(_PALETTE)] for c in detections["labels"]]
+    width = max(1, round(min(image.shape[-2:]) / 150))
+    return draw_bounding_boxes(image, boxes, labels=labels, colors=colors, width=width)
+
+
+def write_json_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, so a reader never sees half."""
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(handle, 0o644)  # mkstemp's 0600 would make the results private
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _results_entries(
+    predictor: Predictor, source: ImageSource, det: Mapping[str, Tensor], extra: bool
+) -> list[dict[str, Any]]:
+    entries = []
+    for box, label, score in zip(det["boxes"].tolist(), det["labels"].tolist(),
+                                 det["scores"].tolist()):
+        x1, y1, x2, y2 = box
+        entry: dict[str, Any] = {
+            "image_id": source.image_id,
+            "category_id": int(label),
+            "bbox": [round(x1, 2), round(y1, 2), round(x2 - x1, 2), round(y2 - y1, 2)],
+            "score": round(float(score), 5),
+        }
+        if extra:
+            entry["file_name"] = source.file_name
+            entry["category_name"] = predictor.label(label)
+        entries.append(entry)
+    return entries
+
+
+def _read_batch(
+    chunk: Sequence[ImageSource], max_pixels: int | None, strict: bool,
+    report: PredictionReport,
+) -> list[tuple[ImageSource, Tensor]]:
+    """The readable images of ``chunk``; the others go to ``report.skipped``."""
+    readable = []
+    for source in chunk:
+        try:
+            readable.append((source, read_image(source.path, max_pixels=max_pixels)))
+        except ImageReadError as err:
+            if strict:
+                raise
+            logger.warning("skipping %s: %s", source.path, err)
+            report.skipped.append(
+                {"id": source.image_id, "file_name": source.file_name, "reason": str(err)}
+            )
+    return readable
+
+
+def _draw(
+    predictor: Predictor, image: Tensor, det: Mapping[str, Tensor], source: ImageSource,
+    output_dir: Path, stems: dict[str, int],
+) -> Path:
+    stem = source.path.stem
+    count = stems.get(stem, 0)
+    stems[stem] = count + 1
+    out = output_dir / (f"{stem}.png" if count == 0 else f"{stem}_{count}.png")
+    F.to_pil_image(draw_detections(image, det, predictor.category_names)).save(out)
+    return out
+
+
+def _write_outputs(
+    predictor: Predictor, report: PredictionReport, output_dir: Path, score_threshold: float,
+    format_only: bool,
+) -> None:
+    if format_only:
+        report.json = output_dir / "results.json"
+        write_json_atomic(report.json, "[\n" + ",\n".join(
+            json.dumps(entry) for entry in report.detections) + "\n]\n")
+        write_json_atomic(output_dir / "skipped.json", json.dumps(report.skipped, indent=1) + "\n")
+        return
+    report.json = output_dir / "detections.json"
+    document = {
+        "detections": report.detections,
+        "images": report.images,
+        "skipped": report.skipped,
+        "categories": [{"id": k, "name": v} for k, v in sorted(predictor.category_names.items())],
+        "score_threshold": score_threshold,
+    }
+    # One detection per line: readable, and still one JSON document.
+    body = ",\n".join(
+        f"  {json.dumps(key)}: " + (
+            "[\n" + ",\n".join(f"    {json.dumps(item)}" for item in value) + "\n  ]"
+            if isinstance(value, list) and value else json.dumps(value))
+        for key, value in document.items()
+    )
+    write_json_atomic(report.json, "{\n" + body + "\n}\n")
+
+
+def predict_files(
+    predictor: Predictor,
+    sources: Sequence[ImageSource] | Sequence[Path],
+    output_dir: str | Path,
+    *,
+    score_threshold: float = 0.5,
+    batch_size: int = 4,
+    draw: bool = True,
+    format_only: bool = False,
+    strict: bool = False,
+    skipped: Sequence[Mapping[str, Any]] = (),
+    progress: bool = False,
+) -> PredictionReport:
+    """Detect objects in every image; write the results file (and PNGs) into ``output_dir``.
+
+    Args:
+        predictor: the model.
+        sources: the images (plain paths get ids 1, 2, ... in order).
+        output_dir: created if needed.
+        score_threshold: detections with a lower score are left out.
+        batch_size: images per forward pass.
+        draw: also write ``<stem>.png`` with the boxes drawn (never with ``format_only``).
+        format_only: write the plain results list ``results.json`` (module docstring).
+        strict: the first unreadable image raises :class:`ImageReadError` instead of
+            being skipped.
+        skipped: images already left out by the caller (e.g. missing files of an
+            annotation file), listed with the others.
+        progress: show a progress bar.
+
+    Raises:
+        ImageReadError: no image could be read (the results file is written first, with
+            the reasons), or any could not with ``strict``.
+    """
+    sources = [s if isinstance(s, ImageSource) else ImageSource(Path(s), i + 1, str(s))
+               for i, s in enumerate(sources)]
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    report = PredictionReport(skipped=[dict(item) for item in skipped])
+    stems: dict[str, int] = {}
+    max_pixels = predictor.cfg.data.max_image_pixels
+    batches = [sources[i:i + batch_size] for i in range(0, len(sources), batch_size)]
+    iterator: Iterable = batches
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(batches, desc="predict", unit="batch", disable=None)
+    for chunk in iterator:
+        readable = _read_batch(chunk, max_pixels, strict, report)
+        detections = predictor.detect([image for _, image in readable])
+        for (source, image), det in zip(readable, detections):
+            det = {key: value[det["scores"] >= score_threshold] for key, value in det.items()}
+            report.detections += _results_entries(predictor, source, det, not format_only)
+            report.images.append({"id": source.image_id, "file_name": source.file_name,
+                                  "height": int(image.shape[-2]), "width": int(image.shape[-1])})
+            if draw and not format_only:
+                report.drawn.append(_draw(predictor, image, det, source, output_dir, stems))
+    _write_outputs(predictor, report, output_dir, score_threshold, format_only)
+    logger.info("%d images read, %d skipped, %d detections (score >= %.2f) -> %s",
+                len(report.images), len(report.skipped), len(report.detections),
+                score_threshold, report.json)
+    if not report.images:
+        reasons = "; ".join(f"{s['file_name']}: {s['reason']}" for s in report.skipped[:3])
+        raise ImageReadError(
+            f"none of the {len(report.skipped)} images could be read ({reasons}); "
+            f"the reasons are listed in {report.json}"
+        )
+    return report
+
+
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "ImageSource",
+    "PredictionReport",
+    "collect_images",
+    "draw_detections",
+    "images_from_annotations",
+    "predict_files",
+    "write_json_atomic",
+]

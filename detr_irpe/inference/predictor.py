@@ -1,0 +1,203 @@
+"""Detect objects from Python: a trained DETR behind one call.
+
+::
+
+    from detr_irpe import Predictor
+
+    predictor = Predictor.from_checkpoint("outputs/demo/checkpoint_best.pth")
+    result = predictor("photo.jpg")            # or a PIL image, an array, a tensor, a list
+    for box, name, score in zip(result["boxes"], result["label_names"], result["scores"]):
+        print(name, float(score), box.tolist())   # xyxy in the input's pixels
+
+Images are resized as at evaluation (shorter side ``data.val_size``, longer side
+about ``data.max_size``, the resize rule of :mod:`detr_irpe.data.transforms`) and
+normalised with the ImageNet mean / std; boxes come back in the pixels of the
+image that was passed in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torchvision.transforms.v2.functional as F
+from PIL import Image
+from torch import Tensor, nn
+
+from detr_irpe.config import Config
+from detr_irpe.data.categories import default_category_names
+from detr_irpe.data.images import read_image
+from detr_irpe.data.transforms import IMAGENET_MEAN, IMAGENET_STD, resized_hw
+
+logger = logging.getLogger(__name__)
+
+# What one image may be: a file, a PIL image, an (H, W, 3) uint8 array, or a (3, H, W)
+# tensor (uint8, or float in [0, 1]).
+ImageInput = str | Path | Image.Image | np.ndarray | Tensor
+# Float images may stray this far outside [0, 1] (resampling overshoot) and still be accepted.
+_FLOAT_TOLERANCE = 1e-3
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` / ``"auto"``: the GPU when CUDA is available, else the CPU; else as given."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def to_uint8_image(image: ImageInput, max_pixels: int | None = None) -> Tensor:
+    """Any accepted image kind -> a ``(3, H, W)`` uint8 RGB tensor on the CPU.
+
+    Float tensors in ``[0, 1]`` are scaled by 255 and rounded: the model was trained
+    on 8-bit images, and this makes a float copy of an 8-bit image give exactly the
+    same detections. Paths go through :func:`~detr_irpe.data.images.read_image`
+    (``max_pixels`` checked before decoding).
+    """
+    if isinstance(image, (str, Path)):
+        return read_image(image, max_pixels=max_pixels)
+    if isinstance(image, Image.Image):
+        image = np.asarray(image.convert("RGB"))
+    if isinstance(image, np.ndarray):
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            raise ValueError(
+                f"a NumPy image must be (H, W, 3) uint8 RGB, got shape {image.shape} "
+                f"dtype {image.dtype}"
+            )
+        # A copy: the caller's array stays theirs (and PIL's arrays are read-only).
+        return torch.from_numpy(np.array(image, copy=True)).permute(2, 0, 1).contiguous()
+    if not isinstance(image, Tensor):
+        raise TypeError(
+            f"unsupported image type {type(image).__name__}: pass a path, a PIL image, an "
+            f"(H, W, 3) uint8 array or a (3, H, W) tensor"
+        )
+    if image.dim() != 3 or image.shape[0] != 3:
+        raise ValueError(f"an image tensor must be (3, H, W), got shape {tuple(image.shape)}")
+    image = image.detach().cpu()
+    if image.dtype == torch.uint8:
+        return image
+    if not image.is_floating_point():
+        raise ValueError(f"an image tensor must be uint8 or float in [0, 1], got {image.dtype}")
+    low, high = float(image.min()), float(image.max())
+    if low < -_FLOAT_TOLERANCE or high > 1.0 + _FLOAT_TOLERANCE:
+        raise ValueError(
+            f"a float image tensor must hold values in [0, 1], got [{low:.3g}, {high:.3g}] "
+            f"(an ImageNet-normalised tensor is not accepted: pass the image itself)"
+        )
+    return (image.float() * 255.0).round().clamp(0, 255).to(torch.uint8)
+
+
+class Predictor:
+    """A DETR in eval mode with its config and category names.
+
+    Args:
+        model: the DETR (its weights loaded).
+        cfg: its config; ``data.val_size`` / ``data.max_size`` set the input size.
+        category_names: ``{category id: name}``; ids without a name show as ``class N``.
+        device: where the model runs (None: the GPU when there is one).
+        score_threshold: detections with a lower score are left out.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Config,
+        category_names: Mapping[int, str] | None = None,
+        device: str | torch.device | None = None,
+        score_threshold: float = 0.7,
+    ) -> None:
+        self.device = resolve_device(device)
+        self.model = model.to(self.device).eval()
+        self.cfg = cfg
+        self.category_names = {int(k): str(v) for k, v in (category_names or {}).items()}
+        self.score_threshold = float(score_threshold)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        device: str | torch.device | None = None,
+        score_threshold: float = 0.7,
+        config: str | Path | Config | None = None,
+        overrides: Sequence[str] = (),
+    ) -> Predictor:
+        """Load any checkpoint :func:`detr_irpe.models.model_from_checkpoint` reads.
+
+        The config saved in the file is used unless ``config`` is given (public
+        DETR / iRPE-DETR files need one, e.g. ``config="detr_r50"``); ``overrides``
+        are ``"section.key=value"`` strings. Category names come from the file, else
+        COCO's for a 91-class model.
+        """
+        from detr_irpe.models import model_from_checkpoint
+
+        target = resolve_device(device)
+        loaded = model_from_checkpoint(path, config=config, overrides=overrides, device=target)
+        names = loaded.category_names or default_category_names(loaded.cfg.model.num_classes)
+        return cls(loaded.model, loaded.cfg, names, target, score_threshold)
+
+    def label(self, category_id: int) -> str:
+        """The name of a category id (``class N`` when it has none)."""
+        return self.category_names.get(int(category_id), f"class {int(category_id)}")
+
+    def preprocess(self, image: Tensor) -> Tensor:
+        """``(3, H, W)`` uint8 -> the normalised, resized ``(3, h, w)`` float model input."""
+        height, width = image.shape[-2:]
+        size = resized_hw(height, width, self.cfg.data.val_size, self.cfg.data.max_size)
+        pixels = image if size == (height, width) else F.resize(image, list(size), antialias=True)
+        pixels = F.to_dtype(pixels, torch.float32, scale=True)
+        return F.normalize(pixels, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD))
+
+    @torch.no_grad()
+    def detect(self, images: Sequence[Tensor]) -> list[dict[str, Tensor]]:
+        """Every query's detection, sorted by score, for ``(3, H, W)`` uint8 images (one batch).
+
+        Returns per image ``{"scores" (Q,), "labels" (Q,) int64, "boxes" (Q, 4)}`` on
+        the CPU, boxes xyxy in that image's pixels.
+        """
+        from detr_irpe.models import PostProcess
+
+        if not images:
+            return []
+        inputs = [self.preprocess(image).to(self.device) for image in images]
+        outputs = self.model(inputs)
+        sizes = torch.tensor([list(image.shape[-2:]) for image in images], device=self.device)
+        results = []
+        for result in PostProcess()(outputs, sizes):
+            order = result["scores"].argsort(descending=True)
+            results.append({key: value[order].cpu() for key, value in result.items()})
+        return results
+
+    def _kept(self, detections: Mapping[str, Tensor], threshold: float) -> dict[str, Any]:
+        keep = detections["scores"] >= threshold
+        out: dict[str, Any] = {key: value[keep] for key, value in detections.items()}
+        out["label_names"] = [self.label(int(c)) for c in out["labels"]]
+        return out
+
+    def __call__(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        score_threshold: float | None = None,
+        batch_size: int = 4,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Detections of one image (a dict) or of a list of images (a list of dicts).
+
+        Each dict holds ``boxes`` ``(K, 4)`` xyxy in the input's pixels, ``scores``
+        ``(K,)``, ``labels`` ``(K,)`` category ids and ``label_names`` (K strings),
+        highest score first, scores at least ``score_threshold`` (default: the
+        predictor's).
+        """
+        single = not isinstance(images, (list, tuple))
+        batch = [images] if single else list(images)
+        threshold = self.score_threshold if score_threshold is None else float(score_threshold)
+        pixels = [to_uint8_image(image, self.cfg.data.max_image_pixels) for image in batch]
+        results = []
+        for start in range(0, len(pixels), batch_size):
+            results += self.detect(pixels[start:start + batch_size])
+        kept = [self._kept(result, threshold) for result in results]
+        return kept[0] if single else kept
+
+
+__all__ = ["ImageInput", "Predictor", "resolve_device", "to_uint8_image"]

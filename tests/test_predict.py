@@ -1,0 +1,262 @@
+"""Prediction: the Python Predictor (every input kind, boxes in input pixels) and the
+detr-irpe-predict tool (bad files skipped and listed, test-dev format, exit statuses)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import load_tiny_config, load_tool
+from PIL import Image
+from test_data_images import write_png_bomb  # noqa: E402  (tests/ is on sys.path)
+
+import detr_irpe
+from detr_irpe.cli.predict import main as predict_main
+from detr_irpe.data.categories import COCO_CATEGORY_NAMES
+from detr_irpe.inference import Predictor, to_uint8_image
+from detr_irpe.models import build_model
+
+NAMES = {1: "circle", 2: "square", 3: "triangle"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny model with random weights, saved as this project saves them."""
+    torch.manual_seed(0)
+    cfg = load_tiny_config("model.num_classes=4")
+    model, _, _ = build_model(cfg)
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.pth"
+    torch.save({"model": model.state_dict(), "config": cfg.to_dict(), "category_names": NAMES},
+               path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def predictor(checkpoint: Path) -> Predictor:
+    return Predictor.from_checkpoint(checkpoint, device="cpu", score_threshold=0.0)
+
+
+def _photo(height: int = 80, width: int = 120, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    pixels[10:40, 20:70] = (230, 30, 30)
+    return pixels
+
+
+def _save(path: Path, pixels: np.ndarray) -> Path:
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    torch.testing.assert_close(a["boxes"], b["boxes"])
+    torch.testing.assert_close(a["scores"], b["scores"])
+    assert a["labels"].tolist() == b["labels"].tolist() and a["label_names"] == b["label_names"]
+
+
+# ----------------------------------------------------------------------------- Predictor
+
+
+def test_every_input_kind_gives_the_same_detections(predictor: Predictor, tmp_path: Path) -> None:
+    pixels = _photo()
+    chw = torch.from_numpy(pixels).permute(2, 0, 1).contiguous()
+    kinds = {
+        "path": _save(tmp_path / "photo.png", pixels),  # lossless: the same pixels
+        "str": str(tmp_path / "photo.png"),
+        "pil": Image.fromarray(pixels),
+        "numpy": pixels,
+        "uint8 tensor": chw,
+        "float tensor": chw.float() / 255.0,
+    }
+    reference = predictor(chw)
+    assert set(reference) == {"boxes", "scores", "labels", "label_names"}
+    assert reference["boxes"].shape == (4, 4) and len(reference["label_names"]) == 4
+    assert set(reference["label_names"]) <= set(NAMES.values()) | {"class 0"}
+    assert reference["scores"].tolist() == sorted(reference["scores"].tolist(), reverse=True)
+    for image in kinds.values():
+        _assert_same(predictor(image), reference)
+    as_list = predictor(list(kinds.values()))
+    assert isinstance(as_list, list) and len(as_list) == len(kinds)
+    for result in as_list:
+        _assert_same(result, reference)
+
+
+def test_boxes_are_in_the_pixels_of_the_input(predictor: Predictor) -> None:
+    # A flat image reaches the model as the same input at both sizes (both are resized
+    # to the model's 64 x 96), so only the mapping back to the input's pixels differs.
+    small = np.full((100, 150, 3), 90, np.uint8)
+    large = np.full((200, 300, 3), 90, np.uint8)
+    torch.testing.assert_close(predictor.preprocess(to_uint8_image(small)),
+                               predictor.preprocess(to_uint8_image(large)))
+    a, b = predictor(small), predictor(large)
+    torch.testing.assert_close(b["boxes"], 2 * a["boxes"], rtol=1e-5, atol=1e-3)
+    boxes = a["boxes"]
+    assert (boxes[:, 0] >= 0).all() and (boxes[:, 2] <= 150 + 1e-3).all()
+    assert (boxes[:, 1] >= 0).all() and (boxes[:, 3] <= 100 + 1e-3).all()
+    # ... and they equal the model's normalised boxes times the input size.
+    with torch.no_grad():
+        raw = predictor.model([predictor.preprocess(to_uint8_image(small))])
+    cx, cy, w, h = raw["pred_boxes"][0].unbind(-1)
+    expected = torch.stack([(cx - w / 2) * 150, (cy - h / 2) * 100, (cx + w / 2) * 150,
+                            (cy + h / 2) * 100], -1)
+    order = raw["pred_logits"][0].softmax(-1)[:, :-1].max(-1).values.argsort(descending=True)
+    torch.testing.assert_close(boxes, expected[order], rtol=1e-5, atol=1e-3)
+
+
+def test_threshold_and_bad_inputs(predictor: Predictor) -> None:
+    pixels = _photo()
+    everything = predictor(pixels)
+    cut = float(everything["scores"][1])
+    kept = predictor(pixels, score_threshold=cut)
+    assert len(kept["scores"]) == 2 and (kept["scores"] >= cut).all()
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        predictor(torch.full((3, 8, 8), 2.0))
+    with pytest.raises(ValueError, match="uint8"):
+        predictor(pixels.astype(np.float32))
+    with pytest.raises(TypeError, match="unsupported image type"):
+        predictor(42)
+
+
+def test_predictor_from_the_package_root(checkpoint: Path) -> None:
+    predictor = detr_irpe.Predictor.from_checkpoint(checkpoint, device="cpu")
+    assert predictor.score_threshold == 0.7 and predictor.category_names == NAMES
+    assert predictor.device == torch.device("cpu") and not predictor.model.training
+
+
+def test_public_91_class_model_gets_coco_names(tmp_path: Path) -> None:
+    cfg = load_tiny_config("model.num_classes=91")
+    model, _, _ = build_model(cfg)
+    path = tmp_path / "coco_like.pth"
+    torch.save({"model": model.state_dict(), "config": cfg.to_dict()}, path)
+    predictor = Predictor.from_checkpoint(path, device="cpu")
+    assert predictor.label(1) == "person" and predictor.category_names == COCO_CATEGORY_NAMES
+
+
+# ----------------------------------------------------------------------------- the tool
+
+
+def _folder(root: Path, bad: dict[str, bytes] | None = None, good: int = 2) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for k in range(good):
+        Image.fromarray(_photo(seed=k)).save(root / f"good{k}.jpg", quality=95)
+    for name, content in (bad or {}).items():
+        (root / name).write_bytes(content)
+    return root
+
+
+def _truncated_jpeg() -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    Image.fromarray(_photo(seed=5)).save(buffer, format="JPEG", quality=95)
+    return buffer.getvalue()[:300]
+
+
+BAD_FILES = {"cut.jpg": _truncated_jpeg(), "empty.jpg": b"", "notes.jpg": b"just text\n"}
+
+
+def test_tool_on_a_folder_writes_json_and_images(checkpoint: Path, tmp_path: Path) -> None:
+    images = _folder(tmp_path / "in", good=3)
+    out = tmp_path / "out"
+    code = load_tool("predict").main([str(checkpoint), str(images), "--output-dir", str(out),
+                                      "--score-threshold", "0", "--device", "cpu",
+                                      "--no-progress"])
+    assert code == 0
+    document = json.loads((out / "detections.json").read_text())
+    assert set(document) == {"detections", "images", "skipped", "categories", "score_threshold"}
+    files = sorted(str(p) for p in images.glob("*.jpg"))
+    assert [i["file_name"] for i in document["images"]] == files
+    assert [i["id"] for i in document["images"]] == [1, 2, 3]
+    assert all((i["height"], i["width"]) == (80, 120) for i in document["images"])
+    assert document["skipped"] == [] and len(document["detections"]) == 4 * 3
+    for d in document["detections"]:
+        assert d["category_name"] in set(NAMES.values()) | {"class 0"}
+        assert len(d["bbox"]) == 4 and 0.0 <= d["score"] <= 1.0
+    assert sorted(p.stem for p in out.glob("*.png")) == ["good0", "good1", "good2"]
+    # A glob selects a subset; --no-draw writes no image; a missing input is one line, exit 2.
+    code = predict_main([str(checkpoint), str(images / "good0.*"), "--output-dir",
+                         str(tmp_path / "one"), "--no-draw", "--no-progress"])
+    assert code == 0 and not list((tmp_path / "one").glob("*.png"))
+    assert predict_main([str(checkpoint), str(tmp_path / "nothing")]) == 2
+
+
+def test_bad_files_are_skipped_and_listed(checkpoint: Path, tmp_path: Path, capsys) -> None:
+    bomb = write_png_bomb(tmp_path / "bomb.png")
+    images = _folder(tmp_path / "in", {**BAD_FILES, "bomb.png": bomb.read_bytes()})
+    out = tmp_path / "out"
+    start = time.perf_counter()
+    code = predict_main([str(checkpoint), str(images), "--output-dir", str(out),
+                         "--device", "cpu", "--no-progress"])
+    assert code == 0
+    assert time.perf_counter() - start < 60  # the bomb is not decoded
+    document = json.loads((out / "detections.json").read_text())
+    assert sorted(Path(i["file_name"]).name for i in document["images"]) == ["good0.jpg",
+                                                                            "good1.jpg"]
+    skipped = {Path(s["file_name"]).name: s["reason"] for s in document["skipped"]}
+    assert set(skipped) == {"cut.jpg", "empty.jpg", "notes.jpg", "bomb.png"}
+    assert "not a readable image" in skipped["empty.jpg"]
+    assert "not a readable image" in skipped["notes.jpg"]
+    assert "pixels" in skipped["bomb.png"]
+    assert "2 images" in capsys.readouterr().out
+    assert sorted(p.stem for p in out.glob("*.png")) == ["good0", "good1"]
+
+
+def test_nothing_readable_or_strict_exits_2(checkpoint: Path, tmp_path: Path, capsys) -> None:
+    bad_only = _folder(tmp_path / "bad", BAD_FILES, good=0)
+    out = tmp_path / "out"
+    assert predict_main([str(checkpoint), str(bad_only), "--output-dir", str(out),
+                         "--no-progress"]) == 2
+    assert "none of the 3 images could be read" in capsys.readouterr().err
+    assert len(json.loads((out / "detections.json").read_text())["skipped"]) == 3
+    mixed = _folder(tmp_path / "mixed", {"empty.jpg": b""})
+    assert predict_main([str(checkpoint), str(mixed), "--output-dir", str(tmp_path / "s"),
+                         "--strict", "--no-progress"]) == 2
+    assert "empty.jpg" in capsys.readouterr().err
+    assert predict_main([str(checkpoint), str(mixed), "--output-dir", str(tmp_path / "s2"),
+                         "--set", "data.strict=true", "--no-progress"]) == 2
+
+
+def test_test_dev_submission_format(checkpoint: Path, tmp_path: Path) -> None:
+    images = _folder(tmp_path / "test2017", {"empty.jpg": b""}, good=2)
+    info = {
+        "info": {"description": "image info only, no annotations"},
+        "images": [{"id": 397133, "file_name": "good0.jpg", "height": 80, "width": 120},
+                   {"id": 37777, "file_name": "good1.jpg", "height": 80, "width": 120},
+                   {"id": 252219, "file_name": "missing.jpg", "height": 80, "width": 120},
+                   {"id": 87038, "file_name": "empty.jpg", "height": 80, "width": 120},
+                   {"id": 5, "file_name": "../good0.jpg", "height": 80, "width": 120}],
+        "categories": [{"id": k, "name": v} for k, v in NAMES.items()],
+    }
+    ann = tmp_path / "image_info_test-dev.json"
+    ann.write_text(json.dumps(info))
+    out = tmp_path / "out"
+    code = predict_main([str(checkpoint), str(images), "--ann", str(ann), "--format-only",
+                         "--output-dir", str(out), "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert isinstance(results, list) and len(results) == 2 * 4  # threshold 0: every query
+    assert {r["image_id"] for r in results} == {397133, 37777}
+    for r in results:
+        assert set(r) == {"image_id", "category_id", "bbox", "score"}
+    skipped = {s["id"]: s["reason"] for s in json.loads((out / "skipped.json").read_text())}
+    assert set(skipped) == {252219, 87038, 5}
+    assert "does not exist" in skipped[252219] and "'..'" in skipped[5]
+    assert not (out / "detections.json").exists() and not list(out.glob("*.png"))
+    # The results file is what COCO evaluation loads.
+    from pycocotools.coco import COCO
+
+    gt = COCO()
+    gt.dataset = {"images": info["images"][:2], "annotations": [],
+                  "categories": info["categories"]}
+    gt.createIndex()
+    assert len(gt.loadRes(str(out / "results.json")).anns) == len(results)
+
+
+def test_ann_needs_one_folder(checkpoint: Path, tmp_path: Path, capsys) -> None:
+    assert predict_main([str(checkpoint), str(tmp_path), str(tmp_path), "--ann",
+                         str(tmp_path / "x.json")]) == 2
+    assert "exactly one image folder" in capsys.readouterr().err
