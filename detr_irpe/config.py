@@ -50,6 +50,9 @@ class ModelConfig:
     freeze_stem: bool = True
     # DC5: stride 16 by dilating layer4 (Bottleneck) or un-striding it (BasicBlock).
     dilation: bool = False
+    # 4: the whole ResNet (DETR). 3: stop after layer3 (stride 16, half the channels,
+    # much cheaper; for small CPU models such as the demo).
+    backbone_stages: int = 4
     position_embedding: str = "sine"
     # iRPE of every encoder self-attention: a model-zoo string or "none".
     rpe: str = "rpe-2.0-product-ctx-1-k"
@@ -76,6 +79,13 @@ class ModelConfig:
         except ValueError as err:
             raise ConfigError(f"model.rpe: {err}") from None
         _choice("model.rpe_init", self.rpe_init, RPE_INIT_MODES)
+        if self.backbone_stages not in (3, 4):
+            raise ConfigError(f"model.backbone_stages must be 3 or 4, got {self.backbone_stages!r}")
+        if self.backbone_stages == 3 and self.dilation:
+            raise ConfigError(
+                "model.dilation=true dilates layer4, which model.backbone_stages=3 does not build; "
+                "set one of them"
+            )
         if self.hidden_dim % self.nheads:
             raise ConfigError(
                 f"model.hidden_dim ({self.hidden_dim}) must be divisible by "

@@ -46,7 +46,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         "optimizer AdamW: %d tensors at lr %g, %d backbone tensors at lr %g, weight decay %g",
         len(rest), cfg.lr, len(backbone), cfg.lr_backbone, cfg.weight_decay,
     )
-    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # The fused kernel updates every tensor in one pass: the same AdamW maths, several
+    # times faster than the per-tensor loop on the CPU for a model with many small tensors.
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
+                for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
 
 def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> list[str]:

@@ -46,6 +46,12 @@ class FrozenBatchNorm2d(nn.Module):
 
     ``y = (x - running_mean) / sqrt(running_var + eps) * weight + bias``. Has no
     ``num_batches_tracked``; such keys in a state dict are ignored on load.
+
+    Not ``torchvision.ops.FrozenBatchNorm2d``, although that one has the same buffers and
+    the same float32 outputs: torchvision's multiplies half-precision inputs by float32
+    buffers, so under bf16 / fp16 autocast every frozen BN of the ResNet would return
+    float32 maps (twice the memory, a cast back at every next conv). This one keeps the
+    input's dtype.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5) -> None:
@@ -171,6 +177,9 @@ class Backbone(nn.Module):
         dilation: DC5, output stride 16 instead of 32 (see the module docstring).
         train_backbone: False freezes every backbone parameter.
         freeze_stem: keep the stem and ``layer1`` fixed (DETR recipe).
+        stages: 4 (all of the ResNet, the DETR model) or 3 (stop after ``layer3``:
+            stride 16 with half the channels and a fraction of the compute; layer4
+            holds about half of a small ResNet's training time at stride 16).
     """
 
     def __init__(
@@ -181,12 +190,18 @@ class Backbone(nn.Module):
         dilation: bool = False,
         train_backbone: bool = True,
         freeze_stem: bool = True,
+        stages: int = 4,
     ) -> None:
         super().__init__()
+        if stages not in (3, 4):
+            raise ValueError(f"backbone stages must be 3 or 4, got {stages}")
+        if stages == 3 and dilation:
+            raise ValueError("dilation changes layer4, which a 3-stage backbone does not have")
         net = _resnet(name, weights, frozen_bn, dilation)
-        self.body = nn.Sequential(OrderedDict((stage, getattr(net, stage)) for stage in _STAGES))
-        self.num_channels = _CHANNELS[name]
-        self.stride = 16 if dilation else 32
+        kept = _STAGES[: len(_STAGES) - 4 + stages]
+        self.body = nn.Sequential(OrderedDict((stage, getattr(net, stage)) for stage in kept))
+        self.num_channels = _CHANNELS[name] // (2 if stages == 3 else 1)
+        self.stride = 16 if dilation or stages == 3 else 32
         for pname, param in self.body.named_parameters():
             trainable = train_backbone and (
                 not freeze_stem or pname.startswith(("layer2", "layer3", "layer4"))

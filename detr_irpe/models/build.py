@@ -41,6 +41,7 @@ def build_backbone(cfg: Config | ModelConfig, *, load_weights: bool = True) -> J
         frozen_bn=m.frozen_bn,
         dilation=m.dilation,
         freeze_stem=m.freeze_stem,
+        stages=m.backbone_stages,
     )
     return Joiner(backbone, build_position_encoding(m.position_embedding, m.hidden_dim))
 

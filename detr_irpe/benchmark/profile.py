@@ -1,0 +1,193 @@
+"""Where the time of one training iteration goes: a phase table for any config.
+
+Each phase is timed on its own with wall clocks around the real modules (forward hooks
+on the backbone, the encoder and the decoder; a wrapper around the matcher), so the
+table answers "what would pay to make faster" for the demo or a COCO config:
+
+    data       next batch from the real train loader (augmentation, collate)
+    to_device  images and targets moved to the device
+    backbone / encoder / decoder / heads   the forward pass, split by module
+    matcher    Hungarian matching (cost matrix + scipy)
+    loss       the set loss without the matcher
+    backward   autograd
+    optimizer  gradient clipping + AdamW step + zero_grad
+
+The sum of the phases is a lower bound of one iteration of the training loop; the
+loop's own bookkeeping (logging, progress bar, checkpoint callbacks) is what a real
+run adds on top (measured by ``loop_s_per_it`` when ``run_loop=True``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from detr_irpe.benchmark.common import median, sync
+
+__all__ = ["PHASES", "profile_table", "profile_training_step"]
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("data", "to_device", "backbone", "encoder", "decoder", "heads", "matcher", "loss",
+          "backward", "optimizer")
+
+
+class _Clock:
+    """Accumulates wall seconds per phase for the current iteration."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.now: dict[str, float] = defaultdict(float)
+        self._open: dict[str, float] = {}
+
+    def start(self, name: str) -> None:
+        sync(self.device)
+        self._open[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        sync(self.device)
+        self.now[name] += time.perf_counter() - self._open.pop(name)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.start(name)
+        try:
+            yield
+        finally:
+            self.stop(name)
+
+    def take(self) -> dict[str, float]:
+        out, self.now = dict(self.now), defaultdict(float)
+        return out
+
+
+def _hook_module(module: nn.Module, name: str, clock: _Clock) -> list[Any]:
+    return [
+        module.register_forward_pre_hook(lambda *_: clock.start(name)),
+        module.register_forward_hook(lambda *_: clock.stop(name)),
+    ]
+
+
+class _TimedMatcher(nn.Module):
+    def __init__(self, matcher: nn.Module, clock: _Clock) -> None:
+        super().__init__()
+        self.inner, self.clock = matcher, clock
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.phase("matcher"):
+            return self.inner(*args, **kwargs)
+
+
+def _amp_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
+    if amp in ("none", "fp32"):
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def profile_training_step(
+    config: str = "synthetic_demo",
+    overrides: Sequence[str] = (),
+    steps: int = 20,
+    warmup: int = 3,
+    amp: str = "none",
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Median seconds per phase of ``steps`` training iterations of ``config``.
+
+    The model, loss, optimizer and train loader are the project's own
+    (:func:`~detr_irpe.models.build_model`, the engine's optimizer, the data layer's
+    loader), so the numbers are those of a real run minus the loop's bookkeeping.
+
+    Returns:
+        ``{"phases": {phase: median s}, "total_s": median sum, "amp": amp, ...}``.
+    """
+    from detr_irpe.config import load_config
+    from detr_irpe.data import build_dataloader, build_dataset
+    from detr_irpe.engine.optim import build_optimizer
+    from detr_irpe.models import build_model
+
+    dev = torch.device(device)
+    cfg = load_config(config, list(overrides))
+    dataset = build_dataset(cfg.data, "train")
+    num_classes = cfg.model.num_classes or int(dataset.num_classes)
+    cfg = load_config(config, [*overrides, f"model.num_classes={num_classes}"])
+    torch.manual_seed(cfg.train.seed)
+    model, criterion, _ = build_model(cfg)
+    model.to(dev).train()
+    criterion.to(dev).train()
+    optimizer = build_optimizer(model, cfg.train)
+    loader = build_dataloader(dataset, cfg.train.batch_size, train=True,
+                              num_workers=cfg.data.num_workers, seed=cfg.train.seed)
+    clock = _Clock(dev)
+    hooks = []
+    inner = getattr(model, "transformer", None)
+    for module, name in ((model.backbone, "backbone"), (getattr(inner, "encoder", None), "encoder"),
+                         (getattr(inner, "decoder", None), "decoder")):
+        if module is not None:
+            hooks += _hook_module(module, name, clock)
+    criterion.matcher = _TimedMatcher(criterion.matcher, clock)
+    weights = criterion.weight_dict
+    rows: list[dict[str, float]] = []
+    batches = iter(loader)
+    try:
+        for i in range(warmup + steps):
+            with clock.phase("data"):
+                try:
+                    images, targets = next(batches)
+                except StopIteration:
+                    batches = iter(loader)
+                    images, targets = next(batches)
+            with clock.phase("to_device"):
+                images = images.to(dev)
+                targets = [{k: v.to(dev) if torch.is_tensor(v) else v for k, v in t.items()}
+                           for t in targets]
+            with clock.phase("forward"), _amp_context(dev, amp):
+                outputs = model(images)
+            with clock.phase("criterion"):
+                loss_dict = criterion(outputs, targets)
+                loss = sum(loss_dict[k] * weights[k] for k in loss_dict if k in weights)
+            with clock.phase("backward"):
+                loss.backward()
+            with clock.phase("optimizer"):
+                if cfg.train.clip_max_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_max_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            t = clock.take()
+            t["heads"] = t.pop("forward") - t.get("backbone", 0) - t.get("encoder", 0) - t.get("decoder", 0)
+            t["loss"] = t.pop("criterion") - t.get("matcher", 0.0)
+            if i >= warmup:
+                rows.append(t)
+    finally:
+        for h in hooks:
+            h.remove()
+    phases = {p: median([r.get(p, 0.0) for r in rows]) for p in PHASES}
+    return {
+        "config": config, "overrides": list(overrides), "amp": amp, "device": str(dev),
+        "threads": torch.get_num_threads(), "batch_size": cfg.train.batch_size,
+        "steps": steps, "phases": phases, "total_s": median([sum(r.values()) for r in rows]),
+    }
+
+
+def profile_table(results: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one column per result (e.g. fp32 and bf16), ms per phase and share."""
+    head = "| phase | " + " | ".join(f"{r['amp']} ms | share" for r in results) + " |"
+    rule = "|---|" + "---:|---:|" * len(results)
+    lines = [head, rule]
+    for phase in PHASES:
+        cells = []
+        for r in results:
+            v = r["phases"][phase]
+            cells.append(f"{1000 * v:.1f} | {100 * v / r['total_s']:.0f} %")
+        lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+    lines.append("| **sum** | " + " | ".join(f"**{1000 * r['total_s']:.1f}** | 100 %" for r in results)
+                 + " |")
+    return "\n".join(lines)
