@@ -538,7 +538,10 @@ def hf_config_dict(
         "dropout": m.dropout,
         "attention_dropout": m.dropout,
         "activation_dropout": m.dropout,
-        "auxiliary_loss": m.aux_loss,
+        # transformers' decoder with auxiliary_loss=true feeds each layer the
+        # layer-normalised output of the one before (DETR feeds the un-normalised one),
+        # which changes the predictions; the Hub configs leave it false, and so do we.
+        "auxiliary_loss": False,
         "is_encoder_decoder": True,
         "id2label": id2label,
         "label2id": {name: int(i) for i, name in id2label.items()},
