@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from detr_irpe.config import Config, ConfigError, config_from_dict, save_config
+from detr_irpe.config import Config, ConfigError, save_config
 from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.distributed import (
     DistInfo,
@@ -176,17 +176,6 @@ def _wrap_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def _without_backbone_download(cfg: Config, from_checkpoint: bool) -> Config:
-    """When the weights come from a checkpoint, skip loading ImageNet backbone weights."""
-    if not from_checkpoint or cfg.model.backbone_weights == "none":
-        return cfg
-    logger.info("backbone weights come from the checkpoint; not loading %s",
-                cfg.model.backbone_weights)
-    return dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, backbone_weights="none")
-    )
-
-
 def _resolved_amp(cfg: Config, info: DistInfo) -> Config:
     """``train.amp=auto`` replaced by the precision chosen for this device (logged)."""
     amp = resolve_amp(cfg.train.amp, info.device)
@@ -293,7 +282,8 @@ def build_parts(cfg: Config, info: DistInfo, start: StartState) -> RunParts:
 
     seed_everything(cfg.train.seed)  # the same initial weights on every rank
     from_weights = start.resume_state is not None or start.finetune is not None
-    model, criterion, postprocessor = build_model(_without_backbone_download(cfg, from_weights))
+    # Weights from a checkpoint include the backbone: no ImageNet weights to load.
+    model, criterion, postprocessor = build_model(cfg, load_backbone_weights=not from_weights)
     model.to(info.device)
     criterion.to(info.device)
     seed_everything(cfg.train.seed + info.rank)
@@ -576,19 +566,6 @@ def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
 
 
 # ----------------------------------------------------------------------------- evaluation
-def _evaluation_config(cfg: Config | None, checkpoint: Path,
-                       overrides: list[str] | tuple[str, ...]) -> Config:
-    if cfg is not None:
-        return cfg
-    saved = ckio.load_checkpoint_file(checkpoint).get("config")
-    if not isinstance(saved, Mapping):
-        raise ConfigError(
-            f"checkpoint {checkpoint} carries no config (a public checkpoint?): pass "
-            "--config CONFIG, e.g. --config detr_r50"
-        )
-    return config_from_dict(saved, overrides)
-
-
 def run_evaluation(
     cfg: Config | None,
     checkpoint: str | Path,
@@ -598,20 +575,24 @@ def run_evaluation(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (this project's or a public DETR / iRPE-DETR one) on the
-    val split of ``cfg.data``; with ``cfg=None`` the checkpoint's own config is used
-    (``overrides`` apply on top of it). Writes ``results.json``, ``metrics.json`` (and
-    ``precision.npz`` when the evaluator provides it) to ``output_dir``. Works under
-    ``torchrun`` (results gathered from all ranks).
+    val split of the config's data.
+
+    The model is :func:`~detr_irpe.models.model_from_checkpoint` of ``checkpoint`` with
+    ``cfg`` (``None``: the checkpoint's own config) and ``overrides``: its class count
+    comes from the checkpoint's head unless ``model.num_classes`` is among the
+    overrides. Writes ``results.json``, ``metrics.json`` (and ``precision.npz`` when
+    the evaluator provides it) to ``output_dir``. Works under ``torchrun`` (results
+    gathered from all ranks).
 
     Returns:
         ``{"summary", "per_class_table", "losses", "output_dir", "config", "rank"}``.
     """
     from detr_irpe.data import build_dataloader, build_dataset
-    from detr_irpe.models import build_model, load_checkpoint
+    from detr_irpe.models import model_from_checkpoint
 
     checkpoint = Path(checkpoint)
-    cfg = _evaluation_config(cfg, checkpoint, overrides)
-    info = init_distributed(cfg.train.device)
+    loaded = model_from_checkpoint(checkpoint, cfg, overrides)
+    info = init_distributed(loaded.cfg.train.device)
     try:
         output_dir = Path(output_dir)
         if info.is_main:
@@ -619,19 +600,15 @@ def run_evaluation(
         setup_logging(output_dir, info.rank, filename="eval.log")
         _set_threads(cfg)
         val_ds = build_dataset(cfg.data, "val")
-        cfg = _resolved_amp(with_num_classes(cfg, resolve_num_classes(cfg, [val_ds])), info)
-        model, criterion, postprocessor = build_model(_without_backbone_download(cfg, True))
-        load_info = load_checkpoint(model, checkpoint, strict_head=True)
-        logger.info("loaded %s (%s)", checkpoint, load_info.get("format"))
-        model.to(info.device)
-        criterion.to(info.device)
+        val_ds.check_num_classes(cfg.model.num_classes)
+        model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
         loader = build_dataloader(
             val_ds, cfg.train.batch_size, train=False, num_workers=cfg.data.num_workers,
             distributed=info.distributed, seed=cfg.train.seed,
         )
         evaluator = new_evaluator(val_ds)
         losses, summary = evaluate(
-            model, criterion, postprocessor, loader, evaluator, info.device,
+            model, criterion, loaded.postprocessor, loader, evaluator, info.device,
             amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5,
         )
         table = per_class_table(evaluator)
@@ -658,3 +635,5 @@ __all__ = [
     "run_training",
     "with_num_classes",
 ]
+        cfg = _resolved_amp(loaded.cfg, info)
+        logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
