@@ -1,10 +1,18 @@
 # Two commands a newcomer needs: `make demo` and `make test`.
 # Both create .venv and install the project (with its pinned torch) when missing.
+# Other machines (docs/install.md):
+#   make test                                           the tested torch, from pip's index
+#   make TORCH_INDEX=<wheel index of your CUDA / CPU build> test
+#   make TORCH_INDEX=<...> TORCH_PINS="torch==X torchvision==Y" CONSTRAINTS= test
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# CUDA build of torch that also runs on the CPU; pip finds these on the local disk here.
+# The tested torch (a CUDA build that also runs on the CPU).
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+# A PyTorch wheel index for another CUDA version or a CPU-only build; empty: pip's default.
+TORCH_INDEX ?=
+# The tested versions of everything else; empty to let pip choose (e.g. with an older torch).
+CONSTRAINTS ?= constraints.txt
 STAMP := $(VENV)/.installed
 
 .PHONY: venv test test-all demo benchmark lint clean
@@ -13,9 +21,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 
-$(STAMP): $(PY) setup.cfg pyproject.toml
-	$(PY) -c "import torch, torchvision" 2>/dev/null || $(PY) -m pip install $(TORCH_PINS)
-	$(PY) -m pip install -e ".[test]"
+$(STAMP): $(PY) setup.cfg pyproject.toml $(CONSTRAINTS)
+	$(PY) -c "import torch, torchvision" 2>/dev/null || \
+		$(PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PINS)
+	$(PY) -m pip install $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -122,3 +122,78 @@ def test_console_script_trains_the_tiny_config(installed: Path, tiny_dataset: Pa
     assert (out / "checkpoint_last.pth").is_file()
     log = (out / "log.txt").read_text().splitlines()
     assert len(log) == 1 and '"epoch": 0' in log[0]
+
+
+# ----------------------------------------------------------------------------- dependencies
+# An API the package calls -> (distribution, first release that has it), from the
+# libraries' documentation and release notes (docs/install.md lists the same).
+API_SINCE = {
+    "torch.compiler.is_exporting": ("torch", "2.7"),
+    "torch.serialization.safe_globals": ("torch", "2.5"),
+    "torch.amp.GradScaler": ("torch", "2.3"),
+    "device_id=": ("torch", "2.3"),  # init_process_group(device_id=...)
+    "ImageFont.load_default(size=": ("pillow", "10.1"),
+}
+# Broken with NumPy 2 before this release.
+KNOWN_BAD = {"pycocotools": "2.0.8"}
+
+
+def _requirements() -> dict[str, list]:
+    import configparser
+
+    from packaging.requirements import Requirement
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    lines = cfg["options"]["install_requires"].strip().splitlines()
+    out: dict[str, list] = {"core": [Requirement(x) for x in lines if x.strip()]}
+    for extra, text in cfg["options.extras_require"].items():
+        out[extra] = [Requirement(x) for x in text.strip().splitlines() if x.strip()]
+    return out
+
+
+def _floor(requirement) -> str:
+    floors = [s.version for s in requirement.specifier if s.operator == ">="]
+    assert floors, f"{requirement} has no >= floor"
+    return floors[0]
+
+
+def test_floors_cover_the_apis_the_package_calls() -> None:
+    from packaging.version import Version
+
+    core = {r.name.lower(): r for r in _requirements()["core"]}
+    source = "\n".join(p.read_text() for p in (ROOT / "detr_irpe").rglob("*.py"))
+    for api, (dist, since) in API_SINCE.items():
+        if api in source:
+            assert Version(_floor(core[dist])) >= Version(since), (api, str(core[dist]))
+    for dist, good in KNOWN_BAD.items():
+        assert Version(_floor(core[dist])) >= Version(good), str(core[dist])
+    # torchvision's floor is the release made for torch's floor (they ship in pairs).
+    torch_minor = Version(_floor(core["torch"])).minor
+    assert Version(_floor(core["torchvision"])) >= Version(f"0.{torch_minor + 15}")
+
+
+def test_constraints_pin_every_dependency_within_its_floor() -> None:
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = Version(version)
+    requirements = _requirements()
+    # torch and torchvision depend on the machine's CUDA: TORCH_PINS / TORCH_INDEX, not here.
+    torch_family = {"torch", "torchvision"}
+    for group in ("core", "test"):
+        for requirement in requirements[group]:
+            name = canonicalize_name(requirement.name)
+            if name in torch_family:
+                assert name not in pins
+                continue
+            assert name in pins, f"{name} ({group}) is not pinned in constraints.txt"
+            assert pins[name] in requirement.specifier, (str(requirement), str(pins[name]))
+    makefile = (ROOT / "Makefile").read_text()
+    assert "-c $(CONSTRAINTS)" in makefile and "--index-url $(TORCH_INDEX)" in makefile
+    assert "://" not in makefile  # no host named: the index is the user's to give
