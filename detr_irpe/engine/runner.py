@@ -598,7 +598,9 @@ def run_evaluation(
         if info.is_main:
             output_dir.mkdir(parents=True, exist_ok=True)
         setup_logging(output_dir, info.rank, filename="eval.log")
+        cfg = _resolved_amp(loaded.cfg, info)
         _set_threads(cfg)
+        logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
         val_ds = build_dataset(cfg.data, "val")
         val_ds.check_num_classes(cfg.model.num_classes)
         model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
@@ -635,5 +637,3 @@ __all__ = [
     "run_training",
     "with_num_classes",
 ]
-        cfg = _resolved_amp(loaded.cfg, info)
-        logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
