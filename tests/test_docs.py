@@ -1,0 +1,108 @@
+"""The docs stand on their own: every link and every repository path they name exists,
+and nothing in the repository points at files outside it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+# Top-level entries a path in the docs may start with; other words in backticks
+# (`model.rpe`, `log.txt`, `irpe/config.py` inside the package ...) are not checked.
+REPO_DIRS = ("detr_irpe", "tools", "tests", "docs", "configs", "datasets", ".ci")
+REPO_FILES = ("README.md", "setup.cfg", "pyproject.toml", "Makefile", "LICENSE",
+              "constraints.txt", "hubconf.py", "ruff.toml")
+# Placeholders, not paths: generated folders (run outputs, generated datasets) and
+# paths with a part to fill in (<variant>, *.jpg, {name}, $VAR, OUTPUT_DIR, ...).
+GENERATED = ("outputs/", "datasets/synthetic", "datasets/coco")
+PLACEHOLDER = re.compile(r"[<>*{}$\[\]|]|\.\.\.|(^|/)[A-Z][A-Z0-9_]*(/|\.|$)")
+# Strings that would point outside the repository (split so this file does not match).
+FORBIDDEN = ("shared/" + "docs", "shared/" + "reference", "/" + "work/")
+
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_CODE_SPAN = re.compile(r"`([^`\n]+)`")
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+
+
+def _links(text: str) -> list[str]:
+    return [m.group(1) for m in _LINK.finditer(text)]
+
+
+def _path_tokens(text: str) -> set[str]:
+    """Words in inline code and code blocks that name a repository path."""
+    chunks = _CODE_SPAN.findall(_FENCE.sub("", text)) + _FENCE.findall(text)
+    tokens = set()
+    for chunk in chunks:
+        for word in re.split(r"[\s=\"'(),;]+", chunk):
+            word = word.split("::", 1)[0].rstrip(".:")
+            word = re.sub(r":\d+(-\d+)?$", "", word)  # file.py:120
+            if word.startswith("./"):
+                word = word[2:]
+            first = word.split("/", 1)[0]
+            if (first in REPO_DIRS and "/" in word) or word in REPO_FILES:
+                tokens.add(word)
+    return tokens
+
+
+def _is_placeholder(path: str) -> bool:
+    return path.startswith(GENERATED) or bool(PLACEHOLDER.search(path))
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_exist(doc: Path) -> None:
+    missing = []
+    for target in _links(doc.read_text()):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # a URL (http:, mailto:) or an anchor in the same page
+        path = target.split("#", 1)[0]
+        if path and not (doc.parent / path).exists():
+            missing.append(target)
+    assert not missing, f"{doc.relative_to(ROOT)} links to missing files: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_repository_paths_in_backticks_exist(doc: Path) -> None:
+    missing = sorted(p for p in _path_tokens(doc.read_text())
+                     if not _is_placeholder(p) and not (ROOT / p).exists())
+    assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+def test_the_path_checker_finds_paths_and_skips_placeholders() -> None:
+    text = ("Run `python tools/train.py --config configs/x.yaml` and see "
+            "`docs/nothing.md`, `tests/test_a.py::test_b`, `detr_irpe/config.py:12`.\n"
+            "```bash\npython tools/ablate.py --set data.root=/data/coco\n```\n"
+            "Not paths: `outputs/run/log.txt`, `OUTPUT_DIR/<variant>/seed<k>`, `model.rpe`, "
+            "`datasets/synthetic/train`, `tools/*.py`, `RUN/ablation_status.json`.\n"
+            "[a link](docs/missing.md) [web](https://example.org/x.md)")
+    found = {p for p in _path_tokens(text) if not _is_placeholder(p)}
+    assert found == {"tools/train.py", "configs/x.yaml", "docs/nothing.md", "tests/test_a.py",
+                     "detr_irpe/config.py", "tools/ablate.py"}
+    assert _links(text) == ["docs/missing.md", "https://example.org/x.md"]
+
+
+def _tracked_files() -> list[Path]:
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                                check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.fail("git ls-files failed: run the tests from a git checkout")
+    return [ROOT / name for name in listed.decode().split("\0") if name]
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    offenders = []
+    for path in _tracked_files():
+        if not path.is_file() or path.is_symlink():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue  # binary data
+        for number, line in enumerate(text.splitlines(), 1):
+            if any(s in line for s in FORBIDDEN):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
+    assert not offenders, "references outside the repository:\n" + "\n".join(offenders)
