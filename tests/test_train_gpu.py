@@ -1,11 +1,13 @@
-"""Mixed precision on a GPU (skipped without CUDA): fp16 with a GradScaler and bf16
-train, checkpoint the scaler and resume."""
+"""On a GPU (skipped without CUDA): fp16 with a GradScaler and bf16 train, checkpoint the
+scaler and resume; a training step never waits for the GPU outside the matcher."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from detr_irpe.config import load_config
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
@@ -34,3 +36,42 @@ def test_amp_training_on_gpu(tiny_data, tmp_path, amp):
     result = run_training(load_config("synthetic_tiny", overrides[:-1] + ["train.epochs=2"]),
                           progress=False)
     assert result["iterations"] == 4
+
+
+def test_training_step_waits_for_the_gpu_only_in_the_matcher() -> None:
+    """Forward, loss and backward raise on any host synchronisation; the matcher (scipy
+    on the host) is the one accepted transfer, run between them."""
+    from detr_irpe.benchmark.model import synthetic_batch
+    from detr_irpe.engine.trainer import loss_and_backward, model_outputs, targets_to
+    from detr_irpe.models import build_model
+
+    device = torch.device("cuda")
+    cfg = load_config("synthetic_tiny", ["model.num_classes=4"])
+    model, criterion, _ = build_model(cfg, load_backbone_weights=False)
+    model.to(device).train()
+    criterion.to(device).train()
+    images, targets = synthetic_batch(2, 64, 64, num_classes=4, objects=3)
+    images, targets = images.to(device), targets_to(targets, device)
+
+    def step(checked) -> None:
+        with checked():
+            outputs = model_outputs(model, images, device, "none")
+            norms = criterion.normalizers([targets], outputs["pred_logits"].shape[1], device)
+        indices = criterion.match(outputs, targets)
+        with checked():
+            loss_and_backward(criterion, outputs, targets, indices, norms)
+
+    step(contextlib.nullcontext)  # warm-up: lazy CUDA / cuDNN initialisation may sync
+    torch.cuda.synchronize()
+    step(sync_error)
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@contextlib.contextmanager
+def sync_error():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,62 @@
+"""A training step reads nothing back from the device outside the matcher: forward,
+loss and backward queue work without waiting. On the CPU this is checked by making
+every read-back (``.item()``, ``bool()``, ``int()``, ``float()``, ``.tolist()``,
+``.numpy()``) raise inside those regions; ``tests/test_train_gpu.py`` checks the same
+regions on a GPU with ``torch.cuda.set_sync_debug_mode("error")``."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from detr_irpe.benchmark.model import synthetic_batch
+from detr_irpe.config import load_config
+from detr_irpe.engine.trainer import loss_and_backward, model_outputs, targets_to
+from detr_irpe.models import build_model
+
+READ_BACKS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_read_back(monkeypatch: pytest.MonkeyPatch):
+    """Every tensor -> host read raises inside the block."""
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise AssertionError(f"host read-back Tensor.{name} inside a sync-free region")
+        return method
+
+    with monkeypatch.context() as patch:
+        for name in READ_BACKS:
+            patch.setattr(torch.Tensor, name, refuse(name))
+        yield
+
+
+def tiny_model_and_batch(num_classes: int = 4):
+    cfg = load_config("synthetic_tiny", [f"model.num_classes={num_classes}"])
+    model, criterion, _ = build_model(cfg, load_backbone_weights=False)
+    images, targets = synthetic_batch(2, 64, 64, num_classes=num_classes, objects=3)
+    return model.train(), criterion.train(), images, targets
+
+
+def test_forward_loss_backward_read_nothing_back(monkeypatch) -> None:
+    model, criterion, images, targets = tiny_model_and_batch()
+    device = torch.device("cpu")
+    targets = targets_to(targets, device)
+    with no_read_back(monkeypatch):
+        outputs = model_outputs(model, images, device, "none")
+        norms = criterion.normalizers([targets], outputs["pred_logits"].shape[1], device)
+    indices = criterion.match(outputs, targets)  # the one place that reads back (scipy)
+    with no_read_back(monkeypatch):
+        losses = loss_and_backward(criterion, outputs, targets, indices, norms)
+    assert set(criterion.weight_dict) <= set(losses)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_the_check_catches_a_read_back(monkeypatch) -> None:
+    """The fixture is not vacuous: an int() of a tensor (what a per-step label-range
+    check does) is caught."""
+    labels = torch.tensor([1, 2])
+    with no_read_back(monkeypatch), pytest.raises(AssertionError, match="read-back"):
+        int(labels.max())
