@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import load_tool
 from PIL import Image
 
+from detr_irpe.cli.visualize import main as visualize_main
 from detr_irpe.config import load_config
 from detr_irpe.models import build_model
 from detr_irpe.structures import ImageBatch
@@ -262,15 +262,47 @@ def test_tool_on_own_checkpoint(tmp_path, model_and_cfg, synthetic_image, capsys
                ckpt)
     image = tmp_path / "img.png"
     Image.fromarray(synthetic_image).save(image)
-    tool = load_tool("visualize")
     out = tmp_path / "enc.png"
-    assert tool.main(["encoder-attention", "--checkpoint", str(ckpt), "--image", str(image),
+    assert visualize_main(["encoder-attention", "--checkpoint", str(ckpt), "--image", str(image),
                       "--points", "20,20", "130,80", "--rpe-contribution",
                       "--out", str(out)]) == 0
     assert_png(out)
     assert_png(tmp_path / "enc_rpe_contribution.png")
     printed = capsys.readouterr().out
     assert str(out) in printed and "_rpe_contribution.png" in printed
+    # predictions with the common override syntax: --set changes what is drawn
+    out = tmp_path / "pred.png"
+    assert visualize_main(["predictions", "--checkpoint", str(ckpt), "--image", str(image),
+                           "--device", "cpu", "--min-detections", "2", "--out", str(out),
+                           "--set", "data.val_size=32", "data.max_size=48"]) == 0
+    assert_png(out)
+    assert capsys.readouterr().out.splitlines() == [str(out)]
+
+
+def test_tool_rejects_opts_and_reports_user_errors(tmp_path, capsys):
+    # --opts is gone: one override syntax (--set) in every tool
+    with pytest.raises(SystemExit) as exit_info:
+        visualize_main(["rpe-tables", "--opts", "model.rpe=rpe-2.0-product-ctx-1-k"])
+    assert exit_info.value.code == 2
+    capsys.readouterr()
+    # a missing image is one line on stderr and exit status 2, no traceback
+    status = visualize_main(["predictions", "--config", "synthetic_tiny", "--set",
+                             "model.num_classes=4", "--image", str(tmp_path / "missing.jpg")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("detr-irpe-visualize: error:") and "missing.jpg" in err
+    # a model without iRPE has no tables to draw
+    status = visualize_main(["rpe-tables", "--config", "synthetic_tiny", "--set",
+                             "model.rpe=none", "model.num_classes=4"])
+    assert status == 2 and "no iRPE tables" in capsys.readouterr().err
+
+
+def test_tool_rpe_tables_from_config_and_set(tmp_path, capsys):
+    out = tmp_path / "tables.png"
+    assert visualize_main(["rpe-tables", "--config", "synthetic_tiny", "--set",
+                           "model.num_classes=4", "--set", "model.enc_layers=2",
+                           "model.rpe=rpe-1.9-product-ctx-1-qk", "--out", str(out)]) == 0
+    assert_png(out)
+    assert capsys.readouterr().out.strip() == str(out)
 
 
 @pytest.mark.gpu

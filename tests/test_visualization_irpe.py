@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import load_tool
 from PIL import Image
 
+from detr_irpe.cli.visualize import main as visualize_main
+from detr_irpe.errors import RunFolderError
 from detr_irpe.irpe import IRPEMultiheadAttention, bucket_ids
 from detr_irpe.visualization import (
     plot_bucket_layout,
@@ -159,18 +160,17 @@ def test_curves_read_detr_log(tmp_path):
 
 
 def test_curves_missing_log(tmp_path):
-    with pytest.raises(FileNotFoundError, match="log.txt"):
+    with pytest.raises(RunFolderError, match="log.txt"):
         read_log(tmp_path / "nothing_here")
 
 
 def test_tool_buckets_and_curves(tmp_path, capsys):
-    tool = load_tool("visualize")
     out = tmp_path / "b.png"
-    assert tool.main(["buckets", "--ratio", "1.9", "--grid", "7", "9", "--point", "2,3",
+    assert visualize_main(["buckets", "--ratio", "1.9", "--grid", "7", "9", "--point", "2,3",
                       "--methods", "product", "euc", "--out", str(out)]) == 0
     assert_png(out, min_bytes=3000)
     _write_log(tmp_path / "run", 2)
     out = tmp_path / "c.png"
-    assert tool.main(["curves", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert visualize_main(["curves", str(tmp_path / "run"), "--out", str(out)]) == 0
     assert_png(out)
     assert str(out) in capsys.readouterr().out

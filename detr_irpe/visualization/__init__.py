@@ -10,6 +10,9 @@ pyplot). Submodules are imported lazily, so ``import detr_irpe.visualization`` i
   :func:`save_attention_maps` writes them all for one image.
 - iRPE: :func:`plot_bucket_layout`, :func:`plot_rpe_tables`.
 - training: :func:`plot_training_curves` from DETR-format ``log.txt`` files.
+- evaluation: :func:`plot_pr_curves` from a ``precision.npz``.
+- into pixels: :func:`draw_detections` (labelled boxes drawn into an image tensor, for
+  ``predict``), near-duplicates suppressed for drawing only.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ _LAZY = {
     "load_model": "loading",
     "resolve_category_names": "loading",
     "save_attention_maps": "maps",
+    "plot_pr_curves": "pr_curves",
+    "pr_curve_series": "pr_curves",
+    "draw_detections": "draw",
+    "suppress_duplicates": "draw",
 }
 
 

@@ -10,6 +10,7 @@ are freed like any other Python object. This is the Agg backend without
 from __future__ import annotations
 
 import logging
+import textwrap
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -17,7 +18,7 @@ from matplotlib.figure import Figure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["new_figure", "save_figure", "hide_ticks"]
+__all__ = ["new_figure", "save_figure", "hide_ticks", "fit_suptitle"]
 
 
 def new_figure(rows: int, cols: int, panel_size: tuple[float, float] = (3.0, 3.0),
@@ -43,3 +44,20 @@ def save_figure(fig: Figure, out: str | Path | None, dpi: int = 100) -> Path | N
 def hide_ticks(ax) -> None:
     ax.set_xticks([])
     ax.set_yticks([])
+
+
+def fit_suptitle(fig: Figure, text: str, fontsize: float = 11.0, margin: float = 0.96):
+    """A figure title wrapped onto as many lines as it needs to fit the figure's width.
+
+    A one-line ``suptitle`` wider than a narrow figure (one column of panels) is cut at
+    both sides; constrained layout makes room above the panels for the wrapped lines.
+    """
+    renderer = fig.canvas.get_renderer()
+    limit = fig.bbox.width * margin
+    title = fig.suptitle(text, fontsize=fontsize)
+    width = max(len(text), 1)
+    while title.get_window_extent(renderer).width > limit and width > 8:
+        width = int(width * 0.85)
+        title.set_text(textwrap.fill(text, width=width, break_long_words=False))
+    return title
+

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from detr_irpe.errors import ConfigError
 from detr_irpe.structures import ImageBatch
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def pixel_to_token(
     height, width = image_size
     rows, cols = grid_size
     if not (0 <= x <= width and 0 <= y <= height):
-        raise ValueError(f"point ({x}, {y}) is outside the {width}x{height} (w x h) image")
+        raise ConfigError(f"point ({x}, {y}) is outside the {width}x{height} (w x h) image")
     row = min(int(y * rows / height), rows - 1)
     col = min(int(x * cols / width), cols - 1)
     return row * cols + col
@@ -109,7 +110,7 @@ def _select(count: int, layers: Iterable[int] | str | None) -> list[int]:
     chosen = []
     for index in layers:
         if not -count <= int(index) < count:
-            raise ValueError(f"layer {index} does not exist; the model has {count} layers")
+            raise ConfigError(f"layer {index} does not exist; the model has {count} layers")
         chosen.append(int(index) % count)
     return sorted(set(chosen))
 
@@ -239,7 +240,7 @@ class AttentionRecord:
         h, w = self.image_sizes[batch_index]
         x_in, y_in = x / scale[1], y / scale[0]
         if not (0 <= x_in <= w and 0 <= y_in <= h):
-            raise ValueError(f"point ({x}, {y}) is outside the image")
+            raise ConfigError(f"point ({x}, {y}) is outside the image")
         return pixel_to_token(x_in, y_in, self.input_size, self.hw)
 
     def encoder_maps(self, layer: int, token: int, batch_index: int = 0,

@@ -19,6 +19,8 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from detr_irpe.errors import ConfigError, RunFolderError
+
 from ._mpl import new_figure, save_figure
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ def _log_path(path: str | Path) -> Path:
     if path.is_dir():
         path = path / "log.txt"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise RunFolderError(
             f"training log {path} not found; pass a log.txt or the run folder that holds it"
         )
     return path
@@ -133,7 +135,7 @@ def plot_training_curves(
         raise ValueError("plot_training_curves needs at least one log.txt")
     labels = list(labels) if labels is not None else run_labels(paths)
     if len(labels) != len(paths):
-        raise ValueError(f"{len(paths)} logs but {len(labels)} labels")
+        raise ConfigError(f"{len(paths)} logs but {len(labels)} labels")
     runs = [read_log(p) for p in paths]
     from matplotlib import colormaps
 

@@ -17,12 +17,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from matplotlib import patheffects
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from torch import Tensor
 
-from ._mpl import hide_ticks, new_figure, save_figure
+from detr_irpe.models.postprocess import PostProcess
+
+from ._mpl import fit_suptitle, hide_ticks, new_figure, save_figure
 from .attention import AttentionRecord, token_to_cell
+from .draw import DRAW_NMS_IOU, class_colour, suppress_duplicates, text_colour
 from .image import InputImage
 
 logger = logging.getLogger(__name__)
@@ -64,6 +68,14 @@ class Detections:
         """Box centres ``(x, y)``."""
         return [((b[0] + b[2]) / 2.0, (b[1] + b[3]) / 2.0) for b in self.boxes]
 
+    def without_duplicates(self, iou: float = DRAW_NMS_IOU) -> Detections:
+        """The detections to draw: near-duplicates of one object (same class, IoU >= ``iou``)
+        left out, best first (:func:`~detr_irpe.visualization.draw.suppress_duplicates`)."""
+        keep = suppress_duplicates(torch.from_numpy(self.boxes), torch.from_numpy(self.scores),
+                                   torch.from_numpy(self.labels), iou).numpy()
+        return Detections(self.boxes[keep], self.scores[keep], self.labels[keep],
+                          self.queries[keep])
+
 
 def detections_from_outputs(
     outputs: Mapping[str, Tensor],
@@ -84,8 +96,10 @@ def detections_from_outputs(
         min_detections: keep at least this many even below the threshold (useful for an
             untrained model, whose scores are all low).
     """
-    prob = outputs["pred_logits"][batch_index].detach().float().softmax(-1)[:, :-1].cpu()
-    scores, labels = prob.max(-1)
+    single = {key: outputs[key][batch_index:batch_index + 1].detach().float().cpu()
+              for key in ("pred_logits", "pred_boxes")}
+    result = PostProcess()(single, torch.tensor([list(original_size)]))[0]
+    scores = result["scores"]
     order = torch.argsort(scores, descending=True)
     keep = [int(q) for q in order if scores[q] >= threshold]
     if len(keep) < min_detections:
@@ -93,12 +107,9 @@ def detections_from_outputs(
     if max_detections is not None:
         keep = keep[:max_detections]
     idx = torch.tensor(keep, dtype=torch.long)
-    cx, cy, w, h = outputs["pred_boxes"][batch_index].detach().float().cpu()[idx].unbind(-1)
-    h0, w0 = original_size
-    boxes = torch.stack([(cx - w / 2) * w0, (cy - h / 2) * h0, (cx + w / 2) * w0,
-                         (cy + h / 2) * h0], dim=-1)
-    return Detections(boxes=boxes.numpy().reshape(-1, 4), scores=scores[idx].numpy(),
-                      labels=labels[idx].numpy(), queries=idx.numpy())
+    return Detections(boxes=result["boxes"][idx].numpy().reshape(-1, 4),
+                      scores=scores[idx].numpy(), labels=result["labels"][idx].numpy(),
+                      queries=idx.numpy())
 
 
 def category_name(label: int, names: Mapping[int, str] | Sequence[str] | None) -> str:
@@ -116,22 +127,43 @@ def category_name(label: int, names: Mapping[int, str] | Sequence[str] | None) -
 
 # --------------------------------------------------------------------------- drawing helpers
 
-_COLOURS = ["#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6",
-            "#bfef45", "#fabed4", "#469990", "#dcbeff", "#9a6324", "#800000", "#000075"]
-
-
-def _colour(i: int) -> str:
-    return _COLOURS[i % len(_COLOURS)]
-
-
 def _draw_box(ax, box: Sequence[float], colour: str, text: str | None = None,
-              linewidth: float = 2.0) -> None:
+              linewidth: float = 2.2, fontsize: float = 9.0):
+    """A box in ``colour`` with a thin black / white halo (visible on any background) and
+    an optional label on a filled box of the same colour; returns the label artist."""
     x1, y1, x2, y2 = (float(v) for v in box)
+    contrast = text_colour(colour)
+    halo = [patheffects.Stroke(linewidth=linewidth + 1.6, foreground=contrast),
+            patheffects.Normal()]
     ax.add_patch(Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, edgecolor=colour,
-                           linewidth=linewidth))
-    if text:
-        ax.text(x1, y1, text, fontsize=8, color="white", va="bottom",
-                bbox=dict(facecolor=colour, alpha=0.8, pad=1, edgecolor="none"))
+                           linewidth=linewidth, path_effects=halo))
+    if not text:
+        return None
+    return ax.text(x1, y1, text, fontsize=fontsize, color=contrast, va="bottom", ha="left",
+                   fontweight="bold", clip_on=False,
+                   bbox=dict(facecolor=colour, alpha=1.0, pad=1.5, edgecolor=contrast,
+                             linewidth=0.6))
+
+
+def _keep_labels_inside(fig: Figure, ax, labels: Sequence) -> None:
+    """Move labels that stick out of ``ax`` back inside it (a box at the image border
+    would otherwise push its label off the axes or the canvas); the first draw fixes
+    the layout, so positions are measured in the final pixels."""
+    labels = [label for label in labels if label is not None]
+    if not labels:
+        return
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer)
+    to_data = ax.transData.inverted()
+    for label in labels:
+        extent = label.get_bbox_patch().get_window_extent(renderer)
+        dx = max(inside.x0 - extent.x0, 0.0) - max(extent.x1 - inside.x1, 0.0)
+        dy = max(inside.y0 - extent.y0, 0.0) - max(extent.y1 - inside.y1, 0.0)
+        if dx or dy:
+            x, y = label.get_position()
+            px, py = ax.transData.transform((x, y))
+            label.set_position(tuple(to_data.transform((px + dx, py + dy))))
 
 
 def _map_extent(image: InputImage, record: AttentionRecord, batch_index: int
@@ -190,17 +222,30 @@ def plot_predictions(
     category_names: Mapping[int, str] | Sequence[str] | None = None,
     out: str | Path | None = None,
     title: str | None = None,
+    nms_iou: float | None = DRAW_NMS_IOU,
 ) -> Figure:
-    """Boxes, class names and scores over the image."""
+    """Boxes, class names and scores over the image.
+
+    Near-duplicate boxes of one object (same class, IoU >= ``nms_iou``) are drawn once,
+    the best-scoring one (``nms_iou=None`` draws every detection); the title counts both.
+    """
     h0, w0 = image.original_size
+    shown = detections.without_duplicates(nms_iou) if nms_iou is not None else detections
     fig, axes = new_figure(1, 1, panel_size=(8.0, 8.0 * h0 / w0))
     ax = axes[0][0]
     ax.imshow(image.display)
-    for i, (box, label, score) in enumerate(zip(detections.boxes, detections.labels,
-                                                detections.scores)):
-        _draw_box(ax, box, _colour(i), f"{category_name(label, category_names)} {score:.2f}")
+    labels = []
+    # worst first, so that the best box and its label end up on top
+    for box, label, score in reversed(list(zip(shown.boxes, shown.labels, shown.scores))):
+        text = f"{category_name(label, category_names)} {score:.2f}"
+        labels.append(_draw_box(ax, box, class_colour(int(label)), text, linewidth=2.6,
+                                fontsize=10))
     hide_ticks(ax)
-    ax.set_title(title or f"{image.name}: {len(detections)} detections", fontsize=10)
+    hidden = len(detections) - len(shown)
+    default_title = f"{image.name}: {len(shown)} detections" + (
+        f" ({hidden} near-duplicates not drawn)" if hidden else "")
+    ax.set_title(title or default_title, fontsize=11)
+    _keep_labels_inside(fig, ax, labels)
     save_figure(fig, out)
     return fig
 
@@ -254,8 +299,8 @@ def plot_encoder_attention(
             _show_map(ax, image, record, batch_index, data)
             _mark_point(ax, x, y)
             ax.set_title(title, fontsize=8)
-    fig.suptitle(f"{image.name}: encoder layer {layer_idx} self-attention "
-                 f"(grid {record.hw[0]}x{record.hw[1]})", fontsize=10)
+    fit_suptitle(fig, f"{image.name}: encoder layer {layer_idx} self-attention "
+                      f"(grid {record.hw[0]}x{record.hw[1]})", fontsize=10)
     save_figure(fig, out)
     return fig
 
@@ -309,7 +354,7 @@ def plot_rpe_contribution(
             fig.colorbar(artist, ax=ax, shrink=0.7)
             ax.set_title(title, fontsize=8)
     who = "mean of heads" if head is None else f"head {head}"
-    fig.suptitle(f"{image.name}: iRPE contribution, encoder layer {layer_idx} ({who})",
+    fit_suptitle(fig, f"{image.name}: iRPE contribution, encoder layer {layer_idx} ({who})",
                  fontsize=10)
     save_figure(fig, out)
     return fig
@@ -338,8 +383,8 @@ def plot_decoder_attention(
     fig, axes = new_figure(rows, cols, panel_size=(3.2, 3.2 * h0 / w0 + 0.35))
     flat = [ax for row in axes for ax in row]
     flat[0].imshow(image.display)
-    for i, box in enumerate(detections.boxes):
-        _draw_box(flat[0], box, _colour(i))
+    for box, label in zip(detections.boxes, detections.labels):
+        _draw_box(flat[0], box, class_colour(int(label)))
     hide_ticks(flat[0])
     flat[0].set_title(f"{len(detections)} detections", fontsize=9)
     for i, (box, label, score, query) in enumerate(zip(
@@ -347,12 +392,12 @@ def plot_decoder_attention(
         ax = flat[i + 1]
         data = record.decoder_maps(int(query), layer_idx, batch_index).mean(0).numpy()
         _show_map(ax, image, record, batch_index, data, cmap="viridis")
-        _draw_box(ax, box, _colour(i))
+        _draw_box(ax, box, class_colour(int(label)))
         ax.set_title(f"query {int(query)}: {category_name(label, category_names)} "
                      f"{score:.2f}", fontsize=8)
     for ax in flat[panels:]:
         ax.axis("off")
-    fig.suptitle(f"{image.name}: decoder layer {layer_idx} cross-attention (mean of heads)",
-                 fontsize=10)
+    fit_suptitle(fig, f"{image.name}: decoder layer {layer_idx} cross-attention "
+                      "(mean of heads)", fontsize=10)
     save_figure(fig, out)
     return fig

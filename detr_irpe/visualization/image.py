@@ -18,6 +18,7 @@ from torch import Tensor
 
 from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS, read_image
 from detr_irpe.data.transforms import IMAGENET_MEAN, IMAGENET_STD, resized_hw
+from detr_irpe.errors import ImageReadError
 
 __all__ = ["InputImage", "prepare_image", "load_image"]
 
@@ -52,7 +53,7 @@ def load_image(path: str | Path, max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXE
     (pixel limit checked before decoding); ``ImageReadError`` when it is unreadable."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"image {path} not found")
+        raise ImageReadError(f"image {path} not found")
     return read_image(path, max_pixels=max_pixels).permute(1, 2, 0).numpy().copy()
 
 

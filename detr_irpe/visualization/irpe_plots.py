@@ -26,10 +26,11 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from torch import nn
 
+from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.buckets import bucket_ids
 from detr_irpe.irpe.config import Method, RPEConfig, parse_rpe
 
-from ._mpl import new_figure, save_figure
+from ._mpl import fit_suptitle, new_figure, save_figure
 from .attention import encoder_attention_modules
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def bucket_layout(
     height, width = grid
     row, col = point
     if not (0 <= row < height and 0 <= col < width):
-        raise ValueError(f"reference cell {point} is outside the {height}x{width} grid")
+        raise ConfigError(f"reference cell {point} is outside the {height}x{width} grid")
     ids, _ = bucket_ids(method, height, width, ratio)
     token = row * width + col
     return ids[..., token, :].reshape(*ids.shape[:-2], height, width).numpy()
@@ -147,9 +148,8 @@ def plot_bucket_layout(
     fig, axes = new_figure(1, len(panels), panel_size=(3.4, 3.4 * height / width + 0.4))
     for ax, (ids, title) in zip(axes[0], panels):
         _draw_layout(ax, ids, point, title, annotate)
-    fig.suptitle(
-        f"iRPE buckets, ratio {ratio:g}, {height}x{width} grid, query cell {tuple(point)}"
-    )
+    fit_suptitle(fig, f"iRPE buckets, ratio {ratio:g}, {height}x{width} grid, "
+                      f"query cell {tuple(point)}")
     save_figure(fig, out)
     return fig, layouts
 
@@ -200,12 +200,12 @@ def rpe_table_maps(
     """
     rpe = parse_rpe(rpe) if rpe is not None else _module_rpe(attn)
     if rpe is None:
-        raise ValueError(
+        raise ConfigError(
             f"{type(attn).__name__} carries no iRPE setting; pass rpe= (e.g. "
             "'rpe-2.0-product-ctx-1-k')"
         )
     if rpe.skip:
-        raise ValueError("rpe_table_maps shows spatial offsets only; skip tokens are not drawn")
+        raise ConfigError("rpe_table_maps shows spatial offsets only; skip tokens are not drawn")
     extent = default_offset_extent(rpe.ratio) if extent is None else int(extent)
     side = 2 * extent + 1
     ids, _ = bucket_ids(rpe.method, side, side, rpe.ratio)
@@ -236,7 +236,7 @@ def model_rpe_table_maps(
     """:func:`rpe_table_maps` of every (or the chosen) encoder layer: ``{(layer, name): map}``."""
     modules = encoder_attention_modules(model)
     if not any(_module_rpe(m) is not None for m in modules):
-        raise ValueError("the model's encoder has no iRPE tables (model.rpe is 'none' or "
+        raise ConfigError("the model's encoder has no iRPE tables (model.rpe is 'none' or "
                          "there are no encoder layers)")
     chosen = range(len(modules)) if layers is None else [i % len(modules) for i in layers]
     out = {}
@@ -244,7 +244,7 @@ def model_rpe_table_maps(
         for name, value in rpe_table_maps(modules[i], extent=extent).items():
             out[(i, name)] = value
     if not out:
-        raise ValueError("the model's encoder has no iRPE tables (model.rpe is 'none'?)")
+        raise ConfigError("the model's encoder has no iRPE tables (model.rpe is 'none'?)")
     return out
 
 
@@ -301,6 +301,6 @@ def plot_rpe_tables(
             if c == 0:
                 ax.set_ylabel("key row - query row", fontsize=8)
             ax.tick_params(labelsize=7)
-    fig.suptitle(title or "iRPE tables on the offset grid (ctx: encoding norm, bias: value)")
+    fit_suptitle(fig, title or "iRPE tables on the offset grid (ctx: encoding norm, bias: value)")
     save_figure(fig, out)
     return fig

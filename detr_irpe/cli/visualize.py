@@ -1,0 +1,316 @@
+"""See what a DETR-iRPE model does: PNG figures, headless.
+
+Over one image (the model is rebuilt from the config saved in an own checkpoint)::
+
+    detr-irpe-visualize predictions --checkpoint outputs/demo/checkpoint_best.pth \\
+        --image datasets/synthetic/val/000002.jpg
+    detr-irpe-visualize encoder-attention --checkpoint CKPT.pth --image img.jpg \\
+        --points 320,240 100,80 --layer -1 --rpe-contribution
+    detr-irpe-visualize decoder-attention --checkpoint CKPT.pth --image img.jpg
+    detr-irpe-visualize all --checkpoint CKPT.pth --image img.jpg --out-dir figs/
+
+Public iRPE-DETR weights carry no config: name it, and override what differs::
+
+    detr-irpe-visualize rpe-tables --checkpoint rpe-2.0-product-ctx-1-k.pth \\
+        --config detr_r50_irpe
+    detr-irpe-visualize rpe-tables --checkpoint other.pth --config detr_r50_irpe \\
+        --set model.rpe=rpe-1.9-product-ctx-1-k --per-head
+
+No model needed::
+
+    detr-irpe-visualize buckets --ratio 1.9 --grid 15 15
+    detr-irpe-visualize curves outputs/run_a outputs/run_b/log.txt --out curves.png
+    detr-irpe-visualize pr-curves outputs/demo                 # its eval/precision.npz
+    detr-irpe-visualize pr-curves outputs/demo/eval/precision.npz --iou 0.5 0.75 0.9 \\
+        --classes circle square
+
+Every subcommand prints the PNG paths it wrote. Figures go to ``--out`` (one file) or
+``outputs/visualize/<image>_<figure>.png`` (``pr-curves``: next to the
+``precision.npz``). ``python tools/visualize.py`` is the same program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from detr_irpe.cli.common import (
+    add_config_arguments,
+    add_device_argument,
+    checked_overrides,
+    new_parser,
+    run_main,
+    setup_tool_logging,
+)
+
+DEFAULT_DIR = Path("outputs/visualize")
+IMAGE_FIGURES = ("predictions", "encoder-attention", "decoder-attention")
+
+
+def _point(text: str) -> tuple[float, float]:
+    try:
+        x, y = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected x,y pixel coordinates, got {text!r}") from None
+    return x, y
+
+
+def _cell(text: str) -> tuple[int, int]:
+    try:
+        row, col = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected row,col, got {text!r}") from None
+    return row, col
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="own, public DETR or public iRPE-DETR checkpoint "
+                             "(none: random weights)")
+    add_config_arguments(parser, config_help="config name or YAML path (default: the one "
+                                             "saved in the checkpoint; public weights need one)")
+    add_device_argument(parser)
+
+
+def _image_args(parser: argparse.ArgumentParser, detections: bool = True) -> None:
+    _model_args(parser)
+    parser.add_argument("--image", type=Path, required=True, help="image file")
+    parser.add_argument("--size", type=int, default=None,
+                        help="shorter side fed to the model (default data.val_size)")
+    parser.add_argument("--max-size", type=int, default=None,
+                        help="longest side at most (default data.max_size)")
+    parser.add_argument("--names", type=Path, default=None,
+                        help="category names: JSON (id -> name, list, or COCO categories) or "
+                             "text (line i = id i); default: checkpoint, dataset or COCO")
+    parser.add_argument("--threshold", type=float, default=0.7,
+                        help="keep detections with score >= this (%(default)s)")
+    if detections:
+        parser.add_argument("--out", type=Path, default=None, help="PNG path")
+        parser.add_argument("--max-detections", type=int, default=8)
+        parser.add_argument("--min-detections", type=int, default=0,
+                            help="keep at least this many, whatever their score")
+
+
+def _add_image_commands(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("predictions", parents=[common],
+                       help="boxes, class names and scores over the image")
+    _image_args(p)
+    p = sub.add_parser("encoder-attention", parents=[common],
+                       help="encoder self-attention of reference points, per head and mean")
+    _image_args(p)
+    p.add_argument("--points", nargs="+", type=_point, default=None, metavar="X,Y",
+                   help="reference points in image pixels (default: centres of the detections)")
+    p.add_argument("--num-points", type=int, default=3,
+                   help="automatic points: at most this many detections (%(default)s)")
+    p.add_argument("--layer", type=int, default=-1, help="encoder layer (-1: the last)")
+    p.add_argument("--heads", nargs="+", type=int, default=None, help="only these heads")
+    p.add_argument("--rpe-contribution", action="store_true",
+                   help="also write the attention with / without the iRPE term and its logits")
+    p = sub.add_parser("decoder-attention", parents=[common],
+                       help="a decoder layer's cross-attention of every kept detection")
+    _image_args(p)
+    p.add_argument("--layer", type=int, default=-1, help="decoder layer (-1: the last)")
+    p = sub.add_parser("all", parents=[common],
+                       help="predictions, encoder (+ iRPE split) and decoder figures")
+    _image_args(p, detections=False)
+    p.add_argument("--out-dir", type=Path, default=None, help=f"folder (default {DEFAULT_DIR})")
+    p.add_argument("--layer", type=int, default=-1, help="encoder layer (-1: the last)")
+
+
+def _add_other_commands(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("buckets", parents=[common],
+                       help="bucket layout of each iRPE method around a cell")
+    p.add_argument("--ratio", type=float, default=2.0)
+    p.add_argument("--grid", type=int, nargs=2, default=(15, 15), metavar=("H", "W"))
+    p.add_argument("--point", type=_cell, default=None, metavar="ROW,COL",
+                   help="query cell (default the centre)")
+    p.add_argument("--methods", nargs="+", default=["euc", "quant", "cross", "product"],
+                   choices=["euc", "quant", "cross", "product"])
+    p.add_argument("--out", type=Path, default=None)
+    p = sub.add_parser("rpe-tables", parents=[common],
+                       help="learned iRPE tables on the 2D offset grid")
+    _model_args(p)
+    p.add_argument("--extent", type=int, default=None,
+                   help="offsets -R..R (default: 8 ratio + 2, all buckets)")
+    p.add_argument("--per-head", action="store_true", help="one panel per head")
+    p.add_argument("--layers", nargs="+", type=int, default=None, help="encoder layers")
+    p.add_argument("--out", type=Path, default=None)
+    p = sub.add_parser("curves", parents=[common], help="training curves of one or several runs")
+    p.add_argument("logs", nargs="+", type=Path, help="log.txt files or run folders")
+    p.add_argument("--labels", nargs="+", default=None, help="legend names (default folders)")
+    p.add_argument("--out", type=Path, default=None)
+    p = sub.add_parser("pr-curves", parents=[common],
+                       help="precision-recall curves per class and overall from precision.npz")
+    p.add_argument("source", type=Path,
+                   help="a precision.npz, a folder holding one, or a run folder (eval/)")
+    p.add_argument("--iou", type=float, nargs="+", default=[0.5, 0.75],
+                   help="IoU thresholds, one panel each (%(default)s)")
+    p.add_argument("--area", default="all", choices=["all", "small", "medium", "large"])
+    p.add_argument("--max-dets", type=int, default=100, choices=[1, 10, 100])
+    p.add_argument("--classes", nargs="+", default=None, metavar="NAME|ID",
+                   help="categories to draw (default: all when there are at most 12)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="PNG path (default pr_curves.png next to the precision.npz)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser(__doc__, prog="detr-irpe-visualize")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_image_commands(sub, common)
+    _add_other_commands(sub, common)
+    return parser
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _load(args: argparse.Namespace):
+    """``(model, cfg, category names saved with it)``."""
+    from detr_irpe.visualization import load_model
+
+    return load_model(args.config, args.checkpoint, checked_overrides(args.overrides),
+                      device=_device(args.device))
+
+
+def _image_run(args: argparse.Namespace):
+    """Model, prepared image, category names."""
+    from detr_irpe.visualization import prepare_image, resolve_category_names
+
+    model, cfg, stored_names = _load(args)
+    image = prepare_image(args.image, size=args.size or cfg.data.val_size,
+                          max_size=args.max_size or cfg.data.max_size)
+    names = resolve_category_names(cfg, stored_names, args.names)
+    return model, image, names
+
+
+def _rpe_tables(args: argparse.Namespace) -> list[Path]:
+    import detr_irpe.visualization as vis
+
+    model, cfg, _ = _load(args)
+    out = args.out or DEFAULT_DIR / "rpe_tables.png"
+    maps = vis.model_rpe_table_maps(model, extent=args.extent, layers=args.layers)
+    vis.plot_rpe_tables(maps, out=out, per_head=args.per_head,
+                        title=f"iRPE tables ({cfg.model.rpe}) on the offset grid")
+    return [out]
+
+
+def _pr_curves(args: argparse.Namespace) -> list[Path]:
+    from detr_irpe.evaluation import load_pr_arrays
+    from detr_irpe.evaluation.pr_arrays import PR_ARRAYS_FILE
+    from detr_irpe.visualization import plot_pr_curves
+
+    arrays = load_pr_arrays(args.source)
+    if args.out is not None:
+        out = args.out
+    elif args.source.suffix == ".npz":
+        out = args.source.with_name("pr_curves.png")
+    else:
+        found = args.source / PR_ARRAYS_FILE
+        out = (found if found.is_file() else args.source / "eval" / PR_ARRAYS_FILE).with_name(
+            "pr_curves.png")
+    plot_pr_curves(arrays, out=out, iou_thresholds=args.iou, area=args.area,
+                   max_dets=args.max_dets, classes=args.classes)
+    return [out]
+
+
+def _image_figure(args: argparse.Namespace) -> list[Path]:
+    """predictions, encoder-attention (+ iRPE split) or decoder-attention of one image."""
+    import detr_irpe.visualization as vis
+    from detr_irpe.visualization.loading import model_device
+    from detr_irpe.visualization.maps import distinct_points
+
+    model, image, names = _image_run(args)
+    inputs = [image.tensor.to(model_device(model))]
+    record = None
+    with torch.no_grad():
+        if args.command == "predictions":
+            outputs = model(inputs)
+        else:
+            encoder = args.command == "encoder-attention"
+            record = vis.capture_attention(
+                model, inputs, encoder_layers=[args.layer] if encoder else "none",
+                decoder_layers="none" if encoder else [args.layer],
+                rpe_split=getattr(args, "rpe_contribution", False),
+            )
+            outputs = record.outputs
+    detections = vis.detections_from_outputs(
+        outputs, image.original_size, threshold=args.threshold,
+        max_detections=args.max_detections, min_detections=args.min_detections)
+    logging.getLogger(__name__).info("%d detections kept (score >= %s)", len(detections),
+                                     args.threshold)
+    out = args.out or DEFAULT_DIR / f"{image.name}_{args.command.replace('-', '_')}.png"
+    if args.command == "predictions":
+        vis.plot_predictions(image, detections, names, out=out)
+        return [out]
+    if args.command == "decoder-attention":
+        vis.plot_decoder_attention(image, record, detections, names, layer=args.layer, out=out)
+        return [out]
+    points = args.points or distinct_points(detections.centres(), image, record,
+                                            limit=args.num_points)
+    if not points:
+        h0, w0 = image.original_size
+        points = [(w0 / 2.0, h0 / 2.0)]
+        logging.getLogger(__name__).warning(
+            "no detection kept: using the image centre as reference point")
+    vis.plot_encoder_attention(image, record, points, layer=args.layer, out=out,
+                               heads=args.heads)
+    written = [out]
+    if args.rpe_contribution:
+        rpe_out = out.with_name(out.stem + "_rpe_contribution.png")
+        vis.plot_rpe_contribution(image, record, points, layer=args.layer, out=rpe_out)
+        written.append(rpe_out)
+    return written
+
+
+def run(args: argparse.Namespace) -> list[Path]:
+    """Draw what ``args.command`` asks for; the PNG files written."""
+    import detr_irpe.visualization as vis
+
+    if args.command == "buckets":
+        out = args.out or DEFAULT_DIR / f"buckets_ratio{args.ratio:g}.png"
+        vis.plot_bucket_layout(args.ratio, tuple(args.grid), args.point, args.methods, out=out)
+        return [out]
+    if args.command == "curves":
+        out = args.out or DEFAULT_DIR / "curves.png"
+        vis.plot_training_curves(args.logs, out=out, labels=args.labels)
+        return [out]
+    if args.command == "pr-curves":
+        return _pr_curves(args)
+    if args.command == "rpe-tables":
+        return _rpe_tables(args)
+    if args.command == "all":
+        model, image, names = _image_run(args)
+        paths = vis.save_attention_maps(model, image, args.out_dir or DEFAULT_DIR,
+                                        category_names=names, threshold=args.threshold,
+                                        layer=args.layer, prefix=f"{image.name}_")
+        return list(paths.values())
+    return _image_figure(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_tool_logging(logging.INFO if args.verbose else logging.WARNING)
+
+    def body() -> int:
+        for path in run(args):
+            print(path)
+        return 0
+
+    return run_main(body, tool="detr-irpe-visualize")
+
+
+__all__ = ["build_parser", "main", "run"]
