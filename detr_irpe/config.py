@@ -120,6 +120,11 @@ class LossConfig:
                 "loss.set_cost_class, set_cost_bbox and set_cost_giou are all 0: the "
                 "matcher needs at least one cost > 0 to pair predictions with objects"
             )
+        if not (self.ce_loss_coef or self.bbox_loss_coef or self.giou_loss_coef):
+            raise ConfigError(
+                "loss.ce_loss_coef, bbox_loss_coef and giou_loss_coef are all 0: the loss "
+                "would be 0 and nothing would train"
+            )
 
 
 @dataclass

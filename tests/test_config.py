@@ -176,11 +176,18 @@ def test_values_that_cannot_work_are_refused_naming_key_and_value(override: str)
         assert shown in str(info.value)
 
 
-def test_all_matching_costs_zero_is_refused() -> None:
-    zero = ["loss.set_cost_class=0", "loss.set_cost_bbox=0", "loss.set_cost_giou=0"]
-    with pytest.raises(ConfigError, match="matcher"):
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (("set_cost_class", "set_cost_bbox", "set_cost_giou"), "matcher"),
+        (("ce_loss_coef", "bbox_loss_coef", "giou_loss_coef"), "nothing would train"),
+    ],
+)
+def test_all_costs_or_all_loss_terms_zero_is_refused(keys: tuple[str, ...], message: str) -> None:
+    zero = [f"loss.{key}=0" for key in keys]
+    with pytest.raises(ConfigError, match=message):
         load_config("synthetic_tiny", zero)
-    assert load_config("synthetic_tiny", zero[:2]).loss.set_cost_giou > 0
+    assert getattr(load_config("synthetic_tiny", zero[:2]).loss, keys[2]) > 0
 
 
 @pytest.mark.parametrize(
