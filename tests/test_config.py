@@ -258,3 +258,13 @@ def test_read_yaml_with_base_merges_mappings_and_replaces_the_rest(tmp_path: Pat
 
 def load_config_path(name: str) -> Path:
     return resolve_config_path(name).resolve()
+
+
+def test_tiny_fixtures_are_the_shipped_tiny_config_on_the_tiny_dataset(tiny_config,
+                                                                      tiny_dataset) -> None:
+    shipped = load_config("synthetic_tiny")
+    assert tiny_config.model == shipped.model and tiny_config.train == shipped.train
+    assert tiny_config.data.root == str(tiny_dataset)
+    data = tiny_config.data
+    for name in (data.train_ann, data.val_ann, data.train_images, data.val_images):
+        assert (tiny_dataset / name).exists(), name
