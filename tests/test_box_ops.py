@@ -32,6 +32,35 @@ def random_xyxy(n: int) -> torch.Tensor:
     return torch.cat((xy, xy + wh), dim=1).double()
 
 
+def test_conversions_match_the_formulas_with_batch_dims() -> None:
+    """The conversions (torchvision's) on ``(B, N, 4)`` against the formulas written out,
+    values and gradients."""
+    boxes = torch.rand(2, 5, 4, dtype=torch.float64, requires_grad=True)
+    cx, cy, w, h = boxes.unbind(-1)
+    expected = torch.stack((cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2), dim=-1)
+    got = box_cxcywh_to_xyxy(boxes)
+    assert_close(got, expected)
+    weights = torch.rand(2, 5, 4, dtype=torch.float64)
+    (g_got,) = torch.autograd.grad((got * weights).sum(), boxes)
+    (g_exp,) = torch.autograd.grad((expected * weights).sum(), boxes)
+    assert_close(g_got, g_exp)
+    x1, y1, x2, y2 = expected.detach().unbind(-1)
+    assert_close(
+        box_xyxy_to_cxcywh(expected.detach()),
+        torch.stack(((x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1), dim=-1),
+    )
+
+
+def test_giou_of_collapsed_boxes_is_finite_unlike_torchvision() -> None:
+    """Why GIoU is not torchvision's: a collapsed predicted box (zero width and height)."""
+    import torchvision
+
+    collapsed = torch.tensor([[0.5, 0.5, 0.5, 0.5]])
+    assert torch.isnan(torchvision.ops.generalized_box_iou(collapsed, collapsed)).all()
+    ours = generalized_box_iou(collapsed, collapsed)
+    assert torch.isfinite(ours).all()
+
+
 def test_conversions_round_trip() -> None:
     boxes = torch.tensor([[0.5, 0.5, 0.2, 0.4], [0.1, 0.9, 0.0, 0.3]])
     xyxy = box_cxcywh_to_xyxy(boxes)

@@ -1,27 +1,26 @@
-"""Checkpoint layouts: the public key list, strict loading, head swap, bad files, conversion."""
+"""Checkpoint files and layouts: the public key list, strict loading, head swap, the
+reference training script's files, unsafe and bad files, error hints, model_from_checkpoint,
+safetensors, atomic writes, the conversion tool."""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_tool
 from torch.testing import assert_close
 
+from detr_irpe.checkpoint import atomic_save, read_checkpoint
+from detr_irpe.cli.convert import main as convert_main
 from detr_irpe.config import load_config
-from detr_irpe.models import CheckpointError, build_model, load_checkpoint
+from detr_irpe.models import CheckpointError, build_model, load_checkpoint, model_from_checkpoint
 
-convert_main = load_tool("convert_checkpoint").main
-
-REFERENCE = Path("/work/shared/reference/official_state_dict_keys.md")
-if not REFERENCE.is_file():
-    REFERENCE = (
-        Path(__file__).resolve().parent.parent.parent
-        / "shared/reference/official_state_dict_keys.md"
-    )
+# The public iRPE-DETR key / shape list (section 1), kept with the tests.
+REFERENCE = Path(__file__).resolve().parent / "data" / "official_state_dict_keys.md"
 
 R50 = ["model.num_classes=91", "model.backbone_weights=none"]
 TINY = [
@@ -55,24 +54,34 @@ def tiny(*overrides: str):
     return build_model(load_config(None, TINY + list(overrides)))[0]
 
 
+def reference_args(**values) -> argparse.Namespace:
+    """``args`` as the reference training script stores it: an argparse.Namespace."""
+    defaults = {"lr": 1e-4, "lr_backbone": 1e-5, "backbone": "resnet50", "hidden_dim": 256,
+                "enc_layers": 6, "dec_layers": 6, "num_queries": 100, "dataset_file": "coco"}
+    return argparse.Namespace(**{**defaults, **values})
+
+
+def reference_file(path: Path, state: dict, **args) -> Path:
+    """A file as the reference ``main.py`` writes it."""
+    torch.save({"model": state, "optimizer": {"state": {}, "param_groups": []},
+                "lr_scheduler": {"step_size": 100}, "epoch": 149,
+                "args": reference_args(**args)}, path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def public_irpe_file(tmp_path_factory) -> Path:
-    """A synthetic model-zoo file ``{'model': sd, ...}`` built from the doc's key list."""
-    if not REFERENCE.is_file():
-        pytest.skip("reference key list not available")
+    """A synthetic model-zoo file built from the doc's key list, saved like the reference
+    training script (``args`` an argparse.Namespace)."""
     generator = torch.Generator().manual_seed(0)
     state = {k: torch.randn(shape, generator=generator) for k, shape in reference_layout()}
     for key in state:  # keep variances positive, as in a real checkpoint
         if key.endswith("running_var"):
             state[key] = state[key].abs() + 0.5
     path = tmp_path_factory.mktemp("ckpt") / "irpe_detr_r50.pth"
-    torch.save(
-        {"model": state, "epoch": 149, "args": {"enc_rpe2d": "rpe-2.0-product-ctx-1-k"}}, path
-    )
-    return path
+    return reference_file(path, state, enc_rpe2d="rpe-2.0-product-ctx-1-k")
 
 
-@pytest.mark.skipif(not REFERENCE.is_file(), reason="reference key list not available")
 def test_r50_layout_equals_reference_doc() -> None:
     layout = reference_layout()
     assert len(layout) == 464
@@ -91,7 +100,7 @@ def test_strict_load_of_public_irpe_file(public_irpe_file: Path) -> None:
     info = load_checkpoint(model, public_irpe_file, strict_head=True)
     assert info["format"] == "irpe_detr"
     assert info["reinitialized"] == [] and info["missing_rpe"] == []
-    saved = torch.load(public_irpe_file, weights_only=True)["model"]
+    saved = read_checkpoint(public_irpe_file)[0]
     for key, value in model.state_dict().items():
         assert torch.equal(value, saved[key]), key
 
@@ -105,7 +114,7 @@ def test_head_swap_and_rpe_mismatch(public_irpe_file: Path, caplog) -> None:
     assert "re-initialising the class head" in caplog.text
     assert info["reinitialized"] == ["class_embed.weight", "class_embed.bias"]
     assert model.class_embed.weight.shape == (21, 256)
-    saved = torch.load(public_irpe_file, weights_only=True)["model"]
+    saved = read_checkpoint(public_irpe_file)[0]
     assert torch.equal(model.query_embed.weight, saved["query_embed.weight"])
     assert not torch.equal(model.class_embed.weight[:20], saved["class_embed.weight"][:20])
     other = r50("model.rpe=rpe-1.9-product-ctx-1-k")
@@ -175,17 +184,62 @@ def test_other_mismatches_list_keys(tmp_path: Path) -> None:
         load_checkpoint(tiny("model.pre_norm=true"), path)
 
 
-class Payload:
-    """A custom class: pickling it stores a reference to code, which weights_only refuses."""
+class RunsCode:
+    """Unpickling this calls ``os.system``: what a malicious checkpoint does."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_reference_training_files_load(tmp_path: Path) -> None:
+    """Plain DETR and iRPE-DETR files of the reference main.py (args: argparse.Namespace)
+    load through load_checkpoint and the fine-tuning path (model_from_checkpoint)."""
+    plain = tiny("model.rpe=none")
+    irpe = tiny()
+    for source, args in ((plain, {}), (irpe, {"enc_rpe2d": "rpe-2.0-product-ctx-1-k"})):
+        path = reference_file(tmp_path / "ref.pth", source.state_dict(), **args)
+        with pytest.raises(Exception, match="argparse.Namespace"):
+            torch.load(path, weights_only=True)  # what a plain weights-only load does
+        state, meta = read_checkpoint(path)
+        assert meta["format"] == ("irpe_detr" if args else "detr")
+        assert meta["epoch"] == 149 and meta["args"]["lr"] == 1e-4
+        assert meta["args"].get("enc_rpe2d") == args.get("enc_rpe2d")
+        target = tiny()
+        info = load_checkpoint(target, path, strict_head=True)
+        assert info["loaded"] == len(source.state_dict())
+        assert_close(target.query_embed.weight, source.query_embed.weight)
+        # fine-tuning to 2 classes: the public file needs a config, its head is replaced
+        cfg = load_config(None, TINY)
+        loaded = model_from_checkpoint(path, cfg, ["model.num_classes=2"], strict_head=False)
+        assert loaded.model.class_embed.weight.shape[0] == 3
+        assert loaded.meta["load"]["reinitialized"] == ["class_embed.weight", "class_embed.bias"]
+        assert_close(loaded.model.transformer.decoder.norm.weight,
+                     source.transformer.decoder.norm.weight)
+
+
+def test_unsafe_files_are_refused_without_running_code(tmp_path: Path) -> None:
+    model = tiny()
+    marker = tmp_path / "marker"
+    evil = tmp_path / "evil.pth"
+    torch.save({"model": model.state_dict(), "extra": RunsCode(marker)}, evil)
+    hidden = tmp_path / "hidden.pth"  # the code inside the one allowed class
+    torch.save({"model": model.state_dict(),
+                "args": argparse.Namespace(lr=RunsCode(marker))}, hidden)
+    for path in (evil, hidden):
+        with pytest.raises(CheckpointError) as err:
+            load_checkpoint(model, path)
+        text = str(err.value)
+        assert "contains a Python object that is not allowed: " in text, text
+        assert "system" in text and str(path) in text
+        assert "truncated" not in text
+    assert not marker.exists()
 
 
 def test_bad_files(tmp_path: Path) -> None:
     model = tiny()
-    code = tmp_path / "code.pth"
-    torch.save({"model": model.state_dict(), "extra": Payload()}, code)
-    with pytest.raises(CheckpointError, match="contains a Python object that is not allowed") as err:
-        load_checkpoint(model, code)
-    assert str(code) in str(err.value)
     good = tmp_path / "good.pth"
     torch.save({"model": model.state_dict()}, good)
     truncated = tmp_path / "truncated.pth"
@@ -202,26 +256,130 @@ def test_bad_files(tmp_path: Path) -> None:
     torch.save({"epoch": 3, "lr": 0.1}, tmp_path / "nomodel.pth")
     with pytest.raises(CheckpointError, match="no model state dict"):
         load_checkpoint(model, tmp_path / "nomodel.pth")
+    with pytest.raises(CheckpointError, match="is a folder"):
+        load_checkpoint(model, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("model.hidden_dim=64", "model.hidden_dim: checkpoint 32, model 64"),
+        ("model.nheads=8", "model.nheads"),
+        ("model.num_queries=7", "model.num_queries: checkpoint 5, model 7"),
+        ("model.dim_feedforward=32", "model.dim_feedforward: checkpoint 64, model 32"),
+        ("model.enc_layers=3", "model.enc_layers: checkpoint 2, model 3"),
+        ("model.dec_layers=1", "model.dec_layers: checkpoint 2, model 1"),
+        ("model.backbone=resnet34", "model.backbone: checkpoint resnet18, model resnet34"),
+        ("model.pre_norm=true", "model.pre_norm: checkpoint False, model True"),
+        ("model.position_embedding=learned", "model.position_embedding"),
+        ("model.rpe=rpe-1.9-product-ctx-1-k", "model.rpe: checkpoint rpe_k.lookup_table_weight (1, 8, 81)"),
+        ("model.rpe=rpe-2.0-product-ctx-0-k", "model.rpe"),
+    ],
+)
+def test_mismatch_names_what_differs(tmp_path: Path, override: str, named: str) -> None:
+    """The hint names the config key that actually differs, not model.rpe for everything."""
+    path = tmp_path / "ckpt.pth"
+    torch.save({"model": tiny().state_dict()}, path)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tiny(override), path)
+    text = str(err.value)
+    assert named in text, text
+    key = override.split("=")[0]
+    others = {"model.rpe", "model.hidden_dim", "model.nheads", "model.num_queries",
+              "model.backbone", "model.enc_layers", "model.dec_layers"} - {key}
+    blamed = [k for k in others if f"{k}: checkpoint" in text]
+    assert not blamed, text
+    assert ("another iRPE setting" in text) == (key == "model.rpe")
+
+
+def test_class_count_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pth"
+    torch.save({"model": tiny().state_dict()}, path)
+    with pytest.raises(CheckpointError, match="model.num_classes=4"):
+        load_checkpoint(tiny("model.num_classes=7"), path, strict_head=True)
+
+
+def test_model_from_checkpoint_rules(tmp_path: Path, monkeypatch) -> None:
+    source = tiny("model.num_classes=6")
+    cfg = load_config(None, TINY + ["model.num_classes=6"])
+    own = tmp_path / "own.pth"
+    torch.save({"format": "detr_irpe", "model": source.state_dict(), "config": cfg.to_dict(),
+                "category_names": {1: "cat", 5: "dog"}, "epoch": 2}, own)
+    public = tmp_path / "public.pth"
+    torch.save({"model": source.state_dict()}, public)
+
+    # the backbone weights come from the checkpoint: ImageNet is never fetched
+    import torchvision
+
+    real = torchvision.models.resnet18
+
+    def no_download(*, weights=None, **kwargs):
+        assert weights is None, "ImageNet weights requested"
+        return real(weights=None, **kwargs)
+
+    monkeypatch.setattr(torchvision.models, "resnet18", no_download)
+    loaded = model_from_checkpoint(own, overrides=["model.backbone_weights=imagenet"])
+    assert loaded.cfg.model.num_classes == 6 and loaded.category_names == {1: "cat", 5: "dog"}
+    assert not loaded.model.training and loaded.meta["epoch"] == 2
+    assert_close(loaded.model.class_embed.weight, source.class_embed.weight)
+
+    with pytest.raises(CheckpointError, match="--config"):
+        model_from_checkpoint(public)
+    # num_classes comes from the head, whatever the config file says ...
+    other = load_config(None, TINY + ["model.num_classes=91"])
+    assert model_from_checkpoint(public, other).cfg.model.num_classes == 6
+    # ... unless set explicitly: then a head of another size is an error naming both
+    with pytest.raises(CheckpointError, match=r"6 classes.*91 classes"):
+        model_from_checkpoint(public, other, ["model.num_classes=91"])
+
+
+def test_atomic_save_keeps_the_old_file_on_failure(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pth"
+    atomic_save({"model": {"a": torch.ones(2)}}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_save({"model": {"a": torch.zeros(2)}, "x": Unpicklable()}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["model"]["a"], torch.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pth"]
+
+
+def test_safetensors_round_trip(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("safetensors")
+    source = tiny()
+    cfg = load_config(None, TINY)
+    own = tmp_path / "own.pth"
+    torch.save({"format": "detr_irpe", "model": source.state_dict(), "config": cfg.to_dict(),
+                "category_names": {0: "a", 3: "b"}, "epoch": 4}, own)
+    out = tmp_path / "own.safetensors"
+    assert convert_main([str(own), str(out), "--to", "safetensors"]) == 0
+    state, meta = read_checkpoint(out)
+    assert meta["format"] == "detr_irpe" and meta["config"] == cfg.to_dict()
+    assert meta["category_names"] == {0: "a", 3: "b"} and meta["epoch"] == 4
+    a = model_from_checkpoint(own)
+    b = model_from_checkpoint(out)
+    images = [torch.randn(3, 64, 80), torch.randn(3, 48, 64)]
+    with torch.no_grad():
+        out_a, out_b = a.model(images), b.model(images)
+    assert torch.equal(out_a["pred_logits"], out_b["pred_logits"])
+    assert torch.equal(out_a["pred_boxes"], out_b["pred_boxes"])
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(out.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        read_checkpoint(damaged)
 
 
 def test_convert_tool(tmp_path: Path, capsys) -> None:
     plain = tiny("model.rpe=none", "model.num_classes=90")
     src = tmp_path / "detr.pth"
-    torch.save({"model": plain.state_dict(), "args": {}}, src)
+    reference_file(src, plain.state_dict())
     out = tmp_path / "converted.pth"
-    rc = convert_main(
-        [
-            str(src),
-            str(out),
-            "--num-classes",
-            "4",
-            "--rpe",
-            "rpe-2.0-product-ctx-1-k",
-            "--nheads",
-            "4",
-        ]
-    )
-    assert rc == 0 and out.is_file()
+    args = [str(src), str(out), "--num-classes", "4", "--rpe", "rpe-2.0-product-ctx-1-k",
+            "--nheads", "4"]
+    assert convert_main(args + ["--rpe-init", "zero"]) == 0 and out.is_file()
     assert not list(tmp_path.glob(".*.tmp"))
     model = tiny()
     info = load_checkpoint(model, out, strict_head=True)
@@ -231,10 +389,22 @@ def test_convert_tool(tmp_path: Path, capsys) -> None:
     old_w = plain.class_embed.weight
     assert_close(model.class_embed.weight[:4], old_w[:4])
     assert_close(model.class_embed.weight[-1], old_w[-1])  # the no-object row is kept
-    assert model.transformer.encoder.layers[0].self_attn.rpe_k.lookup_table_weight.any()
+    assert not model.transformer.encoder.layers[0].self_attn.rpe_k.lookup_table_weight.any()
+    assert convert_main(args + ["--force"]) == 0  # xavier tables, as a fresh model's
+    tables = [v for k, v in torch.load(out, weights_only=True)["model"].items() if ".rpe_" in k]
+    assert all(t.any() for t in tables) and not torch.equal(tables[0], tables[1])
+    capsys.readouterr()
     assert convert_main([str(src), str(out)]) == 2  # exists, no --force
-    assert (
-        convert_main([str(out), str(tmp_path / "again.pth"), "--rpe", "rpe-1.9-product-ctx-1-k"])
-        == 1
-    )
-    assert "already has iRPE tables" in capsys.readouterr().err
+    again = [str(out), str(tmp_path / "again.pth"), "--rpe", "rpe-1.9-product-ctx-1-k"]
+    assert convert_main(again) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "already has iRPE tables" in err
+
+
+def test_convert_tool_bad_input_is_one_line(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(b"\x80\x02 not a checkpoint")
+    assert convert_main([str(bad), str(tmp_path / "out.pth")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and str(bad) in err
+    assert not (tmp_path / "out.pth").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from detr_irpe.models import (
     load_checkpoint,
 )
 from detr_irpe.models.backbone import Backbone
+from detr_irpe.models.transformer import Transformer
 from detr_irpe.structures import ImageBatch
 
 TINY = [
@@ -188,6 +190,30 @@ def test_frozen_bn_formula() -> None:
     bn.load_state_dict(ref.state_dict())
 
 
+def test_frozen_bn_against_torchvision() -> None:
+    """Same outputs, keys and loading as torchvision.ops.FrozenBatchNorm2d; only the
+    output dtype for bf16 inputs differs (the reason to keep ours)."""
+    import torchvision
+
+    ours, theirs = FrozenBatchNorm2d(4), torchvision.ops.FrozenBatchNorm2d(4)
+    trained = torch.nn.BatchNorm2d(4)
+    trained.train()
+    trained(torch.randn(8, 4, 5, 5) * 3 + 1)  # non-trivial running statistics
+    with torch.no_grad():
+        trained.weight.uniform_(0.5, 2.0)
+        trained.bias.uniform_(-1.0, 1.0)
+    state = trained.state_dict()
+    assert "num_batches_tracked" in state
+    ours.load_state_dict(state)
+    theirs.load_state_dict(state)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    x = torch.randn(2, 4, 6, 7)
+    assert_close(ours(x), theirs(x), rtol=0, atol=0)
+    assert_close(ours(x), trained.eval()(x))
+    x16 = x.bfloat16()
+    assert ours(x16).dtype == torch.bfloat16 and theirs(x16).dtype == torch.float32
+
+
 def test_dilation_output_stride() -> None:
     x = torch.randn(1, 3, 64, 96)
     mask = torch.zeros(1, 64, 96, dtype=torch.bool)
@@ -269,3 +295,55 @@ def test_imagenet_download_failure_is_clear(monkeypatch) -> None:
     monkeypatch.setattr(torchvision.models, "resnet18", offline)
     with pytest.raises(CheckpointError, match="TORCH_HOME"):
         Backbone("resnet18", weights="imagenet")
+
+
+def xavier_bound(shape: tuple[int, ...]) -> float:
+    """``xavier_uniform_``'s bound for a tensor of this shape, from the definition:
+    fan_in = size(1) * receptive field, fan_out = size(0) * receptive field, where the
+    receptive field is the product of the sizes after the first two."""
+    receptive = 1
+    for size in shape[2:]:
+        receptive *= size
+    fan_in, fan_out = shape[1] * receptive, shape[0] * receptive
+    return math.sqrt(6.0 / (fan_in + fan_out))
+
+
+@pytest.mark.parametrize(
+    "rpe",
+    ["rpe-2.0-product-ctx-1-k", "rpe-2.0-product-ctx-0-qkv", "rpe-2.0-product-bias-0-qk",
+     "rpe-1.9-cross-ctx-1-qkv", "rpe-1.9-euc-bias-1-k"],
+)
+def test_rpe_tables_start_like_the_reference(rpe: str) -> None:
+    """xavier: every table uniform in +-bound of its own shape (std bound / sqrt(3));
+    zero: all zeros."""
+    transformer = Transformer(
+        d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=1,
+        dim_feedforward=64, rpe=rpe, rpe_init="xavier",
+    )
+    tables = [(n, p.detach()) for n, p in transformer.named_parameters() if "lookup_table" in n]
+    assert len(tables) >= 2
+    for name, table in tables:
+        bound = xavier_bound(tuple(table.shape))
+        assert table.abs().max() <= bound, name
+        if table.numel() >= 200:  # enough values for the spread to be that of U(-b, b)
+            assert abs(table.std().item() / (bound / math.sqrt(3)) - 1) < 0.15, name
+    # each layer's tables are drawn separately
+    assert not torch.equal(tables[0][1], tables[len(tables) // 2][1])
+    zero = Transformer(
+        d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=1,
+        dim_feedforward=64, rpe=rpe, rpe_init="zero",
+    )
+    for name, param in zero.named_parameters():
+        if "lookup_table" in name:
+            assert not param.detach().any(), name
+
+
+def test_rpe_init_from_the_config() -> None:
+    zero, _, _ = tiny("model.rpe_init=zero")
+    xavier, _, _ = tiny()  # the default
+    assert load_config(None, TINY).model.rpe_init == "xavier"
+    for model, started in ((zero, False), (xavier, True)):
+        tables = [p for n, p in model.named_parameters() if "lookup_table" in n]
+        assert tables and all(bool(t.detach().any()) == started for t in tables)
+    with pytest.raises(ConfigError, match="model.rpe_init.*xavier, zero"):
+        load_config(None, TINY + ["model.rpe_init=normal"])

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 FORMAT = "detr_irpe"
 # The Python classes a checkpoint may contain besides tensors and plain containers.
 ALLOWED_CLASSES = (argparse.Namespace,)
+# A Hugging Face save_pretrained folder holds these two files.
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
 
@@ -163,7 +164,8 @@ def split_checkpoint(obj: Any, path: str | Path) -> tuple[dict[str, Tensor], dic
     ``state_dict`` | ``hf``), ``config`` (the saved config dict or None), ``epoch``,
     ``category_names`` (``{id: name}`` or None), ``args`` (the reference training
     script's arguments as a dict, or None) and ``extra`` (every other top-level entry,
-    e.g. the optimizer state of a training checkpoint).
+    e.g. the optimizer state of a training checkpoint). Hugging Face folders add
+    ``hf_model``: the ``model.*`` settings their ``config.json`` implies.
     """
     path = Path(path)
     state, fmt = _model_state(obj, path)
@@ -255,27 +257,21 @@ def _json_field(header: Mapping[str, str], key: str, path: Path) -> Any:
 
 
 def _read_hf_folder(folder: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """A ``save_pretrained`` folder: ``config.json`` + ``model.safetensors``."""
-    if not (folder / HF_CONFIG).is_file() or not (folder / HF_WEIGHTS).is_file():
+    """A Hugging Face ``save_pretrained`` folder (``config.json`` + ``model.safetensors``)."""
+    hf = _hf_module()
+    if hf is None or not (folder / HF_CONFIG).is_file():
         raise CheckpointError(
-            f"checkpoint {folder} is a folder but not a Hugging Face save_pretrained folder "
-            f"(it needs {HF_CONFIG} and {HF_WEIGHTS}); give the path of a checkpoint file"
+            f"checkpoint {folder} is a folder, not a checkpoint file; the only folders read "
+            f"are Hugging Face save_pretrained folders ({HF_CONFIG} + {HF_WEIGHTS})"
         )
-    state, meta = _read_safetensors(folder / HF_WEIGHTS)
-    meta["path"] = str(folder)
-    try:
-        hf_config = json.loads((folder / HF_CONFIG).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"checkpoint {folder}: {HF_CONFIG} is not valid JSON") from err
-    meta["extra"]["hf_config"] = hf_config
-    if isinstance(hf_config, Mapping) and isinstance(hf_config.get("id2label"), Mapping):
-        meta["category_names"] = _category_names(hf_config["id2label"])
-    if meta["format"] != "hf":
-        raise CheckpointError(
-            f"checkpoint {folder}: {HF_WEIGHTS} is not in a Hugging Face DETR key layout "
-            "this installation can convert (needs detr_irpe.checkpoint.hf); first keys: "
-            f"{format_keys(sorted(state), 5)}"
-        )
+    state, hf_meta = hf.read_hf_folder(folder)
+    meta = _empty_meta(folder, "hf")
+    meta.update(
+        category_names=hf_meta.get("category_names"),
+        extra={k: v for k, v in hf_meta.items() if k not in meta},
+    )
+    # the model settings its config.json implies (hidden size, layers, classes, ...)
+    meta["hf_model"] = hf_meta.get("model") or {}
     return state, meta
 
 

@@ -6,6 +6,11 @@ with ``C`` the smallest enclosing box. Unlike DETR's version there is no
 assertion on degenerate boxes: widths/heights are clamped at 0 and every
 denominator at ``eps``, so a collapsed predicted box (w = 0 or h = 0) gives a
 finite value and a finite gradient instead of NaN or a crash mid-training.
+
+The format conversions are torchvision's (``torchvision.ops.box_convert``, the same
+formulas). Area, IoU and GIoU stay here: torchvision's ``box_area`` gives inverted
+boxes a negative area and its ``box_iou`` / ``generalized_box_iou`` divide by zero for
+collapsed boxes (NaN), and neither runs in float32 under autocast.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor
+from torchvision.ops import box_convert
 
 EPS = 1e-7
 
@@ -36,14 +42,12 @@ def _float32(fn: _F) -> _F:
 
 def box_cxcywh_to_xyxy(boxes: Tensor) -> Tensor:
     """``(..., 4)`` (cx, cy, w, h) -> (x1, y1, x2, y2)."""
-    cx, cy, w, h = boxes.unbind(-1)
-    return torch.stack((cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w, cy + 0.5 * h), dim=-1)
+    return box_convert(boxes, "cxcywh", "xyxy")
 
 
 def box_xyxy_to_cxcywh(boxes: Tensor) -> Tensor:
     """``(..., 4)`` (x1, y1, x2, y2) -> (cx, cy, w, h)."""
-    x1, y1, x2, y2 = boxes.unbind(-1)
-    return torch.stack(((x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1), dim=-1)
+    return box_convert(boxes, "xyxy", "cxcywh")
 
 
 def box_area(boxes: Tensor) -> Tensor:

@@ -2,9 +2,10 @@
 tool (train ``--finetune``, eval, predict, visualize, export, torch.hub) shares.
 
 - **Config**: the one given (a name, a YAML path or a :class:`Config`), else the config
-  saved in the checkpoint; ``overrides`` (``"section.key=value"``) apply on top. A file
-  without a saved config (public DETR / iRPE-DETR / Hugging Face weights) needs one:
-  that is a :class:`CheckpointError` saying to pass ``--config``.
+  saved in the checkpoint (for a Hugging Face folder: ``detr_r50`` with the settings of
+  its ``config.json``); ``overrides`` (``"section.key=value"``) apply on top. A file
+  without a saved config (public DETR / iRPE-DETR weights) needs one: that is a
+  :class:`CheckpointError` saying to pass ``--config``.
 - **Number of classes**: the checkpoint's class head decides (its rows - 1: the head
   has one "no object" output more than ``model.num_classes``), unless
   ``model.num_classes`` is among the ``overrides``; then a head of another size is an
@@ -36,6 +37,9 @@ from detr_irpe.models.detr import DETR
 from detr_irpe.models.postprocess import PostProcess
 
 logger = logging.getLogger(__name__)
+
+# Hugging Face DETR is plain DETR-R50: its config.json settings go on top of this one.
+HF_BASE_CONFIG = "detr_r50"
 
 
 @dataclass
@@ -80,6 +84,12 @@ def resolve_config(
     if isinstance(saved, Mapping):
         logger.info("using the config saved in %s", path)
         return config_from_dict(saved, overrides)
+    if meta.get("hf_model"):
+        # a Hugging Face folder: plain DETR-R50 with the settings of its config.json
+        logger.info("config: detr_r50 with the model settings of %s/config.json", path)
+        base = load_config(HF_BASE_CONFIG).to_dict()
+        base["model"].update(meta["hf_model"], rpe="none")
+        return config_from_dict(base, overrides)
     raise CheckpointError(
         f"checkpoint {path} ({meta.get('format')} layout) carries no config: pass --config "
         "with the model it was trained as, e.g. --config detr_r50 for public DETR-R50 or "
