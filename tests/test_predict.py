@@ -148,15 +148,20 @@ def _folder(root: Path, bad: dict[str, bytes] | None = None, good: int = 2) -> P
     return root
 
 
-def _truncated_jpeg() -> bytes:
+def _jpeg_bytes() -> bytes:
     import io
 
     buffer = io.BytesIO()
     Image.fromarray(_photo(seed=5)).save(buffer, format="JPEG", quality=95)
-    return buffer.getvalue()[:300]
+    return buffer.getvalue()
 
 
-BAD_FILES = {"cut.jpg": _truncated_jpeg(), "empty.jpg": b"", "notes.jpg": b"just text\n"}
+BAD_FILES = {
+    "cut.jpg": _jpeg_bytes()[:300],  # cut inside the header
+    "half.jpg": _jpeg_bytes()[: len(_jpeg_bytes()) // 2],  # cut inside the pixel data
+    "empty.jpg": b"",
+    "notes.jpg": b"just text\n",
+}
 
 
 def test_tool_on_a_folder_writes_json_and_images(checkpoint: Path, tmp_path: Path) -> None:
@@ -197,7 +202,7 @@ def test_bad_files_are_skipped_and_listed(checkpoint: Path, tmp_path: Path, caps
     assert sorted(Path(i["file_name"]).name for i in document["images"]) == ["good0.jpg",
                                                                             "good1.jpg"]
     skipped = {Path(s["file_name"]).name: s["reason"] for s in document["skipped"]}
-    assert set(skipped) == {"cut.jpg", "empty.jpg", "notes.jpg", "bomb.png"}
+    assert set(skipped) == {"cut.jpg", "half.jpg", "empty.jpg", "notes.jpg", "bomb.png"}
     assert "not a readable image" in skipped["empty.jpg"]
     assert "not a readable image" in skipped["notes.jpg"]
     assert "pixels" in skipped["bomb.png"]
@@ -210,8 +215,8 @@ def test_nothing_readable_or_strict_exits_2(checkpoint: Path, tmp_path: Path, ca
     out = tmp_path / "out"
     assert predict_main([str(checkpoint), str(bad_only), "--output-dir", str(out),
                          "--no-progress"]) == 2
-    assert "none of the 3 images could be read" in capsys.readouterr().err
-    assert len(json.loads((out / "detections.json").read_text())["skipped"]) == 3
+    assert "none of the 4 images could be read" in capsys.readouterr().err
+    assert len(json.loads((out / "detections.json").read_text())["skipped"]) == 4
     mixed = _folder(tmp_path / "mixed", {"empty.jpg": b""})
     assert predict_main([str(checkpoint), str(mixed), "--output-dir", str(tmp_path / "s"),
                          "--strict", "--no-progress"]) == 2
