@@ -208,3 +208,231 @@ def test_second_signal_exits_at_once_with_128_plus_signal(tmp_path):
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "not reached" not in out
     assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------------- end to end
+# 8 training images, batch 2: 4 steps per epoch, a checkpoint after every step.
+RUN = ["train.epochs=2", "train.batch_size=2", "train.checkpoint_every=1"]
+
+# Trains with the train tool's main(argv[3:]); the argv[2]-th torch.save (a checkpoint
+# write) completes its temporary file, then touches the marker file argv[1] and waits
+# 2 s before the file is moved into place: a window to send signals during a save.
+_SLOW_SAVE_DRIVER = """
+    import sys, time
+    from pathlib import Path
+    import torch
+    marker, nth = Path(sys.argv[1]), int(sys.argv[2])
+    real_save, calls = torch.save, []
+
+    def slow_save(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == nth:
+            marker.touch()
+            time.sleep(2.0)
+
+    torch.save = slow_save
+    from detr_irpe.cli.train import main
+    sys.exit(main(sys.argv[3:]))
+"""
+
+
+def _train_args(data: Path, out: Path, *overrides: str) -> list[str]:
+    return ["--config", "synthetic_tiny", "--output-dir", str(out), "--no-progress",
+            "--device", "cpu", "--set", f"data.root={data}", *RUN, *overrides]
+
+
+def _train(data: Path, out: Path, *overrides: str) -> int:
+    from detr_irpe.cli.train import main
+
+    return main(_train_args(data, out, *overrides))
+
+
+def _log(out: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
+
+
+def _assert_same_run(reference: Path, resumed: Path) -> None:
+    """Equal final weights and equal ``log.txt`` numbers (times aside)."""
+    a = ckio.load_checkpoint_file(reference / ckio.LAST)["model"]
+    b = ckio.load_checkpoint_file(resumed / ckio.LAST)["model"]
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-6)
+    log_a, log_b = _log(reference), _log(resumed)
+    assert [r["epoch"] for r in log_b] == [r["epoch"] for r in log_a]
+    for ra, rb in zip(log_a, log_b):
+        for key, value in ra.items():
+            if key.endswith("_time"):
+                continue
+            assert rb[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+@pytest.fixture(scope="module")
+def straight_run(tiny_dataset, tmp_path_factory) -> Path:
+    """The run without faults that every stopped and resumed run must equal."""
+    out = tmp_path_factory.mktemp("straight")
+    assert _train(tiny_dataset, out) == 0
+    return out
+
+
+def _stop_during_save(data: Path, out: Path, nth_save: int, *signals: int
+                      ) -> subprocess.CompletedProcess:
+    marker = out.parent / f"{out.name}.saving"
+    proc = _python(_SLOW_SAVE_DRIVER, str(marker), str(nth_save), *_train_args(data, out))
+    _wait_for_file(marker, proc, timeout=300)
+    seen = []
+    for k, signum in enumerate(signals):
+        proc.send_signal(signum)
+        if k + 1 < len(signals):
+            # Two signals sent back to back may reach the process as one: send the
+            # next only once the first was handled (its handler says so on stderr).
+            for line in proc.stderr:
+                seen.append(line)
+                if "stopping at the next step boundary" in line:
+                    break
+    out_text, err_text = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out_text,
+                                       "".join(seen) + err_text)
+
+
+def test_sigterm_during_a_save_stops_at_the_next_step_and_resumes_exactly(
+    tiny_dataset, straight_run, tmp_path
+):
+    out = tmp_path / "run"
+    # The signal arrives while the checkpoint of epoch 0, batch 1 is being written:
+    # that save completes, the next step runs, and the run stops after it.
+    done = _stop_during_save(tiny_dataset, out, 1, signal.SIGTERM)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert "Traceback" not in done.stderr
+    line = "interrupted at epoch 0 batch 2; run the same command to resume"
+    assert line in done.stderr.splitlines()[-1]
+    saved = ckio.load_checkpoint_file(out / ckio.LAST)
+    assert (saved["epoch"], saved["batch_in_epoch"], saved["iteration"]) == (0, 2, 2)
+    assert not list(out.glob(".checkpoint_*"))  # nothing half-written left
+    assert _train(tiny_dataset, out) == 0  # the same command resumes
+    _assert_same_run(straight_run, out)
+
+
+@pytest.mark.slow  # a training subprocess (~15 s on a quiet machine)
+def test_sigint_at_the_end_of_an_epoch_stops_after_its_checkpoint(tiny_dataset, tmp_path):
+    out = tmp_path / "run"
+    # During the save of batch 3, the last step of epoch 0 is next: the epoch is
+    # finished (evaluation, log.txt, checkpoint) and the run stops at epoch 1, batch 0.
+    done = _stop_during_save(tiny_dataset, out, 3, signal.SIGINT)
+    assert done.returncode == 128 + signal.SIGINT, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "interrupted at epoch 1 batch 0; run the same command" in done.stderr.splitlines()[-1]
+    saved = ckio.load_checkpoint_file(out / ckio.LAST)
+    assert (saved["epoch"], saved["batch_in_epoch"]) == (1, 0)
+    assert [r["epoch"] for r in _log(out)] == [0]
+
+
+@pytest.mark.slow  # a training subprocess (~15 s on a quiet machine)
+def test_second_signal_exits_at_once_leaving_the_last_checkpoint(
+    tiny_dataset, straight_run, tmp_path, caplog
+):
+    out = tmp_path / "run"
+    # Both signals arrive while the checkpoint of batch 2 sits in its temporary file.
+    done = _stop_during_save(tiny_dataset, out, 2, signal.SIGTERM, signal.SIGTERM)
+    assert done.returncode == 128 + signal.SIGTERM and "Traceback" not in done.stderr
+    saved = ckio.load_checkpoint_file(out / ckio.LAST)
+    assert (saved["epoch"], saved["batch_in_epoch"]) == (0, 1)
+    left = list(out.glob(".checkpoint_last.pth.*.tmp"))
+    assert len(left) == 1
+    with caplog.at_level(logging.INFO):
+        assert _train(tiny_dataset, out) == 0
+    assert not left[0].exists()
+    assert any(str(left[0]) in r.getMessage() for r in caplog.records)  # its removal is logged
+    _assert_same_run(straight_run, out)
+
+
+def test_second_training_start_in_a_busy_folder_exits_2_naming_the_holder(
+    tiny_dataset, tmp_path, capsys
+):
+    out, ready = tmp_path / "run", tmp_path / "ready"
+    holder = _python(_HOLDER, str(out), str(ready), stdin=subprocess.PIPE)
+    try:
+        _wait_for_file(ready, holder)
+        in_flight = out / ".checkpoint_last.pth.x81k.tmp"  # the first run's save in progress
+        in_flight.write_bytes(b"being written")
+        assert _train(tiny_dataset, out) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"PID {holder.pid} on host {socket.gethostname()}" in err
+        assert len(err.splitlines()) == 1 and "Traceback" not in err
+        assert in_flight.exists()  # the refused start removed nothing
+        assert not (out / "log.txt").exists() and not (out / "config.yaml").exists()
+    finally:
+        holder.communicate("")
+
+
+def test_unwritable_run_folder_is_refused_before_anything_is_built(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    # The data root does not exist either: the run folder is checked first.
+    assert _train(tmp_path / "no_such_data", blocker / "run") == 2
+    err = capsys.readouterr().err.strip()
+    assert "a_file/run is not writable" in err and len(err.splitlines()) == 1
+
+
+def test_no_space_left_while_training_keeps_the_last_checkpoint(
+    tiny_dataset, tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "run"
+    real_save, calls = torch.save, []
+
+    def save_then_full_disk(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_then_full_disk)
+    assert _train(tiny_dataset, out) == 2
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    last_line = err.strip().splitlines()[-1]  # after the run's own log lines
+    assert last_line.startswith("error: could not write") and "Traceback" not in err
+    assert "No space left on device" in last_line and str(out / ckio.LAST) in last_line
+    saved = ckio.load_checkpoint_file(out / ckio.LAST)
+    assert (saved["epoch"], saved["batch_in_epoch"]) == (0, 1)
+    assert not list(out.glob(".checkpoint_*"))
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs, no handler catches it."""
+
+
+def test_kill_between_last_and_best_is_repaired_on_resume(tiny_dataset, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+
+    def killed(*args, **kwargs):
+        raise _Killed
+
+    monkeypatch.setattr(ckio, "link_best", killed)
+    with pytest.raises(_Killed):
+        _train(tiny_dataset, out, "train.epochs=1", "train.checkpoint_every=0")
+    monkeypatch.undo()
+    last = ckio.load_checkpoint_file(out / ckio.LAST)
+    assert (last["epoch"], last["best_epoch"]) == (1, 1)  # last is the best one ...
+    assert not (out / ckio.BEST).exists()  # ... but was never linked
+    assert _train(tiny_dataset, out, "train.epochs=2", "train.checkpoint_every=0") == 0
+    last = ckio.load_checkpoint_file(out / ckio.LAST)
+    best = ckio.load_checkpoint_file(out / ckio.BEST)
+    assert best["epoch"] == last["best_epoch"] and best["best_ap"] == last["best_ap"]
+
+
+def test_diverging_weights_stop_with_exit_3_and_a_finite_checkpoint(
+    tiny_dataset, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    assert _train(tiny_dataset, out, "train.lr=1e6", "train.lr_backbone=1e6") == 3
+    err = capsys.readouterr().err
+    last_line = err.strip().splitlines()[-1]  # after the run's own log lines
+    assert last_line.startswith("error: ") and "non-finite" in last_line
+    assert "Traceback" not in err and "matching cost" not in err
+    for name in (ckio.LAST, ckio.PREV):
+        if (out / name).exists():
+            assert ckio.nonfinite_tensors(ckio.load_checkpoint_file(out / name)["model"]) == []

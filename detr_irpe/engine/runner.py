@@ -39,13 +39,15 @@ from detr_irpe.engine.distributed import (
     init_distributed,
     seed_everything,
 )
-from detr_irpe.engine.logger import JsonLinesLog, TensorBoardWriter, setup_logging
+from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
+from detr_irpe.engine.logger import JsonLinesLog, MetricTracker, TensorBoardWriter, setup_logging
 from detr_irpe.engine.optim import (
     StepSchedule,
     apply_config_hyperparameters,
     build_optimizer,
     build_schedule,
 )
+from detr_irpe.engine.run_lock import RunLock, lock_run_folder
 from detr_irpe.engine.sampling import epoch_batches
 from detr_irpe.engine.trainer import (
     StepSettings,
@@ -55,6 +57,7 @@ from detr_irpe.engine.trainer import (
     resolve_amp,
     train_one_epoch,
 )
+from detr_irpe.errors import Interrupted, NonFiniteError
 from detr_irpe.evaluation import COCO_STAT_NAMES
 from detr_irpe.utils.dist import all_gather_object, barrier
 
@@ -185,13 +188,14 @@ def _resolved_amp(cfg: Config, info: DistInfo) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp))
 
 
-def _prepare_output_dir(cfg: Config, info: DistInfo) -> Path:
+def _prepare_output_dir(cfg: Config, info: DistInfo, lock: RunLock | None) -> Path:
+    """Logging into the run folder, and removal of what an interrupted save left there
+    (rank 0, which holds the folder's ``lock``: no other run can be writing)."""
     output_dir = Path(cfg.train.output_dir)
-    if info.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        ckio.remove_stale_temp_files(output_dir)
-    barrier()
     setup_logging(output_dir, info.rank)
+    if lock is not None:
+        ckio.remove_stale_temp_files(output_dir, lock)
+    barrier()
     return output_dir
 
 
@@ -317,8 +321,16 @@ class _Run:
         self.output_dir = output_dir
         self.progress = progress
         self.best_ap: float | None = None
+        self.best_epoch: int | None = None  # the ``epoch`` of the checkpoint with best_ap
         self.step = StepState()
         self.model: nn.Module = parts.model  # wrapped for DDP by run_epochs
+        # Running sums of the epoch in progress; saved with mid-epoch checkpoints so that
+        # a resumed epoch's log.txt averages cover all of its steps.
+        self.tracker = self.new_tracker()
+        self.stop: StopOnSignal | None = None  # set while run_epochs listens for signals
+
+    def new_tracker(self) -> MetricTracker:
+        return MetricTracker(window=max(self.cfg.train.print_freq, 1))
 
     def checkpoint_state(self, step: StepState) -> dict:
         p = self.parts
@@ -332,6 +344,8 @@ class _Run:
             "batch_in_epoch": step.batch_in_epoch,
             "iteration": step.iteration,
             "best_ap": self.best_ap,
+            "best_epoch": self.best_epoch,
+            "metrics": self.tracker.state_dict() if step.batch_in_epoch else {},
             "rng": rng,
             "world_size": self.info.world_size,
             "batch_size": self.cfg.train.batch_size,
@@ -340,6 +354,20 @@ class _Run:
         }
 
     def save(self, step: StepState, is_best: bool = False) -> None:
+        """Checkpoint ``step`` (a collective); never weights holding NaN / inf.
+
+        Raises:
+            NonFiniteError: the weights are not finite (nothing is written).
+            RunFolderError: the file could not be written (the previous one is intact).
+        """
+        bad = ckio.nonfinite_tensors(_unwrap(self.model).state_dict())
+        if bad:  # the same weights on every rank: every rank raises
+            raise NonFiniteError(
+                f"the weights became NaN / inf at epoch {step.epoch}, iteration "
+                f"{step.iteration} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
+                "training stopped without saving them, the last checkpoint is finite. Lower "
+                "train.lr or keep train.clip_max_norm > 0"
+            )
         state = self.checkpoint_state(step)
         if self.info.is_main:
             path = ckio.save_training_checkpoint(state, self.output_dir)
@@ -351,6 +379,18 @@ class _Run:
                 ", new best" if is_best else "",
             )
         barrier()
+
+    def stop_requested(self) -> int | None:
+        """The signal that stops every rank now, or None (a collective under torchrun)."""
+        if self.stop is None:
+            return None
+        return agreed_stop(self.stop.requested(), self.info.device)
+
+    def interrupted(self, signum: int, step: StepState) -> Interrupted:
+        """The error that ends a run stopped by ``signum`` after checkpointing ``step``."""
+        message = interrupted_message(signum, step.epoch, step.batch_in_epoch)
+        logger.warning("%s", message)
+        return Interrupted(message, signum)
 
     def evaluate(self) -> tuple[dict[str, float], dict[str, Any], Any]:
         p = self.parts
@@ -381,6 +421,9 @@ def restore(run: _Run, state: Mapping[str, Any]) -> None:
     run.step = StepState(int(state["epoch"]), int(state.get("batch_in_epoch", 0)),
                          int(state["iteration"]))
     run.best_ap = state.get("best_ap")
+    run.best_epoch = state.get("best_epoch")
+    if run.step.batch_in_epoch and state.get("metrics"):
+        run.tracker.load_state_dict(state["metrics"])
     saved_world = int(state.get("world_size", 1))
     rng = state.get("rng") or []
     if saved_world == info.world_size and len(rng) == info.world_size:
@@ -396,6 +439,7 @@ def restore(run: _Run, state: Mapping[str, Any]) -> None:
         logger.warning("the global batch size changed; mid-epoch position is approximate")
     if run.step.batch_in_epoch >= p.steps_per_epoch:
         run.step.epoch, run.step.batch_in_epoch = run.step.epoch + 1, 0
+        run.tracker = run.new_tracker()
 
 
 def _load_finetune_weights(model: nn.Module, path: Path) -> None:
@@ -441,7 +485,13 @@ def _train_epoch(run: _Run, tensorboard: TensorBoardWriter) -> dict[str, float]:
 
     def on_step(state: StepState, read_losses) -> None:
         every = cfg.train.checkpoint_every
-        if every > 0 and state.iteration % every == 0 and state.batch_in_epoch < p.steps_per_epoch:
+        mid_epoch = state.batch_in_epoch < p.steps_per_epoch
+        signum = run.stop_requested()
+        if signum is not None and mid_epoch:  # at an epoch's end: after its evaluation
+            read_losses()
+            run.save(state)
+            raise run.interrupted(signum, state)
+        if every > 0 and state.iteration % every == 0 and mid_epoch:
             read_losses()  # never checkpoint weights after a NaN / inf loss
             run.save(state)
 
@@ -451,7 +501,7 @@ def _train_epoch(run: _Run, tensorboard: TensorBoardWriter) -> dict[str, float]:
         p.optimizer, p.schedule, run.info.device, step,
         num_steps=p.steps_per_epoch, settings=p.settings, print_freq=cfg.train.print_freq,
         progress=run.progress, total_epochs=cfg.train.epochs, on_step=on_step,
-        tensorboard=tensorboard,
+        tensorboard=tensorboard, tracker=run.tracker,
     )
 
 
@@ -478,7 +528,11 @@ def run_epochs(run: _Run) -> tuple[dict[str, Any] | None, Any]:
                                    (time.perf_counter() - epoch_start, train_time))
             _log_epoch(run, record, log, tensorboard)
             step.epoch, step.batch_in_epoch = epoch + 1, 0
+            run.tracker = run.new_tracker()
             run.save(step, is_best=is_best)
+            signum = run.stop_requested()
+            if signum is not None and step.epoch < cfg.train.epochs:
+                raise run.interrupted(signum, step)
     finally:
         tensorboard.close()
     return summary, evaluator
@@ -492,6 +546,7 @@ def _update_best(run: _Run, summary: Mapping[str, Any] | None, epoch: int) -> bo
     if run.best_ap is not None and ap <= run.best_ap:
         return False
     run.best_ap = ap
+    run.best_epoch = epoch + 1  # the ``epoch`` of the checkpoint written after it
     return True
 
 
@@ -534,18 +589,28 @@ def run_training(
         CheckpointError, ConfigError, DatasetError, RunFolderError: user-fixable problems.
     """
     info = init_distributed(cfg.train.device)
+    lock = None
     try:
-        return _run_training(cfg, info, resume, finetune, progress)
+        # One run per folder, and a writable one: checked before anything is built.
+        lock = lock_run_folder(cfg.train.output_dir, info.is_main)
+        return _run_training(cfg, info, resume, finetune, progress, lock)
     finally:
+        if lock is not None:
+            lock.release()
         cleanup_distributed()
 
 
 def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
-                  finetune: str | Path | None, progress: bool) -> dict[str, Any]:
-    output_dir = _prepare_output_dir(cfg, info)
+                  finetune: str | Path | None, progress: bool,
+                  lock: RunLock | None) -> dict[str, Any]:
+    output_dir = _prepare_output_dir(cfg, info, lock)
     _set_threads(cfg)
     build_grad_scaler(info.device, resolve_amp(cfg.train.amp, info.device))  # fp16 on CPU: early
     start = resolve_start(output_dir, resume, finetune)
+    if lock is not None and start.resume_path is not None and (
+        start.resume_path.resolve().parent == output_dir.resolve()
+    ):
+        ckio.repair_best(start.resume_path, start.resume_state)
     run = _Run(build_parts(cfg, info, start), info, output_dir, progress)
     if start.resume_state is not None:
         restore(run, start.resume_state)
@@ -561,7 +626,9 @@ def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
         run.step.epoch, run.step.batch_in_epoch, run.step.iteration,
     )
     started = time.perf_counter()
-    summary, evaluator = run_epochs(run)
+    # SIGTERM / SIGINT from here on: stop at a step boundary with a checkpoint there.
+    with StopOnSignal() as run.stop:
+        summary, evaluator = run_epochs(run)
     return finish(run, summary, evaluator, started)
 
 

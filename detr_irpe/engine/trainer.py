@@ -192,6 +192,38 @@ def model_outputs(model: nn.Module, images: ImageBatch, device: torch.device, am
         return model(images)
 
 
+def _float_tensors(obj: Any) -> Iterator[Tensor]:
+    if torch.is_tensor(obj):
+        if obj.is_floating_point():
+            yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _float_tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _float_tensors(value)
+
+
+def check_finite_outputs(outputs: Mapping[str, Any]) -> None:
+    """Stop before the matcher when the model's outputs (final and auxiliary) hold NaN /
+    inf: diverged weights, not a bad batch.
+
+    One host synchronisation; the matcher copies its cost matrices to the host right
+    after, so the step waits for the forward pass at this point anyway.
+
+    Raises:
+        NonFiniteError: the outputs are not finite.
+    """
+    flags = [t.detach().isfinite().all() for t in _float_tensors(outputs)]
+    if not flags or bool(torch.stack(flags).all()):
+        return
+    raise NonFiniteError(
+        "non-finite model outputs (NaN / inf predicted logits or boxes): the weights "
+        "diverged. Training stopped; the last checkpoint on disk is finite. Lower "
+        "train.lr, keep train.clip_max_norm > 0 or use train.amp=bf16 instead of fp16"
+    )
+
+
 def loss_and_backward(
     criterion: nn.Module,
     outputs: dict,
@@ -270,6 +302,7 @@ def train_step(
         no_sync = getattr(model, "no_sync", None)
         with contextlib.nullcontext() if last or no_sync is None else no_sync():
             outputs = model_outputs(model, images, device, amp)
+            check_finite_outputs(outputs)
             if not norms:
                 norms = criterion.normalizers(
                     [t for _, t in micro], outputs["pred_logits"].shape[1], device
@@ -319,11 +352,12 @@ class _EpochLog:
     """Progress bar, periodic log lines and per-iteration TensorBoard scalars of an epoch."""
 
     def __init__(self, state: StepState, num_steps: int, print_freq: int, progress: bool,
-                 total_epochs: int | None, tensorboard: TensorBoardWriter | None) -> None:
+                 total_epochs: int | None, tensorboard: TensorBoardWriter | None,
+                 tracker: MetricTracker | None = None) -> None:
         self.num_steps = num_steps
         self.print_freq = print_freq
         self.tensorboard = tensorboard
-        self.tracker = MetricTracker(window=max(print_freq, 1))
+        self.tracker = tracker if tracker is not None else MetricTracker(window=max(print_freq, 1))
         self.label = f"epoch {state.epoch}" + (f"/{total_epochs - 1}" if total_epochs else "")
         self.first_batch = state.batch_in_epoch
         self.start = self.last_read = time.perf_counter()
@@ -389,9 +423,13 @@ def train_one_epoch(
     total_epochs: int | None = None,
     on_step: Callable[[StepState, Callable[[], None]], None] | None = None,
     tensorboard: TensorBoardWriter | None = None,
+    tracker: MetricTracker | None = None,
 ) -> dict[str, float]:
     """Train over ``batches`` (the rest of epoch ``state.epoch``), one optimizer step per
     ``settings.accumulate_steps`` batches.
+
+    ``tracker`` holds the epoch's running sums so far (a resumed epoch's, from its
+    checkpoint); the returned averages cover those steps too. Default: a new one.
 
     Before each step the lr follows ``schedule`` at ``(state.epoch, state.iteration)``;
     after it ``state`` is advanced and ``on_step(state, read_losses)`` is called (the
@@ -405,17 +443,24 @@ def train_one_epoch(
 
     Raises:
         NonFiniteLossError: naming the epoch, iteration and every loss term.
+        NonFiniteError: the model outputs became NaN / inf (naming epoch and iteration).
     """
     settings = settings or StepSettings()
     model.train()
     criterion.train()
     pending = PendingLosses(criterion.weight_dict)
-    log = _EpochLog(state, num_steps, print_freq, progress, total_epochs, tensorboard)
+    log = _EpochLog(state, num_steps, print_freq, progress, total_epochs, tensorboard, tracker)
     try:
         for micro in group_micro_batches(batches, settings.accumulate_steps):
             schedule.apply(optimizer, state.epoch, state.iteration)
-            losses = train_step(model, criterion, micro, optimizer, device, amp=settings.amp,
-                                scaler=settings.scaler, clip_max_norm=settings.clip_max_norm)
+            try:
+                losses = train_step(model, criterion, micro, optimizer, device,
+                                    amp=settings.amp, scaler=settings.scaler,
+                                    clip_max_norm=settings.clip_max_norm)
+            except NonFiniteError as err:
+                raise NonFiniteError(
+                    f"epoch {state.epoch}, iteration {state.iteration}: {err}"
+                ) from None
             pending.add(state.epoch, state.iteration, optimizer.param_groups[0]["lr"], losses)
             state.iteration += 1
             state.batch_in_epoch += 1
@@ -509,6 +554,7 @@ __all__ = [
     "StepSettings",
     "StepState",
     "autocast_context",
+    "check_finite_outputs",
     "build_grad_scaler",
     "evaluate",
     "loss_and_backward",
