@@ -1,0 +1,93 @@
+"""torch.hub entry points: DETR-R50 with and without iRPE in the encoder.
+
+    import torch
+    model = torch.hub.load("PATH/TO/detr_irpe", "detr_resnet50_irpe", source="local",
+                           pretrained=True)            # the iRPE model zoo's 150-epoch file
+    model, postprocessor = torch.hub.load("PATH/TO/detr_irpe", "detr_resnet50",
+                                          source="local", pretrained=True,
+                                          return_postprocessor=True)
+
+``pretrained=True`` downloads the published checkpoint (addresses in
+``detr_irpe/checkpoint/zoo.py``) into torch.hub's cache, reads it weights-only and
+returns the model in eval mode. Other keyword arguments are ``model.*`` config values,
+e.g. ``backbone_weights="none"`` (no ImageNet download for an untrained model) or
+``rpe_init="zero"``. With ``num_classes`` other than 91 the published class head is
+replaced by a fresh one (fine-tuning), with a warning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+dependencies = ["torch", "torchvision"]
+
+
+def _config(name: str, num_classes: int, model_options: dict[str, Any]):
+    from detr_irpe.config import config_from_dict, load_config
+
+    values = load_config(name).to_dict()
+    values["model"].update(model_options, num_classes=num_classes)
+    return config_from_dict(values)
+
+
+def _download(zoo_name: str) -> tuple[dict, dict]:
+    """The published checkpoint ``zoo_name`` as ``(state_dict, meta)``."""
+    import torch
+
+    from detr_irpe.checkpoint import allowed_classes, split_checkpoint
+    from detr_irpe.checkpoint.zoo import zoo_entry
+
+    entry = zoo_entry(zoo_name)
+    with allowed_classes():  # the reference training script stores args as a Namespace
+        obj = torch.hub.load_state_dict_from_url(
+            entry.url, map_location="cpu", check_hash=entry.check_hash,
+            file_name=entry.file_name, weights_only=True,
+        )
+    return split_checkpoint(obj, entry.url)
+
+
+def _make(
+    config: str,
+    zoo_name: str,
+    pretrained: bool,
+    num_classes: int,
+    return_postprocessor: bool,
+    model_options: dict[str, Any],
+):
+    from detr_irpe.checkpoint import load_state
+    from detr_irpe.models import build_model
+
+    cfg = _config(config, num_classes, model_options)
+    model, _, postprocessor = build_model(cfg, load_backbone_weights=not pretrained)
+    if pretrained:
+        state, meta = _download(zoo_name)
+        load_state(model, state, meta, strict_head=False)
+        model.eval()
+    return (model, postprocessor) if return_postprocessor else model
+
+
+def detr_resnet50_irpe(
+    pretrained: bool = False,
+    num_classes: int = 91,
+    rpe: str = "rpe-2.0-product-ctx-1-k",
+    return_postprocessor: bool = False,
+    **model_options: Any,
+):
+    """DETR-R50 with iRPE ``rpe`` in every encoder self-attention (config ``detr_r50_irpe``).
+
+    Published weights exist for ``rpe-2.0-product-ctx-1-k`` (41.0 AP, 150 epochs) and
+    ``rpe-1.9-product-ctx-1-k``; another ``rpe`` with ``pretrained=True`` is an error.
+    """
+    return _make("detr_r50_irpe", f"detr_r50_irpe/{rpe}", pretrained, num_classes,
+                 return_postprocessor, {**model_options, "rpe": rpe})
+
+
+def detr_resnet50(
+    pretrained: bool = False,
+    num_classes: int = 91,
+    return_postprocessor: bool = False,
+    **model_options: Any,
+):
+    """Plain DETR-R50 (config ``detr_r50``); ``pretrained=True``: the DETR model zoo's file."""
+    return _make("detr_r50", "detr_r50", pretrained, num_classes, return_postprocessor,
+                 model_options)

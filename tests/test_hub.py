@@ -1,0 +1,88 @@
+"""hubconf.py: torch.hub.load of both entry points, and the download path of
+pretrained=True through a local file:// address."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from detr_irpe.checkpoint import zoo
+from detr_irpe.models import PostProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+# Small model settings (any model.* key is a keyword argument of the entry points).
+SMALL = {"backbone": "resnet18", "backbone_weights": "none", "hidden_dim": 32, "nheads": 4,
+         "enc_layers": 1, "dec_layers": 1, "dim_feedforward": 64, "num_queries": 5}
+
+
+@pytest.fixture()
+def hub_dir(tmp_path: Path, monkeypatch) -> Path:
+    """torch.hub's cache in a temporary folder."""
+    folder = tmp_path / "hub"
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(folder))
+    return folder
+
+
+def publish(model: torch.nn.Module, folder: Path, stem: str) -> tuple[Path, str]:
+    """Save ``model`` as the reference training script does, under a name that carries
+    the first hex digits of its SHA-256 (what torch.hub's check_hash verifies)."""
+    tmp = folder / "tmp.pth"
+    torch.save({"model": model.state_dict(), "epoch": 149,
+                "args": argparse.Namespace(enc_rpe2d="rpe-2.0-product-ctx-1-k", lr=1e-4)}, tmp)
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()[:8]
+    path = folder / f"{stem}-{digest}.pth"
+    tmp.rename(path)
+    return path, digest
+
+
+def test_hub_load_untrained_models(hub_dir: Path) -> None:
+    model = torch.hub.load(str(ROOT), "detr_resnet50_irpe", source="local", **SMALL)
+    tables = [n for n, _ in model.named_parameters() if ".rpe_k.lookup_table" in n]
+    assert len(tables) == 1 and model.class_embed.out_features == 92
+    plain, post = torch.hub.load(str(ROOT), "detr_resnet50", source="local", num_classes=20,
+                                 return_postprocessor=True, **SMALL)
+    assert not any(".rpe_" in n for n, _ in plain.named_parameters())
+    assert plain.class_embed.out_features == 21 and isinstance(post, PostProcess)
+
+
+def test_pretrained_downloads_the_published_file(tmp_path: Path, hub_dir: Path,
+                                                 monkeypatch) -> None:
+    published = torch.hub.load(str(ROOT), "detr_resnet50_irpe", source="local", **SMALL)
+    path, _ = publish(published, tmp_path, "irpe")
+    key = "detr_r50_irpe/rpe-2.0-product-ctx-1-k"
+    monkeypatch.setitem(zoo.ZOO, key, zoo.ZooEntry("detr_r50_irpe", path.as_uri(), True))
+    model = torch.hub.load(str(ROOT), "detr_resnet50_irpe", source="local", pretrained=True,
+                           **SMALL)
+    assert not model.training
+    for name, value in published.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert (hub_dir / "checkpoints" / path.name).is_file()  # cached by torch.hub
+    # another class count: the published head is replaced, the rest is loaded
+    model = torch.hub.load(str(ROOT), "detr_resnet50_irpe", source="local", pretrained=True,
+                           num_classes=3, **SMALL)
+    assert model.class_embed.out_features == 4
+    assert torch.equal(model.query_embed.weight, published.query_embed.weight)
+
+
+def test_pretrained_checks_the_hash(tmp_path: Path, hub_dir: Path, monkeypatch) -> None:
+    published = torch.hub.load(str(ROOT), "detr_resnet50", source="local", **SMALL)
+    path, digest = publish(published, tmp_path, "detr")
+    wrong = path.with_name(f"detr-{'0' * 8 if digest != '0' * 8 else '1' * 8}.pth")
+    path.rename(wrong)
+    monkeypatch.setitem(zoo.ZOO, "detr_r50", zoo.ZooEntry("detr_r50", wrong.as_uri(), True))
+    with pytest.raises(RuntimeError, match="hash"):
+        torch.hub.load(str(ROOT), "detr_resnet50", source="local", pretrained=True, **SMALL)
+
+
+def test_zoo_addresses() -> None:
+    assert zoo.ZOO["detr_r50"].file_name == "detr-r50-e632da11.pth"
+    assert zoo.ZOO["detr_r50"].check_hash
+    irpe = zoo.ZOO["detr_r50_irpe/rpe-2.0-product-ctx-1-k"]
+    assert irpe.file_name == "rpe-2.0-product-ctx-1-k.pth" and not irpe.check_hash
+    assert all(e.url.startswith("https://") for e in zoo.ZOO.values())
+    with pytest.raises(KeyError, match="detr_r50"):
+        zoo.zoo_entry("detr_r50_irpe/rpe-9.9-product-ctx-1-k")
