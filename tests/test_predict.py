@@ -127,6 +127,14 @@ def test_predictor_from_the_package_root(checkpoint: Path) -> None:
     assert predictor.device == torch.device("cpu") and not predictor.model.training
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_without_a_gpu_is_one_line(checkpoint: Path, tmp_path: Path, capsys) -> None:
+    images = _folder(tmp_path / "in", good=1)
+    assert predict_main([str(checkpoint), str(images), "--device", "cuda", "--output-dir",
+                         str(tmp_path / "out")]) == 2
+    assert "not available here" in capsys.readouterr().err
+
+
 def test_public_91_class_model_gets_coco_names(tmp_path: Path) -> None:
     cfg = load_tiny_config("model.num_classes=91")
     model, _, _ = build_model(cfg)

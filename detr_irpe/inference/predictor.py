@@ -32,6 +32,7 @@ from detr_irpe.config import Config
 from detr_irpe.data.categories import default_category_names
 from detr_irpe.data.images import read_image
 from detr_irpe.data.transforms import IMAGENET_MEAN, IMAGENET_STD, resized_hw
+from detr_irpe.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,22 @@ _FLOAT_TOLERANCE = 1e-3
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` / ``"auto"``: the GPU when CUDA is available, else the CPU; else as given."""
+    """``None`` / ``"auto"``: the GPU when CUDA is available, else the CPU; else as given
+    (:class:`ConfigError` for a CUDA device on a machine without one)."""
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        target = torch.device(device)
+    except RuntimeError as err:
+        raise ConfigError(f"device {device!r}: {err}; use auto, cpu, cuda or cuda:N") from None
+    if target.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (target.index is not None and target.index >= count):
+            raise ConfigError(
+                f"device {device!r} is not available here ({count} CUDA device(s)); use "
+                f"--device cpu or auto"
+            )
+    return target
 
 
 def to_uint8_image(image: ImageInput, max_pixels: int | None = None) -> Tensor:
