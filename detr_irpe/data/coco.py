@@ -20,8 +20,9 @@ what ``dataset.coco`` (a pycocotools ``COCO``) holds, so training and
 evaluation see the same ground truth.
 
 An image that cannot be decoded at load time (truncated, corrupt, or declaring
-more than ``max_image_pixels`` pixels) is skipped with a warning and the next readable index is returned in its place, so batch
-sizes and the number of steps per process stay the same; ``strict=True`` raises.
+more than ``max_image_pixels`` pixels) is skipped with a warning and the next
+readable index is returned in its place, so batch sizes and the number of steps
+per process stay the same; ``strict=True`` raises.
 """
 
 from __future__ import annotations
