@@ -19,7 +19,10 @@ REPO_FILES = ("README.md", "setup.cfg", "pyproject.toml", "Makefile", "LICENSE",
 # Placeholders, not paths: generated folders (run outputs, generated datasets) and
 # paths with a part to fill in (<variant>, *.jpg, {name}, $VAR, OUTPUT_DIR, ...).
 GENERATED = ("outputs/", "datasets/synthetic", "datasets/coco")
-PLACEHOLDER = re.compile(r"[<>*{}$\[\]|]|\.\.\.|(^|/)[A-Z][A-Z0-9_]*(/|\.|$)")
+PLACEHOLDER = re.compile(r"[<>*{}$\[\]|]|\.\.\.")
+# An all-capitals part is a name to fill in (OUTPUT_DIR/..., RUN/..., GRID.yaml), except these.
+_CAPITALS = re.compile(r"(?:^|/)([A-Z][A-Z0-9_]*)(?:/|\.|$)")
+REAL_CAPITALS = {"README", "LICENSE", "NOTICE", "CHANGELOG"}
 # Strings that would point outside the repository (split so this file does not match).
 FORBIDDEN = ("shared/" + "docs", "shared/" + "reference", "/" + "work/")
 
@@ -49,7 +52,8 @@ def _path_tokens(text: str) -> set[str]:
 
 
 def _is_placeholder(path: str) -> bool:
-    return path.startswith(GENERATED) or bool(PLACEHOLDER.search(path))
+    capitals = set(_CAPITALS.findall(path)) - REAL_CAPITALS
+    return path.startswith(GENERATED) or bool(PLACEHOLDER.search(path)) or bool(capitals)
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -77,10 +81,11 @@ def test_the_path_checker_finds_paths_and_skips_placeholders() -> None:
             "```bash\npython tools/ablate.py --set data.root=/data/coco\n```\n"
             "Not paths: `outputs/run/log.txt`, `OUTPUT_DIR/<variant>/seed<k>`, `model.rpe`, "
             "`datasets/synthetic/train`, `tools/*.py`, `RUN/ablation_status.json`.\n"
+            "Real: `datasets/README.md`, `LICENSE`.\n"
             "[a link](docs/missing.md) [web](https://example.org/x.md)")
     found = {p for p in _path_tokens(text) if not _is_placeholder(p)}
     assert found == {"tools/train.py", "configs/x.yaml", "docs/nothing.md", "tests/test_a.py",
-                     "detr_irpe/config.py", "tools/ablate.py"}
+                     "detr_irpe/config.py", "tools/ablate.py", "datasets/README.md", "LICENSE"}
     assert _links(text) == ["docs/missing.md", "https://example.org/x.md"]
 
 
