@@ -12,6 +12,7 @@ import torch
 
 from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.logger import JsonLinesLog
+from detr_irpe.engine.run_lock import RunLock
 from detr_irpe.models import CheckpointError as ModelCheckpointError
 
 
@@ -97,7 +98,8 @@ def test_crash_during_save_leaves_last_intact(tmp_path, monkeypatch):
     assert ckio.load_checkpoint_file(tmp_path / ckio.LAST)["epoch"] == 1
     assert not list(tmp_path.glob(".*.tmp"))
     (tmp_path / ".checkpoint_last.pth.abc.tmp").write_bytes(b"left by SIGKILL")
-    ckio.remove_stale_temp_files(tmp_path)
+    with RunLock(tmp_path) as lock:
+        ckio.remove_stale_temp_files(tmp_path, lock)
     assert not list(tmp_path.glob(".*.tmp"))
 
 

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from detr_irpe.checkpoint import FORMAT, atomic_save, safe_load, write_temp
+from detr_irpe.engine.run_lock import RunLock
 from detr_irpe.errors import CheckpointError, RunFolderError
 
 logger = logging.getLogger(__name__)
@@ -187,15 +188,15 @@ def repair_best(path: str | Path, state: Mapping[str, Any]) -> bool:
     return True
 
 
-def remove_stale_temp_files(output_dir: str | Path, lock: Any = None) -> list[Path]:
+def remove_stale_temp_files(output_dir: str | Path, lock: RunLock) -> list[Path]:
     """Delete temporary files that a process killed while saving left in ``output_dir``.
 
     Only this module's temporary names are removed, and only while ``lock`` (the
     :class:`~detr_irpe.engine.run_lock.RunLock` of the folder) is held: with the
     lock no other run can be writing there. Every removed file is logged.
     """
-    if lock is not None and not lock.held:
-        raise RuntimeError("remove_stale_temp_files needs the run folder's lock held")
+    if not lock.held or Path(lock.folder).resolve() != Path(output_dir).resolve():
+        raise RuntimeError(f"remove_stale_temp_files needs the lock of {output_dir} held")
     removed = []
     for pattern in _TEMP_PATTERNS:
         for path in sorted(Path(output_dir).glob(pattern)):
