@@ -408,3 +408,28 @@ def test_convert_tool_bad_input_is_one_line(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and str(bad) in err
     assert not (tmp_path / "out.pth").exists()
+
+
+@pytest.mark.parametrize("layout", ["transformers4", "transformers5"])
+def test_hugging_face_files_read_in_project_layout(tmp_path: Path, layout: str) -> None:
+    """A .safetensors file and a save_pretrained folder of DetrForObjectDetection weights
+    come back from read_checkpoint in this project's layout."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from detr_irpe.checkpoint import hf
+
+    source = tiny("model.rpe=none").state_dict()
+    file = tmp_path / "model.safetensors"
+    save_file(hf.to_hf_state_dict(source, layout), str(file))
+    state, meta = read_checkpoint(file)
+    assert meta["format"] == "hf"
+    assert state.keys() == source.keys()
+    assert all(torch.equal(state[k], source[k]) for k in source)
+    cfg = load_config(None, TINY + ["model.rpe=none"])
+    folder = hf.write_hf_folder(source, cfg, tmp_path / "folder")
+    state, meta = read_checkpoint(folder)
+    assert meta["format"] == "hf" and meta["hf_model"]["hidden_dim"] == 32
+    assert all(torch.equal(state[k], source[k]) for k in source)
+    loaded = model_from_checkpoint(folder, overrides=["model.backbone=resnet18"])
+    assert loaded.cfg.model.rpe == "none" and loaded.cfg.model.num_queries == 5
