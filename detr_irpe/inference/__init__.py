@@ -6,7 +6,6 @@ from detr_irpe.inference.files import (
     ImageSource,
     PredictionReport,
     collect_images,
-    draw_detections,
     images_from_annotations,
     predict_files,
 )
@@ -18,7 +17,6 @@ __all__ = [
     "PredictionReport",
     "Predictor",
     "collect_images",
-    "draw_detections",
     "images_from_annotations",
     "predict_files",
     "resolve_device",

@@ -33,20 +33,14 @@ from typing import Any
 
 import torchvision.transforms.v2.functional as F
 from torch import Tensor
-from torchvision.utils import draw_bounding_boxes
 
 from detr_irpe.data import ImageReadError, load_image_list, read_image
 from detr_irpe.inference.predictor import Predictor
+from detr_irpe.visualization.draw import draw_detections
 
 logger = logging.getLogger(__name__)
 
-# Images smaller than this (shorter side) are drawn enlarged by an integer factor.
-MIN_DRAW_SIZE = 320
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-_PALETTE = (
-    "#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6",
-    "#bfef45", "#fabed4", "#469990", "#dcbeff", "#9a6324", "#800000", "#aaffc3",
-)
 
 
 @dataclass
@@ -120,29 +114,6 @@ def images_from_annotations(
     skipped = [{"id": entry.get("id"), "file_name": entry.get("file_name"), "reason": why}
                for entry, why in listed.dropped]
     return sources, skipped, listed.category_names
-
-
-def draw_detections(
-    image: Tensor, detections: Mapping[str, Tensor], names: Mapping[int, str]
-) -> Tensor:
-    """``(3, H, W)`` uint8 image with boxes, ``name score`` labels and per-class colours
-    (enlarged by an integer factor when its shorter side is below ``MIN_DRAW_SIZE``)."""
-    boxes = detections["boxes"]
-    # Small images are enlarged first so that the (fixed-size) label text stays readable.
-    scale = max(1, -(-MIN_DRAW_SIZE // max(min(image.shape[-2:]), 1)))
-    if scale > 1:
-        image = F.resize(image, [image.shape[-2] * scale, image.shape[-1] * scale],
-                         interpolation=F.InterpolationMode.NEAREST)
-        boxes = boxes * scale
-    if len(boxes) == 0:
-        return image
-    labels = [
-        f"{names.get(int(c), f'class {int(c)}')} {float(s):.2f}"
-        for c, s in zip(detections["labels"], detections["scores"])
-    ]
-    colors = [_PALETTE[int(c) % len(_PALETTE)] for c in detections["labels"]]
-    width = max(1, round(min(image.shape[-2:]) / 150))
-    return draw_bounding_boxes(image, boxes, labels=labels, colors=colors, width=width)
 
 
 def write_json_atomic(path: Path, text: str) -> None:
@@ -311,7 +282,6 @@ __all__ = [
     "ImageSource",
     "PredictionReport",
     "collect_images",
-    "draw_detections",
     "images_from_annotations",
     "predict_files",
     "write_json_atomic",
