@@ -4,15 +4,19 @@ and torchrun without a usable GPU is an error."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detr_irpe.cli.train import main as train_main
 from detr_irpe.config import CONFIG_DIR, ConfigError, load_config
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
-from detr_irpe.engine.runner import resolve_num_classes
+from detr_irpe.engine.runner import resolve_num_classes, run_training
+from detr_irpe.errors import RunFolderError
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +59,65 @@ def test_wrong_class_count_is_one_line_and_exit_2(tiny_data, tmp_path, capsys) -
     assert code == 2 and "Traceback" not in err
     assert len(errors) == 1 and "91" in errors[0] and "must be 4" in errors[0]
     assert not (tmp_path / "checkpoint_last.pth").exists()
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_data, tmp_path_factory) -> Path:
+    """One epoch (2 steps of 4 images) at lr 1e-4: the run later starts resume."""
+    out = tmp_path_factory.mktemp("first")
+    run_training(load_config("synthetic_tiny", [f"data.root={tiny_data}",
+                                                f"train.output_dir={out}", "train.epochs=1"]),
+                 progress=False)
+    return out
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(run, target)
+    return target
+
+
+def test_auto_resume_refuses_another_experiment(tiny_data, first_run, tmp_path, capsys):
+    run = _copy(first_run, tmp_path)
+    code = train_main(["--config", "synthetic_tiny", "--output-dir", str(run), "--no-progress",
+                       "--set", f"data.root={tiny_data}", "train.epochs=2",
+                       "model.num_queries=5", "train.seed=7"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err
+    assert "model.num_queries: 4 -> 5" in errors[0] and "train.seed: 42 -> 7" in errors[0]
+    assert "--output-dir" in errors[0] and f"--resume {run / 'checkpoint_last.pth'}" in errors[0]
+    assert torch.load(run / "checkpoint_last.pth", weights_only=False)["epoch"] == 1  # untouched
+
+
+def test_resume_on_purpose_accepts_other_data_settings(tiny_data, first_run, tmp_path):
+    run = _copy(first_run, tmp_path)
+    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}", f"train.output_dir={run}",
+                                         "train.epochs=2", "data.val_size=48"])
+    with pytest.raises(RunFolderError, match=r"data.val_size: 64 -> 48"):
+        run_training(cfg, progress=False)
+    result = run_training(cfg, resume=run / "checkpoint_last.pth", progress=False)
+    assert result["iterations"] == 4
+
+
+def test_lr_and_weight_decay_overrides_apply_to_the_restored_optimizer(
+    tiny_data, first_run, tmp_path
+):
+    run = _copy(first_run, tmp_path)
+    seen: list[tuple[float, float]] = []
+
+    def record(optimizer, args, kwargs):
+        group = optimizer.param_groups[0]
+        seen.append((group["lr"], group["weight_decay"]))
+
+    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}", f"train.output_dir={run}",
+                                         "train.epochs=2", "train.lr=3e-4",
+                                         "train.weight_decay=0.01"])
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        run_training(cfg, progress=False)
+    finally:
+        handle.remove()
+    assert seen == [(pytest.approx(3e-4), 0.01)] * 2
+    saved = torch.load(run / "checkpoint_last.pth", weights_only=False)["optimizer"]
+    assert saved["param_groups"][0]["initial_lr"] == pytest.approx(3e-4)

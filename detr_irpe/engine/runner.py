@@ -57,7 +57,7 @@ from detr_irpe.engine.trainer import (
     resolve_amp,
     train_one_epoch,
 )
-from detr_irpe.errors import Interrupted, NonFiniteError
+from detr_irpe.errors import Interrupted, NonFiniteError, RunFolderError
 from detr_irpe.evaluation import COCO_STAT_NAMES
 from detr_irpe.utils.dist import all_gather_object, barrier
 
@@ -208,6 +208,7 @@ class StartState:
     resume_path: Path | None = None
     resume_state: dict | None = None
     finetune: Path | None = None
+    explicit: bool = False  # the checkpoint was named with --resume (on purpose)
 
     @property
     def saved_config(self) -> Mapping[str, Any] | None:
@@ -222,7 +223,8 @@ def resolve_start(output_dir: Path, resume: str | Path | None,
     found = ckio.find_resume_checkpoint(output_dir, resume)
     if found is not None:
         logger.info("resuming from %s", found[0])
-        return StartState(resume_path=Path(found[0]), resume_state=found[1])
+        return StartState(resume_path=Path(found[0]), resume_state=found[1],
+                          explicit=resume is not None)
     return StartState(finetune=Path(finetune) if finetune is not None else None)
 
 
@@ -245,15 +247,62 @@ class RunParts:
     category_names: dict[int, str] = field(default_factory=dict)
 
 
+# Settings that make a run folder's checkpoint another experiment: auto-resume refuses
+# it when one of them differs. Everything else (train.*, data.num_workers ...) a
+# resumed run applies: lr and weight decay go into the restored optimizer.
+_NOT_IDENTITY = {"model.backbone_weights", "data.num_workers", "data.cache_images",
+                 "data.strict", "data.max_image_pixels"}
+
+
+def experiment_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The model and data settings (and ``train.seed``) that differ, as
+    ``key: saved -> current``."""
+    out = []
+    for line in config_differences(saved, current):
+        key = line.split(":", 1)[0]
+        section = key.split(".", 1)[0]
+        if (section in ("model", "data") or key == "train.seed") and key not in _NOT_IDENTITY:
+            out.append(line)
+    return out
+
+
+def check_resume_config(saved: Mapping[str, Any], cfg: Config, start: StartState) -> None:
+    """Refuse to continue another experiment by accident; log what a resume changes.
+
+    Raises:
+        RunFolderError: auto-resume found a checkpoint of other model / data settings.
+        ConfigError: ``train.seed`` changed on a resume (the checkpoint's random
+            streams continue, so the new seed could not apply).
+    """
+    current = cfg.to_dict()
+    differ = experiment_differences(saved, current)
+    if differ and not start.explicit:
+        raise RunFolderError(
+            f"{cfg.train.output_dir} holds a run of another experiment "
+            f"({start.resume_path.name} differs in {'; '.join(differ)}): start this one in "
+            "another folder (--output-dir DIR), or continue from that checkpoint on purpose "
+            f"with --resume {start.resume_path}"
+        )
+    seed = [line for line in differ if line.startswith("train.seed:")]
+    if seed:
+        raise ConfigError(
+            f"{seed[0]}: a resumed run continues the random streams of {start.resume_path}, "
+            "so train.seed cannot change; drop the override or start a new run"
+        )
+    changed = [line for line in config_differences(saved, current)
+               if not line.startswith("train.output_dir:")]
+    if changed:
+        logger.info("resuming with these settings changed (each applies from here on): %s",
+                    "; ".join(changed))
+
+
 def _settle_config(cfg: Config, start: StartState, info: DistInfo, datasets: list) -> Config:
-    """Fill in ``num_classes`` and ``amp``, compare with a resumed run's config, log and
-    write ``config.yaml``."""
+    """Fill in ``num_classes`` and ``amp``, check a resumed run's config against this
+    one, log and write ``config.yaml``."""
     cfg = with_num_classes(cfg, resolve_num_classes(cfg, datasets))
     cfg = _resolved_amp(cfg, info)
     if start.saved_config is not None:
-        changed = config_differences(start.saved_config, cfg.to_dict())
-        if changed:
-            logger.warning("config differs from the resumed checkpoint's: %s", "; ".join(changed))
+        check_resume_config(start.saved_config, cfg, start)
     logger.info("config:\n%s", cfg.to_yaml())
     if info.is_main:
         save_config(cfg, Path(cfg.train.output_dir) / "config.yaml")
