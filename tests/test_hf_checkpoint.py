@@ -119,6 +119,15 @@ def hf_folder(hf_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def plain_model():
+    """This project's plain DETR with random weights, and its config."""
+    cfg = project_config()
+    model = build_model(cfg)[0].eval()
+    randomise(model, seed=3)
+    return model, cfg
+
+
+@pytest.fixture(scope="module")
 def batch() -> ImageBatch:
     """Two normalised images of different sizes: the smaller one is padded, so the
     padding masks (True = pad here, 1 = valid there) are checked too."""
@@ -217,6 +226,30 @@ def test_irpe_model_tables_start_as_configured(hf_model, hf_folder, batch, rpe_i
         torch.testing.assert_close(after[key], value, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("hf_setting", "override"),
+    [
+        ({"position_embedding_type": "learned"}, "model.position_embedding=learned"),
+        ({"dilation": True}, "model.dilation=true"),  # DC5: timm's output stride 16
+    ],
+)
+def test_learned_positions_and_dc5(hf_setting, override, batch):
+    config = DetrConfig(
+        use_timm_backbone=True,
+        use_pretrained_backbone=False,
+        backbone="resnet50",
+        num_labels=NUM_LABELS,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        **hf_setting,
+    )
+    hf = DetrForObjectDetection(config).eval()
+    randomise(hf, seed=5)
+    model = project_model(override)
+    model.load_state_dict(convert_hf_state_dict(hf.state_dict()), strict=True)
+    assert_same_outputs(model, hf_outputs(hf, batch), batch)
+
+
 # ------------------------------------------------------------------------------ errors
 def test_unknown_keys_name_layouts_and_keys(hf_model, tmp_path):
     state = dict(hf_model.state_dict())
@@ -247,10 +280,8 @@ def test_project_keys_are_not_hf(hf_model):
 
 
 # ------------------------------------------------------------------------------ writing
-def test_write_hf_folder_round_trip(batch, tmp_path):
-    cfg = project_config()
-    model = build_model(cfg)[0].eval()
-    randomise(model, seed=3)
+def test_write_hf_folder_round_trip(plain_model, batch, tmp_path):
+    model, cfg = plain_model
     out = write_hf_folder(model.state_dict(), cfg, tmp_path / "export", category_names={1: "cat"})
     loaded, info = DetrForObjectDetection.from_pretrained(out, output_loading_info=True)
     loaded.eval()
@@ -281,9 +312,9 @@ def test_write_refuses_irpe_model_in_one_line(tmp_path):
     assert not (tmp_path / "export").exists()
 
 
-def test_write_replaces_earlier_export_but_not_other_folders(tmp_path):
-    cfg = project_config()
-    state = build_model(cfg)[0].state_dict()
+def test_write_replaces_earlier_export_but_not_other_folders(plain_model, tmp_path):
+    model, cfg = plain_model
+    state = model.state_dict()
     out = write_hf_folder(state, cfg, tmp_path / "export")
     write_hf_folder(state, cfg, out)  # an earlier export is replaced
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
@@ -295,3 +326,31 @@ def test_write_replaces_earlier_export_but_not_other_folders(tmp_path):
         write_hf_folder(state, cfg, other)
     assert (other / "notes.txt").read_text() == "keep"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+# ------------------------------------------------------------------------------ the tool
+def test_convert_tool_to_hf(plain_model, batch, tmp_path, capsys):
+    from detr_irpe.cli.convert import main as convert_main
+
+    model, cfg = plain_model
+    source = tmp_path / "plain.pth"
+    torch.save(
+        {"format": "detr_irpe", "model": model.state_dict(), "config": cfg.to_dict()}, source
+    )
+    assert convert_main([str(source), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    loaded = DetrForObjectDetection.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        ours = model(batch)
+    assert_same_outputs(loaded_as_project(loaded), ours, batch)
+
+    irpe_cfg = project_config("model.rpe=rpe-2.0-product-ctx-1-k")
+    irpe = build_model(irpe_cfg)[0]
+    source = tmp_path / "irpe.pth"
+    torch.save(
+        {"format": "detr_irpe", "model": irpe.state_dict(), "config": irpe_cfg.to_dict()}, source
+    )
+    capsys.readouterr()
+    assert convert_main([str(source), str(tmp_path / "hf_irpe"), "--to", "hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "relative position" in err
+    assert not (tmp_path / "hf_irpe").exists()
