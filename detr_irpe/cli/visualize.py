@@ -314,3 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["build_parser", "main", "run"]
+
+
+if __name__ == "__main__":  # python -m detr_irpe.cli.visualize
+    raise SystemExit(main())

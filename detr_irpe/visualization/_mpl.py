@@ -58,6 +58,7 @@ def fit_suptitle(fig: Figure, text: str, fontsize: float = 11.0, margin: float =
     width = max(len(text), 1)
     while title.get_window_extent(renderer).width > limit and width > 8:
         width = int(width * 0.85)
-        title.set_text(textwrap.fill(text, width=width, break_long_words=False))
+        title.set_text(textwrap.fill(text, width=width, break_long_words=False,
+                                     break_on_hyphens=False))
     return title
 

@@ -114,16 +114,17 @@ def plot_pr_curves(
         classes = []
     from matplotlib import colormaps
 
-    colours = colormaps["tab20"].colors
+    colours = colormaps["tab10"].colors
     fig, axes = new_figure(1, len(iou_thresholds), panel_size=(4.6, 4.4))
     for ax, iou in zip(axes[0], iou_thresholds):
         series = pr_curve_series(arrays, iou, area, max_dets, classes)
-        for i, (name, (recall, precision, ap)) in enumerate(series.items()):
+        # the overall curve comes first: categories keep one colour in every panel
+        for i, (name, (recall, precision, ap)) in enumerate(series.items(), start=-1):
             if name == OVERALL:
                 ax.plot(recall, precision, color="black", linewidth=2.5,
                         label=f"{name} (AP {100 * ap:.1f})", zorder=3)
             else:
-                ax.plot(recall, precision, color=colours[i % len(colours)], linewidth=1.3,
+                ax.plot(recall, precision, color=colours[i % len(colours)], linewidth=1.4,
                         label=f"{name} (AP {100 * ap:.1f})")
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1.02)
