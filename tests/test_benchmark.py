@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from helpers import load_tool
 
 from detr_irpe.benchmark import SuiteOptions, run_suite, suite_markdown, write_results
 from detr_irpe.benchmark import op as op_bench
+from detr_irpe.benchmark import profile as profile_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,15 +40,30 @@ def test_quick_suite_structure(quick_results) -> None:
     assert not any(r["key"].startswith("naive") and r["length"] > 32 for r in sweep["rows"])
     assert sweep["skipped"] and "naive_product_qkv at L=64" in sweep["skipped"][0]
     assert Path(results["op"]["plot"]).is_file()
-    assert [r["rpe"] for r in results["model"]["rows"]] == ["none", "rpe-2.0-product-ctx-1-k"]
-    for row in results["model"]["rows"]:
+    rows = results["model"]["rows"]
+    assert [(r["rpe"], r["amp"]) for r in rows] == [
+        ("none", "none"), ("none", "bf16"),
+        ("rpe-2.0-product-ctx-1-k", "none"), ("rpe-2.0-product-ctx-1-k", "bf16"),
+    ]
+    for row in rows:
         assert row["train_step_s"] > 0 and row["infer_images_per_s"] > 0
         assert len(row["train_step_s_all"]) == 1
+        assert math.isfinite(row["loss_after"]) and row["loss_steps"] == 1
+    # same start, same batch: the first step's loss differs only by the precision
+    fp32, bf16 = rows[2]["loss_after"], rows[3]["loss_after"]
+    assert fp32 != bf16 and abs(fp32 - bf16) < 0.1 * fp32
+    profile = results["profile"]["rows"]
+    assert [r["amp"] for r in profile] == ["none", "bf16"]
+    for row in profile:
+        assert set(row["phases"]) == set(profile_bench.PHASES)
+        assert row["total_s"] == pytest.approx(sum(row["phases"].values()), rel=1e-6)
+        assert row["phases"]["backbone"] > 0 and row["phases"]["backward"] > 0
     assert [r["augmentation"] for r in results["data"]["rows"]] == ["detr", "simple"]
     assert results["data"]["rows"][0]["images"] == 4
     assert results["eval"]["images"] == 4 and results["eval"]["AP"] > 0.3
     targets = {t["target"] for t in results["targets"]}
-    assert "DETR training step, rpe-2.0-product-ctx-1-k vs rpe=none" in targets
+    assert "DETR training step (fp32), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
+    assert "DETR training step (bf16), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
     assert any("SDPA" in t for t in targets) and any("DETR MHA" in t for t in targets)
 
 
@@ -56,7 +73,8 @@ def test_results_written(quick_results) -> None:
     assert loaded["op"]["rows"][0]["key"] == "mha_sdpa"
     md = (out / "results.md").read_text()
     assert md == suite_markdown(results)
-    for title in ("Op level", "Model level", "Data loader", "COCO evaluation", "CPU targets"):
+    for title in ("Op level", "Model level", "training iteration's time", "Data loader",
+                  "COCO evaluation", "CPU targets"):
         assert title in md
     assert "| variant | wall ms | x DETR MHA | x SDPA MHA |" in md
 

@@ -55,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--model-batch", type=int, default=None, help="images per step (2)")
     g.add_argument("--model-repeats", type=int, default=None, help="timed steps (3)")
     g.add_argument("--model-warmup", type=int, default=None, help="untimed steps (1)")
-    g.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"])
+    g.add_argument("--amp", default="none,bf16",
+                   help="comma-separated precisions of the model rows out of none (fp32), bf16, "
+                        "fp16 (%(default)s)")
     g.add_argument("--models", default=None,
                    help="comma-separated model.rpe values (none,rpe-2.0-product-ctx-1-k)")
     g = p.add_argument_group("data / eval level")
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
     chosen = {
         "device": args.device, "sections": [s.strip() for s in args.only.split(",") if s.strip()],
-        "threads": args.threads, "op_dtype": args.dtype, "amp": args.amp,
+        "threads": args.threads, "op_dtype": args.dtype,
+        "amp": [a.strip() for a in args.amp.split(",") if a.strip()],
         "data_workers": args.workers, "sweep": not args.no_sweep,
     }
     for flag, key in (("op_size", "op_hw"), ("op_batch", "op_batch"), ("op_repeats", "op_repeats"),

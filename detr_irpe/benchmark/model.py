@@ -1,9 +1,8 @@
 """Model level: DETR training-step time and inference images/s, plain vs iRPE encoder.
 
-The training step is the engine's own :func:`~detr_irpe.engine.trainer.train_one_epoch`
-(forward, Hungarian matcher, set loss, backward, gradient clipping, AdamW step, lr
-schedule) run over a fixed synthetic batch; the time of step ``n`` is the time between the
-engine's ``on_step`` callbacks. Models are built by :func:`~detr_irpe.models.build_model`
+The training step is the engine's own :func:`~detr_irpe.engine.trainer.train_step`
+(forward, Hungarian matcher, set loss, backward, gradient clipping, AdamW step) run over
+a fixed synthetic batch, in float32 and / or under bf16 autocast. Models are built by :func:`~detr_irpe.models.build_model`
 from ``configs/detr_r50.yaml`` with random weights (``model.backbone_weights=none``), so
 nothing is downloaded; the only difference between the two models is ``model.rpe``.
 """
@@ -19,8 +18,8 @@ import torch
 
 from detr_irpe.benchmark.common import median, sync
 from detr_irpe.config import load_config
-from detr_irpe.engine.optim import build_optimizer, build_schedule
-from detr_irpe.engine.trainer import StepSettings, StepState, autocast_context, train_one_epoch
+from detr_irpe.engine.optim import build_optimizer
+from detr_irpe.engine.trainer import autocast_context, train_step, weighted_loss
 from detr_irpe.models import build_model
 from detr_irpe.structures import ImageBatch
 
@@ -72,6 +71,39 @@ def _build(rpe: str, device: torch.device, overrides: Sequence[str]):
     return cfg, model.to(device), criterion.to(device), postprocessor
 
 
+def _time_training(
+    model, criterion, optimizer, batch_data, dev: torch.device, amp: str, clip: float,
+    steps: int,
+) -> tuple[list[tuple[float, float]], list[float]]:
+    """(wall, process CPU) seconds and the weighted loss of each of ``steps`` optimizer
+    steps of the engine's own :func:`~detr_irpe.engine.trainer.train_step`."""
+    times, losses = [], []
+    for _ in range(steps):
+        sync(dev)
+        start, cpu = time.perf_counter(), time.process_time()
+        terms = train_step(model, criterion, [batch_data], optimizer, dev, amp=amp,
+                           clip_max_norm=clip)
+        sync(dev)
+        times.append((time.perf_counter() - start, time.process_time() - cpu))
+        losses.append(float(weighted_loss(terms, criterion.weight_dict)))
+    return times, losses
+
+
+def _time_inference(model, postprocessor, images, targets, dev, amp, warmup, repeats) -> list[float]:
+    model.eval()
+    out = []
+    with torch.no_grad(), autocast_context(dev, amp):
+        sizes = torch.stack([t["orig_size"] for t in targets])
+        for i in range(warmup + repeats):
+            sync(dev)
+            start = time.perf_counter()
+            postprocessor(model(images), sizes)
+            sync(dev)
+            if i >= warmup:
+                out.append(time.perf_counter() - start)
+    return out
+
+
 def run_model_benchmark(
     models: Sequence[str] = DEFAULT_MODELS,
     batch: int = 2,
@@ -82,11 +114,16 @@ def run_model_benchmark(
     train_warmup: int = 1,
     infer_repeats: int = 3,
     infer_warmup: int = 1,
-    amp: str = "none",
+    amp: str | Sequence[str] = "none",
     overrides: Sequence[str] = (),
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Training-step seconds and inference images/s of each ``model.rpe`` value.
+    """Training-step seconds, inference images/s and the loss after the timed steps, for
+    each ``model.rpe`` value and each precision.
+
+    Every (model, precision) pair starts from the same weights (seed 0) and trains on the
+    same batch, so ``loss_after`` of a bf16 row minus the fp32 row's is the precision's
+    effect on the optimisation after ``train_warmup + train_repeats`` steps.
 
     Args:
         models: ``model.rpe`` values (``"none"`` = plain DETR).
@@ -94,94 +131,88 @@ def run_model_benchmark(
         device: ``cpu`` or ``cuda[:N]``.
         train_repeats, train_warmup: timed / untimed optimizer steps.
         infer_repeats, infer_warmup: timed / untimed inference batches.
-        amp: ``train.amp`` (``none``, ``bf16``, ``fp16``).
+        amp: one ``train.amp`` value or several (``none``, ``bf16``, ``fp16``).
         overrides: extra config overrides (e.g. smaller models for tests).
 
     Returns:
-        one dict per model: ``rpe``, ``train_step_s`` (median), ``train_step_s_all``,
-        ``train_cpu_s`` (median process CPU time), ``train_images_per_s``,
-        ``infer_batch_s``, ``infer_images_per_s``, ``peak_train_mib`` (CUDA only),
-        ``encoder_tokens``.
+        one dict per (model, amp): ``rpe``, ``amp``, ``train_step_s`` (median),
+        ``train_step_s_all``, ``train_cpu_s`` (median process CPU time),
+        ``train_images_per_s``, ``infer_batch_s``, ``infer_images_per_s``,
+        ``loss_after``, ``peak_train_mib`` (CUDA only), ``encoder_tokens``.
     """
     dev = torch.device(device)
+    amps = [amp] if isinstance(amp, str) else list(amp)
     images, targets = synthetic_batch(batch, height, width)
     images = images.to(dev)
     targets = [{k: v.to(dev) for k, v in t.items()} for t in targets]
     results = []
     for rpe in models:
-        if progress is not None:
-            progress(f"DETR-R50 rpe={rpe} at {batch} x {height}x{width}")
-        cfg, model, criterion, postprocessor = _build(rpe, dev, overrides)
-        optimizer = build_optimizer(model, cfg.train)
-        schedule = build_schedule(cfg.train)
-        steps = train_warmup + train_repeats
-        marks: list[tuple[float, float]] = []
-
-        def on_step(_state: StepState, _read_losses: Callable, marks=marks) -> None:
-            sync(dev)
-            marks.append((time.perf_counter(), time.process_time()))
-
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        marks.append((time.perf_counter(), time.process_time()))
-        train_one_epoch(
-            model, criterion, [(images, targets)] * steps, optimizer, schedule, dev,
-            StepState(), num_steps=steps,
-            settings=StepSettings(amp=amp, clip_max_norm=cfg.train.clip_max_norm),
-            print_freq=0, progress=False, on_step=on_step,
-        )
-        walls = [b[0] - a[0] for a, b in zip(marks, marks[1:])][train_warmup:]
-        cpus = [b[1] - a[1] for a, b in zip(marks, marks[1:])][train_warmup:]
-        peak = None
-        if dev.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(dev) / 2**20
-
-        model.eval()
-        infer = []
-        with torch.no_grad(), autocast_context(dev, amp):
-            sizes = torch.stack([t["orig_size"] for t in targets])
-            for i in range(infer_warmup + infer_repeats):
-                sync(dev)
-                start = time.perf_counter()
-                postprocessor(model(images), sizes)
-                sync(dev)
-                if i >= infer_warmup:
-                    infer.append(time.perf_counter() - start)
-        step_s = median(walls)
-        results.append({
-            "rpe": rpe,
-            "batch": batch,
-            "image_hw": [height, width],
-            "encoder_tokens": -(-height // 32) * -(-width // 32),
-            "train_step_s": step_s,
-            "train_step_s_all": walls,
-            "train_cpu_s": median(cpus),
-            "train_images_per_s": batch / step_s,
-            "infer_batch_s": median(infer),
-            "infer_images_per_s": batch / median(infer),
-            "peak_train_mib": peak,
-        })
-        del model, criterion, optimizer, schedule
+        for precision in amps:
+            if progress is not None:
+                progress(f"DETR-R50 rpe={rpe} amp={precision} at {batch} x {height}x{width}")
+            cfg, model, criterion, postprocessor = _build(rpe, dev, overrides)
+            optimizer = build_optimizer(model, cfg.train)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            model.train()
+            times, losses = _time_training(
+                model, criterion, optimizer, (images, targets), dev, precision,
+                cfg.train.clip_max_norm, train_warmup + train_repeats,
+            )
+            walls = [w for w, _ in times][train_warmup:]
+            cpus = [c for _, c in times][train_warmup:]
+            peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
+            infer = _time_inference(model, postprocessor, images, targets, dev, precision,
+                                    infer_warmup, infer_repeats)
+            step_s = median(walls)
+            results.append({
+                "rpe": rpe,
+                "amp": precision,
+                "batch": batch,
+                "image_hw": [height, width],
+                "encoder_tokens": -(-height // 32) * -(-width // 32),
+                "train_step_s": step_s,
+                "train_step_s_all": walls,
+                "train_cpu_s": median(cpus),
+                "train_images_per_s": batch / step_s,
+                "infer_batch_s": median(infer),
+                "infer_images_per_s": batch / median(infer),
+                "loss_after": losses[-1],
+                "loss_steps": len(losses),
+                "peak_train_mib": peak,
+            })
+            del model, criterion, optimizer
     return results
 
 
 def model_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown; ``x plain`` is relative to the ``rpe=none`` row when present."""
-    base = next((r for r in rows if r["rpe"] == "none"), None)
+    """Markdown. ``x plain`` compares with the ``rpe=none`` row of the same precision,
+    ``x fp32`` with the same model in float32; ``loss diff`` is ``loss_after`` minus the
+    float32 row's (same start, same batch, same number of steps)."""
+    def find(rpe: str, amp: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["rpe"] == rpe and r.get("amp", "none") == amp), None)
+
     lines = [
-        "| model | images | train step s | x plain | train CPU s | train img/s "
-        "| infer img/s | x plain infer time | peak train MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | amp | images | train step s | x plain | x fp32 | train CPU s | train img/s "
+        "| infer img/s | loss after N | loss diff vs fp32 | peak train MiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        amp = r.get("amp", "none")
+        plain, fp32 = find("none", amp), find(r["rpe"], "none")
         name = "DETR-R50" if r["rpe"] == "none" else f"DETR-R50-iRPE {r['rpe']}"
-        x_train = "n/a" if base is None else f"{r['train_step_s'] / base['train_step_s']:.3f}"
-        x_inf = "n/a" if base is None else f"{base['infer_images_per_s'] / r['infer_images_per_s']:.3f}"
+        x_plain = "n/a" if plain is None else f"{r['train_step_s'] / plain['train_step_s']:.3f}"
+        x_fp32 = "n/a" if fp32 is None else f"{r['train_step_s'] / fp32['train_step_s']:.3f}"
+        loss = r.get("loss_after")
+        loss_cell = "n/a" if loss is None else f"{loss:.4f} (N={r.get('loss_steps')})"
+        diff = ("n/a" if fp32 is None or loss is None or fp32.get("loss_after") is None
+                else f"{loss - fp32['loss_after']:+.4f}")
         peak = "n/a (CPU)" if r["peak_train_mib"] is None else f"{r['peak_train_mib']:.0f}"
         lines.append(
-            f"| {name} | {r['batch']} x {r['image_hw'][0]}x{r['image_hw'][1]} "
-            f"(L={r['encoder_tokens']}) | {r['train_step_s']:.3f} | {x_train} | "
-            f"{r['train_cpu_s']:.3f} | {r['train_images_per_s']:.2f} | "
-            f"{r['infer_images_per_s']:.2f} | {x_inf} | {peak} |"
+            f"| {name} | {'fp32' if amp == 'none' else amp} | {r['batch']} x "
+            f"{r['image_hw'][0]}x{r['image_hw'][1]} (L={r['encoder_tokens']}) | "
+            f"{r['train_step_s']:.3f} | {x_plain} | {x_fp32} | {r['train_cpu_s']:.3f} | "
+            f"{r['train_images_per_s']:.2f} | {r['infer_images_per_s']:.2f} | {loss_cell} | "
+            f"{diff} | {peak} |"
         )
     return "\n".join(lines)

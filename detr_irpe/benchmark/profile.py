@@ -179,7 +179,9 @@ def profile_training_step(
 
 def profile_table(results: Sequence[dict[str, Any]]) -> str:
     """Markdown: one column per result (e.g. fp32 and bf16), ms per phase and share."""
-    head = "| phase | " + " | ".join(f"{r['amp']} ms | share" for r in results) + " |"
+    head = "| phase | " + " | ".join(
+        f"{'fp32' if r['amp'] == 'none' else r['amp']} ms | share" for r in results
+    ) + " |"
     rule = "|---|" + "---:|---:|" * len(results)
     lines = [head, rule]
     for phase in PHASES:

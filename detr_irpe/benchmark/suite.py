@@ -19,13 +19,14 @@ from detr_irpe.benchmark import data as data_bench
 from detr_irpe.benchmark import evaluation as eval_bench
 from detr_irpe.benchmark import model as model_bench
 from detr_irpe.benchmark import op as op_bench
+from detr_irpe.benchmark import profile as profile_bench
 from detr_irpe.benchmark.common import environment
 
 __all__ = ["SECTIONS", "SuiteOptions", "rerender", "run_suite", "suite_markdown", "write_results"]
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("op", "model", "data", "eval")
+SECTIONS = ("op", "model", "profile", "data", "eval")
 # CPU targets (issue 7): iRPE-DETR step / plain DETR step, ctx-product-k layer / plain MHA,
 # qkv layer time and activation memory / plain MHA
 TARGETS = {"model_train_step": 1.05, "op_k_time": 1.15, "op_qkv_time": 2.0, "op_qkv_memory": 1.5}
@@ -63,8 +64,12 @@ class SuiteOptions:
     model_hw: tuple[int, int] = (512, 640)
     model_repeats: int = 3
     model_warmup: int = 1
-    amp: str = "none"
+    # model-level precisions: float32 and bf16 autocast rows (with the loss difference)
+    amp: Sequence[str] = ("none", "bf16")
     models: Sequence[str] = model_bench.DEFAULT_MODELS
+    # profile level: phases of one iteration of this config (its own data), per precision
+    profile_config: str = "synthetic_demo"
+    profile_steps: int = 20
     # data / eval level
     data_root: str = "datasets/synthetic"
     data_batches: int = 30
@@ -124,12 +129,16 @@ def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                         "limit": limit, "ratio": ratio,
                         "ratio_wall": op[key]["median_ms"] / plain["median_ms"],
                         "met": ratio <= limit})
-    rows = {r["rpe"]: r for r in results.get("model", {}).get("rows", [])}
-    if "none" in rows:
+    model_rows = results.get("model", {}).get("rows", [])
+    for amp in dict.fromkeys(r.get("amp", "none") for r in model_rows):
+        rows = {r["rpe"]: r for r in model_rows if r.get("amp", "none") == amp}
+        if "none" not in rows:
+            continue
         for rpe, r in rows.items():
             if rpe != "none":
                 ratio = r["train_cpu_s"] / rows["none"]["train_cpu_s"]
-                out.append({"target": f"DETR training step, {rpe} vs rpe=none",
+                precision = "fp32" if amp == "none" else amp
+                out.append({"target": f"DETR training step ({precision}), {rpe} vs rpe=none",
                             "limit": TARGETS["model_train_step"], "ratio": ratio,
                             "ratio_wall": r["train_step_s"] / rows["none"]["train_step_s"],
                             "met": ratio <= TARGETS["model_train_step"]})
@@ -179,11 +188,13 @@ def run_suite(
             _QUICK_MODEL if options.quick else (), progress,
         )
         results["model"] = {"rows": rows}
-    if "data" in options.sections or "eval" in options.sections:
+    if {"data", "eval", "profile"} & set(options.sections):
         root = Path(options.data_root)
         if options.quick and options.data_root == SuiteOptions.data_root:
             root = output_dir / "synthetic_quick"
         data_bench.ensure_synthetic(root, *((8, 4) if options.quick else (1600, 200)))
+        if "profile" in options.sections:
+            results["profile"] = _profile(options, root, progress)
         if "data" in options.sections:
             if progress is not None:
                 progress("data loader")
@@ -196,6 +207,21 @@ def run_suite(
             results["eval"] = eval_bench.run_eval_benchmark(root, repeats=options.eval_repeats)
     results["targets"] = _targets(results) if dev.type == "cpu" else []
     return results
+
+
+def _profile(options: SuiteOptions, root: Path, progress: Callable[[str], None] | None) -> dict:
+    overrides = data_bench.dataset_overrides(root)
+    if options.quick:
+        overrides += [*_QUICK_MODEL, *_QUICK_DATA, "train.batch_size=2"]
+    rows = []
+    for amp in options.amp:
+        if progress is not None:
+            progress(f"phases of a {options.profile_config} training iteration, amp={amp}")
+        rows.append(profile_bench.profile_training_step(
+            options.profile_config, overrides, steps=1 if options.quick else options.profile_steps,
+            warmup=0 if options.quick else 3, amp=amp, device=options.device,
+        ))
+    return {"rows": rows}
 
 
 def suite_markdown(results: dict[str, Any]) -> str:
@@ -227,6 +253,11 @@ def suite_markdown(results: dict[str, Any]) -> str:
     if "model" in results:
         parts += ["\n### Model level: DETR-R50 training step and inference\n",
                   model_bench.model_table(results["model"]["rows"])]
+    if "profile" in results:
+        rows = results["profile"]["rows"]
+        parts += [f"\n### Where a training iteration's time goes: {rows[0]['config']}, batch "
+                  f"{rows[0]['batch_size']}, median of {rows[0]['steps']} steps (ms)\n",
+                  profile_bench.profile_table(rows)]
     if "data" in results:
         parts += ["\n### Data loader (training split, decode + augmentation + collate)\n",
                   data_bench.data_table(results["data"]["rows"])]
