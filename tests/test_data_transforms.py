@@ -22,6 +22,7 @@ from detr_irpe.data.transforms import (
     detr_train_transforms,
     resized_hw,
     to_model_input,
+    val_transforms,
 )
 
 BACKGROUND = (128, 128, 128)
@@ -152,6 +153,14 @@ def test_resized_hw_equals_reference_formula() -> None:
             assert max(out_h, out_w) <= max_size + max(w, h) / (2 * min(w, h))
             rounded_up += max(out_h, out_w) > max_size
     assert len(cases) > 4000 and rounded_up > 0  # the rounding case is exercised
+
+
+def test_eval_and_train_resizes_follow_the_rule() -> None:
+    image = tv_tensors.Image(torch.zeros(3, 300, 640, dtype=torch.uint8))
+    boxes = {1: (10, 20, 50, 60)}
+    for transform in (val_transforms(800, 1333), RandomResize([800], 1333)):
+        out, _ = transform(image, raw_target(boxes, 300, 640))
+        assert tuple(out.shape[-2:]) == (625, 1333)
 
 
 def test_random_resize_output_size_and_boxes() -> None:
