@@ -61,15 +61,15 @@ class NonFiniteLossError(NonFiniteError):
 
 
 # ----------------------------------------------------------------------------- precision
-@functools.lru_cache(maxsize=1)
-def native_bf16_cpu() -> bool:
+@functools.lru_cache(maxsize=4)
+def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX-BF16).
 
     Elsewhere bf16 autocast on the CPU is emulated and slower than float32.
-    Read from the kernel's CPU flags; ``False`` where they cannot be read.
+    Read from the kernel's CPU flags (``cpuinfo``); ``False`` where they cannot be read.
     """
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
