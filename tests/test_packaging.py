@@ -108,6 +108,15 @@ def test_installed_package_runs_from_any_folder(installed: Path, tmp_path: Path)
     assert rpe == "rpe-2.0-product-ctx-1-k" and grid_found == "True"
     help_text = _run([str(installed / "detr-irpe-train"), "--help"], cwd=tmp_path).stdout
     assert "--config" in help_text and "--set" in help_text
+    # Every console script is on PATH and resolves to a main() in the installed package.
+    assert all((installed / script).is_file() for script in CONSOLE_SCRIPTS)
+    loaded = _run([str(python), "-c",
+                   "from importlib.metadata import entry_points\n"
+                   "for ep in entry_points(group='console_scripts'):\n"
+                   "    if ep.name.startswith('detr-irpe-'):\n"
+                   "        print(ep.name, ep.load().__module__)"], cwd=tmp_path).stdout
+    assert sorted(loaded.split("\n")[:-1]) == sorted(
+        f"{script} {target.split(':')[0]}" for script, target in CONSOLE_SCRIPTS.items())
 
 
 # Building, installing and one epoch together take about a minute on 2 busy cores: the
