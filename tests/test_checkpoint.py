@@ -433,3 +433,27 @@ def test_hugging_face_files_read_in_project_layout(tmp_path: Path, layout: str) 
     assert all(torch.equal(state[k], source[k]) for k in source)
     loaded = model_from_checkpoint(folder, overrides=["model.backbone=resnet18"])
     assert loaded.cfg.model.rpe == "none" and loaded.cfg.model.num_queries == 5
+
+
+def test_convert_tool_to_hugging_face(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("safetensors")
+    plain = tiny("model.rpe=none")
+    cfg = load_config(None, TINY + ["model.rpe=none"])
+    own = tmp_path / "own.pth"
+    torch.save({"format": "detr_irpe", "model": plain.state_dict(), "config": cfg.to_dict()}, own)
+    assert convert_main([str(own), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    state, meta = read_checkpoint(tmp_path / "hf")
+    assert meta["format"] == "hf"
+    assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
+    irpe = tmp_path / "irpe.pth"
+    cfg = load_config(None, TINY)
+    torch.save({"format": "detr_irpe", "model": tiny().state_dict(), "config": cfg.to_dict()},
+               irpe)
+    capsys.readouterr()
+    assert convert_main([str(irpe), str(tmp_path / "hf2"), "--to", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "iRPE" in err
+    public = tmp_path / "public.pth"
+    torch.save({"model": plain.state_dict()}, public)
+    assert convert_main([str(public), str(tmp_path / "hf3"), "--to", "hf"]) == 2
+    assert "--config" in capsys.readouterr().err
