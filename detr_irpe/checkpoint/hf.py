@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from detr_irpe.checkpoint.files import format_keys, safe_load
+from detr_irpe.checkpoint.layout import is_rpe_key
 from detr_irpe.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -170,10 +172,6 @@ def _rename(key: str, rules: Iterable[tuple[re.Pattern[str], str]]) -> str:
     return key
 
 
-def _first(keys: list[str], n: int = 8) -> str:
-    return ", ".join(keys[:n]) + (f", ... ({len(keys)} in all)" if len(keys) > n else "")
-
-
 def is_hf_state_dict(keys: Iterable[str]) -> bool:
     """True when the keys are those of a transformers ``DetrForObjectDetection`` (either layout)."""
     return any(str(key).startswith(_HF_PREFIXES) for key in keys)
@@ -190,7 +188,7 @@ def hf_layout(keys: Iterable[str]) -> str:
     if not is_hf_state_dict(keys):
         raise CheckpointError(
             "not a Hugging Face DetrForObjectDetection state dict (no key starts with "
-            f"{', '.join(_HF_PREFIXES[:3])}, ...); first keys: {_first(sorted(keys))}"
+            f"{', '.join(_HF_PREFIXES[:3])}, ...); first keys: {format_keys(sorted(keys))}"
         )
     found = [name for name, marker in _MARKERS.items() if any(marker.search(k) for k in keys)]
     if len(found) != 1:
@@ -199,7 +197,7 @@ def hf_layout(keys: Iterable[str]) -> str:
             f"Hugging Face DETR state dict with names of {what} the layouts "
             f"{' and '.join(LAYOUTS)} (e.g. backbone.conv_encoder / out_proj / layers.N.fc1 "
             "against backbone.model / o_proj / layers.N.mlp.fc1); first keys: "
-            f"{_first(sorted(keys))}"
+            f"{format_keys(sorted(keys))}"
         )
     return found[0]
 
@@ -232,7 +230,7 @@ def convert_hf_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         raise CheckpointError(
             f"Hugging Face DETR checkpoint ({layout} layout): {len(unmatched)} key(s) match no "
             f"name of DetrForObjectDetection in the layouts {', '.join(LAYOUTS)} "
-            f"(ResNet backbones of timm only): {_first(unmatched)}"
+            f"(ResNet backbones of timm only): {format_keys(unmatched)}"
         )
     for (module, kind), parts in projections.items():
         if set(parts) != set(_QKV):
@@ -296,7 +294,7 @@ def to_hf_state_dict(
     if unmatched:
         raise CheckpointError(
             f"{len(unmatched)} key(s) have no counterpart in transformers' "
-            f"DetrForObjectDetection: {_first(unmatched)}"
+            f"DetrForObjectDetection: {format_keys(unmatched)}"
         )
     return out
 
@@ -332,8 +330,6 @@ def _load_weights(folder: Path) -> dict[str, Tensor]:
             state.update(_load_safetensors(folder / shard))
         return state
     if (folder / _TORCH_WEIGHTS_NAME).is_file():
-        from detr_irpe.checkpoint.files import safe_load
-
         obj = safe_load(folder / _TORCH_WEIGHTS_NAME)
         if isinstance(obj, Mapping) and all(isinstance(v, Tensor) for v in obj.values()):
             return dict(obj)
@@ -479,7 +475,6 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
 
 def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
     """Why transformers' DETR cannot hold this model, or None when it can."""
-    from detr_irpe.checkpoint.layout import is_rpe_key
     from detr_irpe.irpe.config import parse_rpe
 
     m = cfg.model
@@ -600,7 +595,7 @@ def _write_folder(out_dir: Path, files: Mapping[str, bytes]) -> Path:
         others = sorted(p.name for p in out_dir.iterdir() if p.name not in files)
         if others:
             raise CheckpointError(
-                f"{out_dir} exists and holds other files ({_first(others, 4)}); give a new or "
+                f"{out_dir} exists and holds other files ({format_keys(others, 4)}); give a new or "
                 "empty folder"
             )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
