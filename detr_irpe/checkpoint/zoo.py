@@ -3,9 +3,11 @@
 Used by ``hubconf.py`` (``torch.hub.load(..., pretrained=True)``) and named in the docs.
 Nothing in the package downloads these on its own.
 
-- DETR-R50 (facebookresearch/detr model zoo, 500 epochs, 42.0 AP on COCO val2017).
-- DETR-R50 with iRPE ``rpe-2.0-product-ctx-1-k`` (the iRPE paper's model zoo, 150 and
-  300 epochs, 41.0 / 42.2 AP), and ``rpe-1.9-product-ctx-1-k`` (150 epochs, 40.9 AP).
+- DETR-R50 (the facebookresearch/detr model zoo, 500-epoch schedule).
+- DETR-R50 with iRPE ``rpe-2.0-product-ctx-1-k`` (the iRPE paper's model zoo, 150- and
+  300-epoch schedules) and ``rpe-1.9-product-ctx-1-k`` (150 epochs).
+
+Their published COCO numbers are in docs/checkpoints.md.
 
 ``check_hash``: the DETR file name ends in the first hex digits of its SHA-256, which
 ``torch.hub`` verifies; the iRPE file names carry no hash, so they are not verified.
