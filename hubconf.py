@@ -75,7 +75,7 @@ def detr_resnet50_irpe(
 ):
     """DETR-R50 with iRPE ``rpe`` in every encoder self-attention (config ``detr_r50_irpe``).
 
-    Published weights exist for ``rpe-2.0-product-ctx-1-k`` (41.0 AP, 150 epochs) and
+    Published weights exist for ``rpe-2.0-product-ctx-1-k`` (150 epochs) and
     ``rpe-1.9-product-ctx-1-k``; another ``rpe`` with ``pretrained=True`` is an error.
     """
     return _make("detr_r50_irpe", f"detr_r50_irpe/{rpe}", pretrained, num_classes,
