@@ -138,8 +138,8 @@ def collect_run(run: RunSpec) -> RunResult:
 
 def rpe_parameter_count(cfg: Config) -> int:
     """Parameters of the iRPE tables of the model ``cfg`` describes (0 without RPE)."""
-    from detr_irpe.models.build import build_transformer
     from detr_irpe.checkpoint import is_rpe_key
+    from detr_irpe.models.build import build_transformer
 
     transformer = build_transformer(cfg)
     return sum(p.numel() for name, p in transformer.named_parameters() if is_rpe_key(name))
