@@ -121,3 +121,24 @@ def test_lr_and_weight_decay_overrides_apply_to_the_restored_optimizer(
     assert seen == [(pytest.approx(3e-4), 0.01)] * 2
     saved = torch.load(run / "checkpoint_last.pth", weights_only=False)["optimizer"]
     assert saved["param_groups"][0]["initial_lr"] == pytest.approx(3e-4)
+
+
+def test_auto_device_under_torchrun_without_gpu_is_an_error(monkeypatch, tmp_path, capsys):
+    """What torchrun sets for rank 0 of 2, on a machine whose torch finds no GPU: no
+    process group is joined (that would wait for rank 1), the run stops with the cause."""
+    from detr_irpe.engine import distributed
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = train_main(["--config", "synthetic_tiny", "--output-dir", str(tmp_path / "run"),
+                       "--no-progress"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err
+    assert "train.device=auto" in errors[0] and "torchrun" in errors[0]
+    assert distributed.why_no_gpu() in errors[0] and "--device cpu" in errors[0]
+    # CPU processes on purpose stay possible; one process falls back to the CPU.
+    assert distributed.resolve_device("cpu", 0, launched=True).type == "cpu"
+    assert distributed.resolve_device("auto", 0, launched=False).type == "cpu"
