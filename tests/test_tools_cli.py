@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import load_tool
@@ -122,6 +123,16 @@ def test_eval_tool_uses_checkpoint_config(trained, tmp_path, capsys):
                                                                      "triangle"}
     results = json.loads((tmp_path / "results.json").read_text())
     assert results and {"image_id", "category_id", "bbox", "score"} <= set(results[0])
+    # The full COCOeval output: precision (T, R, K, A, M) whose AP is the summary's.
+    with np.load(tmp_path / "precision.npz") as arrays:
+        precision = arrays["precision"][:, :, :, 0, -1]
+        assert precision.shape[2] == 3
+        assert precision[precision > -1].mean() == pytest.approx(metrics["bbox"]["AP"], abs=1e-6)
+
+
+def test_training_saves_pr_arrays_of_its_evaluation(trained):
+    with np.load(trained / "eval" / "precision.npz") as arrays:
+        assert arrays["stats"].tolist() == pytest.approx(_final_ap(trained), abs=1e-9)
 
 
 def test_eval_tool_reports_damaged_checkpoint(tmp_path, capsys):

@@ -146,14 +146,13 @@ def write_eval_outputs(
     evaluator: Any, summary: Mapping[str, Any], losses: Mapping[str, float], folder: Path,
     extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """``results.json`` (COCO results format), ``metrics.json`` and, when the evaluator
-    keeps them, the precision / recall arrays (``precision.npz``) in ``folder`` (rank 0)."""
+    """``results.json`` (COCO results format), ``metrics.json`` and the precision /
+    recall arrays of COCOeval (``precision.npz``) in ``folder`` (rank 0)."""
     folder.mkdir(parents=True, exist_ok=True)
     evaluator.write_results(folder / "results.json")
     metrics = {"bbox": _jsonable(summary), "losses": dict(losses), **dict(extra or {})}
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    if hasattr(evaluator, "save_pr_arrays"):
-        evaluator.save_pr_arrays(folder / "precision.npz")
+    evaluator.save_pr_arrays(folder / "precision.npz")
 
 
 def _jsonable(obj: Any) -> Any:
@@ -572,6 +571,8 @@ def run_epochs(run: _Run) -> tuple[dict[str, Any] | None, Any]:
             if (epoch + 1) % cfg.train.eval_every == 0 or epoch + 1 == cfg.train.epochs:
                 eval_result = run.evaluate()
                 _, summary, evaluator = eval_result
+                if run.info.is_main:  # every evaluation's PR curves (the newest kept)
+                    evaluator.save_pr_arrays(run.output_dir / "eval" / "precision.npz")
             is_best = _update_best(run, summary if eval_result is not None else None, epoch)
             record = _epoch_record(run, epoch, train_stats, eval_result,
                                    (time.perf_counter() - epoch_start, train_time))
@@ -696,9 +697,9 @@ def run_evaluation(
     The model is :func:`~detr_irpe.models.model_from_checkpoint` of ``checkpoint`` with
     ``cfg`` (``None``: the checkpoint's own config) and ``overrides``: its class count
     comes from the checkpoint's head unless ``model.num_classes`` is among the
-    overrides. Writes ``results.json``, ``metrics.json`` (and ``precision.npz`` when
-    the evaluator provides it) to ``output_dir``. Works under ``torchrun`` (results
-    gathered from all ranks).
+    overrides. Writes ``results.json``, ``metrics.json`` and ``precision.npz`` (the
+    precision / recall arrays of COCOeval) to ``output_dir``. Works under ``torchrun``
+    (results gathered from all ranks).
 
     Returns:
         ``{"summary", "per_class_table", "losses", "output_dir", "config", "rank"}``.
