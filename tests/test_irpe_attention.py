@@ -17,6 +17,8 @@ from detr_irpe.irpe import (
     scatter_buckets,
 )
 from detr_irpe.irpe import attention as attention_module
+from detr_irpe.irpe import buckets as buckets_module
+from detr_irpe.irpe import functional as functional_module
 from detr_irpe.irpe.attention import choose_impl
 from detr_irpe.irpe.buckets import transposed_flat_ids
 from detr_irpe.irpe.naive import naive_irpe_attention
@@ -132,6 +134,31 @@ def test_cross_with_two_extra_tokens() -> None:
     _check_against_reference(module, (2, 5))
 
 
+@pytest.mark.parametrize("rpe", ["rpe-1.9-product-ctx-0-qkv", "rpe-2.0-cross-ctx-1-qkv",
+                                 "rpe-1.9-euc-bias-0-qk", "rpe-2.5-quant-ctx-1-q"])
+def test_export_form_matches_reference(monkeypatch, rpe: str) -> None:
+    """While exporting: bucket ids traced uncached, plain gather / scatter ops, no blocked core."""
+    cfg = RPEConfig.from_string(rpe, skip=1)
+    module = IRPEMultiheadAttention(16, 2, rpe=cfg).double().eval()
+    _randomise_tables(module)
+    hw = (3, 4)
+    query, value, mask = _inputs(2, 13, 16)
+    params = {k: v.detach() for k, v in module.state_dict().items()}
+    ref, _ = ref_attention(params, 2, cfg.rpe_on, cfg.method.value, _ref_ids(cfg, *hw),
+                           query, query, value, mask)
+    def not_while_exporting(*args, **kwargs):
+        raise AssertionError("a training-speed path ran while exporting")
+
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    monkeypatch.setattr(attention_module, "blocked_attention", not_while_exporting)
+    monkeypatch.setattr(buckets_module, "_spatial_ids", not_while_exporting)  # the id cache
+    for name in ("_GatherBuckets", "_GatherAddBuckets", "_ScatterBuckets", "_AttendValues"):
+        monkeypatch.setattr(getattr(functional_module, name), "apply", not_while_exporting)
+    with torch.no_grad():
+        out, _ = module(query, query, value, hw, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref.detach(), atol=1e-10, rtol=1e-7)
+
+
 def test_naive_benchmark_baseline_matches_reference() -> None:
     for rpe in ("rpe-2.0-product-ctx-0-qkv", "rpe-1.9-cross-bias-1-qk"):
         module = IRPEMultiheadAttention(16, 2, rpe=rpe).double().eval()
@@ -221,9 +248,10 @@ def test_auto_impl_choice() -> None:
     assert _auto(dtype=torch.bfloat16, logits_need_grad=True) == "explicit"
     assert _auto(dtype=torch.bfloat16, rpe_values=True) == "explicit"
     assert _auto(dtype=torch.bfloat16, dropout_p=0.1) == "sdpa"
-    # exporters trace neither the blocked core's loop nor SDPA with RPE-V
-    assert _auto(exporting=True, logits_need_grad=True, dropout_p=0.1) == "sdpa"
-    assert _auto(exporting=True, rpe_values=True) == "explicit"
+    # exporters get plain ops: neither the blocked core's loop nor SDPA
+    assert _auto(exporting=True) == "explicit"
+    assert _auto(exporting=True, logits_need_grad=True, dropout_p=0.1) == "explicit"
+    assert _auto(exporting=True, rpe_logits=False) == "explicit"
     # only the explicit path returns weights, whatever impl says
     assert _auto(need_weights=True, logits_need_grad=True) == "explicit"
     assert choose_impl("sdpa", device_type="cpu", dtype=torch.float32, need_weights=True,

@@ -58,9 +58,10 @@ def choose_impl(
     return. ``need_weights`` always gives ``"explicit"``, the only path that materialises
     the weights. Any other ``impl`` than ``"auto"`` is used as given. ``"auto"`` picks:
 
-    - while exporting (``torch.export`` / ONNX): ``"sdpa"``, or ``"explicit"`` with RPE-V.
-      The blocked core is an autograd Function with a Python loop over row blocks that an
-      exporter cannot trace into a graph.
+    - while exporting (``torch.export`` / ONNX): ``"explicit"``. The blocked core is an
+      autograd Function with a Python loop over row blocks that an exporter cannot trace
+      into a graph, and the exporter's decomposition of SDPA with a broadcast mask breaks
+      for symbolic sizes; ONNX before opset 23 has no fused attention anyway.
     - ``"blocked"`` on CPU in float32 / float64 when the fused kernel cannot run as flash
       attention: with RPE-V, with attention dropout (PyTorch's CPU flash kernel has no
       dropout, with or without iRPE) or with a gradient flowing into the iRPE logits (a
@@ -100,7 +101,7 @@ def choose_impl(
     if impl != "auto":
         return impl
     if exporting:
-        return "explicit" if rpe_values else "sdpa"
+        return "explicit"
     cpu = device_type == "cpu"
     if cpu and dtype in _BLOCKED_DTYPES and (
             rpe_values or dropout_p > 0.0 or (rpe_logits and logits_need_grad)):

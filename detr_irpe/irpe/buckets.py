@@ -11,6 +11,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .config import Method
 
@@ -83,15 +84,18 @@ def _check_args(height: int, width: int, ratio: float, skip: int) -> None:
         raise ValueError(f"skip must be a non-negative integer, got {skip!r}")
 
 
-# Small caches: within a training step all encoder layers share one feature-map size, while
-# multi-scale training changes it from step to step (L = 1000 is 8 MB of int64 ids).
-@functools.lru_cache(maxsize=8)
-def _spatial_ids(
+def _compute_ids(
     method: Method, height: int, width: int, ratio: float, skip: int, device: torch.device
 ) -> torch.Tensor:
+    """Bucket ids ``(L, L)`` (``(2, L, L)`` cross), uncached. Only tensor ops on the sizes,
+    so that ``torch.export`` traces the computation into the graph for symbolic H, W."""
     # float64 on the target device: exact for the offsets and g of any realistic map
-    rows = torch.arange(height, dtype=torch.float64, device=device).repeat_interleave(width)
-    cols = torch.arange(width, dtype=torch.float64, device=device).repeat(height)
+    # row / column of every cell in row-major order, by broadcasting (no arithmetic on the
+    # sizes, which may be symbolic)
+    grid = (height, width)
+    rows = torch.arange(height, dtype=torch.float64, device=device)[:, None].expand(grid)
+    cols = torch.arange(width, dtype=torch.float64, device=device)[None, :].expand(grid)
+    rows, cols = rows.reshape(-1), cols.reshape(-1)
     dr = rows[:, None] - rows[None, :]  # query minus key
     dc = cols[:, None] - cols[None, :]
     beta_int = _beta_int(ratio)
@@ -104,13 +108,15 @@ def _spatial_ids(
     else:
         side = 2 * beta_int + 1
         ids = (piecewise_index(dr, ratio) + beta_int) * side + piecewise_index(dc, ratio) + beta_int
-    if skip > 0:
+    if skip > 0:  # pairs with an extra token: the last bucket
         extra = num_buckets(method, ratio, skip) - 1
-        n = skip + height * width
-        full = torch.full((*ids.shape[:-2], n, n), extra, dtype=torch.int64, device=device)
-        full[..., skip:, skip:] = ids
-        ids = full
+        ids = F.pad(ids, (skip, 0, skip, 0), value=extra)
     return ids.contiguous()
+
+
+# Small caches: within a training step all encoder layers share one feature-map size, while
+# multi-scale training changes it from step to step (L = 1000 is 8 MB of int64 ids).
+_spatial_ids = functools.lru_cache(maxsize=8)(_compute_ids)
 
 
 @functools.lru_cache(maxsize=8)
@@ -143,8 +149,13 @@ def cached_transposed_flat_ids(
     method: Method | str, height: int, width: int, ratio: float, skip: int = 0,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Cached :func:`transposed_flat_ids` of :func:`bucket_ids` (do not modify in place)."""
+    """Cached :func:`transposed_flat_ids` of :func:`bucket_ids` (do not modify in place).
+
+    While exporting, computed in the graph instead (see :func:`cached_bucket_ids`)."""
     method = _method(method)
+    if torch.compiler.is_exporting():
+        ids = _compute_ids(method, height, width, float(ratio), skip, _device(device))
+        return transposed_flat_ids(ids, num_buckets(method, ratio, skip))
     _check_args(height, width, ratio, skip)
     return _transposed_flat_on(method, height, width, float(ratio), skip, _device(device))
 
@@ -157,8 +168,16 @@ def cached_bucket_ids(
     skip: int = 0,
     device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """Like :func:`bucket_ids` but returns the shared cached tensor: do not modify it in place."""
+    """Like :func:`bucket_ids` but returns the shared cached tensor: do not modify it in place.
+
+    While exporting (``torch.export``, ONNX), the ids are computed by traced tensor ops
+    instead: they become part of the graph (for symbolic H, W too) and no traced tensor
+    enters the cache.
+    """
     method = _method(method)
+    if torch.compiler.is_exporting():
+        ids = _compute_ids(method, height, width, float(ratio), skip, _device(device))
+        return ids, num_buckets(method, ratio, skip)
     _check_args(height, width, ratio, skip)
     ratio = float(ratio)
     ids = _spatial_ids(method, height, width, ratio, skip, _device(device))

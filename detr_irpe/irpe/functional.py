@@ -6,11 +6,16 @@ into per-bucket weights ``(..., L, K)`` (contextual RPE-V). Each is the other's 
 both are ``torch.autograd.Function`` s over the same primitives, which plain advanced
 indexing (whose backward is a slow ``index_put_`` with accumulation) is not.
 
-Choices measured on CPU (see docs/irpe.md): ``torch.gather`` / ``scatter_add_`` with an
-expanded (stride-0) index beat ``index_select`` / ``index_add_`` and sparse-matrix products
-for the plain lookup; the transposed lookup of RPE-Q uses ``index_select`` / ``index_add_``
-with a flat index, which avoids a strided transposed add and a transposed copy of the
-gradient. Half-precision sums are accumulated in float32, chunked to keep temporaries small.
+The primitives were chosen by CPU timings (docs/benchmarks.md): ``torch.gather`` /
+``scatter_add_`` with an expanded (stride-0) index for the plain lookup; ``index_select`` /
+``index_add_`` with a flat index for the transposed lookup of RPE-Q, which avoids a strided
+transposed add and a transposed copy of the gradient. Half-precision sums are accumulated
+in float32, chunked to keep temporaries small.
+
+While exporting (``torch.export``, and so ONNX export) every function computes its plain
+definition with single out-of-place ops instead: the autograd Functions' chunk loops,
+``out=`` buffers and in-place updates of slices are for training speed, and exporters do
+not translate them faithfully.
 """
 
 from __future__ import annotations
@@ -61,6 +66,21 @@ def _reduce(
         else:
             out[part].scatter_add_(-1, index.expand(w.shape[0], *index.shape), w)
     return out.to(weights.dtype)
+
+
+def _plain_lookup(scores: torch.Tensor, index: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """:func:`_lookup` with one out-of-place op, for exporters."""
+    if transposed:
+        n, length, _ = scores.shape
+        return torch.index_select(scores.reshape(n, -1), 1, index).view(n, length, length)
+    return torch.gather(scores, -1, index.expand(scores.shape[0], *index.shape))
+
+
+def _plain_reduce(weights: torch.Tensor, index: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """:func:`_reduce` (not transposed) with one out-of-place op, for exporters."""
+    n, length, _ = weights.shape
+    zeros = weights.new_zeros(n, length, num_buckets)
+    return zeros.scatter_add(-1, index.expand(n, *index.shape), weights)
 
 
 class _GatherBuckets(torch.autograd.Function):
@@ -126,6 +146,8 @@ def gather_buckets_add_(
         ``out``. Chunked so that the lookup temporaries stay small (on CPU, a fresh full-size
         buffer costs more in page faults than the lookup itself).
     """
+    if torch.compiler.is_exporting():
+        return out + _plain_lookup(scores, ids if flat_t is None else flat_t, flat_t is not None)
     if flat_t is None:
         return _GatherAddBuckets.apply(out, scores, ids, False)
     return _GatherAddBuckets.apply(out, scores, flat_t, True)
@@ -145,7 +167,10 @@ def gather_buckets(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     Returns:
         a fresh contiguous ``(..., L, L)``; its backward scatter-adds into the K buckets.
     """
-    out = _GatherBuckets.apply(_flat3(scores), ids, False)
+    if torch.compiler.is_exporting():
+        out = _plain_lookup(_flat3(scores), ids, False)
+    else:
+        out = _GatherBuckets.apply(_flat3(scores), ids, False)
     # no view when already 3-D: callers update the result in place (a view would make
     # autograd add CopySlices bookkeeping and full copies in the backward)
     return out if scores.dim() == 3 else out.view(*scores.shape[:-1], ids.shape[-1])
@@ -162,7 +187,10 @@ def gather_buckets_transposed(scores: torch.Tensor, flat_t: torch.Tensor) -> tor
         a fresh contiguous ``(..., L, L)``, equal to ``gather_buckets(scores, ids).mT``.
     """
     length = scores.shape[-2]
-    out = _GatherBuckets.apply(_flat3(scores), flat_t, True)
+    if torch.compiler.is_exporting():
+        out = _plain_lookup(_flat3(scores), flat_t, True)
+    else:
+        out = _GatherBuckets.apply(_flat3(scores), flat_t, True)
     return out if scores.dim() == 3 else out.view(*scores.shape[:-1], length)
 
 
@@ -177,7 +205,10 @@ def scatter_buckets(weights: torch.Tensor, ids: torch.Tensor, num_buckets: int) 
     Returns:
         ``(..., L, K)`` (float32 accumulation for half inputs); its backward gathers.
     """
-    out = _ScatterBuckets.apply(_flat3(weights), ids, num_buckets, False)
+    if torch.compiler.is_exporting():
+        out = _plain_reduce(_flat3(weights), ids, num_buckets)
+    else:
+        out = _ScatterBuckets.apply(_flat3(weights), ids, num_buckets, False)
     return out if weights.dim() == 3 else out.view(*weights.shape[:-1], num_buckets)
 
 
@@ -253,7 +284,26 @@ def attend_values(
     Returns:
         ``(B * h, L, D)``.
     """
+    if torch.compiler.is_exporting():
+        return _plain_attend_values(attn, v, tables, num_heads)
     ids = [index for index, _ in tables]
     return _AttendValues.apply(
         attn.contiguous(), v.contiguous(), ids, num_heads, *[w for _, w in tables]
     )
+
+
+def _plain_attend_values(
+    attn: torch.Tensor,
+    v: torch.Tensor,
+    tables: list[tuple[torch.Tensor, torch.Tensor]],
+    num_heads: int,
+) -> torch.Tensor:
+    """:func:`attend_values` with out-of-place ops, for exporters."""
+    n, length, _ = attn.shape
+    out = torch.bmm(attn, v)
+    for index, table in tables:
+        per_bucket = _plain_reduce(attn, index, table.shape[-2])  # (N, L, K)
+        rpe = torch.matmul(per_bucket.view(n // num_heads, num_heads, length, -1),
+                           table.to(attn.dtype))
+        out = out + rpe.view(n, length, -1)
+    return out

@@ -1,0 +1,21 @@
+"""Export a trained DETR for deployment: :mod:`.onnx` (images in, class logits and boxes out)."""
+
+from detr_irpe.export.onnx import (
+    IMAGE_INPUT,
+    MIN_OPSET,
+    OUTPUTS,
+    ImagesToPredictions,
+    export_onnx,
+    parse_size,
+    run_onnx,
+)
+
+__all__ = [
+    "IMAGE_INPUT",
+    "MIN_OPSET",
+    "OUTPUTS",
+    "ImagesToPredictions",
+    "export_onnx",
+    "parse_size",
+    "run_onnx",
+]

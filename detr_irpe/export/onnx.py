@@ -1,0 +1,189 @@
+"""ONNX export of a DETR / DETR-iRPE model (``torch.onnx.export`` with ``dynamo=True``).
+
+The exported graph is :class:`ImagesToPredictions`: one input ``images`` ``(N, 3, H, W)``
+(normalised as at evaluation, every pixel valid: no padding mask) and two outputs,
+``pred_logits`` ``(N, Q, num_classes + 1)`` and ``pred_boxes`` ``(N, Q, 4)``
+(cx, cy, w, h relative to the image). Post-processing (softmax, dropping the no-object
+class, box conversion) stays outside the graph; docs/deployment.md shows it.
+
+While exporting, the iRPE attention takes its export form (see
+:func:`detr_irpe.irpe.attention.choose_impl`): plain gather / scatter-add ops, and bucket
+ids computed by traced tensor ops from the feature-map size, so a ``dynamic`` export
+serves any image size (and batch size) with the ids computed inside the graph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from detr_irpe.errors import ExportError
+from detr_irpe.models.detr import DETR
+from detr_irpe.models.position_encoding import PositionEmbeddingLearned
+from detr_irpe.structures import ImageBatch
+
+logger = logging.getLogger(__name__)
+
+IMAGE_INPUT = "images"
+OUTPUTS = ("pred_logits", "pred_boxes")
+# torch.onnx's exporter (dynamo=True) writes opset 18 or newer
+MIN_OPSET = 18
+_SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+# the traced batch of a dynamic export: torch.export specialises a size-1 dimension
+_DYNAMIC_TRACE_BATCH = 2
+
+
+class ImagesToPredictions(nn.Module):
+    """DETR as ``images -> (pred_logits, pred_boxes)`` with an all-False padding mask.
+
+    Args:
+        model: the DETR (its ``aux_outputs`` are not exported).
+    """
+
+    def __init__(self, model: DETR) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        """``(N, 3, H, W)`` -> ``(N, Q, num_classes + 1)`` logits, ``(N, Q, 4)`` boxes."""
+        batch, _, height, width = images.shape
+        mask = torch.zeros((batch, height, width), dtype=torch.bool, device=images.device)
+        out = self.model(ImageBatch(images, mask))
+        return out["pred_logits"], out["pred_boxes"]
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """``"HxW"`` (e.g. ``"800x1216"``) -> ``(H, W)``; anything else is an :class:`ExportError`."""
+    match = _SIZE.match(str(text))
+    if match is None or min(int(match[1]), int(match[2])) <= 0:
+        raise ExportError(f"--size {text!r} must be HEIGHTxWIDTH in pixels, e.g. 800x1216")
+    return int(match[1]), int(match[2])
+
+
+def _require_exporter() -> None:
+    missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ExportError(f"ONNX export needs {' and '.join(missing)}: "
+                          "pip install 'detr_irpe[onnx]'")
+
+
+def _check_settings(
+    model: DETR, size: tuple[int, int], batch: int, dynamic: bool, opset: int
+) -> None:
+    """Refuse, with the reason, what the exported graph could not represent."""
+    if opset < MIN_OPSET:
+        raise ExportError(f"opset {opset} is not supported: torch.onnx's exporter writes "
+                          f"opset {MIN_OPSET} or newer; pass --opset {MIN_OPSET} or more")
+    if batch <= 0:
+        raise ExportError(f"batch size must be positive, got {batch}")
+    stride = model.backbone[0].stride
+    if dynamic and min(size) <= stride:
+        raise ExportError(
+            f"--dynamic traces the model at --size {size[0]}x{size[1]}, which gives a feature "
+            f"map side of 1 at stride {stride}; pass a size above {stride} pixels per side "
+            "(a size-1 dimension cannot stay symbolic)")
+    position = model.backbone[1]
+    cells = [-(-side // stride) for side in size]
+    if isinstance(position, PositionEmbeddingLearned) and max(cells) > position.max_size:
+        raise ExportError(
+            f"--size {size[0]}x{size[1]} gives a {cells[0]}x{cells[1]} feature map, larger "
+            f"than the learned position embedding's {position.max_size}x{position.max_size}; "
+            f"export at most {position.max_size * stride} pixels per side")
+
+
+def _dynamic_shapes(model: DETR) -> dict[str, dict[int, torch.export.Dim]]:
+    """Symbolic batch, height and width of ``images``, in the ranges the model supports."""
+    stride = model.backbone[0].stride
+    position = model.backbone[1]
+    side_max = (position.max_size * stride if isinstance(position, PositionEmbeddingLearned)
+                else None)
+    dims = {"min": stride + 1} if side_max is None else {"min": stride + 1, "max": side_max}
+    return {IMAGE_INPUT: {
+        0: torch.export.Dim("batch", min=1),
+        2: torch.export.Dim("height", **dims),
+        3: torch.export.Dim("width", **dims),
+    }}
+
+
+def _to_onnx_bytes(
+    wrapper: ImagesToPredictions, images: Tensor, dynamic_shapes: dict | None, opset: int
+) -> bytes:
+    """The serialised ONNX model; exporter failures become one-line :class:`ExportError` s."""
+    try:
+        with torch.no_grad():
+            program = torch.onnx.export(
+                wrapper, (images,), input_names=[IMAGE_INPUT], output_names=list(OUTPUTS),
+                dynamo=True, dynamic_shapes=dynamic_shapes, opset_version=opset,
+                external_data=False, verbose=False,
+            )
+    except Exception as err:  # the exporter raises many types, none of them user errors
+        logger.debug("torch.onnx.export failed", exc_info=True)
+        first = next((line for line in str(err).splitlines() if line.strip()), "")
+        raise ExportError(f"torch.onnx could not export this model ({type(err).__name__}: "
+                          f"{first})") from err
+    return program.model_proto.SerializeToString()
+
+
+def export_onnx(
+    model: DETR,
+    path: str | Path,
+    size: tuple[int, int],
+    *,
+    batch: int = 1,
+    dynamic: bool = False,
+    opset: int = MIN_OPSET,
+) -> Path:
+    """Write ``model`` as an ONNX file (atomically: a temporary file, then a rename).
+
+    Args:
+        model: a DETR (any iRPE setting); exported in eval mode on the CPU, float32.
+        path: the ``.onnx`` file to write (a single self-contained file).
+        size: ``(H, W)`` of the input images in pixels.
+        batch: the batch size N of a static export.
+        dynamic: any N, H and W at run time instead of the traced ``batch`` and ``size``
+            (iRPE bucket ids are then computed inside the graph).
+        opset: ONNX opset version (at least :data:`MIN_OPSET`).
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ExportError: a setting the graph cannot represent, a missing ``onnx`` extra or an
+            exporter failure; the message says which and why.
+    """
+    from detr_irpe.checkpoint import atomic_write
+
+    _require_exporter()
+    _check_settings(model, size, batch, dynamic, opset)
+    was_training = model.training
+    wrapper = ImagesToPredictions(model).to("cpu", torch.float32).eval()
+    trace_batch = _DYNAMIC_TRACE_BATCH if dynamic else batch
+    images = torch.randn(trace_batch, 3, *size)
+    logger.info("exporting to ONNX (opset %d, %s input %s)", opset,
+                "dynamic" if dynamic else "static", "N x 3 x H x W" if dynamic
+                else f"{batch} x 3 x {size[0]} x {size[1]}")
+    try:
+        data = _to_onnx_bytes(wrapper, images, _dynamic_shapes(model) if dynamic else None,
+                              opset)
+    finally:
+        model.train(was_training)
+    path = atomic_write(path, lambda f: f.write(data))
+    logger.info("wrote %s (%.1f MB)", path, len(data) / 2**20)
+    return path
+
+
+def run_onnx(path: str | Path, images: Tensor) -> tuple[Tensor, Tensor]:
+    """Run an exported file with onnxruntime on the CPU: ``images`` ``(N, 3, H, W)`` ->
+    ``(pred_logits, pred_boxes)`` as tensors (to compare with PyTorch)."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        raise ExportError("running an ONNX file needs onnxruntime: pip install 'detr_irpe[onnx]'")
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    logits, boxes = session.run(list(OUTPUTS), {IMAGE_INPUT: images.detach().cpu().numpy()})
+    return torch.from_numpy(logits), torch.from_numpy(boxes)

@@ -1,0 +1,159 @@
+"""ONNX export: the file runs in onnxruntime and matches PyTorch; the CLI end to end."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from detr_irpe.checkpoint import FORMAT, atomic_save
+from detr_irpe.cli.export import main
+from detr_irpe.config import load_config
+from detr_irpe.export import OUTPUTS, export_onnx, run_onnx
+from detr_irpe.irpe import IRPEMultiheadAttention
+from detr_irpe.models import build_model
+from detr_irpe.models.from_checkpoint import model_from_checkpoint
+from detr_irpe.structures import ImageBatch
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+SIZE = (64, 96)  # a 2 x 3 feature map at stride 32
+RPE = "rpe-2.0-product-ctx-1-qkv"  # contextual iRPE on queries, keys and values
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def _randomise_tables(model: nn.Module) -> None:
+    """Non-zero iRPE tables, so that the exported iRPE terms change the outputs."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lookup_table" in name:
+                p.normal_(0.0, 0.5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny DETR-iRPE (synthetic_tiny, ResNet-18) saved in this project's format."""
+    cfg = load_config("synthetic_tiny", ["model.num_classes=3", f"model.rpe={RPE}"])
+    model, _, _ = build_model(cfg)
+    _randomise_tables(model)
+    path = tmp_path_factory.mktemp("export") / "tiny_irpe.pth"
+    atomic_save({"format": FORMAT, "model": model.state_dict(), "config": cfg.to_dict()}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoint: Path) -> tuple[Path, int, str]:
+    """The command line run once, checkpoint -> .onnx (the export is the slow part):
+    (file, exit status, stdout)."""
+    out = checkpoint.parent / "tiny_irpe.onnx"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        status = main([str(checkpoint), "--format", "onnx", "--size", "64x96",
+                       "--output", str(out)])
+    return out, status, stdout.getvalue()
+
+
+def _pytorch_outputs(checkpoint: Path, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """DETR's own forward (not the export wrapper) on an unpadded batch."""
+    model = model_from_checkpoint(checkpoint).model
+    with torch.no_grad():
+        out = model(ImageBatch.from_images(list(images)))
+    return out["pred_logits"], out["pred_boxes"]
+
+
+def test_cli_writes_onnx_with_named_input_and_outputs(exported) -> None:
+    path, status, printed = exported
+    assert status == 0 and path.is_file() and f"rpe={RPE}" in printed and "opset 18" in printed
+    graph = onnx.load(str(path)).graph
+    assert [i.name for i in graph.input] == ["images"]
+    assert [o.name for o in graph.output] == list(OUTPUTS)
+    dims = [d.dim_value for d in graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [1, 3, *SIZE]
+
+
+def test_onnxruntime_matches_pytorch(exported, checkpoint: Path) -> None:
+    path, _, _ = exported
+    images = torch.randn(1, 3, *SIZE)
+    logits, boxes = run_onnx(path, images)
+    ref_logits, ref_boxes = _pytorch_outputs(checkpoint, images)
+    assert logits.shape == ref_logits.shape == (1, 4, 4) and boxes.shape == (1, 4, 4)
+    torch.testing.assert_close(logits, ref_logits, **TOL)
+    torch.testing.assert_close(boxes, ref_boxes, **TOL)
+
+
+def test_existing_output_needs_force(checkpoint: Path, exported, capsys) -> None:
+    path, _, _ = exported
+    assert main([str(checkpoint), "--size", "64x96", "--output", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--force" in err[0]
+
+
+@pytest.mark.parametrize("bad,reason", [
+    (["--format", "torchscript"], "--format 'torchscript' is not supported; supported: onnx"),
+    (["--opset", "13"], "opset 13 is not supported"),
+    (["--size", "64by96"], "must be HEIGHTxWIDTH"),
+    (["--size", "32x96", "--dynamic"], "feature map side of 1"),
+])
+def test_unsupported_setting_is_one_line_exit_2(checkpoint: Path, tmp_path: Path, capsys,
+                                               bad: list[str], reason: str) -> None:
+    args = [str(checkpoint), "--size", "64x96", "--output", str(tmp_path / "m.onnx")]
+    assert main(args + bad) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and reason in err[0]
+    assert not (tmp_path / "m.onnx").exists()
+
+
+class _FeatureMapAttention(nn.Module):
+    """``(B, C, H, W)`` -> ``(B, H*W, C)`` through one iRPE attention, with ``hw`` from the shape."""
+
+    def __init__(self, attn: IRPEMultiheadAttention) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(2).transpose(1, 2)
+        return self.attn(tokens, tokens, tokens, (x.shape[2], x.shape[3]))[0]
+
+
+@pytest.mark.parametrize("rpe", ["rpe-2.0-product-ctx-0-qkv",
+                                 pytest.param("rpe-1.9-cross-bias-1-qk", marks=pytest.mark.slow)])
+def test_dynamic_attention_computes_bucket_ids_in_the_graph(tmp_path: Path, rpe: str) -> None:
+    """One attention layer exported with symbolic H, W runs at sizes it was not traced at."""
+    attn = IRPEMultiheadAttention(16, 2, rpe=rpe)
+    _randomise_tables(attn)
+    module = _FeatureMapAttention(attn).eval()
+    dims = {0: torch.export.Dim("batch", min=1), 2: torch.export.Dim("height", min=2),
+            3: torch.export.Dim("width", min=2)}
+    program = torch.onnx.export(module, (torch.randn(2, 16, 3, 4),), dynamo=True,
+                                input_names=["x"], dynamic_shapes={"x": dims},
+                                external_data=False, verbose=False)
+    path = tmp_path / "attn.onnx"
+    path.write_bytes(program.model_proto.SerializeToString())
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for shape in [(1, 16, 5, 7), (3, 16, 6, 2)]:
+        x = torch.randn(*shape)
+        (got,) = session.run(None, {"x": x.numpy()})
+        with torch.no_grad():
+            expected = module(x)
+        torch.testing.assert_close(torch.from_numpy(got), expected, **TOL)
+
+
+@pytest.mark.slow
+def test_dynamic_model_export_runs_at_other_sizes(checkpoint: Path, tmp_path: Path) -> None:
+    """--dynamic: any batch and image size, iRPE bucket ids computed inside the graph."""
+    model = model_from_checkpoint(checkpoint).model
+    path = export_onnx(model, tmp_path / "dynamic.onnx", SIZE, dynamic=True)
+    for shape in [(1, 3, *SIZE), (2, 3, 96, 64), (1, 3, 160, 130)]:
+        images = torch.randn(*shape)
+        logits, boxes = run_onnx(path, images)
+        ref_logits, ref_boxes = _pytorch_outputs(checkpoint, images)
+        torch.testing.assert_close(logits, ref_logits, **TOL)
+        torch.testing.assert_close(boxes, ref_boxes, **TOL)
