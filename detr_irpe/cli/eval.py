@@ -65,3 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["build_parser", "main"]
+
+
+if __name__ == "__main__":  # python -m detr_irpe.cli.eval (torchrun -m)
+    raise SystemExit(main())
