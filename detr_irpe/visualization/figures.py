@@ -242,8 +242,8 @@ def plot_predictions(
                                 fontsize=10))
     hide_ticks(ax)
     hidden = len(detections) - len(shown)
-    default_title = f"{image.name}: {len(shown)} detections" + (
-        f" ({hidden} near-duplicates not drawn)" if hidden else "")
+    default_title = f"{image.name}: {len(shown)} detection{'s' if len(shown) != 1 else ''}" + (
+        f" ({hidden} near-duplicate{'s' if hidden > 1 else ''} not drawn)" if hidden else "")
     ax.set_title(title or default_title, fontsize=11)
     _keep_labels_inside(fig, ax, labels)
     save_figure(fig, out)
