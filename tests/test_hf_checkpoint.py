@@ -250,6 +250,28 @@ def test_learned_positions_and_dc5(hf_setting, override, batch):
     assert_same_outputs(model, hf_outputs(hf, batch), batch)
 
 
+def test_transformers_own_resnet_backbone(batch, tmp_path):
+    """``use_timm_backbone=False`` (the Hub's ``no_timm`` revisions): transformers' ResNet
+    (``embedder`` / ``encoder.stages.S.layers.B.layer.I``) maps to torchvision's names."""
+    config = DetrConfig(
+        use_timm_backbone=False,
+        num_labels=NUM_LABELS,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+    )
+    hf = DetrForObjectDetection(config).eval()
+    randomise(hf, seed=6)
+    assert "model.backbone.model.encoder.stages.3.layers.0.layer.1.convolution.weight" in (
+        hf.state_dict()
+    )
+    hf.save_pretrained(tmp_path / "no_timm")
+    state, meta = read_hf_folder(tmp_path / "no_timm")
+    assert meta["model"]["backbone"] == "resnet50"
+    model = project_model()
+    model.load_state_dict(state, strict=True)
+    assert_same_outputs(model, hf_outputs(hf, batch), batch)
+
+
 # ------------------------------------------------------------------------------ errors
 def test_unknown_keys_name_layouts_and_keys(hf_model, tmp_path):
     state = dict(hf_model.state_dict())

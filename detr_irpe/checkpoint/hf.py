@@ -79,6 +79,44 @@ _V5_TO_V4 = (
     (re.compile(r"\.o_proj\."), ".out_proj."),
     (re.compile(r"(layers\.\d+)\.mlp\.(fc[12])\."), r"\1.\2."),
 )
+# transformers' own ResNet (``use_timm_backbone: false``, the Hub's ``no_timm``
+# revisions) -> the timm / torchvision names, on transformers 5 names. Stages count
+# from 0 there and from 1 (``layer1``) here; ``layer.i`` is the i-th conv + norm.
+_HF_RESNET = re.compile(
+    r"^model\.backbone\.model\.(?:"
+    r"embedder\.embedder\.(?P<stem>convolution|normalization)"
+    r"|encoder\.stages\.(?P<stage>\d+)\.layers\.(?P<block>\d+)\."
+    r"(?:shortcut\.(?P<short>convolution|normalization)"
+    r"|layer\.(?P<conv>\d+)\.(?P<part>convolution|normalization))"
+    r")\.(?P<tensor>\w+)$"
+)
+# (depths, layer type) of transformers' ResNetConfig -> the ResNet it is.
+_HF_RESNET_NAMES = {
+    ((2, 2, 2, 2), "basic"): "resnet18",
+    ((3, 4, 6, 3), "basic"): "resnet34",
+    ((3, 4, 6, 3), "bottleneck"): "resnet50",
+    ((3, 4, 23, 3), "bottleneck"): "resnet101",
+}
+
+
+def _timm_resnet_name(name: str) -> str:
+    """A transformers-ResNet backbone name as timm / torchvision name it; others unchanged."""
+    match = _HF_RESNET.match(name)
+    if not match:
+        return name
+    prefix = "model.backbone.model."
+    if match["stem"]:
+        module = "conv1" if match["stem"] == "convolution" else "bn1"
+    else:
+        block = f"layer{int(match['stage']) + 1}.{match['block']}"
+        if match["short"]:
+            module = f"{block}.downsample.{0 if match['short'] == 'convolution' else 1}"
+        else:
+            kind = "conv" if match["part"] == "convolution" else "bn"
+            module = f"{block}.{kind}{int(match['conv']) + 1}"
+    return f"{prefix}{module}.{match['tensor']}"
+
+
 # What tells the layouts apart.
 _MARKERS = {
     "transformers4": re.compile(r"backbone\.conv_encoder\.|\.out_proj\.|layers\.\d+\.fc[12]\."),
@@ -137,7 +175,8 @@ _NAMES = (
     ("class_embed.{p}", "class_labels_classifier.{p}"),
     ("bbox_embed.layers.{n}.{p}", "bbox_predictor.layers.{n}.{p}"),
 )
-# The attentions whose q / k / v projections are fused here: (project module, transformers 5 module).
+# The attentions whose q / k / v projections are fused here:
+# (project module, transformers 5 module).
 _ATTENTIONS = (
     ("transformer.encoder.layers.{n}.self_attn", "model.encoder.layers.{n}.self_attn"),
     ("transformer.decoder.layers.{n}.self_attn", "model.decoder.layers.{n}.self_attn"),
@@ -220,7 +259,7 @@ def convert_hf_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     for key, value in state.items():
         if key.endswith("num_batches_tracked"):
             continue
-        name = _rename(key, _V4_TO_V5)
+        name = _timm_resnet_name(_rename(key, _V4_TO_V5))
         target = _project_name(name, value, projections)
         if target is None:
             unmatched.append(key)
@@ -230,7 +269,7 @@ def convert_hf_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         raise CheckpointError(
             f"Hugging Face DETR checkpoint ({layout} layout): {len(unmatched)} key(s) match no "
             f"name of DetrForObjectDetection in the layouts {', '.join(LAYOUTS)} "
-            f"(ResNet backbones of timm only): {format_keys(unmatched)}"
+            f"(ResNet-18/34/50/101 backbones only): {format_keys(unmatched)}"
         )
     for (module, kind), parts in projections.items():
         if set(parts) != set(_QKV):
@@ -401,18 +440,40 @@ def hf_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         "position_embedding": "position_embedding_type",
     }
     model = {ours: hf_config[theirs] for ours, theirs in fields.items() if theirs in hf_config}
-    backbone_config = hf_config.get("backbone_config") or {}
-    backbone = hf_config.get("backbone") or backbone_config.get("backbone")
-    if backbone_config.get("model_type", "timm_backbone") != "timm_backbone":
-        raise CheckpointError(
-            f"{CONFIG_NAME}: backbone_config.model_type={backbone_config.get('model_type')!r}; "
-            "only DETR with a timm ResNet backbone (use_timm_backbone) converts"
-        )
+    backbone = _backbone_name(hf_config)
     if backbone:
         model["backbone"] = backbone
     if isinstance(hf_config.get("id2label"), Mapping):
         model["num_classes"] = len(hf_config["id2label"])
     return model
+
+
+def _backbone_name(hf_config: Mapping[str, Any]) -> str | None:
+    """The ResNet of a DETR ``config.json``: timm's name, or the one transformers' own
+    ResNet config (depths, layer type) describes."""
+    backbone_config = hf_config.get("backbone_config") or {}
+    kind = backbone_config.get("model_type", "timm_backbone")
+    if kind == "timm_backbone":
+        return hf_config.get("backbone") or backbone_config.get("backbone")
+    if kind != "resnet":
+        raise CheckpointError(
+            f"{CONFIG_NAME}: backbone_config.model_type={kind!r}; only ResNet backbones "
+            "(timm's or transformers' own) convert"
+        )
+    if backbone_config.get("downsample_in_bottleneck"):
+        raise CheckpointError(
+            f"{CONFIG_NAME}: backbone_config.downsample_in_bottleneck=true strides the first "
+            "1x1 convolution; torchvision's ResNet (used here) strides the 3x3 one"
+        )
+    depths = tuple(backbone_config.get("depths", (3, 4, 6, 3)))
+    layer_type = backbone_config.get("layer_type", "bottleneck")
+    name = _HF_RESNET_NAMES.get((depths, layer_type))
+    if name is None:
+        raise CheckpointError(
+            f"{CONFIG_NAME}: a {layer_type} ResNet with depths {list(depths)} is none of "
+            f"{', '.join(sorted(set(_HF_RESNET_NAMES.values())))}"
+        )
+    return name
 
 
 def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -484,7 +545,10 @@ def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
             "transformers' DETR has no relative position encodings"
         )
     if m.pre_norm:
-        return "model.pre_norm=true cannot be written for Hugging Face: transformers' DETR is post-norm"
+        return (
+            "model.pre_norm=true cannot be written for Hugging Face: transformers' DETR is "
+            "post-norm"
+        )
     if m.position_embedding != "sine":
         return (
             f"model.position_embedding={m.position_embedding} cannot be written for Hugging "
