@@ -1,4 +1,4 @@
-"""Naive iRPE references written straight from shared/docs/irpe.md (sections 1-4).
+"""Naive iRPE references written straight from docs/irpe.md (sections 1-4).
 
 Independent of the package code: python loops with ``math`` for the bucket ids, and a dense
 float64 attention that builds the ``(L, L, D)`` tensors of gathered table entries.
@@ -12,7 +12,7 @@ import torch
 
 
 def ref_g(x: float, ratio: float) -> int:
-    """irpe.md section 2 (paper Eq. 18), with python's round (half to even)."""
+    """docs/irpe.md section 2 (paper Eq. 18), with python's round (half to even)."""
     alpha, beta, gamma = 1.0 * ratio, 2.0 * ratio, 8.0 * ratio
     beta_int = math.floor(beta)
     if abs(x) <= alpha:
@@ -22,7 +22,7 @@ def ref_g(x: float, ratio: float) -> int:
 
 
 def ref_bucket_ids(method: str, height: int, width: int, ratio: float, skip: int = 0):
-    """irpe.md section 3 with python loops: returns (ids as nested lists, K)."""
+    """docs/irpe.md section 3 with python loops: returns (ids as nested lists, K)."""
     beta_int = math.floor(2.0 * ratio)
     side = 2 * beta_int + 1
     k = side * side if method == "product" else side
@@ -83,7 +83,7 @@ def ref_attention(
     value: torch.Tensor,
     key_padding_mask: torch.Tensor | None = None,
 ):
-    """Dense irpe.md section 4 attention (dropout off): returns (out (B, L, C), weights (B, h, L, L)).
+    """Dense docs/irpe.md section 4 attention (dropout off): returns (out (B, L, C), weights (B, h, L, L)).
 
     ``params`` are the module's state-dict tensors (may require grad); ``ids`` is the
     bucket-id tensor of the reference ((L, L), or (2, L, L) for cross).

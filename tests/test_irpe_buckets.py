@@ -1,4 +1,4 @@
-"""Bucket ids (irpe.md sections 2-3) against the naive python-loop reference."""
+"""Bucket ids (docs/irpe.md sections 2-3) against the naive python-loop reference."""
 
 from __future__ import annotations
 

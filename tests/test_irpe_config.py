@@ -7,7 +7,7 @@ import torch
 
 from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig, parse_rpe
 
-# shared/reference/official_state_dict_keys.md section 3 (embed_dim 256, 8 heads)
+# table keys and shapes of the public iRPE-DETR checkpoints (embed_dim 256, 8 heads)
 OFFICIAL_TABLES = {
     "rpe-2.0-product-ctx-1-k": {"rpe_k.lookup_table_weight": (1, 32, 81)},
     "rpe-2.0-product-ctx-0-qkv": {

@@ -74,16 +74,12 @@ def choose_impl(
       SDPA's math kernel copies it).
     - ``"sdpa"`` otherwise: PyTorch's fused kernel with the iRPE logits as additive mask.
 
-    Args:
-        impl: ``"auto"``, ``"sdpa"``, ``"explicit"`` or ``"blocked"``.
-        device_type: ``"cpu"``, ``"cuda"``, ...
-        dtype: the dtype of the projected queries (the autocast dtype under autocast).
-        need_weights: the caller wants the attention weights.
-        dropout_p: the attention dropout of this call (0 in eval mode).
-        rpe_logits: iRPE terms on the logits (RPE-Q or RPE-K tables).
-        rpe_values: iRPE terms on the values (RPE-V tables).
-        logits_need_grad: autograd is on and the iRPE logits need a gradient.
-        exporting: inside ``torch.export`` (and so ONNX export).
+    Args: ``impl`` as the module's; the call's ``device_type`` (``"cpu"``, ``"cuda"``),
+    ``dtype`` of the projected queries (the autocast dtype under autocast),
+    ``need_weights``, ``dropout_p`` (0 in eval mode); whether there are iRPE terms on the
+    logits (``rpe_logits``: RPE-Q / RPE-K) and on the values (``rpe_values``); whether
+    autograd is on and those logits need a gradient (``logits_need_grad``); whether
+    ``torch.export`` (and so ONNX export) is tracing (``exporting``).
 
     Raises:
         ValueError: an unknown ``impl``; ``"sdpa"`` with RPE-V; ``"blocked"`` outside

@@ -1,6 +1,6 @@
 """Row-blocked iRPE attention core: no ``(L, L)`` tensor is ever allocated (CPU training path).
 
-Computes, for blocks of ``R`` query rows at a time (irpe.md sections 4-5),
+Computes, for blocks of ``R`` query rows at a time (docs/irpe.md),
 
     S = s q k^T + sum_t lookup_t(P_t) + pad        (R, L) per head
     A = dropout(softmax(S))
@@ -10,9 +10,9 @@ and saves only ``q, k, v, O`` (and the dropout keep-masks) for the backward, whi
 recomputes ``S`` and ``A`` block by block (the flash-attention recomputation, in plain
 PyTorch ops) with the softmax gradient ``dS = A * (dA - rowsum(dO * O))``. The ``(R, L)``
 temporaries stay small enough for the allocator to reuse them from its heap: on CPU every
-fresh full-size ``(B h, L, L)`` float32 buffer (58 MB at DETR size) costs page faults that
-measured 25-50 ms each, more than the arithmetic around it, and the explicit path needs
-several of them per layer. Activation memory drops from O(B h L^2) to O(B h L D).
+fresh full-size ``(B h, L, L)`` buffer costs page faults, more than the arithmetic around
+it (timings: docs/benchmarks.md), and the explicit path needs several of them per layer.
+Activation memory drops from O(B h L^2) to O(B h L D).
 
 ``lookup_t`` is the RPE-K gather ``P[n, i, ids[i, j]]`` or the RPE-Q transposed lookup
 ``P[n, j, ids[j, i]]`` (a flat index ``j K + ids[j, i]``); ``P`` may have one row per head

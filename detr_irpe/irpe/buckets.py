@@ -1,4 +1,4 @@
-"""Bucket ids of the 2D relative positions of an ``H x W`` feature map (irpe.md sections 1-3).
+"""Bucket ids of the 2D relative positions of an ``H x W`` feature map (docs/irpe.md sections 1-3).
 
 Implements the piecewise index function ``g`` (paper Eq. 18) and the four bucket methods
 (euc, quant, cross, product). Everything is a pure function of
@@ -187,7 +187,7 @@ def cached_bucket_ids(
 def bucket_ids(
     method: Method | str, height: int, width: int, ratio: float, skip: int = 0
 ) -> tuple[torch.Tensor, int]:
-    """Bucket id of every (query, key) pair of an ``H x W`` map (irpe.md section 3).
+    """Bucket id of every (query, key) pair of an ``H x W`` map (docs/irpe.md section 3).
 
     Tokens are ``skip`` extra tokens followed by the cells in row-major order; the offset
     of a pair is query minus key. Pairs that involve an extra token get bucket ``K - 1``.

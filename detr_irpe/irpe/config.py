@@ -1,6 +1,6 @@
 """Typed iRPE settings and the model-zoo string form ``rpe-{ratio}-{method}-{mode}-{shared}-{on}``.
 
-See ``irpe.md`` section 6 for the string grammar.
+See docs/irpe.md section 6 for the string grammar.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 
 class Method(str, enum.Enum):
-    """How a 2D offset is turned into a bucket id (irpe.md section 3)."""
+    """How a 2D offset is turned into a bucket id (docs/irpe.md section 3)."""
 
     EUC = "euc"
     QUANT = "quant"
@@ -21,7 +21,7 @@ class Method(str, enum.Enum):
 
 
 class Mode(str, enum.Enum):
-    """Scalar bias tables or contextual (vector) tables (irpe.md section 4)."""
+    """Scalar bias tables or contextual (vector) tables (docs/irpe.md section 4)."""
 
     BIAS = "bias"
     CTX = "ctx"

@@ -1,4 +1,4 @@
-"""The lookup tables of one of q / k / v and the terms they add (irpe.md section 4).
+"""The lookup tables of one of q / k / v and the terms they add (docs/irpe.md section 4).
 
 Parameter names follow the public checkpoints: ``lookup_table_weight`` (contextual mode;
 ``(Hh, D, K)`` for q/k, ``(Hh, K, D)`` for v) or ``lookup_table_bias`` (bias mode;

@@ -1,4 +1,4 @@
-"""Gather / scatter-add over bucket ids: the O(n k d) iRPE computation (irpe.md section 5).
+"""Gather / scatter-add over bucket ids: the O(n k d) iRPE computation (docs/irpe.md section 5).
 
 ``gather_buckets`` turns per-bucket scores ``(..., L, K)`` into pair scores ``(..., L, L)``
 (contextual RPE-Q/K and bias tables); ``scatter_buckets`` sums pair weights ``(..., L, L)``
@@ -270,7 +270,7 @@ def attend_values(
     tables: list[tuple[torch.Tensor, torch.Tensor]],
     num_heads: int,
 ) -> torch.Tensor:
-    """Attention output with contextual RPE-V (irpe.md section 4, values).
+    """Attention output with contextual RPE-V (docs/irpe.md section 4, values).
 
     ``out[b h, i] = sum_j attn[b h, i, j] (v[b h, j] + sum_t W_t[h, ids_t[i, j]])``, computed
     as ``attn @ v + scatter(attn) @ W`` in O(L^2 + L K D) per head.

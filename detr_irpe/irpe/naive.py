@@ -1,4 +1,4 @@
-"""The naive O(L^2 D) iRPE attention, for benchmarks only (the baseline of irpe.md section 5).
+"""The naive O(L^2 D) iRPE attention, for benchmarks only (the baseline of docs/irpe.md section 5).
 
 Builds the ``(L, L, D)`` tensors of gathered table entries with plain advanced indexing,
 as a straightforward implementation of the paper's attention equations would. Same parameters and
