@@ -6,16 +6,18 @@
   and fine-tunes of it), written by transformers 4:
   ``model.backbone.conv_encoder.model.layer1.0.conv1.weight``,
   ``model.encoder.layers.0.self_attn.out_proj.weight``, ``model.encoder.layers.0.fc1.weight``;
-- ``transformers5``: what transformers 5 writes for a freshly built model:
+- ``transformers5``: the names of transformers 5's modules (its ``model.state_dict()``):
   ``model.backbone.model.layer1.0.conv1.weight``, ``...self_attn.o_proj.weight``,
-  ``...layers.0.mlp.fc1.weight``. transformers 5 reads both layouts.
+  ``...layers.0.mlp.fc1.weight``. transformers 5 reads both layouts (and its
+  ``save_pretrained`` writes the ``transformers4`` names).
 
 Both hold the same tensors as the official DETR layout used here
 (``backbone.0.body.*``, ``transformer.*``, ``class_embed``, ``bbox_embed``,
 ``query_embed``, ``input_proj``), under other names, with one real difference:
 attention has separate ``q_proj`` / ``k_proj`` / ``v_proj`` instead of one fused
 ``in_proj_weight`` ``(3 * C, C)`` (rows: q, then k, then v). The timm ResNet of
-transformers' DETR names its modules exactly like torchvision's, and its
+transformers' DETR names its modules exactly like torchvision's; transformers' own
+ResNet (``use_timm_backbone: false``) is the same network under other names. Its
 FrozenBatchNorm keeps the same four buffers (``weight``, ``bias``, ``running_mean``,
 ``running_var``) with the same ``eps`` (1e-5).
 
