@@ -129,3 +129,21 @@ def test_label_boxes_stay_inside_and_avoid_each_other(box, room_for_two):
     overlap = (first[0] < second[2] and second[0] < first[2]
                and first[1] < second[3] and second[1] < first[3])
     assert overlap != room_for_two
+
+
+def test_plot_predictions_draws_near_duplicates_once():
+    from detr_irpe.visualization import plot_predictions, prepare_image
+    from detr_irpe.visualization.figures import Detections
+
+    image = prepare_image(_scene(), size=None)
+    detections = Detections(
+        boxes=np.array([[20, 20, 60, 60], [21, 20, 61, 59], [20, 20, 60, 60]], np.float32),
+        scores=np.array([0.9, 0.8, 0.7], np.float32), labels=np.array([1, 1, 2]),
+        queries=np.array([4, 2, 0]))
+    fig = plot_predictions(image, detections, {1: "circle", 2: "square"})
+    ax = fig.axes[0]
+    assert sorted(t.get_text() for t in ax.texts) == ["circle 0.90", "square 0.70"]
+    assert len(ax.patches) == 2
+    assert "1 near-duplicate not drawn" in ax.get_title()
+    everything = plot_predictions(image, detections, nms_iou=None)
+    assert len(everything.axes[0].patches) == 3
