@@ -142,3 +142,15 @@ def test_auto_device_under_torchrun_without_gpu_is_an_error(monkeypatch, tmp_pat
     # CPU processes on purpose stay possible; one process falls back to the CPU.
     assert distributed.resolve_device("cpu", 0, launched=True).type == "cpu"
     assert distributed.resolve_device("auto", 0, launched=False).type == "cpu"
+
+
+def test_resume_with_a_frozen_backbone_is_one_line(tiny_data, first_run, tmp_path, capsys):
+    """The optimizer of the checkpoint has a backbone group; lr_backbone=0 has none."""
+    run = _copy(first_run, tmp_path)
+    code = train_main(["--config", "synthetic_tiny", "--output-dir", str(run), "--no-progress",
+                       "--set", f"data.root={tiny_data}", "train.epochs=2",
+                       "train.lr_backbone=0"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err
+    assert "optimizer state" in errors[0] and "lr_backbone" in errors[0]

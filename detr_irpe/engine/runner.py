@@ -461,7 +461,14 @@ def restore(run: _Run, state: Mapping[str, Any]) -> None:
         raise ckio.CheckpointError(
             f"the resumed checkpoint does not fit the model of this config: {err}"
         ) from None
-    p.optimizer.load_state_dict(state["optimizer"])
+    try:
+        p.optimizer.load_state_dict(state["optimizer"])
+    except ValueError as err:  # another set of parameter groups
+        raise ckio.CheckpointError(
+            f"the optimizer state of the resumed checkpoint does not fit this run ({err}); "
+            "train.lr_backbone switched between 0 (frozen backbone) and > 0? Keep it, or "
+            "start a new run with --finetune CHECKPOINT"
+        ) from None
     for line in apply_config_hyperparameters(p.optimizer, run.cfg.train):
         logger.info("optimizer setting from this run's config: %s", line)
     if p.settings.scaler is not None and state.get("scaler") is not None:
