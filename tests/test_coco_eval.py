@@ -151,7 +151,8 @@ def test_saved_pr_arrays_equal_cocoeval_eval_dict(tmp_path: Path, backend: str) 
 def test_save_pr_arrays_into_a_folder_and_bad_files(tmp_path: Path) -> None:
     coco = make_gt()
     evaluator = CocoEvaluator(coco)
-    evaluator.update(gt_predictions(coco, shift=2.0))
+    predictions = gt_predictions(coco, shift=2.0)
+    evaluator.update({i: p for i, p in predictions.items() if i != 5})
     # No explicit synchronize: saving evaluates first.
     assert evaluator.save_pr_arrays(tmp_path) == tmp_path / "precision.npz"
     assert load_pr_arrays(tmp_path / "precision.npz")["precision"].shape[2] == 3
@@ -160,6 +161,11 @@ def test_save_pr_arrays_into_a_folder_and_bad_files(tmp_path: Path) -> None:
     (tmp_path / "broken.npz").write_text("not a zip")
     with pytest.raises(DetrIrpeError, match="not a readable"):
         load_pr_arrays(tmp_path / "broken.npz")
+    # more detections after an evaluation: saving evaluates them first
+    before = load_pr_arrays(tmp_path)["precision"]
+    evaluator.update({5: predictions[5]})
+    evaluator.save_pr_arrays(tmp_path)
+    assert not np.array_equal(load_pr_arrays(tmp_path)["precision"], before)
     np.savez(tmp_path / "other.npz", precision=np.zeros(3))
     with pytest.raises(DetrIrpeError, match="lacks"):
         load_pr_arrays(tmp_path / "other.npz")

@@ -136,6 +136,7 @@ class CocoEvaluator:
         for image_id, entries in results.items():
             self.results.setdefault(image_id, entries)
         self._summary = None
+        self.pr_arrays = None  # new detections: the next save evaluates again
 
     @property
     def image_ids(self) -> list[int]:
