@@ -154,3 +154,13 @@ def test_resume_with_a_frozen_backbone_is_one_line(tiny_data, first_run, tmp_pat
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err
     assert "optimizer state" in errors[0] and "lr_backbone" in errors[0]
+
+
+def test_device_flag_overrides_the_config_only_when_given() -> None:
+    from detr_irpe.cli.train import build_parser, device_override
+
+    assert device_override(build_parser().parse_args(["--config", "x"]).device) == []
+    args = build_parser().parse_args(["--config", "x", "--device", "cpu"])
+    assert device_override(args.device) == ["train.device=cpu"]
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
+        device_override("cuda:1")

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = new_parser(__doc__, prog="train.py")
     add_config_arguments(parser, required=True)
     add_device_argument(parser)
+    parser.set_defaults(device=None)  # not given: the config's train.device decides
     parser.add_argument("--resume", metavar="PATH",
                         help="checkpoint to resume from on purpose (default: OUTPUT_DIR/"
                              "checkpoint_last.pth of the same experiment); with --eval-only, "
@@ -76,8 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def device_override(device: str) -> list[str]:
-    """``--device`` as a ``train.device`` override (``cuda:N`` is not a run setting)."""
+def device_override(device: str | None) -> list[str]:
+    """``--device`` as a ``train.device`` override (``cuda:N`` is not a run setting);
+    none when the flag was not given."""
+    if device is None:
+        return []
     if ":" in device:
         raise ConfigError(
             f"--device {device}: training and evaluation take auto, cpu or cuda (each process "
