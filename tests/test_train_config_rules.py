@@ -164,3 +164,13 @@ def test_device_flag_overrides_the_config_only_when_given() -> None:
     assert device_override(args.device) == ["train.device=cpu"]
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
         device_override("cuda:1")
+
+
+def test_seed_change_on_purposeful_resume_is_refused(tiny_data, first_run, tmp_path) -> None:
+    """The checkpoint's RNG states continue: a new seed could not apply, so it is refused
+    rather than reported as applied."""
+    run = _copy(first_run, tmp_path)
+    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}", f"train.output_dir={run}",
+                                         "train.epochs=2", "train.seed=7"])
+    with pytest.raises(ConfigError, match=r"train.seed: 42 -> 7.*cannot change"):
+        run_training(cfg, resume=run / "checkpoint_last.pth", progress=False)
