@@ -101,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        setup_tool_logging(logging.INFO)
+        # this package's progress lines; the exporter's own notes about its graph
+        # optimisations (not about the model) stay hidden
+        setup_tool_logging(logging.WARNING)
+        logging.getLogger("detr_irpe").setLevel(logging.INFO)
+        for name in ("onnxscript", "onnx_ir"):
+            logging.getLogger(name).setLevel(logging.ERROR)
         for line in export(args):
             print(line)
         return 0
