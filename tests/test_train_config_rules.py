@@ -174,3 +174,15 @@ def test_seed_change_on_purposeful_resume_is_refused(tiny_data, first_run, tmp_p
                                          "train.epochs=2", "train.seed=7"])
     with pytest.raises(ConfigError, match=r"train.seed: 42 -> 7.*cannot change"):
         run_training(cfg, resume=run / "checkpoint_last.pth", progress=False)
+
+
+def test_experiment_identity_ignores_start_only_and_missing_keys() -> None:
+    from detr_irpe.engine.runner import experiment_differences
+
+    current = load_config("synthetic_tiny", ["model.rpe_init=xavier"]).to_dict()
+    older = load_config("synthetic_tiny", ["model.rpe_init=zero", "data.num_workers=7"]).to_dict()
+    del older["model"]["hidden_dim"]  # a key an older version did not write
+    assert experiment_differences(older, current) == []
+    older["model"]["nheads"] = 2
+    older["train"]["seed"] = 1
+    assert experiment_differences(older, current) == ["model.nheads: 2 -> 4", "train.seed: 1 -> 42"]

@@ -246,22 +246,25 @@ class RunParts:
     category_names: dict[int, str] = field(default_factory=dict)
 
 
-# Settings that make a run folder's checkpoint another experiment: auto-resume refuses
-# it when one of them differs. Everything else (train.*, data.num_workers ...) a
-# resumed run applies: lr and weight decay go into the restored optimizer.
-_NOT_IDENTITY = {"model.backbone_weights", "data.num_workers", "data.cache_images",
-                 "data.strict", "data.max_image_pixels"}
+# The model and data settings (and the seed) make a run folder's checkpoint one
+# experiment: auto-resume refuses it when one of them differs. Not these: how weights
+# start (they come from the checkpoint) and how data is read. Everything else
+# (train.*) a resumed run applies: lr and weight decay go into the restored optimizer.
+_NOT_IDENTITY = {"model.backbone_weights", "model.rpe_init", "data.num_workers",
+                 "data.cache_images", "data.strict", "data.max_image_pixels"}
 
 
 def experiment_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """The model and data settings (and ``train.seed``) that differ, as
-    ``key: saved -> current``."""
+    ``key: saved -> current``. Keys the saved config lacks (written by an older
+    version of the package) are not compared."""
     out = []
-    for line in config_differences(saved, current):
-        key = line.split(":", 1)[0]
-        section = key.split(".", 1)[0]
-        if (section in ("model", "data") or key == "train.seed") and key not in _NOT_IDENTITY:
-            out.append(line)
+    for section, keys in (("model", None), ("data", None), ("train", ("seed",))):
+        old, new = saved.get(section) or {}, current.get(section) or {}
+        for key in keys or sorted(new):
+            name = f"{section}.{key}"
+            if key in old and name not in _NOT_IDENTITY and old[key] != new.get(key):
+                out.append(f"{name}: {old[key]!r} -> {new.get(key)!r}")
     return out
 
 
