@@ -209,27 +209,39 @@ def run_benchmark(
 
         naive = key.startswith("naive")
         walls, cpus = timed(step, naive_repeats if naive else repeats, 0 if naive else warmup, dev)
-        exclude = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        exclude |= {query.untyped_storage().data_ptr(), value.untyped_storage().data_ptr()}
-        if isinstance(module, IRPEMultiheadAttention) and module.rpe is not None:
-            cfg = module.rpe
-            ids, _ = cached_bucket_ids(cfg.method, height, width, cfg.ratio, cfg.skip, dev)
-            exclude.add(ids.untyped_storage().data_ptr())
         module.zero_grad(set_to_none=True)
         query.grad = value.grad = None
-        peak = None
-        if dev.type == "cuda":
-            sync(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            base = torch.cuda.memory_allocated(dev)
-        saved = _saved_bytes(lambda fn=fn: fn(query, value, mask), exclude)
-        if dev.type == "cuda":
-            sync(dev)
-            peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
+        saved, peak = _memory(module, lambda fn=fn: fn(query, value, mask), (query, value), hw)
         results.append(BenchResult(
             name, 1e3 * median(walls), 1e3 * median(cpus), saved / 2**20, peak, key, length,
         ))
     return results
+
+
+def _memory(
+    module: nn.Module, forward: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor],
+    hw: tuple[int, int],
+) -> tuple[int, float | None]:
+    """``(saved bytes, CUDA peak MiB or None)`` of one forward+backward.
+
+    Parameters, inputs and the cached bucket ids exist before and after the call, so they
+    do not count as saved activations.
+    """
+    dev = inputs[0].device
+    exclude = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    exclude |= {t.untyped_storage().data_ptr() for t in inputs}
+    if isinstance(module, IRPEMultiheadAttention) and module.rpe is not None:
+        cfg = module.rpe
+        ids, _ = cached_bucket_ids(cfg.method, hw[0], hw[1], cfg.ratio, cfg.skip, dev)
+        exclude.add(ids.untyped_storage().data_ptr())
+    if dev.type != "cuda":
+        return _saved_bytes(forward, exclude), None
+    sync(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    saved = _saved_bytes(forward, exclude)
+    sync(dev)
+    return saved, (torch.cuda.max_memory_allocated(dev) - base) / 2**20
 
 
 def to_markdown(results: list[BenchResult], baseline: int = 0) -> str:
