@@ -2,10 +2,11 @@
 
 - :func:`bucket_ids` -- bucket id of every (query, key) pair of an ``H x W`` map.
 - :class:`RPEConfig` -- the settings, incl. the model-zoo strings ``rpe-2.0-product-ctx-1-k``.
-- :class:`IRPEMultiheadAttention` -- batch-first multi-head attention with iRPE.
+- :class:`IRPEMultiheadAttention` -- batch-first multi-head attention with iRPE;
+  :func:`choose_impl` -- which of its computations a call uses.
 """
 
-from .attention import IRPEMultiheadAttention
+from .attention import IRPEMultiheadAttention, choose_impl
 from .buckets import bucket_ids, num_buckets, piecewise_index
 from .config import Method, Mode, RPEConfig, parse_rpe
 from .functional import (
@@ -23,6 +24,7 @@ __all__ = [
     "RPEConfig",
     "attend_values",
     "bucket_ids",
+    "choose_impl",
     "gather_buckets",
     "gather_buckets_add_",
     "gather_buckets_transposed",
