@@ -1,0 +1,45 @@
+"""The demo program end to end at tiny size, and its step-budget schedule."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from detr_irpe.cli import demo
+
+
+@pytest.mark.parametrize(("num_train", "batch", "steps", "expected"), [
+    (1600, 8, 3600, (18, 15)),   # the demo: 200 steps per epoch
+    (1600, 8, 100, (1, 1)),      # fewer steps than an epoch still trains one epoch
+    (10, 4, 20, (10, 9)),        # the lr drop sits at ~85 % of the epochs
+])
+def test_step_budget_sets_epochs_and_drop(num_train, batch, steps, expected) -> None:
+    epochs, drop = demo.schedule_for(num_train, batch, steps)
+    assert (epochs, drop) == expected
+    assert 1 <= drop <= epochs
+
+
+def test_demo_runs_end_to_end_on_the_tiny_config(tiny_dataset: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "demo"
+    status = demo.main([
+        "--config", "synthetic_tiny", "--data", str(tiny_dataset), "--output-dir", str(out),
+        "--steps", "4", "--num-images", "2", "--no-progress", "--set", "train.amp=none",
+    ])
+    assert status == 0
+    results = json.loads((out / "demo_results.json").read_text())
+    assert {"AP", "AP50", "AP75", "steps", "epochs", "total_seconds"} <= set(results)
+    assert results["steps"] == results["epochs"] * 2  # 8 train images / batch 4
+    assert len(list((out / "predictions").glob("*.png"))) == 2
+    assert (out / "figures" / "training_curves.png").is_file()
+    assert (out / "figures" / "pr_curves.png").is_file()
+    assert "| AP | AP50 |" in capsys.readouterr().out
+
+
+def test_bad_step_budget_is_one_line(tiny_dataset: Path, tmp_path: Path, capsys) -> None:
+    status = demo.main(["--config", "synthetic_tiny", "--data", str(tiny_dataset),
+                        "--output-dir", str(tmp_path / "d"), "--steps", "0"])
+    assert status == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["demo: error: --steps must be positive, got 0"]
