@@ -1,13 +1,20 @@
-"""Helpers shared by several test modules (plain functions; fixtures live in conftest.py)."""
+"""Helpers shared by several test modules (plain functions; fixtures live in conftest.py).
+Test modules import from here, never from each other."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import struct
+import zlib
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from detr_irpe.config import Config, load_config
+import numpy as np
+from PIL import Image
+
+from detr_irpe.config import Config, DataConfig, load_config
 from detr_irpe.data.synthetic import SyntheticSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,10 +31,95 @@ def load_tiny_config(*overrides: str) -> Config:
     return load_config(TINY_CONFIG, overrides)
 
 
-def load_tool(name: str) -> ModuleType:
-    """Import ``tools/<name>.py`` as a module without touching ``sys.path``."""
-    path = ROOT / "tools" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", path)
+def load_script(relative: str) -> ModuleType:
+    """Import the script at ``relative`` (to the repository root) as a module without
+    touching ``sys.path``."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_tool(name: str) -> ModuleType:
+    """Import ``tools/<name>.py`` as a module without touching ``sys.path``."""
+    return load_script(f"tools/{name}.py")
+
+
+# ----------------------------------------------------------------------------- rectangles
+
+# Flat colours far apart, so a box can be recovered from the pixels independently.
+BACKGROUND = (128, 128, 128)
+COLOURS = {1: (255, 0, 0), 2: (0, 200, 0), 3: (0, 0, 255)}
+
+
+def rectangles_image(height: int, width: int, boxes: dict[int, tuple[int, int, int, int]]) -> np.ndarray:
+    """(H, W, 3) uint8: flat background with solid rectangles; ``boxes`` maps
+    label -> (x1, y1, x2, y2) exclusive."""
+    pixels = np.empty((height, width, 3), dtype=np.uint8)
+    pixels[:] = BACKGROUND
+    for label, (x1, y1, x2, y2) in boxes.items():
+        pixels[y1:y2, x1:x2] = COLOURS[label]
+    return pixels
+
+
+def write_rectangles_dataset(root: Path, sizes: list[tuple[int, int]]) -> DataConfig:
+    """A COCO-format dataset under ``root``, one image per ``(height, width)`` of ``sizes``:
+    PNG images (no compression artefacts) with solid rectangles, plus one crowd box each.
+    Returns the data config that reads it (the same file for train and val)."""
+    (root / "images").mkdir(parents=True)
+    images, annotations = [], []
+    rng = np.random.default_rng(0)
+    for i, (height, width) in enumerate(sizes):
+        boxes = {}
+        x = 2
+        for label in (1, 2, 3):
+            w = int(rng.integers(8, width // 4))
+            h = int(rng.integers(8, height - 4))
+            y = int(rng.integers(0, height - h))
+            boxes[label] = (x, y, x + w, y + h)
+            x += w + int(rng.integers(2, 6))
+        Image.fromarray(rectangles_image(height, width, boxes)).save(root / "images" / f"{i}.png")
+        images.append({"id": i + 1, "file_name": f"{i}.png", "height": height, "width": width})
+        for label, (x1, y1, x2, y2) in boxes.items():
+            annotations.append({
+                "id": len(annotations) + 1, "image_id": i + 1, "category_id": label,
+                "bbox": [x1, y1, x2 - x1, y2 - y1], "area": (x2 - x1) * (y2 - y1), "iscrowd": 0,
+            })
+        annotations.append({  # crowd: never a training target
+            "id": len(annotations) + 1, "image_id": i + 1, "category_id": 1,
+            "bbox": [0, 0, 5, 5], "area": 25, "iscrowd": 1,
+        })
+    categories = [{"id": k, "name": f"c{k}", "supercategory": "x"} for k in (1, 2, 3)]
+    (root / "ann.json").write_text(json.dumps(
+        {"images": images, "annotations": annotations, "categories": categories}))
+    return DataConfig(
+        root=str(root), train_ann="ann.json", train_images="images", val_ann="ann.json",
+        val_images="images", augmentation="detr", train_scales=[48, 64, 80],
+        crop_resize_scales=[70], crop_size=[30, 60], max_size=140, val_size=64,
+    )
+
+
+# ----------------------------------------------------------------------------- PNG bomb
+
+# Side of the decompression-bomb PNG: far above any pixel limit once decoded.
+BOMB_SIDE = 30000
+
+
+def _png_chunk(kind: bytes, payload: bytes) -> bytes:
+    body = kind + payload
+    return struct.pack(">I", len(payload)) + body + struct.pack(">I", zlib.crc32(body))
+
+
+def write_png_bomb(path: Path, side: int = BOMB_SIDE) -> Path:
+    """A valid 1-bit grayscale PNG of ``side x side`` black pixels: about 110 KB on disk
+    for 900 million pixels (2.7 GB as RGB once decoded)."""
+    row = b"\x00" * (1 + (side + 7) // 8)  # filter byte + packed bits
+    compressor = zlib.compressobj(9)
+    rows_per_block = 1000
+    data = b"".join(compressor.compress(row * rows_per_block) for _ in range(side // rows_per_block))
+    data += compressor.compress(row * (side % rows_per_block)) + compressor.flush()
+    header = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header)
+                     + _png_chunk(b"IDAT", data) + _png_chunk(b"IEND", b""))
+    return path

@@ -7,38 +7,17 @@ import importlib
 import json
 import struct
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import BOMB_SIDE, write_png_bomb
 from PIL import Image
 
 import detr_irpe.data.images as images_module
 from detr_irpe.config import ConfigError, DataConfig
 from detr_irpe.data import CocoDetection, DatasetError, ImageReadError, build_dataset, read_image
-
-BOMB_SIDE = 30000
-
-
-def _chunk(kind: bytes, payload: bytes) -> bytes:
-    body = kind + payload
-    return struct.pack(">I", len(payload)) + body + struct.pack(">I", zlib.crc32(body))
-
-
-def write_png_bomb(path: Path, side: int = BOMB_SIDE) -> Path:
-    """A valid 1-bit grayscale PNG of ``side x side`` black pixels: about 110 KB on disk
-    for 900 million pixels (2.7 GB as RGB once decoded)."""
-    row = b"\x00" * (1 + (side + 7) // 8)  # filter byte + packed bits
-    compressor = zlib.compressobj(9)
-    rows_per_block = 1000
-    data = b"".join(compressor.compress(row * rows_per_block) for _ in range(side // rows_per_block))
-    data += compressor.compress(row * (side % rows_per_block)) + compressor.flush()
-    header = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", data)
-                     + _chunk(b"IEND", b""))
-    return path
 
 
 @pytest.fixture(scope="module")

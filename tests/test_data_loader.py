@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_data_transforms import write_rectangles_dataset  # noqa: E402  (tests/ is on sys.path)
+from helpers import write_rectangles_dataset
 from torch.utils.data import Dataset
 
 from detr_irpe.data import (

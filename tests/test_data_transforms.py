@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from helpers import BACKGROUND, COLOURS, rectangles_image, write_rectangles_dataset
 from torchvision import tv_tensors
 
 from detr_irpe.config import DataConfig
@@ -25,20 +24,7 @@ from detr_irpe.data.transforms import (
     val_transforms,
 )
 
-BACKGROUND = (128, 128, 128)
-COLOURS = {1: (255, 0, 0), 2: (0, 200, 0), 3: (0, 0, 255)}
-
-
 # ----------------------------------------------------------------------------- helpers
-
-
-def rectangles_image(height: int, width: int, boxes: dict[int, tuple[int, int, int, int]]) -> np.ndarray:
-    """Flat background with solid rectangles; ``boxes`` maps label -> (x1, y1, x2, y2) exclusive."""
-    pixels = np.empty((height, width, 3), dtype=np.uint8)
-    pixels[:] = BACKGROUND
-    for label, (x1, y1, x2, y2) in boxes.items():
-        pixels[y1:y2, x1:x2] = COLOURS[label]
-    return pixels
 
 
 def raw_target(boxes: dict[int, tuple[int, int, int, int]], height: int, width: int) -> dict:
@@ -264,41 +250,6 @@ def test_build_transforms_default_recipe_sizes() -> None:
 
 
 # ----------------------------------------------------------------------------- end to end
-
-
-def write_rectangles_dataset(root: Path, sizes: list[tuple[int, int]]) -> DataConfig:
-    """PNG images (no compression artefacts) with solid rectangles, plus one crowd box."""
-    (root / "images").mkdir(parents=True)
-    images, annotations = [], []
-    rng = np.random.default_rng(0)
-    for i, (height, width) in enumerate(sizes):
-        boxes = {}
-        x = 2
-        for label in (1, 2, 3):
-            w = int(rng.integers(8, width // 4))
-            h = int(rng.integers(8, height - 4))
-            y = int(rng.integers(0, height - h))
-            boxes[label] = (x, y, x + w, y + h)
-            x += w + int(rng.integers(2, 6))
-        Image.fromarray(rectangles_image(height, width, boxes)).save(root / "images" / f"{i}.png")
-        images.append({"id": i + 1, "file_name": f"{i}.png", "height": height, "width": width})
-        for label, (x1, y1, x2, y2) in boxes.items():
-            annotations.append({
-                "id": len(annotations) + 1, "image_id": i + 1, "category_id": label,
-                "bbox": [x1, y1, x2 - x1, y2 - y1], "area": (x2 - x1) * (y2 - y1), "iscrowd": 0,
-            })
-        annotations.append({  # crowd: never a training target
-            "id": len(annotations) + 1, "image_id": i + 1, "category_id": 1,
-            "bbox": [0, 0, 5, 5], "area": 25, "iscrowd": 1,
-        })
-    categories = [{"id": k, "name": f"c{k}", "supercategory": "x"} for k in (1, 2, 3)]
-    (root / "ann.json").write_text(json.dumps(
-        {"images": images, "annotations": annotations, "categories": categories}))
-    return DataConfig(
-        root=str(root), train_ann="ann.json", train_images="images", val_ann="ann.json",
-        val_images="images", augmentation="detr", train_scales=[48, 64, 80],
-        crop_resize_scales=[70], crop_size=[30, 60], max_size=140, val_size=64,
-    )
 
 
 def test_dataset_augmentation_and_collate_padding(tmp_path: Path) -> None:

@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import load_tiny_config, load_tool
+from helpers import load_tiny_config, load_tool, write_png_bomb
 from PIL import Image
-from test_data_images import write_png_bomb  # noqa: E402  (tests/ is on sys.path)
 
 import detr_irpe
 from detr_irpe.cli.predict import main as predict_main
