@@ -111,3 +111,40 @@ def test_nothing_points_outside_the_repository() -> None:
             if any(s in line for s in FORBIDDEN):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
     assert not offenders, "references outside the repository:\n" + "\n".join(offenders)
+
+
+# Markdown files the code writes into a run folder, not files of the repository.
+GENERATED_MD = {"results.md"}
+_MD_NAME = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w.-]+\.md)\b")
+
+
+def _md_names_in_code(text: str) -> set[str]:
+    """``docs/x.md``, ``datasets/README.md``, ``irpe.md``: every Markdown file a text names."""
+    return set(_MD_NAME.findall(text))
+
+
+def test_markdown_files_named_in_the_code_exist() -> None:
+    """Docstrings, comments and configs name docs that exist: a path from the repository
+    root (``docs/model.md``), or a bare name of a file in docs/ or the root."""
+    missing = []
+    for path in _tracked_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if not (rel.startswith(("detr_irpe/", "tools/")) or rel == "hubconf.py"):
+            continue
+        if path.suffix not in (".py", ".yaml", ".yml") or path.is_symlink():
+            continue
+        for name in _md_names_in_code(path.read_text()) - GENERATED_MD:
+            if "/" in name:
+                found = (ROOT / name).exists()
+            else:
+                found = (ROOT / "docs" / name).exists() or (ROOT / name).exists()
+            if not found:
+                missing.append(f"{rel}: {name}")
+    assert not missing, "the code names Markdown files that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_markdown_name_finder() -> None:
+    text = ('"""See docs/model.md, ``detr-recipe.md`` ("Model") and datasets/README.md.\n'
+            'Writes results.md; not a name: a.mdx, x.md5."""')
+    assert _md_names_in_code(text) == {"docs/model.md", "detr-recipe.md",
+                                       "datasets/README.md", "results.md"}

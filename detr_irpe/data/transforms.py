@@ -8,7 +8,7 @@ the per-box fields ``labels``, ``area`` and ``iscrowd`` alongside (see
 the result into the model's float input and the target format of
 ``docs/architecture.md`` (normalised cxcywh boxes, ``size``).
 
-The recipe (``docs/detr-recipe.md``): random horizontal flip (p 0.5), then with
+The recipe (docs/data.md, "Recipe"): random horizontal flip (p 0.5), then with
 p 0.5 either (a) resize the shorter side to a random choice of ``train_scales``
 with the longer side at most ``max_size``, or (b) resize to a random choice of
 ``crop_resize_scales``, crop a random ``[crop_min, crop_max]`` region, then (a).

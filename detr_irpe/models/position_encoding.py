@@ -2,7 +2,7 @@
 
 - :class:`PositionEmbeddingSine`: the fixed sine/cosine encoding of DETR,
   computed from the padding mask so that it is normalised to each image's
-  un-padded region (``detr-recipe.md``, "Model").
+  un-padded region (docs/model.md, "The DETR recipe the code follows").
 - :class:`PositionEmbeddingLearned`: DETR's learned variant, one table for rows
   and one for columns (``row_embed``, ``col_embed``, 50 positions each).
 - :class:`PositionEmbeddingNone`: zeros, for the "relative position only"

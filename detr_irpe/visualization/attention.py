@@ -9,7 +9,7 @@ ends (a context manager), so the model costs nothing extra when nothing is captu
 the forward pass itself runs exactly the training / evaluation code path.
 
 Token order is DETR's: the ``H x W`` feature map flattened row-major, ``t = row * W + col``
-(irpe.md section 1); :func:`pixel_to_token` maps image pixels to tokens.
+(docs/irpe.md section 1); :func:`pixel_to_token` maps image pixels to tokens.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
 
 Offsets are shown as seen from the query: the cell at ``(dr, dc)`` is the key at
 ``key - query = (dr, dc)``, so a map reads like an attention map around the query in the
-centre. RPE-K / RPE-V use bucket(query, key), RPE-Q uses bucket(key, query) (irpe.md s. 4).
+centre. RPE-K / RPE-V use bucket(query, key), RPE-Q uses bucket(key, query)
+(docs/irpe.md section 4).
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def plot_bucket_layout(
 
 def default_offset_extent(ratio: float) -> int:
     """Half-size of the offset grid that shows every bucket: beyond gamma = 8 ratio the
-    index function is saturated (irpe.md section 2)."""
+    index function is saturated (docs/irpe.md section 2)."""
     return int(math.ceil(8.0 * ratio)) + 2
 
 
