@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_script
 from pycocotools.coco import COCO
 
 from detr_irpe.config import DataConfig
@@ -111,12 +111,7 @@ def test_spec_validation() -> None:
 
 
 def test_command_line(tmp_path: Path, capsys) -> None:
-    scripts = Path(__file__).resolve().parent.parent / "datasets"
-    sys.path.insert(0, str(scripts))
-    try:
-        import make_synthetic
-    finally:
-        sys.path.remove(str(scripts))
+    make_synthetic = load_script("datasets/make_synthetic.py")
     code = make_synthetic.main([
         "--out", str(tmp_path / "syn"), "--num-train", "3", "--num-val", "2", "--size", "48",
         "--seed", "4", "--classes", "star", "ring", "--max-objects", "2",
