@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
+from helpers import load_tiny_config
 from torch.testing import assert_close
 
-from detr_irpe.config import ConfigError, load_config
+from detr_irpe.config import Config, ConfigError, ModelConfig
 from detr_irpe.engine.optim import build_optimizer
 from detr_irpe.models import (
     CheckpointError,
@@ -22,21 +23,17 @@ from detr_irpe.models.backbone import Backbone
 from detr_irpe.models.transformer import Transformer
 from detr_irpe.structures import ImageBatch
 
-TINY = [
-    "model.backbone=resnet18",
-    "model.hidden_dim=32",
-    "model.nheads=4",
-    "model.enc_layers=1",
-    "model.dec_layers=2",
-    "model.dim_feedforward=64",
-    "model.num_queries=6",
-    "model.num_classes=4",
-    "model.dropout=0.0",
-]
+# On top of the tiny config: two decoder layers, so that there is an auxiliary output,
+# and a class count of its own, as no dataset is read here (targets use labels 0..3).
+MODEL = ("model.dec_layers=2", "model.num_classes=4")
+
+
+def tiny_cfg(*overrides: str) -> Config:
+    return load_tiny_config(*MODEL, *overrides)
 
 
 def tiny(*overrides: str):
-    return build_model(load_config(None, TINY + list(overrides)))
+    return build_model(tiny_cfg(*overrides))
 
 
 def images() -> list[torch.Tensor]:
@@ -70,11 +67,12 @@ def targets() -> list[dict]:
 )
 def test_every_irpe_variant_trains(rpe: str) -> None:
     model, criterion, _ = tiny(f"model.rpe={rpe}", "model.frozen_bn=false")
+    queries = tiny_cfg().model.num_queries
     out = model(images())
-    assert out["pred_logits"].shape == (2, 6, 5)
-    assert out["pred_boxes"].shape == (2, 6, 4)
+    assert out["pred_logits"].shape == (2, queries, 5)
+    assert out["pred_boxes"].shape == (2, queries, 4)
     assert len(out["aux_outputs"]) == 1
-    assert out["aux_outputs"][0]["pred_boxes"].shape == (2, 6, 4)
+    assert out["aux_outputs"][0]["pred_boxes"].shape == (2, queries, 4)
     assert ((out["pred_boxes"] >= 0) & (out["pred_boxes"] <= 1)).all()
     losses = criterion(out, targets())
     assert set(criterion.weight_dict) <= set(losses)
@@ -166,7 +164,7 @@ def test_backbone_freezing_and_frozen_bn() -> None:
     assert isinstance(model.backbone[0].body.bn1, FrozenBatchNorm2d)
     assert not any("num_batches_tracked" in k for k in model.state_dict())
     # build_model reads no training section: lr_backbone=0 freezes through the optimizer
-    cfg = load_config(None, TINY + ["train.lr_backbone=0"])
+    cfg = tiny_cfg("train.lr_backbone=0")
     frozen, _, _ = build_model(cfg)
     build_optimizer(frozen, cfg.train)
     assert not any(p.requires_grad for p in frozen.backbone.parameters())
@@ -248,7 +246,8 @@ def test_random_init_warning_and_local_weights(tmp_path, caplog) -> None:
 
 
 def test_num_classes_required() -> None:
-    cfg = load_config(None, [o for o in TINY if "num_classes" not in o])
+    cfg = load_tiny_config()
+    assert cfg.model.num_classes is None
     with pytest.raises(ConfigError, match="model.num_classes"):
         build_model(cfg)
 
@@ -341,9 +340,9 @@ def test_rpe_tables_start_like_the_reference(rpe: str) -> None:
 def test_rpe_init_from_the_config() -> None:
     zero, _, _ = tiny("model.rpe_init=zero")
     xavier, _, _ = tiny()  # the default
-    assert load_config(None, TINY).model.rpe_init == "xavier"
+    assert tiny_cfg().model.rpe_init == ModelConfig().rpe_init == "xavier"
     for model, started in ((zero, False), (xavier, True)):
         tables = [p for n, p in model.named_parameters() if "lookup_table" in n]
         assert tables and all(bool(t.detach().any()) == started for t in tables)
     with pytest.raises(ConfigError, match="model.rpe_init.*xavier, zero"):
-        load_config(None, TINY + ["model.rpe_init=normal"])
+        tiny_cfg("model.rpe_init=normal")
