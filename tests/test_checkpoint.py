@@ -12,27 +12,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_tiny_config
 from torch.testing import assert_close
 
 from detr_irpe.checkpoint import atomic_save, read_checkpoint
 from detr_irpe.cli.convert import main as convert_main
-from detr_irpe.config import load_config
+from detr_irpe.config import Config, load_config
 from detr_irpe.models import CheckpointError, build_model, load_checkpoint, model_from_checkpoint
 
 # The public iRPE-DETR key / shape list (section 1), kept with the tests.
 REFERENCE = Path(__file__).resolve().parent / "data" / "official_state_dict_keys.md"
 
 R50 = ["model.num_classes=91", "model.backbone_weights=none"]
-TINY = [
-    "model.backbone=resnet18",
-    "model.hidden_dim=32",
-    "model.nheads=4",
-    "model.enc_layers=2",
-    "model.dec_layers=2",
-    "model.dim_feedforward=64",
-    "model.num_queries=5",
-    "model.num_classes=4",
-]
+# On top of the tiny config: two encoder layers, so that the iRPE tables of one layer can
+# be told from another's, and a class count of its own, as no dataset is read here.
+MODEL = ("model.enc_layers=2", "model.num_classes=4")
 
 
 def reference_layout() -> list[tuple[str, tuple[int, ...]]]:
@@ -50,8 +44,12 @@ def r50(*overrides: str):
     return build_model(load_config(None, R50 + list(overrides)))[0]
 
 
+def tiny_cfg(*overrides: str) -> Config:
+    return load_tiny_config(*MODEL, *overrides)
+
+
 def tiny(*overrides: str):
-    return build_model(load_config(None, TINY + list(overrides)))[0]
+    return build_model(tiny_cfg(*overrides))[0]
 
 
 def reference_args(**values) -> argparse.Namespace:
@@ -212,7 +210,7 @@ def test_reference_training_files_load(tmp_path: Path) -> None:
         assert info["loaded"] == len(source.state_dict())
         assert_close(target.query_embed.weight, source.query_embed.weight)
         # fine-tuning to 2 classes: the public file needs a config, its head is replaced
-        cfg = load_config(None, TINY)
+        cfg = tiny_cfg()
         loaded = model_from_checkpoint(path, cfg, ["model.num_classes=2"], strict_head=False)
         assert loaded.model.class_embed.weight.shape[0] == 3
         assert loaded.meta["load"]["reinitialized"] == ["class_embed.weight", "class_embed.bias"]
@@ -265,10 +263,10 @@ def test_bad_files(tmp_path: Path) -> None:
     [
         ("model.hidden_dim=64", "model.hidden_dim: checkpoint 32, model 64"),
         ("model.nheads=8", "model.nheads"),
-        ("model.num_queries=7", "model.num_queries: checkpoint 5, model 7"),
+        ("model.num_queries=7", "model.num_queries: checkpoint 4, model 7"),
         ("model.dim_feedforward=32", "model.dim_feedforward: checkpoint 64, model 32"),
         ("model.enc_layers=3", "model.enc_layers: checkpoint 2, model 3"),
-        ("model.dec_layers=1", "model.dec_layers: checkpoint 2, model 1"),
+        ("model.dec_layers=2", "model.dec_layers: checkpoint 1, model 2"),
         ("model.backbone=resnet34", "model.backbone: checkpoint resnet18, model resnet34"),
         ("model.pre_norm=true", "model.pre_norm: checkpoint False, model True"),
         ("model.position_embedding=learned", "model.position_embedding"),
@@ -301,7 +299,7 @@ def test_class_count_is_named(tmp_path: Path) -> None:
 
 def test_model_from_checkpoint_rules(tmp_path: Path, monkeypatch) -> None:
     source = tiny("model.num_classes=6")
-    cfg = load_config(None, TINY + ["model.num_classes=6"])
+    cfg = tiny_cfg("model.num_classes=6")
     own = tmp_path / "own.pth"
     torch.save({"format": "detr_irpe", "model": source.state_dict(), "config": cfg.to_dict(),
                 "category_names": {1: "cat", 5: "dog"}, "epoch": 2}, own)
@@ -326,7 +324,7 @@ def test_model_from_checkpoint_rules(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(CheckpointError, match="--config"):
         model_from_checkpoint(public)
     # num_classes comes from the head, whatever the config file says ...
-    other = load_config(None, TINY + ["model.num_classes=91"])
+    other = tiny_cfg("model.num_classes=91")
     assert model_from_checkpoint(public, other).cfg.model.num_classes == 6
     # ... unless set explicitly: then a head of another size is an error naming both
     with pytest.raises(CheckpointError, match=r"6 classes.*91 classes"):
@@ -350,7 +348,7 @@ def test_atomic_save_keeps_the_old_file_on_failure(tmp_path: Path) -> None:
 def test_safetensors_round_trip(tmp_path: Path, capsys) -> None:
     pytest.importorskip("safetensors")
     source = tiny()
-    cfg = load_config(None, TINY)
+    cfg = tiny_cfg()
     own = tmp_path / "own.pth"
     torch.save({"format": "detr_irpe", "model": source.state_dict(), "config": cfg.to_dict(),
                 "category_names": {0: "a", 3: "b"}, "epoch": 4}, own)
@@ -426,19 +424,19 @@ def test_hugging_face_files_read_in_project_layout(tmp_path: Path, layout: str) 
     assert meta["format"] == "hf"
     assert state.keys() == source.keys()
     assert all(torch.equal(state[k], source[k]) for k in source)
-    cfg = load_config(None, TINY + ["model.rpe=none"])
+    cfg = tiny_cfg("model.rpe=none")
     folder = hf.write_hf_folder(source, cfg, tmp_path / "folder")
     state, meta = read_checkpoint(folder)
     assert meta["format"] == "hf" and meta["hf_model"]["hidden_dim"] == 32
     assert all(torch.equal(state[k], source[k]) for k in source)
     loaded = model_from_checkpoint(folder, overrides=["model.backbone=resnet18"])
-    assert loaded.cfg.model.rpe == "none" and loaded.cfg.model.num_queries == 5
+    assert loaded.cfg.model.rpe == "none" and loaded.cfg.model.num_queries == 4
 
 
 def test_convert_tool_to_hugging_face(tmp_path: Path, capsys) -> None:
     pytest.importorskip("safetensors")
     plain = tiny("model.rpe=none")
-    cfg = load_config(None, TINY + ["model.rpe=none"])
+    cfg = tiny_cfg("model.rpe=none")
     own = tmp_path / "own.pth"
     torch.save({"format": "detr_irpe", "model": plain.state_dict(), "config": cfg.to_dict()}, own)
     assert convert_main([str(own), str(tmp_path / "hf"), "--to", "hf"]) == 0
@@ -446,7 +444,7 @@ def test_convert_tool_to_hugging_face(tmp_path: Path, capsys) -> None:
     assert meta["format"] == "hf"
     assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
     irpe = tmp_path / "irpe.pth"
-    cfg = load_config(None, TINY)
+    cfg = tiny_cfg()
     torch.save({"format": "detr_irpe", "model": tiny().state_dict(), "config": cfg.to_dict()},
                irpe)
     capsys.readouterr()
