@@ -32,10 +32,10 @@ from detr_irpe.ablation.status import (
     run_state,
 )
 from detr_irpe.config import Config
+from detr_irpe.evaluation import COCO_STAT_NAMES
 
-STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl",
-              "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
-TABLE_STATS = STAT_NAMES[:6]
+# The AP columns of the tables; the AR numbers go to runs.csv only.
+TABLE_STATS = COCO_STAT_NAMES[:6]
 
 
 @dataclass
@@ -131,7 +131,7 @@ def collect_run(run: RunSpec) -> RunResult:
         values = list(final["test_coco_eval_bbox"])
         result.stats = {
             name: (float(v) if v is not None and float(v) >= 0 else math.nan)
-            for name, v in zip(STAT_NAMES, values)
+            for name, v in zip(COCO_STAT_NAMES, values)
         }
     return result
 
@@ -180,7 +180,6 @@ def summarize(grid: Grid, results: Sequence[RunResult] | None = None) -> list[Va
 
 
 __all__ = [
-    "STAT_NAMES",
     "TABLE_STATS",
     "Aggregate",
     "RunResult",

@@ -11,13 +11,13 @@ from pathlib import Path
 
 from detr_irpe.ablation.grid import Grid
 from detr_irpe.ablation.results import (
-    STAT_NAMES,
     TABLE_STATS,
     Aggregate,
     RunResult,
     VariantRow,
 )
 from detr_irpe.config import CONFIG_DIR
+from detr_irpe.evaluation import COCO_STAT_NAMES
 
 RESULTS_MD = "results.md"
 RESULTS_CSV = "results.csv"
@@ -127,7 +127,7 @@ def format_results_csv(rows: Sequence[VariantRow]) -> str:
 
 def format_runs_csv(results: Sequence[RunResult]) -> str:
     header = ["variant", "seed", "state", "output_dir", "epochs_done", "iterations",
-              "step_time_ms", "wall_time_s", *STAT_NAMES, "error"]
+              "step_time_ms", "wall_time_s", *COCO_STAT_NAMES, "error"]
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
@@ -135,7 +135,7 @@ def format_runs_csv(results: Sequence[RunResult]) -> str:
         writer.writerow([
             r.run.variant.name, r.run.seed, r.state.value, str(r.run.output_dir), r.epochs_done,
             r.iterations, _num(1000 * r.step_time_s if r.step_time_s is not None else None, 2),
-            _num(r.wall_time_s, 1), *(_num(r.stats.get(n)) for n in STAT_NAMES), r.error,
+            _num(r.wall_time_s, 1), *(_num(r.stats.get(n)) for n in COCO_STAT_NAMES), r.error,
         ])
     return buf.getvalue()
 
