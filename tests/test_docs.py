@@ -148,3 +148,34 @@ def test_the_markdown_name_finder() -> None:
             'Writes results.md; not a name: a.mdx, x.md5."""')
     assert _md_names_in_code(text) == {"docs/model.md", "detr-recipe.md",
                                        "datasets/README.md", "results.md"}
+
+
+def _console_scripts() -> dict[str, str]:
+    """``{command: module}`` of setup.cfg's console scripts."""
+    import configparser
+
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "setup.cfg")
+    scripts = {}
+    for line in parser["options.entry_points"]["console_scripts"].strip().splitlines():
+        command, target = (part.strip() for part in line.split("=", 1))
+        scripts[command] = target.split(":", 1)[0]
+    return scripts
+
+
+@pytest.mark.parametrize("module", sorted(set(_console_scripts().values())))
+def test_every_console_script_also_runs_as_python_dash_m(
+    module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/install.md: each command is also ``python -m detr_irpe.cli.<name>``."""
+    import runpy
+    import sys
+    import warnings
+
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: module already imported
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_module(module, run_name="__main__", alter_sys=False)
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: ")

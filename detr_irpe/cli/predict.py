@@ -128,3 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["build_parser", "main"]
+
+
+if __name__ == "__main__":  # python -m detr_irpe.cli.predict
+    raise SystemExit(main())
