@@ -23,9 +23,11 @@ from detr_irpe.models.backbone import Backbone
 from detr_irpe.models.transformer import Transformer
 from detr_irpe.structures import ImageBatch
 
-# On top of the tiny config: two decoder layers, so that there is an auxiliary output,
-# and a class count of its own, as no dataset is read here (targets use labels 0..3).
-MODEL = ("model.dec_layers=2", "model.num_classes=4")
+# On top of the tiny config: two decoder layers, so that there is an auxiliary output; a
+# class count of its own, as no dataset is read here (targets use labels 0..3); and six
+# queries, a count unlike any other axis (4 heads, 4 box coordinates, 5 logits), so that
+# a swapped axis shows in the shapes.
+MODEL = ("model.dec_layers=2", "model.num_classes=4", "model.num_queries=6")
 
 
 def tiny_cfg(*overrides: str) -> Config:
