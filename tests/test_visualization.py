@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import load_tiny_config
 from PIL import Image
 
 from detr_irpe.cli.visualize import main as visualize_main
-from detr_irpe.config import load_config
 from detr_irpe.models import build_model
 from detr_irpe.structures import ImageBatch
 from detr_irpe.visualization import (
@@ -26,23 +26,17 @@ from detr_irpe.visualization import (
     save_attention_maps,
 )
 
-TINY = [
-    "model.backbone=resnet18",
-    "model.hidden_dim=32",
-    "model.nheads=4",
-    "model.enc_layers=1",
-    "model.dec_layers=1",
-    "model.dim_feedforward=64",
-    "model.num_classes=5",
-    "model.num_queries=6",
-    "model.rpe=rpe-2.0-product-ctx-0-qk",
-    "data.val_size=64",
-    "data.max_size=160",
-]
+# On top of the tiny config: a class count of its own (the figures name five classes; no
+# dataset is read), more queries than heads (a swapped axis then shows in the shapes),
+# iRPE on queries and keys with a table per head (the split of the logits then has both
+# terms and differs between heads), and the image size rule the figures are drawn at
+# (the 96 x 144 test image becomes 64 x 96).
+MODEL = ("model.num_classes=5", "model.num_queries=6", "model.rpe=rpe-2.0-product-ctx-0-qk",
+         "data.val_size=64", "data.max_size=160")
 
 
 def tiny_model(overrides=()):
-    cfg = load_config(None, TINY + list(overrides))
+    cfg = load_tiny_config(*MODEL, *overrides)
     model, _, _ = build_model(cfg)
     with torch.no_grad():  # tables start at zero; give iRPE something to contribute
         for name, param in model.named_parameters():
@@ -121,12 +115,12 @@ def test_record_token_maps_original_pixels(model_and_cfg, synthetic_image):
 
 
 def test_capture_shapes_rows_sum_to_one_with_padding(model_and_cfg):
-    model, _ = model_and_cfg
+    model, cfg = model_and_cfg
     torch.manual_seed(1)
     # two sizes -> padded batch 96 x 128 -> grid 3 x 4, the smaller image padded
     batch = ImageBatch.from_images([torch.randn(3, 96, 128), torch.randn(3, 64, 64)])
     record = capture_attention(model, batch, rpe_split=True)
-    heads, queries = 4, 6
+    heads, queries = cfg.model.nheads, cfg.model.num_queries
     assert record.hw == (3, 4)
     length = 12
     assert record.padding.shape == (2, 3, 4)
