@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import load_tiny_config
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 
-from detr_irpe.config import load_config
 from detr_irpe.evaluation import CocoEvaluator
 from detr_irpe.models import build_model
 from detr_irpe.visualization import (
@@ -75,10 +75,9 @@ def assert_text_on_canvas(fig: Figure, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module", params=[1, 6], ids=["1-layer", "6-layer"])
 def model(request: pytest.FixtureRequest):
     layers = request.param
-    cfg = load_config("synthetic_tiny", [
-        f"model.enc_layers={layers}", f"model.dec_layers={layers}", "model.num_classes=4",
-        "model.num_queries=5",
-    ])
+    # a class count of its own: no dataset is read
+    cfg = load_tiny_config(f"model.enc_layers={layers}", f"model.dec_layers={layers}",
+                           "model.num_classes=4")
     torch.manual_seed(layers)
     model, _, _ = build_model(cfg, load_backbone_weights=False)
     with torch.no_grad():  # give the iRPE tables something to show
