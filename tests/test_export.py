@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_tiny_config
 from torch import nn
 
 from detr_irpe.checkpoint import FORMAT, atomic_save
 from detr_irpe.cli.export import main
-from detr_irpe.config import load_config
 from detr_irpe.export import OUTPUTS, export_onnx, run_onnx
 from detr_irpe.irpe import IRPEMultiheadAttention
 from detr_irpe.models import build_model
@@ -39,7 +39,7 @@ def _randomise_tables(model: nn.Module) -> None:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A tiny DETR-iRPE (synthetic_tiny, ResNet-18) saved in this project's format."""
-    cfg = load_config("synthetic_tiny", ["model.num_classes=3", f"model.rpe={RPE}"])
+    cfg = load_tiny_config("model.num_classes=3", f"model.rpe={RPE}")
     model, _, _ = build_model(cfg)
     _randomise_tables(model)
     path = tmp_path_factory.mktemp("export") / "tiny_irpe.pth"
