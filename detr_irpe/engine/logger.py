@@ -103,7 +103,8 @@ class MetricTracker:
         return {n: self.meters[n].avg for n in names if n in self.meters}
 
     def format(self, names: list[str] | None = None) -> str:
-        return "  ".join(f"{k} {v:.4f}" for k, v in self.recent(names).items())
+        # 4 significant digits: an lr of 3.4e-05 must not read as 0.0000
+        return "  ".join(f"{k} {v:.4g}" for k, v in self.recent(names).items())
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """Running sums and windows of every series (plain types, for a checkpoint), so
