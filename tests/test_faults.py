@@ -210,6 +210,47 @@ def test_second_signal_exits_at_once_with_128_plus_signal(tmp_path):
     assert "Traceback" not in err
 
 
+
+@pytest.mark.slow  # starts a process group with data-loader workers (~15 s on a busy machine)
+def test_signal_to_the_whole_process_group_spares_data_loader_workers(tmp_path):
+    # Schedulers signal every process of a job, data-loader workers included: the
+    # workers keep serving, the training process stops by itself, and the workers
+    # still end with it (the parent's own SIGTERM ends them).
+    ready = tmp_path / "ready"
+    proc = _python("""
+        import sys, time
+        from pathlib import Path
+        import torch
+        from torch.utils.data import Dataset
+        from detr_irpe.data import build_dataloader
+        from detr_irpe.engine.interrupt import StopOnSignal
+
+        class Slow(Dataset):
+            def __len__(self):
+                return 40
+
+            def __getitem__(self, i):
+                time.sleep(0.05)
+                return torch.zeros(3, 4, 4), {"index": i}
+
+        loader = build_dataloader(Slow(), 2, train=False, num_workers=2)
+        with StopOnSignal() as stop:
+            seen = 0
+            for k, (images, targets) in enumerate(loader):
+                seen += len(targets)
+                if k == 3:
+                    Path(sys.argv[1]).touch()
+                    time.sleep(1.0)  # the signal arrives while the workers prefetch
+        print(seen, stop.requested())
+    """, str(ready), start_new_session=True)
+    _wait_for_file(ready, proc, timeout=300)
+    os.killpg(proc.pid, signal.SIGTERM)  # the process group, as a scheduler does
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.split() == ["40", str(int(signal.SIGTERM))]
+    assert "exited unexpectedly" not in err
+
+
 # ------------------------------------------------------------------------- end to end
 # 8 training images, batch 2: 4 steps per epoch, a checkpoint after every step.
 RUN = ["train.epochs=2", "train.batch_size=2", "train.checkpoint_every=1"]

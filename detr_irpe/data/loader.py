@@ -11,7 +11,10 @@ before each epoch. Order and augmentation are functions of ``(seed, epoch)``
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +56,29 @@ class _WorkerInit:
         seed = torch.initial_seed()
         random.seed(seed)
         np.random.seed(seed % 2**32)
+        _leave_stop_signals_to_the_parent()
+
+
+def _leave_stop_signals_to_the_parent() -> None:
+    """In a loader worker: ignore SIGINT, and SIGTERM unless the parent sent it.
+
+    Ctrl-C signals the whole process group and schedulers signal every process of a
+    job; the training process then stops cleanly at a step boundary, but a worker
+    ended by the signal would make the loader fail first. The parent's own SIGTERM
+    (how the loader and multiprocessing end workers) still ends the worker: a thread
+    waits for SIGTERM, blocked for the worker's other threads, and reads its sender.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait_for_parent_sigterm() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=wait_for_parent_sigterm, name="sigterm-from-parent",
+                     daemon=True).start()
 
 
 def build_dataloader(

@@ -42,12 +42,17 @@ class StopOnSignal:
         self.signals = tuple(signals)
         self._signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._pid = os.getpid()
 
     def requested(self) -> int | None:
         """The number of the first signal received, or None."""
         return self._signum
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:
+            # A forked child (a data-loader worker) inherited this handler: it goes on
+            # serving batches and ends with its parent.
+            return
         if self._signum is not None:
             # Second signal: no clean-up, no files touched (a save in progress
             # only ever wrote its temporary file).
@@ -60,6 +65,7 @@ class StopOnSignal:
                      "(send it again to exit at once)\n").encode())
 
     def __enter__(self) -> StopOnSignal:
+        self._pid = os.getpid()
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
