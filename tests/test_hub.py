@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, load_tiny_config
 
 from detr_irpe.checkpoint import zoo
 from detr_irpe.models import PostProcess
 
-ROOT = Path(__file__).resolve().parent.parent
-# Small model settings (any model.* key is a keyword argument of the entry points).
-SMALL = {"backbone": "resnet18", "backbone_weights": "none", "hidden_dim": 32, "nheads": 4,
-         "enc_layers": 1, "dec_layers": 1, "dim_feedforward": 64, "num_queries": 5}
+# The tiny config's model section as keyword arguments of the entry points (any model.*
+# key is one), less rpe and num_classes: those are the entry points' own arguments.
+SMALL = {key: value for key, value in load_tiny_config().to_dict()["model"].items()
+         if key not in ("rpe", "num_classes")}
 
 
 @pytest.fixture()
