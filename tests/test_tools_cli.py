@@ -9,31 +9,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import load_tool
+from helpers import load_tiny_config, load_tool
 
-from detr_irpe.config import ConfigError, load_config
-from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
+from detr_irpe.config import ConfigError
 from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import EXIT_NON_FINITE
 from detr_irpe.models.criterion import SetCriterion
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("synthetic")
-    generate_dataset(root, num_train=8, num_val=4, spec=SyntheticSpec(size=64), seed=2)
-    return root
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_data, tmp_path_factory) -> Path:
+def trained(tiny_dataset, tmp_path_factory) -> Path:
     """One epoch (2 steps); its checkpoint is what the tools below read."""
     out = tmp_path_factory.mktemp("run")
-    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}", f"train.output_dir={out}",
-                                         "train.epochs=1"])
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={out}",
+                           "train.epochs=1")
     run_training(cfg, progress=False)
     return out
 
@@ -54,7 +44,7 @@ def test_log_txt_has_detr_fields(trained):
 
 
 def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(
-    tiny_data, tmp_path, monkeypatch, capsys
+    tiny_dataset, tmp_path, monkeypatch, capsys
 ):
     train = load_tool("train")
     out = tmp_path / "nan"
@@ -70,7 +60,7 @@ def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(
 
     monkeypatch.setattr(SetCriterion, "forward", forward)
     code = train.main(["--config", "synthetic_tiny", "--output-dir", str(out), "--no-progress",
-                       "--set", f"data.root={tiny_data}", "train.epochs=3",
+                       "--set", f"data.root={tiny_dataset}", "train.epochs=3",
                        "train.checkpoint_every=1"])
     assert code == EXIT_NON_FINITE
     err = capsys.readouterr().err
@@ -83,24 +73,23 @@ def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(
     assert all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
 
 
-def test_fp16_on_cpu_is_refused(tiny_data, tmp_path):
-    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}",
-                                         f"train.output_dir={tmp_path}", "train.amp=fp16",
-                                         "train.device=cpu"])
+def test_fp16_on_cpu_is_refused(tiny_dataset, tmp_path):
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={tmp_path}",
+                           "train.amp=fp16", "train.device=cpu")
     with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):
         run_training(cfg, progress=False)
 
 
-def test_bf16_autocast_trains_on_cpu(tiny_data, tmp_path):
-    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}", f"train.output_dir={tmp_path}",
-                                         "train.amp=bf16", "train.epochs=1"])
+def test_bf16_autocast_trains_on_cpu(tiny_dataset, tmp_path):
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={tmp_path}",
+                           "train.amp=bf16", "train.epochs=1")
     result = run_training(cfg, progress=False)
     assert result["iterations"] == 2 and len(result["summary"]["stats"]) == 12
 
 
-def test_eval_only_on_saved_checkpoint(tiny_data, trained, tmp_path, capsys):
+def test_eval_only_on_saved_checkpoint(tiny_dataset, trained, tmp_path, capsys):
     train = load_tool("train")
-    code = train.main(["--config", "synthetic_tiny", "--set", f"data.root={tiny_data}",
+    code = train.main(["--config", "synthetic_tiny", "--set", f"data.root={tiny_dataset}",
                        "--output-dir", str(tmp_path), "--eval-only",
                        "--resume", str(trained / ckio.LAST), "--no-progress"])
     assert code == 0
