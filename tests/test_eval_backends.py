@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import TINY_DATASET
 from pycocotools.coco import COCO
 
 from detr_irpe.data.synthetic import SyntheticSpec, generate_split
@@ -187,15 +188,15 @@ def test_unknown_backend_is_a_config_error(val_document: dict) -> None:
         CocoEvaluator(_coco(val_document), backend="fast")
 
 
-def test_benchmark_eval_level_shows_both_backends(tmp_path: Path) -> None:
+def test_benchmark_eval_level_shows_both_backends(tiny_dataset: Path) -> None:
     from detr_irpe.benchmark.evaluation import eval_table, run_eval_benchmark
-    from detr_irpe.data.synthetic import generate_dataset
 
-    generate_dataset(tmp_path, num_train=0, num_val=4, spec=SyntheticSpec(size=48))
-    result = run_eval_benchmark(tmp_path, detections=20, repeats=1)
+    result = run_eval_benchmark(tiny_dataset, detections=20, repeats=1)
     assert [row["backend"] for row in result["rows"]] == ["pycocotools", "faster"]
     assert result["max_stat_difference"] < 1e-4
     np.testing.assert_allclose(result["rows"][1]["stats"], result["rows"][0]["stats"], atol=1e-4)
     table = eval_table(result).splitlines()
     assert table[0].startswith("| backend |")
-    assert table[2].startswith("| pycocotools | 4 | 20 |") and table[3].startswith("| faster | 4 | 20 |")
+    images = TINY_DATASET["num_val"]
+    assert table[2].startswith(f"| pycocotools | {images} | 20 |")
+    assert table[3].startswith(f"| faster | {images} | 20 |")
