@@ -26,6 +26,7 @@ import yaml
 
 from detr_irpe.ablation.grid import RunSpec
 from detr_irpe.engine.logger import JsonLinesLog
+from detr_irpe.utils.files import atomic_write_text
 
 STATUS_FILE = "ablation_status.json"
 LOCK_FILE = ".ablation.lock"
@@ -77,12 +78,8 @@ def read_status(run_dir: Path) -> dict[str, Any]:
 
 
 def write_status(run_dir: Path, **values: Any) -> None:
-    path = Path(run_dir) / STATUS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
     values.setdefault("time", time.strftime("%Y-%m-%dT%H:%M:%S"))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(values, indent=2) + "\n")
-    tmp.replace(path)
+    atomic_write_text(Path(run_dir) / STATUS_FILE, json.dumps(values, indent=2) + "\n")
 
 
 def config_mismatch(run: RunSpec) -> list[str]:

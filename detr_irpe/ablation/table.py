@@ -18,6 +18,7 @@ from detr_irpe.ablation.results import (
 )
 from detr_irpe.config import CONFIG_DIR
 from detr_irpe.evaluation import COCO_STAT_NAMES
+from detr_irpe.utils.files import atomic_write_text
 
 RESULTS_MD = "results.md"
 RESULTS_CSV = "results.csv"
@@ -140,12 +141,6 @@ def format_runs_csv(results: Sequence[RunResult]) -> str:
     return buf.getvalue()
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def write_tables(grid: Grid, rows: Sequence[VariantRow],
                  results: Sequence[RunResult]) -> dict[str, Path]:
     """Write ``results.md``, ``results.csv`` and ``runs.csv`` to the grid's output folder."""
@@ -155,9 +150,9 @@ def write_tables(grid: Grid, rows: Sequence[VariantRow],
         "csv": grid.output_dir / RESULTS_CSV,
         "runs": grid.output_dir / RUNS_CSV,
     }
-    _write(paths["markdown"], format_markdown(grid, rows))
-    _write(paths["csv"], format_results_csv(rows))
-    _write(paths["runs"], format_runs_csv(results))
+    atomic_write_text(paths["markdown"], format_markdown(grid, rows))
+    atomic_write_text(paths["csv"], format_results_csv(rows))
+    atomic_write_text(paths["runs"], format_runs_csv(results))
     return paths
 
 

@@ -28,18 +28,17 @@ import importlib
 import importlib.util
 import json
 import logging
-import os
 import re
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from detr_irpe.checkpoint.layout import is_hf_layout, layout_of, strip_ddp_prefix
 from detr_irpe.errors import CheckpointError
+from detr_irpe.utils.files import atomic_write, write_temp
 
 logger = logging.getLogger(__name__)
 
@@ -297,51 +296,6 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]
 
 
 # ------------------------------------------------------------------------------ writing
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_temp(target: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
-    """Write a complete file (flushed, fsync'ed) next to ``target`` under a temporary
-    name and return that name; the caller moves it into place with ``os.replace``."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        os.chmod(tmp_name, 0o644)  # mkstemp makes 0600 files; checkpoints are shared
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return Path(tmp_name)
-
-
-def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
-    """Write ``path`` so that a crash leaves the old file or the new one, never half of one:
-    a temporary file in the same folder, fsync, ``os.replace``, fsync of the folder."""
-    path = Path(path)
-    tmp = write_temp(path, write)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
 def atomic_save(obj: Any, path: str | Path) -> Path:
     """``torch.save(obj)`` to ``path`` atomically (see :func:`atomic_write`)."""
     return atomic_write(path, lambda f: torch.save(obj, f))

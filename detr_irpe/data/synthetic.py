@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from detr_irpe.utils.files import atomic_write_text
+
 logger = logging.getLogger(__name__)
 
 SHAPES = ("circle", "square", "triangle", "diamond", "star", "cross", "hexagon", "ring")
@@ -325,9 +327,7 @@ def generate_split(
         "categories": spec.categories,
     }
     ann_file = ann_dir / f"instances_{split}.json"
-    tmp = ann_file.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(document, separators=(",", ":")))
-    tmp.replace(ann_file)
+    atomic_write_text(ann_file, json.dumps(document, separators=(",", ":")))
     logger.info(
         "wrote %d %s images with %d objects to %s", len(images), split, len(annotations), out_dir
     )

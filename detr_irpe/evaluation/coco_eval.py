@@ -19,11 +19,8 @@ chosen in :mod:`detr_irpe.evaluation.backends`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +37,7 @@ from detr_irpe.evaluation.backends import (
 )
 from detr_irpe.evaluation.pr_arrays import pr_arrays_from_cocoeval, save_pr_arrays
 from detr_irpe.utils.dist import all_gather_object, get_rank, is_dist
+from detr_irpe.utils.files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -254,19 +252,8 @@ class CocoEvaluator:
 
     def write_results(self, path: str | Path) -> Path:
         """Write the detections as a COCO results JSON list (atomically: temp file + rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         detections = [entry for image_id in self.image_ids for entry in self.results[image_id]]
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(detections, handle)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return path
+        return atomic_write_text(path, json.dumps(detections))
 
 
 def evaluate_predictions(

@@ -20,9 +20,6 @@ over its entries > -1.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -30,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from detr_irpe.errors import DetrIrpeError
+from detr_irpe.utils.files import atomic_write
 
 PR_ARRAYS_FILE = "precision.npz"
 REQUIRED_KEYS = (
@@ -70,18 +68,7 @@ def resolve_pr_path(path: str | Path) -> Path:
 
 def save_pr_arrays(arrays: dict[str, np.ndarray], path: str | Path) -> Path:
     """Write ``arrays`` to ``path`` (a ``.npz`` file or a folder) atomically; returns the file."""
-    path = resolve_pr_path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+    return atomic_write(resolve_pr_path(path), lambda f: np.savez(f, **arrays))
 
 
 def load_pr_arrays(path: str | Path) -> dict[str, np.ndarray]:

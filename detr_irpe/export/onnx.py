@@ -26,6 +26,7 @@ from detr_irpe.errors import ExportError
 from detr_irpe.models.detr import DETR
 from detr_irpe.models.position_encoding import PositionEmbeddingLearned
 from detr_irpe.structures import ImageBatch
+from detr_irpe.utils.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +157,6 @@ def export_onnx(
         ExportError: a setting the graph cannot represent, a missing ``onnx`` extra or an
             exporter failure; the message says which and why.
     """
-    from detr_irpe.checkpoint import atomic_write
-
     _require_exporter()
     _check_settings(model, size, batch, dynamic, opset)
     was_training = model.training

@@ -24,8 +24,6 @@ from __future__ import annotations
 import glob
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ from torch import Tensor
 
 from detr_irpe.data import ImageReadError, load_image_list, read_image
 from detr_irpe.inference.predictor import Predictor
+from detr_irpe.utils.files import atomic_write_text
 from detr_irpe.visualization.draw import draw_detections
 
 logger = logging.getLogger(__name__)
@@ -116,19 +115,6 @@ def images_from_annotations(
     return sources, skipped, listed.category_names
 
 
-def write_json_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, so a reader never sees half."""
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(handle, 0o644)  # mkstemp's 0600 would make the results private
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _results_entries(
     predictor: Predictor, source: ImageSource, det: Mapping[str, Tensor], extra: bool
 ) -> list[dict[str, Any]]:
@@ -186,9 +172,9 @@ def _write_outputs(
 ) -> None:
     if format_only:
         report.json = output_dir / "results.json"
-        write_json_atomic(report.json, "[\n" + ",\n".join(
+        atomic_write_text(report.json, "[\n" + ",\n".join(
             json.dumps(entry) for entry in report.detections) + "\n]\n")
-        write_json_atomic(output_dir / "skipped.json", json.dumps(report.skipped, indent=1) + "\n")
+        atomic_write_text(output_dir / "skipped.json", json.dumps(report.skipped, indent=1) + "\n")
         return
     report.json = output_dir / "detections.json"
     document = {
@@ -205,7 +191,7 @@ def _write_outputs(
             if isinstance(value, list) and value else json.dumps(value))
         for key, value in document.items()
     )
-    write_json_atomic(report.json, "{\n" + body + "\n}\n")
+    atomic_write_text(report.json, "{\n" + body + "\n}\n")
 
 
 def predict_files(
@@ -284,5 +270,4 @@ __all__ = [
     "collect_images",
     "images_from_annotations",
     "predict_files",
-    "write_json_atomic",
 ]
