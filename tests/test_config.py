@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import TINY_CONFIG, load_tiny_config
 
 from detr_irpe.config import (
     Config,
@@ -170,7 +171,7 @@ def test_missing_config_lists_available() -> None:
 def test_values_that_cannot_work_are_refused_naming_key_and_value(override: str) -> None:
     key, value = override.split("=", 1)
     with pytest.raises(ConfigError, match=re.escape(key)) as info:
-        load_config("synthetic_tiny", [override])
+        load_tiny_config(override)
     if value not in ("''", "[]"):  # the message shows the value as it was read
         shown = {".nan": "nan", ".inf": "inf"}.get(value, value.strip("[]").split(",")[-1].strip())
         assert shown in str(info.value)
@@ -186,8 +187,8 @@ def test_values_that_cannot_work_are_refused_naming_key_and_value(override: str)
 def test_all_costs_or_all_loss_terms_zero_is_refused(keys: tuple[str, ...], message: str) -> None:
     zero = [f"loss.{key}=0" for key in keys]
     with pytest.raises(ConfigError, match=message):
-        load_config("synthetic_tiny", zero)
-    assert getattr(load_config("synthetic_tiny", zero[:2]).loss, keys[2]) > 0
+        load_tiny_config(*zero)
+    assert getattr(load_tiny_config(*zero[:2]).loss, keys[2]) > 0
 
 
 @pytest.mark.parametrize(
@@ -204,14 +205,14 @@ def test_all_costs_or_all_loss_terms_zero_is_refused(keys: tuple[str, ...], mess
     ],
 )
 def test_meaningful_zeros_are_accepted(override: str) -> None:
-    load_config("synthetic_tiny", [override])
+    load_tiny_config(override)
 
 
 @pytest.mark.parametrize("section", ["model", "loss", "data", "train"])
 @pytest.mark.parametrize("value", ["5", "[1, 2]", "fast", "''"])
 def test_section_given_as_a_scalar_is_an_error(tmp_path: Path, section: str, value: str) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text(f"_base_: {load_config_path('synthetic_tiny')}\n{section}: {value}\n")
+    path.write_text(f"_base_: {load_config_path(TINY_CONFIG)}\n{section}: {value}\n")
     with pytest.raises(ConfigError, match=rf"^{section}: expected a mapping"):
         load_config(path)
 
