@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from detr_irpe.irpe.config import parse_rpe
+from detr_irpe.utils.files import atomic_write_text
 
 # The configs ship inside the package (one copy; the repository's configs/ links here),
 # so a normal `pip install` finds them from any folder.
@@ -445,4 +446,5 @@ def load_config(name_or_path: str | Path | None = None, overrides: Iterable[str]
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(cfg.to_yaml())
+    """Write ``cfg`` as YAML that :func:`load_config` reads back, atomically."""
+    atomic_write_text(path, cfg.to_yaml())
