@@ -336,15 +336,21 @@ def merge_dicts(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str,
     return out
 
 
-def resolve_config_path(name_or_path: str | Path) -> Path:
-    """A path as given, or a bare name looked up in ``configs/`` (``.yaml`` optional)."""
+def find_yaml(name_or_path: str | Path, folder: Path) -> Path | None:
+    """``name_or_path`` if it is a file, else the same name in ``folder``; ``.yaml`` may be
+    left out. None when neither exists. Configs and ablation grids are found this way."""
     path = Path(name_or_path)
-    candidates = [path, CONFIG_DIR / path]
+    candidates = [path, folder / path]
     if path.suffix not in (".yaml", ".yml"):
         candidates += [p.with_name(p.name + ".yaml") for p in candidates]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
+    return next((candidate for candidate in candidates if candidate.is_file()), None)
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A path as given, or a bare name looked up in ``configs/`` (``.yaml`` optional)."""
+    found = find_yaml(name_or_path, CONFIG_DIR)
+    if found is not None:
+        return found
     raise ConfigError(
         f"config {str(name_or_path)!r} not found (looked in the working directory and "
         f"{CONFIG_DIR}); available: {', '.join(list_configs())}"

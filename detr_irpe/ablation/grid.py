@@ -44,6 +44,7 @@ from detr_irpe.config import (
     CONFIG_DIR,
     Config,
     ConfigError,
+    find_yaml,
     load_config,
     parse_override,
     read_yaml_with_base,
@@ -123,13 +124,9 @@ class Grid:
 def resolve_grid_path(name_or_path: str | Path) -> Path:
     """A grid file as given, or a bare name looked up in the shipped
     ``configs/ablations/`` (``.yaml`` optional), so the tool works from any folder."""
-    path = Path(name_or_path)
-    candidates = [path, GRID_DIR / path]
-    if path.suffix not in (".yaml", ".yml"):
-        candidates += [p.with_name(p.name + ".yaml") for p in candidates]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
+    found = find_yaml(name_or_path, GRID_DIR)
+    if found is not None:
+        return found
     shipped = ", ".join(sorted(p.stem for p in GRID_DIR.glob("*.yaml")))
     raise GridError(f"grid file {str(name_or_path)!r} not found (looked in the working "
                     f"directory and {GRID_DIR}); shipped grids: {shipped}")
