@@ -5,6 +5,7 @@ training, tool and ablation tests run on."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,13 +47,22 @@ def _restore_globals():
             handler.close()
 
 
+def _files(root: Path) -> dict[str, tuple[int, int]]:
+    """``relative path -> (size, mtime_ns)`` of every file under ``root``."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file()}
+
+
 @pytest.fixture(scope="session")
-def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The tiny synthetic COCO-format dataset (``helpers.TINY_DATASET``), generated once
-    per session; its root is what ``data.root`` takes. Tests read it and never write to it."""
+    per session; its root is what ``data.root`` takes. Tests read it and never write to it
+    (checked at the end of the session: a test that writes needs a copy of its own)."""
     root = tmp_path_factory.mktemp("tiny_dataset")
     generate_dataset(root, **TINY_DATASET)
-    return root
+    before = _files(root)
+    yield root
+    assert _files(root) == before, f"a test changed the shared tiny dataset under {root}"
 
 
 @pytest.fixture
