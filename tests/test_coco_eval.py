@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import load_tiny_config
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
@@ -287,9 +288,8 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def synthetic_config(root: Path) -> DataConfig:
-    return DataConfig(root=str(root), train_ann="annotations/instances_train.json",
-                      train_images="train", val_ann="annotations/instances_val.json",
-                      val_images="val", val_size=48, max_size=48)
+    """The tiny config's data section on the synthetic dataset at ``root`` (48-pixel images)."""
+    return load_tiny_config(f"data.root={root}", "data.val_size=48", "data.max_size=48").data
 
 
 def test_gather_across_two_ranks_equals_one_rank(tmp_path: Path) -> None:
