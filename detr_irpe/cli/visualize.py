@@ -192,7 +192,8 @@ def _image_run(args: argparse.Namespace):
 
     model, cfg, stored_names = _load(args)
     image = prepare_image(args.image, size=args.size or cfg.data.val_size,
-                          max_size=args.max_size or cfg.data.max_size)
+                          max_size=args.max_size or cfg.data.max_size,
+                          max_pixels=cfg.data.max_image_pixels)
     names = resolve_category_names(cfg, stored_names, args.names)
     return model, image, names
 

@@ -75,6 +75,7 @@ def prepare_image(
     max_size: int | None = 1333,
     normalized: bool = False,
     name: str | None = None,
+    max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> InputImage:
     """Turn an image into the model's eval-time input.
 
@@ -85,10 +86,12 @@ def prepare_image(
         max_size: longest side at most this (``cfg.data.max_size``).
         normalized: the tensor is already ImageNet-normalised (e.g. a dataset sample).
         name: title / file-name stem (default: the file stem or ``"image"``).
+        max_pixels: a file declaring more pixels is refused before decoding
+            (``cfg.data.max_image_pixels``; None: no limit).
     """
     if isinstance(image, (str, Path)):
         name = name or Path(image).stem
-        image = load_image(image)
+        image = load_image(image, max_pixels=max_pixels)
     if isinstance(image, Image.Image):
         image = np.asarray(image.convert("RGB")).copy()
     if isinstance(image, np.ndarray):

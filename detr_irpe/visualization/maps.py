@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor, nn
 
+from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS
+
 from .attention import AttentionRecord, capture_attention
 from .figures import (
     detections_from_outputs,
@@ -51,6 +53,7 @@ def save_attention_maps(
     points: Sequence[tuple[float, float]] | None = None,
     rpe_contribution: bool = True,
     prefix: str = "",
+    max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> dict[str, Path]:
     """Predictions, encoder attention (+ iRPE contribution) and decoder attention as PNGs.
 
@@ -70,6 +73,8 @@ def save_attention_maps(
             the kept detections (the image centre when there are none).
         rpe_contribution: also write the iRPE-split figure (models with iRPE on q / k only).
         prefix: file-name prefix.
+        max_pixels: an image file declaring more pixels is refused before decoding
+            (``cfg.data.max_image_pixels``).
 
     Returns:
         ``{"predictions", "encoder_attention", "rpe_contribution" (when written),
@@ -77,7 +82,7 @@ def save_attention_maps(
     """
     out_dir = Path(out_dir)
     prepared = image if isinstance(image, InputImage) else prepare_image(
-        image, size=size, max_size=max_size, normalized=normalized)
+        image, size=size, max_size=max_size, normalized=normalized, max_pixels=max_pixels)
     split = rpe_contribution and has_irpe(model)
     record = capture_attention(model, [prepared.tensor.to(model_device(model))],
                                encoder_layers=[layer] if _has_encoder(model) else "none",
