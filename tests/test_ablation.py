@@ -69,7 +69,7 @@ def trained_grid(tiny_dataset, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ablation_grid")
     grid_file = _write_grid(
         tmp / "grid.yaml", name="tiny", base="synthetic_tiny", output_dir=str(tmp / "out"),
-        overrides=[f"data.root={tiny_dataset}", "train.epochs=1", "train.num_threads=1"],
+        overrides=[f"data.root={tiny_dataset}", "train.epochs=1"],
         variants=[{"name": "none", "overrides": ["model.rpe=none"]},
                   {"name": "product-ctx-k", "overrides": ["model.rpe=rpe-2.0-product-ctx-1-k"]}],
         seeds=[7], baseline="none",
