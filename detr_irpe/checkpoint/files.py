@@ -218,8 +218,11 @@ def _safetensors():
     return safetensors
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def load_safetensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors of a ``.safetensors`` file (on the CPU, keys as stored) and its string
+    metadata; :class:`CheckpointError` when the file is missing or damaged."""
     safetensors = _safetensors()
+    path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} not found")
     try:
@@ -231,6 +234,11 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
             f"checkpoint {path} is not a readable safetensors file (truncated or corrupted): "
             f"{type(err).__name__}: {str(err)[:200]}"
         ) from err
+    return state, header
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    state, header = load_safetensors(path)
     state = strip_ddp_prefix(state)
     if header.get("format") == FORMAT:
         meta = _empty_meta(path, FORMAT)
@@ -335,6 +343,7 @@ __all__ = [
     "atomic_save",
     "atomic_write",
     "format_keys",
+    "load_safetensors",
     "read_checkpoint",
     "safe_load",
     "save_safetensors",

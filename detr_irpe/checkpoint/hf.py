@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from detr_irpe.checkpoint.files import format_keys, safe_load
+from detr_irpe.checkpoint.files import format_keys, load_safetensors, safe_load
 from detr_irpe.checkpoint.layout import is_rpe_key
 from detr_irpe.errors import CheckpointError
 
@@ -362,13 +362,13 @@ def _load_weights(folder: Path) -> dict[str, Tensor]:
     """The tensors of a ``save_pretrained`` folder: one safetensors file, a sharded one, or
     (older Hub repositories) ``pytorch_model.bin``."""
     if (folder / WEIGHTS_NAME).is_file():
-        return _load_safetensors(folder / WEIGHTS_NAME)
+        return load_safetensors(folder / WEIGHTS_NAME)[0]
     if (folder / _SHARD_INDEX_NAME).is_file():
         index = _read_json(folder / _SHARD_INDEX_NAME)
         shards = sorted(set(index.get("weight_map", {}).values()))
         state: dict[str, Tensor] = {}
         for shard in shards:
-            state.update(_load_safetensors(folder / shard))
+            state.update(load_safetensors(folder / shard)[0])
         return state
     if (folder / _TORCH_WEIGHTS_NAME).is_file():
         obj = safe_load(folder / _TORCH_WEIGHTS_NAME)
@@ -379,24 +379,6 @@ def _load_weights(folder: Path) -> dict[str, Tensor]:
         f"{folder} holds no weights: expected {WEIGHTS_NAME} (or {_SHARD_INDEX_NAME} or "
         f"{_TORCH_WEIGHTS_NAME}) next to {CONFIG_NAME}"
     )
-
-
-def _load_safetensors(path: Path) -> dict[str, Tensor]:
-    try:
-        from safetensors.torch import load_file
-    except ImportError as err:
-        raise CheckpointError(
-            f"reading {path} needs the safetensors package: pip install 'detr_irpe[safetensors]'"
-        ) from err
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} not found")
-    try:
-        return load_file(str(path), device="cpu")
-    except Exception as err:  # safetensors raises its own error types for damaged files
-        raise CheckpointError(
-            f"{path} is not a readable safetensors file (truncated or corrupted): "
-            f"{type(err).__name__}: {str(err)[:200]}"
-        ) from err
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -504,7 +486,7 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
         hf_config: dict[str, Any] | None = _read_json(path / CONFIG_NAME)
         raw = _load_weights(path)
     elif path.is_file():
-        raw = _load_safetensors(path)
+        raw, _ = load_safetensors(path)
         sibling = path.with_name(CONFIG_NAME)
         hf_config = _read_json(sibling) if sibling.is_file() else None
         if hf_config is not None and hf_config.get("model_type") != "detr":
