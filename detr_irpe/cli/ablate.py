@@ -129,12 +129,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         from detr_irpe.ablation import collect_and_write, load_grid
+        from detr_irpe.engine.run_lock import ensure_writable_folder
 
         grid = load_grid(args.grid, checked_overrides(args.overrides), args.output_dir,
                          args.seeds, base=args.config)
         if args.dry_run or args.print_commands:
             _list_runs(grid, args.print_commands)
             return 0
+        # before any run starts: the tables and every run folder go there
+        ensure_writable_folder(grid.output_dir, "grid output folder", "choose another --output-dir")
         report, start = None, time.perf_counter()
         if not args.table_only:
             try:

@@ -48,11 +48,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         from detr_irpe.engine import format_summary, run_evaluation
+        from detr_irpe.engine.run_lock import ensure_writable_folder
 
         extra = device_override(args.device)
         cfg = load_config_from_args(args, extra)
         overrides = checked_overrides(args.overrides) + extra
         output_dir = args.output_dir or args.checkpoint.parent / f"eval_{args.checkpoint.stem}"
+        # before the data and the model are loaded
+        ensure_writable_folder(output_dir, "output folder", "choose another --output-dir")
         result = run_evaluation(cfg, args.checkpoint, output_dir, overrides=overrides,
                                 progress=not args.no_progress)
         if result["rank"] == 0:

@@ -76,6 +76,7 @@ def _check_against_pytorch(model, path: Path, size: tuple[int, int], batch: int)
 
 def export(args: argparse.Namespace) -> list[str]:
     """Load, export (and check) as the arguments say; returns the lines to show."""
+    from detr_irpe.engine.run_lock import ensure_writable_folder
     from detr_irpe.export import MIN_OPSET, export_onnx, parse_size
     from detr_irpe.models.from_checkpoint import model_from_checkpoint
 
@@ -85,6 +86,8 @@ def export(args: argparse.Namespace) -> list[str]:
     size = parse_size(args.size)
     if args.output.exists() and not args.force:
         raise ExportError(f"{args.output} exists; pass --force to overwrite")
+    # before the model is loaded
+    ensure_writable_folder(args.output.parent, "output folder", "choose another --output")
     loaded = model_from_checkpoint(args.checkpoint, args.config, args.overrides, device="cpu")
     opset = MIN_OPSET if args.opset is None else args.opset
     path = export_onnx(loaded.model, args.output, size, batch=args.batch, dynamic=args.dynamic,

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_tool_logging(logging.INFO)
 
     def body() -> int:
+        from detr_irpe.engine.run_lock import ensure_writable_folder
         from detr_irpe.inference import (
             Predictor,
             collect_images,
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
         threshold = _check_args(args)
         overrides = checked_overrides(args.overrides)
+        # before the model is loaded
+        ensure_writable_folder(args.output_dir, "output folder", "choose another --output-dir")
         # Inputs first: a typo in a path is reported before the model is loaded.
         sources = collect_images(args.inputs) if args.ann is None else []
         predictor = Predictor.from_checkpoint(

@@ -231,9 +231,13 @@ def _pr_curves(args: argparse.Namespace) -> list[Path]:
 def _image_figure(args: argparse.Namespace) -> list[Path]:
     """predictions, encoder-attention (+ iRPE split) or decoder-attention of one image."""
     import detr_irpe.visualization as vis
+    from detr_irpe.engine.run_lock import ensure_writable_folder
     from detr_irpe.visualization.loading import model_device
     from detr_irpe.visualization.maps import distinct_points
 
+    if args.out is not None:
+        # before the model is loaded
+        ensure_writable_folder(args.out.parent, "output folder", "choose another --out")
     model, image, names = _image_run(args)
     inputs = [image.tensor.to(model_device(model))]
     record = None

@@ -37,8 +37,17 @@ def _describe_os_error(err: OSError) -> str:
     return str(err)
 
 
-def ensure_writable_folder(folder: str | Path) -> Path:
+_RUN_FOLDER_FIX = "set train.output_dir (--output-dir) to a folder you can write to"
+
+
+def ensure_writable_folder(
+    folder: str | Path, what: str = "run folder", fix: str = _RUN_FOLDER_FIX
+) -> Path:
     """Create ``folder`` if needed and check that files can be created in it.
+
+    Tools call it before loading a model or data, so that an unusable output
+    location costs nothing. ``what`` names the folder and ``fix`` says what to do
+    in the message.
 
     Raises:
         RunFolderError: naming the folder and the reason (permission, read-only
@@ -53,8 +62,7 @@ def ensure_writable_folder(folder: str | Path) -> Path:
         probe.unlink()
     except OSError as err:
         raise RunFolderError(
-            f"run folder {folder} is not writable ({_describe_os_error(err)}): set "
-            "train.output_dir (--output-dir) to a folder you can write to"
+            f"{what} {folder} is not writable ({_describe_os_error(err)}): {fix}"
         ) from None
     return folder
 
@@ -108,8 +116,8 @@ class RunLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise RunFolderError(
-                f"cannot create the lock file {self.path} ({_describe_os_error(err)}): set "
-                "train.output_dir (--output-dir) to a folder you can write to"
+                f"cannot create the lock file {self.path} ({_describe_os_error(err)}): "
+                f"{_RUN_FOLDER_FIX}"
             ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
