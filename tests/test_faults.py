@@ -477,3 +477,41 @@ def test_diverging_weights_stop_with_exit_3_and_a_finite_checkpoint(
     for name in (ckio.LAST, ckio.PREV):
         if (out / name).exists():
             assert ckio.nonfinite_tensors(ckio.load_checkpoint_file(out / name)["model"]) == []
+
+
+# Under torchrun: rank 1 alone gets SIGTERM (from itself) during its 2nd step.
+_RANK1_SIGTERM_DRIVER = """
+import os, signal, sys
+import detr_irpe.engine.trainer as trainer
+
+real_step, calls = trainer.train_step, []
+
+def step(*args, **kwargs):
+    calls.append(1)
+    if os.environ.get("RANK") == "1" and len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_step(*args, **kwargs)
+
+trainer.train_step = step
+from detr_irpe.cli.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # two torchrun processes (~40 s on a busy machine)
+def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tiny_dataset, tmp_path):
+    driver = tmp_path / "driver.py"
+    driver.write_text(_RANK1_SIGTERM_DRIVER)
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            str(driver), *_train_args(tiny_dataset, out, "train.batch_size=1",
+                                      "train.checkpoint_every=0", "train.num_threads=1")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    # Each rank exited with 143; torchrun reports that (with its own traceback).
+    assert proc.returncode != 0 and output.count("exitcode  : 143") == 2, output
+    saved = ckio.load_checkpoint_file(out / ckio.LAST)
+    assert (saved["epoch"], saved["batch_in_epoch"], saved["world_size"]) == (0, 2, 2)
+    # Both ranks stopped there (rank 0 never got the signal), none hung or crashed.
+    assert output.count("error: SIGTERM: interrupted at epoch 0 batch 2; run the same") == 2
