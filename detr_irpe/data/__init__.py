@@ -10,7 +10,12 @@ from detr_irpe.data.coco import (
     load_image_list,
     unsafe_file_name,
 )
-from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS, image_size, read_image
+from detr_irpe.data.images import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    image_size,
+    read_image,
+    to_uint8_image,
+)
 from detr_irpe.data.loader import build_dataloader, collate_fn
 from detr_irpe.data.sampling import DistributedEpochSampler, EpochSampler, KeyedDataset, SampleKey
 from detr_irpe.data.transforms import build_transforms
@@ -33,5 +38,6 @@ __all__ = [
     "load_coco_annotations",
     "load_image_list",
     "read_image",
+    "to_uint8_image",
     "unsafe_file_name",
 ]

@@ -17,12 +17,16 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from detr_irpe.errors import ImageReadError
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +148,59 @@ def read_image(
     return image
 
 
+# Float images may stray this far outside [0, 1] (resampling overshoot) and still be accepted.
+_FLOAT_TOLERANCE = 1e-3
+
+
+def to_uint8_image(
+    image: str | Path | PILImage | np.ndarray | Tensor, max_pixels: int | None = None
+) -> Tensor:
+    """Any accepted image kind -> a ``(3, H, W)`` uint8 RGB tensor on the CPU.
+
+    Float tensors in ``[0, 1]`` are scaled by 255 and rounded: the model was trained
+    on 8-bit images, and this makes a float copy of an 8-bit image give exactly the
+    same detections. Paths go through :func:`read_image`
+    (``max_pixels`` checked before decoding).
+    """
+    from PIL import Image
+
+    if isinstance(image, (str, Path)):
+        return read_image(image, max_pixels=max_pixels)
+    if isinstance(image, Image.Image):
+        image = np.asarray(image.convert("RGB"))
+    if isinstance(image, np.ndarray):
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            raise ValueError(
+                f"a NumPy image must be (H, W, 3) uint8 RGB, got shape {image.shape} "
+                f"dtype {image.dtype}"
+            )
+        # A copy: the caller's array stays theirs (and PIL's arrays are read-only).
+        return torch.from_numpy(np.array(image, copy=True)).permute(2, 0, 1).contiguous()
+    if not isinstance(image, Tensor):
+        raise TypeError(
+            f"unsupported image type {type(image).__name__}: pass a path, a PIL image, an "
+            f"(H, W, 3) uint8 array or a (3, H, W) tensor"
+        )
+    if image.dim() != 3 or image.shape[0] != 3:
+        raise ValueError(f"an image tensor must be (3, H, W), got shape {tuple(image.shape)}")
+    image = image.detach().cpu()
+    if image.dtype == torch.uint8:
+        return image
+    if not image.is_floating_point():
+        raise ValueError(f"an image tensor must be uint8 or float in [0, 1], got {image.dtype}")
+    low, high = float(image.min()), float(image.max())
+    if low < -_FLOAT_TOLERANCE or high > 1.0 + _FLOAT_TOLERANCE:
+        raise ValueError(
+            f"a float image tensor must hold values in [0, 1], got [{low:.3g}, {high:.3g}] "
+            f"(an ImageNet-normalised tensor is not accepted: pass the image itself)"
+        )
+    return (image.float() * 255.0).round().clamp(0, 255).to(torch.uint8)
+
+
 __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
     "check_pixel_count",
     "image_size",
     "read_image",
+    "to_uint8_image",
 ]

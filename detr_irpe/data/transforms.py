@@ -181,6 +181,20 @@ def to_model_input(
     return pixels, target
 
 
+def eval_input(image: Tensor, size: int | None, max_size: int | None = None) -> Tensor:
+    """``(3, H, W)`` uint8 -> the model's evaluation-time input ``(3, h, w)`` float32: the
+    shorter side resized to ``size`` (longer side at most ``max_size``, :func:`resized_hw`),
+    then ImageNet-normalised. ``size=None`` keeps the image's size. The same pixels as
+    :func:`val_transforms` + :func:`to_model_input` give a dataset sample."""
+    height, width = image.shape[-2:]
+    if size is not None:
+        out_h, out_w = resized_hw(height, width, size, max_size)
+        if (out_h, out_w) != (height, width):
+            image = F.resize(image, [out_h, out_w], antialias=True)
+    pixels = F.to_dtype(image, torch.float32, scale=True)
+    return F.normalize(pixels, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD))
+
+
 def detr_train_transforms(
     train_scales: Sequence[int], crop_resize_scales: Sequence[int], crop_size: Sequence[int],
     max_size: int,
@@ -240,6 +254,7 @@ __all__ = [
     "crop",
     "detr_train_transforms",
     "drop_degenerate",
+    "eval_input",
     "filter_boxes",
     "resized_hw",
     "simple_train_transforms",

@@ -24,14 +24,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torch import Tensor, nn
 
 from detr_irpe.config import Config
 from detr_irpe.data.categories import default_category_names
-from detr_irpe.data.images import read_image
-from detr_irpe.data.transforms import IMAGENET_MEAN, IMAGENET_STD, resized_hw
+from detr_irpe.data.images import to_uint8_image
+from detr_irpe.data.transforms import eval_input
 from detr_irpe.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -39,8 +38,6 @@ logger = logging.getLogger(__name__)
 # What one image may be: a file, a PIL image, an (H, W, 3) uint8 array, or a (3, H, W)
 # tensor (uint8, or float in [0, 1]).
 ImageInput = str | Path | Image.Image | np.ndarray | Tensor
-# Float images may stray this far outside [0, 1] (resampling overshoot) and still be accepted.
-_FLOAT_TOLERANCE = 1e-3
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -60,47 +57,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
                 f"--device cpu or auto"
             )
     return target
-
-
-def to_uint8_image(image: ImageInput, max_pixels: int | None = None) -> Tensor:
-    """Any accepted image kind -> a ``(3, H, W)`` uint8 RGB tensor on the CPU.
-
-    Float tensors in ``[0, 1]`` are scaled by 255 and rounded: the model was trained
-    on 8-bit images, and this makes a float copy of an 8-bit image give exactly the
-    same detections. Paths go through :func:`~detr_irpe.data.images.read_image`
-    (``max_pixels`` checked before decoding).
-    """
-    if isinstance(image, (str, Path)):
-        return read_image(image, max_pixels=max_pixels)
-    if isinstance(image, Image.Image):
-        image = np.asarray(image.convert("RGB"))
-    if isinstance(image, np.ndarray):
-        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-            raise ValueError(
-                f"a NumPy image must be (H, W, 3) uint8 RGB, got shape {image.shape} "
-                f"dtype {image.dtype}"
-            )
-        # A copy: the caller's array stays theirs (and PIL's arrays are read-only).
-        return torch.from_numpy(np.array(image, copy=True)).permute(2, 0, 1).contiguous()
-    if not isinstance(image, Tensor):
-        raise TypeError(
-            f"unsupported image type {type(image).__name__}: pass a path, a PIL image, an "
-            f"(H, W, 3) uint8 array or a (3, H, W) tensor"
-        )
-    if image.dim() != 3 or image.shape[0] != 3:
-        raise ValueError(f"an image tensor must be (3, H, W), got shape {tuple(image.shape)}")
-    image = image.detach().cpu()
-    if image.dtype == torch.uint8:
-        return image
-    if not image.is_floating_point():
-        raise ValueError(f"an image tensor must be uint8 or float in [0, 1], got {image.dtype}")
-    low, high = float(image.min()), float(image.max())
-    if low < -_FLOAT_TOLERANCE or high > 1.0 + _FLOAT_TOLERANCE:
-        raise ValueError(
-            f"a float image tensor must hold values in [0, 1], got [{low:.3g}, {high:.3g}] "
-            f"(an ImageNet-normalised tensor is not accepted: pass the image itself)"
-        )
-    return (image.float() * 255.0).round().clamp(0, 255).to(torch.uint8)
 
 
 class Predictor:
@@ -157,11 +113,7 @@ class Predictor:
 
     def preprocess(self, image: Tensor) -> Tensor:
         """``(3, H, W)`` uint8 -> the normalised, resized ``(3, h, w)`` float model input."""
-        height, width = image.shape[-2:]
-        size = resized_hw(height, width, self.cfg.data.val_size, self.cfg.data.max_size)
-        pixels = image if size == (height, width) else F.resize(image, list(size), antialias=True)
-        pixels = F.to_dtype(pixels, torch.float32, scale=True)
-        return F.normalize(pixels, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD))
+        return eval_input(image, self.cfg.data.val_size, self.cfg.data.max_size)
 
     @torch.no_grad()
     def detect(self, images: Sequence[Tensor]) -> list[dict[str, Tensor]]:

@@ -28,7 +28,6 @@ _LAZY = {
     "token_to_cell": "attention",
     "InputImage": "image",
     "prepare_image": "image",
-    "load_image": "image",
     "Detections": "figures",
     "detections_from_outputs": "figures",
     "plot_predictions": "figures",

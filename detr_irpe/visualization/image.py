@@ -2,7 +2,8 @@
 
 An :class:`InputImage` keeps the original picture (for drawing, in its own pixel
 coordinates) together with the normalised model input, resized as at evaluation
-(shorter side ``size``, longer side at most ``max_size``; ``data.transforms.resized_hw``).
+(shorter side ``size``, longer side at most ``max_size``; ``data.transforms.eval_input``,
+the same as the Predictor's input).
 """
 
 from __future__ import annotations
@@ -12,15 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torch import Tensor
 
-from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS, read_image
-from detr_irpe.data.transforms import IMAGENET_MEAN, IMAGENET_STD, resized_hw
-from detr_irpe.errors import ImageReadError
+from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS, to_uint8_image
+from detr_irpe.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_input
 
-__all__ = ["InputImage", "prepare_image", "load_image"]
+__all__ = ["InputImage", "prepare_image"]
 
 
 @dataclass
@@ -46,21 +45,6 @@ class InputImage:
     def input_size(self) -> tuple[int, int]:
         """``(h, w)`` of the model input."""
         return int(self.tensor.shape[1]), int(self.tensor.shape[2])
-
-
-def load_image(path: str | Path, max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
-    """``(H, W, 3)`` uint8 RGB from an image file through the data layer's safe reader
-    (pixel limit checked before decoding); ``ImageReadError`` when it is unreadable."""
-    path = Path(path)
-    if not path.is_file():
-        raise ImageReadError(f"image {path} not found")
-    return read_image(path, max_pixels=max_pixels).permute(1, 2, 0).numpy().copy()
-
-
-def _normalise(image01: Tensor) -> Tensor:
-    mean = torch.tensor(IMAGENET_MEAN, dtype=image01.dtype).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, dtype=image01.dtype).view(3, 1, 1)
-    return (image01 - mean) / std
 
 
 def _denormalise(image: Tensor) -> Tensor:
@@ -91,37 +75,9 @@ def prepare_image(
     """
     if isinstance(image, (str, Path)):
         name = name or Path(image).stem
-        image = load_image(image, max_pixels=max_pixels)
-    if isinstance(image, Image.Image):
-        image = np.asarray(image.convert("RGB")).copy()
-    if isinstance(image, np.ndarray):
-        if image.ndim != 3 or image.shape[2] != 3:
-            raise ValueError(f"image array must be (H, W, 3) RGB, got shape {image.shape}")
-        image = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
-    if not isinstance(image, Tensor):
-        raise TypeError(f"unsupported image type {type(image).__name__}")
-    if image.dim() != 3 or image.shape[0] != 3:
-        raise ValueError(f"image tensor must be (3, H, W), got shape {tuple(image.shape)}")
-    image = image.detach().cpu()
-    if image.dtype == torch.uint8:
-        pixels = image  # resized as uint8, like the evaluation transforms do
-    elif normalized:
-        pixels = _denormalise(image.float()).clamp(0.0, 1.0)
-    else:
-        pixels = image.float()
-        if pixels.min() < -1e-3 or pixels.max() > 1.0 + 1e-3:
-            raise ValueError(
-                "float image tensors must be in [0, 1]; pass normalized=True for an "
-                "ImageNet-normalised tensor"
-            )
-    if pixels.dtype == torch.uint8:
-        display = pixels.permute(1, 2, 0).numpy().copy()
-    else:
-        display = (pixels.clamp(0, 1) * 255.0 + 0.5).to(torch.uint8).permute(1, 2, 0).numpy()
-    height, width = pixels.shape[1:]
-    if size is not None:
-        out_h, out_w = resized_hw(height, width, size, max_size)
-        if (out_h, out_w) != (height, width):
-            pixels = TF.resize(pixels, [out_h, out_w], antialias=True)
-    image01 = pixels.float() / 255.0 if pixels.dtype == torch.uint8 else pixels
-    return InputImage(display=display, tensor=_normalise(image01), name=name or "image")
+    if normalized and isinstance(image, Tensor) and image.dim() == 3 and image.shape[0] == 3:
+        # Back to [0, 1] pixels; to_uint8_image's rounding then recovers the 8-bit image.
+        image = _denormalise(image.detach().cpu().float()).clamp(0.0, 1.0)
+    pixels = to_uint8_image(image, max_pixels=max_pixels)
+    return InputImage(display=pixels.permute(1, 2, 0).numpy().copy(),
+                      tensor=eval_input(pixels, size, max_size), name=name or "image")
