@@ -328,11 +328,18 @@ def load_coco_annotations(
     clean["images"] = list(images.values())
     clean["annotations"] = annotations
     clean["categories"] = list(categories.values())
+    coco = coco_from_dict(clean)
+    coco.drop_counts = dict(problems.counts)  # for callers and tests
+    return coco
+
+
+def coco_from_dict(dataset: dict[str, Any]) -> COCO:
+    """A pycocotools ``COCO`` indexing ``dataset`` (not copied), without the lines
+    pycocotools prints while it indexes."""
     coco = COCO()
-    coco.dataset = clean
+    coco.dataset = dataset
     with contextlib.redirect_stdout(io.StringIO()):
         coco.createIndex()
-    coco.drop_counts = dict(problems.counts)  # for callers and tests
     return coco
 
 
@@ -583,6 +590,7 @@ __all__ = [
     "ImageList",
     "ImageReadError",
     "build_dataset",
+    "coco_from_dict",
     "load_coco_annotations",
     "load_image_list",
     "read_image",

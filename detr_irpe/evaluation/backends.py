@@ -27,6 +27,7 @@ from typing import Any
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
+from detr_irpe.data.coco import coco_from_dict
 from detr_irpe.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -109,11 +110,7 @@ def ground_truth_for(coco_gt: Any, backend: str) -> Any:
     dataset["annotations"] = [dict(ann) for ann in dataset.get("annotations", [])]
     if backend == "faster":
         return target(dataset)
-    converted = COCO()
-    converted.dataset = dataset
-    with contextlib.redirect_stdout(io.StringIO()):
-        converted.createIndex()
-    return converted
+    return coco_from_dict(dataset)
 
 
 def _pycocotools_results(coco_gt: COCO, detections: list[dict[str, Any]]) -> COCO:
@@ -121,15 +118,11 @@ def _pycocotools_results(coco_gt: COCO, detections: list[dict[str, Any]]) -> COC
         with contextlib.redirect_stdout(io.StringIO()):
             return coco_gt.loadRes(detections)
     # pycocotools' loadRes cannot take an empty list: build the empty result set directly.
-    coco_dt = COCO()
-    coco_dt.dataset = {
+    return coco_from_dict({
         "images": list(coco_gt.dataset.get("images", [])),
         "categories": list(coco_gt.dataset.get("categories", [])),
         "annotations": [],
-    }
-    with contextlib.redirect_stdout(io.StringIO()):
-        coco_dt.createIndex()
-    return coco_dt
+    })
 
 
 def run_cocoeval(
