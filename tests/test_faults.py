@@ -509,8 +509,9 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tiny_dataset, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
-    # Each rank exited with 143; torchrun reports that (with its own traceback).
-    assert proc.returncode != 0 and output.count("exitcode  : 143") == 2, output
+    # torchrun reports its workers' 143 (with its own traceback); once the first one
+    # has exited it sends SIGTERM to the other, which may be exiting by then.
+    assert proc.returncode != 0 and "exitcode  : 143" in output, output
     saved = ckio.load_checkpoint_file(out / ckio.LAST)
     assert (saved["epoch"], saved["batch_in_epoch"], saved["world_size"]) == (0, 2, 2)
     # Both ranks stopped there (rank 0 never got the signal), none hung or crashed.
