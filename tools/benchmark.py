@@ -18,6 +18,8 @@ import argparse
 import logging
 import sys
 
+from detr_irpe.errors import EXIT_USER_ERROR
+
 
 def _hw(text: str) -> tuple[int, int]:
     try:
@@ -97,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         results = run_suite(options, args.output_dir,
                             progress=lambda what: print(f"measuring {what} ...", file=sys.stderr,
                                                         flush=True))
-    except (ValueError, RuntimeError) as err:
+    except (ValueError, RuntimeError) as err:  # bad sections / sizes, CUDA asked for but absent
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     json_path, md_path = write_results(results, args.output_dir)
     print(suite_markdown(results))
     print(f"written: {json_path}, {md_path}"

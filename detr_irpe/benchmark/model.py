@@ -18,6 +18,7 @@ import torch
 
 from detr_irpe.benchmark.common import median, sync
 from detr_irpe.config import load_config
+from detr_irpe.data.categories import COCO_NUM_CLASSES
 from detr_irpe.engine.optim import build_optimizer
 from detr_irpe.engine.trainer import autocast_context, train_step, weighted_loss
 from detr_irpe.models import build_model
@@ -31,7 +32,7 @@ DEFAULT_MODELS = ("none", "rpe-2.0-product-ctx-1-k")
 
 
 def synthetic_batch(
-    batch: int, height: int, width: int, num_classes: int = 91, objects: int = 7,
+    batch: int, height: int, width: int, num_classes: int = COCO_NUM_CLASSES, objects: int = 7,
     pad: float = 0.1, seed: int = 0,
 ) -> tuple[ImageBatch, list[dict[str, Any]]]:
     """A padded image batch and DETR targets (``objects`` random boxes per image).
@@ -63,7 +64,7 @@ def synthetic_batch(
 
 def _build(rpe: str, device: torch.device, overrides: Sequence[str]):
     cfg = load_config("detr_r50", [
-        f"model.rpe={rpe}", "model.backbone_weights=none", "model.num_classes=91",
+        f"model.rpe={rpe}", "model.backbone_weights=none", f"model.num_classes={COCO_NUM_CLASSES}",
         *overrides,
     ])
     torch.manual_seed(0)

@@ -21,13 +21,14 @@ from detr_irpe.benchmark import model as model_bench
 from detr_irpe.benchmark import op as op_bench
 from detr_irpe.benchmark import profile as profile_bench
 from detr_irpe.benchmark.common import environment
+from detr_irpe.utils.files import atomic_write_text
 
 __all__ = ["SECTIONS", "SuiteOptions", "rerender", "run_suite", "suite_markdown", "write_results"]
 
 logger = logging.getLogger(__name__)
 
 SECTIONS = ("op", "model", "profile", "data", "eval")
-# CPU targets (issue 7): iRPE-DETR step / plain DETR step, ctx-product-k layer / plain MHA,
+# CPU targets (docs/benchmarks.md): iRPE-DETR step / plain DETR step, ctx-product-k layer / plain MHA,
 # qkv layer time and activation memory / plain MHA
 TARGETS = {"model_train_step": 1.05, "op_k_time": 1.15, "op_qkv_time": 2.0, "op_qkv_memory": 1.5}
 
@@ -279,8 +280,8 @@ def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = output_dir / "results.json", output_dir / "results.md"
-    json_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    md_path.write_text(suite_markdown(results))
+    atomic_write_text(json_path, json.dumps(results, indent=2, default=str) + "\n")
+    atomic_write_text(md_path, suite_markdown(results))
     return json_path, md_path
 
 
