@@ -23,7 +23,12 @@ import pytest
 import torch
 
 from detr_irpe.engine import checkpoint_io as ckio
-from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
+from detr_irpe.engine.interrupt import (
+    SAME_REQUEST_S,
+    StopOnSignal,
+    agreed_stop,
+    interrupted_message,
+)
 from detr_irpe.engine.run_lock import LOCK_NAME, RunLock, ensure_writable_folder
 from detr_irpe.errors import RunFolderError
 
@@ -184,6 +189,11 @@ def test_first_signal_is_recorded_and_handlers_are_restored():
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested() == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before
+    # A launcher forwarding the scheduler's signal delivers one request twice.
+    with StopOnSignal(same_request_s=60.0) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # would end this process if counted
+        assert stop.requested() == signal.SIGTERM
     assert agreed_stop(signal.SIGTERM) == signal.SIGTERM  # one process: as is
     assert agreed_stop(None) is None
     assert interrupted_message(signal.SIGTERM, 3, 7) == (
@@ -196,7 +206,7 @@ def test_second_signal_exits_at_once_with_128_plus_signal(tmp_path):
         import os, signal, time
         from pathlib import Path
         from detr_irpe.engine.interrupt import StopOnSignal
-        with StopOnSignal() as stop:
+        with StopOnSignal(same_request_s=0.0) as stop:
             os.kill(os.getpid(), signal.SIGINT)
             assert stop.requested() == signal.SIGINT
             Path({str(ready)!r}).touch()
@@ -255,14 +265,14 @@ def test_signal_to_the_whole_process_group_spares_data_loader_workers(tmp_path):
 # 8 training images, batch 2: 4 steps per epoch, a checkpoint after every step.
 RUN = ["train.epochs=2", "train.batch_size=2", "train.checkpoint_every=1"]
 
-# Trains with the train tool's main(argv[3:]); the argv[2]-th torch.save (a checkpoint
+# Trains with the train tool's main(argv[4:]); the argv[2]-th torch.save (a checkpoint
 # write) completes its temporary file, then touches the marker file argv[1] and waits
-# 2 s before the file is moved into place: a window to send signals during a save.
+# argv[3] s before the file is moved into place: a window to send signals during a save.
 _SLOW_SAVE_DRIVER = """
     import sys, time
     from pathlib import Path
     import torch
-    marker, nth = Path(sys.argv[1]), int(sys.argv[2])
+    marker, nth, pause = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     real_save, calls = torch.save, []
 
     def slow_save(obj, f, *args, **kwargs):
@@ -270,11 +280,11 @@ _SLOW_SAVE_DRIVER = """
         calls.append(1)
         if len(calls) == nth:
             marker.touch()
-            time.sleep(2.0)
+            time.sleep(pause)
 
     torch.save = slow_save
     from detr_irpe.cli.train import main
-    sys.exit(main(sys.argv[3:]))
+    sys.exit(main(sys.argv[4:]))
 """
 
 
@@ -319,21 +329,23 @@ def straight_run(tiny_dataset, tmp_path_factory) -> Path:
     return out
 
 
-def _stop_during_save(data: Path, out: Path, nth_save: int, *signals: int
-                      ) -> subprocess.CompletedProcess:
+def _stop_during_save(data: Path, out: Path, nth_save: int, *signals: int,
+                      pause: float = 2.0) -> subprocess.CompletedProcess:
     marker = out.parent / f"{out.name}.saving"
-    proc = _python(_SLOW_SAVE_DRIVER, str(marker), str(nth_save), *_train_args(data, out))
+    proc = _python(_SLOW_SAVE_DRIVER, str(marker), str(nth_save), str(pause),
+                   *_train_args(data, out))
     _wait_for_file(marker, proc, timeout=300)
     seen = []
     for k, signum in enumerate(signals):
         proc.send_signal(signum)
         if k + 1 < len(signals):
-            # Two signals sent back to back may reach the process as one: send the
-            # next only once the first was handled (its handler says so on stderr).
+            # The next signal only counts as a second request once the first was
+            # handled (its handler says so on stderr) and SAME_REQUEST_S has passed.
             for line in proc.stderr:
                 seen.append(line)
                 if "stopping at the next step boundary" in line:
                     break
+            time.sleep(SAME_REQUEST_S + 0.2)
     out_text, err_text = proc.communicate(timeout=300)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out_text,
                                        "".join(seen) + err_text)
@@ -377,7 +389,7 @@ def test_second_signal_exits_at_once_leaving_the_last_checkpoint(
 ):
     out = tmp_path / "run"
     # Both signals arrive while the checkpoint of batch 2 sits in its temporary file.
-    done = _stop_during_save(tiny_dataset, out, 2, signal.SIGTERM, signal.SIGTERM)
+    done = _stop_during_save(tiny_dataset, out, 2, signal.SIGTERM, signal.SIGTERM, pause=6.0)
     assert done.returncode == 128 + signal.SIGTERM and "Traceback" not in done.stderr
     saved = ckio.load_checkpoint_file(out / ckio.LAST)
     assert (saved["epoch"], saved["batch_in_epoch"]) == (0, 1)

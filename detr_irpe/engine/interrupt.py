@@ -6,7 +6,10 @@ at its next step boundary, saves a checkpoint there and raises
 :class:`~detr_irpe.errors.Interrupted` (exit status 128 + the signal number).
 A second signal ends the process at once with that status: files are only
 ever replaced whole (temporary file + ``os.replace``), so stopping in the
-middle of a save leaves the previous checkpoint in place.
+middle of a save leaves the previous checkpoint in place. Signals within
+:data:`SAME_REQUEST_S` of the first count as that first one: a scheduler may
+signal every process of a job while a launcher (``torchrun``) forwards the same
+signal to its workers, so one stop request often arrives twice.
 
 Under ``torchrun`` every rank decides together (:func:`agreed_stop`), so that
 no rank waits in a collective for one that has already stopped.
@@ -18,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -28,6 +32,8 @@ from detr_irpe.errors import exit_status_for_signal
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Seconds after the first signal during which another one repeats the same request.
+SAME_REQUEST_S = 1.0
 
 
 class StopOnSignal:
@@ -38,9 +44,12 @@ class StopOnSignal:
     :meth:`requested` stays None.
     """
 
-    def __init__(self, signals: tuple[int, ...] = SIGNALS) -> None:
+    def __init__(self, signals: tuple[int, ...] = SIGNALS,
+                 same_request_s: float = SAME_REQUEST_S) -> None:
         self.signals = tuple(signals)
+        self.same_request_s = same_request_s
         self._signum: int | None = None
+        self._first_at = 0.0
         self._previous: dict[int, Any] = {}
         self._pid = os.getpid()
 
@@ -54,11 +63,14 @@ class StopOnSignal:
             # serving batches and ends with its parent.
             return
         if self._signum is not None:
+            if time.monotonic() - self._first_at < self.same_request_s:
+                return  # the first request, delivered again
             # Second signal: no clean-up, no files touched (a save in progress
             # only ever wrote its temporary file).
             os.write(2, f"\nsignal {signum} again: exiting at once\n".encode())
             os._exit(exit_status_for_signal(signum))
         self._signum = signum
+        self._first_at = time.monotonic()
         # Nothing but a flag here: the handler may run in the middle of any bytecode,
         # including inside the logging module; the loop reports the stop itself.
         os.write(2, (f"\nsignal {signum}: stopping at the next step boundary "
@@ -102,4 +114,4 @@ def interrupted_message(signum: int, epoch: int, batch: int) -> str:
             "run the same command to resume")
 
 
-__all__ = ["SIGNALS", "StopOnSignal", "agreed_stop", "interrupted_message"]
+__all__ = ["SAME_REQUEST_S", "SIGNALS", "StopOnSignal", "agreed_stop", "interrupted_message"]
