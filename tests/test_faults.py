@@ -528,3 +528,23 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tiny_dataset, tmp_
     assert (saved["epoch"], saved["batch_in_epoch"], saved["world_size"]) == (0, 2, 2)
     # Both ranks stopped there (rank 0 never got the signal), none hung or crashed.
     assert output.count("error: SIGTERM: interrupted at epoch 0 batch 2; run the same") == 2
+
+
+def test_weights_that_became_nan_are_never_saved(tiny_dataset, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    real_step, calls = torch.optim.AdamW.step, []
+
+    def step_then_nan(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:  # the weights break after a finite loss; a save comes next
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].fill_(float("nan"))
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_nan)
+    assert _train(tiny_dataset, out) == 3
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "weights became NaN / inf at epoch 0, iteration 2" in last_line
+    saved = ckio.load_checkpoint_file(out / ckio.LAST)
+    assert saved["iteration"] == 1 and ckio.nonfinite_tensors(saved["model"]) == []
