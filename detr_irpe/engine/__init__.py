@@ -4,6 +4,8 @@
 - :func:`train_step` / :func:`train_one_epoch` / :func:`evaluate` (``trainer``): the loops.
 - ``optim``: AdamW groups and the lr schedule (StepLR in epochs, warm-up in iterations).
 - ``checkpoint_io``: atomic save, rotation, validation, resume discovery, RNG states.
+- ``run_lock``: one run per run folder (an OS lock naming its holder), writability checks.
+- ``interrupt``: SIGTERM / SIGINT become a stop at the next step boundary.
 - ``distributed``: process groups for one process, ``torchrun`` and SLURM.
 """
 
