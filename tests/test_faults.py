@@ -9,6 +9,7 @@ by a signal or an injected fault, watching files rather than log text.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import signal
@@ -300,8 +301,6 @@ def _train(data: Path, out: Path, *overrides: str) -> int:
 
 
 def _log(out: Path) -> list[dict]:
-    import json
-
     return [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
 
 
