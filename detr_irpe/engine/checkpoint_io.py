@@ -48,6 +48,7 @@ import torch
 from detr_irpe.checkpoint import FORMAT, atomic_save, safe_load, write_temp
 from detr_irpe.engine.run_lock import RunLock
 from detr_irpe.errors import CheckpointError, RunFolderError
+from detr_irpe.utils.files import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -59,19 +60,6 @@ BEST = "checkpoint_best.pth"
 _TRAINING_KEYS = ("model", "optimizer", "epoch", "iteration")
 # Names of the temporary files of an unfinished save (see _write_temp, _rotate, link_best).
 _TEMP_PATTERNS = (".checkpoint_*.pth.*.tmp", ".checkpoint_*.pth.link")
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_temp(obj: Any, target: Path) -> Path:
@@ -124,7 +112,7 @@ def save_training_checkpoint(state: Mapping[str, Any], output_dir: str | Path) -
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(output_dir)
+        fsync_dir(output_dir)
     except OSError as err:
         raise _write_error(err, last, last) from None
     return last
@@ -150,7 +138,7 @@ def link_best(output_dir: str | Path, source: str = LAST) -> Path:
             atomic_save(load_checkpoint_file(src), best)
         except OSError as err:
             raise _write_error(err, best, best) from None
-    _fsync_dir(output_dir)
+    fsync_dir(output_dir)
     return best
 
 

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from detr_irpe.utils.files import atomic_write_text
+
 logger = logging.getLogger(__name__)
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -154,9 +156,7 @@ class JsonLinesLog:
         if not self.path.exists():
             return
         kept = [r for r in self.read() if int(r.get("epoch", -1)) < epochs_done]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(self.path)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 class TensorBoardWriter:

@@ -60,6 +60,7 @@ from detr_irpe.engine.trainer import (
 from detr_irpe.errors import Interrupted, NonFiniteError, RunFolderError
 from detr_irpe.evaluation import COCO_STAT_NAMES
 from detr_irpe.utils.dist import all_gather_object, barrier
+from detr_irpe.utils.files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def write_eval_outputs(
     folder.mkdir(parents=True, exist_ok=True)
     evaluator.write_results(folder / "results.json")
     metrics = {"bbox": _jsonable(summary), "losses": dict(losses), **dict(extra or {})}
-    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    atomic_write_text(folder / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     evaluator.save_pr_arrays(folder / "precision.npz")
 
 
