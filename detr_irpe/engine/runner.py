@@ -64,6 +64,9 @@ from detr_irpe.utils.files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
+# every this many epochs the evaluation's precision / recall arrays are kept under their own name
+KEEP_PR_EVERY = 50
+
 
 # ----------------------------------------------------------------------------- helpers
 def _set_threads(cfg: Config) -> None:
@@ -582,8 +585,8 @@ def run_epochs(run: _Run) -> tuple[dict[str, Any] | None, Any]:
             if (epoch + 1) % cfg.train.eval_every == 0 or epoch + 1 == cfg.train.epochs:
                 eval_result = run.evaluate()
                 _, summary, evaluator = eval_result
-                if run.info.is_main:  # every evaluation's PR curves (the newest kept)
-                    evaluator.save_pr_arrays(run.output_dir / "eval" / "precision.npz")
+                if run.info.is_main:
+                    _save_pr_arrays(evaluator, run.output_dir / "eval", epoch)
             is_best = _update_best(run, summary if eval_result is not None else None, epoch)
             record = _epoch_record(run, epoch, train_stats, eval_result,
                                    (time.perf_counter() - epoch_start, train_time))
@@ -597,6 +600,16 @@ def run_epochs(run: _Run) -> tuple[dict[str, Any] | None, Any]:
     finally:
         tensorboard.close()
     return summary, evaluator
+
+
+def _save_pr_arrays(evaluator: Any, folder: Path, epoch: int) -> None:
+    """``precision.npz`` of every evaluation (the newest), and a kept copy every
+    ``KEEP_PR_EVERY`` epochs (``precision_0049.npz`` ...), as the reference keeps
+    ``eval/latest.pth`` and ``eval/000049.pth``: a 150-epoch COCO run keeps 3 copies,
+    not 150 files of several MB."""
+    evaluator.save_pr_arrays(folder / "precision.npz")
+    if (epoch + 1) % KEEP_PR_EVERY == 0:
+        evaluator.save_pr_arrays(folder / f"precision_{epoch:04d}.npz")
 
 
 def _update_best(run: _Run, summary: Mapping[str, Any] | None, epoch: int) -> bool:
