@@ -6,7 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import struct
+import subprocess
+import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -44,6 +47,31 @@ def load_script(relative: str) -> ModuleType:
 def load_tool(name: str) -> ModuleType:
     """Import ``tools/<name>.py`` as a module without touching ``sys.path``."""
     return load_script(f"tools/{name}.py")
+
+
+# ----------------------------------------------------------------------------- processes
+
+def wait_until(condition: Callable[[], bool], proc: subprocess.Popen, what: str,
+               timeout: float = 60.0) -> None:
+    """Return once ``condition()`` holds (checked every 10 ms: it watches files the
+    process ``proc`` writes). Fails, with the process's output, when ``proc`` ends first;
+    kills ``proc`` and fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(
+                f"process ended ({proc.returncode}) before {what}:\n{out or ''}{err or ''}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.communicate()
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Return once ``path`` exists (``proc`` creates it); see ``wait_until``."""
+    wait_until(path.exists, proc, str(path), timeout)
 
 
 # ----------------------------------------------------------------------------- rectangles

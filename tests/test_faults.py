@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, wait_for_file
 
 from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.interrupt import (
@@ -33,23 +34,10 @@ from detr_irpe.engine.interrupt import (
 from detr_irpe.engine.run_lock import LOCK_NAME, RunLock, ensure_writable_folder
 from detr_irpe.errors import RunFolderError
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def _python(code: str, *args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
-
-
-def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"process ended early ({proc.returncode}): {proc.stderr.read()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"timed out waiting for {path}")
-        time.sleep(0.01)
 
 
 # A process that takes the lock of argv[1], announces it with the file argv[2] and
@@ -69,7 +57,7 @@ def test_second_lock_is_refused_naming_the_holder(tmp_path):
     ready = tmp_path / "ready"
     holder = _python(_HOLDER, str(tmp_path / "run"), str(ready), stdin=subprocess.PIPE)
     try:
-        _wait_for_file(ready, holder)
+        wait_for_file(ready, holder)
         with pytest.raises(RunFolderError) as info:
             RunLock(tmp_path / "run").acquire()
         message = str(info.value)
@@ -84,7 +72,7 @@ def test_second_lock_is_refused_naming_the_holder(tmp_path):
 def test_lock_of_a_killed_process_is_taken_over(tmp_path, caplog):
     ready = tmp_path / "ready"
     holder = _python(_HOLDER, str(tmp_path), str(ready), stdin=subprocess.PIPE)
-    _wait_for_file(ready, holder)
+    wait_for_file(ready, holder)
     holder.kill()  # SIGKILL: no clean-up, the lock file still names it
     holder.communicate()
     assert f'"pid": {holder.pid}' in (tmp_path / LOCK_NAME).read_text()
@@ -214,7 +202,7 @@ def test_second_signal_exits_at_once_with_128_plus_signal(tmp_path):
             time.sleep(60)
         print("not reached")
     """)
-    _wait_for_file(ready, proc)
+    wait_for_file(ready, proc)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "not reached" not in out
@@ -254,7 +242,7 @@ def test_signal_to_the_whole_process_group_spares_data_loader_workers(tmp_path):
                     time.sleep(1.0)  # the signal arrives while the workers prefetch
         print(seen, stop.requested())
     """, str(ready), start_new_session=True)
-    _wait_for_file(ready, proc, timeout=300)
+    wait_for_file(ready, proc, timeout=300)
     os.killpg(proc.pid, signal.SIGTERM)  # the process group, as a scheduler does
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -333,7 +321,7 @@ def _stop_during_save(data: Path, out: Path, nth_save: int, *signals: int,
     marker = out.parent / f"{out.name}.saving"
     proc = _python(_SLOW_SAVE_DRIVER, str(marker), str(nth_save), str(pause),
                    *_train_args(data, out))
-    _wait_for_file(marker, proc, timeout=300)
+    wait_for_file(marker, proc, timeout=300)
     seen = []
     for k, signum in enumerate(signals):
         proc.send_signal(signum)
@@ -407,7 +395,7 @@ def test_second_training_start_in_a_busy_folder_exits_2_naming_the_holder(
     out, ready = tmp_path / "run", tmp_path / "ready"
     holder = _python(_HOLDER, str(out), str(ready), stdin=subprocess.PIPE)
     try:
-        _wait_for_file(ready, holder)
+        wait_for_file(ready, holder)
         in_flight = out / ".checkpoint_last.pth.x81k.tmp"  # the first run's save in progress
         in_flight.write_bytes(b"being written")
         assert _train(tiny_dataset, out) == 2

@@ -14,19 +14,18 @@ import logging
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, load_tiny_config, wait_until
 
-from detr_irpe.config import load_config
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
 from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.runner import run_training
 
-ROOT = Path(__file__).resolve().parent.parent
-# 16 training images, batch 4: 4 iterations per epoch.
+# 16 training images at the tiny config's batch 4: 4 iterations per epoch (the session's
+# 8-image dataset would give 2, too few to kill and resume in the middle of an epoch).
 OVERRIDES = ["model.frozen_bn=false", "model.dropout=0.1", "train.epochs=2"]
 
 
@@ -38,9 +37,7 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 def _cfg(data: Path, out: Path, *extra: str):
-    return load_config(
-        "synthetic_tiny", [f"data.root={data}", f"train.output_dir={out}", *OVERRIDES, *extra]
-    )
+    return load_tiny_config(f"data.root={data}", f"train.output_dir={out}", *OVERRIDES, *extra)
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -86,18 +83,6 @@ def test_resume_at_epoch_boundary_equals_straight_run(tiny_data, straight_run, t
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "train.log").is_file()
 
 
-def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early:\n{proc.stdout.read()}")
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError("timed out waiting for the training process")
-
-
 def test_sigkill_mid_epoch_then_resume_equals_straight_run(
     tiny_data, straight_run, tmp_path, caplog
 ):
@@ -106,12 +91,14 @@ def test_sigkill_mid_epoch_then_resume_equals_straight_run(
             "--set", f"data.root={tiny_data}", *OVERRIDES, "train.checkpoint_every=1"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    log_file = tmp_path / "train.log"
-    # Kill right after the save of epoch 1, batch 1 was announced: training goes on, and
-    # the next save may be in flight. SIGSTOP first freezes it at once even on a busy
-    # machine, where this process may be descheduled for a while before SIGKILL.
-    _wait_for(lambda: log_file.exists() and "(epoch 1, batch 1," in log_file.read_text(),
-              300, proc)
+    # Kill right after the save of epoch 1, batch 1: training goes on, and the next save
+    # may be in flight. Epoch 0's end links checkpoint_best.pth to checkpoint_last.pth
+    # (epoch 1, batch 0); the next save replaces checkpoint_last.pth by another file.
+    # SIGSTOP first freezes it at once even on a busy machine, where this process may be
+    # descheduled for a while before SIGKILL.
+    best, last = tmp_path / ckio.BEST, tmp_path / ckio.LAST
+    wait_until(lambda: best.exists() and not last.samefile(best), proc,
+               "the first save of epoch 1", timeout=300)
     proc.send_signal(signal.SIGSTOP)
     proc.send_signal(signal.SIGKILL)
     output = proc.communicate()[0]
