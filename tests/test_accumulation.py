@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from pathlib import Path
 
-import pytest
 import torch
+from helpers import load_tiny_config
 from torch import nn
 
 from detr_irpe.benchmark.model import synthetic_batch
-from detr_irpe.config import load_config
-from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
+from detr_irpe.config import Config
 from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.optim import build_optimizer
 from detr_irpe.engine.runner import run_training
@@ -22,7 +20,14 @@ from detr_irpe.engine.trainer import train_step
 from detr_irpe.models import build_model
 from detr_irpe.structures import ImageBatch
 
-OVERRIDES = ["model.num_classes=4", "model.frozen_bn=true", "model.dropout=0.0"]
+
+def tiny_config_without_batch_effects(*overrides: str) -> Config:
+    """The tiny config: its frozen BatchNorm and zero dropout make a step's gradient the
+    same whether the batch runs at once or in micro-batches (checked here, so that the
+    comparisons below keep their meaning if the config changes)."""
+    cfg = load_tiny_config(*overrides)
+    assert cfg.model.frozen_bn and cfg.model.dropout == 0.0
+    return cfg
 
 
 def four_images_two_micro_batches():
@@ -40,7 +45,7 @@ def four_images_two_micro_batches():
 
 
 def test_two_micro_batches_equal_one_batch() -> None:
-    cfg = load_config("synthetic_tiny", OVERRIDES)
+    cfg = tiny_config_without_batch_effects("model.num_classes=4")
     model_a, criterion, _ = build_model(cfg, load_backbone_weights=False)
     model_b = copy.deepcopy(model_a)
     opt_a, opt_b = build_optimizer(model_a, cfg.train), build_optimizer(model_b, cfg.train)
@@ -89,7 +94,7 @@ class _CountingDDP(nn.Module):
 
 
 def test_gradients_are_synchronised_on_the_last_micro_batch_only() -> None:
-    cfg = load_config("synthetic_tiny", OVERRIDES)
+    cfg = tiny_config_without_batch_effects("model.num_classes=4")
     model, criterion, _ = build_model(cfg, load_backbone_weights=False)
     wrapped = _CountingDDP(model).train()
     _, micro = four_images_two_micro_batches()
@@ -98,21 +103,14 @@ def test_gradients_are_synchronised_on_the_last_micro_batch_only() -> None:
     assert (wrapped.forwards_without_sync, wrapped.forwards_with_sync) == (3, 1)
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("synthetic")
-    generate_dataset(root, num_train=8, num_val=2, spec=SyntheticSpec(size=64), seed=6)
-    return root
-
-
-def test_run_with_accumulation_equals_run_with_the_whole_batch(tiny_data, tmp_path) -> None:
+def test_run_with_accumulation_equals_run_with_the_whole_batch(tiny_dataset, tmp_path) -> None:
     """batch 2 x 2 micro-batches and batch 4: the same images per step (the sampler's
     order is cut into consecutive batches), the same weights after an epoch."""
     def run(name: str, *extra: str) -> dict:
         out = tmp_path / name
-        cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}", f"train.output_dir={out}",
-                                             "train.epochs=1", "train.eval_every=100",
-                                             *OVERRIDES[1:], *extra])
+        cfg = tiny_config_without_batch_effects(
+            f"data.root={tiny_dataset}", f"train.output_dir={out}", "train.epochs=1",
+            "train.eval_every=100", *extra)
         result = run_training(cfg, progress=False)
         assert result["iterations"] == 2
         return ckio.load_checkpoint_file(out / ckio.LAST)["model"]

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import load_tiny_config
 
 from detr_irpe.config import load_config
-from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
 from detr_irpe.engine import trainer
 from detr_irpe.engine.runner import run_training
 
@@ -45,12 +45,11 @@ def test_auto_resolves_per_device(monkeypatch, native) -> None:
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_run_with_auto_logs_and_records_the_choice(monkeypatch, tmp_path, caplog, native):
-    data = tmp_path / "data"
-    generate_dataset(data, num_train=4, num_val=2, spec=SyntheticSpec(size=64), seed=1)
+def test_run_with_auto_logs_and_records_the_choice(monkeypatch, tiny_dataset, tmp_path, caplog,
+                                                  native):
     monkeypatch.setattr(trainer, "native_bf16_cpu", lambda: native)
-    cfg = load_config("synthetic_tiny", [f"data.root={data}", f"train.output_dir={tmp_path / 'run'}",
-                                         "train.epochs=1", "train.amp=auto", "train.device=cpu"])
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={tmp_path / 'run'}",
+                           "train.epochs=1", "train.amp=auto", "train.device=cpu")
     with caplog.at_level(logging.INFO):
         run_training(cfg, progress=False)
     chosen = "bf16" if native else "none"

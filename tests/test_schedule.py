@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import load_tiny_config
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detr_irpe.config import TrainConfig
@@ -62,19 +63,9 @@ def test_restored_optimizer_takes_the_config_lr_and_weight_decay() -> None:
     assert any("transformer_and_heads.initial_lr" in line for line in changed)
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
-
-    root = tmp_path_factory.mktemp("synthetic")
-    generate_dataset(root, num_train=8, num_val=2, spec=SyntheticSpec(size=64), seed=4)
-    return root
-
-
-def test_resume_with_another_batch_size_keeps_the_drop_at_its_epoch(tiny_data, tmp_path):
+def test_resume_with_another_batch_size_keeps_the_drop_at_its_epoch(tiny_dataset, tmp_path):
     """1 epoch of 2 steps (batch 4), then resumed with batch 2 (4 steps per epoch): the
     lr of every optimizer step follows the formula of its (epoch, iteration)."""
-    from detr_irpe.config import load_config
     from detr_irpe.engine.runner import run_training
 
     lr, lr_drop, warmup = 1e-4, 2, 3
@@ -84,10 +75,10 @@ def test_resume_with_another_batch_size_keeps_the_drop_at_its_epoch(tiny_data, t
         seen.append(optimizer.param_groups[0]["lr"])
 
     def train(epochs: int, batch_size: int) -> None:
-        cfg = load_config("synthetic_tiny", [
-            f"data.root={tiny_data}", f"train.output_dir={tmp_path}", f"train.epochs={epochs}",
+        cfg = load_tiny_config(
+            f"data.root={tiny_dataset}", f"train.output_dir={tmp_path}", f"train.epochs={epochs}",
             f"train.batch_size={batch_size}", f"train.lr={lr}", f"train.lr_drop={lr_drop}",
-            f"train.warmup_iters={warmup}", "train.eval_every=100"])
+            f"train.warmup_iters={warmup}", "train.eval_every=100")
         run_training(cfg, progress=False)
 
     handle = register_optimizer_step_pre_hook(record)

@@ -4,9 +4,8 @@ throughput every ``print_freq`` iterations, COCO metrics after each evaluation."
 from __future__ import annotations
 
 import pytest
+from helpers import TINY_DATASET, load_tiny_config
 
-from detr_irpe.config import load_config
-from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
 from detr_irpe.engine.runner import run_training
 
 event_accumulator = pytest.importorskip(
@@ -14,14 +13,13 @@ event_accumulator = pytest.importorskip(
 )
 
 
-def test_per_iteration_and_per_evaluation_scalars(tmp_path) -> None:
-    data = tmp_path / "data"
-    generate_dataset(data, num_train=8, num_val=2, spec=SyntheticSpec(size=64), seed=8)
+def test_per_iteration_and_per_evaluation_scalars(tiny_dataset, tmp_path) -> None:
     out = tmp_path / "run"
     # 8 images, batch 2: 4 iterations per epoch; 2 epochs, evaluated after each.
-    cfg = load_config("synthetic_tiny", [f"data.root={data}", f"train.output_dir={out}",
-                                         "train.epochs=2", "train.batch_size=2",
-                                         "train.print_freq=2", "train.lr=2e-4"])
+    assert TINY_DATASET["num_train"] == 8
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={out}",
+                           "train.epochs=2", "train.batch_size=2", "train.print_freq=2",
+                           "train.lr=2e-4")
     run_training(cfg, progress=False)
     events = event_accumulator.EventAccumulator(str(out / "tensorboard"))
     events.Reload()

@@ -13,15 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import load_tiny_config
 
 from detr_irpe.checkpoint import atomic_save
-from detr_irpe.config import load_config
-from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
 
 
 class Files:
     """The inputs of the error cases: a good checkpoint, a damaged one, one of another
-    model, a tiny dataset with one image, a folder that cannot be created."""
+    model, the tiny dataset and one of its images, a folder that cannot be created."""
 
     def __init__(self, root: Path, data: Path) -> None:
         self.root = root
@@ -37,19 +36,17 @@ class Files:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> Files:
+def files(tiny_dataset, tmp_path_factory) -> Files:
     from detr_irpe.models import build_model
 
     root = tmp_path_factory.mktemp("tool_errors")
-    data = root / "data"
-    generate_dataset(data, num_train=4, num_val=2, spec=SyntheticSpec(size=64), seed=0)
-    f = Files(root, data)
-    cfg = load_config("synthetic_tiny", [f"data.root={data}", "model.num_classes=4"])
+    f = Files(root, tiny_dataset)
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", "model.num_classes=4")
     model, _, _ = build_model(cfg)
     atomic_save({"format": "detr_irpe", "model": model.state_dict(), "config": cfg.to_dict()},
                 f.good)
     f.damaged.write_bytes(f.good.read_bytes()[:2000])  # a truncated copy
-    other_cfg = load_config("synthetic_tiny", ["model.num_classes=4", "model.hidden_dim=64"])
+    other_cfg = load_tiny_config("model.num_classes=4", "model.hidden_dim=64")
     other, _, _ = build_model(other_cfg)
     atomic_save({"model": other.state_dict()}, f.other)  # no config: like a public file
     f.blocker.write_text("a file where a folder should be created")

@@ -10,20 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import load_tiny_config
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detr_irpe.cli.train import main as train_main
 from detr_irpe.config import CONFIG_DIR, ConfigError, load_config
-from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
 from detr_irpe.engine.runner import resolve_num_classes, run_training
 from detr_irpe.errors import RunFolderError
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("synthetic")
-    generate_dataset(root, num_train=8, num_val=4, spec=SyntheticSpec(size=64), seed=5)
-    return root
 
 
 def _dataset(num_classes: int) -> SimpleNamespace:
@@ -31,16 +24,15 @@ def _dataset(num_classes: int) -> SimpleNamespace:
 
 
 def test_num_classes_defaults_to_the_data() -> None:
-    cfg = load_config("synthetic_tiny")
+    cfg = load_tiny_config()
     assert cfg.model.num_classes is None
     # The largest category id over the splits, + 1.
     assert resolve_num_classes(cfg, [_dataset(4), _dataset(6)]) == 6
-    assert resolve_num_classes(load_config("synthetic_tiny", ["model.num_classes=6"]),
-                               [_dataset(6)]) == 6
+    assert resolve_num_classes(load_tiny_config("model.num_classes=6"), [_dataset(6)]) == 6
 
 
 def test_explicit_num_classes_that_disagrees_with_the_data_is_refused() -> None:
-    cfg = load_config("synthetic_tiny", ["model.num_classes=91"])
+    cfg = load_tiny_config("model.num_classes=91")
     with pytest.raises(ConfigError, match=r"num_classes=91.*largest category id is 3.*must be 4"):
         resolve_num_classes(cfg, [_dataset(4)])
 
@@ -50,9 +42,9 @@ def test_coco_configs_do_not_pin_the_class_count(name: str) -> None:
     assert load_config(name).model.num_classes is None
 
 
-def test_wrong_class_count_is_one_line_and_exit_2(tiny_data, tmp_path, capsys) -> None:
+def test_wrong_class_count_is_one_line_and_exit_2(tiny_dataset, tmp_path, capsys) -> None:
     code = train_main(["--config", "synthetic_tiny", "--output-dir", str(tmp_path),
-                       "--no-progress", "--set", f"data.root={tiny_data}",
+                       "--no-progress", "--set", f"data.root={tiny_dataset}",
                        "model.num_classes=91"])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
@@ -62,11 +54,11 @@ def test_wrong_class_count_is_one_line_and_exit_2(tiny_data, tmp_path, capsys) -
 
 
 @pytest.fixture(scope="module")
-def first_run(tiny_data, tmp_path_factory) -> Path:
+def first_run(tiny_dataset, tmp_path_factory) -> Path:
     """One epoch (2 steps of 4 images) at lr 1e-4: the run later starts resume."""
     out = tmp_path_factory.mktemp("first")
-    run_training(load_config("synthetic_tiny", [f"data.root={tiny_data}",
-                                                f"train.output_dir={out}", "train.epochs=1"]),
+    run_training(load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={out}",
+                                  "train.epochs=1"),
                  progress=False)
     return out
 
@@ -77,10 +69,10 @@ def _copy(run: Path, tmp_path: Path) -> Path:
     return target
 
 
-def test_auto_resume_refuses_another_experiment(tiny_data, first_run, tmp_path, capsys):
+def test_auto_resume_refuses_another_experiment(tiny_dataset, first_run, tmp_path, capsys):
     run = _copy(first_run, tmp_path)
     code = train_main(["--config", "synthetic_tiny", "--output-dir", str(run), "--no-progress",
-                       "--set", f"data.root={tiny_data}", "train.epochs=2",
+                       "--set", f"data.root={tiny_dataset}", "train.epochs=2",
                        "model.num_queries=5", "train.seed=7"])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
@@ -90,10 +82,10 @@ def test_auto_resume_refuses_another_experiment(tiny_data, first_run, tmp_path, 
     assert torch.load(run / "checkpoint_last.pth", weights_only=False)["epoch"] == 1  # untouched
 
 
-def test_resume_on_purpose_accepts_other_data_settings(tiny_data, first_run, tmp_path):
+def test_resume_on_purpose_accepts_other_data_settings(tiny_dataset, first_run, tmp_path):
     run = _copy(first_run, tmp_path)
-    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}", f"train.output_dir={run}",
-                                         "train.epochs=2", "data.val_size=48"])
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={run}",
+                           "train.epochs=2", "data.val_size=48")
     with pytest.raises(RunFolderError, match=r"data.val_size: 64 -> 48"):
         run_training(cfg, progress=False)
     result = run_training(cfg, resume=run / "checkpoint_last.pth", progress=False)
@@ -101,7 +93,7 @@ def test_resume_on_purpose_accepts_other_data_settings(tiny_data, first_run, tmp
 
 
 def test_lr_and_weight_decay_overrides_apply_to_the_restored_optimizer(
-    tiny_data, first_run, tmp_path
+    tiny_dataset, first_run, tmp_path
 ):
     run = _copy(first_run, tmp_path)
     seen: list[tuple[float, float]] = []
@@ -110,9 +102,8 @@ def test_lr_and_weight_decay_overrides_apply_to_the_restored_optimizer(
         group = optimizer.param_groups[0]
         seen.append((group["lr"], group["weight_decay"]))
 
-    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}", f"train.output_dir={run}",
-                                         "train.epochs=2", "train.lr=3e-4",
-                                         "train.weight_decay=0.01"])
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={run}",
+                           "train.epochs=2", "train.lr=3e-4", "train.weight_decay=0.01")
     handle = register_optimizer_step_pre_hook(record)
     try:
         run_training(cfg, progress=False)
@@ -144,11 +135,11 @@ def test_auto_device_under_torchrun_without_gpu_is_an_error(monkeypatch, tmp_pat
     assert distributed.resolve_device("auto", 0, launched=False).type == "cpu"
 
 
-def test_resume_with_a_frozen_backbone_is_one_line(tiny_data, first_run, tmp_path, capsys):
+def test_resume_with_a_frozen_backbone_is_one_line(tiny_dataset, first_run, tmp_path, capsys):
     """The optimizer of the checkpoint has a backbone group; lr_backbone=0 has none."""
     run = _copy(first_run, tmp_path)
     code = train_main(["--config", "synthetic_tiny", "--output-dir", str(run), "--no-progress",
-                       "--set", f"data.root={tiny_data}", "train.epochs=2",
+                       "--set", f"data.root={tiny_dataset}", "train.epochs=2",
                        "train.lr_backbone=0"])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
@@ -166,12 +157,12 @@ def test_device_flag_overrides_the_config_only_when_given() -> None:
         device_override("cuda:1")
 
 
-def test_seed_change_on_purposeful_resume_is_refused(tiny_data, first_run, tmp_path) -> None:
+def test_seed_change_on_purposeful_resume_is_refused(tiny_dataset, first_run, tmp_path) -> None:
     """The checkpoint's RNG states continue: a new seed could not apply, so it is refused
     rather than reported as applied."""
     run = _copy(first_run, tmp_path)
-    cfg = load_config("synthetic_tiny", [f"data.root={tiny_data}", f"train.output_dir={run}",
-                                         "train.epochs=2", "train.seed=7"])
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={run}",
+                           "train.epochs=2", "train.seed=7")
     with pytest.raises(ConfigError, match=r"train.seed: 42 -> 7.*cannot change"):
         run_training(cfg, resume=run / "checkpoint_last.pth", progress=False)
 
@@ -179,8 +170,8 @@ def test_seed_change_on_purposeful_resume_is_refused(tiny_data, first_run, tmp_p
 def test_experiment_identity_ignores_start_only_and_missing_keys() -> None:
     from detr_irpe.engine.runner import experiment_differences
 
-    current = load_config("synthetic_tiny", ["model.rpe_init=xavier"]).to_dict()
-    older = load_config("synthetic_tiny", ["model.rpe_init=zero", "data.num_workers=7"]).to_dict()
+    current = load_tiny_config("model.rpe_init=xavier").to_dict()
+    older = load_tiny_config("model.rpe_init=zero", "data.num_workers=7").to_dict()
     del older["model"]["hidden_dim"]  # a key an older version did not write
     assert experiment_differences(older, current) == []
     older["model"]["nheads"] = 2

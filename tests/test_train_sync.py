@@ -10,9 +10,9 @@ import contextlib
 
 import pytest
 import torch
+from helpers import load_tiny_config
 
 from detr_irpe.benchmark.model import synthetic_batch
-from detr_irpe.config import load_config
 from detr_irpe.engine.trainer import loss_and_backward, model_outputs, targets_to
 from detr_irpe.models import build_model
 
@@ -34,7 +34,7 @@ def no_read_back(monkeypatch: pytest.MonkeyPatch):
 
 
 def tiny_model_and_batch(num_classes: int = 4):
-    cfg = load_config("synthetic_tiny", [f"model.num_classes={num_classes}"])
+    cfg = load_tiny_config(f"model.num_classes={num_classes}")
     model, criterion, _ = build_model(cfg, load_backbone_weights=False)
     images, targets = synthetic_batch(2, 64, 64, num_classes=num_classes, objects=3)
     return model.train(), criterion.train(), images, targets

@@ -36,7 +36,7 @@ def test_visualize_cli_applies_data_max_image_pixels(
     image = _png(tmp_path / "photo.png")
     common = ["predictions", "--config", "synthetic_tiny", "--image", str(image),
               "--device", "cpu", "--out", str(tmp_path / "fig.png")]
-    small = ["model.num_classes=3", "model.enc_layers=1", "model.dec_layers=1"]
+    small = ["model.num_classes=3"]
     status = visualize_main([*common, "--set", *small, "data.max_image_pixels=1000"])
     err = capsys.readouterr().err
     assert status == EXIT_USER_ERROR
