@@ -13,8 +13,6 @@ from detr_irpe.benchmark import SuiteOptions, run_suite, suite_markdown, write_r
 from detr_irpe.benchmark import op as op_bench
 from detr_irpe.benchmark import profile as profile_bench
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
 def quick_results(tmp_path_factory) -> tuple[dict, Path]:

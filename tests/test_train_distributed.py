@@ -25,11 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
 from detr_irpe.engine import checkpoint_io as ckio
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _torchrun(nproc: int, data: Path, out: Path, batch_size: int) -> None:
