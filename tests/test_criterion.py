@@ -1,4 +1,5 @@
-"""SetCriterion against losses computed by hand from the formulas in detr-recipe.md."""
+"""SetCriterion against losses computed by hand from the formulas in docs/model.md
+("The DETR recipe the code follows", "Matching and loss")."""
 
 from __future__ import annotations
 

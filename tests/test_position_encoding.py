@@ -1,4 +1,5 @@
-"""Absolute position encodings against a direct transcription of detr-recipe.md."""
+"""Absolute position encodings against a direct transcription of the sine encoding in
+docs/model.md ("The DETR recipe the code follows", "Model")."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from detr_irpe.models.position_encoding import (
 
 
 def naive_sine(mask: np.ndarray, feats: int) -> np.ndarray:
-    """Loop over every cell and feature m, as written in detr-recipe.md."""
+    """Loop over every cell and feature m, as written in docs/model.md."""
     batch, height, width = mask.shape
     out = np.zeros((batch, 2 * feats, height, width))
     for b in range(batch):
