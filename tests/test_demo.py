@@ -11,7 +11,7 @@ from detr_irpe.cli import demo
 
 
 @pytest.mark.parametrize(("num_train", "batch", "steps", "expected"), [
-    (1600, 8, 3600, (18, 15)),   # the demo: 200 steps per epoch
+    (1600, 8, 4800, (24, 20)),   # the demo: 200 steps per epoch
     (1600, 8, 100, (1, 1)),      # fewer steps than an epoch still trains one epoch
     (10, 4, 20, (10, 9)),        # the lr drop sits at ~85 % of the epochs
 ])

@@ -37,7 +37,7 @@ from detr_irpe.cli.common import (
 DATA_DIR = Path("datasets/synthetic")
 OUTPUT_DIR = Path("outputs/demo")
 NUM_TRAIN, NUM_VAL = 1600, 200
-DEFAULT_STEPS = 3600
+DEFAULT_STEPS = 4800
 # lr / 10 after this fraction of the steps (a late drop gave the largest final gain)
 DROP_AT = 0.85
 
