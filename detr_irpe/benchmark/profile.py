@@ -177,11 +177,15 @@ def profile_training_step(
     }
 
 
+def _label(result: dict[str, Any]) -> str:
+    """A column title: ``label`` when the caller gave one, else the precision."""
+    return result.get("label") or ("fp32" if result["amp"] == "none" else result["amp"])
+
+
 def profile_table(results: Sequence[dict[str, Any]]) -> str:
-    """Markdown: one column per result (e.g. fp32 and bf16), ms per phase and share."""
-    head = "| phase | " + " | ".join(
-        f"{'fp32' if r['amp'] == 'none' else r['amp']} ms | share" for r in results
-    ) + " |"
+    """Markdown: one column per result (e.g. fp32 and bf16, or two configs: set a
+    ``label`` key on each result), ms per phase and share."""
+    head = "| phase | " + " | ".join(f"{_label(r)} ms | share" for r in results) + " |"
     rule = "|---|" + "---:|---:|" * len(results)
     lines = [head, rule]
     for phase in PHASES:
