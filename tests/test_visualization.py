@@ -309,6 +309,12 @@ def test_tool_rejects_opts_and_reports_user_errors(tmp_path, capsys):
     status = visualize_main(["rpe-tables", "--config", "synthetic_tiny", "--set",
                              "model.rpe=none", "model.num_classes=4"])
     assert status == 2 and "no iRPE tables" in capsys.readouterr().err
+    # a CUDA device this machine does not have is a usage error, before anything is built
+    absent = f"cuda:{torch.cuda.device_count()}"
+    status = visualize_main(["rpe-tables", "--config", "synthetic_tiny", "--set",
+                             "model.num_classes=4", "--device", absent])
+    err = capsys.readouterr().err
+    assert status == 2 and f"device '{absent}' is not available" in err
 
 
 def test_tool_rpe_tables_from_config_and_set(tmp_path, capsys):

@@ -172,18 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- commands
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def _load(args: argparse.Namespace):
     """``(model, cfg, category names saved with it)``."""
+    from detr_irpe.inference import resolve_device
     from detr_irpe.visualization import load_model
 
     return load_model(args.config, args.checkpoint, checked_overrides(args.overrides),
-                      device=_device(args.device))
+                      device=resolve_device(args.device))
 
 
 def _image_run(args: argparse.Namespace):
