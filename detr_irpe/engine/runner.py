@@ -150,13 +150,14 @@ def write_eval_outputs(
     evaluator: Any, summary: Mapping[str, Any], losses: Mapping[str, float], folder: Path,
     extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """``results.json`` (COCO results format), ``metrics.json`` and the precision /
-    recall arrays of COCOeval (``precision.npz``) in ``folder`` (rank 0)."""
+    """``results.json`` (COCO results format) and ``metrics.json`` in ``folder`` (rank 0).
+
+    The precision / recall arrays (``precision.npz``) are written by the callers: a
+    training run writes them after every evaluation (:func:`_save_pr_arrays`)."""
     folder.mkdir(parents=True, exist_ok=True)
     evaluator.write_results(folder / "results.json")
     metrics = {"bbox": _jsonable(summary), "losses": dict(losses), **dict(extra or {})}
     atomic_write_text(folder / "metrics.json", json.dumps(metrics, indent=2) + "\n")
-    evaluator.save_pr_arrays(folder / "precision.npz")
 
 
 def _jsonable(obj: Any) -> Any:
@@ -378,7 +379,7 @@ class _Run:
         self.best_ap: float | None = None
         self.best_epoch: int | None = None  # the ``epoch`` of the checkpoint with best_ap
         self.step = StepState()
-        self.model: nn.Module = parts.model  # wrapped for DDP by run_epochs
+        self.model: nn.Module = parts.model  # wrapped for DDP once the weights are loaded
         # Running sums of the epoch in progress; saved with mid-epoch checkpoints so that
         # a resumed epoch's log.txt averages cover all of its steps.
         self.tracker = self.new_tracker()
@@ -759,6 +760,7 @@ def run_evaluation(
             logger.info("evaluation of %s:\n%s", checkpoint, format_summary(summary))
             write_eval_outputs(evaluator, summary, losses, output_dir,
                                {"checkpoint": str(checkpoint)})
+            evaluator.save_pr_arrays(output_dir / "precision.npz")
         return {"summary": summary, "per_class_table": table, "losses": losses,
                 "output_dir": str(output_dir), "config": cfg, "rank": info.rank}
     finally:
