@@ -53,6 +53,7 @@ from detr_irpe.engine.trainer import (
     StepSettings,
     StepState,
     build_grad_scaler,
+    check_amp_device,
     evaluate,
     resolve_amp,
     train_one_epoch,
@@ -680,7 +681,7 @@ def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
                   lock: RunLock | None) -> dict[str, Any]:
     output_dir = _prepare_output_dir(cfg, info, lock)
     _set_threads(cfg)
-    build_grad_scaler(info.device, resolve_amp(cfg.train.amp, info.device))  # fp16 on CPU: early
+    check_amp_device(cfg.train.amp, info.device)  # before the data and the model are built
     start = resolve_start(output_dir, resume, finetune)
     if lock is not None and start.resume_path is not None and (
         start.resume_path.resolve().parent == output_dir.resolve()

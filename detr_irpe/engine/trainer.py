@@ -87,26 +87,32 @@ def resolve_amp(amp: str, device: torch.device) -> str:
     return "bf16" if device.type == "cpu" and native_bf16_cpu() else "none"
 
 
-def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
-    """Autocast for ``train.amp`` (``none`` | ``bf16`` | ``fp16``) on ``device``."""
-    if amp == "none":
-        return contextlib.nullcontext()
+def check_amp_device(amp: str, device: torch.device) -> None:
+    """Refuse ``train.amp=fp16`` off CUDA (the runner calls it before building anything).
+
+    Raises:
+        ConfigError: fp16 on a device other than a CUDA GPU.
+    """
     if amp == "fp16" and device.type != "cuda":
         raise ConfigError(
             "train.amp=fp16 needs a CUDA device (float16 autocast is not supported for "
             "training on the CPU); use train.amp=bf16 or train.amp=none"
         )
+
+
+def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
+    """Autocast for ``train.amp`` (``none`` | ``bf16`` | ``fp16``) on ``device``."""
+    if amp == "none":
+        return contextlib.nullcontext()
+    check_amp_device(amp, device)
     dtype = torch.bfloat16 if amp == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def build_grad_scaler(device: torch.device, amp: str) -> torch.amp.GradScaler | None:
     """A GradScaler for fp16 on GPUs; bf16 and fp32 need none."""
-    if amp == "fp16":
-        if device.type != "cuda":
-            raise ConfigError("train.amp=fp16 needs a CUDA device; use train.amp=bf16 or none")
-        return torch.amp.GradScaler("cuda")
-    return None
+    check_amp_device(amp, device)
+    return torch.amp.GradScaler("cuda") if amp == "fp16" else None
 
 
 # ----------------------------------------------------------------------------- loss terms
@@ -554,6 +560,7 @@ __all__ = [
     "StepSettings",
     "StepState",
     "autocast_context",
+    "check_amp_device",
     "check_finite_outputs",
     "build_grad_scaler",
     "evaluate",
