@@ -206,18 +206,12 @@ def _rpe_tables(args: argparse.Namespace) -> list[Path]:
 
 def _pr_curves(args: argparse.Namespace) -> list[Path]:
     from detr_irpe.evaluation import load_pr_arrays
-    from detr_irpe.evaluation.pr_arrays import PR_ARRAYS_FILE
+    from detr_irpe.evaluation.pr_arrays import find_pr_arrays
     from detr_irpe.visualization import plot_pr_curves
 
-    arrays = load_pr_arrays(args.source)
-    if args.out is not None:
-        out = args.out
-    elif args.source.suffix == ".npz":
-        out = args.source.with_name("pr_curves.png")
-    else:
-        found = args.source / PR_ARRAYS_FILE
-        out = (found if found.is_file() else args.source / "eval" / PR_ARRAYS_FILE).with_name(
-            "pr_curves.png")
+    found = find_pr_arrays(args.source)
+    arrays = load_pr_arrays(found)
+    out = args.out or found.with_name("pr_curves.png")
     plot_pr_curves(arrays, out=out, iou_thresholds=args.iou, area=args.area,
                    max_dets=args.max_dets, classes=args.classes)
     return [out]

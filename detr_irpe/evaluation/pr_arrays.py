@@ -71,8 +71,9 @@ def save_pr_arrays(arrays: dict[str, np.ndarray], path: str | Path) -> Path:
     return atomic_write(resolve_pr_path(path), lambda f: np.savez(f, **arrays))
 
 
-def load_pr_arrays(path: str | Path) -> dict[str, np.ndarray]:
-    """Read a ``precision.npz``: a file, a folder holding one, or a run folder (``eval/``)."""
+def find_pr_arrays(path: str | Path) -> Path:
+    """The ``precision.npz`` that ``path`` names: the file itself, one in the folder, or
+    the ``eval/`` one of a run folder; :class:`DetrIrpeError` when there is none."""
     given = Path(path)
     candidates = [given] if given.suffix == ".npz" else [
         given / PR_ARRAYS_FILE, given / "eval" / PR_ARRAYS_FILE,
@@ -83,6 +84,12 @@ def load_pr_arrays(path: str | Path) -> dict[str, np.ndarray]:
             f"no precision arrays at {given}: looked for {', '.join(map(str, candidates))}; "
             "an evaluation writes eval/precision.npz into its run folder"
         )
+    return found
+
+
+def load_pr_arrays(path: str | Path) -> dict[str, np.ndarray]:
+    """Read a ``precision.npz``: a file, a folder holding one, or a run folder (``eval/``)."""
+    found = find_pr_arrays(path)
     try:
         with np.load(found, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
@@ -97,6 +104,7 @@ def load_pr_arrays(path: str | Path) -> dict[str, np.ndarray]:
 
 __all__ = [
     "PR_ARRAYS_FILE",
+    "find_pr_arrays",
     "load_pr_arrays",
     "pr_arrays_from_cocoeval",
     "resolve_pr_path",
