@@ -22,6 +22,7 @@ from detr_irpe.data import (
     build_dataloader,
     build_dataset,
     load_coco_annotations,
+    load_image_list,
     read_image,
 )
 
@@ -107,6 +108,9 @@ def test_top_level_not_an_object(tmp_path: Path) -> None:
     write(tmp_path, [1, 2])
     with pytest.raises(DatasetError, match=r"ann\.json: the top level must be a JSON object"):
         load(tmp_path)
+    # an image list (e.g. test-dev image info) only needs "images": the message asks for that
+    with pytest.raises(DatasetError, match=r"with keys images, got list$"):
+        load_image_list(tmp_path / "ann.json", tmp_path / "img")
 
 
 @pytest.mark.parametrize("key", ["images", "annotations", "categories"])

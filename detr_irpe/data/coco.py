@@ -129,7 +129,7 @@ def _read_json(ann_file: Path, required: tuple[str, ...] = REQUIRED_TOP_LEVEL) -
     if not isinstance(data, dict):
         raise DatasetError(
             f"{ann_file}: the top level must be a JSON object with keys "
-            f"{', '.join(REQUIRED_TOP_LEVEL)}, got {type(data).__name__}"
+            f"{', '.join(required)}, got {type(data).__name__}"
         )
     missing = [key for key in required if key not in data]
     if missing:
