@@ -43,3 +43,21 @@ def test_bad_step_budget_is_one_line(tiny_dataset: Path, tmp_path: Path, capsys)
     assert status == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["demo: error: --steps must be positive, got 0"]
+
+
+def test_fresh_clears_the_run_folder_in_use_and_nothing_else(tiny_dataset: Path,
+                                                             tmp_path: Path) -> None:
+    # --set train.output_dir wins over --output-dir, so that is the folder --fresh empties
+    kept, used = tmp_path / "named_by_flag", tmp_path / "named_by_set"
+    for folder in (kept, used):
+        folder.mkdir()
+        (folder / "marker").write_text("x")
+    status = demo.main([
+        "--config", "synthetic_tiny", "--data", str(tiny_dataset), "--output-dir", str(kept),
+        "--steps", "2", "--num-images", "1", "--no-progress", "--fresh",
+        "--set", "train.amp=none", f"train.output_dir={used}",
+    ])
+    assert status == 0
+    assert (kept / "marker").is_file()
+    assert not (used / "marker").exists()
+    assert (used / "demo_results.json").is_file()

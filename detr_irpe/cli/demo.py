@@ -156,6 +156,7 @@ def draw_figures(checkpoint: Path, val_images: list[Path], run_dir: Path) -> Non
 def _report(summary: dict, table: str, result: dict, train_seconds: float, total: float,
             out: Path) -> None:
     from detr_irpe.engine import format_summary
+    from detr_irpe.utils.files import atomic_write_text
 
     print("\n[demo] COCO box metrics on the synthetic val split")
     print(format_summary(summary))
@@ -166,7 +167,7 @@ def _report(summary: dict, table: str, result: dict, train_seconds: float, total
         "steps": result["iterations"], "epochs": result["epochs"],
         "train_seconds": round(train_seconds, 1), "total_seconds": round(total, 1),
     }
-    (out / "demo_results.json").write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_text(out / "demo_results.json", json.dumps(results, indent=2) + "\n")
     print("\n| AP | AP50 | AP75 | steps | training time | total time |")
     print("|---:|---:|---:|---:|---:|---:|")
     print(f"| {summary['AP']:.3f} | {summary['AP50']:.3f} | {summary['AP75']:.3f} | "
@@ -180,11 +181,12 @@ def _body(args) -> int:
     from detr_irpe.engine.runner import run_evaluation, run_training
 
     start = time.perf_counter()
-    if args.fresh and args.output_dir.exists():
-        shutil.rmtree(args.output_dir)
     ensure_dataset(args.data)
     cfg = demo_config(args)
+    # the folder the run uses: --set train.output_dir=... wins over --output-dir
     out = Path(cfg.train.output_dir)
+    if args.fresh and out.exists():
+        shutil.rmtree(out)
     result = run_training(cfg, progress=not args.no_progress)
     summary, table = result["summary"], result["per_class_table"]
     last = out / "checkpoint_last.pth"
