@@ -148,7 +148,8 @@ def test_resume_with_a_frozen_backbone_is_one_line(tiny_dataset, first_run, tmp_
 
 
 def test_device_flag_overrides_the_config_only_when_given() -> None:
-    from detr_irpe.cli.train import build_parser, device_override
+    from detr_irpe.cli.common import device_override
+    from detr_irpe.cli.train import build_parser
 
     assert device_override(build_parser().parse_args(["--config", "x"]).device) == []
     args = build_parser().parse_args(["--config", "x", "--device", "cpu"])

@@ -15,7 +15,7 @@ import argparse
 import logging
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from detr_irpe.errors import (
@@ -64,6 +64,32 @@ def add_device_argument(parser: argparse.ArgumentParser, default: str = "auto") 
         "--device", type=parse_device, default=default, metavar="auto|cpu|cuda|cuda:N",
         help="where the model runs (%(default)s: the GPU when there is one, else the CPU)",
     )
+
+
+def device_override(device: str | None) -> list[str]:
+    """``--device`` of the training and evaluation tools as a ``train.device`` override
+    (``cuda:N`` is not a run setting); none when the flag was not given."""
+    if device is None:
+        return []
+    if ":" in device:
+        raise ConfigError(
+            f"--device {device}: training and evaluation take auto, cpu or cuda (each process "
+            "uses the GPU of its local rank); pick a GPU with CUDA_VISIBLE_DEVICES=N"
+        )
+    return [f"train.device={device}"]
+
+
+def print_eval_result(result: Mapping[str, Any]) -> None:
+    """The 12 COCO numbers, the per-class table and the output folder of a
+    ``run_training`` / ``run_evaluation`` result, on rank 0 only."""
+    from detr_irpe.engine import format_summary
+
+    if result["rank"] != 0 or result["summary"] is None:
+        return
+    print(format_summary(result["summary"]))
+    if result["per_class_table"]:
+        print(result["per_class_table"])
+    print(f"outputs in {result['output_dir']}")
 
 
 def checked_overrides(overrides: Iterable[str]) -> list[str]:
@@ -119,9 +145,11 @@ __all__ = [
     "add_config_arguments",
     "add_device_argument",
     "checked_overrides",
+    "device_override",
     "load_config_from_args",
     "new_parser",
     "parse_device",
+    "print_eval_result",
     "run_main",
     "setup_tool_logging",
 ]

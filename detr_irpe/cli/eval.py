@@ -23,11 +23,12 @@ from detr_irpe.cli.common import (
     add_config_arguments,
     add_device_argument,
     checked_overrides,
+    device_override,
     load_config_from_args,
     new_parser,
+    print_eval_result,
     run_main,
 )
-from detr_irpe.cli.train import device_override
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from detr_irpe.engine import format_summary, run_evaluation
+        from detr_irpe.engine import run_evaluation
         from detr_irpe.engine.run_lock import ensure_writable_folder
 
         extra = device_override(args.device)
@@ -58,11 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_writable_folder(output_dir, "output folder", "choose another --output-dir")
         result = run_evaluation(cfg, args.checkpoint, output_dir, overrides=overrides,
                                 progress=not args.no_progress)
-        if result["rank"] == 0:
-            print(format_summary(result["summary"]))
-            if result["per_class_table"]:
-                print(result["per_class_table"])
-            print(f"results in {result['output_dir']}")
+        print_eval_result(result)
         return 0
 
     return run_main(body)

@@ -50,8 +50,10 @@ from pathlib import Path
 from detr_irpe.cli.common import (
     add_config_arguments,
     add_device_argument,
+    device_override,
     load_config_from_args,
     new_parser,
+    print_eval_result,
     run_main,
 )
 from detr_irpe.errors import ConfigError
@@ -77,19 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def device_override(device: str | None) -> list[str]:
-    """``--device`` as a ``train.device`` override (``cuda:N`` is not a run setting);
-    none when the flag was not given."""
-    if device is None:
-        return []
-    if ":" in device:
-        raise ConfigError(
-            f"--device {device}: training and evaluation take auto, cpu or cuda (each process "
-            "uses the GPU of its local rank); pick a GPU with CUDA_VISIBLE_DEVICES=N"
-        )
-    return [f"train.device={device}"]
-
-
 def _eval_weights(args: argparse.Namespace, output_dir: Path) -> Path:
     from detr_irpe.engine import checkpoint_io as ckio
 
@@ -104,17 +93,6 @@ def _eval_weights(args: argparse.Namespace, output_dir: Path) -> Path:
         f"--eval-only needs weights: --resume CHECKPOINT, a checkpoint_last.pth in "
         f"{output_dir}, or --finetune CHECKPOINT"
     )
-
-
-def _print_result(result: dict) -> None:
-    from detr_irpe.engine import format_summary
-
-    if result["rank"] != 0 or result["summary"] is None:
-        return
-    print(format_summary(result["summary"]))
-    if result["per_class_table"]:
-        print(result["per_class_table"])
-    print(f"outputs in {result['output_dir']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,13 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = run_training(cfg, resume=args.resume, finetune=args.finetune,
                                   progress=not args.no_progress)
-        _print_result(result)
+        print_eval_result(result)
         return 0
 
     return run_main(body)
 
 
-__all__ = ["build_parser", "device_override", "main"]
+__all__ = ["build_parser", "main"]
 
 
 if __name__ == "__main__":  # python -m detr_irpe.cli.train (the ablation scheduler, torchrun -m)
