@@ -1,8 +1,8 @@
 """Where the time of one training iteration goes: a phase table for any config.
 
-Each phase is timed on its own with wall clocks around the real modules (forward hooks
-on the backbone, the encoder and the decoder; a wrapper around the matcher), so the
-table answers "what would pay to make faster" for the demo or a COCO config:
+Each phase is timed on its own with wall clocks around the engine's own step pieces
+(forward hooks on the backbone, the encoder and the decoder), so the table answers
+"what would pay to make faster" for the demo or a COCO config:
 
     data       next batch from the real train loader (augmentation, collate)
     to_device  images and targets moved to the device
@@ -75,23 +75,6 @@ def _hook_module(module: nn.Module, name: str, clock: _Clock) -> list[Any]:
     ]
 
 
-class _TimedMatcher(nn.Module):
-    def __init__(self, matcher: nn.Module, clock: _Clock) -> None:
-        super().__init__()
-        self.inner, self.clock = matcher, clock
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self.clock.phase("matcher"):
-            return self.inner(*args, **kwargs)
-
-
-def _amp_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
-    if amp in ("none", "fp32"):
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
-
-
 def profile_training_step(
     config: str = "synthetic_demo",
     overrides: Sequence[str] = (),
@@ -112,6 +95,7 @@ def profile_training_step(
     from detr_irpe.config import load_config
     from detr_irpe.data import build_dataloader, build_dataset
     from detr_irpe.engine.optim import build_optimizer
+    from detr_irpe.engine.trainer import model_outputs, targets_to, weighted_loss
     from detr_irpe.models import build_model
 
     dev = torch.device(device)
@@ -133,8 +117,6 @@ def profile_training_step(
                          (getattr(inner, "decoder", None), "decoder")):
         if module is not None:
             hooks += _hook_module(module, name, clock)
-    criterion.matcher = _TimedMatcher(criterion.matcher, clock)
-    weights = criterion.weight_dict
     rows: list[dict[str, float]] = []
     batches = iter(loader)
     try:
@@ -146,14 +128,14 @@ def profile_training_step(
                     batches = iter(loader)
                     images, targets = next(batches)
             with clock.phase("to_device"):
-                images = images.to(dev)
-                targets = [{k: v.to(dev) if torch.is_tensor(v) else v for k, v in t.items()}
-                           for t in targets]
-            with clock.phase("forward"), _amp_context(dev, amp):
-                outputs = model(images)
-            with clock.phase("criterion"):
-                loss_dict = criterion(outputs, targets)
-                loss = sum(loss_dict[k] * weights[k] for k in loss_dict if k in weights)
+                images, targets = images.to(dev), targets_to(targets, dev)
+            with clock.phase("forward"):
+                outputs = model_outputs(model, images, dev, amp)
+            with clock.phase("matcher"):
+                indices = criterion.match(outputs, targets)
+            with clock.phase("loss"):
+                loss = weighted_loss(criterion(outputs, targets, indices=indices),
+                                     criterion.weight_dict)
             with clock.phase("backward"):
                 loss.backward()
             with clock.phase("optimizer"):
@@ -163,7 +145,6 @@ def profile_training_step(
                 optimizer.zero_grad(set_to_none=True)
             t = clock.take()
             t["heads"] = t.pop("forward") - t.get("backbone", 0) - t.get("encoder", 0) - t.get("decoder", 0)
-            t["loss"] = t.pop("criterion") - t.get("matcher", 0.0)
             if i >= warmup:
                 rows.append(t)
     finally:
