@@ -303,9 +303,9 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     total: dict[str, Tensor] = {}
     norms: dict[str, Any] = {}
+    no_sync = getattr(model, "no_sync", None)  # DDP only
     for k, (images, targets) in enumerate(micro):
         last = k == len(micro) - 1
-        no_sync = getattr(model, "no_sync", None)
         with contextlib.nullcontext() if last or no_sync is None else no_sync():
             outputs = model_outputs(model, images, device, amp)
             check_finite_outputs(outputs)
@@ -393,7 +393,7 @@ class _EpochLog:
                                      state.iteration, "train/")
         self.last_read, self.images_since_read = now, 0
 
-    def step_done(self, state: StepState, images: int) -> None:
+    def step_done(self, images: int) -> None:
         self.images_since_read += images
         if self.bar is not None:
             self.bar.update(1)
@@ -470,7 +470,7 @@ def train_one_epoch(
             pending.add(state.epoch, state.iteration, optimizer.param_groups[0]["lr"], losses)
             state.iteration += 1
             state.batch_in_epoch += 1
-            log.step_done(state, sum(len(t) for _, t in micro) * get_world_size())
+            log.step_done(sum(len(t) for _, t in micro) * get_world_size())
             if log.due(state):
                 log.records(pending.read(), state)
                 log.line(state)
