@@ -196,6 +196,30 @@ def test_tool_on_a_folder_writes_json_and_images(checkpoint: Path, tmp_path: Pat
     assert predict_main([str(checkpoint), str(tmp_path / "nothing")]) == 2
 
 
+def test_a_failed_drawing_leaves_the_previous_image_whole(
+    predictor: Predictor, tmp_path: Path, monkeypatch
+) -> None:
+    from PIL import PngImagePlugin
+
+    from detr_irpe.inference import predict_files
+
+    source = _save(tmp_path / "photo.jpg", _photo())
+    out = tmp_path / "out"
+    predict_files(predictor, [source], out)
+    before = (out / "photo.png").read_bytes()
+
+    def broken_save(image, fp, filename, *args, **kwargs):
+        fp.write(b"\x89PNG half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(PngImagePlugin, "_save", broken_save)
+    monkeypatch.setitem(Image.SAVE, "PNG", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        predict_files(predictor, [source], out)
+    assert (out / "photo.png").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["detections.json", "photo.png"]
+
+
 def test_bad_files_are_skipped_and_listed(checkpoint: Path, tmp_path: Path, capsys) -> None:
     bomb = write_png_bomb(tmp_path / "bomb.png")
     images = _folder(tmp_path / "in", {**BAD_FILES, "bomb.png": bomb.read_bytes()})

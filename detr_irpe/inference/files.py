@@ -5,7 +5,7 @@ while copying, empty, text saved as ``.jpg``, a header declaring more pixels tha
 ``data.max_image_pixels``). Each is skipped with its reason and the rest are
 processed; the results file lists the skipped ones.
 
-Two output layouts, both written atomically into the output folder:
+Two output layouts, written atomically (as are the drawn images) into the output folder:
 
 - ``detections.json`` (default): an object
   ``{"detections": [...], "images": [...], "skipped": [...], "categories": [...],
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from detr_irpe.data import ImageReadError, load_image_list, read_image
 from detr_irpe.inference.predictor import Predictor
-from detr_irpe.utils.files import atomic_write_text
+from detr_irpe.utils.files import atomic_write, atomic_write_text
 from detr_irpe.visualization.draw import draw_detections
 
 logger = logging.getLogger(__name__)
@@ -162,8 +162,8 @@ def _draw(
     count = stems.get(stem, 0)
     stems[stem] = count + 1
     out = output_dir / (f"{stem}.png" if count == 0 else f"{stem}_{count}.png")
-    F.to_pil_image(draw_detections(image, det, predictor.category_names)).save(out)
-    return out
+    picture = F.to_pil_image(draw_detections(image, det, predictor.category_names))
+    return atomic_write(out, lambda f: picture.save(f, format="PNG"))
 
 
 def _write_outputs(
