@@ -133,13 +133,10 @@ def resolve_grid_path(name_or_path: str | Path) -> Path:
 
 
 def _read_grid_yaml(path: Path) -> dict[str, Any]:
-    """The grid file with its ``_base_`` chain merged exactly as config files merge."""
-    if not path.is_file():
-        raise GridError(f"grid file {path} not found")
+    """The grid file with its ``_base_`` chain merged exactly as config files merge
+    (a missing file, bad YAML or a broken chain: a GridError naming the file)."""
     try:
         return read_yaml_with_base(path)
-    except GridError:
-        raise
     except ConfigError as err:
         raise GridError(str(err)) from None
 
