@@ -14,8 +14,7 @@ command-line arguments as one, and reconstructing it runs no code. Anything else
   ``argparse.Namespace`` when written by the reference training script);
 - bare state dicts (``{"state_dict": sd}`` or ``{key: tensor}``);
 - Hugging Face ``DetrForObjectDetection`` weights (a ``save_pretrained`` folder or
-  its ``.safetensors`` file), converted by :mod:`detr_irpe.checkpoint.hf` when that
-  module is installed;
+  its ``.safetensors`` file), converted by :mod:`detr_irpe.checkpoint.hf`;
 
 and returns ``(state_dict, meta)`` in this project's key layout, reading the file once.
 """
@@ -24,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
-import importlib.util
 import json
 import logging
 import re
@@ -36,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from detr_irpe.checkpoint.layout import is_hf_layout, layout_of, strip_ddp_prefix
+from detr_irpe.checkpoint.layout import layout_of, strip_ddp_prefix
 from detr_irpe.errors import CheckpointError
 from detr_irpe.utils.files import atomic_write, write_temp
 
@@ -186,22 +183,13 @@ def split_checkpoint(obj: Any, path: str | Path) -> tuple[dict[str, Tensor], dic
     return _from_hf_if_needed(state, meta)
 
 
-def _hf_module():
-    """:mod:`detr_irpe.checkpoint.hf` if it is part of this installation, else None."""
-    name = "detr_irpe.checkpoint.hf"
-    if importlib.util.find_spec(name) is None:
-        return None
-    return importlib.import_module(name)
-
-
 def _from_hf_if_needed(
     state: dict[str, Tensor], meta: dict[str, Any]
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Convert Hugging Face ``DetrForObjectDetection`` keys to this project's layout."""
-    if meta["format"] == FORMAT or not is_hf_layout(state):
-        return state, meta
-    hf = _hf_module()
-    if hf is None or not hf.is_hf_state_dict(list(state)):
+    from detr_irpe.checkpoint import hf  # hf reads files through this module
+
+    if meta["format"] == FORMAT or not hf.is_hf_state_dict(state):
         return state, meta
     meta["format"] = "hf"
     return hf.convert_hf_state_dict(state), meta
@@ -265,8 +253,9 @@ def _json_field(header: Mapping[str, str], key: str, path: Path) -> Any:
 
 def _read_hf_folder(folder: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """A Hugging Face ``save_pretrained`` folder (``config.json`` + ``model.safetensors``)."""
-    hf = _hf_module()
-    if hf is None or not (folder / HF_CONFIG).is_file():
+    from detr_irpe.checkpoint import hf  # hf reads files through this module
+
+    if not (folder / HF_CONFIG).is_file():
         raise CheckpointError(
             f"checkpoint {folder} is a folder, not a checkpoint file; the only folders read "
             f"are Hugging Face save_pretrained folders ({HF_CONFIG} + {HF_WEIGHTS})"

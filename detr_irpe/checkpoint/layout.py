@@ -38,12 +38,6 @@ def is_rpe_key(key: str) -> bool:
     return ".rpe_" in key or key.startswith("rpe_")
 
 
-def is_hf_layout(state: Mapping[str, Any]) -> bool:
-    """A quick test for Hugging Face ``DetrForObjectDetection`` names (``model.backbone...``,
-    ``class_labels_classifier``); this project's keys never start with them."""
-    return any(k.startswith(("model.", "class_labels_classifier.")) for k in state)
-
-
 def layout_of(state: Mapping[str, Any]) -> str:
     """``irpe_detr`` when the state dict has iRPE tables, else ``detr``."""
     return "irpe_detr" if any(is_rpe_key(k) for k in state) else "detr"
@@ -301,7 +295,6 @@ __all__ = [
     "architecture",
     "convert_state_dict",
     "explain_mismatch",
-    "is_hf_layout",
     "is_rpe_key",
     "layout_of",
     "resize_class_head",
