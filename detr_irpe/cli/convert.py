@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +86,14 @@ def _updated_config(
 
 
 def _write_hf(state: dict, config: dict[str, Any] | None, meta: dict, out: Path) -> None:
+    from detr_irpe.checkpoint.hf import write_hf_folder
     from detr_irpe.config import config_from_dict
 
-    if importlib.util.find_spec("detr_irpe.checkpoint.hf") is None:
-        raise CheckpointError("--to hf is unavailable: this installation has no "
-                              "detr_irpe.checkpoint.hf")
     if config is None:
         raise CheckpointError(f"--to hf needs the model's config: {meta['path']} carries none; "
                               "pass --config, e.g. --config detr_r50")
-    hf = importlib.import_module("detr_irpe.checkpoint.hf")
-    cfg = config_from_dict(config)
-    hf.write_hf_folder(state, cfg, out, category_names=meta.get("category_names"))
+    write_hf_folder(state, config_from_dict(config), out,
+                    category_names=meta.get("category_names"))
 
 
 def convert(args: argparse.Namespace) -> list[str]:
