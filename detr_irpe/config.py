@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.utils.files import atomic_write_text
 
@@ -223,9 +224,6 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-from detr_irpe.errors import ConfigError  # noqa: E402,F401  (re-exported)
 
 
 def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:
