@@ -110,9 +110,7 @@ def resolve_category_names(
         try:
             from detr_irpe.data import build_dataset
 
-            names = build_dataset(cfg.data, "val").category_names
-            return {int(k): str(v) for k, v in dict(names).items()} if isinstance(
-                names, Mapping) else {i: str(v) for i, v in enumerate(names)}
+            return dict(build_dataset(cfg.data, "val").category_names)
         except (DetrIrpeError, OSError) as err:  # normal when looking at a public model
             logger.info("no category names from the dataset (%s: %s)", type(err).__name__, err)
     return default_category_names(cfg.model.num_classes) or None
