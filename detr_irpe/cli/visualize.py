@@ -84,7 +84,7 @@ def _image_args(parser: argparse.ArgumentParser, detections: bool = True) -> Non
     parser.add_argument("--size", type=int, default=None,
                         help="shorter side fed to the model (default data.val_size)")
     parser.add_argument("--max-size", type=int, default=None,
-                        help="longest side at most (default data.max_size)")
+                        help="longer side about this (default data.max_size)")
     parser.add_argument("--names", type=Path, default=None,
                         help="category names: JSON (id -> name, list, or COCO categories) or "
                              "text (line i = id i); default: checkpoint, dataset or COCO")

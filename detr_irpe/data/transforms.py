@@ -10,9 +10,10 @@ the result into the model's float input and the target format of
 
 The recipe (docs/data.md, "Recipe"): random horizontal flip (p 0.5), then with
 p 0.5 either (a) resize the shorter side to a random choice of ``train_scales``
-with the longer side at most ``max_size``, or (b) resize to a random choice of
-``crop_resize_scales``, crop a random ``[crop_min, crop_max]`` region, then (a).
-Validation resizes the shorter side to ``val_size`` (longer side <= ``max_size``).
+with the longer side about ``max_size`` (:func:`resized_hw`), or (b) resize to a
+random choice of ``crop_resize_scales``, crop a random ``[crop_min, crop_max]``
+region, then (a). Validation resizes the shorter side to ``val_size`` (longer side
+about ``max_size``).
 
 All randomness comes from torch's global CPU generator (as in
 ``torchvision.transforms.v2``), so seeding it reproduces an augmentation.
@@ -183,7 +184,7 @@ def to_model_input(
 
 def eval_input(image: Tensor, size: int | None, max_size: int | None = None) -> Tensor:
     """``(3, H, W)`` uint8 -> the model's evaluation-time input ``(3, h, w)`` float32: the
-    shorter side resized to ``size`` (longer side at most ``max_size``, :func:`resized_hw`),
+    shorter side resized to ``size`` (longer side about ``max_size``, :func:`resized_hw`),
     then ImageNet-normalised. ``size=None`` keeps the image's size. The same pixels as
     :func:`val_transforms` + :func:`to_model_input` give a dataset sample."""
     height, width = image.shape[-2:]
@@ -225,7 +226,7 @@ def simple_train_transforms(train_scales: Sequence[int], max_size: int) -> Trans
 
 
 def val_transforms(val_size: int, max_size: int) -> Transform:
-    """Shorter side ``val_size``, longer side at most ``max_size``."""
+    """Shorter side ``val_size``, longer side about ``max_size`` (:func:`resized_hw`)."""
     return RandomResize([val_size], max_size)
 
 

@@ -2,7 +2,7 @@
 
 An :class:`InputImage` keeps the original picture (for drawing, in its own pixel
 coordinates) together with the normalised model input, resized as at evaluation
-(shorter side ``size``, longer side at most ``max_size``; ``data.transforms.eval_input``,
+(shorter side ``size``, longer side about ``max_size``; ``data.transforms.eval_input``,
 the same as the Predictor's input).
 """
 
@@ -67,7 +67,8 @@ def prepare_image(
         image: a file path; a PIL image; an ``(H, W, 3)`` uint8 array; or a ``(3, H, W)``
             tensor, uint8 or float in [0, 1] (or already normalised, see ``normalized``).
         size: shorter side of the model input (``cfg.data.val_size``); None keeps the size.
-        max_size: longest side at most this (``cfg.data.max_size``).
+        max_size: longer side about this (``cfg.data.max_size``; the rule of
+            :func:`~detr_irpe.data.transforms.resized_hw`).
         normalized: the tensor is already ImageNet-normalised (e.g. a dataset sample).
         name: title / file-name stem (default: the file stem or ``"image"``).
         max_pixels: a file declaring more pixels is refused before decoding
