@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark iRPE at the op, model, data and eval levels; prints markdown tables.
+"""Benchmark iRPE at the op, model, profile (training-step phases), data and eval levels;
+prints markdown tables.
 
     python tools/benchmark.py                                  # CPU, 2 threads, a few minutes
     python tools/benchmark.py --threads 1 --only op            # one attention layer + L sweep
@@ -36,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (%(default)s)")
     p.add_argument("--output-dir", default="outputs/benchmark", help="(%(default)s)")
     p.add_argument("--only", default=",".join(SECTIONS),
-                   help="comma-separated sections out of op,model,data,eval (%(default)s)")
+                   help="comma-separated sections out of %(default)s")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every path")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU (%(default)s)")
     p.add_argument("--render", action="store_true",
