@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         strict = args.strict or predictor.cfg.data.strict
         skipped: list = []
         if args.ann is not None:
-            sources, skipped, _ = images_from_annotations(args.ann, args.inputs[0], strict=strict)
+            sources, skipped = images_from_annotations(args.ann, args.inputs[0], strict=strict)
         report = predict_files(
             predictor, sources, args.output_dir, score_threshold=threshold,
             batch_size=args.batch_size, draw=not args.no_draw, format_only=args.format_only,

@@ -349,12 +349,10 @@ class ImageList:
 
     Attributes:
         images: the usable image entries (``id``, ``file_name``, ...), in file order.
-        category_names: ``{category_id: name}`` of the file's ``categories`` (may be empty).
         dropped: ``(image entry, why)`` for entries left out (missing file, unsafe path, ...).
     """
 
     images: list[dict[str, Any]]
-    category_names: dict[int, str]
     dropped: list[tuple[dict[str, Any], str]]
 
 
@@ -374,14 +372,11 @@ def load_image_list(
     problems = _Problems(ann_file, strict)
     images = _check_images(ann_file, data["images"], images_dir, problems)
     problems.raise_if_strict()
-    names: dict[int, str] = {}
-    if data.get("categories"):
-        names = {k: str(c["name"]) for k, c in _check_categories(ann_file, data["categories"]).items()}
     logger.log(
         logging.WARNING if problems.counts else logging.INFO,
         "%s: %d images; %s", ann_file, len(images), problems.summary(),
     )
-    return ImageList(list(images.values()), names, problems.dropped_images)
+    return ImageList(list(images.values()), problems.dropped_images)
 
 
 # ----------------------------------------------------------------------------- dataset

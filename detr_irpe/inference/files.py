@@ -100,11 +100,11 @@ def collect_images(inputs: Iterable[str | Path]) -> list[ImageSource]:
 
 def images_from_annotations(
     ann_file: str | Path, images_dir: str | Path, strict: bool = False
-) -> tuple[list[ImageSource], list[dict[str, Any]], dict[int, str]]:
+) -> tuple[list[ImageSource], list[dict[str, Any]]]:
     """Every image of a COCO file (e.g. ``image_info_test-dev2017.json``), found in ``images_dir``.
 
-    Returns ``(sources, skipped, category names)``: the sources carry the file's image
-    ids and ``file_name`` values; entries whose file is missing or whose name leaves
+    Returns ``(sources, skipped)``: the sources carry the file's image ids and
+    ``file_name`` values; entries whose file is missing or whose name leaves
     ``images_dir`` are in ``skipped`` (``strict``: a :class:`DatasetError`).
     """
     listed = load_image_list(ann_file, images_dir, strict=strict)
@@ -112,7 +112,7 @@ def images_from_annotations(
                            str(entry["file_name"])) for entry in listed.images]
     skipped = [{"id": entry.get("id"), "file_name": entry.get("file_name"), "reason": why}
                for entry, why in listed.dropped]
-    return sources, skipped, listed.category_names
+    return sources, skipped
 
 
 def _results_entries(
