@@ -94,6 +94,30 @@ def test_existing_output_needs_force(checkpoint: Path, exported, capsys) -> None
     assert len(err) == 1 and err[0].startswith("error:") and "--force" in err[0]
 
 
+def test_export_leaves_the_callers_model_as_it_was(checkpoint: Path, tmp_path: Path,
+                                                  monkeypatch) -> None:
+    """The exporter traces a CPU float32 eval-mode copy; the model passed in keeps its dtype,
+    its mode and its parameters (the trace itself is replaced: only what it receives matters)."""
+    from detr_irpe.export import onnx as onnx_export
+
+    traced = []
+
+    def fake_trace(wrapper, images, dynamic_shapes, opset):
+        traced.append(wrapper)
+        return b"onnx"
+
+    monkeypatch.setattr(onnx_export, "_to_onnx_bytes", fake_trace)
+    model = model_from_checkpoint(checkpoint).model.to(torch.float64).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    export_onnx(model, tmp_path / "m.onnx", SIZE)
+    (wrapper,) = traced
+    assert not wrapper.training and wrapper.model is not model
+    assert {p.dtype for p in wrapper.parameters()} == {torch.float32}
+    assert model.training and {p.dtype for p in model.parameters()} == {torch.float64}
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
 @pytest.mark.parametrize("bad,reason", [
     (["--format", "torchscript"], "--format 'torchscript' is not supported; supported: onnx"),
     (["--opset", "13"], "opset 13 is not supported"),

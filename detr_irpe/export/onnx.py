@@ -14,6 +14,7 @@ serves any image size (and batch size) with the ids computed inside the graph.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import re
@@ -142,7 +143,8 @@ def export_onnx(
     """Write ``model`` as an ONNX file (atomically: a temporary file, then a rename).
 
     Args:
-        model: a DETR (any iRPE setting); exported in eval mode on the CPU, float32.
+        model: a DETR (any iRPE setting); a copy of it is exported in eval mode on the
+            CPU in float32, the model itself is left as it is.
         path: the ``.onnx`` file to write (a single self-contained file).
         size: ``(H, W)`` of the input images in pixels.
         batch: the batch size N of a static export.
@@ -159,18 +161,14 @@ def export_onnx(
     """
     _require_exporter()
     _check_settings(model, size, batch, dynamic, opset)
-    was_training = model.training
-    wrapper = ImagesToPredictions(model).to("cpu", torch.float32).eval()
+    # a CPU float32 copy in eval mode: the caller's model keeps its device, dtype and mode
+    wrapper = ImagesToPredictions(copy.deepcopy(model)).to("cpu", torch.float32).eval()
     trace_batch = _DYNAMIC_TRACE_BATCH if dynamic else batch
     images = torch.randn(trace_batch, 3, *size)
     logger.info("exporting to ONNX (opset %d, %s input %s)", opset,
                 "dynamic" if dynamic else "static", "N x 3 x H x W" if dynamic
                 else f"{batch} x 3 x {size[0]} x {size[1]}")
-    try:
-        data = _to_onnx_bytes(wrapper, images, _dynamic_shapes(model) if dynamic else None,
-                              opset)
-    finally:
-        model.train(was_training)
+    data = _to_onnx_bytes(wrapper, images, _dynamic_shapes(model) if dynamic else None, opset)
     path = atomic_write(path, lambda f: f.write(data))
     logger.info("wrote %s (%.1f MB)", path, len(data) / 2**20)
     return path
