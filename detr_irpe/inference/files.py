@@ -244,7 +244,8 @@ def predict_files(
         readable = _read_batch(chunk, max_pixels, strict, report)
         detections = predictor.detect([image for _, image in readable])
         for (source, image), det in zip(readable, detections):
-            det = {key: value[det["scores"] >= score_threshold] for key, value in det.items()}
+            keep = det["scores"] >= score_threshold
+            det = {key: value[keep] for key, value in det.items()}
             report.detections += _results_entries(predictor, source, det, not format_only)
             report.images.append({"id": source.image_id, "file_name": source.file_name,
                                   "height": int(image.shape[-2]), "width": int(image.shape[-1])})
