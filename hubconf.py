@@ -30,14 +30,13 @@ def _config(name: str, num_classes: int, model_options: dict[str, Any]):
     return config_from_dict(values)
 
 
-def _download(zoo_name: str) -> tuple[dict, dict]:
-    """The published checkpoint ``zoo_name`` as ``(state_dict, meta)``."""
+def _download(entry) -> tuple[dict, dict]:
+    """The published checkpoint of a :class:`~detr_irpe.checkpoint.zoo.ZooEntry` as
+    ``(state_dict, meta)``."""
     import torch
 
     from detr_irpe.checkpoint import allowed_classes, split_checkpoint
-    from detr_irpe.checkpoint.zoo import zoo_entry
 
-    entry = zoo_entry(zoo_name)
     with allowed_classes():  # the reference training script stores args as a Namespace
         obj = torch.hub.load_state_dict_from_url(
             entry.url, map_location="cpu", check_hash=entry.check_hash,
@@ -55,12 +54,15 @@ def _make(
     model_options: dict[str, Any],
 ):
     from detr_irpe.checkpoint import load_state
+    from detr_irpe.checkpoint.zoo import zoo_entry
     from detr_irpe.models import build_model
 
+    # an unpublished name fails before the model is built
+    entry = zoo_entry(zoo_name) if pretrained else None
     cfg = _config(config, num_classes, model_options)
     model, _, postprocessor = build_model(cfg, load_backbone_weights=not pretrained)
-    if pretrained:
-        state, meta = _download(zoo_name)
+    if entry is not None:
+        state, meta = _download(entry)
         load_state(model, state, meta, strict_head=False)
         model.eval()
     return (model, postprocessor) if return_postprocessor else model

@@ -79,6 +79,20 @@ def test_pretrained_checks_the_hash(tmp_path: Path, hub_dir: Path, monkeypatch) 
         torch.hub.load(str(ROOT), "detr_resnet50", source="local", pretrained=True, **SMALL)
 
 
+def test_unpublished_rpe_fails_before_building(hub_dir: Path, monkeypatch) -> None:
+    """pretrained=True with an iRPE setting that has no published file: a KeyError naming
+    the published ones, before any model is built."""
+    import detr_irpe.models
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the name was checked")
+
+    monkeypatch.setattr(detr_irpe.models, "build_model", no_build)
+    with pytest.raises(KeyError, match="rpe-2.0-product-ctx-1-k"):
+        torch.hub.load(str(ROOT), "detr_resnet50_irpe", source="local", pretrained=True,
+                       rpe="rpe-1.5-product-ctx-1-k", **SMALL)
+
+
 def test_zoo_addresses() -> None:
     assert zoo.ZOO["detr_r50"].file_name == "detr-r50-e632da11.pth"
     assert zoo.ZOO["detr_r50"].check_hash
