@@ -179,7 +179,7 @@ class CocoEvaluator:
         self.pr_arrays = pr_arrays_from_cocoeval(run.coco_eval, names, run.stats, run.backend)
         summary: dict[str, Any] = {"stats": run.stats}
         summary.update(zip(COCO_STAT_NAMES, run.stats))
-        summary["per_class"] = self._per_class(run.coco_eval)
+        summary["per_class"] = self._per_class(run.coco_eval, names)
         summary["num_images"] = len(image_ids)
         summary["num_detections"] = len(detections)
         summary["backend"] = run.backend
@@ -189,7 +189,7 @@ class CocoEvaluator:
         )
         return summary
 
-    def _per_class(self, coco_eval: Any) -> list[dict[str, Any]]:
+    def _per_class(self, coco_eval: Any, names: Mapping[int, str]) -> list[dict[str, Any]]:
         # precision: (iou thresholds, recall thresholds, categories, area ranges, max dets);
         # area "all" is index 0 and maxDets 100 the last, as for the overall AP.
         precision = coco_eval.eval["precision"]
@@ -203,7 +203,7 @@ class CocoEvaluator:
             out.append(
                 {
                     "category_id": int(cat_id),
-                    "name": str(self.coco_gt.cats[cat_id].get("name", cat_id)),
+                    "name": names[int(cat_id)],
                     "AP": ap,
                     "AP50": ap50,
                 }
