@@ -351,6 +351,19 @@ def test_write_replaces_earlier_export_but_not_other_folders(plain_model, tmp_pa
 
 
 # ------------------------------------------------------------------------------ the tool
+def test_convert_tool_keeps_the_config_of_a_folder(hf_model, hf_folder, batch, tmp_path):
+    """A save_pretrained folder converted to .pth without --config: the file carries the
+    config its config.json implies, so it loads as the folder does, without --config."""
+    from detr_irpe.cli.convert import main as convert_main
+    from detr_irpe.models.from_checkpoint import model_from_checkpoint
+
+    out = tmp_path / "from_hf.pth"
+    assert convert_main([str(hf_folder), str(out)]) == 0
+    loaded = model_from_checkpoint(out)
+    assert loaded.cfg.model.enc_layers == LAYERS and loaded.cfg.model.rpe == "none"
+    assert_same_outputs(loaded.model, hf_outputs(hf_model, batch), batch)
+
+
 def test_convert_tool_to_hf(plain_model, batch, tmp_path, capsys):
     from detr_irpe.cli.convert import main as convert_main
 

@@ -63,10 +63,12 @@ def _check_options(args: argparse.Namespace) -> str:
 
 
 def _saved_config(args: argparse.Namespace, meta: dict[str, Any]) -> dict[str, Any] | None:
-    """The model's config as a dict: --config / --set, else the one in the file, else None."""
+    """The model's config as a dict: --config / --set, else the one in the file (for a
+    Hugging Face folder: the one its config.json implies), else None."""
     from detr_irpe.models.from_checkpoint import resolve_config
 
-    if args.config is None and not isinstance(meta.get("config"), dict):
+    if args.config is None and not isinstance(meta.get("config"), dict) \
+            and not meta.get("hf_model"):
         return None
     return resolve_config(args.input, args.config, args.overrides, meta).to_dict()
 
