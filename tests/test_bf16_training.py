@@ -50,8 +50,12 @@ def curves(tiny_dataset) -> dict[str, list[float]]:
     # a learning rate at which the tiny model leaves its start within STEPS steps
     cfg = load_tiny_config(f"data.root={tiny_dataset}", "train.lr=5e-4", "train.lr_backbone=5e-4",
                            "model.num_classes=4")
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return {amp: _train(cfg, amp) for amp in ("none", "bf16")}
+    try:
+        return {amp: _train(cfg, amp) for amp in ("none", "bf16")}
+    finally:
+        torch.set_num_threads(threads)  # the rest of the session keeps its thread count
 
 
 def _mean(values: list[float]) -> float:
