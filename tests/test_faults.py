@@ -517,6 +517,34 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tiny_dataset, tmp_
     assert output.count("error: SIGTERM: interrupted at epoch 0 batch 2; run the same") == 2
 
 
+def test_ranks_agree_on_a_stop_only_where_a_step_waits_anyway(tiny_dataset, tmp_path,
+                                                              monkeypatch):
+    """Agreeing on a stop is a collective that waits for the device: with several
+    processes it runs at the steps whose losses are read (every print_freq steps) and
+    after each epoch, not after every step. Two ranks are simulated in one process."""
+    import dataclasses
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from detr_irpe.engine import runner
+
+    real_init = runner.init_distributed
+    monkeypatch.setattr(runner, "init_distributed",
+                        lambda device: dataclasses.replace(real_init(device), world_size=2))
+    steps, agreed_after = [], []
+    monkeypatch.setattr(runner, "agreed_stop",
+                        lambda local, device: agreed_after.append(len(steps)) or local)
+    handle = register_optimizer_step_pre_hook(lambda *args: steps.append(1))
+    try:
+        # 8 images at batch 1: 8 steps in the epoch, the losses read every 2 steps.
+        assert _train(tiny_dataset, tmp_path / "run", "train.epochs=1", "train.batch_size=1",
+                      "train.checkpoint_every=0", "train.print_freq=2") == 0
+    finally:
+        handle.remove()
+    assert len(steps) == 8
+    assert agreed_after == [2, 4, 6, 8]
+
+
 def test_weights_that_became_nan_are_never_saved(tiny_dataset, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     real_step, calls = torch.optim.AdamW.step, []

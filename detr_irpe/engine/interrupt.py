@@ -12,7 +12,8 @@ signal every process of a job while a launcher (``torchrun``) forwards the same
 signal to its workers, so one stop request often arrives twice.
 
 Under ``torchrun`` every rank decides together (:func:`agreed_stop`), so that
-no rank waits in a collective for one that has already stopped.
+no rank waits in a collective for one that has already stopped; the runner asks
+them only at steps that wait for the device anyway (losses read, a checkpoint).
 """
 
 from __future__ import annotations

@@ -437,9 +437,14 @@ class _Run:
             )
         barrier()
 
-    def stop_requested(self) -> int | None:
-        """The signal that stops every rank now, or None (a collective under torchrun)."""
-        if self.stop is None:
+    def stop_requested(self, agree: bool = True) -> int | None:
+        """The signal that stops every rank now, or None.
+
+        With several processes the ranks agree in a collective that waits for the
+        device; ``agree=False`` skips it (None), so that a step that would not wait
+        otherwise does not wait for it either.
+        """
+        if self.stop is None or (not agree and self.info.world_size > 1):
             return None
         return agreed_stop(self.stop.requested(), self.info.device)
 
@@ -548,14 +553,19 @@ def _train_epoch(run: _Run, tensorboard: TensorBoardWriter) -> dict[str, float]:
     p, cfg, step = run.parts, run.cfg, run.step
 
     def on_step(state: StepState, read_losses) -> None:
+        if state.batch_in_epoch >= p.steps_per_epoch:
+            return  # the epoch's end: run_epochs evaluates, saves, then looks for a stop
         every = cfg.train.checkpoint_every
-        mid_epoch = state.batch_in_epoch < p.steps_per_epoch
-        signum = run.stop_requested()
-        if signum is not None and mid_epoch:  # at an epoch's end: after its evaluation
+        checkpoint_due = every > 0 and state.iteration % every == 0
+        # Under torchrun the stop is agreed on at the steps that wait for the device
+        # anyway: the losses are read every print_freq steps, and before a checkpoint.
+        agree = checkpoint_due or state.batch_in_epoch % max(cfg.train.print_freq, 1) == 0
+        signum = run.stop_requested(agree)
+        if signum is not None:
             read_losses()
             run.save(state)
             raise run.interrupted(signum, state)
-        if every > 0 and state.iteration % every == 0 and mid_epoch:
+        if checkpoint_due:
             read_losses()  # never checkpoint weights after a NaN / inf loss
             run.save(state)
 
