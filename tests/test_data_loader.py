@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +147,39 @@ def test_train_drops_last_and_val_keeps_all(tmp_path: Path) -> None:
     assert [t["image_id"].item() for _, ts in val for t in ts] == [1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="batch_size"):
         build_dataloader(dataset, 0, train=True)
+
+
+def _worker_like_child(ready, remove_sigwaitinfo: bool) -> None:
+    """What a loader worker does at start, then idles until it is ended."""
+    import time
+
+    from detr_irpe.data.loader import _leave_stop_signals_to_the_parent
+
+    if remove_sigwaitinfo:  # as on platforms without it (macOS)
+        del signal.sigwaitinfo
+    _leave_stop_signals_to_the_parent()
+    ready.set()
+    time.sleep(30)
+
+
+@pytest.mark.skipif(not hasattr(signal, "sigwaitinfo"), reason="needs a Linux-like signal API")
+@pytest.mark.parametrize("remove_sigwaitinfo", [False, True])
+def test_worker_still_ends_on_the_parents_sigterm(remove_sigwaitinfo: bool) -> None:
+    # A worker ignores Ctrl-C but must still end when the parent (the loader) sends SIGTERM,
+    # also where SIGTERM cannot be filtered by sender.
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    child = ctx.Process(target=_worker_like_child, args=(ready, remove_sigwaitinfo))
+    child.start()
+    try:
+        assert ready.wait(20)
+        os.kill(child.pid, signal.SIGINT)
+        time.sleep(0.2)
+        assert child.is_alive()  # Ctrl-C is the training process's to handle
+        os.kill(child.pid, signal.SIGTERM)
+        child.join(10)
+        assert child.exitcode is not None, "the worker ignored its parent's SIGTERM"
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()

@@ -67,8 +67,12 @@ def _leave_stop_signals_to_the_parent() -> None:
     ended by the signal would make the loader fail first. The parent's own SIGTERM
     (how the loader and multiprocessing end workers) still ends the worker: a thread
     waits for SIGTERM, blocked for the worker's other threads, and reads its sender.
+    Where that cannot be done (no ``sigwaitinfo``, e.g. macOS), SIGTERM keeps its
+    default: blocking it with no thread to receive it would make the worker unstoppable.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not (hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask")):
+        return
     parent = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
