@@ -158,6 +158,18 @@ def test_device_flag_overrides_the_config_only_when_given() -> None:
         device_override("cuda:1")
 
 
+@pytest.mark.parametrize("tool", ["train", "eval"])
+def test_device_help_names_the_config_default_and_no_gpu_index(tool: str) -> None:
+    import importlib
+
+    text = " ".join(importlib.import_module(f"detr_irpe.cli.{tool}").build_parser()
+                    .format_help().split())
+    device_help = text[text.index("--device auto|cpu|cuda "):]
+    assert device_help.startswith("--device auto|cpu|cuda where the model runs")
+    assert "default: the config's train.device" in device_help
+    assert "None" not in text and "cuda:N" not in text
+
+
 def test_seed_change_on_purposeful_resume_is_refused(tiny_dataset, first_run, tmp_path) -> None:
     """The checkpoint's RNG states continue: a new seed could not apply, so it is refused
     rather than reported as applied."""

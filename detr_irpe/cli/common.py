@@ -59,7 +59,17 @@ def add_config_arguments(
     )
 
 
-def add_device_argument(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+def add_device_argument(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    """``--device``. ``default=None`` (training and evaluation): when the flag is not
+    given the config's ``train.device`` decides, and each process takes the GPU of its
+    rank, so the help offers no ``cuda:N`` (:func:`device_override` refuses it)."""
+    if default is None:
+        parser.add_argument(
+            "--device", type=parse_device, default=None, metavar="auto|cpu|cuda",
+            help="where the model runs: auto (the GPU when there is one, else the CPU), cpu "
+                 "or cuda (default: the config's train.device)",
+        )
+        return
     parser.add_argument(
         "--device", type=parse_device, default=default, metavar="auto|cpu|cuda|cuda:N",
         help="where the model runs (%(default)s: the GPU when there is one, else the CPU)",

@@ -36,8 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", type=Path, help="checkpoint file (.pth)")
     add_config_arguments(parser, config_help="config name or YAML path (default: the "
                                              "checkpoint's own)")
-    add_device_argument(parser)
-    parser.set_defaults(device=None)  # not given: the config's train.device decides
+    add_device_argument(parser, default=None)
     parser.add_argument("--output-dir", type=Path,
                         help="where results go (default: CHECKPOINT_DIR/eval_CHECKPOINT_STEM)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -62,8 +62,7 @@ from detr_irpe.errors import ConfigError
 def build_parser() -> argparse.ArgumentParser:
     parser = new_parser(__doc__, prog="train.py")
     add_config_arguments(parser, required=True)
-    add_device_argument(parser)
-    parser.set_defaults(device=None)  # not given: the config's train.device decides
+    add_device_argument(parser, default=None)
     parser.add_argument("--resume", metavar="PATH",
                         help="checkpoint to resume from on purpose (default: OUTPUT_DIR/"
                              "checkpoint_last.pth of the same experiment); with --eval-only, "
