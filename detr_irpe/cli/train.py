@@ -39,7 +39,8 @@ results in OUTPUT_DIR/eval)::
         --resume outputs/detr_r50_irpe/checkpoint_best.pth
 
 Exit status: 0 done; 2 a user error (config, data, checkpoint, run folder), one line
-on stderr; 3 the loss became NaN / inf (the last checkpoint is intact).
+on stderr; 3 the loss became NaN / inf (the last checkpoint is intact); 143 / 130
+stopped by SIGTERM / Ctrl-C after a checkpoint at that step (the same command resumes).
 """
 
 from __future__ import annotations
