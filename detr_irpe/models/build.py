@@ -22,8 +22,14 @@ from detr_irpe.models.transformer import Transformer
 logger = logging.getLogger(__name__)
 
 
-def _model_section(cfg: Config | ModelConfig) -> ModelConfig:
-    return cfg.model if isinstance(cfg, Config) else cfg
+def _sections(
+    cfg: Config | ModelConfig, loss: LossConfig | None = None
+) -> tuple[ModelConfig, LossConfig]:
+    """``(model, loss)`` sections of a whole config, or a model section with ``loss``
+    (default: the DETR loss weights)."""
+    if isinstance(cfg, Config):
+        return cfg.model, cfg.loss
+    return cfg, loss if loss is not None else LossConfig()
 
 
 def build_backbone(cfg: Config | ModelConfig, *, load_weights: bool = True) -> Joiner:
@@ -34,7 +40,7 @@ def build_backbone(cfg: Config | ModelConfig, *, load_weights: bool = True) -> J
         load_weights: False when a checkpoint will be loaded over the whole model: the
             ResNet then starts random, quietly, and ImageNet weights are never fetched.
     """
-    m = _model_section(cfg)
+    m, _ = _sections(cfg)
     backbone = Backbone(
         name=m.backbone,
         weights=m.backbone_weights if load_weights else None,
@@ -47,7 +53,7 @@ def build_backbone(cfg: Config | ModelConfig, *, load_weights: bool = True) -> J
 
 
 def build_transformer(cfg: Config | ModelConfig) -> Transformer:
-    m = _model_section(cfg)
+    m, _ = _sections(cfg)
     return Transformer(
         d_model=m.hidden_dim,
         nhead=m.nheads,
@@ -66,9 +72,7 @@ def build_criterion(model_cfg: Config | ModelConfig, loss: LossConfig | None = N
 
     ``build_criterion(cfg)`` with a whole config, or ``build_criterion(model_cfg, loss_cfg)``.
     """
-    if isinstance(model_cfg, Config):
-        model_cfg, loss = model_cfg.model, model_cfg.loss
-    loss = loss if loss is not None else LossConfig()
+    model_cfg, loss = _sections(model_cfg, loss)
     matcher = HungarianMatcher(loss.set_cost_class, loss.set_cost_bbox, loss.set_cost_giou)
     base = {
         "loss_ce": loss.ce_loss_coef,
@@ -104,10 +108,7 @@ def build_model(
     Raises:
         ConfigError: ``model.num_classes`` is not set.
     """
-    if isinstance(cfg, Config):
-        m, loss = cfg.model, cfg.loss
-    else:
-        m, loss = cfg, loss_cfg if loss_cfg is not None else LossConfig()
+    m, loss = _sections(cfg, loss_cfg)
     if m.num_classes is None:
         raise ConfigError(
             "model.num_classes is not set: set it to the largest category id + 1 of your "
