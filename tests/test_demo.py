@@ -21,6 +21,11 @@ def test_step_budget_sets_epochs_and_drop(num_train, batch, steps, expected) -> 
     assert 1 <= drop <= epochs
 
 
+def test_step_budget_counts_optimizer_steps_with_accumulation() -> None:
+    # 1600 images, batch 8, 2 micro-batches per step: 100 optimizer steps per epoch
+    assert demo.schedule_for(1600, 8, 4800, accumulate_steps=2) == (48, 41)
+
+
 def test_demo_runs_end_to_end_on_the_tiny_config(tiny_dataset: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "demo"
     status = demo.main([
@@ -55,9 +60,10 @@ def test_fresh_clears_the_run_folder_in_use_and_nothing_else(tiny_dataset: Path,
     status = demo.main([
         "--config", "synthetic_tiny", "--data", str(tiny_dataset), "--output-dir", str(kept),
         "--steps", "2", "--num-images", "1", "--no-progress", "--fresh",
-        "--set", "train.amp=none", f"train.output_dir={used}",
+        "--set", "train.amp=none", f"train.output_dir={used}", "train.accumulate_steps=2",
     ])
     assert status == 0
     assert (kept / "marker").is_file()
     assert not (used / "marker").exists()
-    assert (used / "demo_results.json").is_file()
+    # the budget counts optimizer steps: 8 images / (batch 4 x 2 micro-batches) = 1 per epoch
+    assert json.loads((used / "demo_results.json").read_text())["steps"] == 2

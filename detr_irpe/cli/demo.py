@@ -74,13 +74,20 @@ def ensure_dataset(folder: Path) -> None:
     generate_dataset(folder, num_train=NUM_TRAIN, num_val=NUM_VAL, seed=0)
 
 
-def schedule_for(num_train: int, batch_size: int, steps: int) -> tuple[int, int]:
+def steps_per_epoch(num_train: int, batch_size: int, accumulate_steps: int = 1) -> int:
+    """Optimizer steps of one epoch: the train loader drops its last incomplete batch and
+    the engine its last incomplete group of ``accumulate_steps`` batches."""
+    return num_train // batch_size // accumulate_steps
+
+
+def schedule_for(num_train: int, batch_size: int, steps: int,
+                 accumulate_steps: int = 1) -> tuple[int, int]:
     """(epochs, lr_drop) giving about ``steps`` optimizer steps, lr / 10 at ~``DROP_AT``."""
     if steps <= 0:
         from detr_irpe.errors import ConfigError
 
         raise ConfigError(f"--steps must be positive, got {steps}")
-    per_epoch = max(num_train // batch_size, 1)
+    per_epoch = max(steps_per_epoch(num_train, batch_size, accumulate_steps), 1)
     epochs = max(1, round(steps / per_epoch))
     lr_drop = min(max(1, int(DROP_AT * epochs + 0.5)), epochs)
     return epochs, lr_drop
@@ -99,12 +106,13 @@ def demo_config(args) -> Any:
     ]
     base = load_config(name, data + user)
     num_train = len(json.loads((args.data / base.data.train_ann).read_text())["images"])
-    epochs, lr_drop = schedule_for(num_train, base.train.batch_size, args.steps)
+    epochs, lr_drop = schedule_for(num_train, base.train.batch_size, args.steps,
+                                   base.train.accumulate_steps)
     user_keys = {o.split("=", 1)[0] for o in user}
     schedule = [f"train.{k}={v}" for k, v in (("epochs", epochs), ("lr_drop", lr_drop))
                 if f"train.{k}" not in user_keys]
     cfg = load_config(name, data + schedule + user)
-    per_epoch = num_train // cfg.train.batch_size
+    per_epoch = steps_per_epoch(num_train, cfg.train.batch_size, cfg.train.accumulate_steps)
     print(f"[demo] training {cfg.train.epochs} epochs x {per_epoch} steps = "
           f"{cfg.train.epochs * per_epoch} steps (lr / 10 after epoch {cfg.train.lr_drop}) on "
           f"the CPU into {cfg.train.output_dir}")
