@@ -69,11 +69,11 @@ class GridReport:
     not_started: list[RunSpec] = field(default_factory=list)  # left for later (max_runs)
 
 
-def launch_command(grid: Grid, run: RunSpec, module: str = TRAIN_MODULE) -> list[str]:
+def launch_command(grid: Grid, run: RunSpec) -> list[str]:
     """The command line that trains ``run`` (run from the current working directory):
-    ``python -m <module> --config BASE --set OVERRIDES... --no-progress``, under
+    ``python -m detr_irpe.cli.train --config BASE --set OVERRIDES... --no-progress``, under
     ``torch.distributed.run`` for ``launcher: torchrun``."""
-    args = ["-m", module, "--config", str(grid.base), "--set", *run.overrides, "--no-progress"]
+    args = ["-m", TRAIN_MODULE, "--config", str(grid.base), "--set", *run.overrides, "--no-progress"]
     if grid.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={grid.nproc_per_node}", *args]
