@@ -47,6 +47,7 @@ from torch import Tensor
 from detr_irpe.checkpoint.files import format_keys, load_safetensors, safe_load
 from detr_irpe.checkpoint.layout import is_rpe_key
 from detr_irpe.errors import CheckpointError
+from detr_irpe.utils.files import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -664,6 +665,7 @@ def _write_folder(out_dir: Path, files: Mapping[str, bytes]) -> Path:
         if old.exists() and not out_dir.exists():
             os.replace(old, out_dir)
         raise
+    fsync_dir(out_dir.parent)  # the rename itself survives a power cut, as atomic_write's
     shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
