@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -338,3 +340,30 @@ def test_capture_on_cuda(synthetic_image, tmp_path):
                                   min_detections=2)
     for out in written.values():
         assert_png(out)
+
+
+def test_a_failed_figure_save_leaves_the_previous_png_whole(tmp_path, monkeypatch):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from detr_irpe.visualization import plot_bucket_layout
+
+    out = tmp_path / "figs" / "buckets.png"
+    plot_bucket_layout(2.0, (7, 7), None, ["euc"], out=out)
+    before = out.read_bytes()
+
+    original = FigureCanvasAgg.print_png
+
+    def broken_print_png(self, target, **kwargs):
+        if isinstance(target, io.BytesIO):  # matplotlib's own dry run to lay the figure out
+            return original(self, target, metadata=kwargs.get("metadata"),
+                            pil_kwargs=kwargs.get("pil_kwargs"))
+        with open(target, "wb") if isinstance(target, (str, Path)) else nullcontext(
+                target) as f:
+            f.write(b"\x89PNG half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(FigureCanvasAgg, "print_png", broken_print_png)
+    with pytest.raises(OSError, match="disk full"):
+        plot_bucket_layout(2.0, (7, 7), None, ["euc"], out=out)
+    assert out.read_bytes() == before
+    assert [p.name for p in out.parent.iterdir()] == ["buckets.png"]  # no temporary file left

@@ -16,6 +16,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from detr_irpe.utils.files import atomic_write
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["new_figure", "save_figure", "hide_ticks", "fit_suptitle"]
@@ -31,12 +33,10 @@ def new_figure(rows: int, cols: int, panel_size: tuple[float, float] = (3.0, 3.0
 
 
 def save_figure(fig: Figure, out: str | Path | None, dpi: int = 100) -> Path | None:
-    """Write ``fig`` as PNG (parent folders are created); ``None`` writes nothing."""
+    """Write ``fig`` as PNG, atomically (parent folders are created); ``None`` writes nothing."""
     if out is None:
         return None
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=dpi, format="png")
+    out = atomic_write(out, lambda f: fig.savefig(f, dpi=dpi, format="png"))
     logger.info("wrote %s", out)
     return out
 
