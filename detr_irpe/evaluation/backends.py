@@ -4,9 +4,8 @@ Both follow the same COCO box protocol (greedy matching by score at ten IoU
 thresholds, 101-point interpolated precision, the small / medium / large area
 ranges, 1 / 10 / 100 detections) and produce the same ``eval`` dict layout and the
 same 12 summary numbers; faster-coco-eval does the per-image matching and the
-accumulation in C++, which is what makes a 5,000-image evaluation take seconds
-instead of about a minute. ``tests/test_eval_backends.py`` checks that the two
-agree.
+accumulation in C++ (the eval level of ``tools/benchmark.py`` times the two).
+``tests/test_eval_backends.py`` checks that they agree.
 
 ``backend="auto"`` (the default everywhere) picks faster-coco-eval when it can be
 imported (``pip install -e '.[fast-eval]'``) and pycocotools otherwise; the choice
