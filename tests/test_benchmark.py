@@ -94,3 +94,10 @@ def test_render_from_json(quick_results) -> None:
     (out / "results.md").unlink()
     assert tool.main(["--render", "--output-dir", str(out)]) == 0
     assert "CPU targets" in (out / "results.md").read_text()
+
+
+def test_tool_render_without_results_is_one_line(tmp_path: Path, capsys) -> None:
+    tool = load_tool("benchmark")
+    assert tool.main(["--render", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "results.json not found" in err[0]

@@ -21,6 +21,7 @@ from detr_irpe.benchmark import model as model_bench
 from detr_irpe.benchmark import op as op_bench
 from detr_irpe.benchmark import profile as profile_bench
 from detr_irpe.benchmark.common import environment
+from detr_irpe.errors import ConfigError
 from detr_irpe.utils.files import atomic_write_text
 
 __all__ = ["SECTIONS", "SuiteOptions", "rerender", "run_suite", "suite_markdown", "write_results"]
@@ -152,10 +153,10 @@ def run_suite(
     """Measure the requested sections; writes the sweep plot into ``output_dir``."""
     unknown = [s for s in options.sections if s not in SECTIONS]
     if unknown:
-        raise ValueError(f"unknown benchmark section(s) {unknown}; choose from {list(SECTIONS)}")
+        raise ConfigError(f"unknown benchmark section(s) {unknown}; choose from {list(SECTIONS)}")
     dev = torch.device(options.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda requested but CUDA is not available")
+        raise ConfigError("--device cuda requested but CUDA is not available; use --device cpu")
     if dev.type == "cpu":
         torch.set_num_threads(options.threads)
     output_dir = Path(output_dir)
@@ -288,7 +289,11 @@ def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path
 def rerender(output_dir: str | Path) -> dict[str, Any]:
     """Rebuild targets, ``results.md`` and the sweep plot from ``results.json`` (no measuring)."""
     output_dir = Path(output_dir)
-    results = json.loads((output_dir / "results.json").read_text())
+    path = output_dir / "results.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: --render rebuilds the tables of an earlier run "
+                          "in --output-dir")
+    results = json.loads(path.read_text())
     if results["environment"]["device"].startswith("cpu"):
         results["targets"] = _targets(results)
     if "sweep" in results.get("op", {}):
