@@ -111,15 +111,14 @@ def _summary(grid, report, seconds: float) -> int:
     rows, paths = collect_and_write(grid)
     print(format_markdown(grid, rows))
     print(f"tables: {paths['markdown']}  {paths['csv']}  {paths['runs']}")
-    if report is None:
-        return 0 if all(row.status == "done" for row in rows) else EXIT_FAILURE
-    print(f"{len(report.done)} run(s) trained in {seconds:.0f} s; "
-          f"{len(report.skipped_finished)} already finished")
-    if report.failed or report.not_started or report.busy or report.skipped_failed:
-        print(f"{len(report.done)} runs trained now, {len(report.failed)} failed, "
-              f"{len(report.skipped_failed)} failed before, {len(report.not_started)} left, "
-              f"{len(report.busy)} running elsewhere", file=sys.stderr)
-        return EXIT_FAILURE
+    if report is not None:  # runs were trained now (not --table-only)
+        print(f"{len(report.done)} run(s) trained in {seconds:.0f} s; "
+              f"{len(report.skipped_finished)} already finished")
+        if report.failed or report.not_started or report.busy or report.skipped_failed:
+            print(f"{len(report.done)} runs trained now, {len(report.failed)} failed, "
+                  f"{len(report.skipped_failed)} failed before, {len(report.not_started)} left, "
+                  f"{len(report.busy)} running elsewhere", file=sys.stderr)
+            return EXIT_FAILURE
     return 0 if all(row.status == "done" for row in rows) else EXIT_FAILURE
 
 
