@@ -86,6 +86,9 @@ def test_tool_cli_quick_op_only(tmp_path: Path, capsys) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     assert "model" not in results and "sweep" not in results["op"]
     assert tool.main(["--quick", "--only", "op,bogus", "--output-dir", str(tmp_path)]) == 2
+    # "auto" is a training setting, not a precision a benchmark row can name
+    assert tool.main(["--quick", "--only", "model", "--amp", "auto",
+                      "--output-dir", str(tmp_path)]) == 2
 
 
 def test_render_from_json(quick_results) -> None:

@@ -29,6 +29,7 @@ __all__ = ["SECTIONS", "SuiteOptions", "rerender", "run_suite", "suite_markdown"
 logger = logging.getLogger(__name__)
 
 SECTIONS = ("op", "model", "profile", "data", "eval")
+PRECISIONS = ("none", "bf16", "fp16")
 # CPU targets (docs/benchmarks.md): iRPE-DETR step / plain DETR step, ctx-product-k layer / plain MHA,
 # qkv layer time and activation memory / plain MHA
 TARGETS = {"model_train_step": 1.05, "op_k_time": 1.15, "op_qkv_time": 2.0, "op_qkv_memory": 1.5}
@@ -154,6 +155,10 @@ def run_suite(
     unknown = [s for s in options.sections if s not in SECTIONS]
     if unknown:
         raise ConfigError(f"unknown benchmark section(s) {unknown}; choose from {list(SECTIONS)}")
+    # each row names one precision; "auto" would hide which one was measured
+    bad_amp = [a for a in options.amp if a not in PRECISIONS]
+    if bad_amp:
+        raise ConfigError(f"--amp: {bad_amp} not allowed; choose from {list(PRECISIONS)}")
     dev = torch.device(options.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda requested but CUDA is not available; use --device cpu")
