@@ -1,6 +1,7 @@
 """Inference with a trained DETR: :class:`Predictor` from Python, :func:`predict_files` for
 folders of images (JSON results, drawn images, skipped files listed)."""
 
+from detr_irpe.data.images import to_uint8_image
 from detr_irpe.inference.files import (
     IMAGE_SUFFIXES,
     ImageSource,
@@ -9,7 +10,7 @@ from detr_irpe.inference.files import (
     images_from_annotations,
     predict_files,
 )
-from detr_irpe.inference.predictor import Predictor, resolve_device, to_uint8_image
+from detr_irpe.inference.predictor import Predictor, resolve_device
 
 __all__ = [
     "IMAGE_SUFFIXES",

@@ -165,4 +165,4 @@ class Predictor:
         return kept[0] if single else kept
 
 
-__all__ = ["ImageInput", "Predictor", "resolve_device", "to_uint8_image"]
+__all__ = ["ImageInput", "Predictor", "resolve_device"]
