@@ -62,3 +62,14 @@ def test_run_with_auto_logs_and_records_the_choice(monkeypatch, tiny_dataset, tm
 def test_coco_configs_stay_float32() -> None:
     for name in ("detr_r50", "detr_r50_irpe"):
         assert load_config(name).train.amp == "none"
+
+
+def test_autocast_context_resolves_auto_and_refuses_unknown_values() -> None:
+    from detr_irpe.errors import ConfigError
+
+    cpu = torch.device("cpu")
+    with trainer.autocast_context(cpu, "auto"):
+        y = torch.ones(2, 2) @ torch.ones(2, 2)
+    assert y.dtype == (torch.bfloat16 if trainer.native_bf16_cpu() else torch.float32)
+    with pytest.raises(ConfigError, match="train.amp='fp8'"):
+        trainer.autocast_context(cpu, "fp8")

@@ -101,9 +101,12 @@ def check_amp_device(amp: str, device: torch.device) -> None:
 
 
 def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
-    """Autocast for ``train.amp`` (``none`` | ``bf16`` | ``fp16``) on ``device``."""
+    """Autocast for ``train.amp`` (``none`` | ``bf16`` | ``fp16`` | ``auto``) on ``device``."""
+    amp = resolve_amp(amp, device)
     if amp == "none":
         return contextlib.nullcontext()
+    if amp not in ("bf16", "fp16"):
+        raise ConfigError(f"train.amp={amp!r}: choose none, bf16, fp16 or auto")
     check_amp_device(amp, device)
     dtype = torch.bfloat16 if amp == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
