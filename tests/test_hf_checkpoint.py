@@ -96,8 +96,8 @@ def project_config(*overrides: str):
     )
 
 
-@pytest.fixture(scope="module")
-def hf_model() -> DetrForObjectDetection:
+def random_hf_detr(seed: int, **settings) -> DetrForObjectDetection:
+    """transformers' DETR-R50 (timm backbone, built offline), every tensor randomised."""
     config = DetrConfig(
         use_timm_backbone=True,
         use_pretrained_backbone=False,
@@ -105,10 +105,16 @@ def hf_model() -> DetrForObjectDetection:
         num_labels=NUM_LABELS,
         encoder_layers=LAYERS,
         decoder_layers=LAYERS,
+        **settings,
     )
     model = DetrForObjectDetection(config).eval()
-    randomise(model, seed=1)
+    randomise(model, seed=seed)
     return model
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> DetrForObjectDetection:
+    return random_hf_detr(seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -234,17 +240,7 @@ def test_irpe_model_tables_start_as_configured(hf_model, hf_folder, batch, rpe_i
     ],
 )
 def test_learned_positions_and_dc5(hf_setting, override, batch):
-    config = DetrConfig(
-        use_timm_backbone=True,
-        use_pretrained_backbone=False,
-        backbone="resnet50",
-        num_labels=NUM_LABELS,
-        encoder_layers=LAYERS,
-        decoder_layers=LAYERS,
-        **hf_setting,
-    )
-    hf = DetrForObjectDetection(config).eval()
-    randomise(hf, seed=5)
+    hf = random_hf_detr(seed=5, **hf_setting)
     model = project_model(override)
     model.load_state_dict(convert_hf_state_dict(hf.state_dict()), strict=True)
     assert_same_outputs(model, hf_outputs(hf, batch), batch)
