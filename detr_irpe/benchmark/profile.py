@@ -14,7 +14,7 @@ Each phase is timed on its own with wall clocks around the engine's own step pie
 
 The sum of the phases is a lower bound of one iteration of the training loop; the
 loop's own bookkeeping (logging, progress bar, checkpoint callbacks) is what a real
-run adds on top (measured by ``loop_s_per_it`` when ``run_loop=True``).
+run adds on top: compare with the s/it that a run logs every ``train.print_freq`` steps.
 """
 
 from __future__ import annotations
