@@ -348,3 +348,30 @@ def test_rpe_init_from_the_config() -> None:
         assert tables and all(bool(t.detach().any()) == started for t in tables)
     with pytest.raises(ConfigError, match="model.rpe_init.*xavier, zero"):
         tiny_cfg("model.rpe_init=normal")
+
+
+def test_backbone_weights_from_a_local_state_dict(tmp_path) -> None:
+    import torchvision
+
+    from detr_irpe.errors import CheckpointError
+    from detr_irpe.models.backbone import Backbone
+
+    # a torchvision ResNet-18 state dict as people save it: classifier and BatchNorm
+    # step counters included, under DDP's "module." prefix
+    reference = torchvision.models.resnet18()
+    state = {f"module.{k}": v for k, v in reference.state_dict().items()}
+    good = tmp_path / "resnet18.pth"
+    torch.save(state, good)
+    backbone = Backbone("resnet18", str(good), frozen_bn=False, freeze_stem=False)
+    for key, value in backbone.body.state_dict().items():
+        if not key.endswith("num_batches_tracked"):
+            torch.testing.assert_close(value, reference.state_dict()[key], rtol=0, atol=0)
+
+    # another network's weights: one line naming what does not fit
+    wrong = tmp_path / "resnet34.pth"
+    torch.save(torchvision.models.resnet34().state_dict(), wrong)
+    with pytest.raises(CheckpointError) as err:
+        Backbone("resnet18", str(wrong))
+    text = str(err.value)
+    assert "is not a resnet18 state dict" in text and "unexpected" in text
+    assert "\n" not in text

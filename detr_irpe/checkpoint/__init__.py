@@ -34,10 +34,11 @@ from detr_irpe.checkpoint.layout import (
     is_rpe_key,
     resize_class_head,
 )
-from detr_irpe.checkpoint.load import load_checkpoint, load_state
+from detr_irpe.checkpoint.load import key_problems, load_checkpoint, load_state
 from detr_irpe.errors import CheckpointError
 
 __all__ = [
+    "key_problems",
     "FORMAT",
     "HEAD_KEYS",
     "CheckpointError",

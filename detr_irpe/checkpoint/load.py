@@ -103,7 +103,7 @@ def _take_off_class_head(
     return [k for k in HEAD_KEYS if k in target]
 
 
-def _key_problems(
+def key_problems(
     state: Mapping[str, Tensor], target: Mapping[str, Tensor], ignored: set[str]
 ) -> list[str]:
     """``"N missing: ..."``-style parts for every key that does not fit; empty when all fit."""
@@ -191,7 +191,7 @@ def load_state(
     dropped = _drop_bn_counters(state, target)
     missing_rpe = _missing_rpe_tables(state, target, path)
     reinitialized = _take_off_class_head(state, target, path, strict_head)
-    problems = _key_problems(state, target, set(missing_rpe) | set(reinitialized))
+    problems = key_problems(state, target, set(missing_rpe) | set(reinitialized))
     if problems:
         raise _mismatch_error(path, meta, state, target, problems)
     _apply(model, state, reinitialized)
@@ -216,4 +216,4 @@ def load_checkpoint(
     return load_state(model, state, meta, strict_head=strict_head)
 
 
-__all__ = ["load_checkpoint", "load_state"]
+__all__ = ["key_problems", "load_checkpoint", "load_state"]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
 
-from detr_irpe.checkpoint import CheckpointError, format_keys, read_checkpoint
+from detr_irpe.checkpoint import CheckpointError, key_problems, read_checkpoint
 from detr_irpe.structures import ImageBatch
 
 logger = logging.getLogger(__name__)
@@ -133,34 +133,18 @@ def _load_local_weights(net: nn.Module, path: Path, name: str) -> None:
             f"{name} state dict, 'imagenet' or 'none'"
         )
     state, _ = read_checkpoint(path)
-    state = {k.removeprefix("module."): v for k, v in state.items()}
+    # torchvision's classifier (fc.*) is not part of the backbone; BatchNorm step counters
+    # are not weights. Neither may be missing, and both are dropped if present.
+    state = {
+        k.removeprefix("module."): v for k, v in state.items()
+        if not k.removeprefix("module.").startswith("fc.") and not k.endswith("num_batches_tracked")
+    }
     expected = net.state_dict()
-    ignorable = ("fc.", "num_batches_tracked")
-    missing = [
-        k
-        for k in expected
-        if k not in state and not k.startswith(ignorable[0]) and not k.endswith(ignorable[1])
-    ]
-    unexpected = [k for k in state if k not in expected and not k.endswith(ignorable[1])]
-    mismatched = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(expected[k].shape)}"
-        for k in state
-        if k in expected and not k.startswith("fc.") and state[k].shape != expected[k].shape
-    ]
-    if missing or unexpected or mismatched:
+    problems = key_problems(state, expected, {k for k in expected if k.startswith("fc.")})
+    if problems:
         raise CheckpointError(
-            f"model.backbone_weights: {path} is not a {name} state dict: "
-            + "; ".join(
-                f"{len(keys)} {what} key(s): {format_keys(keys)}"
-                for what, keys in (
-                    ("missing", missing),
-                    ("unexpected", unexpected),
-                    ("shape mismatch", mismatched),
-                )
-                if keys
-            )
+            f"model.backbone_weights: {path} is not a {name} state dict: " + "; ".join(problems)
         )
-    state = {k: v for k, v in state.items() if k in expected and not k.startswith("fc.")}
     net.load_state_dict(state, strict=False)
     logger.info("backbone %s: loaded weights from %s", name, path)
 
