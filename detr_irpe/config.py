@@ -55,6 +55,10 @@ class ModelConfig:
     # 4: the whole ResNet (DETR). 3: stop after layer3 (stride 16, half the channels,
     # much cheaper; for small CPU models such as the demo).
     backbone_stages: int = 4
+    # Run the ResNet in channels-last (NHWC) memory layout: the same numbers, and on
+    # CPUs with oneDNN a much faster bf16 step (docs/benchmarks.md). A speed setting, not
+    # part of the model: checkpoints load either way.
+    channels_last: bool = True
     position_embedding: str = "sine"
     # iRPE of every encoder self-attention: a model-zoo string or "none".
     rpe: str = "rpe-2.0-product-ctx-1-k"

@@ -254,9 +254,10 @@ class RunParts:
 
 # The model and data settings (and the seed) make a run folder's checkpoint one
 # experiment: auto-resume refuses it when one of them differs. Not these: how weights
-# start (they come from the checkpoint) and how data is read. Everything else
+# start (they come from the checkpoint), the memory layout and how data is read. Everything else
 # (train.*) a resumed run applies: lr and weight decay go into the restored optimizer.
-_NOT_IDENTITY = {"model.backbone_weights", "model.rpe_init", "data.num_workers",
+_NOT_IDENTITY = {"model.backbone_weights", "model.rpe_init", "model.channels_last",
+                 "data.num_workers",
                  "data.cache_images", "data.strict", "data.max_image_pixels"}
 
 
