@@ -375,3 +375,57 @@ def test_backbone_weights_from_a_local_state_dict(tmp_path) -> None:
     text = str(err.value)
     assert "is not a resnet18 state dict" in text and "unexpected" in text
     assert "\n" not in text
+
+
+def test_channels_last_follows_the_batch_norm() -> None:
+    """auto: NHWC with frozen BN, NCHW with trainable BN; true / false force it."""
+    def layout(*overrides: str) -> bool:
+        model, _, _ = tiny(*overrides)
+        return model.backbone[0].channels_last
+
+    assert layout("model.frozen_bn=true") is True
+    assert layout("model.frozen_bn=false") is False
+    assert layout("model.frozen_bn=false", "model.channels_last=true") is True
+    assert layout("model.frozen_bn=true", "model.channels_last=false") is False
+    with pytest.raises(ConfigError, match="model.channels_last must be true, false or auto"):
+        tiny_cfg("model.channels_last=sometimes")
+
+
+def test_channels_last_computes_the_same_model(tmp_path) -> None:
+    """model.channels_last changes the memory layout only: the same weights give the same
+    outputs, loss gradients and checkpoint (which loads into the other layout). Frozen BN
+    and a trained stem, the setting NHWC is chosen for."""
+    bn = "model.frozen_bn=true", "model.freeze_stem=false"
+    torch.manual_seed(3)
+    nchw, criterion, _ = tiny(*bn, "model.channels_last=false")
+    torch.manual_seed(3)
+    nhwc, _, _ = tiny(*bn, "model.channels_last=true")
+    convs = [m.weight for m in nhwc.backbone.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert all(m.weight.is_contiguous() for m in nchw.backbone.modules()
+               if isinstance(m, torch.nn.Conv2d))
+
+    imgs = images()
+    grads, outs = [], []
+    for model in (nchw, nhwc):
+        model.train()
+        torch.manual_seed(4)  # the same dropout masks
+        out = model(imgs)
+        loss = sum(criterion(out, targets()).values())
+        loss.backward()
+        outs.append(out)
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert_close(outs[1]["pred_logits"], outs[0]["pred_logits"], atol=1e-4, rtol=1e-4)
+    assert_close(outs[1]["pred_boxes"], outs[0]["pred_boxes"], atol=1e-4, rtol=1e-4)
+    assert grads[0].keys() == grads[1].keys() and "backbone.0.body.conv1.weight" in grads[0]
+    for name, ref in grads[0].items():
+        assert_close(grads[1][name], ref, atol=1e-5, rtol=1e-4,
+                     msg=lambda m, name=name: f"{name}: {m}")
+
+    path = tmp_path / "nhwc.pth"
+    torch.save({"model": nhwc.state_dict()}, path)
+    torch.manual_seed(5)
+    fresh, _, _ = tiny(*bn, "model.channels_last=false")
+    load_checkpoint(fresh, path)
+    for key, value in nhwc.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key

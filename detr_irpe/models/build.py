@@ -48,7 +48,7 @@ def build_backbone(cfg: Config | ModelConfig, *, load_weights: bool = True) -> J
         dilation=m.dilation,
         freeze_stem=m.freeze_stem,
         stages=m.backbone_stages,
-        channels_last=m.channels_last,
+        channels_last=m.frozen_bn if m.channels_last == "auto" else bool(m.channels_last),
     )
     return Joiner(backbone, build_position_encoding(m.position_embedding, m.hidden_dim))
 
