@@ -8,6 +8,7 @@ prints markdown tables.
     python tools/benchmark.py --device cuda --model-size 800x1216 --op-repeats 20
     python tools/benchmark.py --quick --output-dir /tmp/bench  # tiny sizes (smoke test)
     python tools/benchmark.py --render --output-dir outputs/benchmark   # re-render results.md
+    python tools/benchmark.py --only model --reference-code ~/Cream/iRPE/DETR-with-iRPE
 
 Writes results.json, results.md and op_sweep.png under --output-dir. What is measured and
 the published numbers: docs/benchmarks.md.
@@ -63,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "fp16 (%(default)s)")
     g.add_argument("--models", default=None,
                    help="comma-separated model.rpe values (none,rpe-2.0-product-ctx-1-k)")
+    g.add_argument("--reference-code", metavar="DIR", default=None,
+                   help="the iRPE/DETR-with-iRPE folder of a microsoft/Cream checkout (not "
+                        "shipped, never downloaded): its training step is timed in the same "
+                        "run and its outputs compared with this project's (docs/benchmarks.md)")
+    g.add_argument("--reference-amp", default="none",
+                   help="comma-separated precisions of the reference rows (%(default)s: its "
+                        "own float32; bf16 wraps its forward in autocast)")
     g = p.add_argument_group("data / eval level")
     g.add_argument("--data", default=None,
                    help="synthetic dataset folder, generated when missing (datasets/synthetic)")
@@ -90,6 +98,8 @@ def _body(args: argparse.Namespace) -> int:
         "threads": args.threads, "op_dtype": args.dtype,
         "amp": [a.strip() for a in args.amp.split(",") if a.strip()],
         "data_workers": args.workers, "sweep": not args.no_sweep,
+        "reference_code": args.reference_code,
+        "reference_amp": [a.strip() for a in args.reference_amp.split(",") if a.strip()],
     }
     for flag, key in (("op_size", "op_hw"), ("op_batch", "op_batch"), ("op_repeats", "op_repeats"),
                       ("sweep_repeats", "sweep_repeats"), ("naive_max_length", "naive_max_length"),

@@ -24,7 +24,7 @@ from detr_irpe.engine.trainer import autocast_context, train_step, weighted_loss
 from detr_irpe.models import build_model
 from detr_irpe.structures import ImageBatch
 
-__all__ = ["DEFAULT_MODELS", "model_table", "run_model_benchmark", "synthetic_batch"]
+__all__ = ["DEFAULT_MODELS", "build_benchmark_model", "model_table", "run_model_benchmark", "synthetic_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,9 @@ def synthetic_batch(
     return ImageBatch.from_images(images), targets
 
 
-def _build(rpe: str, device: torch.device, overrides: Sequence[str]):
+def build_benchmark_model(rpe: str, device: torch.device, overrides: Sequence[str] = ()):
+    """``(cfg, model, criterion, postprocessor)`` of ``configs/detr_r50.yaml`` with
+    ``model.rpe=rpe``, random weights (seed 0) and the COCO class count."""
     cfg = load_config("detr_r50", [
         f"model.rpe={rpe}", "model.backbone_weights=none", f"model.num_classes={COCO_NUM_CLASSES}",
         *overrides,
@@ -151,7 +153,7 @@ def run_model_benchmark(
         for precision in amps:
             if progress is not None:
                 progress(f"DETR-R50 rpe={rpe} amp={precision} at {batch} x {height}x{width}")
-            cfg, model, criterion, postprocessor = _build(rpe, dev, overrides)
+            cfg, model, criterion, postprocessor = build_benchmark_model(rpe, dev, overrides)
             optimizer = build_optimizer(model, cfg.train)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)

@@ -20,6 +20,7 @@ from detr_irpe.benchmark import evaluation as eval_bench
 from detr_irpe.benchmark import model as model_bench
 from detr_irpe.benchmark import op as op_bench
 from detr_irpe.benchmark import profile as profile_bench
+from detr_irpe.benchmark import reference as reference_bench
 from detr_irpe.benchmark.common import environment
 from detr_irpe.errors import ConfigError
 from detr_irpe.utils.files import atomic_write_text
@@ -33,12 +34,18 @@ PRECISIONS = ("none", "bf16", "fp16")
 # CPU targets (docs/benchmarks.md): iRPE-DETR step / plain DETR step, ctx-product-k layer / plain MHA,
 # qkv layer time and activation memory / plain MHA
 TARGETS = {"model_train_step": 1.05, "op_k_time": 1.15, "op_qkv_time": 2.0, "op_qkv_memory": 1.5}
+# with --reference-code: this project's iRPE step / the reference code's float32 step, in
+# float32 and in the recommended CPU precision (bf16 autocast)
+REFERENCE_TARGETS = {"none": 0.90, "bf16": 0.60}
 
 # tiny sizes for smoke tests (--quick)
 _QUICK_MODEL = [
     "model.backbone=resnet18", "model.hidden_dim=32", "model.nheads=4", "model.enc_layers=1",
     "model.dec_layers=1", "model.dim_feedforward=64", "model.num_queries=5",
 ]
+# the same tiny model in the reference code's argument names
+_QUICK_REFERENCE = {"backbone": "resnet18", "hidden_dim": 32, "nheads": 4, "enc_layers": 1,
+                    "dec_layers": 1, "dim_feedforward": 64, "num_queries": 5}
 _QUICK_DATA = ["data.train_scales=[64]", "data.crop_resize_scales=[48]",
                "data.crop_size=[32,48]", "data.max_size=96"]
 
@@ -70,6 +77,10 @@ class SuiteOptions:
     # model-level precisions: float32 and bf16 autocast rows (with the loss difference)
     amp: Sequence[str] = ("none", "bf16")
     models: Sequence[str] = model_bench.DEFAULT_MODELS
+    # the DETR-with-iRPE folder of a microsoft/Cream checkout: its step is measured in the
+    # same run (precisions: reference_amp) and its outputs compared with this project's
+    reference_code: str | None = None
+    reference_amp: Sequence[str] = ("none",)
     # profile level: phases of one iteration of this config (its own data), per precision
     profile_config: str = "synthetic_demo"
     profile_steps: int = 20
@@ -145,6 +156,19 @@ def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                             "limit": TARGETS["model_train_step"], "ratio": ratio,
                             "ratio_wall": r["train_step_s"] / rows["none"]["train_step_s"],
                             "met": ratio <= TARGETS["model_train_step"]})
+    reference = {r["rpe"]: r for r in results.get("model", {}).get("reference_rows", [])
+                 if r.get("amp", "none") == "none"}
+    for r in model_rows:
+        base, amp = reference.get(r["rpe"]), r.get("amp", "none")
+        if base is None or r["rpe"] == "none" or amp not in REFERENCE_TARGETS:
+            continue
+        ratio = r["train_cpu_s"] / base["train_cpu_s"]
+        precision = "fp32" if amp == "none" else amp
+        out.append({"target": f"DETR training step, {r['rpe']}: this project in {precision} vs "
+                              "the reference code in fp32",
+                    "limit": REFERENCE_TARGETS[amp], "ratio": ratio,
+                    "ratio_wall": r["train_step_s"] / base["train_step_s"],
+                    "met": ratio <= REFERENCE_TARGETS[amp]})
     return out
 
 
@@ -156,9 +180,11 @@ def run_suite(
     if unknown:
         raise ConfigError(f"unknown benchmark section(s) {unknown}; choose from {list(SECTIONS)}")
     # each row names one precision; "auto" would hide which one was measured
-    bad_amp = [a for a in options.amp if a not in PRECISIONS]
+    bad_amp = [a for a in [*options.amp, *options.reference_amp] if a not in PRECISIONS]
     if bad_amp:
-        raise ConfigError(f"--amp: {bad_amp} not allowed; choose from {list(PRECISIONS)}")
+        raise ConfigError(f"--amp / --reference-amp: {bad_amp} not allowed; choose from {list(PRECISIONS)}")
+    if options.reference_code:
+        reference_bench.check_reference_dir(options.reference_code)
     dev = torch.device(options.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda requested but CUDA is not available; use --device cpu")
@@ -195,6 +221,8 @@ def run_suite(
             _QUICK_MODEL if options.quick else (), progress,
         )
         results["model"] = {"rows": rows}
+        if options.reference_code:
+            results["model"].update(_reference(options, progress))
     if {"data", "eval", "profile"} & set(options.sections):
         root = Path(options.data_root)
         if options.quick and options.data_root == SuiteOptions.data_root:
@@ -214,6 +242,28 @@ def run_suite(
             results["eval"] = eval_bench.run_eval_benchmark(root, repeats=options.eval_repeats)
     results["targets"] = _targets(results) if dev.type == "cpu" else []
     return results
+
+
+def _reference(options: SuiteOptions, progress: Callable[[str], None] | None) -> dict:
+    """The reference code's step on the model rows' batch, and its outputs against this
+    project's with the same weights."""
+    changes = _QUICK_REFERENCE if options.quick else {}
+    images, targets = model_bench.synthetic_batch(options.model_batch, *options.model_hw)
+    images = images.to(options.device)
+    targets = [{k: v.to(options.device) for k, v in t.items()} for t in targets]
+    rows = reference_bench.run_reference_benchmark(
+        options.reference_code, (images, targets), options.models, options.device,
+        options.model_repeats, options.model_warmup, options.reference_amp, changes, progress,
+    )
+    checks = []
+    for rpe in options.models:
+        if progress is not None:
+            progress(f"outputs of this project vs the reference code, rpe={rpe}")
+        cfg, model, _, _ = model_bench.build_benchmark_model(
+            rpe, torch.device(options.device), _QUICK_MODEL if options.quick else ())
+        checks.append({"rpe": rpe, **reference_bench.compare_outputs(
+            options.reference_code, model, rpe, images, options.device, changes)})
+    return {"reference_rows": rows, "reference_outputs": checks}
 
 
 def _profile(options: SuiteOptions, root: Path, progress: Callable[[str], None] | None) -> dict:
@@ -260,6 +310,11 @@ def suite_markdown(results: dict[str, Any]) -> str:
     if "model" in results:
         parts += ["\n### Model level: DETR-R50 training step and inference\n",
                   model_bench.model_table(results["model"]["rows"])]
+        if results["model"].get("reference_rows"):
+            parts += ["\n### Model level: the reference DETR-with-iRPE code, same batch, same "
+                      "run\n", reference_bench.reference_table(results["model"]["rows"],
+                                                               results["model"]["reference_rows"]),
+                      "\n" + reference_bench.outputs_table(results["model"]["reference_outputs"])]
     if "profile" in results:
         rows = results["profile"]["rows"]
         parts += [f"\n### Where a training iteration's time goes: {rows[0]['config']}, batch "
