@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import load_tool
 
 from detr_irpe.benchmark import SuiteOptions, run_suite, suite_markdown, write_results
@@ -104,3 +105,23 @@ def test_tool_render_without_results_is_one_line(tmp_path: Path, capsys) -> None
     assert tool.main(["--render", "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "results.json not found" in err[0]
+
+
+def test_interleave_is_round_robin_and_medians_skip_the_warmup() -> None:
+    from detr_irpe.benchmark.model import StepRunner, interleave
+
+    order: list[str] = []
+
+    def step(name: str, loss: float):
+        def run() -> float:
+            order.append(name)
+            return loss + len(order)
+        return run
+
+    a, b = StepRunner({"rpe": "a"}, step("a", 0.0)), StepRunner({"rpe": "b"}, step("b", 100.0))
+    interleave([a, b], 3, torch.device("cpu"))
+    assert order == ["a", "b", "a", "b", "a", "b"]
+    assert a.losses == [1.0, 3.0, 5.0] and b.losses == [102.0, 104.0, 106.0]
+    timing = a.timing(warmup=1)
+    assert timing["train_step_s_all"] == a.walls[1:] and timing["loss_after"] == 5.0
+    assert timing["loss_steps"] == 3 and timing["peak_train_mib"] is None  # CPU

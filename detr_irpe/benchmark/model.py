@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,7 +26,10 @@ from detr_irpe.engine.trainer import autocast_context, train_step, weighted_loss
 from detr_irpe.models import build_model
 from detr_irpe.structures import ImageBatch
 
-__all__ = ["DEFAULT_MODELS", "build_benchmark_model", "model_table", "run_model_benchmark", "synthetic_batch"]
+__all__ = [
+    "DEFAULT_MODELS", "StepRunner", "build_benchmark_model", "interleave", "model_table",
+    "run_model_benchmark", "synthetic_batch", "training_state_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,22 +79,67 @@ def build_benchmark_model(rpe: str, device: torch.device, overrides: Sequence[st
     return cfg, model.to(device), criterion.to(device), postprocessor
 
 
-def _time_training(
-    model, criterion, optimizer, batch_data, dev: torch.device, amp: str, clip: float,
-    steps: int,
-) -> tuple[list[tuple[float, float]], list[float]]:
-    """(wall, process CPU) seconds and the weighted loss of each of ``steps`` optimizer
-    steps of the engine's own :func:`~detr_irpe.engine.trainer.train_step`."""
-    times, losses = [], []
-    for _ in range(steps):
-        sync(dev)
-        start, cpu = time.perf_counter(), time.process_time()
-        terms = train_step(model, criterion, [batch_data], optimizer, dev, amp=amp,
-                           clip_max_norm=clip)
-        sync(dev)
-        times.append((time.perf_counter() - start, time.process_time() - cpu))
-        losses.append(float(weighted_loss(terms, criterion.weight_dict)))
-    return times, losses
+@dataclass
+class StepRunner:
+    """One (model, precision) of an interleaved timing: ``step()`` runs one optimizer step
+    and returns its loss; :func:`interleave` fills ``walls`` / ``cpus`` / ``losses``."""
+
+    row: dict[str, Any]
+    step: Callable[[], float]
+    # bytes the runner keeps between steps (weights, gradients, optimizer state)
+    resident: Callable[[], int] | None = None
+    walls: list[float] = field(default_factory=list)
+    cpus: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    # CUDA: bytes allocated during each step above what was allocated before it
+    step_peaks: list[int] = field(default_factory=list)
+
+    def timing(self, warmup: int) -> dict[str, Any]:
+        """The row's timing fields: medians over the steps after ``warmup``."""
+        walls, cpus = self.walls[warmup:], self.cpus[warmup:]
+        peak = None
+        if self.step_peaks and self.resident is not None:
+            # what this model alone would peak at: its resident state plus its step's peak
+            peak = (self.resident() + max(self.step_peaks[warmup:] or self.step_peaks)) / 2**20
+        return {"train_step_s": median(walls), "train_step_s_all": walls,
+                "train_cpu_s": median(cpus), "loss_after": self.losses[-1],
+                "loss_steps": len(self.losses), "peak_train_mib": peak}
+
+
+def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters, buffers, gradients and optimizer state: what a training
+    run keeps allocated between steps."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def interleave(runners: Sequence[StepRunner], steps: int, device: torch.device,
+               progress: Callable[[str], None] | None = None) -> None:
+    """``steps`` rounds of one step of every runner in turn.
+
+    Round-robin instead of one runner after the other: a machine that speeds up or slows
+    down during the benchmark (other jobs, frequency, memory) then shifts every row
+    alike, and the ratios between rows stay fair.
+    """
+    for i in range(steps):
+        if progress is not None:
+            progress(f"training-step round {i + 1} of {steps} over {len(runners)} models")
+        for runner in runners:
+            sync(device)
+            if device.type == "cuda":
+                before = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start, cpu = time.perf_counter(), time.process_time()
+            loss = runner.step()
+            sync(device)
+            runner.walls.append(time.perf_counter() - start)
+            runner.cpus.append(time.process_time() - cpu)
+            runner.losses.append(loss)
+            if device.type == "cuda":
+                runner.step_peaks.append(torch.cuda.max_memory_allocated(device) - before)
 
 
 def _time_inference(model, postprocessor, images, targets, dev, amp, warmup, repeats) -> list[float]:
@@ -120,9 +170,14 @@ def run_model_benchmark(
     amp: str | Sequence[str] = "none",
     overrides: Sequence[str] = (),
     progress: Callable[[str], None] | None = None,
+    extra_runners: Sequence[StepRunner] = (),
 ) -> list[dict[str, Any]]:
     """Training-step seconds, inference images/s and the loss after the timed steps, for
     each ``model.rpe`` value and each precision.
+
+    All models are built first and their steps interleaved (:func:`interleave`), together
+    with ``extra_runners`` (e.g. the reference code's, see
+    :mod:`detr_irpe.benchmark.reference`), whose timings the caller reads from them.
 
     Every (model, precision) pair starts from the same weights (seed 0) and trains on the
     same batch, so ``loss_after`` of a bf16 row minus the fp32 row's is the precision's
@@ -141,50 +196,50 @@ def run_model_benchmark(
         one dict per (model, amp): ``rpe``, ``amp``, ``train_step_s`` (median),
         ``train_step_s_all``, ``train_cpu_s`` (median process CPU time),
         ``train_images_per_s``, ``infer_batch_s``, ``infer_images_per_s``,
-        ``loss_after``, ``peak_train_mib`` (CUDA only), ``encoder_tokens``.
+        ``loss_after``, ``peak_train_mib`` (CUDA only: the model's training state plus
+        the largest allocation above it during one of its steps, i.e. its peak had it
+        run alone), ``encoder_tokens``.
     """
     dev = torch.device(device)
     amps = [amp] if isinstance(amp, str) else list(amp)
     images, targets = synthetic_batch(batch, height, width)
     images = images.to(dev)
     targets = [{k: v.to(dev) for k, v in t.items()} for t in targets]
-    results = []
+    built, runners = [], []
     for rpe in models:
         for precision in amps:
             if progress is not None:
-                progress(f"DETR-R50 rpe={rpe} amp={precision} at {batch} x {height}x{width}")
+                progress(f"building DETR-R50 rpe={rpe} amp={precision} at {batch} x {height}x{width}")
             cfg, model, criterion, postprocessor = build_benchmark_model(rpe, dev, overrides)
             optimizer = build_optimizer(model, cfg.train)
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(dev)
             model.train()
-            times, losses = _time_training(
-                model, criterion, optimizer, (images, targets), dev, precision,
-                cfg.train.clip_max_norm, train_warmup + train_repeats,
-            )
-            walls = [w for w, _ in times][train_warmup:]
-            cpus = [c for _, c in times][train_warmup:]
-            peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
-            infer = _time_inference(model, postprocessor, images, targets, dev, precision,
-                                    infer_warmup, infer_repeats)
-            step_s = median(walls)
-            results.append({
-                "rpe": rpe,
-                "amp": precision,
-                "batch": batch,
-                "image_hw": [height, width],
-                "encoder_tokens": -(-height // 32) * -(-width // 32),
-                "train_step_s": step_s,
-                "train_step_s_all": walls,
-                "train_cpu_s": median(cpus),
-                "train_images_per_s": batch / step_s,
-                "infer_batch_s": median(infer),
-                "infer_images_per_s": batch / median(infer),
-                "loss_after": losses[-1],
-                "loss_steps": len(losses),
-                "peak_train_mib": peak,
-            })
-            del model, criterion, optimizer
+
+            def step(model=model, criterion=criterion, optimizer=optimizer, precision=precision,
+                     clip=cfg.train.clip_max_norm) -> float:
+                terms = train_step(model, criterion, [(images, targets)], optimizer, dev,
+                                   amp=precision, clip_max_norm=clip)
+                return float(weighted_loss(terms, criterion.weight_dict))
+
+            built.append((model, postprocessor))
+            runners.append(StepRunner({"rpe": rpe, "amp": precision}, step,
+                                      resident=partial(training_state_bytes, model, optimizer)))
+    interleave([*runners, *extra_runners], train_warmup + train_repeats, dev, progress)
+    results = []
+    for runner, (model, postprocessor) in zip(runners, built):
+        precision = runner.row["amp"]
+        infer = _time_inference(model, postprocessor, images, targets, dev, precision,
+                                infer_warmup, infer_repeats)
+        timing = runner.timing(train_warmup)
+        results.append({
+            **runner.row,
+            "batch": batch,
+            "image_hw": [height, width],
+            "encoder_tokens": -(-height // 32) * -(-width // 32),
+            **timing,
+            "train_images_per_s": batch / timing["train_step_s"],
+            "infer_batch_s": median(infer),
+            "infer_images_per_s": batch / median(infer),
+        })
     return results
 
 

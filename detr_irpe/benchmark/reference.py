@@ -27,8 +27,8 @@ import argparse
 import contextlib
 import logging
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +36,13 @@ import torch
 import torchvision
 from torch import nn
 
-from detr_irpe.benchmark.common import median, sync
+from detr_irpe.benchmark.model import StepRunner, interleave, training_state_bytes
 from detr_irpe.engine.trainer import autocast_context
 from detr_irpe.errors import ConfigError
 
 __all__ = [
     "check_reference_dir", "compare_outputs", "outputs_table", "reference_args",
-    "reference_table", "run_reference_benchmark",
+    "reference_code", "reference_table", "rows_of", "run_reference_benchmark", "step_runners",
 ]
 
 logger = logging.getLogger(__name__)
@@ -182,6 +182,60 @@ def _reference_step(model, criterion, optimizer, samples, targets, dev, amp) -> 
     return float(losses.item())
 
 
+@contextlib.contextmanager
+def reference_code(reference_dir: str | Path) -> Iterator[Any]:
+    """The checkout's ``models`` package, checked and imported, for the ``with`` block."""
+    root = check_reference_dir(reference_dir)
+    with _imported_from(root) as models:
+        yield models
+
+
+def step_runners(
+    ref_models: Any,
+    batch_data: tuple[Any, list[dict[str, Any]]],
+    models: Sequence[str],
+    device: str = "cpu",
+    amp: Sequence[str] = ("none",),
+    changes: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[StepRunner]:
+    """One :class:`~detr_irpe.benchmark.model.StepRunner` per (``model.rpe``, precision)
+    of the reference code, to be timed by :func:`~detr_irpe.benchmark.model.interleave`
+    (alone or together with this project's models) inside :func:`reference_code`.
+
+    Args:
+        ref_models: the package :func:`reference_code` yields.
+        batch_data: ``(ImageBatch, targets)`` as the model rows use (on ``device``).
+        models: ``model.rpe`` values; ``"none"`` builds the reference's plain transformer.
+        amp: precisions (``none`` = float32, the reference's own; ``bf16`` wraps its
+            forward and loss in autocast, which the reference code does not do itself).
+        changes: reference arguments changed from its defaults (:func:`reference_args`).
+    """
+    dev = torch.device(device)
+    images, targets = batch_data
+    samples = _nested(images)
+    ref_targets = [{"labels": t["labels"], "boxes": t["boxes"]} for t in targets]
+    runners = []
+    for rpe in models:
+        for precision in amp:
+            if progress is not None:
+                progress(f"building the reference DETR-with-iRPE enc_rpe2d={rpe} amp={precision}")
+            model, criterion, optimizer = _build(ref_models, rpe, dev, changes or {})
+            model.train()
+            step = partial(_reference_step, model, criterion, optimizer, samples, ref_targets,
+                           dev, precision)
+            runners.append(StepRunner(
+                {"impl": "reference", "rpe": rpe, "amp": precision,
+                 "batch": images.tensors.shape[0], "image_hw": list(images.tensors.shape[-2:])},
+                step, resident=partial(training_state_bytes, model, optimizer)))
+    return runners
+
+
+def rows_of(runners: Sequence[StepRunner], warmup: int) -> list[dict[str, Any]]:
+    """The reference rows (the model rows' keys that apply) of timed runners."""
+    return [{**r.row, **r.timing(warmup)} for r in runners]
+
+
 def run_reference_benchmark(
     reference_dir: str | Path,
     batch_data: tuple[Any, list[dict[str, Any]]],
@@ -193,54 +247,18 @@ def run_reference_benchmark(
     changes: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Training-step seconds of the reference code for each ``model.rpe`` value.
-
-    Args:
-        reference_dir: the DETR-with-iRPE folder of a microsoft/Cream checkout.
-        batch_data: ``(ImageBatch, targets)`` as the model rows use (on ``device``).
-        models: ``model.rpe`` values; ``"none"`` builds the reference's plain transformer.
-        amp: precisions (``none`` = float32, the reference's own; ``bf16`` wraps its
-            forward and loss in autocast, which the reference code does not do itself).
-        changes: reference arguments changed from its defaults (:func:`reference_args`).
+    """Training-step seconds of the reference code alone, for each ``model.rpe`` value
+    and precision (arguments as :func:`step_runners`).
 
     Returns:
-        one dict per (model, amp) with the keys of the model rows that apply
-        (``rpe``, ``amp``, ``train_step_s``, ``train_step_s_all``, ``train_cpu_s``,
-        ``loss_after``, ``loss_steps``) and ``impl="reference"``.
+        one dict per (model, amp): ``impl="reference"``, ``rpe``, ``amp``, ``batch``,
+        ``image_hw``, ``train_step_s`` (median), ``train_step_s_all``, ``train_cpu_s``,
+        ``loss_after``, ``loss_steps``, ``peak_train_mib`` (CUDA only).
     """
-    root = check_reference_dir(reference_dir)
-    dev = torch.device(device)
-    images, targets = batch_data
-    rows = []
-    with _imported_from(root) as ref_models:
-        samples = _nested(images)
-        ref_targets = [{"labels": t["labels"], "boxes": t["boxes"]} for t in targets]
-        for rpe in models:
-            for precision in amp:
-                if progress is not None:
-                    progress(f"reference DETR-with-iRPE enc_rpe2d={rpe} amp={precision}")
-                model, criterion, optimizer = _build(ref_models, rpe, dev, changes or {})
-                model.train()
-                walls, cpus, losses = [], [], []
-                for _ in range(train_warmup + train_repeats):
-                    sync(dev)
-                    start, cpu = time.perf_counter(), time.process_time()
-                    losses.append(_reference_step(model, criterion, optimizer, samples,
-                                                  ref_targets, dev, precision))
-                    sync(dev)
-                    walls.append(time.perf_counter() - start)
-                    cpus.append(time.process_time() - cpu)
-                rows.append({
-                    "impl": "reference", "rpe": rpe, "amp": precision,
-                    "batch": images.tensors.shape[0],
-                    "image_hw": list(images.tensors.shape[-2:]),
-                    "train_step_s": median(walls[train_warmup:]),
-                    "train_step_s_all": walls[train_warmup:],
-                    "train_cpu_s": median(cpus[train_warmup:]),
-                    "loss_after": losses[-1], "loss_steps": len(losses),
-                })
-                del model, criterion, optimizer
-    return rows
+    with reference_code(reference_dir) as ref_models:
+        runners = step_runners(ref_models, batch_data, models, device, amp, changes, progress)
+        interleave(runners, train_warmup + train_repeats, torch.device(device), progress)
+    return rows_of(runners, train_warmup)
 
 
 def compare_outputs(

@@ -214,15 +214,7 @@ def run_suite(
             section["plot"] = str(plot)
         results["op"] = section
     if "model" in options.sections:
-        rows = model_bench.run_model_benchmark(
-            options.models, options.model_batch, options.model_hw[0], options.model_hw[1],
-            options.device, options.model_repeats, options.model_warmup,
-            max(options.model_repeats, 1), 1 if options.model_warmup else 0, options.amp,
-            _QUICK_MODEL if options.quick else (), progress,
-        )
-        results["model"] = {"rows": rows}
-        if options.reference_code:
-            results["model"].update(_reference(options, progress))
+        results["model"] = _model_level(options, progress)
     if {"data", "eval", "profile"} & set(options.sections):
         root = Path(options.data_root)
         if options.quick and options.data_root == SuiteOptions.data_root:
@@ -244,26 +236,40 @@ def run_suite(
     return results
 
 
-def _reference(options: SuiteOptions, progress: Callable[[str], None] | None) -> dict:
-    """The reference code's step on the model rows' batch, and its outputs against this
-    project's with the same weights."""
+def _model_level(options: SuiteOptions, progress: Callable[[str], None] | None) -> dict:
+    """This project's model rows; with ``reference_code`` the reference code's steps on
+    the same batch, interleaved with ours, and its outputs with our weights."""
+    def ours(extra_runners: Sequence[model_bench.StepRunner] = ()) -> list[dict[str, Any]]:
+        return model_bench.run_model_benchmark(
+            options.models, options.model_batch, options.model_hw[0], options.model_hw[1],
+            options.device, options.model_repeats, options.model_warmup,
+            max(options.model_repeats, 1), 1 if options.model_warmup else 0, options.amp,
+            _QUICK_MODEL if options.quick else (), progress, extra_runners,
+        )
+
+    if not options.reference_code:
+        return {"rows": ours()}
     changes = _QUICK_REFERENCE if options.quick else {}
+    # the same batch as run_model_benchmark builds (synthetic_batch is seeded)
     images, targets = model_bench.synthetic_batch(options.model_batch, *options.model_hw)
     images = images.to(options.device)
     targets = [{k: v.to(options.device) for k, v in t.items()} for t in targets]
-    rows = reference_bench.run_reference_benchmark(
-        options.reference_code, (images, targets), options.models, options.device,
-        options.model_repeats, options.model_warmup, options.reference_amp, changes, progress,
-    )
+    with reference_bench.reference_code(options.reference_code) as ref_models:
+        runners = reference_bench.step_runners(
+            ref_models, (images, targets), options.models, options.device,
+            options.reference_amp, changes, progress)
+        rows = ours(runners)
     checks = []
     for rpe in options.models:
         if progress is not None:
             progress(f"outputs of this project vs the reference code, rpe={rpe}")
-        cfg, model, _, _ = model_bench.build_benchmark_model(
+        _, model, _, _ = model_bench.build_benchmark_model(
             rpe, torch.device(options.device), _QUICK_MODEL if options.quick else ())
         checks.append({"rpe": rpe, **reference_bench.compare_outputs(
             options.reference_code, model, rpe, images, options.device, changes)})
-    return {"reference_rows": rows, "reference_outputs": checks}
+    return {"rows": rows,
+            "reference_rows": reference_bench.rows_of(runners, options.model_warmup),
+            "reference_outputs": checks}
 
 
 def _profile(options: SuiteOptions, root: Path, progress: Callable[[str], None] | None) -> dict:
