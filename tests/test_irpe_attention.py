@@ -247,7 +247,13 @@ def test_auto_impl_choice() -> None:
     assert _auto(device_type="cuda", logits_need_grad=True, dropout_p=0.1) == "sdpa"
     assert _auto(dtype=torch.bfloat16, logits_need_grad=True) == "explicit"
     assert _auto(dtype=torch.bfloat16, rpe_values=True) == "explicit"
-    assert _auto(dtype=torch.bfloat16, dropout_p=0.1) == "sdpa"
+    # CPU half-precision training: SDPA's math kernel would draw the dropout mask with
+    # bernoulli_; the explicit path uses the cheaper detr_irpe.irpe.dropout (with or
+    # without iRPE terms); inference keeps the fused kernel
+    assert _auto(dtype=torch.bfloat16, dropout_p=0.1) == "explicit"
+    assert _auto(dtype=torch.bfloat16, rpe_logits=False, dropout_p=0.1) == "explicit"
+    assert _auto(dtype=torch.bfloat16) == "sdpa"
+    assert _auto(dtype=torch.bfloat16, rpe_logits=False) == "sdpa"
     # exporters get plain ops: neither the blocked core's loop nor SDPA
     assert _auto(exporting=True) == "explicit"
     assert _auto(exporting=True, logits_need_grad=True, dropout_p=0.1) == "explicit"

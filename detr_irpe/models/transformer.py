@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from detr_irpe.irpe import IRPEMultiheadAttention
 from detr_irpe.irpe.config import RPEConfig
+from detr_irpe.irpe.dropout import Dropout
 
 RPE_INIT_MODES = ("xavier", "zero")
 
@@ -73,12 +74,12 @@ class TransformerEncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = IRPEMultiheadAttention(d_model, nhead, dropout=dropout, rpe=rpe)
         self.linear1 = nn.Linear(d_model, dim_feedforward)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.linear2 = nn.Linear(dim_feedforward, d_model)
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
+        self.dropout1 = Dropout(dropout)
+        self.dropout2 = Dropout(dropout)
         self.pre_norm = pre_norm
 
     def _ffn(self, x: Tensor) -> Tensor:
@@ -124,14 +125,14 @@ class TransformerDecoderLayer(nn.Module):
             d_model, nhead, dropout=dropout, batch_first=True
         )
         self.linear1 = nn.Linear(d_model, dim_feedforward)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.linear2 = nn.Linear(dim_feedforward, d_model)
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
         self.norm3 = nn.LayerNorm(d_model)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
-        self.dropout3 = nn.Dropout(dropout)
+        self.dropout1 = Dropout(dropout)
+        self.dropout2 = Dropout(dropout)
+        self.dropout3 = Dropout(dropout)
         self.pre_norm = pre_norm
 
     def _ffn(self, x: Tensor) -> Tensor:
