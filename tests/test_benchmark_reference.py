@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
+from helpers import load_tool
 
 from detr_irpe.benchmark import SuiteOptions, run_suite, suite_markdown
 from detr_irpe.benchmark import reference as ref
@@ -178,13 +179,37 @@ def test_suite_reference_rows_targets_and_tables(checkout: Path, tmp_path: Path)
 
 
 def test_tool_refuses_a_bad_reference_folder(tmp_path: Path, capsys) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    try:
-        import benchmark as tool
-    finally:
-        sys.path.pop(0)
+    tool = load_tool("benchmark")
     code = tool.main(["--quick", "--only", "model", "--output-dir", str(tmp_path),
                       "--reference-code", str(tmp_path / "nowhere")])
     assert code == 2
     err = capsys.readouterr().err
     assert "--reference-code" in err and "nowhere" in err and "not a folder" in err
+    checkout = make_checkout(tmp_path / "co")
+    code = tool.main(["--quick", "--only", "model", "--output-dir", str(tmp_path),
+                      "--reference-code", str(checkout), "--reference-amp", "fp16"])
+    assert code == 2 and "--reference-amp: ['fp16'] not allowed" in capsys.readouterr().err
+
+
+def test_a_checkout_that_does_not_import_is_one_error(checkout: Path) -> None:
+    """E.g. DETR's old util/misc.py under a new torchvision: a ConfigError naming the
+    folder and the cause, and nothing of the checkout left importable."""
+    misc = checkout / "util/misc.py"
+    misc.write_text("from torchvision.ops import _new_empty_tensor\n" + misc.read_text())
+    images, targets = synthetic_batch(1, 64, 64)
+    with pytest.raises(ConfigError, match="importing its models failed: ImportError"):
+        ref.run_reference_benchmark(checkout, (images, targets), ["none"], changes=TINY)
+    assert "models" not in sys.modules and "util" not in sys.modules
+    assert str(checkout) not in sys.path
+
+
+def test_checkout_modules_are_forgotten_and_not_on_the_path(checkout: Path) -> None:
+    """Other top-level modules the checkout imports (its rpe_ops, say) are forgotten on
+    exit, and the checkout is off sys.path once its packages are imported."""
+    (checkout / "rpe_helper.py").write_text("VALUE = 1\n")
+    init = checkout / "models/__init__.py"
+    init.write_text("import rpe_helper  # noqa: F401\n" + init.read_text())
+    with ref.reference_code(checkout) as models:
+        assert models.__file__.startswith(str(checkout))
+        assert "rpe_helper" in sys.modules and str(checkout) not in sys.path
+    assert not {"models", "util", "rpe_helper"} & set(sys.modules)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from detr_irpe.irpe.dropout import Dropout, dropout, keep_mask, keep_probability
+from detr_irpe.irpe.dropout import Dropout, dropout, keep_mask, keep_probability, keep_scale
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.02])
@@ -28,6 +28,31 @@ def test_keep_rate_and_independence(p: float) -> None:
     # neighbours are independent too
     corr = torch.corrcoef(torch.stack([keep[:-1].float(), keep[1:].float()]))[0, 1].item()
     assert abs(corr) < 6 / n ** 0.5
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000])
+def test_mask_is_the_two_halves_of_each_word(n: int) -> None:
+    """Element i < half compares bits 0-14 of word i, element half + i its bits 16-30,
+    each against round(p * 32768)."""
+    p = 0.3
+    half = (n + 1) // 2
+    torch.manual_seed(5)
+    words = torch.empty(half, dtype=torch.int32).random_()
+    torch.manual_seed(5)
+    keep = keep_mask((n,), p)
+    threshold = round(p * 32768)
+    expected = torch.cat([(words & 0x7FFF) >= threshold, (words >> 16) >= threshold])[:n]
+    assert torch.equal(keep, expected)
+    assert keep_probability(p) == 1 - threshold / 32768
+
+
+def test_p_that_rounds_to_one_drops_everything() -> None:
+    x = torch.ones(100, requires_grad=True)
+    y = dropout(x, 0.99999)
+    assert torch.equal(y, torch.zeros(100)) and torch.isfinite(y).all()
+    assert keep_scale(0.99999) == 0.0 and keep_scale(0.5) == 2.0
+    with pytest.raises(ValueError, match=r"Dropout\(inplace=True\) is not supported"):
+        Dropout(0.1, inplace=True)
 
 
 def test_rounding_of_p() -> None:

@@ -509,3 +509,55 @@ def test_blocked_core_equals_explicit_over_several_blocks(rpe: str) -> None:
     torch.testing.assert_close(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("rpe", [None, "rpe-2.0-product-ctx-1-k", "rpe-1.9-cross-ctx-0-qkv"])
+def test_blocked_core_with_dropout_equals_explicit(rpe: str, monkeypatch) -> None:
+    """Training with attention dropout: the same keep-mask given to both paths (the
+    explicit path draws it for the whole (B, h, L, L), the blocked core per row block)
+    gives the same output and gradients, so the blocked backward scales like its forward."""
+    from detr_irpe.irpe import blocked as blocked_module
+    from detr_irpe.irpe import dropout as dropout_module
+
+    batch, heads, length, p = 2, 2, 20, 0.3
+    torch.manual_seed(0)
+    full = torch.rand(batch * heads, length, length) >= p
+    drawn = []
+
+    def explicit_mask(shape, p_, device="cpu"):
+        assert tuple(shape) == (batch, heads, length, length) and p_ == p
+        drawn.append("explicit")
+        return full.view(shape)
+
+    def block_mask(shape, p_, device="cpu"):
+        n, rows, keys = shape
+        start = sum(r for r in drawn if isinstance(r, int))
+        drawn.append(rows)
+        assert (n, keys) == (batch * heads, length) and p_ == p
+        return full[:, start:start + rows]
+
+    monkeypatch.setattr(dropout_module, "keep_mask", explicit_mask)
+    monkeypatch.setattr(blocked_module, "keep_mask", block_mask)
+    module = IRPEMultiheadAttention(16, heads, dropout=p, rpe=rpe).double()
+    _randomise_tables(module)
+    query = torch.randn(batch, length, 16, dtype=torch.float64, requires_grad=True)
+    value = torch.randn(batch, length, 16, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    mask[-1, -5:] = True
+    results = []
+    for impl in ("explicit", "blocked"):
+        other = IRPEMultiheadAttention(16, heads, dropout=p, rpe=rpe, impl=impl,
+                                       block_rows=6).double().train()
+        other.load_state_dict(module.state_dict())
+        out, _ = other(query, query, value, (4, 5), key_padding_mask=mask)
+        grads = torch.autograd.grad(out.pow(2).sum(), [query, value, *other.parameters()])
+        results.append((out, grads))
+    assert drawn == ["explicit", 6, 6, 6, 2]
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b)
+    # and the mask mattered: without dropout the output differs
+    plain = IRPEMultiheadAttention(16, heads, rpe=rpe, impl="explicit").double()
+    plain.load_state_dict(module.state_dict())
+    assert not torch.allclose(plain(query, query, value, (4, 5), key_padding_mask=mask)[0],
+                              results[0][0])

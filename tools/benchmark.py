@@ -8,7 +8,7 @@ prints markdown tables.
     python tools/benchmark.py --device cuda --model-size 800x1216 --op-repeats 20
     python tools/benchmark.py --quick --output-dir /tmp/bench  # tiny sizes (smoke test)
     python tools/benchmark.py --render --output-dir outputs/benchmark   # re-render results.md
-    python tools/benchmark.py --only model --reference-code ~/Cream/iRPE/DETR-with-iRPE
+    python tools/benchmark.py --only model --reference-code PATH/TO/Cream/iRPE/DETR-with-iRPE
 
 Writes results.json, results.md and op_sweep.png under --output-dir. What is measured and
 the published numbers: docs/benchmarks.md.
@@ -69,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "shipped, never downloaded): its training step is timed in the same "
                         "run and its outputs compared with this project's (docs/benchmarks.md)")
     g.add_argument("--reference-amp", default="none",
-                   help="comma-separated precisions of the reference rows (%(default)s: its "
-                        "own float32; bf16 wraps its forward in autocast)")
+                   help="comma-separated precisions of the reference rows out of none, bf16 "
+                        "(%(default)s: its own float32; bf16 wraps its forward in autocast)")
     g = p.add_argument_group("data / eval level")
     g.add_argument("--data", default=None,
                    help="synthetic dataset folder, generated when missing (datasets/synthetic)")

@@ -100,7 +100,10 @@ class StepRunner:
         peak = None
         if self.step_peaks and self.resident is not None:
             # what this model alone would peak at: its resident state plus its step's peak
-            peak = (self.resident() + max(self.step_peaks[warmup:] or self.step_peaks)) / 2**20
+            # never the first step: it allocates the gradients and the optimizer state,
+            # which resident() counts already
+            steps = self.step_peaks[max(warmup, 1):] or self.step_peaks
+            peak = (self.resident() + max(steps)) / 2**20
         return {"train_step_s": median(walls), "train_step_s_all": walls,
                 "train_cpu_s": median(cpus), "loss_after": self.losses[-1],
                 "loss_steps": len(self.losses), "peak_train_mib": peak}
@@ -197,8 +200,9 @@ def run_model_benchmark(
         ``train_step_s_all``, ``train_cpu_s`` (median process CPU time),
         ``train_images_per_s``, ``infer_batch_s``, ``infer_images_per_s``,
         ``loss_after``, ``peak_train_mib`` (CUDA only: the model's training state plus
-        the largest allocation above it during one of its steps, i.e. its peak had it
-        run alone), ``encoder_tokens``.
+        the largest allocation above it during one of its steps after the first, i.e.
+        its peak had it run alone, without the input batch, which all rows share),
+        ``encoder_tokens``.
     """
     dev = torch.device(device)
     amps = [amp] if isinstance(amp, str) else list(amp)

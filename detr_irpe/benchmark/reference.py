@@ -7,7 +7,8 @@ this module imports its ``models`` and ``util`` packages from there, builds its 
 with the defaults of its ``main.py`` and times the step its ``train_one_epoch`` takes:
 
     forward -> SetCriterion -> weighted sum -> zero_grad -> backward
-    -> clip_grad_norm_(0.1) -> AdamW step (torch's default implementation) -> loss.item()
+    -> clip_grad_norm_(clip_max_norm = 0.1) -> AdamW step (torch's default implementation)
+    -> loss.item()
 
 on the same synthetic batch as this project's model rows. The reference has no mixed
 precision, so its rows are float32 unless bf16 autocast is asked for explicitly.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -44,8 +44,6 @@ __all__ = [
     "check_reference_dir", "compare_outputs", "outputs_table", "reference_args",
     "reference_code", "reference_table", "rows_of", "run_reference_benchmark", "step_runners",
 ]
-
-logger = logging.getLogger(__name__)
 
 # What a DETR-with-iRPE checkout must hold: (file, a text it contains, what it is)
 _REQUIRED = (
@@ -81,22 +79,35 @@ def check_reference_dir(path: str | Path) -> Path:
 
 @contextlib.contextmanager
 def _imported_from(root: Path) -> Iterator[Any]:
-    """The checkout's ``models`` package, imported from ``root``; on exit the checkout's
-    modules are forgotten again, so that they shadow nothing after the benchmark."""
-    clashes = [name for name in _PACKAGES if name in sys.modules
-               and not str(getattr(sys.modules[name], "__file__", "")).startswith(str(root))]
+    """The checkout's ``models`` package, imported from ``root``.
+
+    ``root`` is on ``sys.path`` only while ``models`` and ``util.misc`` are imported, so
+    that nothing imported later (by this project or a library) can pick up a module of
+    the checkout by name. On exit every module that came from the checkout is
+    forgotten again.
+    """
+    clashes = [name for name in _PACKAGES if name in sys.modules]
     if clashes:
-        raise ConfigError(f"cannot import the reference code from {root}: other modules "
-                          f"named {clashes} are already imported in this process")
+        raise ConfigError(f"cannot import the reference code from {root}: modules named "
+                          f"{clashes} are already imported in this process")
+    before = set(sys.modules)
     sys.path.insert(0, str(root))
     try:
-        import models  # the checkout's package
-
+        try:
+            import models  # the checkout's package
+            import util.misc  # noqa: F401  (NestedTensor, used by the steps)
+        except Exception as err:
+            raise ConfigError(
+                f"--reference-code {root}: importing its models failed: "
+                f"{type(err).__name__}: {err} (docs/benchmarks.md says what a checkout "
+                "needs for this torch / torchvision)") from err
+        finally:
+            sys.path.remove(str(root))
         yield models
     finally:
-        sys.path.remove(str(root))
-        for name in list(sys.modules):
-            if name.split(".")[0] in _PACKAGES:
+        for name in set(sys.modules) - before:
+            file = getattr(sys.modules[name], "__file__", None)
+            if name.split(".")[0] in _PACKAGES or (file and Path(file).resolve().is_relative_to(root)):
                 del sys.modules[name]
 
 
@@ -146,7 +157,7 @@ def reference_args(rpe: str, device: str = "cpu", **changes: Any) -> argparse.Na
 
 
 def _build(models: Any, rpe: str, dev: torch.device, changes: dict[str, Any]
-           ) -> tuple[nn.Module, nn.Module, Any]:
+           ) -> tuple[nn.Module, nn.Module, Any, argparse.Namespace]:
     args = reference_args(rpe, str(dev), **changes)
     torch.manual_seed(0)
     with _random_resnets():
@@ -160,7 +171,7 @@ def _build(models: Any, rpe: str, dev: torch.device, changes: dict[str, Any]
          "lr": args.lr_backbone},
     ]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
-    return model, criterion, optimizer
+    return model, criterion, optimizer, args
 
 
 def _nested(images: Any) -> Any:
@@ -169,7 +180,7 @@ def _nested(images: Any) -> Any:
     return NestedTensor(images.tensors, images.mask)
 
 
-def _reference_step(model, criterion, optimizer, samples, targets, dev, amp) -> float:
+def _reference_step(model, criterion, optimizer, samples, targets, dev, amp, clip) -> float:
     with autocast_context(dev, amp):
         outputs = model(samples)
         loss_dict = criterion(outputs, targets)
@@ -177,7 +188,8 @@ def _reference_step(model, criterion, optimizer, samples, targets, dev, amp) -> 
         losses = sum(loss_dict[k] * weights[k] for k in loss_dict if k in weights)
     optimizer.zero_grad()
     losses.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
     return float(losses.item())
 
@@ -220,10 +232,10 @@ def step_runners(
         for precision in amp:
             if progress is not None:
                 progress(f"building the reference DETR-with-iRPE enc_rpe2d={rpe} amp={precision}")
-            model, criterion, optimizer = _build(ref_models, rpe, dev, changes or {})
+            model, criterion, optimizer, args = _build(ref_models, rpe, dev, changes or {})
             model.train()
             step = partial(_reference_step, model, criterion, optimizer, samples, ref_targets,
-                           dev, precision)
+                           dev, precision, args.clip_max_norm)
             runners.append(StepRunner(
                 {"impl": "reference", "rpe": rpe, "amp": precision,
                  "batch": images.tensors.shape[0], "image_hw": list(images.tensors.shape[-2:])},
@@ -282,7 +294,7 @@ def compare_outputs(
     dev = torch.device(device)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     with _imported_from(root) as ref_models:
-        reference, _, _ = _build(ref_models, rpe, dev, changes or {})
+        reference, _, _, _ = _build(ref_models, rpe, dev, changes or {})
         result = reference.load_state_dict(state, strict=False)
         reference.eval()
         model.eval()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dropout import keep_mask, keep_probability
+from .dropout import keep_mask, keep_scale
 
 __all__ = ["BlockedTerms", "blocked_attention", "default_block_rows"]
 
@@ -108,7 +108,7 @@ class _BlockedAttention(torch.autograd.Function):
             a = torch.softmax(_logits(q, kt, pad, terms, scores, r0, r1, num_heads), dim=-1)
             if dropout_p > 0.0:
                 keep = keep_mask(a.shape, dropout_p, a.device)
-                a.mul_(keep).mul_(1.0 / keep_probability(dropout_p, a.device))
+                a.mul_(keep).mul_(keep_scale(dropout_p, a.device))
                 keeps.append(keep)
             o = torch.bmm(a, v)
             for index, table, per_bucket in zip(terms.value_index, tables, buckets):
@@ -140,7 +140,7 @@ class _BlockedAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         d_scores = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) for p in scores]
         d_tables = [torch.zeros_like(w) for w in tables]
-        scale = 1.0 / keep_probability(p_drop, q.device) if p_drop > 0.0 else 1.0
+        scale = keep_scale(p_drop, q.device) if p_drop > 0.0 else 1.0
         for block, r0 in enumerate(range(0, length, block_rows)):
             r1 = min(length, r0 + block_rows)
             rows = r1 - r0

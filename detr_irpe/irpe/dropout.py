@@ -12,8 +12,9 @@ bits) serves two elements: its bits 0-14 and its bits 16-30 are two independent 
   ``p'``, so the expectation of every element is unchanged, as with ``F.dropout``.
 - The keep-mask is a bool tensor, and it is all the backward keeps (``torch.where`` saves
   only its condition), as with ``F.dropout``.
-- Off the CPU (CUDA's generator is fast and fused into the dropout kernel) and for
-  ``p`` of 0 or 1 this is ``F.dropout`` itself. Seeding with ``torch.manual_seed`` gives
+- Off the CPU (CUDA's generator is fast and fused into the dropout kernel), for ``p``
+  of 0, and for ``p`` that rounds to 1 (above 1 - 1/65536) this is ``F.dropout`` itself.
+- ``Dropout(p, inplace=True)`` is refused: the output is always a new tensor. Seeding with ``torch.manual_seed`` gives
   the same masks again; they differ from ``F.dropout``'s for the same seed.
 """
 
@@ -25,11 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Dropout", "dropout", "keep_mask", "keep_probability"]
+__all__ = ["Dropout", "dropout", "keep_mask", "keep_probability", "keep_scale"]
 
 _BITS = 15
 _LEVELS = 1 << _BITS
 _LOW = _LEVELS - 1
+
+
+def _threshold(p: float) -> int:
+    return round(p * _LEVELS)
 
 
 def keep_probability(p: float, device: torch.device | str = "cpu") -> float:
@@ -37,7 +42,14 @@ def keep_probability(p: float, device: torch.device | str = "cpu") -> float:
     rounded to a multiple of 1/32768 on the CPU, ``1 - p`` elsewhere."""
     if torch.device(device).type != "cpu":
         return 1.0 - p
-    return 1.0 - round(p * _LEVELS) / _LEVELS
+    return 1.0 - _threshold(p) / _LEVELS
+
+
+def keep_scale(p: float, device: torch.device | str = "cpu") -> float:
+    """The factor of the kept values, ``1 / keep_probability``; 0 when nothing is kept
+    (``p`` rounds to 1), where every value is dropped anyway."""
+    keep = keep_probability(p, device)
+    return 1.0 / keep if keep > 0.0 else 0.0
 
 
 def keep_mask(shape: tuple[int, ...] | torch.Size, p: float,
@@ -49,7 +61,7 @@ def keep_mask(shape: tuple[int, ...] | torch.Size, p: float,
     n = math.prod(shape)
     half = (n + 1) // 2
     words = torch.empty(half, dtype=torch.int32).random_()  # uniform in [0, 2^31)
-    threshold = round(p * _LEVELS)
+    threshold = _threshold(p)
     keep = torch.empty(2, half, dtype=torch.bool)
     torch.ge(words & _LOW, threshold, out=keep[0])
     torch.ge(words >> 16, threshold, out=keep[1])
@@ -60,14 +72,19 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     """``F.dropout(x, p, training)`` with the CPU keep-mask of :func:`keep_mask`."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or p >= 1.0:
+    if x.device.type != "cpu" or _threshold(p) >= _LEVELS:
         return F.dropout(x, p, training=True)
     keep = keep_mask(x.shape, p, x.device)
-    return torch.where(keep, x * (1.0 / keep_probability(p)), 0.0)
+    return torch.where(keep, x * keep_scale(p), 0.0)
 
 
 class Dropout(nn.Dropout):
     """``nn.Dropout`` computed by :func:`dropout` (no parameters, the same state dict)."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False) -> None:
+        if inplace:
+            raise ValueError("Dropout(inplace=True) is not supported: the output is a new tensor")
+        super().__init__(p)
 
     def forward(self, x: Tensor) -> Tensor:
         return dropout(x, self.p, self.training)
