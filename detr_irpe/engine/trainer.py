@@ -195,10 +195,17 @@ def targets_to(targets: list[dict[str, Any]], device: torch.device) -> list[dict
     ]
 
 
-def model_outputs(model: nn.Module, images: ImageBatch, device: torch.device, amp: str) -> dict:
-    """The forward pass under the run's autocast."""
+def model_outputs(
+    model: nn.Module,
+    images: ImageBatch,
+    device: torch.device,
+    amp: str,
+    targets: list[dict] | None = None,
+) -> dict:
+    """The forward pass under the run's autocast. ``targets`` go to the model too: a
+    model that trains with denoising queries builds them from the ground truth."""
     with autocast_context(device, amp):
-        return model(images)
+        return model(images, targets)
 
 
 def _float_tensors(obj: Any) -> Iterator[Tensor]:
@@ -310,7 +317,7 @@ def train_step(
     for k, (images, targets) in enumerate(micro):
         last = k == len(micro) - 1
         with contextlib.nullcontext() if last or no_sync is None else no_sync():
-            outputs = model_outputs(model, images, device, amp)
+            outputs = model_outputs(model, images, device, amp, targets)
             check_finite_outputs(outputs)
             if not norms:
                 norms = criterion.normalizers(
@@ -524,7 +531,7 @@ def evaluate(
     for k, (images, targets) in enumerate(iterable):
         images = images.to(device, non_blocking=True)
         targets = targets_to(targets, device)
-        outputs = model_outputs(model, images, device, amp)
+        outputs = model_outputs(model, images, device, amp, targets)
         pending.add(0, k, 0.0, criterion(outputs, targets))
         orig_sizes = torch.stack([t["orig_size"] for t in targets])
         results = postprocessor(_float32(outputs), orig_sizes)

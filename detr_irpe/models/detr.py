@@ -67,8 +67,13 @@ class DETR(nn.Module):
         self.backbone = backbone
         self.aux_loss = aux_loss
 
-    def forward(self, samples: ImageBatch | Sequence[Tensor]) -> dict:
+    def forward(
+        self, samples: ImageBatch | Sequence[Tensor], targets: list[dict] | None = None
+    ) -> dict:
         """Predict boxes for a padded batch or a list of ``(3, H_i, W_i)`` normalised images.
+
+        ``targets`` (the training step passes them) are not used by DETR; decoders that
+        train with denoising queries take them in the same place.
 
         Returns a dict with
             ``pred_logits``: ``(B, Q, num_classes + 1)`` class logits;
