@@ -85,12 +85,12 @@ class _CountingDDP(nn.Module):
         finally:
             self.inside = False
 
-    def forward(self, images):
+    def forward(self, images, targets=None):
         if self.inside:
             self.forwards_without_sync += 1
         else:
             self.forwards_with_sync += 1
-        return self.module(images)
+        return self.module(images, targets)
 
 
 def test_gradients_are_synchronised_on_the_last_micro_batch_only() -> None:
