@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_matcher import brute_force_min, naive_giou_cxcywh, random_problem
+from test_matcher import assert_optimal, naive_giou_cxcywh, random_problem
 from torch.testing import assert_close
 
 from detr_irpe.models.matcher import FocalHungarianMatcher, HungarianMatcher, assign
@@ -60,20 +60,7 @@ def test_matches_brute_force(weights) -> None:
     for seed in range(6):
         outputs, targets = random_problem(2, 5, 3, [3, 4], seed)
         outputs["pred_logits"] = outputs["pred_logits"] * 3
-        indices = matcher(outputs, targets)
-        for b, (rows, cols) in enumerate(indices):
-            cost = naive_cost(
-                outputs["pred_logits"][b].double().numpy(),
-                outputs["pred_boxes"][b].double().numpy(),
-                targets[b]["labels"].numpy(),
-                targets[b]["boxes"].double().numpy(),
-                *weights,
-            )
-            n = len(targets[b]["labels"])
-            assert rows.dtype == torch.int64 and len(rows) == len(cols) == n
-            assert sorted(cols.tolist()) == list(range(n)) and len(set(rows.tolist())) == n
-            got = cost[rows.numpy(), cols.numpy()].sum()
-            np.testing.assert_allclose(got, brute_force_min(cost), rtol=1e-5, atol=1e-5)
+        assert_optimal(matcher(outputs, targets), outputs, targets, naive_cost, *weights)
 
 
 def test_the_focal_cost_changes_the_assignment() -> None:

@@ -201,15 +201,6 @@ class SetCriterion(nn.Module):
         is_object = outputs["pred_logits"].argmax(-1) != self.num_classes
         return {"cardinality_error": cardinality_error(is_object, targets)}
 
-    def loss_boxes(
-        self,
-        outputs: dict,
-        targets: list[dict],
-        indices: list[tuple[Tensor, Tensor]],
-        num_boxes: float | Tensor,
-    ) -> dict[str, Tensor]:
-        return matched_box_losses(outputs, targets, indices, num_boxes)
-
     def normalizers(
         self, target_batches: list[list[dict]], num_queries: int, device: torch.device
     ) -> dict[str, float | Tensor]:
@@ -273,7 +264,7 @@ class SetCriterion(nn.Module):
 
         def terms(out: dict, stage: int) -> dict[str, Tensor]:
             found = self.loss_labels(out, targets, indices[stage], stage == 0, class_weight_total)
-            found.update(self.loss_boxes(out, targets, indices[stage], num_boxes))
+            found.update(matched_box_losses(out, targets, indices[stage], num_boxes))
             found.update(self.loss_cardinality(out, targets))
             return found
 
