@@ -54,13 +54,12 @@ def _make(
     from detr_irpe.checkpoint.zoo import zoo_entry
     from detr_irpe.models import build_model
 
-    # an unpublished name fails before the model is built
-    entry = zoo_entry(zoo_name) if pretrained else None
+    # an unpublished name, or no way to download the file, fails before the model is built
+    weights = _download(zoo_entry(zoo_name)) if pretrained else None
     cfg = _config(config, num_classes, model_options)
     model, _, postprocessor = build_model(cfg, load_backbone_weights=not pretrained)
-    if entry is not None:
-        state, meta = _download(entry)
-        load_state(model, state, meta, strict_head=False)
+    if weights is not None:
+        load_state(model, *weights, strict_head=False)
         model.eval()
     return (model, postprocessor) if return_postprocessor else model
 
