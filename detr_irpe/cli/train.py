@@ -114,16 +114,22 @@ def _eval_weights(args: argparse.Namespace, output_dir: Path) -> Path:
     )
 
 
+def run_config(args: argparse.Namespace):
+    """The run's config: ``--config`` with ``--set``, ``--device`` and ``--output-dir``
+    applied (also what ``detr-irpe-submit`` checks before submitting)."""
+    extra = device_override(args.device)
+    if args.output_dir is not None:
+        extra.append(f"train.output_dir={args.output_dir}")
+    return load_config_from_args(args, extra)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
         from detr_irpe.engine import run_evaluation, run_training
 
-        extra = device_override(args.device)
-        if args.output_dir is not None:
-            extra.append(f"train.output_dir={args.output_dir}")
-        cfg = load_config_from_args(args, extra)
+        cfg = run_config(args)
         if args.eval_only:
             output_dir = Path(cfg.train.output_dir)
             result = run_evaluation(cfg, _eval_weights(args, output_dir), output_dir / "eval",
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(body)
 
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "run_config"]
 
 
 if __name__ == "__main__":  # python -m detr_irpe.cli.train (the ablation scheduler, torchrun -m)
