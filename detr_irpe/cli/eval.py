@@ -6,13 +6,13 @@ need one (--config). --set points at other data::
 
     python tools/eval.py outputs/demo/checkpoint_best.pth
     python tools/eval.py detr-r50-e632da11.pth --config detr_r50 --set data.root=/data/coco
+    torchrun --nproc_per_node=8 tools/eval.py irpe_detr_r50.pth --config detr_r50_irpe \\
+        --set data.root=/data/coco --output-dir outputs/eval_irpe
 
 A published checkpoint by name (docs/checkpoints.md) or an http(s) address is
 downloaded once into torch.hub's cache; a name brings its config::
 
     python tools/eval.py detr_r50_irpe/rpe-2.0-product-ctx-1-k --set data.root=/data/coco
-    torchrun --nproc_per_node=8 tools/eval.py irpe_detr_r50.pth --config detr_r50_irpe \\
-        --set data.root=/data/coco --output-dir outputs/eval_irpe
 
 Writes OUTPUT_DIR/results.json (COCO results format), metrics.json (the 12
 numbers, per-class AP, losses) and eval.log; prints the numbers and the table.

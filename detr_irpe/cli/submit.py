@@ -169,8 +169,12 @@ def _check_cluster(args: argparse.Namespace) -> None:
                           f"--timeout {args.timeout} min")
 
 
-def submit(args: argparse.Namespace, train_argv: list[str]) -> Any:
-    """Check everything, then submit :class:`~detr_irpe.cli.submit_job.TrainJob`; the job."""
+def submit(args: argparse.Namespace, train_argv: list[str]) -> tuple[Any, Any]:
+    """Check everything, then submit :class:`~detr_irpe.cli.submit_job.TrainJob`.
+
+    Returns:
+        ``(job, cfg)``: the submitit job and the run's config.
+    """
     from detr_irpe.cli.submit_job import TrainJob
     from detr_irpe.engine.run_lock import ensure_writable_folder
 

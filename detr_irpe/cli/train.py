@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from detr_irpe.cli.common import (
     add_config_arguments,
@@ -66,6 +67,9 @@ from detr_irpe.cli.common import (
     run_main,
 )
 from detr_irpe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from detr_irpe.config import Config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +118,7 @@ def _eval_weights(args: argparse.Namespace, output_dir: Path) -> Path:
     )
 
 
-def run_config(args: argparse.Namespace):
+def run_config(args: argparse.Namespace) -> Config:
     """The run's config: ``--config`` with ``--set``, ``--device`` and ``--output-dir``
     applied (also what ``detr-irpe-submit`` checks before submitting)."""
     extra = device_override(args.device)
