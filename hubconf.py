@@ -8,8 +8,10 @@
                                           return_postprocessor=True)
 
 ``pretrained=True`` downloads the published checkpoint (addresses in
-``detr_irpe/checkpoint/zoo.py``) into torch.hub's cache, reads it weights-only and
-returns the model in eval mode. Other keyword arguments are ``model.*`` config values,
+``detr_irpe/checkpoint/zoo.py``) into torch.hub's cache (``torch.hub.get_dir()/checkpoints``;
+the hash is checked where the file name carries one), reads it weights-only and returns
+the model in eval mode. Offline, a ``CheckpointError`` names the address and the path to
+put the file at. Other keyword arguments are ``model.*`` config values,
 e.g. ``backbone_weights="none"`` (no ImageNet download for an untrained model) or
 ``rpe_init="zero"``. With ``num_classes`` other than 91 the published class head is
 replaced by a fresh one (fine-tuning), with a warning.
@@ -32,17 +34,12 @@ def _config(name: str, num_classes: int, model_options: dict[str, Any]):
 
 def _download(entry) -> tuple[dict, dict]:
     """The published checkpoint of a :class:`~detr_irpe.checkpoint.zoo.ZooEntry` as
-    ``(state_dict, meta)``."""
-    import torch
+    ``(state_dict, meta)``, downloaded into torch.hub's cache the first time (offline:
+    a one-line CheckpointError naming the address and where to put the file)."""
+    from detr_irpe.checkpoint import read_checkpoint
+    from detr_irpe.checkpoint.download import download_zoo_entry
 
-    from detr_irpe.checkpoint import allowed_classes, split_checkpoint
-
-    with allowed_classes():  # the reference training script stores args as a Namespace
-        obj = torch.hub.load_state_dict_from_url(
-            entry.url, map_location="cpu", check_hash=entry.check_hash,
-            file_name=entry.file_name, weights_only=True,
-        )
-    return split_checkpoint(obj, entry.url)
+    return read_checkpoint(download_zoo_entry(entry))
 
 
 def _make(
@@ -57,13 +54,12 @@ def _make(
     from detr_irpe.checkpoint.zoo import zoo_entry
     from detr_irpe.models import build_model
 
-    # an unpublished name fails before the model is built
-    entry = zoo_entry(zoo_name) if pretrained else None
+    # an unpublished name, or no way to download the file, fails before the model is built
+    weights = _download(zoo_entry(zoo_name)) if pretrained else None
     cfg = _config(config, num_classes, model_options)
     model, _, postprocessor = build_model(cfg, load_backbone_weights=not pretrained)
-    if entry is not None:
-        state, meta = _download(entry)
-        load_state(model, state, meta, strict_head=False)
+    if weights is not None:
+        load_state(model, *weights, strict_head=False)
         model.eval()
     return (model, postprocessor) if return_postprocessor else model
 

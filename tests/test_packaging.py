@@ -22,7 +22,8 @@ from detr_irpe.config import CONFIG_DIR
 # Every console script setup.cfg declares, and the module whose main() it calls.
 CONSOLE_SCRIPTS = {
     f"detr-irpe-{name}": f"detr_irpe.cli.{name}:main"
-    for name in ("train", "eval", "predict", "visualize", "export", "convert", "ablate")
+    for name in ("train", "eval", "predict", "visualize", "export", "convert", "ablate",
+                 "submit")
 }
 # What a wheel is built from (the same files as a source distribution holds).
 _SOURCES = ("detr_irpe", "setup.cfg", "pyproject.toml", "README.md", "LICENSE")

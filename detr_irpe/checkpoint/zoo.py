@@ -1,7 +1,8 @@
 """Published checkpoints: file names and download addresses, kept in this one place.
 
-Used by ``hubconf.py`` (``torch.hub.load(..., pretrained=True)``) and named in the docs.
-Nothing in the package downloads these on its own.
+Used by ``hubconf.py`` (``torch.hub.load(..., pretrained=True)``) and by every tool that
+takes a checkpoint: a name below (or an address) is downloaded once into torch.hub's
+cache by :mod:`detr_irpe.checkpoint.download`, only when a user names it.
 
 - DETR-R50 (the facebookresearch/detr model zoo, 500-epoch schedule).
 - DETR-R50 with iRPE ``rpe-2.0-product-ctx-1-k`` (the iRPE paper's model zoo, 150- and
@@ -10,7 +11,8 @@ Nothing in the package downloads these on its own.
 Their published COCO numbers are in docs/checkpoints.md.
 
 ``check_hash``: the DETR file name ends in the first hex digits of its SHA-256, which
-``torch.hub`` verifies; the iRPE file names carry no hash, so they are not verified.
+the download verifies (as ``torch.hub``'s ``check_hash`` does); the iRPE file names carry
+no hash and no published digest is known, so only their length is checked.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Convert a checkpoint (this project's, public DETR / iRPE-DETR, a reference training
 file, Hugging Face DETR) to this project's .pth or .safetensors, or to a Hugging Face
-folder, offline::
+folder::
 
     # public DETR-R50 -> an iRPE model's starting point (tables start as --rpe-init says)
     python tools/convert_checkpoint.py detr-r50-e632da11.pth detr_r50_irpe_init.pth \\
@@ -12,8 +12,12 @@ folder, offline::
         --to safetensors
     # a plain-DETR model as a Hugging Face folder (DetrForObjectDetection.from_pretrained)
     python tools/convert_checkpoint.py detr-r50-e632da11.pth detr-r50-hf --to hf --config detr_r50
+    # a published checkpoint by name (docs/checkpoints.md; downloaded once into torch.hub's
+    # cache, with its config)
+    python tools/convert_checkpoint.py detr_r50 detr-r50-hf --to hf
 
-The input is read with torch.load(weights_only=True) (or safetensors); every output is
+Only a published name or an http(s) address as INPUT touches the network. The input is
+read with torch.load(weights_only=True) (or safetensors); every output is
 written atomically (temporary file + os.replace). --to defaults to the output's
 suffix (.safetensors -> safetensors, else pth). Exit status 2 with one line on stderr
 for a bad input or option.
@@ -34,7 +38,9 @@ TARGETS = ("pth", "safetensors", "hf")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = new_parser(__doc__, prog="convert_checkpoint.py")
-    parser.add_argument("input", type=Path, help="checkpoint to convert (file or HF folder)")
+    parser.add_argument("input", metavar="INPUT",
+                        help="checkpoint to convert (file or HF folder), a published name "
+                             "(detr_r50, ...) or an http(s) address")
     parser.add_argument("output", type=Path, help="where to write the result")
     parser.add_argument("--to", choices=TARGETS, default=None,
                         help="output kind (default: from OUTPUT's suffix)")
@@ -62,15 +68,17 @@ def _check_options(args: argparse.Namespace) -> str:
     return target
 
 
-def _saved_config(args: argparse.Namespace, meta: dict[str, Any]) -> dict[str, Any] | None:
-    """The model's config as a dict: --config / --set, else the one in the file (for a
-    Hugging Face folder: the one its config.json implies), else None."""
+def _saved_config(path: Path, config: str | None, args: argparse.Namespace,
+                  meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The model's config as a dict: ``config`` (--config, or a published name's) with
+    --set, else the one in the file (for a Hugging Face folder: the one its config.json
+    implies), else None."""
     from detr_irpe.models.from_checkpoint import resolve_config
 
-    if args.config is None and not isinstance(meta.get("config"), dict) \
+    if config is None and not isinstance(meta.get("config"), dict) \
             and not meta.get("hf_model"):
         return None
-    return resolve_config(args.input, args.config, args.overrides, meta).to_dict()
+    return resolve_config(path, config, args.overrides, meta).to_dict()
 
 
 def _updated_config(
@@ -101,18 +109,21 @@ def _write_hf(state: dict, config: dict[str, Any] | None, meta: dict, out: Path)
 def convert(args: argparse.Namespace) -> list[str]:
     """Read, convert and write as the arguments say; returns the notes to show."""
     from detr_irpe.checkpoint import FORMAT, atomic_save, read_checkpoint, save_safetensors
+    from detr_irpe.checkpoint.download import resolve_checkpoint
     from detr_irpe.checkpoint.layout import convert_state_dict
     from detr_irpe.engine.run_lock import ensure_writable_folder
 
     target = _check_options(args)
     # before the checkpoint is read
     ensure_writable_folder(args.output.parent, "output folder", "choose another OUTPUT")
-    state, meta = read_checkpoint(args.input)
+    source = resolve_checkpoint(args.input)
+    state, meta = read_checkpoint(source.path)
     state, notes = convert_state_dict(
         state, num_classes=args.num_classes, rpe=args.rpe, nheads=args.nheads,
         rpe_init=args.rpe_init,
     )
-    config = _updated_config(_saved_config(args, meta), args)
+    config = args.config if args.config is not None else source.config
+    config = _updated_config(_saved_config(source.path, config, args, meta), args)
     names = meta.get("category_names")
     if target == "hf":
         _write_hf(state, config, meta, args.output)

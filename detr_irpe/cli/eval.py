@@ -9,6 +9,11 @@ need one (--config). --set points at other data::
     torchrun --nproc_per_node=8 tools/eval.py irpe_detr_r50.pth --config detr_r50_irpe \\
         --set data.root=/data/coco --output-dir outputs/eval_irpe
 
+A published checkpoint by name (docs/checkpoints.md) or an http(s) address is
+downloaded once into torch.hub's cache; a name brings its config::
+
+    python tools/eval.py detr_r50_irpe/rpe-2.0-product-ctx-1-k --set data.root=/data/coco
+
 Writes OUTPUT_DIR/results.json (COCO results format), metrics.json (the 12
 numbers, per-class AP, losses) and eval.log; prints the numbers and the table.
 Exit status 2 on a config, data or checkpoint problem (one line on stderr).
@@ -33,12 +38,15 @@ from detr_irpe.cli.common import (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = new_parser(__doc__, prog="eval.py")
-    parser.add_argument("checkpoint", type=Path, help="checkpoint file (.pth)")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="checkpoint file or folder, a published name (detr_r50, ...) "
+                             "or an http(s) address")
     add_config_arguments(parser, config_help="config name or YAML path (default: the "
                                              "checkpoint's own)")
     add_device_argument(parser, default=None)
     parser.add_argument("--output-dir", type=Path,
-                        help="where results go (default: CHECKPOINT_DIR/eval_CHECKPOINT_STEM)")
+                        help="where results go (default: CHECKPOINT_DIR/eval_CHECKPOINT_STEM; "
+                             "outputs/eval_STEM for a downloaded file)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -47,16 +55,24 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
+        from detr_irpe.checkpoint.download import resolve_checkpoint
+        from detr_irpe.config import load_config
         from detr_irpe.engine import run_evaluation
         from detr_irpe.engine.run_lock import ensure_writable_folder
 
         extra = device_override(args.device)
         cfg = load_config_from_args(args, extra)
         overrides = checked_overrides(args.overrides) + extra
-        output_dir = args.output_dir or args.checkpoint.parent / f"eval_{args.checkpoint.stem}"
+        source = resolve_checkpoint(args.checkpoint, progress=not args.no_progress)
+        if cfg is None and source.config is not None:  # a published file: its zoo config
+            cfg = load_config(source.config, overrides)
+        path = source.path
+        # a downloaded file's folder is torch.hub's cache: no place for results
+        default_dir = Path("outputs") if source.cached else path.parent
+        output_dir = args.output_dir or default_dir / f"eval_{path.stem}"
         # before the data and the model are loaded
         ensure_writable_folder(output_dir, "output folder", "choose another --output-dir")
-        result = run_evaluation(cfg, args.checkpoint, output_dir, overrides=overrides,
+        result = run_evaluation(cfg, path, output_dir, overrides=overrides,
                                 progress=not args.no_progress)
         print_eval_result(result)
         return 0

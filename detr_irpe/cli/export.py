@@ -10,6 +10,8 @@ evaluation; outputs ``pred_logits``, ``pred_boxes``)::
     # a public iRPE-DETR file carries no config: name it; --check compares with PyTorch
     python tools/export.py rpe-2.0-product-ctx-1-k.pth --config detr_r50_irpe \\
         --format onnx --size 800x1216 --output irpe.onnx --check
+    # a published checkpoint by name (downloaded once into torch.hub's cache, with its config)
+    python tools/export.py detr_r50 --format onnx --size 800x1216 --output detr_r50.onnx
 
 docs/deployment.md shows how to run the file with onnxruntime and post-process it.
 Exit status 2 with one line on stderr for an unsupported setting or a bad input.
@@ -33,8 +35,9 @@ logger = logging.getLogger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = new_parser(__doc__, prog="export.py")
-    parser.add_argument("checkpoint", type=Path, help="checkpoint to export (any layout "
-                                                      "the other tools read)")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="checkpoint to export (any layout the other tools read), a "
+                             "published name (detr_r50, ...) or an http(s) address")
     parser.add_argument("--format", default="onnx", metavar="|".join(FORMATS),
                         help="export format (default %(default)s)")
     parser.add_argument("--size", required=True, metavar="HxW",
@@ -76,6 +79,7 @@ def _check_against_pytorch(model, path: Path, size: tuple[int, int], batch: int)
 
 def export(args: argparse.Namespace) -> list[str]:
     """Load, export (and check) as the arguments say; returns the lines to show."""
+    from detr_irpe.checkpoint.download import resolve_checkpoint
     from detr_irpe.engine.run_lock import ensure_writable_folder
     from detr_irpe.export import MIN_OPSET, export_onnx, parse_size
     from detr_irpe.models.from_checkpoint import model_from_checkpoint
@@ -88,7 +92,9 @@ def export(args: argparse.Namespace) -> list[str]:
         raise ExportError(f"{args.output} exists; pass --force to overwrite")
     # before the model is loaded
     ensure_writable_folder(args.output.parent, "output folder", "choose another --output")
-    loaded = model_from_checkpoint(args.checkpoint, args.config, args.overrides, device="cpu")
+    source = resolve_checkpoint(args.checkpoint)
+    config = args.config if args.config is not None else source.config
+    loaded = model_from_checkpoint(source.path, config, args.overrides, device="cpu")
     opset = MIN_OPSET if args.opset is None else args.opset
     path = export_onnx(loaded.model, args.output, size, batch=args.batch, dynamic=args.dynamic,
                        opset=opset)

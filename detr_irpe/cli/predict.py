@@ -5,6 +5,10 @@ Inputs are image files, folders and globs (quote globs)::
     detr-irpe-predict outputs/demo/checkpoint_best.pth datasets/synthetic/val \\
         --output-dir outputs/demo/predictions --score-threshold 0.5
     detr-irpe-predict detr-r50-e632da11.pth "photos/*.jpg" --config detr_r50 --device cuda
+    detr-irpe-predict detr_r50_irpe/rpe-2.0-product-ctx-1-k photos/    # published, by name
+
+A published name (docs/checkpoints.md) or an http(s) address is downloaded once into
+torch.hub's cache; a name brings its config.
 
 COCO test-dev (image ids and file names from the image-info file, every image of it
 looked up in the folder; the plain results list an evaluation server takes)::
@@ -49,7 +53,9 @@ DEFAULT_SCORE_THRESHOLD = 0.5
 
 def build_parser() -> argparse.ArgumentParser:
     parser = new_parser(__doc__, prog="detr-irpe-predict")
-    parser.add_argument("checkpoint", type=Path, help="checkpoint file (.pth, .safetensors, ...)")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="checkpoint file (.pth, .safetensors, ...), a published name "
+                             "(detr_r50, ...) or an http(s) address")
     parser.add_argument("inputs", nargs="+",
                         help="image files, folders or glob patterns; with --ann: the one "
                              "folder its file_name values are relative to")

@@ -32,6 +32,14 @@ the class head (the class count comes from the annotations)::
     python tools/train.py --config detr_r50_irpe --finetune detr_irpe_r50.pth \\
         --set data.root=/data/voc_coco_format --output-dir outputs/voc_ft
 
+--finetune and --resume also take a published checkpoint's name (docs/checkpoints.md:
+detr_r50, detr_r50_irpe/rpe-2.0-product-ctx-1-k, ...) or an http(s) address: the file
+is downloaded once into torch.hub's cache (offline: the path to put it at)::
+
+    python tools/train.py --config detr_r50_irpe \\
+        --finetune detr_r50_irpe/rpe-2.0-product-ctx-1-k \\
+        --set data.root=/data/voc_coco_format --output-dir outputs/voc_ft
+
 Evaluation only (weights from --resume, OUTPUT_DIR/checkpoint_last.pth or --finetune;
 results in OUTPUT_DIR/eval)::
 
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from detr_irpe.cli.common import (
     add_config_arguments,
@@ -59,40 +68,63 @@ from detr_irpe.cli.common import (
 )
 from detr_irpe.errors import ConfigError
 
+if TYPE_CHECKING:
+    from detr_irpe.config import Config
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = new_parser(__doc__, prog="train.py")
     add_config_arguments(parser, required=True)
     add_device_argument(parser, default=None)
-    parser.add_argument("--resume", metavar="PATH",
+    parser.add_argument("--resume", metavar="PATH|NAME|URL",
                         help="checkpoint to resume from on purpose (default: OUTPUT_DIR/"
                              "checkpoint_last.pth of the same experiment); with --eval-only, "
                              "the weights to evaluate")
     parser.add_argument("--eval-only", action="store_true",
                         help="evaluate on the val split and exit (weights from --resume, "
                              "OUTPUT_DIR/checkpoint_last.pth or --finetune)")
-    parser.add_argument("--finetune", metavar="CKPT",
-                        help="start from these weights (own or public DETR / iRPE-DETR); the "
-                             "class head is re-initialised when the class count differs")
+    parser.add_argument("--finetune", metavar="PATH|NAME|URL",
+                        help="start from these weights (own or public DETR / iRPE-DETR; a "
+                             "published name such as detr_r50 or an http(s) address is "
+                             "downloaded once into torch.hub's cache); the class head is "
+                             "re-initialised when the class count differs")
     parser.add_argument("--output-dir", metavar="DIR", help="run folder (train.output_dir)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
 
+def _local(spec: str | None, progress: bool) -> Path | None:
+    """A --resume / --finetune value as a local path (a published name or an address
+    downloaded into torch.hub's cache first)."""
+    from detr_irpe.checkpoint.download import resolve_checkpoint
+
+    return None if spec is None else resolve_checkpoint(spec, progress=progress).path
+
+
 def _eval_weights(args: argparse.Namespace, output_dir: Path) -> Path:
     from detr_irpe.engine import checkpoint_io as ckio
 
+    progress = not args.no_progress
     if args.resume is not None:
-        return Path(args.resume)
+        return _local(args.resume, progress)
     found = ckio.find_resume_checkpoint(output_dir)
     if found is not None:
         return Path(found[0])
     if args.finetune is not None:
-        return Path(args.finetune)
+        return _local(args.finetune, progress)
     raise ConfigError(
         f"--eval-only needs weights: --resume CHECKPOINT, a checkpoint_last.pth in "
         f"{output_dir}, or --finetune CHECKPOINT"
     )
+
+
+def run_config(args: argparse.Namespace) -> Config:
+    """The run's config: ``--config`` with ``--set``, ``--device`` and ``--output-dir``
+    applied (also what ``detr-irpe-submit`` checks before submitting)."""
+    extra = device_override(args.device)
+    if args.output_dir is not None:
+        extra.append(f"train.output_dir={args.output_dir}")
+    return load_config_from_args(args, extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,24 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         from detr_irpe.engine import run_evaluation, run_training
 
-        extra = device_override(args.device)
-        if args.output_dir is not None:
-            extra.append(f"train.output_dir={args.output_dir}")
-        cfg = load_config_from_args(args, extra)
+        cfg = run_config(args)
         if args.eval_only:
             output_dir = Path(cfg.train.output_dir)
             result = run_evaluation(cfg, _eval_weights(args, output_dir), output_dir / "eval",
                                     progress=not args.no_progress)
         else:
-            result = run_training(cfg, resume=args.resume, finetune=args.finetune,
-                                  progress=not args.no_progress)
+            progress = not args.no_progress
+            result = run_training(cfg, resume=_local(args.resume, progress),
+                                  finetune=_local(args.finetune, progress), progress=progress)
         print_eval_result(result)
         return 0
 
     return run_main(body)
 
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "run_config"]
 
 
 if __name__ == "__main__":  # python -m detr_irpe.cli.train (the ablation scheduler, torchrun -m)

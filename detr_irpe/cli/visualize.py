@@ -16,6 +16,11 @@ Public iRPE-DETR weights carry no config: name it, and override what differs::
     detr-irpe-visualize rpe-tables --checkpoint other.pth --config detr_r50_irpe \\
         --set model.rpe=rpe-1.9-product-ctx-1-k --per-head
 
+A published checkpoint by name (docs/checkpoints.md) or http(s) address is downloaded
+once into torch.hub's cache, and brings its config::
+
+    detr-irpe-visualize rpe-tables --checkpoint detr_r50_irpe/rpe-2.0-product-ctx-1-k
+
 No model needed::
 
     detr-irpe-visualize buckets --ratio 1.9 --grid 15 15
@@ -70,9 +75,10 @@ def _cell(text: str) -> tuple[int, int]:
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", type=Path, default=None,
-                        help="own, public DETR or public iRPE-DETR checkpoint "
-                             "(none: random weights)")
+    parser.add_argument("--checkpoint", default=None, metavar="PATH|NAME|URL",
+                        help="own, public DETR or public iRPE-DETR checkpoint, a published "
+                             "name (detr_r50, ...) or an http(s) address (none: random "
+                             "weights)")
     add_config_arguments(parser, config_help="config name or YAML path (default: the one "
                                              "saved in the checkpoint; public weights need one)")
     add_device_argument(parser)
@@ -174,10 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace):
     """``(model, cfg, category names saved with it)``."""
+    from detr_irpe.checkpoint.download import resolve_checkpoint
     from detr_irpe.inference import resolve_device
     from detr_irpe.visualization import load_model
 
-    return load_model(args.config, args.checkpoint, checked_overrides(args.overrides),
+    config, checkpoint = args.config, None
+    if args.checkpoint is not None:
+        source = resolve_checkpoint(args.checkpoint)
+        checkpoint, config = source.path, config if config is not None else source.config
+    return load_model(config, checkpoint, checked_overrides(args.overrides),
                       device=resolve_device(args.device))
 
 

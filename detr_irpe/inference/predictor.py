@@ -93,17 +93,24 @@ class Predictor:
         config: str | Path | Config | None = None,
         overrides: Sequence[str] = (),
     ) -> Predictor:
-        """Load any checkpoint :func:`detr_irpe.models.model_from_checkpoint` reads.
+        """Load any checkpoint :func:`detr_irpe.models.model_from_checkpoint` reads, or a
+        published one by name (``"detr_r50"``, docs/checkpoints.md) or http(s) address,
+        downloaded once into torch.hub's cache.
 
         The config saved in the file is used unless ``config`` is given (public
-        DETR / iRPE-DETR files need one, e.g. ``config="detr_r50"``); ``overrides``
-        are ``"section.key=value"`` strings. Category names come from the file, else
-        COCO's for a 91-class model.
+        DETR / iRPE-DETR files need one, e.g. ``config="detr_r50"``; a published name
+        brings its own); ``overrides`` are ``"section.key=value"`` strings. Category
+        names come from the file, else COCO's for a 91-class model.
         """
+        from detr_irpe.checkpoint.download import resolve_checkpoint
         from detr_irpe.models import model_from_checkpoint
 
         target = resolve_device(device)
-        loaded = model_from_checkpoint(path, config=config, overrides=overrides, device=target)
+        source = resolve_checkpoint(path)
+        if config is None:
+            config = source.config
+        loaded = model_from_checkpoint(source.path, config=config, overrides=overrides,
+                                       device=target)
         names = loaded.category_names or default_category_names(loaded.cfg.model.num_classes)
         return cls(loaded.model, loaded.cfg, names, target, score_threshold)
 
