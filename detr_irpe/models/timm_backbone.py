@@ -27,9 +27,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-from detr_irpe.checkpoint import read_checkpoint
+from detr_irpe.checkpoint import key_problems, read_checkpoint
 from detr_irpe.errors import CheckpointError, ConfigError
 from detr_irpe.registry import BackboneBody, BackboneBuilder
 
@@ -78,14 +79,9 @@ def _create(timm: Any, name: str, weights: str | None, kwargs: dict[str, Any]) -
         if not path.is_file():
             raise CheckpointError(f"model.backbone_weights: file {str(path)!r} not found; give "
                                   f"the path of a timm {name} state dict, 'imagenet' or 'none'")
-        read_checkpoint(path)  # refuses an unsafe or unreadable file before timm opens it
-        try:
-            return timm.create_model(name, pretrained=True,
-                                     pretrained_cfg_overlay={"file": str(path)}, **kwargs)
-        except (RuntimeError, KeyError, ValueError) as err:
-            first = next(iter(str(err).splitlines()), "")
-            raise CheckpointError(f"model.backbone_weights: {path} is not a timm {name} state "
-                                  f"dict ({type(err).__name__}: {first})") from None
+        _check_state_dict(timm, name, path)
+        return timm.create_model(name, pretrained=True,
+                                 pretrained_cfg_overlay={"file": str(path)}, **kwargs)
     try:
         return timm.create_model(name, pretrained=True, **kwargs)
     except Exception as err:  # hub, network and file errors come in many types
@@ -96,6 +92,23 @@ def _create(timm: Any, name: str, weights: str | None, kwargs: dict[str, Any]) -
             "where there is (they are cached in the Hugging Face cache, HF_HOME) and set "
             "HF_HUB_OFFLINE=1, or set model.backbone_weights to a local state-dict path"
         ) from None
+
+
+def _check_state_dict(timm: Any, name: str, path: Path) -> None:
+    """Refuse a file that is unsafe, unreadable or not a state dict of timm model ``name``
+    (timm loads a features-only model's weights non-strictly: a wrong file would leave
+    it random without a word). The classifier may be missing or of any size."""
+    state, _ = read_checkpoint(path)
+    with torch.device("meta"):  # the keys and shapes only, nothing allocated
+        full = timm.create_model(name, pretrained=False)
+    classifier = (getattr(full, "pretrained_cfg", None) or {}).get("classifier") or ()
+    prefixes = tuple(f"{c}." for c in ([classifier] if isinstance(classifier, str) else classifier))
+    expected = {k: v for k, v in full.state_dict().items() if not k.startswith(prefixes)}
+    state = {k: v for k, v in state.items() if not k.startswith(prefixes)}
+    problems = key_problems(state, expected, set())
+    if problems:
+        raise CheckpointError(f"model.backbone_weights: {path} is not a timm {name} state "
+                              "dict: " + "; ".join(problems))
 
 
 def _stem_prefixes(features: nn.Module) -> tuple[str, ...]:
