@@ -188,3 +188,14 @@ def test_export_refuses_sizes_that_cannot_be_allocated_before_loading(
     message = str(info.value)
     assert message.startswith(named) and "memory" in message, message
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_visualize_refuses_a_resize_that_cannot_be_allocated_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    status = load_tool("visualize").main([
+        "predictions", "--checkpoint", str(tmp_path / "never_read.pth"),
+        "--image", str(tmp_path / "never_read.jpg"), "--size", "100000", "--max-size", "100000"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert "--max-size 100000 --size 100000: " in err and "memory" in err, err
