@@ -344,39 +344,3 @@ def test_timm_errors_name_the_model_and_the_extra(
     with pytest.raises(ConfigError, match=r"pip install 'detr_irpe\[timm\]'"):
         timm_body(TIMM_MODEL, weights=None, frozen_bn=True, dilation=False, stages=4)
 
-
-@pytest.mark.slow
-def test_a_registered_method_exports_to_onnx_with_symbolic_sizes(tmp_path: Path) -> None:
-    """The user's function is traced: the exported attention computes its ids in the
-    graph and runs at feature-map sizes it was not traced at."""
-    onnxruntime = pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnxscript")
-
-    class FeatureMapAttention(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attn = IRPEMultiheadAttention(16, 2, rpe=f"rpe-2.0-{CHEBYSHEV}-ctx-0-qk")
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            tokens = x.flatten(2).transpose(1, 2)
-            return self.attn(tokens, tokens, tokens, (x.shape[2], x.shape[3]))[0]
-
-    module = FeatureMapAttention().eval()
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "lookup_table" in name:
-                p.normal_(0.0, 0.5)
-    dims = {0: torch.export.Dim("batch", min=1), 2: torch.export.Dim("height", min=2),
-            3: torch.export.Dim("width", min=2)}
-    program = torch.onnx.export(module, (torch.randn(2, 16, 3, 4),), dynamo=True,
-                                input_names=["x"], dynamic_shapes={"x": dims},
-                                external_data=False, verbose=False)
-    path = tmp_path / "attn.onnx"
-    path.write_bytes(program.model_proto.SerializeToString())
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for shape in [(1, 16, 5, 7), (3, 16, 6, 2)]:
-        x = torch.randn(*shape)
-        (got,) = session.run(None, {"x": x.numpy()})
-        with torch.no_grad():
-            expected = module(x)
-        torch.testing.assert_close(torch.from_numpy(got), expected, atol=1e-4, rtol=1e-4)
