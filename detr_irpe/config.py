@@ -100,8 +100,7 @@ class ModelConfig:
     aux_loss: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.imports, str):
-            self.imports = [self.imports]
+        self.imports = import_names(self.imports)
         try:
             check_backbone_name(self.backbone)
         except ValueError as err:
@@ -671,12 +670,19 @@ def config_from_dict(
         _check_layer(update, f"--set {text}")
         data = merge_dicts(data, update)
     model = data.get("model")
-    if isinstance(model, Mapping) and model.get("import"):
-        import_modules(model["import"])
+    if isinstance(model, Mapping):
+        import_modules(import_names(model.get("import")))
     return _build(Config, data, "")
 
 
-def import_modules(names: str | Iterable[str]) -> None:
+def import_names(value: str | Iterable[str] | None) -> list[str]:
+    """``model.import`` as a list: one name, a list, or nothing (``null``, ``none``, ``""``)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def import_modules(names: Iterable[str]) -> None:
     """Import the ``model.import`` modules (already imported ones are not run again).
 
     A module is looked up on ``sys.path`` and in the working directory (added while
@@ -686,7 +692,9 @@ def import_modules(names: str | Iterable[str]) -> None:
         ConfigError: a module that is missing or fails while importing, named with the
             place of the failure.
     """
-    names = [names] if isinstance(names, str) else list(names)
+    names = list(names)
+    if not names:
+        return
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:

@@ -102,6 +102,8 @@ def test_model_import_is_saved_with_the_config_and_takes_a_list(
     assert "import:\n  - plugin_list\n" in text and "imports" not in text
     again = config_from_dict(cfg.to_dict())
     assert again == cfg
+    for nothing in ("null", "none", "''", "[]"):
+        assert load_tiny_config(f"model.import={nothing}").model.imports == []
 
 
 @pytest.mark.parametrize("body, message", [
