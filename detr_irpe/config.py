@@ -1,9 +1,14 @@
 """One typed configuration for model, loss, data, training and evaluation.
 
 A config is YAML (``configs/*.yaml``); a file may start from another with
-``_base_: other.yaml`` and override only what differs. Command-line overrides
-are ``"section.key=value"`` strings, parsed as YAML scalars. Unknown keys and
-values of the wrong type are errors that name the key.
+``_base_: other.yaml`` (a path relative to the file, or a config name) and override
+only what differs. Command-line overrides are ``"section.key=value"`` strings, parsed
+as YAML scalars. Every layer (each file of the ``_base_`` chain, the overrides) is
+checked before it is merged: unknown keys and values of the wrong type are errors
+that name the key and the layer. Sizes are checked against what this machine can
+allocate (:mod:`detr_irpe.sizes`). ``model.import`` names modules that register
+backbones or bucket methods (:mod:`detr_irpe.registry`); they are imported before the
+config is validated.
 
 Only the builders (``build_model``, ``build_dataset``, the tools) read the
 config; the classes take explicit keyword arguments.
@@ -12,26 +17,38 @@ config; the classes take explicit keyword arguments.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.resources
+import logging
 import math
+import os
+import sys
+import traceback
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from detr_irpe import sizes
 from detr_irpe.errors import ConfigError
-from detr_irpe.irpe.config import parse_rpe
+from detr_irpe.irpe.buckets import num_buckets
+from detr_irpe.irpe.config import Method, parse_rpe
+from detr_irpe.registry import TORCHVISION_RESNETS, check_backbone_name
 from detr_irpe.utils.files import atomic_write_text
+
+logger = logging.getLogger(__name__)
 
 # The configs ship inside the package (one copy; the repository's configs/ links here),
 # so a normal `pip install` finds them from any folder.
 CONFIG_DIR = Path(str(importlib.resources.files("detr_irpe").joinpath("configs")))
 
-BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101")
+# The backbones registered by default; model.backbone takes any registered name or
+# timm:NAME (detr_irpe.registry).
+BACKBONES = TORCHVISION_RESNETS
 POSITION_EMBEDDINGS = ("sine", "learned", "none")
 # "auto": bf16 autocast on a CPU with native bf16 support, float32 ("none") elsewhere.
 AMP_MODES = ("none", "bf16", "fp16", "auto")
@@ -42,6 +59,10 @@ RPE_INIT_MODES = ("xavier", "zero")
 
 @dataclass
 class ModelConfig:
+    # Modules imported before the rest is checked (YAML key "import"; one name or a list):
+    # they register backbones / bucket methods (detr_irpe.registry, docs/model.md).
+    imports: list[str] | str = field(default_factory=list, metadata={"key": "import"})
+    # A registered backbone (the torchvision ResNets, or a user's) or timm:NAME.
     backbone: str = "resnet50"
     # "none" (random init), "imagenet" (torchvision weights; may download, only on request)
     # or the path of a local ResNet state dict.
@@ -79,7 +100,11 @@ class ModelConfig:
     aux_loss: bool = True
 
     def __post_init__(self) -> None:
-        _choice("model.backbone", self.backbone, BACKBONES)
+        self.imports = import_names(self.imports)
+        try:
+            check_backbone_name(self.backbone)
+        except ValueError as err:
+            raise ConfigError(f"model.backbone: {err}") from None
         _choice("model.position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
         try:
             parse_rpe(self.rpe)
@@ -228,8 +253,12 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    def __post_init__(self) -> None:
+        _check_sizes(self)
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as plain data, keyed as in YAML (``model.import``)."""
+        return _as_dict(self)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -258,6 +287,73 @@ def _sizes(key: str, values: list[int]) -> None:
     bad = [v for v in values if v <= 0]
     if bad:
         raise ConfigError(f"{key} must hold sizes > 0 in pixels, got {values} ({bad[0]} <= 0)")
+
+
+def _rpe_table_floats(m: ModelConfig) -> int:
+    """iRPE table entries of one encoder layer (0 without iRPE)."""
+    rpe = parse_rpe(m.rpe)
+    if rpe is None:
+        return 0
+    per_table = (1 if rpe.shared_head else m.nheads) * num_buckets(rpe.method, rpe.ratio)
+    width = 1 if rpe.mode.value == "bias" else m.hidden_dim // m.nheads
+    return len(rpe.rpe_on) * per_table * width * (2 if rpe.method is Method.CROSS else 1)
+
+
+def _refuse_if_too_big(
+    estimate: Callable[[Mapping[str, int]], int], values: dict[str, int],
+    defaults: dict[str, int], shown: Mapping[str, Any], what: str,
+) -> None:
+    """ConfigError naming the size to lower when ``estimate(values)`` exceeds memory."""
+    limit, machine = sizes.memory_limit()
+    total = estimate(values)
+    if total <= limit:
+        return
+    key = sizes.largest_value_to_blame(estimate, values, defaults)
+    raise ConfigError(
+        f"{key}={shown[key]}: {what} would need at least {sizes.format_bytes(total)} "
+        f"(estimated from the config's sizes), more than {machine}; lower {key}"
+    )
+
+
+def _check_sizes(cfg: Config) -> None:
+    """Refuse sizes that cannot be allocated here, before anything is built (the limits
+    and the estimates: :mod:`detr_irpe.sizes`)."""
+    m, data, train = cfg.model, cfg.data, cfg.train
+    model_keys = ("hidden_dim", "enc_layers", "dec_layers", "dim_feedforward",
+                  "num_queries", "num_classes")
+    defaults = ModelConfig()
+    values = {f"model.{k}": getattr(m, k) or 0 for k in model_keys}
+    values["model.rpe"] = _rpe_table_floats(m)
+    model_defaults = {f"model.{k}": getattr(defaults, k) or 0 for k in model_keys}
+    model_defaults["model.rpe"] = 0
+
+    def params(v: Mapping[str, int]) -> int:
+        return sizes.parameter_bytes(
+            **{k.removeprefix("model."): v[k] for k in v if k != "model.rpe"},
+            rpe_table_floats=v["model.rpe"])
+
+    shown = {**{f"model.{k}": getattr(m, k) for k in model_keys}, "model.rpe": m.rpe}
+    _refuse_if_too_big(params, values, model_defaults, shown, "the model's parameters alone")
+
+    # The largest padded batch: the longer side is at most data.max_size, and with two
+    # images or more a portrait and a landscape one pad each other to a square.
+    shorter = max([*data.train_scales, data.val_size])
+    shorter_key = "data.val_size" if data.val_size >= max(data.train_scales) else "data.train_scales"
+    values = {"train.batch_size": train.batch_size, "data.max_size": data.max_size,
+              shorter_key: shorter}
+    data_defaults = {"train.batch_size": 2, "data.max_size": 1333, shorter_key: 800}
+    stride = 16 if m.dilation or m.backbone_stages == 3 else 32
+
+    def forward(v: Mapping[str, int]) -> int:
+        side, batch = v["data.max_size"], v["train.batch_size"]
+        other = side if batch > 1 else min(v[shorter_key], side)
+        return sizes.forward_bytes(batch=batch, height=other, width=side, stride=stride,
+                                   nheads=m.nheads, irpe=m.rpe != "none")
+
+    shown = {**values, shorter_key: shorter}
+    _refuse_if_too_big(forward, values, data_defaults, shown,
+                       "one forward pass of a padded batch (images, the first backbone "
+                       "activation, iRPE ids and logits)")
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
@@ -309,27 +405,75 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     raise TypeError(f"unsupported config annotation {annotation!r} for {key}")
 
 
-def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+def _keys(cls: type) -> dict[str, dataclasses.Field]:
+    """``{YAML key: field}`` of a config dataclass (a field's ``metadata["key"]`` when its
+    YAML name is a Python keyword, e.g. ``import``)."""
+    return {f.metadata.get("key", f.name): f for f in dataclasses.fields(cls)}
+
+
+def _items(cls: type, values: Mapping[str, Any], prefix: str
+           ) -> Iterator[tuple[str, str, Any, Any]]:
+    """``(field name, full key, annotation, value)`` of each key of ``values``; unknown
+    keys are an error naming the allowed ones."""
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
+    keys = _keys(cls)
+    unknown = sorted(set(values) - set(keys))
     if unknown:
         where = f"section {prefix.rstrip('.')!r}" if prefix else "the top level"
         raise ConfigError(
             f"unknown config key(s) {', '.join(f'{prefix}{k}' for k in unknown)}; "
-            f"allowed in {where}: {', '.join(sorted(names))}"
+            f"allowed in {where}: {', '.join(sorted(keys))}"
         )
-    kwargs = {}
     for name, value in values.items():
-        annotation = hints[name]
-        key = f"{prefix}{name}"
+        f = keys[name]
+        yield f.name, f"{prefix}{name}", hints[f.name], value
+
+
+def _section(key: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a mapping of keys, got {value!r}")
+    return value
+
+
+def _check_layer(values: Mapping[str, Any], where: str, cls: type | None = None,
+                 prefix: str = "") -> None:
+    """Check one layer of a config (a file of a ``_base_`` chain, the overrides) before it
+    is merged: known keys, mappings for sections, values of the right type. Cross-key
+    rules wait for the merged config.
+
+    Raises:
+        ConfigError: the problem, then ``(in WHERE)``.
+    """
+    try:
+        for _, key, annotation, value in _items(cls or Config, values, prefix):
+            if dataclasses.is_dataclass(annotation):
+                _check_layer(_section(key, value), where, annotation, f"{key}.")
+            else:
+                _coerce(key, value, annotation)
+    except ConfigError as err:
+        if cls is not None:  # a nested call: the top level adds where
+            raise
+        raise ConfigError(f"{err} (in {where})") from None
+
+
+def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    kwargs = {}
+    for name, key, annotation, value in _items(cls, values, prefix):
         if dataclasses.is_dataclass(annotation):
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{key}: expected a mapping of keys, got {value!r}")
-            kwargs[name] = _build(annotation, value, f"{key}.")
+            kwargs[name] = _build(annotation, _section(key, value), f"{key}.")
         else:
             kwargs[name] = _coerce(key, value, annotation)
     return cls(**kwargs)
+
+
+def _as_dict(obj: Any) -> Any:
+    """:func:`dataclasses.asdict` with the YAML key names."""
+    if dataclasses.is_dataclass(obj):
+        return {f.metadata.get("key", f.name): _as_dict(getattr(obj, f.name))
+                for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_as_dict(item) for item in obj]
+    return obj
 
 
 def merge_dicts(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
@@ -343,14 +487,30 @@ def merge_dicts(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str,
     return out
 
 
+def _yaml_candidates(paths: Iterable[Path]) -> list[Path]:
+    """Each path, then (when it has no YAML suffix) the same with ``.yaml``."""
+    paths = list(paths)
+    return paths + [p.with_name(p.name + ".yaml") for p in paths
+                    if p.suffix not in (".yaml", ".yml")]
+
+
+def _first_file(candidates: Iterable[Path]) -> Path | None:
+    return next((candidate for candidate in candidates if candidate.is_file()), None)
+
+
 def find_yaml(name_or_path: str | Path, folder: Path) -> Path | None:
     """``name_or_path`` if it is a file, else the same name in ``folder``; ``.yaml`` may be
     left out. None when neither exists. Configs and ablation grids are found this way."""
     path = Path(name_or_path)
-    candidates = [path, folder / path]
-    if path.suffix not in (".yaml", ".yml"):
-        candidates += [p.with_name(p.name + ".yaml") for p in candidates]
-    return next((candidate for candidate in candidates if candidate.is_file()), None)
+    return _first_file(_yaml_candidates([path, folder / path]))
+
+
+def _not_a_file(text: str, candidates: Iterable[Path]) -> str:
+    """Why ``text`` names no YAML file: a directory, or nothing."""
+    folder = next((c for c in candidates if c.is_dir()), None)
+    if folder is not None:
+        return f"{text!r} is a directory ({folder}), not a YAML file"
+    return f"{text!r} not found"
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
@@ -358,9 +518,10 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     found = find_yaml(name_or_path, CONFIG_DIR)
     if found is not None:
         return found
+    path = Path(name_or_path)
     raise ConfigError(
-        f"config {str(name_or_path)!r} not found (looked in the working directory and "
-        f"{CONFIG_DIR}); available: {', '.join(list_configs())}"
+        f"config {_not_a_file(str(name_or_path), [path])} (looked in the working directory "
+        f"and {CONFIG_DIR}); available: {', '.join(list_configs())}"
     )
 
 
@@ -369,31 +530,70 @@ def list_configs() -> list[str]:
     return sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
 
 
-def read_yaml_with_base(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def _resolve_base(path: Path, base: Any) -> Path:
+    """The file that ``_base_: base`` in ``path`` names: a path relative to ``path``'s
+    folder (or absolute), else a config name in ``configs/`` as ``--config`` takes it;
+    ``.yaml`` may be left out."""
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: _base_ must be the path of another YAML file or a config "
+                          f"name, got {base!r}")
+    beside = path.parent / base  # an absolute base stays as it is
+    candidates = _yaml_candidates([beside, CONFIG_DIR / base])
+    found = _first_file(candidates)
+    if found is None:
+        raise ConfigError(
+            f"{path}: _base_ {_not_a_file(base, candidates)} (looked beside the file and in "
+            f"{CONFIG_DIR})"
+        )
+    return found
+
+
+def read_yaml_with_base(
+    path: str | Path,
+    _seen: tuple[Path, ...] = (),
+    *,
+    check: Callable[[dict[str, Any], Path], None] | None = None,
+) -> dict[str, Any]:
     """A YAML mapping with its ``_base_`` chain resolved; configs and ablation grids
     both read their files through here, so both inherit the same way.
 
-    ``_base_: other.yaml`` (relative to the file) is read first and this file's keys
-    are merged over it: mappings merge key by key, any other value (a list, a scalar,
-    ``null``) replaces the base's value.
+    ``_base_: other.yaml`` (relative to the file, else a config name in ``configs/``) is
+    read first and this file's keys are merged over it: mappings merge key by key, any
+    other value (a list, a scalar, ``null``) replaces the base's value.
+
+    Args:
+        path: the file.
+        check: called with each file's own mapping (``_base_`` removed) and its path
+            before anything is merged, e.g. to check that a config layer is valid.
 
     Raises:
-        ConfigError: naming the file when it is missing, unreadable, not UTF-8 text,
-            not YAML, not a mapping, or when its ``_base_`` chain is broken or loops.
+        ConfigError: naming the file when it is missing, a directory, unreadable, not
+            UTF-8 text, not YAML (with line and column), not a mapping, or when its
+            ``_base_`` chain is broken or loops.
     """
     path = Path(path).resolve()
     if path in _seen:
         raise ConfigError(f"{path}: _base_ chain loops back on itself")
     data = _load_yaml_mapping(path)
     base = data.pop("_base_", None)
+    if check is not None:
+        check(data, path)
     if base is None:
         return data
-    if not isinstance(base, str) or not base:
-        raise ConfigError(f"{path}: _base_ must be the path of another YAML file, got {base!r}")
-    base_path = Path(base) if Path(base).is_absolute() else path.parent / base
-    if not base_path.is_file():
-        raise ConfigError(f"{path}: _base_ file {base!r} not found")
-    return merge_dicts(read_yaml_with_base(base_path, _seen + (path,)), data)
+    base_path = _resolve_base(path, base)
+    return merge_dicts(read_yaml_with_base(base_path, _seen + (path,), check=check), data)
+
+
+def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
+    """PyYAML's multi-line report as one line: ``file:line:column: problem``."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(err, "problem", None) or str(err)
+    context = getattr(err, "context", None)
+    context_mark = getattr(err, "context_mark", None)
+    if context and context_mark is not None and context_mark is not mark:
+        problem += f" ({context} from line {context_mark.line + 1})"
+    return f"{where}: not valid YAML: {' '.join(problem.split())}"
 
 
 def _load_yaml_mapping(path: Path) -> dict[str, Any]:
@@ -401,6 +601,8 @@ def _load_yaml_mapping(path: Path) -> dict[str, Any]:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a YAML file") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot be read ({err.strerror or err})") from None
     try:
@@ -413,7 +615,7 @@ def _load_yaml_mapping(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raise ConfigError(_yaml_error(path, err)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -438,15 +640,99 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def config_from_dict(values: Mapping[str, Any], overrides: Iterable[str] = ()) -> Config:
+def _override_layer(text: str) -> dict[str, Any]:
+    """One ``section.key=value`` as the nested mapping it sets."""
+    parts, value = parse_override(text)
+    update: dict[str, Any] = {parts[-1]: value}
+    for part in reversed(parts[:-1]):
+        update = {part: update}
+    return update
+
+
+def config_from_dict(
+    values: Mapping[str, Any], overrides: Iterable[str] = (), *, source: str = "the config"
+) -> Config:
+    """Build and validate a :class:`Config` from plain data and ``overrides``.
+
+    ``values`` and each override are checked as layers before they are merged (a
+    section given as a scalar cannot be replaced unseen by an override that sets one
+    of its keys); ``model.import`` is imported before the merged config is validated.
+
+    Args:
+        values: the config as data (YAML keys), e.g. a checkpoint's saved config.
+        overrides: ``"section.key=value"`` strings, later ones win.
+        source: how errors in ``values`` name it.
+    """
     data = dict(values)
+    _check_layer(data, source)
     for text in overrides:
-        parts, value = parse_override(text)
-        update: dict[str, Any] = {parts[-1]: value}
-        for part in reversed(parts[:-1]):
-            update = {part: update}
+        update = _override_layer(text)
+        _check_layer(update, f"--set {text}")
         data = merge_dicts(data, update)
+    model = data.get("model")
+    if isinstance(model, Mapping):
+        import_modules(import_names(model.get("import")))
     return _build(Config, data, "")
+
+
+def import_names(value: str | Iterable[str] | None) -> list[str]:
+    """``model.import`` as a list: one name, a list, or nothing (``null``, ``none``, ``""``)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def import_modules(names: Iterable[str]) -> None:
+    """Import the ``model.import`` modules (already imported ones are not run again).
+
+    A module is looked up on ``sys.path`` and in the working directory (added while
+    importing, as ``python -m`` would have it).
+
+    Raises:
+        ConfigError: a module that is missing or fails while importing, named with the
+            place of the failure.
+    """
+    names = list(names)
+    if not names:
+        return
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        for name in names:
+            _import_one(name)
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def _import_one(name: Any) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"model.import: expected module names such as my_pkg.my_module, "
+                          f"got {name!r}")
+    if name in sys.modules:
+        return
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and (name == err.name or name.startswith(err.name + ".")):
+            raise ConfigError(
+                f"model.import: no module named {err.name!r} (looked on sys.path and in "
+                f"{os.getcwd()}); install the package or add its folder to PYTHONPATH"
+            ) from None
+        raise _import_failure(name, err) from err
+    except Exception as err:  # the user's module raised: name where, in one line
+        raise _import_failure(name, err) from err
+    logger.info("model.import: imported %s", name)
+
+
+def _import_failure(name: str, err: BaseException) -> ConfigError:
+    frames = traceback.extract_tb(err.__traceback__)
+    place = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    first = next(iter(str(err).splitlines()), "")
+    return ConfigError(f"model.import: importing {name!r} failed{place}: "
+                       f"{type(err).__name__}: {first}")
 
 
 def load_config(name_or_path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
@@ -454,8 +740,11 @@ def load_config(name_or_path: str | Path | None = None, overrides: Iterable[str]
 
     ``None`` gives the built-in defaults (the DETR-R50 + iRPE recipe).
     """
-    data = {} if name_or_path is None else read_yaml_with_base(resolve_config_path(name_or_path))
-    return config_from_dict(data, overrides)
+    if name_or_path is None:
+        return config_from_dict({}, overrides)
+    path = resolve_config_path(name_or_path)
+    data = read_yaml_with_base(path, check=lambda layer, where: _check_layer(layer, str(where)))
+    return config_from_dict(data, overrides, source=str(path.resolve()))
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import struct
 import subprocess
 import time
@@ -15,10 +16,12 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image
 
 from detr_irpe.config import Config, DataConfig, load_config
 from detr_irpe.data.synthetic import SyntheticSpec
+from detr_irpe.irpe import register_bucket_method
 
 ROOT = Path(__file__).resolve().parent.parent
 # The config every small training / model / tool test starts from (configs/synthetic_tiny.yaml).
@@ -27,6 +30,19 @@ TINY_CONFIG = "synthetic_tiny"
 TINY_DATASET: dict[str, Any] = {
     "num_train": 8, "num_val": 4, "spec": SyntheticSpec(size=64), "seed": 0,
 }
+
+
+def chessboard_buckets(dr: torch.Tensor, dc: torch.Tensor, ratio: float) -> torch.Tensor:
+    """A registered bucket method for the tests (as a user would write one): the
+    chessboard (Chebyshev) distance ``max(|dr|, |dc|)`` capped at ``floor(2 ratio)``."""
+    return torch.maximum(dr.abs(), dc.abs()).clamp(max=math.floor(2 * ratio)).long()
+
+
+# Registered once per process (registering the same function again is a no-op);
+# tests/irpe_reference.py holds its python-loop reference under the same name.
+CHEBYSHEV = "chessboard"
+register_bucket_method(CHEBYSHEV, chessboard_buckets,
+                       num_buckets=lambda ratio: math.floor(2 * ratio) + 1)
 
 
 def load_tiny_config(*overrides: str) -> Config:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_tiny_config
+from helpers import CHEBYSHEV, load_tiny_config
 from torch import nn
 
 from detr_irpe.checkpoint import FORMAT, atomic_save
@@ -146,7 +146,10 @@ class _FeatureMapAttention(nn.Module):
 
 
 @pytest.mark.parametrize("rpe", ["rpe-2.0-product-ctx-0-qkv",
-                                 pytest.param("rpe-1.9-cross-bias-1-qk", marks=pytest.mark.slow)])
+                                 pytest.param("rpe-1.9-cross-bias-1-qk", marks=pytest.mark.slow),
+                                 # a registered method: the user's function is traced
+                                 pytest.param(f"rpe-2.0-{CHEBYSHEV}-ctx-0-qk",
+                                              marks=pytest.mark.slow)])
 def test_dynamic_attention_computes_bucket_ids_in_the_graph(tmp_path: Path, rpe: str) -> None:
     """One attention layer exported with symbolic H, W runs at sizes it was not traced at."""
     attn = IRPEMultiheadAttention(16, 2, rpe=rpe)

@@ -6,11 +6,13 @@ import itertools
 
 import pytest
 import torch
+from helpers import CHEBYSHEV
 from irpe_reference import ref_bucket_ids, ref_g
 
-from detr_irpe.irpe import Method, bucket_ids, num_buckets, piecewise_index
+from detr_irpe.irpe import Method, bucket_ids, num_buckets, piecewise_index, register_bucket_method
 
-METHODS = ["euc", "quant", "cross", "product"]
+# the four built-in methods and one registered through register_bucket_method
+METHODS = ["euc", "quant", "cross", "product", CHEBYSHEV]
 RATIOS = [1.9, 2.0, 2.5, 3.0]
 GRIDS = [(1, 1), (3, 5), (7, 7), (13, 20)]
 
@@ -66,15 +68,16 @@ def test_piecewise_index_matches_reference_dense() -> None:
         assert got == [ref_g(float(x), ratio) for x in xs], ratio
 
 
-def test_bucket_ids_returns_fresh_tensor_and_is_offset_invariant() -> None:
-    ids, _ = bucket_ids("product", 5, 6, 2.0)
+@pytest.mark.parametrize("method", METHODS)
+def test_bucket_ids_returns_fresh_tensor_and_is_offset_invariant(method: str) -> None:
+    ids, _ = bucket_ids(method, 5, 6, 2.0)
     ids.fill_(0)
-    again, _ = bucket_ids("product", 5, 6, 2.0)
+    again, _ = bucket_ids(method, 5, 6, 2.0)
     assert int(again.max()) > 0
     # a smaller map is a crop of a larger one (ids depend only on offsets)
-    big, _ = bucket_ids("product", 8, 9, 2.0)
+    big, _ = bucket_ids(method, 8, 9, 2.0)
     sel = torch.tensor([r * 9 + c for r in range(5) for c in range(6)])
-    assert torch.equal(big[sel][:, sel], again)
+    assert torch.equal(big[..., sel, :][..., sel], again)
 
 
 def test_bucket_ids_errors() -> None:
@@ -86,3 +89,29 @@ def test_bucket_ids_errors() -> None:
         bucket_ids("product", 3, 3, -1.0)
     with pytest.raises(ValueError, match="skip"):
         bucket_ids("product", 3, 3, 2.0, skip=-1)
+
+
+@pytest.mark.parametrize("name, function, message", [
+    ("bad_range", lambda dr, dc, ratio: dr.long() + 10, r"ids in \[9, 11\]; expected \[0, 4\]"),
+    ("bad_dtype", lambda dr, dc, ratio: dr.abs(), "returned torch.float64 ids; expected integers"),
+    ("bad_shape", lambda dr, dc, ratio: dr[0].long().abs(),
+     r"returned \(6,\); expected a tensor of shape \(6, 6\)"),
+])
+def test_registered_method_ids_are_checked(name: str, function, message: str) -> None:
+    register_bucket_method(name, function, num_buckets=5, overwrite=True)
+    with pytest.raises(ValueError, match=rf"bucket method '{name}' .*{message}"):
+        bucket_ids(name, 2, 3, 2.0)
+
+
+def test_register_bucket_method_refuses_bad_names_and_clashes() -> None:
+    def ids(dr, dc, ratio):
+        return dr.abs().long()
+
+    with pytest.raises(ValueError, match="built in"):
+        register_bucket_method("product", ids, num_buckets=5)
+    with pytest.raises(ValueError, match="lower-case word"):
+        register_bucket_method("my-method", ids, num_buckets=5)
+    with pytest.raises(ValueError, match="positive integer"):
+        register_bucket_method("zero_buckets", ids, num_buckets=0)
+    with pytest.raises(ValueError, match="already registered"):
+        register_bucket_method(CHEBYSHEV, ids, num_buckets=5)

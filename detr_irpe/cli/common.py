@@ -115,6 +115,30 @@ def checked_overrides(overrides: Iterable[str]) -> list[str]:
     return out
 
 
+def check_resize_flags(size: int | None, max_size: int | None) -> None:
+    """``--size`` / ``--max-size`` of a tool that resizes one image: refused, before the
+    model is loaded, when the resized image could not be held in this machine's memory
+    (a longer side of ``max_size`` and a shorter one of ``min(size, max_size)`` at most;
+    :mod:`detr_irpe.sizes`). Without ``--max-size`` the config's ``data.max_size``,
+    checked with the config, caps the image."""
+    from detr_irpe import sizes
+
+    for flag, value in (("--size", size), ("--max-size", max_size)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be a positive number of pixels, got {value}")
+    if max_size is None:
+        return
+    shorter = min(size or max_size, max_size)
+    limit, machine = sizes.memory_limit()
+    total = sizes.forward_bytes(batch=1, height=shorter, width=max_size)
+    if total > limit:
+        flags = f"--max-size {max_size}" + (f" --size {size}" if size else "")
+        raise ConfigError(
+            f"{flags}: an image resized to {shorter} x {max_size} pixels needs at least "
+            f"{sizes.format_bytes(total)} in one forward pass (the image and the first "
+            f"backbone activation), more than {machine}; lower --max-size")
+
+
 def load_config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Any:
     """The config named by ``--config`` with ``--set`` and ``extra`` applied, or ``None``
     when no ``--config`` was given (tools that read the config from a checkpoint)."""
@@ -154,6 +178,7 @@ def setup_tool_logging(level: int = logging.INFO) -> None:
 __all__ = [
     "add_config_arguments",
     "add_device_argument",
+    "check_resize_flags",
     "checked_overrides",
     "device_override",
     "load_config_from_args",

@@ -81,13 +81,16 @@ def export(args: argparse.Namespace) -> list[str]:
     """Load, export (and check) as the arguments say; returns the lines to show."""
     from detr_irpe.checkpoint.download import resolve_checkpoint
     from detr_irpe.engine.run_lock import ensure_writable_folder
-    from detr_irpe.export import MIN_OPSET, export_onnx, parse_size
+    from detr_irpe.export import MIN_OPSET, check_input_size, export_onnx, parse_size
     from detr_irpe.models.from_checkpoint import model_from_checkpoint
 
     if args.format not in FORMATS:
         raise ExportError(f"--format {args.format!r} is not supported; supported: "
                           f"{', '.join(FORMATS)}")
     size = parse_size(args.size)
+    if args.batch <= 0:
+        raise ExportError(f"--batch must be a positive number of images, got {args.batch}")
+    check_input_size(size, args.batch, dynamic=args.dynamic)  # before the model is loaded
     if args.output.exists() and not args.force:
         raise ExportError(f"{args.output} exists; pass --force to overwrite")
     # before the model is loaded

@@ -45,6 +45,7 @@ import torch
 from detr_irpe.cli.common import (
     add_config_arguments,
     add_device_argument,
+    check_resize_flags,
     checked_overrides,
     new_parser,
     run_main,
@@ -196,6 +197,7 @@ def _image_run(args: argparse.Namespace):
     """Model, prepared image, category names."""
     from detr_irpe.visualization import prepare_image, resolve_category_names
 
+    check_resize_flags(args.size, args.max_size)  # before the model is loaded
     model, cfg, stored_names = _load(args)
     image = prepare_image(args.image, size=args.size or cfg.data.val_size,
                           max_size=args.max_size or cfg.data.max_size,

@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from detr_irpe import sizes
 from detr_irpe.errors import ExportError
+from detr_irpe.irpe import IRPEMultiheadAttention
 from detr_irpe.models.detr import DETR
 from detr_irpe.models.position_encoding import PositionEmbeddingLearned
 from detr_irpe.structures import ImageBatch
@@ -67,6 +69,40 @@ def parse_size(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+def check_input_size(
+    size: tuple[int, int], batch: int, *, dynamic: bool = False, model: DETR | None = None
+) -> None:
+    """Refuse an input that one forward pass could not hold in this machine's memory.
+
+    Without ``model`` (before it is loaded) only the input images and the first backbone
+    activation count; with it, also the iRPE bucket ids and logits of its feature map
+    (:func:`detr_irpe.sizes.forward_bytes`).
+
+    Raises:
+        ExportError: naming ``--size`` or ``--batch`` (the one to lower), the estimate and
+            the limit.
+    """
+    batch = max(batch, _DYNAMIC_TRACE_BATCH) if dynamic else batch
+    extra: dict = {}
+    if model is not None:
+        attention = next((m for m in model.modules() if isinstance(m, IRPEMultiheadAttention)),
+                         None)
+        extra = {"stride": model.backbone[0].stride,
+                 "nheads": getattr(attention, "num_heads", 1),
+                 "irpe": getattr(attention, "rpe", None) is not None}
+    limit, machine = sizes.memory_limit()
+    total = sizes.forward_bytes(batch=batch, height=size[0], width=size[1], **extra)
+    if total <= limit:
+        return
+    one = sizes.forward_bytes(batch=1, height=size[0], width=size[1], **extra)
+    named = f"--size {size[0]}x{size[1]}" if one > limit else f"--batch {batch}"
+    raise ExportError(
+        f"{named}: one forward pass of {batch} x 3 x {size[0]} x {size[1]} images needs at "
+        f"least {sizes.format_bytes(total)} (estimated: the images, the first backbone "
+        f"activation{', iRPE ids and logits' if extra.get('irpe') else ''}), more than "
+        f"{machine}; export at a smaller {named.split()[0]}")
+
+
 def _require_exporter() -> None:
     missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
     if missing:
@@ -83,6 +119,7 @@ def _check_settings(
                           f"opset {MIN_OPSET} or newer; pass --opset {MIN_OPSET} or more")
     if batch <= 0:
         raise ExportError(f"batch size must be positive, got {batch}")
+    check_input_size(size, batch, dynamic=dynamic, model=model)
     stride = model.backbone[0].stride
     if dynamic and min(size) <= stride:
         raise ExportError(

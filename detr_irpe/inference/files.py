@@ -143,6 +143,9 @@ def _read_batch(
     readable = []
     for source in chunk:
         try:
+            if source.path.is_dir():  # e.g. a folder named x.jpg inside an image folder
+                raise ImageReadError(f"cannot read image {source.path}: it is a directory, "
+                                     "not an image file")
             readable.append((source, read_image(source.path, max_pixels=max_pixels)))
         except ImageReadError as err:
             if strict:

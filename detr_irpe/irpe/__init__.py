@@ -2,6 +2,7 @@
 
 - :func:`bucket_ids` -- bucket id of every (query, key) pair of an ``H x W`` map.
 - :class:`RPEConfig` -- the settings, incl. the model-zoo strings ``rpe-2.0-product-ctx-1-k``.
+- :func:`register_bucket_method` -- add a bucket method of one's own (``rpe-2.0-NAME-...``).
 - :class:`IRPEMultiheadAttention` -- batch-first multi-head attention with iRPE;
   :func:`choose_impl` -- which of its computations a call uses.
 """
@@ -16,8 +17,10 @@ from .functional import (
     gather_buckets_transposed,
     scatter_buckets,
 )
+from .methods import BucketMethod, register_bucket_method
 
 __all__ = [
+    "BucketMethod",
     "IRPEMultiheadAttention",
     "Method",
     "Mode",
@@ -31,5 +34,6 @@ __all__ = [
     "num_buckets",
     "parse_rpe",
     "piecewise_index",
+    "register_bucket_method",
     "scatter_buckets",
 ]

@@ -1,8 +1,9 @@
 """Bucket ids of the 2D relative positions of an ``H x W`` feature map (docs/irpe.md sections 1-3).
 
 Implements the piecewise index function ``g`` (paper Eq. 18) and the four bucket methods
-(euc, quant, cross, product). Everything is a pure function of
-``(method, height, width, ratio, skip)``; results are cached with a bounded LRU cache.
+(euc, quant, cross, product), and calls registered ones (:mod:`.methods`). Everything is a
+pure function of ``(method, height, width, ratio, skip)``; results are cached with a
+bounded LRU cache.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import Method
+from .config import Method, resolve_method
+from .methods import BucketMethod
 
 __all__ = [
     "bucket_ids",
@@ -23,15 +25,6 @@ __all__ = [
     "piecewise_index",
     "transposed_flat_ids",
 ]
-
-
-def _method(method: Method | str) -> Method:
-    try:
-        return Method(method)
-    except ValueError:
-        raise ValueError(
-            f"unknown iRPE method {method!r}; allowed: {', '.join(m.value for m in Method)}"
-        ) from None
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -68,10 +61,14 @@ def piecewise_index(x: torch.Tensor, ratio: float) -> torch.Tensor:
     return torch.where(ax <= alpha, near, far).to(torch.int64)
 
 
-def num_buckets(method: Method | str, ratio: float, skip: int = 0) -> int:
+def num_buckets(method: Method | BucketMethod | str, ratio: float, skip: int = 0) -> int:
     """Number of table rows K (per table for ``cross``), including the skip bucket."""
-    side = 2 * _beta_int(ratio) + 1
-    k = side * side if _method(method) is Method.PRODUCT else side
+    method = resolve_method(method)
+    if isinstance(method, BucketMethod):
+        k = method.count(ratio)
+    else:
+        side = 2 * _beta_int(ratio) + 1
+        k = side * side if method is Method.PRODUCT else side
     return k + (1 if skip > 0 else 0)
 
 
@@ -84,8 +81,31 @@ def _check_args(height: int, width: int, ratio: float, skip: int) -> None:
         raise ValueError(f"skip must be a non-negative integer, got {skip!r}")
 
 
+def _registered_ids(
+    method: BucketMethod, dr: torch.Tensor, dc: torch.Tensor, ratio: float
+) -> torch.Tensor:
+    """A registered method's ids ``(L, L)`` int64, checked unless exporting (the checks read
+    values, which a traced graph cannot)."""
+    ids = method.ids(dr, dc, ratio)
+    if torch.compiler.is_exporting():
+        return ids.to(torch.int64)
+    where = f"bucket method {method.name!r} ({method.origin})"
+    if not isinstance(ids, torch.Tensor) or ids.shape != dr.shape:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{where} returned {shape}; expected a tensor of shape "
+                         f"{tuple(dr.shape)} (one id per query, key pair)")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{where} returned {ids.dtype} ids; expected integers")
+    k = method.count(ratio)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= k):
+        raise ValueError(f"{where} returned ids in [{int(ids.min())}, {int(ids.max())}]; "
+                         f"expected [0, {k - 1}] (num_buckets {k} at ratio {ratio})")
+    return ids.to(torch.int64)
+
+
 def _compute_ids(
-    method: Method, height: int, width: int, ratio: float, skip: int, device: torch.device
+    method: Method | BucketMethod, height: int, width: int, ratio: float, skip: int,
+    device: torch.device,
 ) -> torch.Tensor:
     """Bucket ids ``(L, L)`` (``(2, L, L)`` cross), uncached. Only tensor ops on the sizes,
     so that ``torch.export`` traces the computation into the graph for symbolic H, W."""
@@ -99,7 +119,9 @@ def _compute_ids(
     dr = rows[:, None] - rows[None, :]  # query minus key
     dc = cols[:, None] - cols[None, :]
     beta_int = _beta_int(ratio)
-    if method is Method.EUC:
+    if isinstance(method, BucketMethod):
+        ids = _registered_ids(method, dr, dc, ratio)
+    elif method is Method.EUC:
         ids = piecewise_index(torch.round(torch.sqrt(dr * dr + dc * dc)), ratio) + beta_int
     elif method is Method.QUANT:
         ids = piecewise_index(dr * dr + dc * dc, ratio) + beta_int
@@ -121,7 +143,7 @@ _spatial_ids = functools.lru_cache(maxsize=8)(_compute_ids)
 
 @functools.lru_cache(maxsize=8)
 def _transposed_flat_on(
-    method: Method, height: int, width: int, ratio: float, skip: int, device: torch.device
+    method: Method | BucketMethod, height: int, width: int, ratio: float, skip: int, device: torch.device
 ) -> torch.Tensor:
     ids = _spatial_ids(method, height, width, ratio, skip, device)
     return transposed_flat_ids(ids, num_buckets(method, ratio, skip))
@@ -146,13 +168,13 @@ def transposed_flat_ids(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
 
 
 def cached_transposed_flat_ids(
-    method: Method | str, height: int, width: int, ratio: float, skip: int = 0,
+    method: Method | BucketMethod | str, height: int, width: int, ratio: float, skip: int = 0,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Cached :func:`transposed_flat_ids` of :func:`bucket_ids` (do not modify in place).
 
     While exporting, computed in the graph instead (see :func:`cached_bucket_ids`)."""
-    method = _method(method)
+    method = resolve_method(method)
     if torch.compiler.is_exporting():
         ids = _compute_ids(method, height, width, float(ratio), skip, _device(device))
         return transposed_flat_ids(ids, num_buckets(method, ratio, skip))
@@ -161,7 +183,7 @@ def cached_transposed_flat_ids(
 
 
 def cached_bucket_ids(
-    method: Method | str,
+    method: Method | BucketMethod | str,
     height: int,
     width: int,
     ratio: float,
@@ -174,7 +196,7 @@ def cached_bucket_ids(
     instead: they become part of the graph (for symbolic H, W too) and no traced tensor
     enters the cache.
     """
-    method = _method(method)
+    method = resolve_method(method)
     if torch.compiler.is_exporting():
         ids = _compute_ids(method, height, width, float(ratio), skip, _device(device))
         return ids, num_buckets(method, ratio, skip)
@@ -185,7 +207,7 @@ def cached_bucket_ids(
 
 
 def bucket_ids(
-    method: Method | str, height: int, width: int, ratio: float, skip: int = 0
+    method: Method | BucketMethod | str, height: int, width: int, ratio: float, skip: int = 0
 ) -> tuple[torch.Tensor, int]:
     """Bucket id of every (query, key) pair of an ``H x W`` map (docs/irpe.md section 3).
 
@@ -193,7 +215,8 @@ def bucket_ids(
     of a pair is query minus key. Pairs that involve an extra token get bucket ``K - 1``.
 
     Args:
-        method: ``euc | quant | cross | product`` (str or :class:`Method`).
+        method: ``euc | quant | cross | product`` (str or :class:`Method`), or the name
+            of a registered method (:func:`~detr_irpe.irpe.methods.register_bucket_method`).
         height, width: feature-map size H, W.
         ratio: the iRPE ratio (alpha = ratio, beta = 2 ratio, gamma = 8 ratio).
         skip: number of leading non-spatial tokens.

@@ -10,6 +10,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from .methods import BucketMethod, bucket_method_names, get_bucket_method
+
 
 class Method(str, enum.Enum):
     """How a 2D offset is turned into a bucket id (docs/irpe.md section 3)."""
@@ -18,6 +20,29 @@ class Method(str, enum.Enum):
     QUANT = "quant"
     CROSS = "cross"
     PRODUCT = "product"
+
+
+def resolve_method(method: Method | BucketMethod | str) -> Method | BucketMethod:
+    """A built-in :class:`Method`, or the :class:`~detr_irpe.irpe.methods.BucketMethod`
+    registered under that name.
+
+    Raises:
+        ValueError: neither, naming the built-in and the registered methods.
+    """
+    if isinstance(method, (Method, BucketMethod)):
+        return method
+    try:
+        return Method(method)
+    except ValueError:
+        pass
+    registered = get_bucket_method(method) if isinstance(method, str) else None
+    if registered is None:
+        names = [m.value for m in Method] + bucket_method_names()
+        raise ValueError(
+            f"unknown iRPE method {method!r}; allowed: {', '.join(names)} (register another "
+            "with detr_irpe.irpe.register_bucket_method, imported through model.import)"
+        )
+    return registered
 
 
 class Mode(str, enum.Enum):
@@ -30,11 +55,12 @@ class Mode(str, enum.Enum):
 _FORMAT = (
     "expected 'rpe-{ratio}-{method}-{mode}-{shared_head}-{rpe_on}', e.g. "
     "'rpe-2.0-product-ctx-1-k'; ratio: a positive float; method: euc | quant | cross | "
-    "product; mode: bias | ctx; shared_head: 0 | 1; rpe_on: a non-empty ordered subset "
-    "of 'qkv' (q, k, v, qk, qv, kv, qkv); bias mode does not support v"
+    "product or a registered one; mode: bias | ctx; shared_head: 0 | 1; rpe_on: a "
+    "non-empty ordered subset of 'qkv' (q, k, v, qk, qv, kv, qkv); bias mode does not "
+    "support v"
 )
 _PATTERN = re.compile(
-    r"^rpe-(?P<ratio>[0-9]*\.?[0-9]+)-(?P<method>[a-z]+)-(?P<mode>[a-z]+)"
+    r"^rpe-(?P<ratio>[0-9]*\.?[0-9]+)-(?P<method>[a-z][a-z0-9_]*)-(?P<mode>[a-z]+)"
     r"-(?P<shared>[0-9]+)-(?P<on>[a-z]+)$"
 )
 _VALID_ON = ("q", "k", "v", "qk", "qv", "kv", "qkv")
@@ -46,7 +72,8 @@ class RPEConfig:
 
     Attributes:
         ratio: sets alpha = ratio, beta = 2 ratio, gamma = 8 ratio of the index function.
-        method: bucket method, see :class:`Method`.
+        method: bucket method, see :class:`Method`, or a registered one
+            (:func:`~detr_irpe.irpe.methods.register_bucket_method`; given by name).
         mode: ``bias`` (scalar per bucket) or ``ctx`` (a D-vector per bucket).
         shared_head: one table for all heads (True) or one per head.
         rpe_on: where encodings attach, an ordered subset of ``"qkv"``.
@@ -54,20 +81,14 @@ class RPEConfig:
     """
 
     ratio: float = 2.0
-    method: Method = Method.PRODUCT
+    method: Method | BucketMethod = Method.PRODUCT
     mode: Mode = Mode.CTX
     shared_head: bool = True
     rpe_on: str = "k"
     skip: int = 0
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "method", Method(self.method))
-        except ValueError:
-            raise ValueError(
-                f"unknown iRPE method {self.method!r}; allowed: "
-                f"{', '.join(m.value for m in Method)}"
-            ) from None
+        object.__setattr__(self, "method", resolve_method(self.method))
         try:
             object.__setattr__(self, "mode", Mode(self.mode))
         except ValueError:

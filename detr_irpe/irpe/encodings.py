@@ -12,6 +12,7 @@ from torch import nn
 
 from .config import Method, Mode
 from .functional import gather_buckets, gather_buckets_add_, gather_buckets_transposed
+from .methods import BucketMethod
 
 __all__ = ["CrossRPEEncoding", "RPEEncoding", "build_encoding"]
 
@@ -165,9 +166,10 @@ class CrossRPEEncoding(nn.Module):
 
 
 def build_encoding(
-    method: Method, mode: Mode, target: str, num_heads: int, head_dim: int,
+    method: Method | BucketMethod, mode: Mode, target: str, num_heads: int, head_dim: int,
     num_buckets: int, shared_head: bool,
 ) -> RPEEncoding | CrossRPEEncoding:
     """The table module of one target for the given method."""
-    cls = CrossRPEEncoding if Method(method) is Method.CROSS else RPEEncoding
+    # a registered method (BucketMethod) has one table, like product
+    cls = CrossRPEEncoding if method == Method.CROSS else RPEEncoding
     return cls(mode, target, num_heads, head_dim, num_buckets, shared_head)

@@ -1,4 +1,9 @@
-"""ResNet backbone with frozen BatchNorm, DC5 option and the DETR ``Joiner``.
+"""The backbone (any registered one; the torchvision ResNets here), frozen BatchNorm, DC5
+and the DETR ``Joiner``.
+
+:class:`Backbone` builds its body through :mod:`detr_irpe.registry` (``model.backbone``
+names a registered builder or ``timm:NAME``); this module also holds the builder of the
+ResNets, :func:`resnet_body`.
 
 Adapted from DETR's ``backbone.py``: same module names (so that public
 checkpoints load: ``backbone.0.body.conv1.weight``, ``backbone.0.body.layer1.0...``),
@@ -27,6 +32,7 @@ import torchvision
 from torch import Tensor, nn
 
 from detr_irpe.checkpoint import CheckpointError, key_problems, read_checkpoint
+from detr_irpe.registry import TORCHVISION_RESNETS, BackboneBody, backbone_builder
 from detr_irpe.structures import ImageBatch
 
 logger = logging.getLogger(__name__)
@@ -39,6 +45,8 @@ _WEIGHTS = {
     "resnet101": "ResNet101_Weights",
 }
 _STAGES = ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")
+# what model.freeze_stem keeps fixed (DETR trains layer2 to layer4 only)
+_RESNET_STEM = ("conv1", "bn1", "layer1")
 
 
 class FrozenBatchNorm2d(nn.Module):
@@ -85,8 +93,8 @@ def _resnet(
 ) -> torchvision.models.ResNet:
     """A torchvision ResNet with the requested norm layer, stride and weights
     (``None``: random, because a checkpoint will be loaded over it)."""
-    if name not in _CHANNELS:
-        raise ValueError(f"unknown backbone {name!r}; choose one of {', '.join(_CHANNELS)}")
+    if name not in TORCHVISION_RESNETS:
+        raise ValueError(f"unknown ResNet {name!r}; choose one of {', '.join(TORCHVISION_RESNETS)}")
     norm_layer = FrozenBatchNorm2d if frozen_bn else nn.BatchNorm2d
     bottleneck = name in ("resnet50", "resnet101")
     kwargs = {"norm_layer": norm_layer}
@@ -125,6 +133,26 @@ def _resnet(
     return net
 
 
+def resnet_body(
+    name: str, *, weights: str | None, frozen_bn: bool, dilation: bool, stages: int
+) -> BackboneBody:
+    """The builder of the torchvision ResNets (see :class:`~detr_irpe.registry.BackboneBuilder`):
+    the stem and ``layer1`` to ``layer{stages}`` as an ``nn.Sequential`` (DETR's names)."""
+    if stages not in (3, 4):
+        raise ValueError(f"backbone stages must be 3 or 4, got {stages}")
+    if stages == 3 and dilation:
+        raise ValueError("dilation changes layer4, which a 3-stage backbone does not have")
+    net = _resnet(name, weights, frozen_bn, dilation)
+    kept = _STAGES[: len(_STAGES) - 4 + stages]
+    body = nn.Sequential(OrderedDict((stage, getattr(net, stage)) for stage in kept))
+    return BackboneBody(
+        body=body,
+        num_channels=_CHANNELS[name] // (2 if stages == 3 else 1),
+        stride=16 if dilation or stages == 3 else 32,
+        stem=_RESNET_STEM,
+    )
+
+
 def _load_local_weights(net: nn.Module, path: Path, name: str) -> None:
     """Load a torchvision-layout ResNet state dict from ``path`` (``fc.*`` optional)."""
     if not path.is_file():
@@ -150,17 +178,21 @@ def _load_local_weights(net: nn.Module, path: Path, name: str) -> None:
 
 
 class Backbone(nn.Module):
-    """ResNet body returning ``layer4`` features and the downsampled padding mask.
+    """A registered backbone's body returning its last features and the downsampled
+    padding mask.
 
     Args:
-        name: ``resnet18`` | ``resnet34`` | ``resnet50`` | ``resnet101``.
+        name: a registered backbone (``resnet18`` | ``resnet34`` | ``resnet50`` |
+            ``resnet101`` built in, others through :func:`~detr_irpe.registry.register_backbone`)
+            or ``timm:NAME``.
         weights: ``none`` (random init, logged as a warning), ``imagenet``
-            (torchvision weights; may download), the path of a local state dict, or
+            (pretrained weights; may download), the path of a local state dict, or
             ``None`` (random, quietly: a checkpoint will be loaded over the model).
         frozen_bn: FrozenBatchNorm2d instead of trainable BatchNorm2d.
         dilation: DC5, output stride 16 instead of 32 (see the module docstring).
         train_backbone: False freezes every backbone parameter.
-        freeze_stem: keep the stem and ``layer1`` fixed (DETR recipe).
+        freeze_stem: keep the stem and ``layer1`` fixed (DETR recipe; other backbones:
+            their builder's ``stem`` prefixes).
         stages: 4 (all of the ResNet, the DETR model) or 3 (stop after ``layer3``:
             stride 16 with half the channels and a fraction of the compute; layer4
             holds about half of a small ResNet's training time at stride 16).
@@ -182,20 +214,18 @@ class Backbone(nn.Module):
         channels_last: bool = False,
     ) -> None:
         super().__init__()
-        if stages not in (3, 4):
-            raise ValueError(f"backbone stages must be 3 or 4, got {stages}")
-        if stages == 3 and dilation:
-            raise ValueError("dilation changes layer4, which a 3-stage backbone does not have")
-        net = _resnet(name, weights, frozen_bn, dilation)
-        kept = _STAGES[: len(_STAGES) - 4 + stages]
-        self.body = nn.Sequential(OrderedDict((stage, getattr(net, stage)) for stage in kept))
-        self.num_channels = _CHANNELS[name] // (2 if stages == 3 else 1)
-        self.stride = 16 if dilation or stages == 3 else 32
+        built = backbone_builder(name)(
+            weights=weights, frozen_bn=frozen_bn, dilation=dilation, stages=stages)
+        if not isinstance(built, BackboneBody):
+            raise TypeError(f"backbone builder of {name!r} returned {type(built).__name__}, "
+                            "not a detr_irpe.registry.BackboneBody")
+        self.body = built.body
+        self.num_channels = int(built.num_channels)
+        self.stride = int(built.stride)
+        stem = tuple(built.stem)
         for pname, param in self.body.named_parameters():
-            trainable = train_backbone and (
-                not freeze_stem or pname.startswith(("layer2", "layer3", "layer4"))
-            )
-            param.requires_grad_(trainable)
+            in_stem = any(pname == p or pname.startswith(p + ".") for p in stem)
+            param.requires_grad_(train_backbone and not (freeze_stem and in_stem))
         self.channels_last = channels_last
         if channels_last:
             self.body.to(memory_format=torch.channels_last)

@@ -1,0 +1,165 @@
+"""Extension points: backbones and bucket methods by name, registered by a user's module.
+
+- **Backbones.** ``model.backbone=NAME`` picks a builder registered with
+  :func:`register_backbone`. The torchvision ResNets (``resnet18``, ``resnet34``,
+  ``resnet50``, ``resnet101``) are registered here; ``timm:NAME`` builds any model of the
+  optional ``timm`` package with ``features_only`` (``pip install 'detr_irpe[timm]'``).
+- **Bucket methods.** :func:`register_bucket_method` (from :mod:`detr_irpe.irpe.methods`,
+  which imports nothing else of the package) adds a method for RPE strings.
+- **Running a registration.** ``model.import`` lists modules that the config imports
+  before it checks ``model.backbone`` and ``model.rpe``, so every tool, every torchrun
+  worker and every model rebuilt from a checkpoint's saved config sees the
+  registrations (docs/model.md, "Your own backbone or bucket method").
+
+This module imports no model code: the built-in builders import theirs when called.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from detr_irpe.irpe.methods import BucketMethod, register_bucket_method
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "TIMM_PREFIX",
+    "TORCHVISION_RESNETS",
+    "BackboneBody",
+    "BackboneBuilder",
+    "BucketMethod",
+    "backbone_builder",
+    "backbone_names",
+    "check_backbone_name",
+    "register_backbone",
+    "register_bucket_method",
+]
+
+TORCHVISION_RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101")
+TIMM_PREFIX = "timm:"
+
+
+@dataclass
+class BackboneBody:
+    """What a backbone builder returns.
+
+    Attributes:
+        body: images ``(B, 3, H, W)`` -> one feature map ``(B, C, H / stride, W / stride)``
+            (sides rounded up). Its parameters are saved under ``backbone.0.body.``.
+        num_channels: C.
+        stride: the output stride (32 for a whole ResNet, 16 for DC5 or 3 stages).
+        stem: parameter-name prefixes of ``body`` that ``model.freeze_stem`` keeps fixed
+            (the stem and the first stage; ResNet: ``conv1``, ``bn1``, ``layer1``).
+    """
+
+    body: nn.Module
+    num_channels: int
+    stride: int
+    stem: tuple[str, ...] = ()
+
+
+class BackboneBuilder(Protocol):
+    """``builder(weights=..., frozen_bn=..., dilation=..., stages=...) -> BackboneBody``.
+
+    Arguments (keywords), from the ``model`` section of the config:
+
+    - ``weights``: ``"none"`` (random, say so in a warning), ``"imagenet"`` (pretrained;
+      a download only here, where the user asked for it), the path of a local state dict,
+      or ``None`` (random, quietly: a checkpoint will be loaded over the model);
+    - ``frozen_bn``: BatchNorm with fixed statistics;
+    - ``dilation``: output stride 16 instead of 32 (DC5), where the network supports it;
+    - ``stages``: 4 (the whole network) or 3 (stop one stage early, stride 16).
+
+    A builder that cannot honour a setting raises ``ValueError`` saying which.
+    """
+
+    def __call__(
+        self, *, weights: str | None, frozen_bn: bool, dilation: bool, stages: int
+    ) -> BackboneBody: ...
+
+
+_BACKBONES: dict[str, BackboneBuilder] = {}
+
+
+def register_backbone(
+    name: str, builder: BackboneBuilder | None = None, *, overwrite: bool = False
+) -> Callable[[BackboneBuilder], BackboneBuilder] | BackboneBuilder:
+    """Register ``builder`` as ``model.backbone=name`` (a decorator without ``builder``).
+
+    Raises:
+        ValueError: an empty name, a ``timm:`` name (those are built by timm), or a name
+            already taken by another builder (unless ``overwrite``).
+    """
+    if builder is None:
+        def decorate(function: BackboneBuilder) -> BackboneBuilder:
+            register_backbone(name, function, overwrite=overwrite)
+            return function
+        return decorate
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ValueError(f"backbone name must be a non-empty word, got {name!r}")
+    if name.startswith(TIMM_PREFIX):
+        raise ValueError(f"backbone names starting with {TIMM_PREFIX!r} are timm models; "
+                         "register under another name")
+    if not callable(builder):
+        raise ValueError(f"backbone {name!r}: builder must be a function, got {builder!r}")
+    old = _BACKBONES.get(name)
+    if old is not None and old is not builder and not overwrite:
+        raise ValueError(f"backbone {name!r} is already registered; pass overwrite=True to "
+                         "replace it")
+    _BACKBONES[name] = builder
+    return builder
+
+
+def backbone_names() -> list[str]:
+    """The registered names (``timm:NAME`` are not listed: any timm model works)."""
+    return list(_BACKBONES)
+
+
+def check_backbone_name(name: str) -> None:
+    """Refuse a name that is neither registered nor ``timm:NAME`` with timm installed.
+
+    Raises:
+        ValueError: naming the registered backbones, or the missing ``timm`` extra.
+    """
+    if isinstance(name, str) and name.startswith(TIMM_PREFIX):
+        if not name[len(TIMM_PREFIX):].strip():
+            raise ValueError(f"{name!r} names no timm model; e.g. timm:convnext_tiny")
+        if importlib.util.find_spec("timm") is None:
+            raise ValueError(f"{name!r} needs the optional timm package: "
+                             "pip install 'detr_irpe[timm]'")
+        return
+    if name not in _BACKBONES:
+        raise ValueError(
+            f"{name!r} is not a registered backbone; choose one of {', '.join(_BACKBONES)} "
+            "or timm:NAME, or register one (detr_irpe.registry.register_backbone, in a "
+            "module named in model.import)"
+        )
+
+
+def backbone_builder(name: str) -> BackboneBuilder:
+    """The builder of ``model.backbone=name`` (checked as :func:`check_backbone_name`)."""
+    check_backbone_name(name)
+    if name.startswith(TIMM_PREFIX):
+        from detr_irpe.models.timm_backbone import timm_builder
+
+        return timm_builder(name[len(TIMM_PREFIX):].strip())
+    return _BACKBONES[name]
+
+
+def _torchvision_resnet(name: str) -> BackboneBuilder:
+    def build(*, weights: str | None, frozen_bn: bool, dilation: bool, stages: int
+              ) -> BackboneBody:
+        from detr_irpe.models.backbone import resnet_body
+
+        return resnet_body(name, weights=weights, frozen_bn=frozen_bn, dilation=dilation,
+                           stages=stages)
+    build.__qualname__ = f"torchvision_{name}"
+    return build
+
+
+for _name in TORCHVISION_RESNETS:
+    register_backbone(_name, _torchvision_resnet(_name))

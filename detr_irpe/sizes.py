@@ -1,0 +1,125 @@
+"""Size limits: the bytes that sizes in a config (or an export) imply, against this machine.
+
+A size such as ``model.num_queries=1000000000000`` or an export at 100000x100000 pixels
+would otherwise fail deep inside PyTorch, after minutes, with a multi-terabyte allocation
+(or be killed by the kernel). Here the largest tensors the sizes imply are estimated in
+closed form, without allocating anything, and compared with the memory of this machine:
+its physical RAM, or the container's (cgroup) limit when that is lower. The model is
+built on the CPU before it moves to a GPU, so RAM is the limit every run meets first.
+
+The estimates are lower bounds (float32 parameters only, no gradients or optimizer
+state; only the tensors one forward pass must hold), so a refused size can never work
+here; one that passes may still not fit a GPU. The whole machine's memory, not what is
+free at the moment, is the limit: a check must not depend on what else runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+__all__ = [
+    "forward_bytes",
+    "format_bytes",
+    "largest_value_to_blame",
+    "memory_limit",
+    "model_parameter_bytes",
+    "parameter_bytes",
+]
+
+FLOAT32 = 4
+INT64 = 8
+# Used when the system does not say how much memory it has (no sysconf, e.g. Windows).
+FALLBACK_LIMIT = 2**40
+# input_proj of DETR: the largest backbone output (ResNet-50 / 101: 2048 channels)
+_BACKBONE_CHANNELS = 2048
+# A ResNet stem: 64 channels at stride 2, i.e. 16 floats per input pixel
+_STEM_FLOATS_PER_PIXEL = 16
+
+_CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_limit() -> tuple[int, str]:
+    """``(bytes, description)`` of the memory this process can have at most."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        physical = None
+    limit, what = (FALLBACK_LIMIT, "1 TiB (this system does not report its memory)") \
+        if not physical or physical <= 0 else (physical, "physical RAM")
+    for name in _CGROUP_FILES:
+        try:
+            text = Path(name).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < limit:
+            limit, what = int(text), f"the container's limit, {name}"
+        break
+    return limit, f"this machine's {format_bytes(limit)} of memory ({what})"
+
+
+def format_bytes(count: float) -> str:
+    """``1.5 GiB`` style (``3.2e+06 EiB`` beyond)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if count < 1024 or unit == "EiB":
+            break
+        count /= 1024
+    if unit == "B":
+        return f"{count:.0f} B"
+    return f"{count:.1f} {unit}" if count < 1024 else f"{count:.2g} {unit}"
+
+
+def parameter_bytes(
+    *, hidden_dim: int, enc_layers: int, dec_layers: int, dim_feedforward: int,
+    num_queries: int, num_classes: int | None, rpe_table_floats: int = 0,
+) -> int:
+    """Float32 bytes of a DETR's transformer, heads and queries (the backbone, bounded,
+    is left out). ``rpe_table_floats``: the iRPE table entries of one encoder layer."""
+    h, ff = hidden_dim, dim_feedforward
+    encoder = enc_layers * (4 * h * h + 2 * h * ff + rpe_table_floats)  # attention + FFN
+    decoder = dec_layers * (8 * h * h + 2 * h * ff)  # self- and cross-attention + FFN
+    heads = h * ((num_classes or 0) + 1) + 2 * h * h + 4 * h  # class and box heads
+    return FLOAT32 * (encoder + decoder + heads + num_queries * h + _BACKBONE_CHANNELS * h)
+
+
+def model_parameter_bytes(model: object) -> int:
+    """:func:`parameter_bytes` of a ``ModelConfig`` (read attribute by attribute)."""
+    return parameter_bytes(**_model_sizes(model))
+
+
+def _model_sizes(model: object) -> dict[str, int]:
+    return {key: getattr(model, key) for key in (
+        "hidden_dim", "enc_layers", "dec_layers", "dim_feedforward", "num_queries",
+        "num_classes")}
+
+
+def forward_bytes(
+    *, batch: int, height: int, width: int, stride: int = 32, nheads: int = 1,
+    irpe: bool = False,
+) -> int:
+    """Bytes that one forward pass must hold at once for a padded batch of images.
+
+    The float32 images, the first activation of a ResNet stem (64 channels at stride 2),
+    and with iRPE the int64 bucket ids ``(L, L)`` of the ``L`` feature-map cells and the
+    attention logits ``(B, heads, L, L)`` that its relative-position terms fill.
+    """
+    pixels = batch * height * width
+    tokens = math.ceil(height / stride) * math.ceil(width / stride)
+    total = FLOAT32 * pixels * (3 + _STEM_FLOATS_PER_PIXEL)
+    if irpe:
+        total += INT64 * tokens * tokens + FLOAT32 * batch * nheads * tokens * tokens
+    return total
+
+
+def largest_value_to_blame(
+    estimate: Callable[[Mapping[str, int]], int], values: Mapping[str, int],
+    defaults: Mapping[str, int],
+) -> str:
+    """The key whose reset to its default shrinks ``estimate(values)`` the most (the size
+    a user should lower)."""
+    def without(key: str) -> int:
+        return estimate({**values, key: defaults[key]})
+
+    return min(defaults, key=without)
