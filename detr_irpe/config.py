@@ -25,6 +25,7 @@ import yaml
 
 from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.config import parse_rpe
+from detr_irpe.irpe.encodings import RPE_INIT_MODES
 from detr_irpe.utils.files import atomic_write_text
 
 # The configs ship inside the package (one copy; the repository's configs/ links here),
@@ -37,7 +38,6 @@ POSITION_EMBEDDINGS = ("sine", "learned", "none")
 AMP_MODES = ("none", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 AUGMENTATIONS = ("detr", "simple")
-RPE_INIT_MODES = ("xavier", "zero")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from detr_irpe.cli.train import main as train_main
 from detr_irpe.config import CONFIG_DIR, ConfigError, load_config
 from detr_irpe.engine.runner import resolve_num_classes, run_training
 from detr_irpe.errors import RunFolderError
+from detr_irpe.run_folder.experiment import experiment_differences
 
 
 def _dataset(num_classes: int) -> SimpleNamespace:
@@ -181,8 +182,6 @@ def test_seed_change_on_purposeful_resume_is_refused(tiny_dataset, first_run, tm
 
 
 def test_experiment_identity_ignores_start_only_and_missing_keys() -> None:
-    from detr_irpe.engine.runner import experiment_differences
-
     current = load_tiny_config("model.rpe_init=xavier").to_dict()
     older = load_tiny_config("model.rpe_init=zero", "data.num_workers=7").to_dict()
     del older["model"]["hidden_dim"]  # a key an older version did not write

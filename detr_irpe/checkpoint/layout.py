@@ -21,6 +21,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from detr_irpe.errors import CheckpointError
+from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table, is_rpe_key, parse_rpe
 
 HEAD_KEYS = ("class_embed.weight", "class_embed.bias")
 
@@ -31,11 +32,6 @@ _RESNETS = {
     ("bottleneck", 6): "resnet50",
     ("bottleneck", 23): "resnet101",
 }
-
-
-def is_rpe_key(key: str) -> bool:
-    """True for the iRPE lookup tables, e.g. ``...self_attn.rpe_k.lookup_table_weight``."""
-    return ".rpe_" in key or key.startswith("rpe_")
 
 
 def layout_of(state: Mapping[str, Any]) -> str:
@@ -205,9 +201,6 @@ def _encoder_attention_prefixes(state: Mapping[str, Tensor]) -> list[str]:
 
 def _new_tables(d_model: int, nheads: int, rpe: Any, rpe_init: str) -> dict[str, Tensor]:
     """Fresh tables of one encoder attention, started as a new model's (``rpe_init``)."""
-    from detr_irpe.irpe import IRPEMultiheadAttention
-    from detr_irpe.models.transformer import init_rpe_table
-
     attention = IRPEMultiheadAttention(d_model, nheads, rpe=rpe)
     tables = {}
     for name, param in attention.named_parameters():
@@ -227,8 +220,6 @@ def add_rpe_tables(
     plain DETR). Tables sit right after each attention's ``out_proj.bias``, the public
     key order. Returns the new state dict and a note (None for ``rpe="none"``).
     """
-    from detr_irpe.irpe.config import parse_rpe
-
     rpe_cfg = parse_rpe(rpe)
     if rpe_cfg is None:
         return state, None

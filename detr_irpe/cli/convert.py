@@ -102,7 +102,7 @@ def convert(args: argparse.Namespace) -> list[str]:
     """Read, convert and write as the arguments say; returns the notes to show."""
     from detr_irpe.checkpoint import FORMAT, atomic_save, read_checkpoint, save_safetensors
     from detr_irpe.checkpoint.layout import convert_state_dict
-    from detr_irpe.engine.run_lock import ensure_writable_folder
+    from detr_irpe.utils.files import ensure_writable_folder
 
     target = _check_options(args)
     # before the checkpoint is read

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         from detr_irpe.engine import run_evaluation
-        from detr_irpe.engine.run_lock import ensure_writable_folder
+        from detr_irpe.utils.files import ensure_writable_folder
 
         extra = device_override(args.device)
         cfg = load_config_from_args(args, extra)

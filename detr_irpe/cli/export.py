@@ -76,9 +76,9 @@ def _check_against_pytorch(model, path: Path, size: tuple[int, int], batch: int)
 
 def export(args: argparse.Namespace) -> list[str]:
     """Load, export (and check) as the arguments say; returns the lines to show."""
-    from detr_irpe.engine.run_lock import ensure_writable_folder
     from detr_irpe.export import MIN_OPSET, export_onnx, parse_size
     from detr_irpe.models.from_checkpoint import model_from_checkpoint
+    from detr_irpe.utils.files import ensure_writable_folder
 
     if args.format not in FORMATS:
         raise ExportError(f"--format {args.format!r} is not supported; supported: "

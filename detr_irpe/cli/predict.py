@@ -96,13 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     setup_tool_logging(logging.INFO)
 
     def body() -> int:
-        from detr_irpe.engine.run_lock import ensure_writable_folder
         from detr_irpe.inference import (
             Predictor,
             collect_images,
             images_from_annotations,
             predict_files,
         )
+        from detr_irpe.utils.files import ensure_writable_folder
 
         threshold = _check_args(args)
         overrides = checked_overrides(args.overrides)

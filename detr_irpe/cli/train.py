@@ -58,6 +58,7 @@ from detr_irpe.cli.common import (
     run_main,
 )
 from detr_irpe.errors import ConfigError
+from detr_irpe.run_folder.checkpoints import find_resume_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,11 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _eval_weights(args: argparse.Namespace, output_dir: Path) -> Path:
-    from detr_irpe.engine import checkpoint_io as ckio
-
     if args.resume is not None:
         return Path(args.resume)
-    found = ckio.find_resume_checkpoint(output_dir)
+    found = find_resume_checkpoint(output_dir)
     if found is not None:
         return Path(found[0])
     if args.finetune is not None:

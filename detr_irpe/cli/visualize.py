@@ -220,7 +220,7 @@ def _pr_curves(args: argparse.Namespace) -> list[Path]:
 def _image_figure(args: argparse.Namespace) -> list[Path]:
     """predictions, encoder-attention (+ iRPE split) or decoder-attention of one image."""
     import detr_irpe.visualization as vis
-    from detr_irpe.engine.run_lock import ensure_writable_folder
+    from detr_irpe.utils.files import ensure_writable_folder
     from detr_irpe.visualization.loading import model_device
     from detr_irpe.visualization.maps import distinct_points
 

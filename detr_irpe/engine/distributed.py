@@ -15,10 +15,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import random
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -131,18 +129,10 @@ def cleanup_distributed() -> None:
         dist.destroy_process_group()
 
 
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and CUDA), numpy and python's ``random``."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 __all__ = [
     "DistInfo",
     "cleanup_distributed",
     "init_distributed",
     "resolve_device",
-    "seed_everything",
     "why_no_gpu",
 ]

@@ -32,22 +32,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from detr_irpe.config import Config, ConfigError, save_config
-from detr_irpe.engine import checkpoint_io as ckio
-from detr_irpe.engine.distributed import (
-    DistInfo,
-    cleanup_distributed,
-    init_distributed,
-    seed_everything,
-)
+from detr_irpe.engine.distributed import DistInfo, cleanup_distributed, init_distributed
 from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
-from detr_irpe.engine.logger import JsonLinesLog, MetricTracker, TensorBoardWriter, setup_logging
+from detr_irpe.engine.logger import MetricTracker, TensorBoardWriter, setup_logging
 from detr_irpe.engine.optim import (
     StepSchedule,
     apply_config_hyperparameters,
     build_optimizer,
     build_schedule,
 )
-from detr_irpe.engine.run_lock import RunLock, lock_run_folder
+from detr_irpe.engine.rng import get_rng_state, seed_everything, set_rng_state
 from detr_irpe.engine.sampling import epoch_batches
 from detr_irpe.engine.trainer import (
     StepSettings,
@@ -55,11 +49,22 @@ from detr_irpe.engine.trainer import (
     build_grad_scaler,
     check_amp_device,
     evaluate,
+    nonfinite_tensors,
     resolve_amp,
     train_one_epoch,
 )
-from detr_irpe.errors import Interrupted, NonFiniteError, RunFolderError
+from detr_irpe.errors import CheckpointError, Interrupted, NonFiniteError, RunFolderError
 from detr_irpe.evaluation import COCO_STAT_NAMES
+from detr_irpe.run_folder.checkpoints import (
+    find_resume_checkpoint,
+    link_best,
+    remove_stale_temp_files,
+    repair_best,
+    save_training_checkpoint,
+)
+from detr_irpe.run_folder.experiment import config_differences, experiment_differences
+from detr_irpe.run_folder.lock import RunLock, lock_run_folder
+from detr_irpe.run_folder.log import JsonLinesLog
 from detr_irpe.utils.dist import all_gather_object, barrier
 from detr_irpe.utils.files import atomic_write_text
 
@@ -98,21 +103,6 @@ def resolve_num_classes(cfg: Config, datasets: list[Any]) -> int:
             "(it defaults to the data) or fix data.root / the annotation files"
         )
     return from_data
-
-
-def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """``section.key: saved -> current`` for every differing config value."""
-    out = []
-    for section in sorted(set(saved) | set(current)):
-        a, b = saved.get(section, {}), current.get(section, {})
-        if not isinstance(a, Mapping) or not isinstance(b, Mapping):
-            if a != b:
-                out.append(f"{section}: {a!r} -> {b!r}")
-            continue
-        for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key):
-                out.append(f"{section}.{key}: {a.get(key)!r} -> {b.get(key)!r}")
-    return out
 
 
 def category_names_of(dataset: Any) -> dict[int, str]:
@@ -193,15 +183,13 @@ def _resolved_amp(cfg: Config, info: DistInfo) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp))
 
 
-def _prepare_output_dir(cfg: Config, info: DistInfo, lock: RunLock | None) -> Path:
+def _prepare_output_dir(output_dir: Path, info: DistInfo, lock: RunLock | None) -> None:
     """Logging into the run folder, and removal of what an interrupted save left there
     (rank 0, which holds the folder's ``lock``: no other run can be writing)."""
-    output_dir = Path(cfg.train.output_dir)
     setup_logging(output_dir, info.rank)
     if lock is not None:
-        ckio.remove_stale_temp_files(output_dir, lock)
+        remove_stale_temp_files(output_dir, lock)
     barrier()
-    return output_dir
 
 
 # ----------------------------------------------------------------------------- training
@@ -225,9 +213,8 @@ def resolve_start(output_dir: Path, resume: str | Path | None,
                   finetune: str | Path | None) -> StartState:
     """A run to resume (``resume``, else ``output_dir``'s newest intact checkpoint), else
     fine-tuning weights, else scratch."""
-    found = ckio.find_resume_checkpoint(output_dir, resume)
+    found = find_resume_checkpoint(output_dir, resume)
     if found is not None:
-        logger.info("resuming from %s", found[0])
         return StartState(resume_path=Path(found[0]), resume_state=found[1],
                           explicit=resume is not None)
     return StartState(finetune=Path(finetune) if finetune is not None else None)
@@ -252,39 +239,19 @@ class RunParts:
     category_names: dict[int, str] = field(default_factory=dict)
 
 
-# The model and data settings (and the seed) make a run folder's checkpoint one
-# experiment: auto-resume refuses it when one of them differs. Not these: how weights
-# start (they come from the checkpoint), the memory layout and how data is read. Everything else
-# (train.*) a resumed run applies: lr and weight decay go into the restored optimizer.
-_NOT_IDENTITY = {"model.backbone_weights", "model.rpe_init", "model.channels_last",
-                 "data.num_workers",
-                 "data.cache_images", "data.strict", "data.max_image_pixels"}
-
-
-def experiment_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """The model and data settings (and ``train.seed``) that differ, as
-    ``key: saved -> current``. Keys the saved config lacks (written by an older
-    version of the package) are not compared."""
-    out = []
-    for section, keys in (("model", None), ("data", None), ("train", ("seed",))):
-        old, new = saved.get(section) or {}, current.get(section) or {}
-        for key in keys or sorted(new):
-            name = f"{section}.{key}"
-            if key in old and name not in _NOT_IDENTITY and old[key] != new.get(key):
-                out.append(f"{name}: {old[key]!r} -> {new.get(key)!r}")
-    return out
-
-
 def check_resume_config(saved: Mapping[str, Any], cfg: Config, start: StartState) -> None:
-    """Refuse to continue another experiment by accident; log what a resume changes.
+    """Refuse to continue another experiment by accident.
+
+    Called before the run writes anything (with ``cfg`` as given: ``auto`` and a
+    ``null`` class count match what the saved run resolved them to), and again once
+    they are resolved.
 
     Raises:
         RunFolderError: auto-resume found a checkpoint of other model / data settings.
         ConfigError: ``train.seed`` changed on a resume (the checkpoint's random
             streams continue, so the new seed could not apply).
     """
-    current = cfg.to_dict()
-    differ = experiment_differences(saved, current)
+    differ = experiment_differences(saved, cfg.to_dict())
     if differ and not start.explicit:
         raise RunFolderError(
             f"{cfg.train.output_dir} holds a run of another experiment "
@@ -298,7 +265,10 @@ def check_resume_config(saved: Mapping[str, Any], cfg: Config, start: StartState
             f"{seed[0]}: a resumed run continues the random streams of {start.resume_path}, "
             "so train.seed cannot change; drop the override or start a new run"
         )
-    changed = [line for line in config_differences(saved, current)
+
+
+def _log_resume_changes(saved: Mapping[str, Any], cfg: Config) -> None:
+    changed = [line for line in config_differences(saved, cfg.to_dict())
                if not line.startswith("train.output_dir:")]
     if changed:
         logger.info("resuming with these settings changed (each applies from here on): %s",
@@ -312,6 +282,7 @@ def _settle_config(cfg: Config, start: StartState, info: DistInfo, datasets: lis
     cfg = _resolved_amp(cfg, info)
     if start.saved_config is not None:
         check_resume_config(start.saved_config, cfg, start)
+        _log_resume_changes(start.saved_config, cfg)
     logger.info("config:\n%s", cfg.to_yaml())
     if info.is_main:
         save_config(cfg, Path(cfg.train.output_dir) / "config.yaml")
@@ -392,7 +363,7 @@ class _Run:
 
     def checkpoint_state(self, step: StepState) -> dict:
         p = self.parts
-        rng = all_gather_object(ckio.get_rng_state())  # collective: every rank calls it
+        rng = all_gather_object(get_rng_state())  # collective: every rank calls it
         return {
             "model": _unwrap(self.model).state_dict(),
             "optimizer": p.optimizer.state_dict(),
@@ -418,7 +389,7 @@ class _Run:
             NonFiniteError: the weights are not finite (nothing is written).
             RunFolderError: the file could not be written (the previous one is intact).
         """
-        bad = ckio.nonfinite_tensors(_unwrap(self.model).state_dict())
+        bad = nonfinite_tensors(_unwrap(self.model).state_dict())
         if bad:  # the same weights on every rank: every rank raises
             raise NonFiniteError(
                 f"the weights became NaN / inf at epoch {step.epoch}, iteration "
@@ -428,9 +399,9 @@ class _Run:
             )
         state = self.checkpoint_state(step)
         if self.info.is_main:
-            path = ckio.save_training_checkpoint(state, self.output_dir)
+            path = save_training_checkpoint(state, self.output_dir)
             if is_best:
-                ckio.link_best(self.output_dir)
+                link_best(self.output_dir)
             logger.info(
                 "saved %s (epoch %d, batch %d, iteration %d)%s",
                 path, step.epoch, step.batch_in_epoch, step.iteration,
@@ -473,13 +444,13 @@ def restore(run: _Run, state: Mapping[str, Any]) -> None:
     try:
         p.model.load_state_dict(state["model"])
     except RuntimeError as err:
-        raise ckio.CheckpointError(
+        raise CheckpointError(
             f"the resumed checkpoint does not fit the model of this config: {err}"
         ) from None
     try:
         p.optimizer.load_state_dict(state["optimizer"])
     except ValueError as err:  # another set of parameter groups
-        raise ckio.CheckpointError(
+        raise CheckpointError(
             f"the optimizer state of the resumed checkpoint does not fit this run ({err}); "
             "train.lr_backbone switched between 0 (frozen backbone) and > 0? Keep it, or "
             "start a new run with --finetune CHECKPOINT"
@@ -497,7 +468,7 @@ def restore(run: _Run, state: Mapping[str, Any]) -> None:
     saved_world = int(state.get("world_size", 1))
     rng = state.get("rng") or []
     if saved_world == info.world_size and len(rng) == info.world_size:
-        ckio.set_rng_state(rng[info.rank])
+        set_rng_state(rng[info.rank])
     else:
         logger.warning(
             "checkpoint was written by %d process(es), this run has %d: RNG states not "
@@ -690,17 +661,22 @@ def run_training(
 def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
                   finetune: str | Path | None, progress: bool,
                   lock: RunLock | None) -> dict[str, Any]:
-    output_dir = _prepare_output_dir(cfg, info, lock)
-    _set_threads(cfg)
+    output_dir = Path(cfg.train.output_dir)
+    setup_logging(None, info.rank)  # the console only, until the folder is known to be ours
     check_amp_device(cfg.train.amp, info.device)  # before the data and the model are built
     start = resolve_start(output_dir, resume, finetune)
-    if lock is not None and start.resume_path is not None and (
-        start.resume_path.resolve().parent == output_dir.resolve()
-    ):
-        ckio.repair_best(start.resume_path, start.resume_state)
+    if start.saved_config is not None:
+        # Refused before anything in the folder is written or repaired.
+        check_resume_config(start.saved_config, cfg, start)
+    _prepare_output_dir(output_dir, info, lock)
+    _set_threads(cfg)
+    if start.resume_path is not None:
+        logger.info("resuming from %s", start.resume_path)
     run = _Run(build_parts(cfg, info, start), info, output_dir, progress)
     if start.resume_state is not None:
         restore(run, start.resume_state)
+        if lock is not None and start.resume_path.resolve().parent == output_dir.resolve():
+            repair_best(start.resume_path, start.resume_state)
     elif start.finetune is not None:
         _load_finetune_weights(run.parts.model, start.finetune)
     run.model = _wrap_ddp(run.parts.model, info)
@@ -783,7 +759,7 @@ __all__ = [
     "RunParts",
     "StartState",
     "build_parts",
-    "config_differences",
+    "check_resume_config",
     "format_summary",
     "resolve_num_classes",
     "resolve_start",

@@ -240,6 +240,22 @@ def check_finite_outputs(outputs: Mapping[str, Any]) -> None:
     )
 
 
+def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
+    """Names of the floating-point tensors in ``tensors`` holding NaN or inf.
+
+    One host synchronisation for the whole mapping (a save already waits for the
+    device), the names are only looked for when something is wrong.
+    """
+    named = [(k, v) for k, v in tensors.items()
+             if torch.is_tensor(v) and v.is_floating_point() and v.numel()]
+    if not named:
+        return []
+    flags = torch.stack([v.detach().isfinite().all() for _, v in named])
+    if bool(flags.all()):
+        return []
+    return [k for (k, _), ok in zip(named, flags.tolist()) if not ok]
+
+
 def loss_and_backward(
     criterion: nn.Module,
     outputs: dict,
@@ -578,6 +594,7 @@ __all__ = [
     "loss_record",
     "model_outputs",
     "native_bf16_cpu",
+    "nonfinite_tensors",
     "resolve_amp",
     "train_one_epoch",
     "train_step",

@@ -3,12 +3,15 @@
 - :func:`bucket_ids` -- bucket id of every (query, key) pair of an ``H x W`` map.
 - :class:`RPEConfig` -- the settings, incl. the model-zoo strings ``rpe-2.0-product-ctx-1-k``.
 - :class:`IRPEMultiheadAttention` -- batch-first multi-head attention with iRPE;
-  :func:`choose_impl` -- which of its computations a call uses.
+  :func:`choose_impl` -- which of its computations a call uses; :func:`is_rpe_key` --
+  which state-dict keys are its tables.
+- :func:`init_rpe_table` -- how a new table starts (:data:`RPE_INIT_MODES`).
 """
 
-from .attention import IRPEMultiheadAttention, choose_impl
+from .attention import IRPEMultiheadAttention, choose_impl, is_rpe_key
 from .buckets import bucket_ids, num_buckets, piecewise_index
 from .config import Method, Mode, RPEConfig, parse_rpe
+from .encodings import RPE_INIT_MODES, init_rpe_table
 from .functional import (
     attend_values,
     gather_buckets,
@@ -18,6 +21,7 @@ from .functional import (
 )
 
 __all__ = [
+    "RPE_INIT_MODES",
     "IRPEMultiheadAttention",
     "Method",
     "Mode",
@@ -28,6 +32,8 @@ __all__ = [
     "gather_buckets",
     "gather_buckets_add_",
     "gather_buckets_transposed",
+    "init_rpe_table",
+    "is_rpe_key",
     "num_buckets",
     "parse_rpe",
     "piecewise_index",

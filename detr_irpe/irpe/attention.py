@@ -29,9 +29,17 @@ from .dropout import dropout as apply_dropout
 from .encodings import build_encoding
 from .functional import attend_values
 
-__all__ = ["IMPLS", "IRPEMultiheadAttention", "choose_impl"]
+__all__ = ["IMPLS", "IRPEMultiheadAttention", "choose_impl", "is_rpe_key"]
 
 IMPLS = ("auto", "sdpa", "explicit", "blocked")
+# The attention's submodules that hold iRPE tables: rpe_q, rpe_k, rpe_v.
+_TABLE_PREFIX = "rpe_"
+
+
+def is_rpe_key(key: str) -> bool:
+    """True for the state-dict keys of iRPE tables, e.g.
+    ``transformer.encoder.layers.0.self_attn.rpe_k.lookup_table_weight``."""
+    return f".{_TABLE_PREFIX}" in key or key.startswith(_TABLE_PREFIX)
 _BLOCKED_DTYPES = (torch.float32, torch.float64)
 
 

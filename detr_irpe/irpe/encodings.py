@@ -13,7 +13,22 @@ from torch import nn
 from .config import Method, Mode
 from .functional import gather_buckets, gather_buckets_add_, gather_buckets_transposed
 
-__all__ = ["CrossRPEEncoding", "RPEEncoding", "build_encoding"]
+__all__ = ["RPE_INIT_MODES", "CrossRPEEncoding", "RPEEncoding", "build_encoding", "init_rpe_table"]
+
+# How a new table starts: "xavier" (DETR's reset of every matrix, the published
+# iRPE-DETR recipe) or "zero" (a model then computes exactly the model without iRPE).
+RPE_INIT_MODES = ("xavier", "zero")
+
+
+def init_rpe_table(table: torch.Tensor, mode: str) -> None:
+    """Start one iRPE table ``(Hh, D, K)``, ``(Hh, K, D)`` or ``(Hh, K)`` in place:
+    ``xavier`` (``xavier_uniform_`` with torch's fan-in / fan-out for that shape) or ``zero``."""
+    if mode == "xavier":
+        nn.init.xavier_uniform_(table)
+    elif mode == "zero":
+        nn.init.zeros_(table)
+    else:
+        raise ValueError(f"rpe_init must be one of {', '.join(RPE_INIT_MODES)}, got {mode!r}")
 
 
 def _lookup(
