@@ -24,6 +24,7 @@ from detr_irpe.errors import (
     ConfigError,
     DetrIrpeError,
 )
+from detr_irpe.evaluation import format_summary
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -92,8 +93,6 @@ def device_override(device: str | None) -> list[str]:
 def print_eval_result(result: Mapping[str, Any]) -> None:
     """The 12 COCO numbers, the per-class table and the output folder of a
     ``run_training`` / ``run_evaluation`` result, on rank 0 only."""
-    from detr_irpe.engine import format_summary
-
     if result["rank"] != 0 or result["summary"] is None:
         return
     print(format_summary(result["summary"]))

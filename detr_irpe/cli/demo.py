@@ -163,7 +163,7 @@ def draw_figures(checkpoint: Path, val_images: list[Path], run_dir: Path) -> Non
 
 def _report(summary: dict, table: str, result: dict, train_seconds: float, total: float,
             out: Path) -> None:
-    from detr_irpe.engine import format_summary
+    from detr_irpe.evaluation import format_summary
     from detr_irpe.utils.files import atomic_write_text
 
     print("\n[demo] COCO box metrics on the synthetic val split")
@@ -185,8 +185,9 @@ def _report(summary: dict, table: str, result: dict, train_seconds: float, total
 
 
 def _body(args) -> int:
+    from detr_irpe.cli.eval import run_evaluation
     from detr_irpe.data import build_dataset
-    from detr_irpe.engine.runner import run_evaluation, run_training
+    from detr_irpe.engine.runner import run_training
 
     start = time.perf_counter()
     ensure_dataset(args.data)

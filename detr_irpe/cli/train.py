@@ -57,6 +57,8 @@ from detr_irpe.cli.common import (
     print_eval_result,
     run_main,
 )
+from detr_irpe.cli.eval import run_evaluation
+from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import ConfigError
 from detr_irpe.run_folder.checkpoints import find_resume_checkpoint
 
@@ -98,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from detr_irpe.engine import run_evaluation, run_training
-
         extra = device_override(args.device)
         if args.output_dir is not None:
             extra.append(f"train.output_dir={args.output_dir}")

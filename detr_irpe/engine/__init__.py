@@ -1,6 +1,7 @@
-"""Training and evaluation engine: loops, resume, distributed set-up, logs.
+"""Training engine: loops, resume, distributed set-up, logs.
 
-- :func:`run_training` / :func:`run_evaluation` (``runner``): a whole run, as the tools call it.
+- :func:`run_training` (``runner``): a whole training run, as the tool calls it (the
+  evaluation program of a checkpoint is ``detr_irpe.cli.eval.run_evaluation``).
 - :func:`train_step` / :func:`train_one_epoch` / :func:`evaluate` (``trainer``): the loops.
 - ``optim``: AdamW groups and the lr schedule (StepLR in epochs, warm-up in iterations).
 - ``rng``: seeding, and the RNG states a checkpoint keeps.
@@ -12,16 +13,14 @@ What a run folder holds, its lock and its checkpoints are :mod:`detr_irpe.run_fo
 
 from detr_irpe.engine.distributed import DistInfo, init_distributed
 from detr_irpe.engine.rng import seed_everything
-from detr_irpe.engine.runner import format_summary, run_evaluation, run_training
+from detr_irpe.engine.runner import run_training
 from detr_irpe.engine.trainer import NonFiniteLossError, evaluate, train_one_epoch, train_step
 
 __all__ = [
     "DistInfo",
     "NonFiniteLossError",
     "evaluate",
-    "format_summary",
     "init_distributed",
-    "run_evaluation",
     "run_training",
     "seed_everything",
     "train_one_epoch",
