@@ -12,8 +12,7 @@ import torch
 
 from detr_irpe.checkpoint import atomic_save
 from detr_irpe.engine.rng import get_rng_state, set_rng_state
-from detr_irpe.errors import CheckpointError
-from detr_irpe.models import CheckpointError as ModelCheckpointError
+from detr_irpe.errors import CheckpointError, DetrIrpeError
 from detr_irpe.run_folder.checkpoints import (
     BEST,
     LAST,
@@ -85,7 +84,7 @@ def test_all_damaged_or_none(tmp_path):
     (tmp_path / LAST).write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="no usable checkpoint") as info:
         find_resume_checkpoint(tmp_path)
-    assert isinstance(info.value, ModelCheckpointError)  # one exception type for the tools
+    assert isinstance(info.value, DetrIrpeError)  # one exception type for the tools
     with pytest.raises(CheckpointError, match="does not exist"):
         find_resume_checkpoint(tmp_path, explicit=tmp_path / "missing.pth")
 

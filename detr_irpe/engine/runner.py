@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from detr_irpe.checkpoint import load_weights
 from detr_irpe.config import Config, ConfigError, save_config
 from detr_irpe.data import build_dataloader, build_dataset
 from detr_irpe.engine.distributed import DistInfo, cleanup_distributed, init_distributed
@@ -58,7 +59,7 @@ from detr_irpe.evaluation import (
     per_class_table,
     write_eval_outputs,
 )
-from detr_irpe.models import build_model, load_checkpoint
+from detr_irpe.models import build_model
 from detr_irpe.run_folder.checkpoints import (
     find_resume_checkpoint,
     link_best,
@@ -341,7 +342,7 @@ class BestAP:
 
 
 def _load_finetune_weights(model: nn.Module, path: Path) -> None:
-    load_info = load_checkpoint(model, path)
+    load_info = load_weights(model, path)
     logger.info("fine-tuning from %s (%s); re-initialised: %s", path,
                 load_info.get("format"), load_info.get("reinitialized") or "nothing")
 
