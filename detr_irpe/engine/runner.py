@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from detr_irpe.checkpoint import load_weights
 from detr_irpe.config import Config, ConfigError, save_config
-from detr_irpe.data import build_dataloader, build_dataset
+from detr_irpe.data import build_dataloader, build_dataset, epoch_batches
 from detr_irpe.engine.distributed import DistInfo, cleanup_distributed, init_distributed
 from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
 from detr_irpe.engine.logger import MetricTracker, TensorBoardWriter, setup_logging
@@ -39,7 +39,6 @@ from detr_irpe.engine.optim import (
     build_schedule,
 )
 from detr_irpe.engine.rng import get_rng_state, seed_everything, set_rng_state
-from detr_irpe.engine.sampling import epoch_batches
 from detr_irpe.engine.trainer import (
     StepSettings,
     StepState,
