@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from detr_irpe.config import load_config
 from detr_irpe.errors import (
     EXIT_SIGINT,
     EXIT_USER_ERROR,
@@ -117,8 +118,6 @@ def checked_overrides(overrides: Iterable[str]) -> list[str]:
 def load_config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Any:
     """The config named by ``--config`` with ``--set`` and ``extra`` applied, or ``None``
     when no ``--config`` was given (tools that read the config from a checkpoint)."""
-    from detr_irpe.config import load_config
-
     overrides = checked_overrides(getattr(args, "overrides", []) or []) + list(extra)
     if getattr(args, "config", None) is None:
         return None

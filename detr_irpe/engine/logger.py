@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 logger = logging.getLogger(__name__)
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -24,8 +26,6 @@ class _TqdmHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            from tqdm import tqdm
-
             tqdm.write(self.format(record), file=self.stream)
         except Exception:  # pragma: no cover - logging must never raise
             self.handleError(record)
@@ -132,6 +132,7 @@ class TensorBoardWriter:
         if log_dir is None:
             return
         try:
+            # optional (the tensorboard extra): imported only when a run logs to it
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             logger.info("tensorboard is not installed; skipping TensorBoard logging")

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from detr_irpe.config import ConfigError
 from detr_irpe.engine.logger import MetricTracker, TensorBoardWriter
@@ -396,8 +397,6 @@ class _EpochLog:
         self.images_since_read = 0
         self.bar = None
         if progress and is_main_process():
-            from tqdm import tqdm
-
             # disable=None: tqdm turns itself off when stderr is not a terminal.
             self.bar = tqdm(total=num_steps, initial=state.batch_in_epoch, desc=self.label,
                             dynamic_ncols=True, disable=None, leave=False)
@@ -539,8 +538,6 @@ def evaluate(
     num_batches = len(loader) if hasattr(loader, "__len__") else None
     iterable: Iterable = loader
     if progress and is_main_process():
-        from tqdm import tqdm
-
         iterable = tqdm(loader, total=num_batches, desc="eval", dynamic_ncols=True,
                         disable=None, leave=False)
     start = time.perf_counter()

@@ -31,6 +31,7 @@ from detr_irpe.config import Config
 from detr_irpe.data.categories import default_category_names
 from detr_irpe.data.images import to_uint8_image
 from detr_irpe.data.transforms import eval_input
+from detr_irpe.models import PostProcess, model_from_checkpoint
 from detr_irpe.utils.device import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,6 @@ class Predictor:
         are ``"section.key=value"`` strings. Category names come from the file, else
         COCO's for a 91-class model.
         """
-        from detr_irpe.models import model_from_checkpoint
-
         target = resolve_device(device)
         loaded = model_from_checkpoint(path, config=config, overrides=overrides, device=target)
         names = loaded.category_names or default_category_names(loaded.cfg.model.num_classes)
@@ -103,8 +102,6 @@ class Predictor:
         Returns per image ``{"scores" (Q,), "labels" (Q,) int64, "boxes" (Q, 4)}`` on
         the CPU, boxes xyxy in that image's pixels.
         """
-        from detr_irpe.models import PostProcess
-
         if not images:
             return []
         inputs = [self.preprocess(image).to(self.device) for image in images]
