@@ -33,15 +33,14 @@ from detr_irpe.engine.distributed import DistInfo, cleanup_distributed, init_dis
 from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
 from detr_irpe.engine.logger import MetricTracker, TensorBoardWriter, setup_logging
 from detr_irpe.engine.optim import (
-    StepSchedule,
     apply_config_hyperparameters,
+    build_lr_scheduler,
     build_optimizer,
-    build_schedule,
 )
 from detr_irpe.engine.rng import get_rng_state, seed_everything, set_rng_state
 from detr_irpe.engine.trainer import (
-    StepSettings,
-    StepState,
+    TrainingPosition,
+    UpdateSettings,
     build_grad_scaler,
     check_amp_device,
     evaluate,
@@ -188,8 +187,7 @@ class RunParts:
     criterion: nn.Module
     postprocessor: Any
     optimizer: torch.optim.Optimizer
-    schedule: StepSchedule
-    settings: StepSettings
+    settings: UpdateSettings
     train_loader: Any
     val_loader: Any
     val_dataset: Any
@@ -232,8 +230,9 @@ def _category_names_of(dataset: Any) -> dict[int, str]:
 
 
 def build_parts(cfg: Config, info: DistInfo, start: StartState) -> RunParts:
-    """Datasets, loaders, model, criterion, optimizer and schedule of the run (``cfg``
-    with its precision resolved, :func:`apply_process_settings`)."""
+    """Datasets, loaders, model, criterion and optimizer of the run (``cfg`` with its
+    precision resolved, :func:`apply_process_settings`); the lr schedule follows from
+    where the run starts (:class:`TrainingRun`)."""
     train_ds = build_dataset(cfg.data, "train")
     val_ds = build_dataset(cfg.data, "val")
     cfg = _settle_config(cfg, start, info, [train_ds, val_ds])
@@ -252,13 +251,12 @@ def build_parts(cfg: Config, info: DistInfo, start: StartState) -> RunParts:
                                 distributed=info.distributed, seed=cfg.train.seed)
 
     train_loader = loader(train_ds, True)
-    settings = StepSettings(amp=cfg.train.amp, scaler=build_grad_scaler(info.device, cfg.train.amp),
+    settings = UpdateSettings(amp=cfg.train.amp, scaler=build_grad_scaler(info.device, cfg.train.amp),
                             clip_max_norm=cfg.train.clip_max_norm,
                             accumulate_steps=cfg.train.accumulate_steps)
     return RunParts(
         cfg=cfg, model=model, criterion=criterion, postprocessor=postprocessor,
-        optimizer=build_optimizer(model, cfg.train), schedule=build_schedule(cfg.train),
-        settings=settings, train_loader=train_loader, val_loader=loader(val_ds, False),
+        optimizer=build_optimizer(model, cfg.train), settings=settings, train_loader=train_loader, val_loader=loader(val_ds, False),
         val_dataset=val_ds, steps_per_epoch=_steps_per_epoch(cfg, train_loader, train_ds, info),
         n_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         category_names=_category_names_of(train_ds),
@@ -305,17 +303,17 @@ def _restore_rng(state: Mapping[str, Any], info: DistInfo) -> None:
         )
 
 
-def _resumed_position(state: Mapping[str, Any], parts: RunParts, info: DistInfo) -> StepState:
+def _resumed_position(state: Mapping[str, Any], parts: RunParts, info: DistInfo) -> TrainingPosition:
     """Where the checkpoint stopped; a position past the end of an epoch (fewer steps
     per epoch now) is the start of the next one."""
-    position = StepState(int(state["epoch"]), int(state.get("batch_in_epoch", 0)),
+    position = TrainingPosition(int(state["epoch"]), int(state.get("batch_in_epoch", 0)),
                          int(state["iteration"]))
     batch_size = parts.cfg.train.batch_size
     saved_batch = int(state.get("world_size", 1)) * int(state.get("batch_size", batch_size))
     if position.batch_in_epoch and saved_batch != info.world_size * batch_size:
         logger.warning("the global batch size changed; mid-epoch position is approximate")
     if position.batch_in_epoch >= parts.steps_per_epoch:
-        position = StepState(position.epoch + 1, 0, position.iteration)
+        position = TrainingPosition(position.epoch + 1, 0, position.iteration)
     return position
 
 
@@ -389,15 +387,19 @@ class TrainingRun:
     """
 
     def __init__(self, parts: RunParts, info: DistInfo, output_dir: Path, progress: bool,
-                 position: StepState | None = None, best: BestAP | None = None,
+                 position: TrainingPosition | None = None, best: BestAP | None = None,
                  metrics: Mapping[str, Any] | None = None) -> None:
         self.parts = parts
         self.cfg = parts.cfg
         self.info = info
         self.output_dir = output_dir
         self.progress = progress
-        self.position = position or StepState()
+        self.position = position or TrainingPosition()
         self.best = best or BestAP()
+        # A resumed run follows its own config: the schedule is built, not restored.
+        self.lr_scheduler = build_lr_scheduler(
+            parts.optimizer, self.cfg.train, parts.steps_per_epoch, self.position.epoch,
+            self.position.batch_in_epoch, self.position.iteration)
         # Running sums of the epoch in progress; saved with mid-epoch checkpoints so that
         # a resumed epoch's log.txt averages cover all of its steps.
         self.tracker = self._new_tracker()
@@ -435,7 +437,7 @@ class TrainingRun:
         return {
             "model": unwrap_model(self.model).state_dict(),
             "optimizer": parts.optimizer.state_dict(),
-            "lr_scheduler": parts.schedule.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
             "scaler": parts.settings.scaler.state_dict() if parts.settings.scaler else None,
             "epoch": position.epoch,
             "batch_in_epoch": position.batch_in_epoch,
@@ -513,7 +515,7 @@ class TrainingRun:
         ``train.checkpoint_every`` steps and stopping at a step when a signal asks."""
         parts, cfg, position = self.parts, self.cfg, self.position
 
-        def on_step(state: StepState, read_losses) -> None:
+        def on_step(state: TrainingPosition, read_losses) -> None:
             if state.batch_in_epoch >= parts.steps_per_epoch:
                 return  # the epoch's end: run_epochs evaluates, saves, then looks for a stop
             every = cfg.train.checkpoint_every
@@ -533,7 +535,7 @@ class TrainingRun:
         micro_done = position.batch_in_epoch * cfg.train.accumulate_steps
         return train_one_epoch(
             self.model, parts.criterion, epoch_batches(parts.train_loader, position.epoch, micro_done),
-            parts.optimizer, parts.schedule, self.info.device, position,
+            parts.optimizer, self.lr_scheduler, self.info.device, position,
             num_steps=parts.steps_per_epoch, settings=parts.settings,
             print_freq=cfg.train.print_freq, progress=self.progress,
             total_epochs=cfg.train.epochs, on_step=on_step, tensorboard=tensorboard,
