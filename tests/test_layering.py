@@ -52,7 +52,7 @@ LEAVES = {
 # that may be missing, and the user's reference checkout (benchmark/reference.py), which is
 # importable only while it is on sys.path.
 OPTIONAL = {"safetensors", "torch.utils.tensorboard", "faster_coco_eval", "onnxruntime",
-            "torchvision.io", "models", "util.misc"}
+            "timm", "torchvision.io", "models", "util.misc"}
 
 
 def _module_name(path: Path) -> str:
