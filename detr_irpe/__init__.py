@@ -4,7 +4,8 @@ Public entry points (imported lazily so ``import detr_irpe`` stays cheap):
 
 - :func:`load_config` -- typed config from ``configs/*.yaml`` plus overrides.
 - :func:`build_model` -- ``(model, criterion, postprocessor)`` from a config.
-- :func:`load_checkpoint` -- own, public DETR and public iRPE-DETR checkpoints.
+- :func:`load_weights` -- a checkpoint's weights (own, public DETR / iRPE-DETR, Hugging
+  Face) into a model.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ _LAZY = {
     "Config": "detr_irpe.config",
     "ConfigError": "detr_irpe.config",
     "build_model": "detr_irpe.models",
-    "load_checkpoint": "detr_irpe.models",
+    "load_weights": "detr_irpe.checkpoint",
     "Predictor": "detr_irpe.inference",
 }
 

@@ -37,6 +37,7 @@ from detr_irpe import sizes
 from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.buckets import num_buckets
 from detr_irpe.irpe.config import Method, parse_rpe
+from detr_irpe.irpe.encodings import RPE_INIT_MODES
 from detr_irpe.registry import TORCHVISION_RESNETS, check_backbone_name
 from detr_irpe.utils.files import atomic_write_text
 
@@ -54,7 +55,6 @@ POSITION_EMBEDDINGS = ("sine", "learned", "none")
 AMP_MODES = ("none", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 AUGMENTATIONS = ("detr", "simple")
-RPE_INIT_MODES = ("xavier", "zero")
 
 
 @dataclass

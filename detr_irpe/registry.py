@@ -11,7 +11,9 @@
   worker and every model rebuilt from a checkpoint's saved config sees the
   registrations (docs/model.md, "Your own backbone or bucket method").
 
-This module imports no model code: the built-in builders import theirs when called.
+This module imports no model code: :mod:`detr_irpe.models.backbone` registers the
+torchvision ResNets' builders when it is imported (their names are known here, so a
+config can name them before any model code is loaded).
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ __all__ = [
     "BackboneBody",
     "BackboneBuilder",
     "BucketMethod",
-    "backbone_builder",
     "backbone_names",
     "check_backbone_name",
     "register_backbone",
     "register_bucket_method",
+    "registered_backbone",
 ]
 
 TORCHVISION_RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101")
@@ -107,7 +109,8 @@ def register_backbone(
     if not callable(builder):
         raise ValueError(f"backbone {name!r}: builder must be a function, got {builder!r}")
     old = _BACKBONES.get(name)
-    if old is not None and old is not builder and not overwrite:
+    taken = old is not None or name in TORCHVISION_RESNETS
+    if taken and old is not builder and not overwrite:
         raise ValueError(f"backbone {name!r} is already registered; pass overwrite=True to "
                          "replace it")
     _BACKBONES[name] = builder
@@ -115,8 +118,9 @@ def register_backbone(
 
 
 def backbone_names() -> list[str]:
-    """The registered names (``timm:NAME`` are not listed: any timm model works)."""
-    return list(_BACKBONES)
+    """The built-in and registered names (``timm:NAME`` are not listed: any timm model
+    works)."""
+    return list(dict.fromkeys([*TORCHVISION_RESNETS, *_BACKBONES]))
 
 
 def check_backbone_name(name: str) -> None:
@@ -132,34 +136,20 @@ def check_backbone_name(name: str) -> None:
             raise ValueError(f"{name!r} needs the optional timm package: "
                              "pip install 'detr_irpe[timm]'")
         return
-    if name not in _BACKBONES:
+    if name not in _BACKBONES and name not in TORCHVISION_RESNETS:
         raise ValueError(
-            f"{name!r} is not a registered backbone; choose one of {', '.join(_BACKBONES)} "
+            f"{name!r} is not a registered backbone; choose one of "
+            f"{', '.join(backbone_names())} "
             "or timm:NAME, or register one (detr_irpe.registry.register_backbone, in a "
             "module named in model.import)"
         )
 
 
-def backbone_builder(name: str) -> BackboneBuilder:
-    """The builder of ``model.backbone=name`` (checked as :func:`check_backbone_name`)."""
+def registered_backbone(name: str) -> BackboneBuilder:
+    """The builder registered as ``name`` (checked as :func:`check_backbone_name`;
+    ``timm:NAME`` is built by :mod:`detr_irpe.models.timm_backbone`, not registered)."""
     check_backbone_name(name)
-    if name.startswith(TIMM_PREFIX):
-        from detr_irpe.models.timm_backbone import timm_builder
-
-        return timm_builder(name[len(TIMM_PREFIX):].strip())
+    if name not in _BACKBONES:
+        raise ValueError(f"backbone {name!r} has no registered builder yet (the torchvision "
+                         "ResNets register theirs when detr_irpe.models is imported)")
     return _BACKBONES[name]
-
-
-def _torchvision_resnet(name: str) -> BackboneBuilder:
-    def build(*, weights: str | None, frozen_bn: bool, dilation: bool, stages: int
-              ) -> BackboneBody:
-        from detr_irpe.models.backbone import resnet_body
-
-        return resnet_body(name, weights=weights, frozen_bn=frozen_bn, dilation=dilation,
-                           stages=stages)
-    build.__qualname__ = f"torchvision_{name}"
-    return build
-
-
-for _name in TORCHVISION_RESNETS:
-    register_backbone(_name, _torchvision_resnet(_name))

@@ -4,7 +4,9 @@ interrupted grid resumes without retraining finished runs; bad grids fail at onc
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
 import statistics
@@ -16,22 +18,26 @@ import yaml
 
 from detr_irpe.ablation import (
     GridError,
-    RunState,
     collect_and_write,
     load_grid,
     prepare_data,
     rpe_parameter_count,
     run_grid,
-    run_state,
     schedule,
     step_time,
 )
 from detr_irpe.ablation.grid import GRID_DIR
-from detr_irpe.ablation.status import RunLock, config_mismatch, lock_holder
 from detr_irpe.cli import ablate
 from detr_irpe.config import read_yaml_with_base
+from detr_irpe.errors import RunFolderError
+from detr_irpe.run_folder.lock import CLAIM_NAME, RunLock, lock_holder
+from detr_irpe.run_folder.status import RunState, config_mismatch, run_state
 
 STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")
+
+
+def _state(run) -> RunState:
+    return run_state(run.output_dir, run.config)
 
 
 def _write_grid(path: Path, **keys) -> Path:
@@ -63,13 +69,15 @@ def _fake_log(run, stats_per_epoch: list[list[float] | None], *, iters: int = 10
 @pytest.fixture(scope="module")
 def trained_grid(tiny_dataset, tmp_path_factory):
     """A two-run grid trained for real in two invocations: ``--max-runs 1`` (the grid
-    is 'interrupted' after its first run), then the plain command that finishes it.
-    It runs from a folder outside the repository: the runs start through the installed
-    package's training module, not a path into the source tree."""
+    is 'interrupted' after its first run), then the plain command that finishes it, then
+    the same command again. It runs from a folder outside the repository: the runs start
+    through the installed package's training module, not a path into the source tree.
+    Its precision is ``train.amp=auto``, as in every shipped demo grid: the runs write
+    what auto became, which must still count as the grid's run."""
     tmp = tmp_path_factory.mktemp("ablation_grid")
     grid_file = _write_grid(
         tmp / "grid.yaml", name="tiny", base="synthetic_tiny", output_dir=str(tmp / "out"),
-        overrides=[f"data.root={tiny_dataset}", "train.epochs=1"],
+        overrides=[f"data.root={tiny_dataset}", "train.epochs=1", "train.amp=auto"],
         variants=[{"name": "none", "overrides": ["model.rpe=none"]},
                   {"name": "product-ctx-k", "overrides": ["model.rpe=rpe-2.0-product-ctx-1-k"]}],
         seeds=[7], baseline="none",
@@ -86,19 +94,21 @@ def trained_grid(tiny_dataset, tmp_path_factory):
         mp.chdir(tmp)
         rc_first = ablate.main([str(grid_file), "--max-runs", "1", "--no-progress"])
         grid = load_grid(grid_file)
-        states_between = [run_state(r) for r in grid.runs]
+        states_between = [_state(r) for r in grid.runs]
         first_log = grid.runs[0].output_dir / "log.txt"
         mtime_between = first_log.stat().st_mtime_ns
         launches_first = len(launched)
         rc_second = ablate.main([str(grid_file), "--no-progress"])
         launches_second = len(launched) - launches_first
-        rc_third = ablate.main([str(grid_file), "--no-progress"])
+        with contextlib.redirect_stdout(io.StringIO()) as third_output:
+            rc_third = ablate.main([str(grid_file), "--no-progress"])
         launches_third = len(launched) - launches_first - launches_second
     return {
         "grid": grid, "grid_file": grid_file, "rcs": (rc_first, rc_second, rc_third),
         "states_between": states_between, "launches": (launches_first, launches_second,
                                                        launches_third),
         "commands": launched, "first_log_mtime": (mtime_between, first_log.stat().st_mtime_ns),
+        "third_output": third_output.getvalue(),
     }
 
 
@@ -107,6 +117,8 @@ def test_interrupted_grid_resumes_without_rerunning(trained_grid) -> None:
     assert trained_grid["states_between"] == [RunState.FINISHED, RunState.PENDING]
     # One launch per invocation, then none: the finished run is never retrained.
     assert trained_grid["launches"] == (1, 1, 0)
+    assert "0 run(s) trained" in trained_grid["third_output"]
+    assert "2 already finished" in trained_grid["third_output"]
     first, second = trained_grid["commands"]
     assert "model.rpe=none" in first and "model.rpe=rpe-2.0-product-ctx-1-k" in second
     assert first[:5] == [sys.executable, "-m", "detr_irpe.cli.train", "--config",
@@ -114,11 +126,11 @@ def test_interrupted_grid_resumes_without_rerunning(trained_grid) -> None:
     before, after = trained_grid["first_log_mtime"]
     assert before == after
     grid = trained_grid["grid"]
-    assert [run_state(r) for r in grid.runs] == [RunState.FINISHED, RunState.FINISHED]
+    assert [_state(r) for r in grid.runs] == [RunState.FINISHED, RunState.FINISHED]
     for run in grid.runs:
         status = json.loads((run.output_dir / "ablation_status.json").read_text())
         assert status["status"] == "finished" and status["returncode"] == 0
-        assert not (run.output_dir / ".ablation.lock").exists()
+        assert lock_holder(run.output_dir, CLAIM_NAME) is None
 
 
 def test_two_run_grid_table_rows_and_numbers(trained_grid) -> None:
@@ -200,17 +212,17 @@ def test_step_time_is_the_median_over_epochs() -> None:
 def test_run_states_from_the_folder(tmp_path, tiny_dataset) -> None:
     grid = load_grid(_fake_grid(tmp_path, tiny_dataset, seeds=[1]))
     run = grid.runs[0]
-    assert run_state(run) is RunState.PENDING
+    assert _state(run) is RunState.PENDING
     _fake_log(run, [None])  # epoch 0 of 2 done: resumes
-    assert run_state(run) is RunState.PARTIAL
+    assert _state(run) is RunState.PARTIAL
     _fake_log(run, [None, None])  # the last epoch without evaluation is not finished
-    assert run_state(run) is RunState.PARTIAL
+    assert _state(run) is RunState.PARTIAL
     _fake_log(run, [None, [0.1] * 12])
-    assert run_state(run) is RunState.FINISHED
+    assert _state(run) is RunState.FINISHED
     # A longer schedule in the grid makes the finished folder partial again (it resumes).
     longer = load_grid(_fake_grid(tmp_path, tiny_dataset, seeds=[1],
                                   overrides=[f"data.root={tiny_dataset}", "train.epochs=3"]))
-    assert run_state(longer.runs[0]) is RunState.PARTIAL
+    assert _state(longer.runs[0]) is RunState.PARTIAL
 
 
 def test_failed_run_is_recorded_and_the_grid_goes_on(tmp_path, tiny_dataset, monkeypatch) -> None:
@@ -231,7 +243,7 @@ def test_failed_run_is_recorded_and_the_grid_goes_on(tmp_path, tiny_dataset, mon
     report = run_grid(grid)
     assert [r.variant.name for r in report.failed] == ["none"]
     assert [r.variant.name for r in report.done] == ["rpe-2.0-product-ctx-1-k"]
-    assert run_state(grid.runs[0]) is RunState.FAILED
+    assert _state(grid.runs[0]) is RunState.FAILED
     rows, paths = collect_and_write(grid)
     assert rows[0].status == "0/1 done, 1 failed" and rows[1].status == "done"
     md = paths["markdown"].read_text()
@@ -255,30 +267,36 @@ def test_mismatched_run_folder_is_refused(tmp_path, tiny_dataset, monkeypatch) -
     saved["model"]["rpe"] = "rpe-1.9-cross-bias-0-k"  # the folder holds another experiment
     saved["train"]["epochs"] = 5  # a different schedule alone would be fine
     (run.output_dir / "config.yaml").write_text(yaml.safe_dump(saved))
-    assert config_mismatch(run) == ["model.rpe: 'rpe-1.9-cross-bias-0-k' -> 'none'"]
-    assert run_state(run) is RunState.MISMATCH
+    assert config_mismatch(run.output_dir, run.config) == ["model.rpe: 'rpe-1.9-cross-bias-0-k' -> 'none'"]
+    assert _state(run) is RunState.MISMATCH
     monkeypatch.setattr(schedule, "launch", lambda *a: pytest.fail("must not launch"))
     with pytest.raises(GridError, match="model.rpe"):
         run_grid(grid)
 
 
-def test_run_lock(tmp_path) -> None:
-    lock = RunLock(tmp_path)
-    assert lock.acquire()
-    assert lock_holder(tmp_path) is not None
-    assert not RunLock(tmp_path).acquire()
-    lock.release()
-    assert lock_holder(tmp_path) is None
-    # A lock left by a dead process on this host is stale and taken over.
+def test_a_scheduler_claims_a_run_with_the_run_folder_lock(tmp_path, tiny_dataset) -> None:
+    grid = load_grid(_fake_grid(tmp_path, tiny_dataset, seeds=[1]))
+    run = grid.runs[0]
+    claim = RunLock(run.output_dir, CLAIM_NAME).acquire()
+    assert lock_holder(run.output_dir, CLAIM_NAME) is not None
+    assert _state(run) is RunState.RUNNING
+    with pytest.raises(RunFolderError, match="in use"):
+        RunLock(run.output_dir, CLAIM_NAME).acquire()  # a second scheduler
+    claim.release()
+    assert lock_holder(run.output_dir, CLAIM_NAME) is None
+    assert _state(run) is RunState.PENDING
+    # A training started by hand in the folder holds the training lock: running too.
+    with RunLock(run.output_dir):
+        assert _state(run) is RunState.RUNNING
+    # A claim left by a killed scheduler is free: the OS let its lock go.
     dead = os.fork()
     if dead == 0:
+        RunLock(run.output_dir, CLAIM_NAME).acquire()
         os._exit(0)
     os.waitpid(dead, 0)
-    import socket
-
-    (tmp_path / ".ablation.lock").write_text(f"{socket.gethostname()} {dead}\n")
-    assert lock_holder(tmp_path) is None
-    assert RunLock(tmp_path).acquire()
+    assert f'"pid": {dead}' in (run.output_dir / CLAIM_NAME).read_text()
+    assert lock_holder(run.output_dir, CLAIM_NAME) is None
+    assert RunLock(run.output_dir, CLAIM_NAME).acquire().held
 
 
 def test_synthetic_data_is_generated_when_missing(tmp_path) -> None:
@@ -451,3 +469,37 @@ def test_shipped_grid_by_name_and_base_from_the_command_line(tmp_path, monkeypat
     assert str(Path("out") / grid.variants[0].slug / "seed42") in capsys.readouterr().out
     assert ablate.main(["no_such_grid", "--dry-run"]) == 2
     assert "demo_methods" in capsys.readouterr().err  # the shipped grids are listed
+
+
+# ----------------------------------------------------------------------------- shipped grids
+# The demo grids' runs at test size: the tiny dataset, a small model, one step of one
+# epoch. The precision stays as shipped (train.amp: auto, from synthetic_demo).
+_DEMO_GRID_TEST_SIZE = (
+    "train.epochs=1", "train.eval_every=1", "train.batch_size=8", "train.num_threads=1",
+    "model.hidden_dim=16", "model.dim_feedforward=32", "model.enc_layers=1",
+    "model.dec_layers=1", "model.num_queries=4",
+    "data.train_scales=[64]", "data.val_size=64", "data.max_size=64",
+)
+
+
+# A run costs about a second (model build, one step, evaluation, checkpoint): the
+# four-run demo grid runs in the default suite, the other 33 runs with -m slow (CI).
+@pytest.mark.parametrize("name", [
+    name if name == "demo" else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(p.stem for p in GRID_DIR.glob("demo*.yaml"))
+])
+def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -> None:
+    """Each run of the grid trained as its scheduler trains it (the config the grid
+    describes for it, at test size), then collected: every run counts as finished and
+    every row of the table has its numbers. No shipped grid can come back empty."""
+    from detr_irpe.engine.runner import run_training
+
+    grid = load_grid(name, [f"data.root={tiny_dataset}", *_DEMO_GRID_TEST_SIZE],
+                     str(tmp_path / name))
+    assert {run.config.train.amp for run in grid.runs} == {"auto"}  # as shipped
+    for run in grid.runs:
+        run_training(run.config, progress=False)
+    assert [_state(run) for run in grid.runs] == [RunState.FINISHED] * len(grid.runs)
+    rows, _ = collect_and_write(grid)
+    assert [row.status for row in rows] == ["done"] * len(grid.variants)
+    assert all(row.stats["AP"] is not None for row in rows)

@@ -13,11 +13,11 @@ from torch import nn
 
 from detr_irpe.benchmark.model import synthetic_batch
 from detr_irpe.config import Config
-from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.optim import build_optimizer
 from detr_irpe.engine.runner import run_training
 from detr_irpe.engine.trainer import train_step
 from detr_irpe.models import build_model
+from detr_irpe.run_folder.checkpoints import LAST, read_training_checkpoint
 from detr_irpe.structures import ImageBatch
 
 
@@ -113,7 +113,7 @@ def test_run_with_accumulation_equals_run_with_the_whole_batch(tiny_dataset, tmp
             "train.eval_every=100", *extra)
         result = run_training(cfg, progress=False)
         assert result["iterations"] == 2
-        return ckio.load_checkpoint_file(out / ckio.LAST)["model"]
+        return read_training_checkpoint(out / LAST)["model"]
 
     whole = run("whole", "train.batch_size=4")
     accumulated = run("accumulated", "train.batch_size=2", "train.accumulate_steps=2")

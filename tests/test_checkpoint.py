@@ -15,10 +15,11 @@ import torch
 from helpers import load_tiny_config
 from torch.testing import assert_close
 
-from detr_irpe.checkpoint import atomic_save, read_checkpoint
+from detr_irpe.checkpoint import atomic_save, load_weights, read_checkpoint
 from detr_irpe.cli.convert import main as convert_main
 from detr_irpe.config import Config, load_config
-from detr_irpe.models import CheckpointError, build_model, load_checkpoint, model_from_checkpoint
+from detr_irpe.errors import CheckpointError
+from detr_irpe.models import build_model, model_from_checkpoint
 
 # The public iRPE-DETR key / shape list (section 1), kept with the tests.
 REFERENCE = Path(__file__).resolve().parent / "data" / "official_state_dict_keys.md"
@@ -95,7 +96,7 @@ def test_r50_layout_equals_reference_doc() -> None:
 
 def test_strict_load_of_public_irpe_file(public_irpe_file: Path) -> None:
     model = r50("model.rpe=rpe-2.0-product-ctx-1-k")
-    info = load_checkpoint(model, public_irpe_file, strict_head=True)
+    info = load_weights(model, public_irpe_file, strict_head=True)
     assert info["format"] == "irpe_detr"
     assert info["reinitialized"] == [] and info["missing_rpe"] == []
     saved = read_checkpoint(public_irpe_file)[0]
@@ -106,9 +107,9 @@ def test_strict_load_of_public_irpe_file(public_irpe_file: Path) -> None:
 def test_head_swap_and_rpe_mismatch(public_irpe_file: Path, caplog) -> None:
     model = r50("model.num_classes=20")
     with pytest.raises(CheckpointError, match="class head"):
-        load_checkpoint(model, public_irpe_file, strict_head=True)
+        load_weights(model, public_irpe_file, strict_head=True)
     with caplog.at_level(logging.WARNING):
-        info = load_checkpoint(model, public_irpe_file)
+        info = load_weights(model, public_irpe_file)
     assert "re-initialising the class head" in caplog.text
     assert info["reinitialized"] == ["class_embed.weight", "class_embed.bias"]
     assert model.class_embed.weight.shape == (21, 256)
@@ -117,7 +118,7 @@ def test_head_swap_and_rpe_mismatch(public_irpe_file: Path, caplog) -> None:
     assert not torch.equal(model.class_embed.weight[:20], saved["class_embed.weight"][:20])
     other = r50("model.rpe=rpe-1.9-product-ctx-1-k")
     with pytest.raises(CheckpointError, match="another iRPE setting") as err:
-        load_checkpoint(other, public_irpe_file)
+        load_weights(other, public_irpe_file)
     assert "model.rpe" in str(err.value) and str(public_irpe_file) in str(err.value)
 
 
@@ -125,7 +126,7 @@ def test_irpe_file_into_plain_model_is_error(tmp_path: Path) -> None:
     path = tmp_path / "irpe.pth"
     torch.save({"model": tiny().state_dict()}, path)
     with pytest.raises(CheckpointError, match="another iRPE setting"):
-        load_checkpoint(tiny("model.rpe=none"), path)
+        load_weights(tiny("model.rpe=none"), path)
 
 
 def test_plain_detr_into_irpe_model(tmp_path: Path, caplog) -> None:
@@ -134,7 +135,7 @@ def test_plain_detr_into_irpe_model(tmp_path: Path, caplog) -> None:
     torch.save({"model": plain.state_dict(), "optimizer": {}, "epoch": 3}, path)
     model = tiny()
     with caplog.at_level(logging.INFO):
-        info = load_checkpoint(model, path)
+        info = load_weights(model, path)
     assert info["format"] == "detr"
     assert info["missing_rpe"] == [
         f"transformer.encoder.layers.{i}.self_attn.rpe_k.lookup_table_weight" for i in range(2)
@@ -152,12 +153,12 @@ def test_own_format_bare_state_dict_and_num_batches_tracked(tmp_path: Path) -> N
     assert any(k.endswith("num_batches_tracked") for k in state)
     torch.save({"format": "detr_irpe", "model": state, "epoch": 1}, tmp_path / "own.pth")
     frozen = tiny()
-    info = load_checkpoint(frozen, tmp_path / "own.pth")
+    info = load_weights(frozen, tmp_path / "own.pth")
     assert info["format"] == "detr_irpe" and info["dropped"]
     assert_close(frozen.backbone[0].body.bn1.running_var, source.backbone[0].body.bn1.running_var)
     torch.save(state, tmp_path / "bare.pth")
     assert (
-        load_checkpoint(tiny("model.frozen_bn=false"), tmp_path / "bare.pth")["format"]
+        load_weights(tiny("model.frozen_bn=false"), tmp_path / "bare.pth")["format"]
         == "state_dict"
     )
 
@@ -170,7 +171,7 @@ def test_other_mismatches_list_keys(tmp_path: Path) -> None:
     path = tmp_path / "bad.pth"
     torch.save({"model": state}, path)
     with pytest.raises(CheckpointError) as err:
-        load_checkpoint(tiny(), path)
+        load_weights(tiny(), path)
     text = str(err.value)
     assert str(path) in text
     assert "1 missing: query_embed.weight" in text
@@ -179,7 +180,7 @@ def test_other_mismatches_list_keys(tmp_path: Path) -> None:
     # pre-norm models have an encoder norm that post-norm checkpoints lack
     torch.save({"model": tiny().state_dict()}, path)
     with pytest.raises(CheckpointError, match="transformer.encoder.norm.weight"):
-        load_checkpoint(tiny("model.pre_norm=true"), path)
+        load_weights(tiny("model.pre_norm=true"), path)
 
 
 class RunsCode:
@@ -194,7 +195,7 @@ class RunsCode:
 
 def test_reference_training_files_load(tmp_path: Path) -> None:
     """Plain DETR and iRPE-DETR files of the reference main.py (args: argparse.Namespace)
-    load through load_checkpoint and the fine-tuning path (model_from_checkpoint)."""
+    load through load_weights and the fine-tuning path (model_from_checkpoint)."""
     plain = tiny("model.rpe=none")
     irpe = tiny()
     for source, args in ((plain, {}), (irpe, {"enc_rpe2d": "rpe-2.0-product-ctx-1-k"})):
@@ -206,7 +207,7 @@ def test_reference_training_files_load(tmp_path: Path) -> None:
         assert meta["epoch"] == 149 and meta["args"]["lr"] == 1e-4
         assert meta["args"].get("enc_rpe2d") == args.get("enc_rpe2d")
         target = tiny()
-        info = load_checkpoint(target, path, strict_head=True)
+        info = load_weights(target, path, strict_head=True)
         assert info["loaded"] == len(source.state_dict())
         assert_close(target.query_embed.weight, source.query_embed.weight)
         # fine-tuning to 2 classes: the public file needs a config, its head is replaced
@@ -228,7 +229,7 @@ def test_unsafe_files_are_refused_without_running_code(tmp_path: Path) -> None:
                 "args": argparse.Namespace(lr=RunsCode(marker))}, hidden)
     for path in (evil, hidden):
         with pytest.raises(CheckpointError) as err:
-            load_checkpoint(model, path)
+            load_weights(model, path)
         text = str(err.value)
         assert "contains a Python object that is not allowed: " in text, text
         assert "system" in text and str(path) in text
@@ -243,19 +244,19 @@ def test_bad_files(tmp_path: Path) -> None:
     truncated = tmp_path / "truncated.pth"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint") as err:
-        load_checkpoint(model, truncated)
+        load_weights(model, truncated)
     assert str(truncated) in str(err.value)
     text = tmp_path / "notes.txt"
     text.write_text("not a checkpoint")
     with pytest.raises(CheckpointError, match="not a readable"):
-        load_checkpoint(model, text)
+        load_weights(model, text)
     with pytest.raises(CheckpointError, match="not found"):
-        load_checkpoint(model, tmp_path / "missing.pth")
+        load_weights(model, tmp_path / "missing.pth")
     torch.save({"epoch": 3, "lr": 0.1}, tmp_path / "nomodel.pth")
     with pytest.raises(CheckpointError, match="no model state dict"):
-        load_checkpoint(model, tmp_path / "nomodel.pth")
+        load_weights(model, tmp_path / "nomodel.pth")
     with pytest.raises(CheckpointError, match="is a folder"):
-        load_checkpoint(model, tmp_path)
+        load_weights(model, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -279,7 +280,7 @@ def test_mismatch_names_what_differs(tmp_path: Path, override: str, named: str) 
     path = tmp_path / "ckpt.pth"
     torch.save({"model": tiny().state_dict()}, path)
     with pytest.raises(CheckpointError) as err:
-        load_checkpoint(tiny(override), path)
+        load_weights(tiny(override), path)
     text = str(err.value)
     assert named in text, text
     key = override.split("=")[0]
@@ -294,7 +295,7 @@ def test_class_count_is_named(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pth"
     torch.save({"model": tiny().state_dict()}, path)
     with pytest.raises(CheckpointError, match="model.num_classes=4"):
-        load_checkpoint(tiny("model.num_classes=7"), path, strict_head=True)
+        load_weights(tiny("model.num_classes=7"), path, strict_head=True)
 
 
 def test_model_from_checkpoint_rules(tmp_path: Path, monkeypatch) -> None:
@@ -380,7 +381,7 @@ def test_convert_tool(tmp_path: Path, capsys) -> None:
     assert convert_main(args + ["--rpe-init", "zero"]) == 0 and out.is_file()
     assert not list(tmp_path.glob(".*.tmp"))
     model = tiny()
-    info = load_checkpoint(model, out, strict_head=True)
+    info = load_weights(model, out, strict_head=True)
     assert info["format"] == "detr_irpe" and info["missing_rpe"] == []
     converted = torch.load(out, weights_only=True)["model"]
     assert list(converted) == list(model.state_dict())  # tables sit in the public key order
@@ -415,17 +416,18 @@ def test_hugging_face_files_read_in_project_layout(tmp_path: Path, layout: str) 
     pytest.importorskip("safetensors")
     from safetensors.torch import save_file
 
-    from detr_irpe.checkpoint import hf
+    from detr_irpe.checkpoint.hf_folder import write_hf_folder
+    from detr_irpe.checkpoint.hf_keys import to_hf_state_dict
 
     source = tiny("model.rpe=none").state_dict()
     file = tmp_path / "model.safetensors"
-    save_file(hf.to_hf_state_dict(source, layout), str(file))
+    save_file(to_hf_state_dict(source, layout), str(file))
     state, meta = read_checkpoint(file)
     assert meta["format"] == "hf"
     assert state.keys() == source.keys()
     assert all(torch.equal(state[k], source[k]) for k in source)
     cfg = tiny_cfg("model.rpe=none")
-    folder = hf.write_hf_folder(source, cfg, tmp_path / "folder")
+    folder = write_hf_folder(source, cfg, tmp_path / "folder")
     state, meta = read_checkpoint(folder)
     assert meta["format"] == "hf" and meta["hf_model"]["hidden_dim"] == 32
     assert all(torch.equal(state[k], source[k]) for k in source)

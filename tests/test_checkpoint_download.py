@@ -34,6 +34,7 @@ from detr_irpe.checkpoint.download import (
     url_file_name,
 )
 from detr_irpe.errors import CheckpointError
+from detr_irpe.run_folder.checkpoints import LAST
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -331,7 +332,6 @@ def test_train_finetunes_and_resumes_from_names(tiny_zoo, published, tiny_datase
                                                 caplog):
     import logging
 
-    from detr_irpe.engine import checkpoint_io as ckio
 
     common = ["--config", "synthetic_tiny", "--device", "cpu", "--no-progress",
               "--set", f"data.root={tiny_dataset}", "train.epochs=1"]
@@ -341,7 +341,7 @@ def test_train_finetunes_and_resumes_from_names(tiny_zoo, published, tiny_datase
     assert any(f"fine-tuning from {tiny_zoo}" in r.getMessage() for r in caplog.records)
     # --resume by address: a training checkpoint put in the cache under the URL's name
     url = zoo.ZOO[TINY].url.rsplit("/", 1)[0] + "/ft-last.pth"
-    (tiny_zoo.parent / "ft-last.pth").write_bytes((run / ckio.LAST).read_bytes())
+    (tiny_zoo.parent / "ft-last.pth").write_bytes((run / LAST).read_bytes())
     resumed = tmp_path / "resumed"
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="detr_irpe"):

@@ -146,8 +146,8 @@ def test_reader_module_imports_without_torchvision_decoders(tmp_path: Path, monk
 
 
 def test_figures_and_predictor_use_the_same_guarded_reader(bomb: Path, no_decoding) -> None:
+    from detr_irpe.data.inputs import prepare_image
     from detr_irpe.inference import to_uint8_image
-    from detr_irpe.visualization.image import prepare_image
 
     with pytest.raises(ImageReadError, match="bomb.png"):
         prepare_image(bomb)  # what tools/visualize.py reads images with

@@ -19,6 +19,7 @@ from detr_irpe.data import (
     SampleKey,
     build_dataloader,
     build_dataset,
+    epoch_batches,
 )
 from detr_irpe.data.sampling import KeyedDataset
 from detr_irpe.structures import ImageBatch
@@ -136,6 +137,44 @@ def test_loader_with_workers_matches_main_process(tmp_path: Path) -> None:
             torch.testing.assert_close(a, b)
     order = [[ids for ids, _ in epoch] for epoch in results[0]]
     assert order[0] != order[1]  # a new epoch, a new order
+
+
+class _Pids(Dataset):
+    """Six tiny images whose targets name the process that loaded them."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int):
+        return torch.zeros(3, 4, 4), {"image_id": torch.tensor(index), "pid": os.getpid()}
+
+
+def test_an_epoch_resumed_at_a_batch_skips_it_in_the_same_loader_and_workers() -> None:
+    """Mid-epoch resume: the batches already seen are skipped, and the rest come from
+    the same loader, through its persistent workers (not a second loader made for it)."""
+    loader = build_dataloader(_Pids(), 2, train=True, num_workers=1, seed=3)
+
+    def batches(epoch: int, start: int = 0) -> list[tuple[list[int], set[int]]]:
+        return [([t["image_id"].item() for t in targets], {t["pid"] for t in targets})
+                for _, targets in epoch_batches(loader, epoch, start)]
+
+    whole = batches(1)
+    resumed = batches(1, start=1)
+    assert [ids for ids, _ in resumed] == [ids for ids, _ in whole[1:]]
+    workers = set().union(*(pids for _, pids in whole + resumed))
+    assert len(workers) == 1 and os.getpid() not in workers  # one worker, kept
+    assert [ids for ids, _ in batches(2)] != [ids for ids, _ in whole]  # a new epoch, in full
+    assert len(batches(2)) == 3
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_distributed_sampler_starts_at_a_sample_of_its_share(world: int) -> None:
+    for rank in range(world):
+        sampler = DistributedEpochSampler(list(range(10)), num_replicas=world, rank=rank, seed=4)
+        sampler.set_epoch(2)
+        share = list(sampler)
+        sampler.set_epoch(2, start=3)
+        assert list(sampler) == share[3:] and len(sampler) == len(share) - 3
 
 
 def test_train_drops_last_and_val_keeps_all(tmp_path: Path) -> None:

@@ -24,15 +24,28 @@ import pytest
 import torch
 from helpers import ROOT, wait_for_file
 
-from detr_irpe.engine import checkpoint_io as ckio
+from detr_irpe.engine import runner
 from detr_irpe.engine.interrupt import (
     SAME_REQUEST_S,
     StopOnSignal,
     agreed_stop,
     interrupted_message,
 )
-from detr_irpe.engine.run_lock import LOCK_NAME, RunLock, ensure_writable_folder
+from detr_irpe.engine.trainer import nonfinite_tensors
 from detr_irpe.errors import RunFolderError
+from detr_irpe.run_folder.checkpoints import (
+    BEST,
+    LAST,
+    PREV,
+    find_resume_checkpoint,
+    link_best,
+    read_training_checkpoint,
+    remove_stale_temp_files,
+    repair_best,
+    save_training_checkpoint,
+)
+from detr_irpe.run_folder.lock import LOCK_NAME, RunLock
+from detr_irpe.utils.files import ensure_writable_folder
 
 
 def _python(code: str, *args: str, **kwargs) -> subprocess.Popen:
@@ -45,7 +58,7 @@ def _python(code: str, *args: str, **kwargs) -> subprocess.Popen:
 _HOLDER = """
     import sys
     from pathlib import Path
-    from detr_irpe.engine.run_lock import RunLock
+    from detr_irpe.run_folder.lock import RunLock
     lock = RunLock(sys.argv[1]).acquire()
     Path(sys.argv[2]).touch()
     sys.stdin.read()
@@ -76,7 +89,7 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path, caplog):
     holder.kill()  # SIGKILL: no clean-up, the lock file still names it
     holder.communicate()
     assert f'"pid": {holder.pid}' in (tmp_path / LOCK_NAME).read_text()
-    with caplog.at_level(logging.INFO, logger="detr_irpe.engine.run_lock"):
+    with caplog.at_level(logging.INFO, logger="detr_irpe.run_folder.lock"):
         lock = RunLock(tmp_path).acquire()
     try:
         assert f'"pid": {os.getpid()}' in (tmp_path / LOCK_NAME).read_text()
@@ -90,7 +103,9 @@ def test_unwritable_folder_is_one_clear_error(tmp_path, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.raises(RunFolderError, match=r"a_file/run is not writable .*train.output_dir"):
-        ensure_writable_folder(blocker / "run")
+        RunLock(blocker / "run").acquire()
+    with pytest.raises(RunFolderError, match=r"output folder .*a_file/out is not writable"):
+        ensure_writable_folder(blocker / "out")
 
     real_open = os.open
 
@@ -106,15 +121,15 @@ def test_unwritable_folder_is_one_clear_error(tmp_path, monkeypatch):
 
 def test_temp_clean_up_needs_the_lock_and_removes_only_our_temp_files(tmp_path, caplog):
     ours = [tmp_path / ".checkpoint_last.pth.k2j3.tmp", tmp_path / ".checkpoint_best.pth.link"]
-    others = [tmp_path / "notes.tmp", tmp_path / ".data.tmp", tmp_path / ckio.LAST,
+    others = [tmp_path / "notes.tmp", tmp_path / ".data.tmp", tmp_path / LAST,
               tmp_path / ".checkpoint_last.pth"]
     for path in ours + others:
         path.write_bytes(b"x")
     with pytest.raises(RuntimeError, match="lock"):
-        ckio.remove_stale_temp_files(tmp_path, RunLock(tmp_path))  # not acquired
+        remove_stale_temp_files(tmp_path, RunLock(tmp_path))  # not acquired
     assert all(p.exists() for p in ours)
     with RunLock(tmp_path) as lock, caplog.at_level(logging.INFO):
-        removed = ckio.remove_stale_temp_files(tmp_path, lock)
+        removed = remove_stale_temp_files(tmp_path, lock)
     assert sorted(removed) == sorted(ours)
     assert not any(p.exists() for p in ours) and all(p.exists() for p in others)
     assert sum("left by an interrupted save" in r.getMessage() for r in caplog.records) == 2
@@ -128,7 +143,7 @@ def _state(epoch: int, **extra) -> dict:
 
 @pytest.mark.parametrize("where", ["write", "replace"])
 def test_no_space_left_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where):
-    ckio.save_training_checkpoint(_state(1), tmp_path)
+    save_training_checkpoint(_state(1), tmp_path)
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -138,36 +153,36 @@ def test_no_space_left_keeps_the_previous_checkpoint(tmp_path, monkeypatch, wher
     else:
         monkeypatch.setattr(os, "replace", no_space)
     with pytest.raises(RunFolderError) as info:
-        ckio.save_training_checkpoint(_state(2), tmp_path)
+        save_training_checkpoint(_state(2), tmp_path)
     monkeypatch.undo()
     message = str(info.value)
-    assert str(tmp_path / ckio.LAST) in message and "No space left on device" in message
+    assert str(tmp_path / LAST) in message and "No space left on device" in message
     assert "checkpoint_last.pth is intact" in message and "\n" not in message
-    assert ckio.load_checkpoint_file(tmp_path / ckio.LAST)["epoch"] == 1
+    assert read_training_checkpoint(tmp_path / LAST)["epoch"] == 1
     assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_best_left_stale_by_a_stop_between_last_and_best_is_repaired(tmp_path):
-    ckio.save_training_checkpoint(_state(1, best_ap=0.1, best_epoch=1), tmp_path)
-    ckio.link_best(tmp_path)
-    assert not ckio.repair_best(tmp_path / ckio.LAST, _state(1, best_ap=0.1, best_epoch=1))
+    save_training_checkpoint(_state(1, best_ap=0.1, best_epoch=1), tmp_path)
+    link_best(tmp_path)
+    assert not repair_best(tmp_path / LAST, _state(1, best_ap=0.1, best_epoch=1))
     # Epoch 2 is better; the run stops after writing last, before linking best.
-    ckio.save_training_checkpoint(_state(2, best_ap=0.3, best_epoch=2), tmp_path)
-    assert ckio.load_checkpoint_file(tmp_path / ckio.BEST)["epoch"] == 1
-    path, state = ckio.find_resume_checkpoint(tmp_path)
-    assert ckio.repair_best(path, state)
-    assert ckio.load_checkpoint_file(tmp_path / ckio.BEST)["epoch"] == 2
+    save_training_checkpoint(_state(2, best_ap=0.3, best_epoch=2), tmp_path)
+    assert read_training_checkpoint(tmp_path / BEST)["epoch"] == 1
+    path, state = find_resume_checkpoint(tmp_path)
+    assert repair_best(path, state)
+    assert read_training_checkpoint(tmp_path / BEST)["epoch"] == 2
     # A later, worse epoch (or a mid-epoch save) is not the best: nothing to repair.
-    ckio.save_training_checkpoint(_state(3, best_ap=0.3, best_epoch=2), tmp_path)
-    assert not ckio.repair_best(*ckio.find_resume_checkpoint(tmp_path))
-    assert ckio.load_checkpoint_file(tmp_path / ckio.BEST)["epoch"] == 2
+    save_training_checkpoint(_state(3, best_ap=0.3, best_epoch=2), tmp_path)
+    assert not repair_best(*find_resume_checkpoint(tmp_path))
+    assert read_training_checkpoint(tmp_path / BEST)["epoch"] == 2
 
 
 def test_nonfinite_tensors_names_the_bad_ones():
     tensors = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")]),
                "c": torch.tensor([float("-inf")]), "n": torch.arange(3)}
-    assert ckio.nonfinite_tensors(tensors) == ["b", "c"]
-    assert ckio.nonfinite_tensors({"a": torch.ones(2), "n": torch.arange(2)}) == []
+    assert nonfinite_tensors(tensors) == ["b", "c"]
+    assert nonfinite_tensors({"a": torch.ones(2), "n": torch.arange(2)}) == []
 
 
 # ------------------------------------------------------------------------- signals
@@ -294,8 +309,8 @@ def _log(out: Path) -> list[dict]:
 
 def _assert_same_run(reference: Path, resumed: Path) -> None:
     """Equal final weights and equal ``log.txt`` numbers (times aside)."""
-    a = ckio.load_checkpoint_file(reference / ckio.LAST)["model"]
-    b = ckio.load_checkpoint_file(resumed / ckio.LAST)["model"]
+    a = read_training_checkpoint(reference / LAST)["model"]
+    b = read_training_checkpoint(resumed / LAST)["model"]
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-6)
@@ -349,7 +364,7 @@ def test_sigterm_during_a_save_stops_at_the_next_step_and_resumes_exactly(
     assert "Traceback" not in done.stderr
     line = "interrupted at epoch 0 batch 2; run the same command to resume"
     assert line in done.stderr.splitlines()[-1]
-    saved = ckio.load_checkpoint_file(out / ckio.LAST)
+    saved = read_training_checkpoint(out / LAST)
     assert (saved["epoch"], saved["batch_in_epoch"], saved["iteration"]) == (0, 2, 2)
     assert not list(out.glob(".checkpoint_*"))  # nothing half-written left
     assert _train(tiny_dataset, out) == 0  # the same command resumes
@@ -365,7 +380,7 @@ def test_sigint_at_the_end_of_an_epoch_stops_after_its_checkpoint(tiny_dataset, 
     assert done.returncode == 128 + signal.SIGINT, done.stderr
     assert "Traceback" not in done.stderr
     assert "interrupted at epoch 1 batch 0; run the same command" in done.stderr.splitlines()[-1]
-    saved = ckio.load_checkpoint_file(out / ckio.LAST)
+    saved = read_training_checkpoint(out / LAST)
     assert (saved["epoch"], saved["batch_in_epoch"]) == (1, 0)
     assert [r["epoch"] for r in _log(out)] == [0]
 
@@ -378,7 +393,7 @@ def test_second_signal_exits_at_once_leaving_the_last_checkpoint(
     # Both signals arrive while the checkpoint of batch 2 sits in its temporary file.
     done = _stop_during_save(tiny_dataset, out, 2, signal.SIGTERM, signal.SIGTERM, pause=6.0)
     assert done.returncode == 128 + signal.SIGTERM and "Traceback" not in done.stderr
-    saved = ckio.load_checkpoint_file(out / ckio.LAST)
+    saved = read_training_checkpoint(out / LAST)
     assert (saved["epoch"], saved["batch_in_epoch"]) == (0, 1)
     left = list(out.glob(".checkpoint_last.pth.*.tmp"))
     assert len(left) == 1
@@ -435,8 +450,8 @@ def test_no_space_left_while_training_keeps_the_last_checkpoint(
     err = capsys.readouterr().err
     last_line = err.strip().splitlines()[-1]  # after the run's own log lines
     assert last_line.startswith("error: could not write") and "Traceback" not in err
-    assert "No space left on device" in last_line and str(out / ckio.LAST) in last_line
-    saved = ckio.load_checkpoint_file(out / ckio.LAST)
+    assert "No space left on device" in last_line and str(out / LAST) in last_line
+    saved = read_training_checkpoint(out / LAST)
     assert (saved["epoch"], saved["batch_in_epoch"]) == (0, 1)
     assert not list(out.glob(".checkpoint_*"))
 
@@ -451,16 +466,16 @@ def test_kill_between_last_and_best_is_repaired_on_resume(tiny_dataset, tmp_path
     def killed(*args, **kwargs):
         raise _Killed
 
-    monkeypatch.setattr(ckio, "link_best", killed)
+    monkeypatch.setattr(runner, "link_best", killed)
     with pytest.raises(_Killed):
         _train(tiny_dataset, out, "train.epochs=1", "train.checkpoint_every=0")
     monkeypatch.undo()
-    last = ckio.load_checkpoint_file(out / ckio.LAST)
+    last = read_training_checkpoint(out / LAST)
     assert (last["epoch"], last["best_epoch"]) == (1, 1)  # last is the best one ...
-    assert not (out / ckio.BEST).exists()  # ... but was never linked
+    assert not (out / BEST).exists()  # ... but was never linked
     assert _train(tiny_dataset, out, "train.epochs=2", "train.checkpoint_every=0") == 0
-    last = ckio.load_checkpoint_file(out / ckio.LAST)
-    best = ckio.load_checkpoint_file(out / ckio.BEST)
+    last = read_training_checkpoint(out / LAST)
+    best = read_training_checkpoint(out / BEST)
     assert best["epoch"] == last["best_epoch"] and best["best_ap"] == last["best_ap"]
 
 
@@ -473,9 +488,9 @@ def test_diverging_weights_stop_with_exit_3_and_a_finite_checkpoint(
     last_line = err.strip().splitlines()[-1]  # after the run's own log lines
     assert last_line.startswith("error: ") and "non-finite" in last_line
     assert "Traceback" not in err and "matching cost" not in err
-    for name in (ckio.LAST, ckio.PREV):
+    for name in (LAST, PREV):
         if (out / name).exists():
-            assert ckio.nonfinite_tensors(ckio.load_checkpoint_file(out / name)["model"]) == []
+            assert nonfinite_tensors(read_training_checkpoint(out / name)["model"]) == []
 
 
 # Under torchrun: rank 1 alone gets SIGTERM (from itself) during its 2nd step.
@@ -511,7 +526,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tiny_dataset, tmp_
     # torchrun reports its workers' 143 (with its own traceback); once the first one
     # has exited it sends SIGTERM to the other, which may be exiting by then.
     assert proc.returncode != 0 and "exitcode  : 143" in output, output
-    saved = ckio.load_checkpoint_file(out / ckio.LAST)
+    saved = read_training_checkpoint(out / LAST)
     assert (saved["epoch"], saved["batch_in_epoch"], saved["world_size"]) == (0, 2, 2)
     # Both ranks stopped there (rank 0 never got the signal), none hung or crashed.
     assert output.count("error: SIGTERM: interrupted at epoch 0 batch 2; run the same") == 2
@@ -525,8 +540,6 @@ def test_ranks_agree_on_a_stop_only_where_a_step_waits_anyway(tiny_dataset, tmp_
     import dataclasses
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    from detr_irpe.engine import runner
 
     real_init = runner.init_distributed
     monkeypatch.setattr(runner, "init_distributed",
@@ -561,5 +574,5 @@ def test_weights_that_became_nan_are_never_saved(tiny_dataset, tmp_path, monkeyp
     assert _train(tiny_dataset, out) == 3
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "weights became NaN / inf at epoch 0, iteration 2" in last_line
-    saved = ckio.load_checkpoint_file(out / ckio.LAST)
-    assert saved["iteration"] == 1 and ckio.nonfinite_tensors(saved["model"]) == []
+    saved = read_training_checkpoint(out / LAST)
+    assert saved["iteration"] == 1 and nonfinite_tensors(saved["model"]) == []

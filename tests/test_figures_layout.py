@@ -17,6 +17,7 @@ from helpers import load_tiny_config
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 
+from detr_irpe.data.inputs import prepare_image
 from detr_irpe.evaluation import CocoEvaluator
 from detr_irpe.models import build_model
 from detr_irpe.visualization import (
@@ -31,7 +32,6 @@ from detr_irpe.visualization import (
     plot_rpe_contribution,
     plot_rpe_tables,
     plot_training_curves,
-    prepare_image,
 )
 from detr_irpe.visualization.figures import Detections
 

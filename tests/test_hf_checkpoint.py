@@ -24,13 +24,12 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from transformers import DetrConfig, DetrForObjectDetection  # noqa: E402
 
 import detr_irpe  # noqa: E402
-from detr_irpe.checkpoint.hf import (  # noqa: E402
+from detr_irpe.checkpoint.hf_folder import read_hf_folder, write_hf_folder  # noqa: E402
+from detr_irpe.checkpoint.hf_keys import (  # noqa: E402
     LAYOUTS,
     convert_hf_state_dict,
     hf_layout,
     is_hf_state_dict,
-    read_hf_folder,
-    write_hf_folder,
 )
 from detr_irpe.config import load_config  # noqa: E402
 from detr_irpe.errors import CheckpointError  # noqa: E402
@@ -170,9 +169,9 @@ def test_save_pretrained_folder_gives_transformers_outputs(hf_model, hf_folder, 
     assert meta["category_names"] == hf_model.config.id2label
 
 
-def test_load_checkpoint_accepts_folder(hf_model, hf_folder, batch):
+def test_load_weights_accepts_folder(hf_model, hf_folder, batch):
     model = project_model()
-    info = detr_irpe.load_checkpoint(model, hf_folder)
+    info = detr_irpe.load_weights(model, hf_folder)
     assert info["format"] == "hf"
     assert_same_outputs(model, hf_outputs(hf_model, batch), batch)
 
@@ -186,7 +185,7 @@ def test_transformers5_names_file(hf_model, batch, tmp_path):
     path = tmp_path / "detr_v5.safetensors"
     safetensors_torch.save_file({k: v.contiguous() for k, v in state.items()}, str(path))
     model = project_model()
-    detr_irpe.load_checkpoint(model, path)
+    detr_irpe.load_weights(model, path)
     assert_same_outputs(model, hf_outputs(hf_model, batch), batch)
 
 
@@ -199,7 +198,7 @@ def test_published_transformers4_names_file(hf_model, hf_folder, batch, tmp_path
     path = tmp_path / "detr_v4.safetensors"
     safetensors_torch.save_file({k: v.contiguous() for k, v in published.items()}, str(path))
     model = project_model()
-    detr_irpe.load_checkpoint(model, path)
+    detr_irpe.load_weights(model, path)
     assert_same_outputs(model, hf_outputs(hf_model, batch), batch)
 
 
@@ -217,7 +216,7 @@ def test_irpe_model_tables_start_as_configured(hf_model, hf_folder, batch, rpe_i
     model = project_model("model.rpe=rpe-2.0-product-ctx-1-k", f"model.rpe_init={rpe_init}")
     tables = {k: v.clone() for k, v in model.state_dict().items() if ".rpe_" in k}
     assert tables
-    detr_irpe.load_checkpoint(model, hf_folder)
+    detr_irpe.load_weights(model, hf_folder)
     after = model.state_dict()
     for key, before in tables.items():
         torch.testing.assert_close(after[key], before, rtol=0, atol=0)
@@ -280,7 +279,7 @@ def test_unknown_keys_name_layouts_and_keys(hf_model, tmp_path):
     path = tmp_path / "odd.safetensors"
     safetensors_torch.save_file({k: v.contiguous() for k, v in state.items()}, str(path))
     with pytest.raises(CheckpointError, match="rotary"):
-        detr_irpe.load_checkpoint(project_model(), path)
+        detr_irpe.load_weights(project_model(), path)
 
 
 def test_missing_value_projection_is_named(hf_model):

@@ -10,15 +10,11 @@ import torch
 from helpers import load_tiny_config
 from torch.testing import assert_close
 
+from detr_irpe.checkpoint import load_weights
 from detr_irpe.config import Config, ConfigError, ModelConfig
 from detr_irpe.engine.optim import build_optimizer
-from detr_irpe.models import (
-    CheckpointError,
-    FrozenBatchNorm2d,
-    PostProcess,
-    build_model,
-    load_checkpoint,
-)
+from detr_irpe.errors import CheckpointError
+from detr_irpe.models import FrozenBatchNorm2d, PostProcess, build_model
 from detr_irpe.models.backbone import Backbone
 from detr_irpe.models.transformer import Transformer
 from detr_irpe.structures import ImageBatch
@@ -115,7 +111,7 @@ def test_plain_detr_weights_give_identical_outputs(tmp_path) -> None:
     torch.save({"model": plain.state_dict(), "args": {}}, path)
     torch.manual_seed(2)
     irpe, _, _ = tiny("model.rpe=rpe-2.0-product-ctx-0-qkv", "model.rpe_init=zero")
-    info = load_checkpoint(irpe, path)
+    info = load_weights(irpe, path)
     assert info["format"] == "detr"
     assert len(info["missing_rpe"]) == 3  # rpe_q, rpe_k, rpe_v of the one encoder layer
     plain.eval()
@@ -128,7 +124,7 @@ def test_plain_detr_weights_give_identical_outputs(tmp_path) -> None:
 
     xavier, _, _ = tiny("model.rpe=rpe-2.0-product-ctx-0-qkv", "model.rpe_init=xavier")
     before = {k: v.clone() for k, v in xavier.state_dict().items() if ".rpe_" in k}
-    load_checkpoint(xavier, path)
+    load_weights(xavier, path)
     after = xavier.state_dict()
     for key, value in before.items():
         assert value.abs().sum() > 0 and torch.equal(after[key], value), key
@@ -426,6 +422,6 @@ def test_channels_last_computes_the_same_model(tmp_path) -> None:
     torch.save({"model": nhwc.state_dict()}, path)
     torch.manual_seed(5)
     fresh, _, _ = tiny(*bn, "model.channels_last=false")
-    load_checkpoint(fresh, path)
+    load_weights(fresh, path)
     for key, value in nhwc.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key

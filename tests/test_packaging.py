@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
+import detr_irpe
 from detr_irpe.config import CONFIG_DIR
 
 # Every console script setup.cfg declares, and the module whose main() it calls.
@@ -91,6 +92,8 @@ def test_wheel_ships_every_config_and_grid(wheel: Path) -> None:
     assert "detr_irpe/cli/common.py" in names
     for script, target in CONSOLE_SCRIPTS.items():
         assert f"{script} = {target}" in entries
+    # one version string: setup.cfg reads the package's own
+    assert wheel.name.startswith(f"detr_irpe-{detr_irpe.__version__}-")
 
 
 def test_installed_package_runs_from_any_folder(installed: Path, tmp_path: Path) -> None:

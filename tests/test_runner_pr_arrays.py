@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from detr_irpe.engine import runner
+from detr_irpe.evaluation.report import keep_pr_arrays
 
 
 class _Evaluator:
@@ -22,7 +22,7 @@ def test_newest_and_every_fiftieth_epoch_are_kept(tmp_path: Path) -> None:
     evaluator = _Evaluator()
     for epoch in range(120):
         evaluator.epoch = epoch
-        runner._save_pr_arrays(evaluator, tmp_path, epoch)
+        keep_pr_arrays(evaluator, tmp_path, epoch)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["precision.npz", "precision_0049.npz", "precision_0099.npz"]
     assert (tmp_path / "precision.npz").read_text() == "119"

@@ -32,8 +32,8 @@ from detr_irpe.cli.submit_job import (
     dist_env,
     master_port,
 )
-from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.interrupt import StopOnSignal
+from detr_irpe.run_folder import checkpoints as run_checkpoints
 
 submitit = pytest.importorskip("submitit")
 
@@ -107,13 +107,13 @@ def test_a_restarted_job_resumes_from_its_run_folder(tmp_path, monkeypatch):
     assert isinstance(again.function, TrainJob) and again.function.restarted
     assert again.function.argv == argv and again.args == () and again.kwargs == {}
     assert again.function.start_argv() == argv  # nothing saved yet: --resume start.pth
-    (tmp_path / ckio.PREV).write_bytes(b"")
-    (tmp_path / ckio.LAST).write_bytes(b"")
+    (tmp_path / run_checkpoints.PREV).write_bytes(b"")
+    (tmp_path / run_checkpoints.LAST).write_bytes(b"")
     resumed = build_parser().parse_args(again.function.start_argv())
-    assert resumed.resume == str(tmp_path / ckio.LAST)  # the later --resume wins
+    assert resumed.resume == str(tmp_path / run_checkpoints.LAST)  # the later --resume wins
     # a job SLURM requeued by itself (its pickle unchanged) does the same
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    assert first.start_argv()[-2:] == ["--resume", str(tmp_path / ckio.LAST)]
+    assert first.start_argv()[-2:] == ["--resume", str(tmp_path / run_checkpoints.LAST)]
 
 
 # ----------------------------------------------------------------------------- submitting
@@ -217,7 +217,7 @@ def test_preempted_local_job_is_requeued_and_resumes_where_it_stopped(tiny_datas
         # The task holding the run folder's lock is rank 0's training; once it has saved
         # its first step, the signal SLURM sends before the time limit arrives.
         lock = out / ".run.lock"
-        wait_until(lambda: (out / ckio.LAST).exists() and lock.exists() and lock.read_text(),
+        wait_until(lambda: (out / run_checkpoints.LAST).exists() and lock.exists() and lock.read_text(),
                    proc, "the first checkpoint", timeout=300)
         os.kill(json.loads(lock.read_text())["pid"], signal.SIGUSR2)
         stdout, stderr = proc.communicate(timeout=600)
@@ -235,7 +235,7 @@ def test_preempted_local_job_is_requeued_and_resumes_where_it_stopped(tiny_datas
     stopped = re.search(r"SIGTERM: interrupted at epoch (\d+) batch (\d+)", log)
     assert stopped, log
     requeued = log.index(f"Requeued job {job_id}")
-    assert stopped.start() < requeued < log.index(f"resuming from {out / ckio.LAST}")
+    assert stopped.start() < requeued < log.index(f"resuming from {out / run_checkpoints.LAST}")
     # every step saved once, in order: the requeued job went on from the saved step
     assert _saved_iterations(log) == list(range(1, 13))
     assert _saved_iterations(log[:requeued])[-1] == 4 * int(stopped[1]) + int(stopped[2])
@@ -243,7 +243,7 @@ def test_preempted_local_job_is_requeued_and_resumes_where_it_stopped(tiny_datas
     reference = tmp_path / "reference"
     assert train([*TRAIN, "--output-dir", str(reference), "--set",
                   f"data.root={tiny_dataset}", *RUN]) == 0
-    final, expected = (ckio.load_checkpoint_file(d / ckio.LAST)["model"]
+    final, expected = (run_checkpoints.read_training_checkpoint(d / run_checkpoints.LAST)["model"]
                        for d in (out, reference))
     for key, value in expected.items():
         torch.testing.assert_close(final[key], value, rtol=0, atol=1e-6)

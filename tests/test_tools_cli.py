@@ -12,10 +12,10 @@ import torch
 from helpers import load_tiny_config, load_tool
 
 from detr_irpe.config import ConfigError
-from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import EXIT_NON_FINITE
 from detr_irpe.models.criterion import SetCriterion
+from detr_irpe.run_folder.checkpoints import LAST, read_training_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(
     # first step of epoch 1: iteration 2 (both counted from 0).
     assert "non-finite loss at epoch 1, iteration 2" in err
     assert "loss_bbox=nan" in err and "loss_ce=" in err and "loss_giou=" in err
-    last = ckio.load_checkpoint_file(out / ckio.LAST, require_training_state=True)
+    last = read_training_checkpoint(out / LAST)
     assert (last["epoch"], last["batch_in_epoch"], last["iteration"]) == (1, 0, 2)
     assert all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
 
@@ -91,18 +91,18 @@ def test_eval_only_on_saved_checkpoint(tiny_dataset, trained, tmp_path, capsys):
     train = load_tool("train")
     code = train.main(["--config", "synthetic_tiny", "--set", f"data.root={tiny_dataset}",
                        "--output-dir", str(tmp_path), "--eval-only",
-                       "--resume", str(trained / ckio.LAST), "--no-progress"])
+                       "--resume", str(trained / LAST), "--no-progress"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "AP50" in printed and "| circle |" in printed
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert metrics["bbox"]["stats"] == pytest.approx(_final_ap(trained), abs=1e-9)
     assert isinstance(json.loads((tmp_path / "eval" / "results.json").read_text()), list)
-    assert not (tmp_path / ckio.LAST).exists()  # evaluation writes no checkpoint
+    assert not (tmp_path / LAST).exists()  # evaluation writes no checkpoint
 
 
 def test_eval_tool_uses_checkpoint_config(trained, tmp_path, capsys):
-    code = load_tool("eval").main([str(trained / ckio.LAST), "--output-dir", str(tmp_path),
+    code = load_tool("eval").main([str(trained / LAST), "--output-dir", str(tmp_path),
                                "--no-progress"])
     assert code == 0
     assert "AP75" in capsys.readouterr().out

@@ -17,6 +17,8 @@ from detr_irpe.cli.train import main as train_main
 from detr_irpe.config import CONFIG_DIR, ConfigError, load_config
 from detr_irpe.engine.runner import resolve_num_classes, run_training
 from detr_irpe.errors import RunFolderError
+from detr_irpe.run_folder.experiment import experiment_differences
+from detr_irpe.utils.device import resolve_device, why_no_gpu
 
 
 def _dataset(num_classes: int) -> SimpleNamespace:
@@ -117,8 +119,6 @@ def test_lr_and_weight_decay_overrides_apply_to_the_restored_optimizer(
 def test_auto_device_under_torchrun_without_gpu_is_an_error(monkeypatch, tmp_path, capsys):
     """What torchrun sets for rank 0 of 2, on a machine whose torch finds no GPU: no
     process group is joined (that would wait for rank 1), the run stops with the cause."""
-    from detr_irpe.engine import distributed
-
     for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
@@ -129,10 +129,15 @@ def test_auto_device_under_torchrun_without_gpu_is_an_error(monkeypatch, tmp_pat
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err
     assert "train.device=auto" in errors[0] and "torchrun" in errors[0]
-    assert distributed.why_no_gpu() in errors[0] and "--device cpu" in errors[0]
+    assert why_no_gpu() in errors[0] and "--device cpu" in errors[0]
     # CPU processes on purpose stay possible; one process falls back to the CPU.
-    assert distributed.resolve_device("cpu", 0, launched=True).type == "cpu"
-    assert distributed.resolve_device("auto", 0, launched=False).type == "cpu"
+    assert resolve_device("cpu", launched=True).type == "cpu"
+    assert resolve_device("auto", launched=False).type == "cpu"
+    # the one rule of every tool: a GPU that is not there is named, with the reason
+    with pytest.raises(ConfigError, match="not available here.*--device cpu"):
+        resolve_device("cuda")
+    with pytest.raises(ConfigError, match="use auto, cpu, cuda or cuda:N"):
+        resolve_device("tpu")
 
 
 def test_resume_with_a_frozen_backbone_is_one_line(tiny_dataset, first_run, tmp_path, capsys):
@@ -181,8 +186,6 @@ def test_seed_change_on_purposeful_resume_is_refused(tiny_dataset, first_run, tm
 
 
 def test_experiment_identity_ignores_start_only_and_missing_keys() -> None:
-    from detr_irpe.engine.runner import experiment_differences
-
     current = load_tiny_config("model.rpe_init=xavier").to_dict()
     older = load_tiny_config("model.rpe_init=zero", "data.num_workers=7").to_dict()
     del older["model"]["hidden_dim"]  # a key an older version did not write

@@ -28,7 +28,7 @@ import torch
 from helpers import ROOT
 
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
-from detr_irpe.engine import checkpoint_io as ckio
+from detr_irpe.run_folder.checkpoints import LAST, read_training_checkpoint
 
 
 def _torchrun(nproc: int, data: Path, out: Path, batch_size: int) -> None:
@@ -70,8 +70,8 @@ def test_two_processes_match_one_process(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
         assert a["test_coco_eval_bbox"] == pytest.approx(b["test_coco_eval_bbox"], abs=1e-6)
 
-    state_one = ckio.load_checkpoint_file(one / ckio.LAST)
-    state_two = ckio.load_checkpoint_file(two / ckio.LAST)
+    state_one = read_training_checkpoint(one / LAST)
+    state_two = read_training_checkpoint(two / LAST)
     assert state_two["world_size"] == 2 and len(state_two["rng"]) == 2
     # Sums run in another order on 2 processes, so weights differ at float-noise level;
     # Adam's normalised update can amplify that noise for weights whose gradient is ~0,

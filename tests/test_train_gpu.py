@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import load_tiny_config
 
-from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.runner import run_training
+from detr_irpe.run_folder.checkpoints import LAST, read_training_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +21,7 @@ def test_amp_training_on_gpu(tiny_dataset, tmp_path, amp):
                  "train.device=cuda", "train.epochs=1"]
     result = run_training(load_tiny_config(*overrides), progress=False)
     assert result["iterations"] == 2 and len(result["summary"]["stats"]) == 12
-    state = ckio.load_checkpoint_file(tmp_path / ckio.LAST, require_training_state=True)
+    state = read_training_checkpoint(tmp_path / LAST)
     assert (state["scaler"] is not None) == (amp == "fp16")
     assert state["rng"][0]["cuda"], "the CUDA RNG state of the rank's device is saved"
     result = run_training(load_tiny_config(*overrides[:-1], "train.epochs=2"), progress=False)

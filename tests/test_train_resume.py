@@ -21,8 +21,14 @@ import torch
 from helpers import ROOT, load_tiny_config, wait_until
 
 from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
-from detr_irpe.engine import checkpoint_io as ckio
 from detr_irpe.engine.runner import run_training
+from detr_irpe.run_folder.checkpoints import (
+    BEST,
+    LAST,
+    PREV,
+    find_resume_checkpoint,
+    read_training_checkpoint,
+)
 
 # 16 training images at the tiny config's batch 4: 4 iterations per epoch (the session's
 # 8-image dataset would give 2, too few to kill and resume in the middle of an epoch).
@@ -41,7 +47,7 @@ def _cfg(data: Path, out: Path, *extra: str):
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
-    return ckio.load_checkpoint_file(path)["model"]
+    return read_training_checkpoint(path)["model"]
 
 
 def _assert_same_weights(a: Path, b: Path) -> None:
@@ -67,16 +73,16 @@ def straight_run(tiny_data, tmp_path_factory) -> Path:
 
 def test_resume_at_epoch_boundary_equals_straight_run(tiny_data, straight_run, tmp_path):
     run_training(_cfg(tiny_data, tmp_path, "train.epochs=1"), progress=False)
-    assert ckio.load_checkpoint_file(tmp_path / ckio.LAST)["epoch"] == 1
+    assert read_training_checkpoint(tmp_path / LAST)["epoch"] == 1
     result = run_training(_cfg(tiny_data, tmp_path), progress=False)  # resumes automatically
     assert result["iterations"] == 8
-    _assert_same_weights(straight_run / ckio.LAST, tmp_path / ckio.LAST)
+    _assert_same_weights(straight_run / LAST, tmp_path / LAST)
     straight, resumed = _log(straight_run), _log(tmp_path)
     assert [r["epoch"] for r in resumed] == [0, 1]
     for a, b in zip(straight, resumed):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
         assert a["test_coco_eval_bbox"] == pytest.approx(b["test_coco_eval_bbox"], abs=1e-9)
-    saved = ckio.load_checkpoint_file(tmp_path / ckio.LAST)
+    saved = read_training_checkpoint(tmp_path / LAST)
     assert saved["config"]["model"]["num_classes"] == 4  # derived from the annotations
     assert saved["config"]["train"]["output_dir"] == str(tmp_path)
     assert saved["category_names"] == {1: "circle", 2: "square", 3: "triangle"}
@@ -96,7 +102,7 @@ def test_sigkill_mid_epoch_then_resume_equals_straight_run(
     # (epoch 1, batch 0); the next save replaces checkpoint_last.pth by another file.
     # SIGSTOP first freezes it at once even on a busy machine, where this process may be
     # descheduled for a while before SIGKILL.
-    best, last = tmp_path / ckio.BEST, tmp_path / ckio.LAST
+    best, last = tmp_path / BEST, tmp_path / LAST
     wait_until(lambda: best.exists() and not last.samefile(best), proc,
                "the first save of epoch 1", timeout=300)
     proc.send_signal(signal.SIGSTOP)
@@ -104,21 +110,21 @@ def test_sigkill_mid_epoch_then_resume_equals_straight_run(
     output = proc.communicate()[0]
     assert proc.returncode == -signal.SIGKILL
 
-    killed_at = ckio.find_resume_checkpoint(tmp_path)[1]
+    killed_at = find_resume_checkpoint(tmp_path)[1]
     position = (killed_at["epoch"], killed_at["batch_in_epoch"])
     assert position in {(1, 1), (1, 2), (1, 3)}, f"not killed mid-epoch: {position}\n{output}"
     result = run_training(_cfg(tiny_data, tmp_path, "train.checkpoint_every=1"), progress=False)
     assert result["iterations"] == 8
-    _assert_same_weights(straight_run / ckio.LAST, tmp_path / ckio.LAST)
+    _assert_same_weights(straight_run / LAST, tmp_path / LAST)
     assert [r["epoch"] for r in _log(tmp_path)] == [0, 1]  # no duplicated epoch record
     assert not list(tmp_path.glob(".*.tmp"))
 
     # Damage the newest checkpoint: the run is resumed from checkpoint_prev.pth
     # (epoch 1, batch 3), redoes the last step and ends with the same weights.
-    last = tmp_path / ckio.LAST
+    last = tmp_path / LAST
     data = last.read_bytes()
     last.write_bytes(data[: len(data) // 3])
-    prev = ckio.load_checkpoint_file(tmp_path / ckio.PREV)
+    prev = read_training_checkpoint(tmp_path / PREV)
     assert (prev["epoch"], prev["batch_in_epoch"]) == (1, 3)
     with caplog.at_level(logging.ERROR):
         result = run_training(_cfg(tiny_data, tmp_path, "train.checkpoint_every=1"),
@@ -126,4 +132,4 @@ def test_sigkill_mid_epoch_then_resume_equals_straight_run(
     assert any("checkpoint_last.pth" in r.getMessage() and "not a readable PyTorch checkpoint" in r.getMessage()
                for r in caplog.records if r.levelno >= logging.ERROR)
     assert result["iterations"] == 8
-    _assert_same_weights(straight_run / ckio.LAST, tmp_path / ckio.LAST)
+    _assert_same_weights(straight_run / LAST, tmp_path / LAST)

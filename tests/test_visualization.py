@@ -13,6 +13,7 @@ from helpers import load_tiny_config
 from PIL import Image
 
 from detr_irpe.cli.visualize import main as visualize_main
+from detr_irpe.data.inputs import prepare_image
 from detr_irpe.models import build_model
 from detr_irpe.structures import ImageBatch
 from detr_irpe.visualization import (
@@ -23,7 +24,6 @@ from detr_irpe.visualization import (
     plot_encoder_attention,
     plot_predictions,
     plot_rpe_contribution,
-    prepare_image,
     record_attention_inputs,
     save_attention_maps,
 )

@@ -132,7 +132,8 @@ def test_label_boxes_stay_inside_and_avoid_each_other(box, room_for_two):
 
 
 def test_plot_predictions_draws_near_duplicates_once():
-    from detr_irpe.visualization import plot_predictions, prepare_image
+    from detr_irpe.data.inputs import prepare_image
+    from detr_irpe.visualization import plot_predictions
     from detr_irpe.visualization.figures import Detections
 
     image = prepare_image(_scene(), size=None)

@@ -12,9 +12,9 @@ import torchvision.transforms.v2.functional as F
 from PIL import Image
 
 from detr_irpe.cli.visualize import main as visualize_main
+from detr_irpe.data.inputs import prepare_image
 from detr_irpe.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from detr_irpe.errors import EXIT_USER_ERROR, ImageReadError
-from detr_irpe.visualization import prepare_image
 
 
 def _png(path: Path, height: int = 30, width: int = 40) -> Path:

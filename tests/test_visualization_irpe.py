@@ -14,11 +14,11 @@ from PIL import Image
 from detr_irpe.cli.visualize import main as visualize_main
 from detr_irpe.errors import RunFolderError
 from detr_irpe.irpe import IRPEMultiheadAttention, bucket_ids
+from detr_irpe.run_folder.log import read_log
 from detr_irpe.visualization import (
     plot_bucket_layout,
     plot_rpe_tables,
     plot_training_curves,
-    read_log,
     rpe_table_maps,
 )
 from detr_irpe.visualization.curves import run_labels
@@ -161,7 +161,10 @@ def test_curves_read_detr_log(tmp_path):
 
 def test_curves_missing_log(tmp_path):
     with pytest.raises(RunFolderError, match="log.txt"):
-        read_log(tmp_path / "nothing_here")
+        read_log(tmp_path / "nothing_here", required=True)
+    with pytest.raises(RunFolderError, match="log.txt"):
+        plot_training_curves([tmp_path / "nothing_here"])
+    assert read_log(tmp_path / "nothing_here") == []  # a run that has not logged yet
 
 
 def test_tool_buckets_and_curves(tmp_path, capsys):

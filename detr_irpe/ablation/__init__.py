@@ -2,9 +2,9 @@
 by run through the normal training code, resumable, summarised as a paper-style table.
 
     grid.py      the grid file: validation and expansion into runs
-    status.py    where a run stands, read from its folder; run-folder locks
     schedule.py  launching the runs (python -m detr_irpe.cli.train, or under torchrun),
                  one after another
+    (where a run stands, its lock and what makes it the grid's run: detr_irpe.run_folder)
     results.py   numbers of each run (log.txt) and one row per variant (mean ± std)
     table.py     results.md, results.csv, runs.csv
 
@@ -21,7 +21,6 @@ from detr_irpe.ablation.results import (
     summarize,
 )
 from detr_irpe.ablation.schedule import GridReport, launch_command, prepare_data, run_grid
-from detr_irpe.ablation.status import RunState, run_state
 from detr_irpe.ablation.table import format_markdown, write_tables
 
 
@@ -38,7 +37,6 @@ __all__ = [
     "GridReport",
     "RunResult",
     "RunSpec",
-    "RunState",
     "Variant",
     "VariantRow",
     "collect_and_write",
@@ -49,7 +47,6 @@ __all__ = [
     "prepare_data",
     "rpe_parameter_count",
     "run_grid",
-    "run_state",
     "step_time",
     "summarize",
     "write_tables",

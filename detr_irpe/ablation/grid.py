@@ -50,6 +50,7 @@ from detr_irpe.config import (
     read_yaml_with_base,
     resolve_config_path,
 )
+from detr_irpe.data.synthetic import SyntheticSpec
 
 GRID_KEYS = (
     "name", "description", "base", "output_dir", "overrides", "axes", "variants", "seeds",
@@ -258,8 +259,6 @@ def _synthetic(where: str, value: Any) -> dict[str, Any] | None:
     if not isinstance(value, Mapping):
         raise GridError(f"{where}: synthetic_data must be true or a mapping "
                         f"(keys {', '.join(SYNTHETIC_KEYS)} and SyntheticSpec fields)")
-    from detr_irpe.data.synthetic import SyntheticSpec
-
     spec_keys = set(SyntheticSpec.__dataclass_fields__)
     unknown = sorted(set(value) - set(SYNTHETIC_KEYS) - spec_keys)
     if unknown:

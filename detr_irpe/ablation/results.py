@@ -24,15 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from detr_irpe.ablation.grid import Grid, RunSpec, Variant
-from detr_irpe.ablation.status import (
-    RunState,
-    final_evaluation,
-    read_log,
-    read_status,
-    run_state,
-)
 from detr_irpe.config import Config
 from detr_irpe.evaluation import COCO_STAT_NAMES
+from detr_irpe.irpe import is_rpe_key
+from detr_irpe.models.build import build_transformer
+from detr_irpe.run_folder.log import read_log
+from detr_irpe.run_folder.status import RunState, final_evaluation, read_status, run_state
 
 # The AP columns of the tables; the AR numbers go to runs.csv only.
 TABLE_STATS = COCO_STAT_NAMES[:6]
@@ -114,7 +111,7 @@ def step_time(records: Sequence[Mapping[str, Any]]) -> float | None:
 
 
 def collect_run(run: RunSpec) -> RunResult:
-    state = run_state(run)
+    state = run_state(run.output_dir, run.config)
     records = read_log(run.output_dir)
     status = read_status(run.output_dir)
     result = RunResult(run=run, state=state, error=str(status.get("error", "")))
@@ -138,9 +135,6 @@ def collect_run(run: RunSpec) -> RunResult:
 
 def rpe_parameter_count(cfg: Config) -> int:
     """Parameters of the iRPE tables of the model ``cfg`` describes (0 without RPE)."""
-    from detr_irpe.checkpoint import is_rpe_key
-    from detr_irpe.models.build import build_transformer
-
     transformer = build_transformer(cfg)
     return sum(p.numel() for name, p in transformer.named_parameters() if is_rpe_key(name))
 

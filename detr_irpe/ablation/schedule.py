@@ -8,10 +8,11 @@ and the same automatic resume as a hand-started run, from any folder; a run that
 crashes or runs out of memory takes only itself down. Its console output goes to
 ``<run folder>/ablation_output.log``.
 
-Finished runs are skipped (see :mod:`detr_irpe.ablation.status`), partial ones
+Finished runs are skipped (see :mod:`detr_irpe.run_folder.status`), partial ones
 resume from their checkpoint, failed ones are recorded and skipped on later
-invocations unless ``retry_failed``. Each run folder is locked while it
-trains, so several schedulers may share one grid (e.g. one per GPU).
+invocations unless ``retry_failed``. A scheduler claims each run folder while it
+trains it (the lock of :mod:`detr_irpe.run_folder.lock`), so several schedulers may
+share one grid (e.g. one per GPU node).
 """
 
 from __future__ import annotations
@@ -27,19 +28,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 from detr_irpe.ablation.grid import Grid, GridError, RunSpec
-from detr_irpe.ablation.status import (
-    OUTPUT_FILE,
-    RunLock,
+from detr_irpe.data.synthetic import GeneratedDataset, SyntheticSpec, generate_dataset
+from detr_irpe.errors import EXIT_NON_FINITE, EXIT_USER_ERROR, RunFolderError
+from detr_irpe.run_folder.lock import CLAIM_NAME, RunLock
+from detr_irpe.run_folder.log import read_log
+from detr_irpe.run_folder.status import (
+    OUTPUT_NAME,
     RunState,
     config_mismatch,
     is_finished,
-    read_log,
     read_status,
     run_state,
     write_status,
 )
-from detr_irpe.errors import EXIT_NON_FINITE, EXIT_USER_ERROR
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +116,6 @@ def prepare_data(grid: Grid) -> None:
 
 
 def _generate_synthetic(grid: Grid, root: Path, data) -> None:
-    from detr_irpe.data.synthetic import GeneratedDataset, SyntheticSpec, generate_dataset
-
     layout = GeneratedDataset(root=root)
     wanted = (layout.train_ann, layout.train_images, layout.val_ann, layout.val_images)
     have = (data.train_ann, data.train_images, data.val_ann, data.val_images)
@@ -219,7 +221,7 @@ def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
     command = launch_command(grid, run)
     previous = read_status(folder)
     total_before = float(previous.get("wall_time_total", 0.0))
-    output = None if show_output else folder / OUTPUT_FILE
+    output = None if show_output else folder / OUTPUT_NAME
     if output is not None:
         with open(output, "a") as f:
             f.write(f"\n$ {format_command(command)}\n")
@@ -232,7 +234,7 @@ def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
                      wall_time_total=total_before + time.perf_counter() - start)
         raise
     wall = time.perf_counter() - start
-    finished = returncode == 0 and is_finished(run)
+    finished = returncode == 0 and is_finished(folder, run.config.train.epochs)
     status = {
         "status": "finished" if finished else "failed",
         "returncode": returncode,
@@ -259,14 +261,14 @@ def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
 
 # ----------------------------------------------------------------------------- the grid
 def grid_states(grid: Grid) -> list[tuple[RunSpec, RunState]]:
-    return [(run, run_state(run)) for run in grid.runs]
+    return [(run, run_state(run.output_dir, run.config)) for run in grid.runs]
 
 
 def check_mismatches(grid: Grid) -> None:
     """Raise when a run folder holds a run of another config (a renamed or edited variant)."""
     problems = []
     for run in grid.runs:
-        diff = config_mismatch(run)
+        diff = config_mismatch(run.output_dir, run.config)
         if diff:
             problems.append(f"  {run.output_dir}: " + "; ".join(diff[:5])
                             + (f"; ... ({len(diff)} in all)" if len(diff) > 5 else ""))
@@ -326,18 +328,18 @@ def run_grid(
         prepare_data(grid)
     bar = None
     if progress and todo:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(todo), desc=f"ablation {grid.name}", unit="run", dynamic_ncols=True)
     try:
         for i, run in enumerate(todo, 1):
-            lock = RunLock(run.output_dir)
-            if not lock.acquire():
-                logger.info("run %s is being trained by another process; skipping", run.key)
+            lock = RunLock(run.output_dir, CLAIM_NAME)
+            try:
+                lock.acquire()
+            except RunFolderError as err:
+                logger.info("run %s: %s; skipping it", run.key, err)
                 report.busy.append(run)
                 continue
             try:
-                if is_finished(run):  # finished by another scheduler meanwhile
+                if is_finished(run.output_dir, run.config.train.epochs):  # by another scheduler
                     report.skipped_finished.append(run)
                     continue
                 logger.info("run %d/%d: %s -> %s", i, len(todo), run.key, run.output_dir)

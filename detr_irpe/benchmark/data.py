@@ -18,6 +18,7 @@ from typing import Any
 
 from detr_irpe.config import load_config
 from detr_irpe.data import build_dataloader, build_dataset
+from detr_irpe.data.synthetic import generate_dataset
 
 __all__ = ["data_table", "dataset_overrides", "ensure_synthetic", "run_data_benchmark"]
 
@@ -38,8 +39,6 @@ def ensure_synthetic(root: str | Path, num_train: int = 1600, num_val: int = 200
     root = Path(root)
     anns = root / "annotations"
     if not ((anns / "instances_train.json").is_file() and (anns / "instances_val.json").is_file()):
-        from detr_irpe.data.synthetic import generate_dataset
-
         logger.info("generating the synthetic dataset (%d + %d images) in %s",
                     num_train, num_val, root)
         generate_dataset(root, num_train=num_train, num_val=num_val, seed=0)

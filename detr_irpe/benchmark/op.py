@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from torch import nn
 
 from detr_irpe.benchmark.common import median, sync, timed
@@ -357,16 +359,14 @@ def sweep_table(sweep: dict) -> str:
 
 
 def plot_sweep(sweep: dict, path: str | Path, title: str = "") -> Path:
-    """PNG of time and memory vs L (log-log), one line per variant."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    """PNG of time and memory vs L (log-log), one line per variant (an Agg canvas of its
+    own: no pyplot, no global backend)."""
     rows = sweep["rows"]
     cuda = any(r["peak_mib"] is not None for r in rows)
     time_key = "median_ms" if cuda else "cpu_ms"
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(fig)
+    ax_t, ax_m = fig.subplots(1, 2)
     for key in dict.fromkeys(r["key"] for r in rows):
         pts = sorted((r["length"], r[time_key], r["peak_mib"] if cuda else r["saved_mib"])
                      for r in rows if r["key"] == key)
@@ -389,5 +389,4 @@ def plot_sweep(sweep: dict, path: str | Path, title: str = "") -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

@@ -30,6 +30,11 @@ import torch
 from torch import nn
 
 from detr_irpe.benchmark.common import median, sync
+from detr_irpe.config import load_config
+from detr_irpe.data import build_dataloader, build_dataset
+from detr_irpe.engine.optim import build_optimizer
+from detr_irpe.engine.trainer import model_outputs, targets_to, weighted_loss
+from detr_irpe.models import build_model
 
 __all__ = ["PHASES", "profile_table", "profile_training_step"]
 
@@ -92,12 +97,6 @@ def profile_training_step(
     Returns:
         ``{"phases": {phase: median s}, "total_s": median sum, "amp": amp, ...}``.
     """
-    from detr_irpe.config import load_config
-    from detr_irpe.data import build_dataloader, build_dataset
-    from detr_irpe.engine.optim import build_optimizer
-    from detr_irpe.engine.trainer import model_outputs, targets_to, weighted_loss
-    from detr_irpe.models import build_model
-
     dev = torch.device(device)
     cfg = load_config(config, list(overrides))
     dataset = build_dataset(cfg.data, "train")

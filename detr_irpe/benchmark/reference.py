@@ -94,6 +94,7 @@ def _imported_from(root: Path) -> Iterator[Any]:
     sys.path.insert(0, str(root))
     try:
         try:
+            # a user's checkout, importable only while it is on sys.path (not a dependency)
             import models  # the checkout's package
             import util.misc  # noqa: F401  (NestedTensor, used by the steps)
         except Exception as err:
@@ -175,7 +176,8 @@ def _build(models: Any, rpe: str, dev: torch.device, changes: dict[str, Any]
 
 
 def _nested(images: Any) -> Any:
-    from util.misc import NestedTensor  # the checkout's, imported by _imported_from
+    # the user's checkout (imported by _imported_from), never importable at module level
+    from util.misc import NestedTensor
 
     return NestedTensor(images.tensors, images.mask)
 

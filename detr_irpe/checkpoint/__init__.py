@@ -1,44 +1,49 @@
-"""Checkpoint files: one safe reader, one atomic writer, key layouts, loading into a model.
+"""Checkpoint files and the weights in them: safe readers, one reader for every layout,
+atomic writers, key layouts, loading into a model, and the config a checkpoint implies.
 
-- :func:`read_checkpoint` ``(path) -> (state_dict, meta)``: every layout this project
-  accepts (own ``.pth`` / ``.safetensors``, public DETR and iRPE-DETR, the reference
-  training script's files, Hugging Face DETR), each file read once;
-- :func:`safe_load`: ``torch.load(weights_only=True)`` allowing only ``argparse.Namespace``;
-- :func:`atomic_save` / :func:`save_safetensors`: temp file + fsync + ``os.replace``;
-- :func:`load_checkpoint` / :func:`load_state`: into a model, with the class-head and
-  iRPE-table rules and errors that name the differing config keys;
-- :func:`convert_state_dict`: offline class-head resize and iRPE-table insertion.
+- ``safe``: :func:`safe_load` (``torch.load(weights_only=True)`` allowing only
+  ``argparse.Namespace``) and :func:`load_safetensors`; a leaf module;
+- ``files``: :func:`read_checkpoint` ``(path) -> (state_dict, meta)``: every layout this
+  project accepts (own ``.pth`` / ``.safetensors``, public DETR and iRPE-DETR, the
+  reference training script's files, Hugging Face DETR), each file read once;
+  :func:`atomic_save` / :func:`save_safetensors`;
+- ``layout``: key layouts, :func:`architecture` (what a state dict says about its model),
+  :func:`explain_mismatch`, :func:`convert_state_dict` (class-head resize, iRPE tables);
+- ``hf_keys`` / ``hf_folder``: Hugging Face ``DetrForObjectDetection`` key names, and its
+  ``save_pretrained`` folders;
+- ``load``: :func:`load_weights` / :func:`load_state` into a model, with the class-head
+  and iRPE-table rules and errors that name the differing config keys;
+- ``saved_config``: :func:`config_for_checkpoint`, the config a checkpoint's model is
+  built from (``detr_irpe.models.model_from_checkpoint`` builds it);
+- ``zoo``: the published checkpoints' addresses.
 
-This package imports nothing from :mod:`detr_irpe.models` at import time, so the models
-can use it.
+Which checkpoints a training run keeps (last / prev / best, resume discovery) is
+:mod:`detr_irpe.run_folder.checkpoints`. This package imports nothing from
+:mod:`detr_irpe.models`, so the models can use it.
 """
 
 from detr_irpe.checkpoint.files import (
-    FORMAT,
-    allowed_classes,
     atomic_save,
-    atomic_write,
-    format_keys,
     read_checkpoint,
-    safe_load,
     save_safetensors,
     split_checkpoint,
-    write_temp,
 )
 from detr_irpe.checkpoint.layout import (
+    ARCHITECTURE_READERS,
     HEAD_KEYS,
     add_rpe_tables,
     architecture,
     convert_state_dict,
     explain_mismatch,
-    is_rpe_key,
     resize_class_head,
 )
-from detr_irpe.checkpoint.load import key_problems, load_checkpoint, load_state
+from detr_irpe.checkpoint.load import key_problems, load_state, load_weights
+from detr_irpe.checkpoint.safe import FORMAT, allowed_classes, format_keys, safe_load
+from detr_irpe.checkpoint.saved_config import config_for_checkpoint, resolve_config
 from detr_irpe.errors import CheckpointError
 
 __all__ = [
-    "key_problems",
+    "ARCHITECTURE_READERS",
     "FORMAT",
     "HEAD_KEYS",
     "CheckpointError",
@@ -46,17 +51,17 @@ __all__ = [
     "allowed_classes",
     "architecture",
     "atomic_save",
-    "atomic_write",
+    "config_for_checkpoint",
     "convert_state_dict",
     "explain_mismatch",
     "format_keys",
-    "is_rpe_key",
-    "load_checkpoint",
+    "key_problems",
     "load_state",
+    "load_weights",
     "read_checkpoint",
     "resize_class_head",
+    "resolve_config",
     "safe_load",
     "save_safetensors",
     "split_checkpoint",
-    "write_temp",
 ]

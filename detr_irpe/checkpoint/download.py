@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import torch.hub
 from tqdm import tqdm
 
 from detr_irpe.checkpoint.zoo import ZOO, ZooEntry
@@ -78,8 +79,6 @@ class CheckpointSource:
 
 def cache_dir() -> Path:
     """``torch.hub.get_dir()/checkpoints``: where downloaded checkpoints are kept."""
-    import torch.hub
-
     return Path(torch.hub.get_dir()) / "checkpoints"
 
 

@@ -1,12 +1,8 @@
-"""Reading and writing checkpoint files: one safe reader, one atomic writer.
+"""Reading and writing checkpoint files: one reader for every layout, atomic writers.
 
-Every file a user hands in is read with ``torch.load(..., weights_only=True)``. The
-only Python class allowed besides tensors, containers, numbers and strings is
-``argparse.Namespace``: the reference DETR / iRPE-DETR training script stores its
-command-line arguments as one, and reconstructing it runs no code. Anything else
-(a class whose unpickling would call a function) is refused.
-
-:func:`read_checkpoint` is the one reader. It accepts
+Every file is read through the safe readers of :mod:`detr_irpe.checkpoint.safe`
+(``torch.load(weights_only=True)``, safetensors). :func:`read_checkpoint` is the one
+reader. It accepts
 
 - this project's ``.pth`` files (``{"format": "detr_irpe", "model": sd, "config": ...}``);
 - this project's ``.safetensors`` files (config and category names in the metadata);
@@ -14,7 +10,8 @@ command-line arguments as one, and reconstructing it runs no code. Anything else
   ``argparse.Namespace`` when written by the reference training script);
 - bare state dicts (``{"state_dict": sd}`` or ``{key: tensor}``);
 - Hugging Face ``DetrForObjectDetection`` weights (a ``save_pretrained`` folder or
-  its ``.safetensors`` file), converted by :mod:`detr_irpe.checkpoint.hf`;
+  its ``.safetensors`` file), converted by :mod:`detr_irpe.checkpoint.hf_keys` and
+  :mod:`detr_irpe.checkpoint.hf_folder`;
 
 and returns ``(state_dict, meta)`` in this project's key layout, reading the file once.
 """
@@ -22,90 +19,32 @@ and returns ``(state_dict, meta)`` in this project's key layout, reading the fil
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from detr_irpe.checkpoint.hf_folder import CONFIG_NAME, WEIGHTS_NAME, read_hf_folder
+from detr_irpe.checkpoint.hf_keys import convert_hf_state_dict, is_hf_state_dict
 from detr_irpe.checkpoint.layout import layout_of, strip_ddp_prefix
+from detr_irpe.checkpoint.safe import (
+    FORMAT,
+    format_keys,
+    load_safetensors,
+    safe_load,
+    safetensors_module,
+)
 from detr_irpe.errors import CheckpointError
-from detr_irpe.utils.files import atomic_write, write_temp
+from detr_irpe.utils.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
-# The one format tag of this project's files (training checkpoints and converted weights).
-FORMAT = "detr_irpe"
-# The Python classes a checkpoint may contain besides tensors and plain containers.
-ALLOWED_CLASSES = (argparse.Namespace,)
-# A Hugging Face save_pretrained folder holds these two files.
-HF_CONFIG = "config.json"
-HF_WEIGHTS = "model.safetensors"
-
-
-def format_keys(keys: list[str], n: int = 10) -> str:
-    """The first ``n`` keys, comma-separated, with the total when there are more."""
-    shown = ", ".join(keys[:n])
-    return shown + (f", ... ({len(keys)} in all)" if len(keys) > n else "")
-
 
 # ------------------------------------------------------------------------------ reading
-@contextlib.contextmanager
-def allowed_classes() -> Iterator[None]:
-    """Allow exactly :data:`ALLOWED_CLASSES` in weights-only unpickling, for this block only."""
-    with torch.serialization.safe_globals(list(ALLOWED_CLASSES)):
-        yield
-
-
-def _refused_global(text: str) -> str | None:
-    """The name of the global torch's weights-only unpickler refused, if that is the error."""
-    if "Weights only load failed" not in text:
-        return None
-    match = re.search(r"GLOBAL ([\w.]+)", text)
-    return match.group(1) if match else None
-
-
-def _first_line(text: str) -> str:
-    match = re.search(r"WeightsUnpickler error:\s*(\S.*)", text)
-    line = match.group(1) if match else (text.strip().splitlines() or [""])[0]
-    return line.strip()[:200]
-
-
-def safe_load(path: str | Path) -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)``, allowing
-    ``argparse.Namespace``, with errors a user can act on.
-
-    Raises:
-        CheckpointError: naming the file, when it is missing, truncated or not a torch
-            file, or contains a Python object whose unpickling could run code.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} not found")
-    try:
-        with allowed_classes():
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises many types here (UnpicklingError, RuntimeError, ...)
-        text = str(err)
-        name = _refused_global(text)
-        if name is not None:
-            raise CheckpointError(
-                f"checkpoint {path} contains a Python object that is not allowed: {name}. "
-                "Only tensors, containers, numbers, strings and argparse.Namespace are read "
-                "(unpickling anything else could run code); re-save just the state dict "
-                "({'model': model.state_dict()}) where the file's source is trusted"
-            ) from err
-        raise CheckpointError(
-            f"checkpoint {path} is not a readable PyTorch checkpoint (truncated, corrupted or "
-            f"not written by torch.save): {type(err).__name__}: {_first_line(text)}"
-        ) from err
-
-
 def _empty_meta(path: Path, fmt: str) -> dict[str, Any]:
     return {
         "path": str(path),
@@ -187,42 +126,10 @@ def _from_hf_if_needed(
     state: dict[str, Tensor], meta: dict[str, Any]
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Convert Hugging Face ``DetrForObjectDetection`` keys to this project's layout."""
-    from detr_irpe.checkpoint import hf  # hf reads files through this module
-
-    if meta["format"] == FORMAT or not hf.is_hf_state_dict(state):
+    if meta["format"] == FORMAT or not is_hf_state_dict(state):
         return state, meta
     meta["format"] = "hf"
-    return hf.convert_hf_state_dict(state), meta
-
-
-def _safetensors():
-    try:
-        import safetensors.torch
-    except ImportError as err:
-        raise CheckpointError(
-            "reading or writing .safetensors files needs the safetensors package: "
-            "pip install 'detr_irpe[safetensors]'"
-        ) from err
-    return safetensors
-
-
-def load_safetensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """The tensors of a ``.safetensors`` file (on the CPU, keys as stored) and its string
-    metadata; :class:`CheckpointError` when the file is missing or damaged."""
-    safetensors = _safetensors()
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} not found")
-    try:
-        with safetensors.safe_open(str(path), framework="pt", device="cpu") as f:
-            header = dict(f.metadata() or {})
-            state = {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as err:  # safetensors raises its own error types for damaged files
-        raise CheckpointError(
-            f"checkpoint {path} is not a readable safetensors file (truncated or corrupted): "
-            f"{type(err).__name__}: {str(err)[:200]}"
-        ) from err
-    return state, header
+    return convert_hf_state_dict(state), meta
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -253,14 +160,12 @@ def _json_field(header: Mapping[str, str], key: str, path: Path) -> Any:
 
 def _read_hf_folder(folder: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """A Hugging Face ``save_pretrained`` folder (``config.json`` + ``model.safetensors``)."""
-    from detr_irpe.checkpoint import hf  # hf reads files through this module
-
-    if not (folder / HF_CONFIG).is_file():
+    if not (folder / CONFIG_NAME).is_file():
         raise CheckpointError(
             f"checkpoint {folder} is a folder, not a checkpoint file; the only folders read "
-            f"are Hugging Face save_pretrained folders ({HF_CONFIG} + {HF_WEIGHTS})"
+            f"are Hugging Face save_pretrained folders ({CONFIG_NAME} + {WEIGHTS_NAME})"
         )
-    state, hf_meta = hf.read_hf_folder(folder)
+    state, hf_meta = read_hf_folder(folder)
     meta = _empty_meta(folder, "hf")
     meta.update(
         category_names=hf_meta.get("category_names"),
@@ -311,7 +216,7 @@ def save_safetensors(
     The metadata (strings only, as the format requires) holds ``format``, the config
     and the category names as JSON, so :func:`read_checkpoint` gives them back.
     """
-    safetensors = _safetensors()
+    safetensors_torch = safetensors_module()
     metadata = {"format": FORMAT}
     if config is not None:
         metadata["config"] = json.dumps(config)
@@ -321,21 +226,13 @@ def save_safetensors(
         metadata["epoch"] = str(int(epoch))
     # safetensors refuses tensors sharing memory or not contiguous: store plain copies
     tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
-    data = safetensors.torch.save(tensors, metadata=metadata)
+    data = safetensors_torch.save(tensors, metadata=metadata)
     return atomic_write(path, lambda f: f.write(data))
 
 
 __all__ = [
-    "ALLOWED_CLASSES",
-    "FORMAT",
-    "allowed_classes",
     "atomic_save",
-    "atomic_write",
-    "format_keys",
-    "load_safetensors",
     "read_checkpoint",
-    "safe_load",
     "save_safetensors",
     "split_checkpoint",
-    "write_temp",
 ]

@@ -4,7 +4,7 @@ This project's key layout *is* the public one: facebookresearch/detr files and t
 iRPE-DETR model-zoo files load without renaming (``transformer.encoder.layers.N.
 self_attn.rpe_k.lookup_table_weight`` are the iRPE tables). What differs between
 files is the container (see :mod:`detr_irpe.checkpoint.files`), a ``module.``
-prefix from DDP, and Hugging Face's names (converted in :mod:`detr_irpe.checkpoint.hf`).
+prefix from DDP, and Hugging Face's names (converted in :mod:`detr_irpe.checkpoint.hf_keys`).
 
 :func:`architecture` reads the model settings a state dict implies (hidden size,
 layer counts, backbone, iRPE tables, ...), so that a checkpoint that does not fit a
@@ -15,12 +15,13 @@ shapes.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor, nn
 
 from detr_irpe.errors import CheckpointError
+from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table, is_rpe_key, parse_rpe
 
 HEAD_KEYS = ("class_embed.weight", "class_embed.bias")
 
@@ -31,11 +32,6 @@ _RESNETS = {
     ("bottleneck", 6): "resnet50",
     ("bottleneck", 23): "resnet101",
 }
-
-
-def is_rpe_key(key: str) -> bool:
-    """True for the iRPE lookup tables, e.g. ``...self_attn.rpe_k.lookup_table_weight``."""
-    return ".rpe_" in key or key.startswith("rpe_")
 
 
 def layout_of(state: Mapping[str, Any]) -> str:
@@ -84,15 +80,12 @@ def _rpe_tables(state: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
     return tables[min(tables)] if tables else {}
 
 
-def architecture(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    """The model settings a DETR state dict implies, keyed by their config names.
+def _backbone_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
+    return {"model.backbone": _backbone_name(state)}
 
-    Settings a state dict does not show (``model.nheads`` without per-head tables,
-    ``model.dilation``) are absent; ``model.rpe`` is the ``{table: shape}`` dict of
-    one encoder layer (empty without iRPE).
-    """
-    facts: dict[str, Any] = {
-        "model.backbone": _backbone_name(state),
+
+def _transformer_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
+    return {
         "model.hidden_dim": _first_shape(
             state, ("query_embed.weight", "transformer.decoder.norm.weight"), -1
         ),
@@ -106,13 +99,49 @@ def architecture(state: Mapping[str, Tensor]) -> dict[str, Any]:
             0,
         ),
         "model.pre_norm": "transformer.encoder.norm.weight" in state,
-        "model.position_embedding": (
-            "learned" if "backbone.1.row_embed.weight" in state else "sine or none"
-        ),
-        "model.rpe": _rpe_tables(state),
     }
-    if HEAD_KEYS[1] in state:
-        facts["model.num_classes"] = int(state[HEAD_KEYS[1]].shape[0]) - 1
+
+
+def _position_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
+    learned = "backbone.1.row_embed.weight" in state
+    return {"model.position_embedding": "learned" if learned else "sine or none"}
+
+
+def _irpe_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
+    return {"model.rpe": _rpe_tables(state)}
+
+
+def _head_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
+    if HEAD_KEYS[1] not in state:
+        return {}
+    return {"model.num_classes": int(state[HEAD_KEYS[1]].shape[0]) - 1}
+
+
+# What a state dict says about its model, part by part: each reader returns the config
+# keys it can read off the key names and shapes (None: not shown). A model family whose
+# parts have keys of their own (another decoder, denoising queries) adds its readers
+# here; explain_mismatch and every "does not fit" message then name its keys too. The
+# order is the order in which differences are reported.
+ARCHITECTURE_READERS: tuple[Callable[[Mapping[str, Tensor]], dict[str, Any]], ...] = (
+    _backbone_facts,
+    _transformer_facts,
+    _position_facts,
+    _irpe_facts,
+    _head_facts,
+)
+
+
+def architecture(state: Mapping[str, Tensor]) -> dict[str, Any]:
+    """The model settings a state dict implies, keyed by their config names
+    (:data:`ARCHITECTURE_READERS`).
+
+    Settings a state dict does not show (``model.nheads`` without per-head tables,
+    ``model.dilation``) are absent; ``model.rpe`` is the ``{table: shape}`` dict of
+    one encoder layer (empty without iRPE).
+    """
+    facts: dict[str, Any] = {}
+    for reader in ARCHITECTURE_READERS:
+        facts.update(reader(state))
     return {k: v for k, v in facts.items() if v is not None}
 
 
@@ -205,9 +234,6 @@ def _encoder_attention_prefixes(state: Mapping[str, Tensor]) -> list[str]:
 
 def _new_tables(d_model: int, nheads: int, rpe: Any, rpe_init: str) -> dict[str, Tensor]:
     """Fresh tables of one encoder attention, started as a new model's (``rpe_init``)."""
-    from detr_irpe.irpe import IRPEMultiheadAttention
-    from detr_irpe.models.transformer import init_rpe_table
-
     attention = IRPEMultiheadAttention(d_model, nheads, rpe=rpe)
     tables = {}
     for name, param in attention.named_parameters():
@@ -227,8 +253,6 @@ def add_rpe_tables(
     plain DETR). Tables sit right after each attention's ``out_proj.bias``, the public
     key order. Returns the new state dict and a note (None for ``rpe="none"``).
     """
-    from detr_irpe.irpe.config import parse_rpe
-
     rpe_cfg = parse_rpe(rpe)
     if rpe_cfg is None:
         return state, None
@@ -290,12 +314,12 @@ def convert_state_dict(
 
 
 __all__ = [
+    "ARCHITECTURE_READERS",
     "HEAD_KEYS",
     "add_rpe_tables",
     "architecture",
     "convert_state_dict",
     "explain_mismatch",
-    "is_rpe_key",
     "layout_of",
     "resize_class_head",
     "strip_ddp_prefix",

@@ -24,17 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from detr_irpe.checkpoint.files import format_keys, read_checkpoint
-from detr_irpe.checkpoint.layout import HEAD_KEYS, explain_mismatch, is_rpe_key
+from detr_irpe.checkpoint.files import read_checkpoint
+from detr_irpe.checkpoint.layout import HEAD_KEYS, explain_mismatch
+from detr_irpe.checkpoint.safe import format_keys
 from detr_irpe.errors import CheckpointError
+from detr_irpe.irpe import is_rpe_key
+from detr_irpe.utils.dist import unwrap_model
 
 logger = logging.getLogger(__name__)
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        return model.module
-    return model
 
 
 def _drop_bn_counters(state: dict[str, Tensor], target: Mapping[str, Tensor]) -> list[str]:
@@ -184,7 +181,7 @@ def load_state(
     Raises:
         CheckpointError: naming the file, the keys and the differing config keys.
     """
-    model = _unwrap(model)
+    model = unwrap_model(model)
     path = meta.get("path")
     target = model.state_dict()
     state = dict(state)
@@ -206,7 +203,7 @@ def load_state(
     }
 
 
-def load_checkpoint(
+def load_weights(
     model: nn.Module, path: str | Path, *, strict_head: bool = False
 ) -> dict[str, Any]:
     """Read a checkpoint (any layout :func:`read_checkpoint` accepts) and load it into
@@ -216,4 +213,4 @@ def load_checkpoint(
     return load_state(model, state, meta, strict_head=strict_head)
 
 
-__all__ = ["key_problems", "load_checkpoint", "load_state"]
+__all__ = ["key_problems", "load_state", "load_weights"]

@@ -29,8 +29,14 @@ import signal
 import sys
 import time
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from detr_irpe.ablation import collect_and_write, format_markdown, load_grid, run_grid
+from detr_irpe.ablation.schedule import format_command, launch_command
 from detr_irpe.cli.common import add_config_arguments, checked_overrides, new_parser, run_main
 from detr_irpe.errors import EXIT_FAILURE, EXIT_SIGINT, exit_status_for_signal
+from detr_irpe.run_folder.status import RunState, run_state
+from detr_irpe.utils.files import ensure_writable_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,11 +81,8 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def _list_runs(grid, print_commands: bool) -> None:
-    from detr_irpe.ablation import RunState, run_state
-    from detr_irpe.ablation.schedule import format_command, launch_command
-
     for run in grid.runs:
-        state = run_state(run)
+        state = run_state(run.output_dir, run.config)
         if not print_commands:
             print(f"{state.value:>9}  {run.key:<40} {run.output_dir}")
         elif state is not RunState.FINISHED:
@@ -91,10 +94,6 @@ def _list_runs(grid, print_commands: bool) -> None:
 
 def _train(grid, args: argparse.Namespace):
     """Train the grid's unfinished runs; the tables are rewritten after each run."""
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    from detr_irpe.ablation import collect_and_write, run_grid
-
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         with logging_redirect_tqdm():  # log lines above the bar, not through it
@@ -106,8 +105,6 @@ def _train(grid, args: argparse.Namespace):
 
 
 def _summary(grid, report, seconds: float) -> int:
-    from detr_irpe.ablation import collect_and_write, format_markdown
-
     rows, paths = collect_and_write(grid)
     print(format_markdown(grid, rows))
     print(f"tables: {paths['markdown']}  {paths['csv']}  {paths['runs']}")
@@ -127,9 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
     def body() -> int:
-        from detr_irpe.ablation import collect_and_write, load_grid
-        from detr_irpe.engine.run_lock import ensure_writable_folder
-
         grid = load_grid(args.grid, checked_overrides(args.overrides), args.output_dir,
                          args.seeds, base=args.config)
         if args.dry_run or args.print_commands:

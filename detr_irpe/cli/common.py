@@ -18,12 +18,15 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from detr_irpe import sizes
+from detr_irpe.config import load_config
 from detr_irpe.errors import (
     EXIT_SIGINT,
     EXIT_USER_ERROR,
     ConfigError,
     DetrIrpeError,
 )
+from detr_irpe.evaluation import format_summary
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -92,8 +95,6 @@ def device_override(device: str | None) -> list[str]:
 def print_eval_result(result: Mapping[str, Any]) -> None:
     """The 12 COCO numbers, the per-class table and the output folder of a
     ``run_training`` / ``run_evaluation`` result, on rank 0 only."""
-    from detr_irpe.engine import format_summary
-
     if result["rank"] != 0 or result["summary"] is None:
         return
     print(format_summary(result["summary"]))
@@ -121,8 +122,6 @@ def check_resize_flags(size: int | None, max_size: int | None) -> None:
     (a longer side of ``max_size`` and a shorter one of ``min(size, max_size)`` at most;
     :mod:`detr_irpe.sizes`). Without ``--max-size`` the config's ``data.max_size``,
     checked with the config, caps the image."""
-    from detr_irpe import sizes
-
     for flag, value in (("--size", size), ("--max-size", max_size)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} must be a positive number of pixels, got {value}")
@@ -142,8 +141,6 @@ def check_resize_flags(size: int | None, max_size: int | None) -> None:
 def load_config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Any:
     """The config named by ``--config`` with ``--set`` and ``extra`` applied, or ``None``
     when no ``--config`` was given (tools that read the config from a checkpoint)."""
-    from detr_irpe.config import load_config
-
     overrides = checked_overrides(getattr(args, "overrides", []) or []) + list(extra)
     if getattr(args, "config", None) is None:
         return None

@@ -30,8 +30,21 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from detr_irpe.checkpoint import (
+    FORMAT,
+    atomic_save,
+    convert_state_dict,
+    read_checkpoint,
+    resolve_config,
+    save_safetensors,
+)
+from detr_irpe.checkpoint.download import resolve_checkpoint
+from detr_irpe.checkpoint.hf_folder import write_hf_folder
 from detr_irpe.cli.common import add_config_arguments, new_parser, run_main
+from detr_irpe.config import config_from_dict
 from detr_irpe.errors import CheckpointError, ConfigError
+from detr_irpe.irpe import RPE_INIT_MODES
+from detr_irpe.utils.files import ensure_writable_folder
 
 TARGETS = ("pth", "safetensors", "hf")
 
@@ -49,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(largest category id + 1)")
     parser.add_argument("--rpe", default=None,
                         help="add iRPE tables of this setting, e.g. rpe-2.0-product-ctx-1-k")
-    parser.add_argument("--rpe-init", choices=("xavier", "zero"), default="xavier",
+    parser.add_argument("--rpe-init", choices=RPE_INIT_MODES, default="xavier",
                         help="how added tables start (default %(default)s, the reference "
                              "recipe; zero keeps the plain DETR's outputs)")
     parser.add_argument("--nheads", type=int, default=8, help="attention heads (default 8)")
@@ -73,8 +86,6 @@ def _saved_config(path: Path, config: str | None, args: argparse.Namespace,
     """The model's config as a dict: ``config`` (--config, or a published name's) with
     --set, else the one in the file (for a Hugging Face folder: the one its config.json
     implies), else None."""
-    from detr_irpe.models.from_checkpoint import resolve_config
-
     if config is None and not isinstance(meta.get("config"), dict) \
             and not meta.get("hf_model"):
         return None
@@ -96,9 +107,6 @@ def _updated_config(
 
 
 def _write_hf(state: dict, config: dict[str, Any] | None, meta: dict, out: Path) -> None:
-    from detr_irpe.checkpoint.hf import write_hf_folder
-    from detr_irpe.config import config_from_dict
-
     if config is None:
         raise CheckpointError(f"--to hf needs the model's config: {meta['path']} carries none; "
                               "pass --config, e.g. --config detr_r50")
@@ -108,11 +116,6 @@ def _write_hf(state: dict, config: dict[str, Any] | None, meta: dict, out: Path)
 
 def convert(args: argparse.Namespace) -> list[str]:
     """Read, convert and write as the arguments say; returns the notes to show."""
-    from detr_irpe.checkpoint import FORMAT, atomic_save, read_checkpoint, save_safetensors
-    from detr_irpe.checkpoint.download import resolve_checkpoint
-    from detr_irpe.checkpoint.layout import convert_state_dict
-    from detr_irpe.engine.run_lock import ensure_writable_folder
-
     target = _check_options(args)
     # before the checkpoint is read
     ensure_writable_folder(args.output.parent, "output folder", "choose another OUTPUT")

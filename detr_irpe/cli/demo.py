@@ -27,12 +27,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+import detr_irpe.visualization as vis
 from detr_irpe.cli.common import (
     add_config_arguments,
     checked_overrides,
     new_parser,
     run_main,
 )
+from detr_irpe.cli.eval import run_evaluation
+from detr_irpe.config import load_config
+from detr_irpe.data import build_dataset
+from detr_irpe.data.synthetic import generate_dataset
+from detr_irpe.engine.runner import run_training
+from detr_irpe.errors import ConfigError
+from detr_irpe.evaluation import format_summary, load_pr_arrays
+from detr_irpe.inference import Predictor, predict_files
+from detr_irpe.utils.files import atomic_write_text
 
 DATA_DIR = Path("datasets/synthetic")
 OUTPUT_DIR = Path("outputs/demo")
@@ -64,8 +74,6 @@ def parse_args(argv: list[str] | None = None):
 
 
 def ensure_dataset(folder: Path) -> None:
-    from detr_irpe.data.synthetic import generate_dataset
-
     anns = folder / "annotations"
     if (anns / "instances_val.json").is_file() and (anns / "instances_train.json").is_file():
         print(f"[demo] using the synthetic dataset in {folder}")
@@ -84,8 +92,6 @@ def schedule_for(num_train: int, batch_size: int, steps: int,
                  accumulate_steps: int = 1) -> tuple[int, int]:
     """(epochs, lr_drop) giving about ``steps`` optimizer steps, lr / 10 at ~``DROP_AT``."""
     if steps <= 0:
-        from detr_irpe.errors import ConfigError
-
         raise ConfigError(f"--steps must be positive, got {steps}")
     per_epoch = max(steps_per_epoch(num_train, batch_size, accumulate_steps), 1)
     epochs = max(1, round(steps / per_epoch))
@@ -95,8 +101,6 @@ def schedule_for(num_train: int, batch_size: int, steps: int,
 
 def demo_config(args) -> Any:
     """The demo config on ``args.data`` with the step budget turned into epochs."""
-    from detr_irpe.config import load_config
-
     name = args.config or "synthetic_demo"
     user = checked_overrides(args.overrides)
     data = [
@@ -129,10 +133,6 @@ def _figure(what: str, make) -> None:
 
 def draw_figures(checkpoint: Path, val_images: list[Path], run_dir: Path) -> None:
     """Predictions, attention maps of two images, training and precision-recall curves."""
-    import detr_irpe.visualization as vis
-    from detr_irpe.evaluation import load_pr_arrays
-    from detr_irpe.inference import Predictor, predict_files
-
     predictor = Predictor.from_checkpoint(checkpoint, device="cpu")
     result = predict_files(predictor, val_images, run_dir / "predictions", score_threshold=0.5)
     print(f"[demo] predictions on {len(val_images)} val images -> {run_dir / 'predictions'} "
@@ -163,9 +163,6 @@ def draw_figures(checkpoint: Path, val_images: list[Path], run_dir: Path) -> Non
 
 def _report(summary: dict, table: str, result: dict, train_seconds: float, total: float,
             out: Path) -> None:
-    from detr_irpe.engine import format_summary
-    from detr_irpe.utils.files import atomic_write_text
-
     print("\n[demo] COCO box metrics on the synthetic val split")
     print(format_summary(summary))
     if table:
@@ -185,9 +182,6 @@ def _report(summary: dict, table: str, result: dict, train_seconds: float, total
 
 
 def _body(args) -> int:
-    from detr_irpe.data import build_dataset
-    from detr_irpe.engine.runner import run_evaluation, run_training
-
     start = time.perf_counter()
     ensure_dataset(args.data)
     cfg = demo_config(args)

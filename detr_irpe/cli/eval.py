@@ -22,8 +22,12 @@ Exit status 2 on a config, data or checkpoint problem (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import logging
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.cli.common import (
     add_config_arguments,
     add_device_argument,
@@ -34,6 +38,73 @@ from detr_irpe.cli.common import (
     print_eval_result,
     run_main,
 )
+from detr_irpe.config import Config, load_config
+from detr_irpe.data import build_dataloader, build_dataset
+from detr_irpe.engine.distributed import cleanup_distributed, init_distributed
+from detr_irpe.engine.logger import setup_logging
+from detr_irpe.engine.runner import apply_process_settings
+from detr_irpe.engine.trainer import evaluate
+from detr_irpe.evaluation import CocoEvaluator, format_summary, per_class_table, write_eval_outputs
+from detr_irpe.models import model_from_checkpoint
+from detr_irpe.utils.files import ensure_writable_folder
+
+logger = logging.getLogger(__name__)
+
+
+def run_evaluation(
+    cfg: Config | None,
+    checkpoint: str | Path,
+    output_dir: str | Path,
+    *,
+    overrides: Sequence[str] = (),
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate a checkpoint (this project's or a public DETR / iRPE-DETR one) on the
+    val split of the config's data: the program of this tool, of ``detr-irpe-train
+    --eval-only`` and of the demo's re-evaluation.
+
+    The model is :func:`~detr_irpe.models.model_from_checkpoint` of ``checkpoint`` with
+    ``cfg`` (``None``: the checkpoint's own config) and ``overrides``: its class count
+    comes from the checkpoint's head unless ``model.num_classes`` is among the
+    overrides. Writes ``results.json``, ``metrics.json`` and ``precision.npz`` (the
+    precision / recall arrays of COCOeval) to ``output_dir``. Works under ``torchrun``
+    (results gathered from all ranks).
+
+    Returns:
+        ``{"summary", "per_class_table", "losses", "output_dir", "config", "rank"}``.
+    """
+    checkpoint = Path(checkpoint)
+    loaded = model_from_checkpoint(checkpoint, cfg, overrides)
+    info = init_distributed(loaded.cfg.train.device)
+    try:
+        output_dir = Path(output_dir)
+        if info.is_main:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(output_dir, info.rank, filename="eval.log")
+        cfg = apply_process_settings(loaded.cfg, info)
+        logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
+        val_ds = build_dataset(cfg.data, "val")
+        val_ds.check_num_classes(cfg.model.num_classes)
+        model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
+        loader = build_dataloader(
+            val_ds, cfg.train.batch_size, train=False, num_workers=cfg.data.num_workers,
+            distributed=info.distributed, seed=cfg.train.seed,
+        )
+        evaluator = CocoEvaluator(val_ds.coco)
+        losses, summary = evaluate(
+            model, criterion, loaded.postprocessor, loader, evaluator, info.device,
+            amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5,
+        )
+        table = per_class_table(evaluator)
+        if info.is_main:
+            logger.info("evaluation of %s:\n%s", checkpoint, format_summary(summary))
+            write_eval_outputs(evaluator, summary, losses, output_dir,
+                               {"checkpoint": str(checkpoint)})
+            evaluator.save_pr_arrays(output_dir / "precision.npz")
+        return {"summary": summary, "per_class_table": table, "losses": losses,
+                "output_dir": str(output_dir), "config": cfg, "rank": info.rank}
+    finally:
+        cleanup_distributed()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,11 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from detr_irpe.checkpoint.download import resolve_checkpoint
-        from detr_irpe.config import load_config
-        from detr_irpe.engine import run_evaluation
-        from detr_irpe.engine.run_lock import ensure_writable_folder
-
         extra = device_override(args.device)
         cfg = load_config_from_args(args, extra)
         overrides = checked_overrides(args.overrides) + extra
@@ -80,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(body)
 
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "run_evaluation"]
 
 
 if __name__ == "__main__":  # python -m detr_irpe.cli.eval (torchrun -m)

@@ -23,8 +23,21 @@ import argparse
 import logging
 from pathlib import Path
 
+import torch
+
+from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.cli.common import add_config_arguments, new_parser, run_main, setup_tool_logging
 from detr_irpe.errors import ExportError
+from detr_irpe.export import (
+    MIN_OPSET,
+    ImagesToPredictions,
+    check_input_size,
+    export_onnx,
+    parse_size,
+    run_onnx,
+)
+from detr_irpe.models.from_checkpoint import model_from_checkpoint
+from detr_irpe.utils.files import ensure_writable_folder
 
 FORMATS = ("onnx",)
 # float32 outputs of ONNX Runtime and PyTorch agree to this on the tiny test models
@@ -61,10 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_against_pytorch(model, path: Path, size: tuple[int, int], batch: int) -> str:
     """Run ``path`` with onnxruntime and PyTorch on the same random images."""
-    import torch
-
-    from detr_irpe.export import ImagesToPredictions, run_onnx
-
     images = torch.randn(batch, 3, *size)
     with torch.no_grad():
         expected = ImagesToPredictions(model).eval()(images)
@@ -79,11 +88,6 @@ def _check_against_pytorch(model, path: Path, size: tuple[int, int], batch: int)
 
 def export(args: argparse.Namespace) -> list[str]:
     """Load, export (and check) as the arguments say; returns the lines to show."""
-    from detr_irpe.checkpoint.download import resolve_checkpoint
-    from detr_irpe.engine.run_lock import ensure_writable_folder
-    from detr_irpe.export import MIN_OPSET, check_input_size, export_onnx, parse_size
-    from detr_irpe.models.from_checkpoint import model_from_checkpoint
-
     if args.format not in FORMATS:
         raise ExportError(f"--format {args.format!r} is not supported; supported: "
                           f"{', '.join(FORMATS)}")

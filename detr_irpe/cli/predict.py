@@ -47,6 +47,13 @@ from detr_irpe.cli.common import (
     setup_tool_logging,
 )
 from detr_irpe.errors import ConfigError
+from detr_irpe.inference import (
+    Predictor,
+    collect_images,
+    images_from_annotations,
+    predict_files,
+)
+from detr_irpe.utils.files import ensure_writable_folder
 
 DEFAULT_SCORE_THRESHOLD = 0.5
 
@@ -102,14 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     setup_tool_logging(logging.INFO)
 
     def body() -> int:
-        from detr_irpe.engine.run_lock import ensure_writable_folder
-        from detr_irpe.inference import (
-            Predictor,
-            collect_images,
-            images_from_annotations,
-            predict_files,
-        )
-
         threshold = _check_args(args)
         overrides = checked_overrides(args.overrides)
         # before the model is loaded

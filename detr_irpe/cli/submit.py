@@ -39,8 +39,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from detr_irpe.checkpoint.download import resolve_checkpoint
+from detr_irpe.cli import train
 from detr_irpe.cli.common import new_parser, run_main
+from detr_irpe.cli.submit_job import TrainJob
 from detr_irpe.errors import ConfigError
+from detr_irpe.utils.files import ensure_writable_folder
 
 CLUSTERS = ("slurm", "local")
 # DETR's own launcher asks for 72 hours; lower it to what the partition allows.
@@ -113,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _import_submitit() -> Any:
     try:
-        import submitit
+        import submitit  # optional dependency (the slurm extra)
     except ImportError:
         raise ConfigError("detr-irpe-submit needs submitit: pip install 'detr_irpe[slurm]' "
                           "(or pip install submitit)") from None
@@ -124,9 +128,6 @@ def _check_training(train_argv: list[str]) -> Any:
     """The training's arguments and config, checked as detr-irpe-train would; published
     checkpoint names are downloaded here, where the network may be (compute nodes often
     have none), into the cache the tasks read."""
-    from detr_irpe.checkpoint.download import resolve_checkpoint
-    from detr_irpe.cli import train
-
     args = train.build_parser().parse_args(train_argv)
     cfg = train.run_config(args)
     for spec in (args.finetune, args.resume):
@@ -175,9 +176,6 @@ def submit(args: argparse.Namespace, train_argv: list[str]) -> tuple[Any, Any]:
     Returns:
         ``(job, cfg)``: the submitit job and the run's config.
     """
-    from detr_irpe.cli.submit_job import TrainJob
-    from detr_irpe.engine.run_lock import ensure_writable_folder
-
     submitit = _import_submitit()
     _check_cluster(args)
     cfg = _check_training(train_argv)

@@ -33,7 +33,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from detr_irpe.cli.train import main as train_main
+from detr_irpe.engine.interrupt import StopOnSignal
 from detr_irpe.errors import EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
+from detr_irpe.run_folder.checkpoints import LAST, PREV
 
 # MASTER_PORT = PORT_BASE + (a hash of the job id) % PORT_SPAN: stable across the tasks
 # and the restarts of one job, different for most pairs of jobs sharing a node.
@@ -72,8 +75,6 @@ def dist_env(job_env: Any) -> dict[str, str]:
 
 def _training_stop_handler() -> Any:
     """The SIGTERM handler of a training loop in progress (``StopOnSignal``), or None."""
-    from detr_irpe.engine.interrupt import StopOnSignal
-
     handler = signal.getsignal(signal.SIGTERM)
     return handler if isinstance(getattr(handler, "__self__", None), StopOnSignal) else None
 
@@ -121,9 +122,7 @@ class TrainingFailed(RuntimeError):
 
 def _resume_file(run_dir: Path) -> Path | None:
     """The checkpoint a restarted job continues from, if the run saved one."""
-    from detr_irpe.engine import checkpoint_io as ckio
-
-    for name in (ckio.LAST, ckio.PREV):
+    for name in (LAST, PREV):
         if (run_dir / name).is_file():
             return run_dir / name
     return None
@@ -153,9 +152,7 @@ class TrainJob:
         return self.argv + (["--resume", str(found)] if found is not None else [])
 
     def __call__(self) -> int:
-        import submitit
-
-        from detr_irpe.cli.train import main as train_main
+        import submitit  # optional dependency (the slurm extra)
 
         job_env = submitit.JobEnvironment()
         os.environ.update(dist_env(job_env))
@@ -172,7 +169,7 @@ class TrainJob:
 
     def checkpoint(self) -> Any:
         """submitit's requeue callback: the same command, marked as a restart."""
-        import submitit
+        import submitit  # optional dependency (the slurm extra)
 
         return submitit.helpers.DelayedSubmission(
             TrainJob(self.argv, self.output_dir, restarted=True))

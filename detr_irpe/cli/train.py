@@ -55,8 +55,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.cli.common import (
     add_config_arguments,
     add_device_argument,
@@ -66,10 +66,11 @@ from detr_irpe.cli.common import (
     print_eval_result,
     run_main,
 )
+from detr_irpe.cli.eval import run_evaluation
+from detr_irpe.config import Config
+from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import ConfigError
-
-if TYPE_CHECKING:
-    from detr_irpe.config import Config
+from detr_irpe.run_folder.checkpoints import find_resume_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,18 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _local(spec: str | None, progress: bool) -> Path | None:
     """A --resume / --finetune value as a local path (a published name or an address
     downloaded into torch.hub's cache first)."""
-    from detr_irpe.checkpoint.download import resolve_checkpoint
-
     return None if spec is None else resolve_checkpoint(spec, progress=progress).path
 
 
 def _eval_weights(args: argparse.Namespace, output_dir: Path) -> Path:
-    from detr_irpe.engine import checkpoint_io as ckio
-
     progress = not args.no_progress
     if args.resume is not None:
         return _local(args.resume, progress)
-    found = ckio.find_resume_checkpoint(output_dir)
+    found = find_resume_checkpoint(output_dir)
     if found is not None:
         return Path(found[0])
     if args.finetune is not None:
@@ -131,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from detr_irpe.engine import run_evaluation, run_training
-
         cfg = run_config(args)
         if args.eval_only:
             output_dir = Path(cfg.train.output_dir)

@@ -41,7 +41,10 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
+import detr_irpe.visualization as vis
+from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.cli.common import (
     add_config_arguments,
     add_device_argument,
@@ -51,6 +54,19 @@ from detr_irpe.cli.common import (
     run_main,
     setup_tool_logging,
 )
+from detr_irpe.config import Config, load_config
+from detr_irpe.data.categories import resolve_category_names
+from detr_irpe.data.inputs import InputImage, prepare_image
+from detr_irpe.errors import ConfigError
+from detr_irpe.evaluation import load_pr_arrays
+from detr_irpe.evaluation.pr_arrays import find_pr_arrays
+from detr_irpe.models import build_model, model_from_checkpoint
+from detr_irpe.utils.device import resolve_device
+from detr_irpe.utils.files import ensure_writable_folder
+from detr_irpe.visualization.attention import model_device
+from detr_irpe.visualization.maps import distinct_points
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = Path("outputs/visualize")
 IMAGE_FIGURES = ("predictions", "encoder-attention", "decoder-attention")
@@ -179,24 +195,30 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- commands
 
 
-def _load(args: argparse.Namespace):
-    """``(model, cfg, category names saved with it)``."""
-    from detr_irpe.checkpoint.download import resolve_checkpoint
-    from detr_irpe.inference import resolve_device
-    from detr_irpe.visualization import load_model
-
-    config, checkpoint = args.config, None
+def _load(args: argparse.Namespace) -> tuple[nn.Module, Config, dict[int, str] | None]:
+    """``(model in eval mode, cfg, category names saved with it)``: the checkpoint's model
+    (:func:`~detr_irpe.models.model_from_checkpoint`), or without one the config's model
+    with random weights, to look at its geometry."""
+    overrides = checked_overrides(args.overrides)
+    device = resolve_device(args.device)
     if args.checkpoint is not None:
         source = resolve_checkpoint(args.checkpoint)
-        checkpoint, config = source.path, config if config is not None else source.config
-    return load_model(config, checkpoint, checked_overrides(args.overrides),
-                      device=resolve_device(args.device))
+        config = args.config if args.config is not None else source.config
+        loaded = model_from_checkpoint(source.path, config, overrides, device)
+        return loaded.model, loaded.cfg, loaded.category_names
+    cfg = load_config(args.config, overrides)
+    if cfg.model.num_classes is None:
+        raise ConfigError(
+            "model.num_classes is not set and there is no checkpoint to take it from; "
+            "pass e.g. --set model.num_classes=91"
+        )
+    model, _, _ = build_model(cfg, load_backbone_weights=False)
+    logger.warning("no checkpoint: the model has random weights")
+    return model.to(device).eval(), cfg, None
 
 
-def _image_run(args: argparse.Namespace):
+def _image_run(args: argparse.Namespace) -> tuple[nn.Module, InputImage, dict[int, str] | None]:
     """Model, prepared image, category names."""
-    from detr_irpe.visualization import prepare_image, resolve_category_names
-
     check_resize_flags(args.size, args.max_size)  # before the model is loaded
     model, cfg, stored_names = _load(args)
     image = prepare_image(args.image, size=args.size or cfg.data.val_size,
@@ -207,8 +229,6 @@ def _image_run(args: argparse.Namespace):
 
 
 def _rpe_tables(args: argparse.Namespace) -> list[Path]:
-    import detr_irpe.visualization as vis
-
     model, cfg, _ = _load(args)
     out = args.out or DEFAULT_DIR / "rpe_tables.png"
     maps = vis.model_rpe_table_maps(model, extent=args.extent, layers=args.layers)
@@ -218,25 +238,16 @@ def _rpe_tables(args: argparse.Namespace) -> list[Path]:
 
 
 def _pr_curves(args: argparse.Namespace) -> list[Path]:
-    from detr_irpe.evaluation import load_pr_arrays
-    from detr_irpe.evaluation.pr_arrays import find_pr_arrays
-    from detr_irpe.visualization import plot_pr_curves
-
     found = find_pr_arrays(args.source)
     arrays = load_pr_arrays(found)
     out = args.out or found.with_name("pr_curves.png")
-    plot_pr_curves(arrays, out=out, iou_thresholds=args.iou, area=args.area,
+    vis.plot_pr_curves(arrays, out=out, iou_thresholds=args.iou, area=args.area,
                    max_dets=args.max_dets, classes=args.classes)
     return [out]
 
 
 def _image_figure(args: argparse.Namespace) -> list[Path]:
     """predictions, encoder-attention (+ iRPE split) or decoder-attention of one image."""
-    import detr_irpe.visualization as vis
-    from detr_irpe.engine.run_lock import ensure_writable_folder
-    from detr_irpe.visualization.loading import model_device
-    from detr_irpe.visualization.maps import distinct_points
-
     if args.out is not None:
         # before the model is loaded
         ensure_writable_folder(args.out.parent, "output folder", "choose another --out")
@@ -257,7 +268,7 @@ def _image_figure(args: argparse.Namespace) -> list[Path]:
     detections = vis.detections_from_outputs(
         outputs, image.original_size, threshold=args.threshold,
         max_detections=args.max_detections, min_detections=args.min_detections)
-    logging.getLogger(__name__).info("%d detections kept (score >= %s)", len(detections),
+    logger.info("%d detections kept (score >= %s)", len(detections),
                                      args.threshold)
     out = args.out or DEFAULT_DIR / f"{image.name}_{args.command.replace('-', '_')}.png"
     if args.command == "predictions":
@@ -271,7 +282,7 @@ def _image_figure(args: argparse.Namespace) -> list[Path]:
     if not points:
         h0, w0 = image.original_size
         points = [(w0 / 2.0, h0 / 2.0)]
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "no detection kept: using the image centre as reference point")
     vis.plot_encoder_attention(image, record, points, layer=args.layer, out=out,
                                heads=args.heads)
@@ -285,8 +296,6 @@ def _image_figure(args: argparse.Namespace) -> list[Path]:
 
 def run(args: argparse.Namespace) -> list[Path]:
     """Draw what ``args.command`` asks for; the PNG files written."""
-    import detr_irpe.visualization as vis
-
     if args.command == "buckets":
         out = args.out or DEFAULT_DIR / f"buckets_ratio{args.ratio:g}.png"
         vis.plot_bucket_layout(args.ratio, tuple(args.grid), args.point, args.methods, out=out)

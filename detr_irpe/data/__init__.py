@@ -16,7 +16,7 @@ from detr_irpe.data.images import (
     read_image,
     to_uint8_image,
 )
-from detr_irpe.data.loader import build_dataloader, collate_fn
+from detr_irpe.data.loader import build_dataloader, collate_fn, epoch_batches
 from detr_irpe.data.sampling import DistributedEpochSampler, EpochSampler, KeyedDataset, SampleKey
 from detr_irpe.data.transforms import build_transforms
 
@@ -34,6 +34,7 @@ __all__ = [
     "build_dataset",
     "build_transforms",
     "collate_fn",
+    "epoch_batches",
     "image_size",
     "load_coco_annotations",
     "load_image_list",

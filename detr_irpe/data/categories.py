@@ -1,10 +1,22 @@
-"""Category names that a checkpoint may not carry: COCO 2017's, for the public models.
+"""Category names: COCO 2017's (the public models' checkpoints carry none), and the
+one rule for where a tool takes a model's names from (:func:`resolve_category_names`).
 
 Public DETR and iRPE-DETR checkpoints store weights only; their 91-output class
 head follows COCO's category ids (1..90 with gaps; the unused ids have no name).
 """
 
 from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from detr_irpe.config import Config
+from detr_irpe.data.coco import build_dataset
+from detr_irpe.errors import DatasetError, DetrIrpeError
+
+logger = logging.getLogger(__name__)
 
 # COCO 2017 category ids -> names (ids 12, 26, 29, 30, 45, 66, 68, 69, 71 and 83 are unused).
 COCO_CATEGORY_NAMES: dict[int, str] = {
@@ -33,4 +45,53 @@ def default_category_names(num_classes: int | None) -> dict[int, str]:
     return dict(COCO_CATEGORY_NAMES) if num_classes == COCO_NUM_CLASSES else {}
 
 
-__all__ = ["COCO_CATEGORY_NAMES", "COCO_NUM_CLASSES", "default_category_names"]
+def _read_names_file(path: str | Path) -> dict[int, str]:
+    """JSON (``{"id": name}``, a list, or COCO ``categories``) or text (one name a line,
+    line i = id i)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise DatasetError(f"category names file {path}: {err}") from err
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"category names file {path} is not valid JSON: {err}") from err
+        if isinstance(data, Mapping) and "categories" in data:
+            return {int(c["id"]): str(c["name"]) for c in data["categories"]}
+        if isinstance(data, Mapping):
+            return {int(k): str(v) for k, v in data.items()}
+        if isinstance(data, list):
+            return {i: str(v) for i, v in enumerate(data)}
+        raise DatasetError(f"{path}: expected a mapping id -> name, a list, or COCO categories")
+    return {i: line.strip() for i, line in enumerate(text.splitlines()) if line.strip()}
+
+
+def resolve_category_names(
+    cfg: Config,
+    stored: Mapping[int, str] | None = None,
+    names_file: str | Path | None = None,
+    use_dataset: bool = True,
+) -> dict[int, str] | None:
+    """Category id -> name, from the first source that has them: ``names_file``; the
+    names saved with the checkpoint (``stored``); the validation dataset of ``cfg.data``;
+    COCO's names when the model has COCO's 91 classes. None: labels read ``class {id}``."""
+    if names_file is not None:
+        return _read_names_file(names_file)
+    if stored:
+        return {int(k): str(v) for k, v in stored.items()}
+    if use_dataset:
+        try:
+            return dict(build_dataset(cfg.data, "val").category_names)
+        except (DetrIrpeError, OSError) as err:  # normal when looking at a public model
+            logger.info("no category names from the dataset (%s: %s)", type(err).__name__, err)
+    return default_category_names(cfg.model.num_classes) or None
+
+
+__all__ = [
+    "COCO_CATEGORY_NAMES",
+    "COCO_NUM_CLASSES",
+    "default_category_names",
+    "resolve_category_names",
+]

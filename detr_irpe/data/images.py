@@ -17,16 +17,14 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image, ImageOps
 from torch import Tensor
 
 from detr_irpe.errors import ImageReadError
-
-if TYPE_CHECKING:
-    from PIL.Image import Image as PILImage
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +41,8 @@ def _torchvision_decoders() -> tuple[Any, Any, Any] | None:
     """``(read_file, decode_image, ImageReadMode)`` of ``torchvision.io``, or None when
     this torchvision lacks one of them (looked up per call, so nothing fails at import)."""
     try:
+        # torchvision's decoders are a fast path, not a requirement: a build without
+        # them reads with PIL (and a failing import must not break the package's)
         import torchvision.io as tvio
     except ImportError:
         return None
@@ -58,8 +58,6 @@ def image_size(path: str | Path) -> tuple[int, int]:
     one beyond PIL's own hard limit (twice ``PIL.Image.MAX_IMAGE_PIXELS``), which PIL
     refuses to open at all.
     """
-    from PIL import Image
-
     path = Path(path)
     if not path.is_file():
         raise ImageReadError(f"cannot read image {path}: no such file")
@@ -91,8 +89,6 @@ def check_pixel_count(path: str | Path, max_pixels: int | None) -> tuple[int, in
 
 
 def _decode_pil(path: Path, apply_exif: bool) -> Tensor:
-    from PIL import Image, ImageOps
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # size checked before
         with Image.open(path) as pil:
@@ -153,7 +149,7 @@ _FLOAT_TOLERANCE = 1e-3
 
 
 def to_uint8_image(
-    image: str | Path | PILImage | np.ndarray | Tensor, max_pixels: int | None = None
+    image: str | Path | Image.Image | np.ndarray | Tensor, max_pixels: int | None = None
 ) -> Tensor:
     """Any accepted image kind -> a ``(3, H, W)`` uint8 RGB tensor on the CPU.
 
@@ -162,8 +158,6 @@ def to_uint8_image(
     same detections. Paths go through :func:`read_image`
     (``max_pixels`` checked before decoding).
     """
-    from PIL import Image
-
     if isinstance(image, (str, Path)):
         return read_image(image, max_pixels=max_pixels)
     if isinstance(image, Image.Image):

@@ -1,11 +1,12 @@
-"""Batching: ``collate_fn`` and ``build_dataloader`` (samplers, workers, seeding).
+"""Batching: ``collate_fn``, ``build_dataloader`` (samplers, workers, seeding) and
+:func:`epoch_batches` (an epoch from any batch on).
 
 The loader yields ``(ImageBatch, list[target])``. Its sampler is an
 :class:`~detr_irpe.data.sampling.EpochSampler` in a single process and a
 :class:`~detr_irpe.data.sampling.DistributedEpochSampler` under
 ``torch.distributed``; the caller calls ``loader.sampler.set_epoch(epoch)``
-before each epoch. Order and augmentation are functions of ``(seed, epoch)``
-(see ``sampling.py``), so a resumed run sees the same data.
+before each epoch, or iterates :func:`epoch_batches`. Order and augmentation are
+functions of ``(seed, epoch)`` (see ``sampling.py``), so a resumed run sees the same data.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import random
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -145,4 +146,20 @@ def build_dataloader(
     return loader
 
 
-__all__ = ["build_dataloader", "collate_fn"]
+def epoch_batches(loader: DataLoader, epoch: int, start_batch: int = 0) -> Iterator[Any]:
+    """The batches of ``epoch`` of a :func:`build_dataloader` loader from batch
+    ``start_batch`` on, for exact mid-epoch resume.
+
+    The batches already seen are skipped in the sampler, by index: nothing is loaded for
+    them, and the loader (with its persistent workers) is the same one. Making the
+    iterator leaves the global torch RNG untouched (a DataLoader draws its workers' base
+    seed there otherwise), so the RNG stream of training does not depend on when an
+    epoch was entered.
+    """
+    loader.sampler.set_epoch(epoch, start=start_batch * loader.batch_size)
+    with torch.random.fork_rng(devices=[]):
+        iterator = iter(loader)
+    yield from iterator
+
+
+__all__ = ["build_dataloader", "collate_fn", "epoch_batches"]

@@ -125,7 +125,19 @@ class DistributedEpochSampler(DistributedSampler):
     The epoch's order is :class:`EpochSampler`'s permutation of ``(seed, epoch)``, dealt
     out round-robin: one process sees exactly the single-process order, and N processes
     with batch B/N together see the same global batches as one process with batch B.
+    ``set_epoch(epoch, start=k)`` skips the first ``k`` samples of this process's share.
     """
+
+    start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        if not 0 <= start <= self.num_samples:
+            raise ValueError(f"start must be in [0, {self.num_samples}], got {start}")
+        super().set_epoch(epoch)
+        self.start = int(start)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
 
     def __iter__(self) -> Iterator[SampleKey]:  # type: ignore[override]
         order = EpochSampler(len(self.dataset), self.shuffle, self.seed)  # type: ignore[arg-type]
@@ -136,7 +148,7 @@ class DistributedEpochSampler(DistributedSampler):
         else:  # repeat from the start to make it evenly divisible, as DistributedSampler does
             padding = self.total_size - len(indices)
             indices += (indices * math.ceil(padding / max(len(indices), 1)))[:padding]
-        for index in indices[self.rank : self.total_size : self.num_replicas]:
+        for index in indices[self.rank : self.total_size : self.num_replicas][self.start :]:
             yield SampleKey(int(index), self.epoch, self.seed)
 
 

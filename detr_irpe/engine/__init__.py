@@ -1,36 +1,27 @@
-"""Training and evaluation engine: loops, atomic checkpoints, resume, distributed set-up, logs.
+"""Training engine: loops, resume, distributed set-up, logs.
 
-- :func:`run_training` / :func:`run_evaluation` (``runner``): a whole run, as the tools call it.
+- :func:`run_training` (``runner``): a whole training run, as the tool calls it (the
+  evaluation program of a checkpoint is ``detr_irpe.cli.eval.run_evaluation``).
 - :func:`train_step` / :func:`train_one_epoch` / :func:`evaluate` (``trainer``): the loops.
 - ``optim``: AdamW groups and the lr schedule (StepLR in epochs, warm-up in iterations).
-- ``checkpoint_io``: atomic save, rotation, validation, resume discovery, RNG states.
-- ``run_lock``: one run per run folder (an OS lock naming its holder), writability checks.
+- ``rng``: seeding, and the RNG states a checkpoint keeps.
 - ``interrupt``: SIGTERM / SIGINT become a stop at the next step boundary.
 - ``distributed``: process groups for one process, ``torchrun`` and SLURM.
+
+What a run folder holds, its lock and its checkpoints are :mod:`detr_irpe.run_folder`.
 """
 
-from detr_irpe.engine.checkpoint_io import (
-    CheckpointError,
-    find_resume_checkpoint,
-    load_checkpoint_file,
-    save_training_checkpoint,
-)
-from detr_irpe.engine.distributed import DistInfo, init_distributed, seed_everything
-from detr_irpe.engine.runner import format_summary, run_evaluation, run_training
+from detr_irpe.engine.distributed import DistInfo, init_distributed
+from detr_irpe.engine.rng import seed_everything
+from detr_irpe.engine.runner import run_training
 from detr_irpe.engine.trainer import NonFiniteLossError, evaluate, train_one_epoch, train_step
 
 __all__ = [
-    "CheckpointError",
     "DistInfo",
     "NonFiniteLossError",
     "evaluate",
-    "find_resume_checkpoint",
-    "format_summary",
     "init_distributed",
-    "load_checkpoint_file",
-    "run_evaluation",
     "run_training",
-    "save_training_checkpoint",
     "seed_everything",
     "train_one_epoch",
     "train_step",

@@ -15,14 +15,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import random
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from detr_irpe.config import ConfigError
+from detr_irpe.utils.device import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -55,41 +53,6 @@ def _env_ranks() -> tuple[int, int, int] | None:
     return None
 
 
-def why_no_gpu() -> str:
-    """Why ``torch.cuda.is_available()`` is False, in words a user can act on."""
-    if torch.version.cuda is None:
-        return f"this torch ({torch.__version__}) is built without CUDA support"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and not visible.strip():
-        return "CUDA_VISIBLE_DEVICES is set to an empty value (no GPU visible)"
-    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU: "
-            "no device, or a driver older than that CUDA"
-            + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""))
-
-
-def resolve_device(preference: str, local_rank: int = 0, launched: bool = False) -> torch.device:
-    """``auto`` -> this process's GPU when CUDA is available, else the CPU.
-
-    Args:
-        launched: started by a launcher (torchrun, SLURM) as one of several
-            processes: ``auto`` without a usable GPU is then an error, not N
-            processes silently sharing the CPU.
-    """
-    if preference == "cpu":
-        return torch.device("cpu")
-    if preference in ("cuda", "auto") and torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if preference == "cuda":
-        raise ConfigError(f"train.device=cuda but {why_no_gpu()}; use train.device=cpu")
-    if launched:
-        raise ConfigError(
-            f"train.device=auto under a multi-process launcher (torchrun / SLURM), but "
-            f"{why_no_gpu()}; fix the GPU set-up, or train on CPU processes on purpose "
-            "with --device cpu (train.device=cpu)"
-        )
-    return torch.device("cpu")
-
-
 def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistInfo:
     """Join the process group described by the environment (or run as one process)."""
     ranks = _env_ranks()
@@ -98,7 +61,7 @@ def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistInf
     # Under torchrun a process group is made even for one process, so that the
     # distributed sampler (and its data order) is the same for any process count.
     rank, world_size, local_rank = ranks
-    target = resolve_device(device, local_rank, launched=world_size > 1)
+    target = resolve_device(device, local_rank=local_rank, launched=world_size > 1)
     backend = "nccl" if target.type == "cuda" else "gloo"
     if target.type == "cuda":
         torch.cuda.set_device(target)
@@ -131,18 +94,8 @@ def cleanup_distributed() -> None:
         dist.destroy_process_group()
 
 
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and CUDA), numpy and python's ``random``."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 __all__ = [
     "DistInfo",
     "cleanup_distributed",
     "init_distributed",
-    "resolve_device",
-    "seed_everything",
-    "why_no_gpu",
 ]

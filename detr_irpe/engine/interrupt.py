@@ -27,8 +27,10 @@ from types import FrameType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from detr_irpe.errors import exit_status_for_signal
+from detr_irpe.utils.dist import is_dist
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +98,8 @@ def agreed_stop(local: int | None, device: torch.device | str = "cpu") -> int | 
     Any rank that received a signal stops all of them (the largest signal number
     wins, so that all ranks exit with one status). One process: ``local`` as is.
     """
-    from detr_irpe.utils.dist import is_dist
-
     if not is_dist():
         return local
-    import torch.distributed as dist
-
     flag = torch.tensor([local or 0], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     value = int(flag.item())

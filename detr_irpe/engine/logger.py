@@ -1,10 +1,10 @@
 """Logging for training runs: python logging to the console and ``train.log``,
-running averages of loss terms, DETR's JSON-lines ``log.txt``, optional TensorBoard.
+running averages of loss terms, optional TensorBoard (``log.txt`` is
+:mod:`detr_irpe.run_folder.log`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from detr_irpe.utils.files import atomic_write_text
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +26,6 @@ class _TqdmHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            from tqdm import tqdm
-
             tqdm.write(self.format(record), file=self.stream)
         except Exception:  # pragma: no cover - logging must never raise
             self.handleError(record)
@@ -126,39 +124,6 @@ class MetricTracker:
             self.meters[name] = meter
 
 
-class JsonLinesLog:
-    """DETR's ``log.txt``: one JSON object per epoch, appended and flushed."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-
-    def append(self, record: Mapping[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        records = []
-        for line in self.path.read_text().splitlines():
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a kill
-                continue
-        return records
-
-    def truncate_to(self, epochs_done: int) -> None:
-        """Keep the records of the first ``epochs_done`` epochs (used on resume)."""
-        if not self.path.exists():
-            return
-        kept = [r for r in self.read() if int(r.get("epoch", -1)) < epochs_done]
-        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-
-
 class TensorBoardWriter:
     """Scalars to TensorBoard when ``tensorboard`` is installed; otherwise does nothing."""
 
@@ -167,6 +132,7 @@ class TensorBoardWriter:
         if log_dir is None:
             return
         try:
+            # optional (the tensorboard extra): imported only when a run logs to it
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             logger.info("tensorboard is not installed; skipping TensorBoard logging")
@@ -189,4 +155,4 @@ class TensorBoardWriter:
             self._writer.close()
 
 
-__all__ = ["JsonLinesLog", "MetricTracker", "SmoothedValue", "TensorBoardWriter", "setup_logging"]
+__all__ = ["MetricTracker", "SmoothedValue", "TensorBoardWriter", "setup_logging"]

@@ -1,13 +1,13 @@
 """The DETR optimisation recipe: AdamW with a backbone lr, a step decay in epochs and an
-optional warm-up in iterations."""
+optional warm-up in iterations (a ``LambdaLR`` stepped per iteration)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from detr_irpe.config import TrainConfig
 
@@ -25,7 +25,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW over two parameter groups: the backbone (``train.lr_backbone``) and the rest
     (``train.lr``), both with ``train.weight_decay``. Parameters whose name contains
     ``backbone`` form the second group; with ``lr_backbone == 0`` they are frozen instead.
-    Each group's ``initial_lr`` is the base lr that :class:`StepSchedule` scales."""
+    Each group's ``initial_lr`` is the base lr that :func:`build_lr_scheduler` scales."""
     backbone, rest = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -71,47 +71,50 @@ def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainCon
     return changed
 
 
-class StepSchedule:
-    """The lr of every parameter group at optimizer step ``iteration`` of epoch ``epoch``:
-    ``initial_lr * gamma ** (epoch // lr_drop)`` (the reference's ``StepLR`` stepped
-    once per epoch), times a linear warm-up ``(iteration + 1) / warmup_iters`` during
-    the first ``warmup_iters`` iterations.
+def lr_factor(epoch: int, iteration: int, lr_drop: int, warmup_iters: int = 0,
+              gamma: float = LR_DROP_GAMMA) -> float:
+    """The factor of every group's base lr at optimizer step ``iteration`` of epoch
+    ``epoch``: ``gamma ** (epoch // lr_drop)`` (the reference's ``StepLR`` stepped once per
+    epoch), times a linear warm-up ``(iteration + 1) / warmup_iters`` during the first
+    ``warmup_iters`` iterations."""
+    factor = gamma ** (epoch // lr_drop) if lr_drop > 0 else 1.0
+    if warmup_iters > 0 and iteration < warmup_iters:
+        factor *= (iteration + 1) / warmup_iters
+    return factor
 
-    The drop depends on the epoch only, so it stays at the same epoch when the
-    number of iterations per epoch changes (another process count or batch size).
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    steps_per_epoch: int,
+    epoch: int = 0,
+    batch_in_epoch: int = 0,
+    iteration: int = 0,
+) -> LambdaLR:
+    """``LambdaLR`` over the optimizer's base lrs (``initial_lr``), stepped once per
+    optimizer step: its counter is the iteration, and the factor of iteration ``i`` is
+    :func:`lr_factor` of the epoch ``i`` belongs to.
+
+    The run starts (or resumes) at ``epoch``, ``batch_in_epoch``, ``iteration``; the
+    epoch of a later iteration is counted from there with this run's
+    ``steps_per_epoch``. So the drop depends on the epoch only and stays at the same
+    epoch when a resumed run has another number of iterations per epoch (another
+    process count or batch size), while the warm-up counts iterations.
     """
 
-    def __init__(self, lr_drop: int, warmup_iters: int = 0, gamma: float = LR_DROP_GAMMA) -> None:
-        self.lr_drop = int(lr_drop)
-        self.warmup_iters = int(warmup_iters)
-        self.gamma = float(gamma)
+    def factor(i: int) -> float:
+        epoch_of_i = epoch + (batch_in_epoch + i - iteration) // steps_per_epoch
+        return lr_factor(epoch_of_i, i, cfg.lr_drop, cfg.warmup_iters)
 
-    def factor(self, epoch: int, iteration: int) -> float:
-        factor = self.gamma ** (epoch // self.lr_drop) if self.lr_drop > 0 else 1.0
-        if self.warmup_iters > 0 and iteration < self.warmup_iters:
-            factor *= (iteration + 1) / self.warmup_iters
-        return factor
-
-    def apply(self, optimizer: torch.optim.Optimizer, epoch: int, iteration: int) -> None:
-        """Set each group's ``lr`` for the step about to be taken."""
-        factor = self.factor(epoch, iteration)
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * factor
-
-    def state_dict(self) -> dict[str, Any]:
-        """For the checkpoint (informative: a resumed run follows its own config)."""
-        return {"type": "step_per_epoch", "lr_drop": self.lr_drop,
-                "warmup_iters": self.warmup_iters, "gamma": self.gamma}
-
-
-def build_schedule(cfg: TrainConfig) -> StepSchedule:
-    return StepSchedule(cfg.lr_drop, cfg.warmup_iters)
+    # last_epoch: the scheduler's first step (in its constructor) sets the lr of
+    # ``iteration``, the next step to take
+    return LambdaLR(optimizer, factor, last_epoch=iteration - 1)
 
 
 __all__ = [
     "LR_DROP_GAMMA",
-    "StepSchedule",
     "apply_config_hyperparameters",
+    "build_lr_scheduler",
     "build_optimizer",
-    "build_schedule",
+    "lr_factor",
 ]

@@ -1,25 +1,20 @@
-"""A whole training run and a stand-alone evaluation, as called by ``tools/train.py``
-and ``tools/eval.py`` (one process, or one of many under ``torchrun``).
+"""A whole training run, as ``tools/train.py`` (``detr-irpe-train``) calls it: one
+process, or one of many under ``torchrun``.
 
-A training run is four named steps: :func:`resolve_start` (a run to resume,
-weights to fine-tune from, or scratch), :func:`build_parts` (data, model,
-optimizer, schedule), :func:`run_epochs` (train, evaluate, checkpoint) and
-:func:`finish` (the final evaluation outputs).
+A run is four named steps: :func:`resolve_start` (a run to resume, weights to fine-tune
+from, or scratch), :func:`build_parts` (data, model, optimizer, schedule),
+:meth:`TrainingRun.run_epochs` (train, evaluate, checkpoint) and
+:meth:`TrainingRun.finish` (the final evaluation outputs). A :class:`TrainingRun` holds
+what the steps change (where training stands, the best AP, the epoch's running sums);
+only its own methods change them.
 
-A run folder (``train.output_dir``) holds::
-
-    config.yaml             the resolved config (num_classes filled in)
-    train.log               python logging of rank 0
-    log.txt                 DETR's JSON lines, one object per epoch
-    checkpoint_last.pth     newest complete checkpoint (+ checkpoint_prev.pth, checkpoint_best.pth)
-    eval/                   results.json (COCO results), metrics.json of the last evaluation
-    tensorboard/            scalars, when tensorboard is installed
+The run folder (``train.output_dir``), its lock, which experiment it holds and which
+checkpoints it keeps are :mod:`detr_irpe.run_folder`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -31,48 +26,65 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from detr_irpe.checkpoint import load_weights
 from detr_irpe.config import Config, ConfigError, save_config
-from detr_irpe.engine import checkpoint_io as ckio
-from detr_irpe.engine.distributed import (
-    DistInfo,
-    cleanup_distributed,
-    init_distributed,
-    seed_everything,
-)
+from detr_irpe.data import build_dataloader, build_dataset, epoch_batches
+from detr_irpe.engine.distributed import DistInfo, cleanup_distributed, init_distributed
 from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
-from detr_irpe.engine.logger import JsonLinesLog, MetricTracker, TensorBoardWriter, setup_logging
+from detr_irpe.engine.logger import MetricTracker, TensorBoardWriter, setup_logging
 from detr_irpe.engine.optim import (
-    StepSchedule,
     apply_config_hyperparameters,
+    build_lr_scheduler,
     build_optimizer,
-    build_schedule,
 )
-from detr_irpe.engine.run_lock import RunLock, lock_run_folder
-from detr_irpe.engine.sampling import epoch_batches
+from detr_irpe.engine.rng import get_rng_state, seed_everything, set_rng_state
 from detr_irpe.engine.trainer import (
-    StepSettings,
-    StepState,
+    TrainingPosition,
+    UpdateSettings,
     build_grad_scaler,
     check_amp_device,
     evaluate,
+    nonfinite_tensors,
     resolve_amp,
     train_one_epoch,
 )
-from detr_irpe.errors import Interrupted, NonFiniteError, RunFolderError
-from detr_irpe.evaluation import COCO_STAT_NAMES
-from detr_irpe.utils.dist import all_gather_object, barrier
-from detr_irpe.utils.files import atomic_write_text
+from detr_irpe.errors import CheckpointError, Interrupted, NonFiniteError, RunFolderError
+from detr_irpe.evaluation import (
+    COCO_STAT_NAMES,
+    CocoEvaluator,
+    format_summary,
+    keep_pr_arrays,
+    per_class_table,
+    write_eval_outputs,
+)
+from detr_irpe.models import build_model
+from detr_irpe.run_folder.checkpoints import (
+    find_resume_checkpoint,
+    link_best,
+    remove_stale_temp_files,
+    repair_best,
+    save_training_checkpoint,
+)
+from detr_irpe.run_folder.experiment import config_differences, experiment_differences
+from detr_irpe.run_folder.lock import RunLock, lock_run_folder
+from detr_irpe.run_folder.log import JsonLinesLog
+from detr_irpe.utils.dist import all_gather_object, barrier, unwrap_model
 
 logger = logging.getLogger(__name__)
 
-# every this many epochs the evaluation's precision / recall arrays are kept under their own name
-KEEP_PR_EVERY = 50
 
-
-# ----------------------------------------------------------------------------- helpers
-def _set_threads(cfg: Config) -> None:
+# ----------------------------------------------------------------------------- the config
+def apply_process_settings(cfg: Config, info: DistInfo) -> Config:
+    """Set this process's torch threads (``train.num_threads``) and resolve
+    ``train.amp=auto`` for its device (logged); returns the config with the precision
+    resolved. The evaluation program shares it."""
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
+    amp = resolve_amp(cfg.train.amp, info.device)
+    if cfg.train.amp == "auto":
+        logger.info("train.amp=auto: %s on %s", "bf16 autocast" if amp == "bf16" else
+                    "float32", info.device)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp))
 
 
 def with_num_classes(cfg: Config, num_classes: int) -> Config:
@@ -100,111 +112,7 @@ def resolve_num_classes(cfg: Config, datasets: list[Any]) -> int:
     return from_data
 
 
-def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """``section.key: saved -> current`` for every differing config value."""
-    out = []
-    for section in sorted(set(saved) | set(current)):
-        a, b = saved.get(section, {}), current.get(section, {})
-        if not isinstance(a, Mapping) or not isinstance(b, Mapping):
-            if a != b:
-                out.append(f"{section}: {a!r} -> {b!r}")
-            continue
-        for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key):
-                out.append(f"{section}.{key}: {a.get(key)!r} -> {b.get(key)!r}")
-    return out
-
-
-def category_names_of(dataset: Any) -> dict[int, str]:
-    names = getattr(dataset, "category_names", None) or {}
-    return {int(i): str(n) for i, n in sorted(names.items())}
-
-
-def new_evaluator(dataset: Any) -> Any:
-    from detr_irpe.evaluation import CocoEvaluator
-
-    return CocoEvaluator(dataset.coco)
-
-
-def format_summary(summary: Mapping[str, Any] | None) -> str:
-    """The 12 COCOeval numbers as a two-row table."""
-    if not summary or "stats" not in summary:
-        return "(no evaluation)"
-    stats = list(summary["stats"])
-    header = " ".join(f"{n:>6}" for n in COCO_STAT_NAMES)
-    values = " ".join(f"{v:6.3f}" for v in stats)
-    return f"{header}\n{values}"
-
-
-def per_class_table(evaluator: Any) -> str:
-    fn = getattr(evaluator, "format_per_class_table", None)
-    if fn is None:
-        return ""
-    try:
-        return str(fn())
-    except Exception as err:  # the table is a nicety; never fail a run on it
-        logger.warning("could not format the per-class table: %s", err)
-        return ""
-
-
-def write_eval_outputs(
-    evaluator: Any, summary: Mapping[str, Any], losses: Mapping[str, float], folder: Path,
-    extra: Mapping[str, Any] | None = None,
-) -> None:
-    """``results.json`` (COCO results format) and ``metrics.json`` in ``folder`` (rank 0).
-
-    The precision / recall arrays (``precision.npz``) are written by the callers: a
-    training run writes them after every evaluation (:func:`_save_pr_arrays`)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    evaluator.write_results(folder / "results.json")
-    metrics = {"bbox": _jsonable(summary), "losses": dict(losses), **dict(extra or {})}
-    atomic_write_text(folder / "metrics.json", json.dumps(metrics, indent=2) + "\n")
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if torch.is_tensor(obj):
-        return obj.tolist()
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        return obj.item()
-    return obj
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def _wrap_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
-    if not info.distributed:
-        return model
-    device_ids = [info.device.index] if info.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
-
-
-def _resolved_amp(cfg: Config, info: DistInfo) -> Config:
-    """``train.amp=auto`` replaced by the precision chosen for this device (logged)."""
-    amp = resolve_amp(cfg.train.amp, info.device)
-    if cfg.train.amp == "auto":
-        logger.info("train.amp=auto: %s on %s", "bf16 autocast" if amp == "bf16" else
-                    "float32", info.device)
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp))
-
-
-def _prepare_output_dir(cfg: Config, info: DistInfo, lock: RunLock | None) -> Path:
-    """Logging into the run folder, and removal of what an interrupted save left there
-    (rank 0, which holds the folder's ``lock``: no other run can be writing)."""
-    output_dir = Path(cfg.train.output_dir)
-    setup_logging(output_dir, info.rank)
-    if lock is not None:
-        ckio.remove_stale_temp_files(output_dir, lock)
-    barrier()
-    return output_dir
-
-
-# ----------------------------------------------------------------------------- training
+# ----------------------------------------------------------------------------- the start
 @dataclass
 class StartState:
     """What a training run starts from: a checkpoint to resume, weights to fine-tune
@@ -224,67 +132,28 @@ class StartState:
 def resolve_start(output_dir: Path, resume: str | Path | None,
                   finetune: str | Path | None) -> StartState:
     """A run to resume (``resume``, else ``output_dir``'s newest intact checkpoint), else
-    fine-tuning weights, else scratch."""
-    found = ckio.find_resume_checkpoint(output_dir, resume)
+    fine-tuning weights, else scratch. Reads, writes nothing."""
+    found = find_resume_checkpoint(output_dir, resume)
     if found is not None:
-        logger.info("resuming from %s", found[0])
         return StartState(resume_path=Path(found[0]), resume_state=found[1],
                           explicit=resume is not None)
     return StartState(finetune=Path(finetune) if finetune is not None else None)
 
 
-@dataclass
-class RunParts:
-    """Everything a training run works with, built by :func:`build_parts`."""
-
-    cfg: Config
-    model: nn.Module
-    criterion: nn.Module
-    postprocessor: Any
-    optimizer: torch.optim.Optimizer
-    schedule: StepSchedule
-    settings: StepSettings
-    train_loader: Any
-    val_loader: Any
-    val_dataset: Any
-    steps_per_epoch: int
-    n_parameters: int
-    category_names: dict[int, str] = field(default_factory=dict)
-
-
-# The model and data settings (and the seed) make a run folder's checkpoint one
-# experiment: auto-resume refuses it when one of them differs. Not these: how weights
-# start (they come from the checkpoint), the memory layout and how data is read. Everything else
-# (train.*) a resumed run applies: lr and weight decay go into the restored optimizer.
-_NOT_IDENTITY = {"model.backbone_weights", "model.rpe_init", "model.channels_last",
-                 "data.num_workers",
-                 "data.cache_images", "data.strict", "data.max_image_pixels"}
-
-
-def experiment_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """The model and data settings (and ``train.seed``) that differ, as
-    ``key: saved -> current``. Keys the saved config lacks (written by an older
-    version of the package) are not compared."""
-    out = []
-    for section, keys in (("model", None), ("data", None), ("train", ("seed",))):
-        old, new = saved.get(section) or {}, current.get(section) or {}
-        for key in keys or sorted(new):
-            name = f"{section}.{key}"
-            if key in old and name not in _NOT_IDENTITY and old[key] != new.get(key):
-                out.append(f"{name}: {old[key]!r} -> {new.get(key)!r}")
-    return out
-
-
 def check_resume_config(saved: Mapping[str, Any], cfg: Config, start: StartState) -> None:
-    """Refuse to continue another experiment by accident; log what a resume changes.
+    """Refuse to continue another experiment by accident.
+
+    Called before the run writes anything (with ``cfg`` as given: ``auto`` and a
+    ``null`` class count match what the saved run resolved them to), and again once
+    they are resolved.
 
     Raises:
-        RunFolderError: auto-resume found a checkpoint of other model / data settings.
+        RunFolderError: auto-resume found a checkpoint of another experiment
+            (:func:`~detr_irpe.run_folder.experiment.experiment_differences`).
         ConfigError: ``train.seed`` changed on a resume (the checkpoint's random
             streams continue, so the new seed could not apply).
     """
-    current = cfg.to_dict()
-    differ = experiment_differences(saved, current)
+    differ = experiment_differences(saved, cfg.to_dict())
     if differ and not start.explicit:
         raise RunFolderError(
             f"{cfg.train.output_dir} holds a run of another experiment "
@@ -298,20 +167,42 @@ def check_resume_config(saved: Mapping[str, Any], cfg: Config, start: StartState
             f"{seed[0]}: a resumed run continues the random streams of {start.resume_path}, "
             "so train.seed cannot change; drop the override or start a new run"
         )
-    changed = [line for line in config_differences(saved, current)
+
+
+def _log_resume_changes(saved: Mapping[str, Any], cfg: Config) -> None:
+    changed = [line for line in config_differences(saved, cfg.to_dict())
                if not line.startswith("train.output_dir:")]
     if changed:
         logger.info("resuming with these settings changed (each applies from here on): %s",
                     "; ".join(changed))
 
 
+# ----------------------------------------------------------------------------- the parts
+@dataclass
+class RunParts:
+    """Everything a training run works with, built by :func:`build_parts`."""
+
+    cfg: Config
+    model: nn.Module
+    criterion: nn.Module
+    postprocessor: Any
+    optimizer: torch.optim.Optimizer
+    settings: UpdateSettings
+    train_loader: Any
+    val_loader: Any
+    val_dataset: Any
+    steps_per_epoch: int
+    n_parameters: int
+    category_names: dict[int, str] = field(default_factory=dict)
+
+
 def _settle_config(cfg: Config, start: StartState, info: DistInfo, datasets: list) -> Config:
-    """Fill in ``num_classes`` and ``amp``, check a resumed run's config against this
-    one, log and write ``config.yaml``."""
+    """Fill in ``num_classes``, check a resumed run's config against this one (now
+    resolved), log and write ``config.yaml``."""
     cfg = with_num_classes(cfg, resolve_num_classes(cfg, datasets))
-    cfg = _resolved_amp(cfg, info)
     if start.saved_config is not None:
         check_resume_config(start.saved_config, cfg, start)
+        _log_resume_changes(start.saved_config, cfg)
     logger.info("config:\n%s", cfg.to_yaml())
     if info.is_main:
         save_config(cfg, Path(cfg.train.output_dir) / "config.yaml")
@@ -333,11 +224,15 @@ def _steps_per_epoch(cfg: Config, train_loader: Any, train_ds: Any, info: DistIn
     return steps
 
 
-def build_parts(cfg: Config, info: DistInfo, start: StartState) -> RunParts:
-    """Datasets, loaders, model, criterion, optimizer and schedule of the run."""
-    from detr_irpe.data import build_dataloader, build_dataset
-    from detr_irpe.models import build_model
+def _category_names_of(dataset: Any) -> dict[int, str]:
+    names = getattr(dataset, "category_names", None) or {}
+    return {int(i): str(n) for i, n in sorted(names.items())}
 
+
+def build_parts(cfg: Config, info: DistInfo, start: StartState) -> RunParts:
+    """Datasets, loaders, model, criterion and optimizer of the run (``cfg`` with its
+    precision resolved, :func:`apply_process_settings`); the lr schedule follows from
+    where the run starts (:class:`TrainingRun`)."""
     train_ds = build_dataset(cfg.data, "train")
     val_ds = build_dataset(cfg.data, "val")
     cfg = _settle_config(cfg, start, info, [train_ds, val_ds])
@@ -356,172 +251,110 @@ def build_parts(cfg: Config, info: DistInfo, start: StartState) -> RunParts:
                                 distributed=info.distributed, seed=cfg.train.seed)
 
     train_loader = loader(train_ds, True)
-    settings = StepSettings(amp=cfg.train.amp, scaler=build_grad_scaler(info.device, cfg.train.amp),
+    settings = UpdateSettings(amp=cfg.train.amp, scaler=build_grad_scaler(info.device, cfg.train.amp),
                             clip_max_norm=cfg.train.clip_max_norm,
                             accumulate_steps=cfg.train.accumulate_steps)
     return RunParts(
         cfg=cfg, model=model, criterion=criterion, postprocessor=postprocessor,
-        optimizer=build_optimizer(model, cfg.train), schedule=build_schedule(cfg.train),
-        settings=settings, train_loader=train_loader, val_loader=loader(val_ds, False),
+        optimizer=build_optimizer(model, cfg.train), settings=settings, train_loader=train_loader, val_loader=loader(val_ds, False),
         val_dataset=val_ds, steps_per_epoch=_steps_per_epoch(cfg, train_loader, train_ds, info),
         n_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
-        category_names=category_names_of(train_ds),
+        category_names=_category_names_of(train_ds),
     )
 
 
-class _Run:
-    """State shared by the steps of one training run."""
-
-    def __init__(self, parts: RunParts, info: DistInfo, output_dir: Path, progress: bool) -> None:
-        self.parts = parts
-        self.cfg = parts.cfg
-        self.info = info
-        self.output_dir = output_dir
-        self.progress = progress
-        self.best_ap: float | None = None
-        self.best_epoch: int | None = None  # the ``epoch`` of the checkpoint with best_ap
-        self.step = StepState()
-        self.model: nn.Module = parts.model  # wrapped for DDP once the weights are loaded
-        # Running sums of the epoch in progress; saved with mid-epoch checkpoints so that
-        # a resumed epoch's log.txt averages cover all of its steps.
-        self.tracker = self.new_tracker()
-        self.stop: StopOnSignal | None = None  # set while run_epochs listens for signals
-
-    def new_tracker(self) -> MetricTracker:
-        return MetricTracker(window=max(self.cfg.train.print_freq, 1))
-
-    def checkpoint_state(self, step: StepState) -> dict:
-        p = self.parts
-        rng = all_gather_object(ckio.get_rng_state())  # collective: every rank calls it
-        return {
-            "model": _unwrap(self.model).state_dict(),
-            "optimizer": p.optimizer.state_dict(),
-            "lr_scheduler": p.schedule.state_dict(),
-            "scaler": p.settings.scaler.state_dict() if p.settings.scaler is not None else None,
-            "epoch": step.epoch,
-            "batch_in_epoch": step.batch_in_epoch,
-            "iteration": step.iteration,
-            "best_ap": self.best_ap,
-            "best_epoch": self.best_epoch,
-            "metrics": self.tracker.state_dict() if step.batch_in_epoch else {},
-            "rng": rng,
-            "world_size": self.info.world_size,
-            "batch_size": self.cfg.train.batch_size,
-            "config": self.cfg.to_dict(),
-            "category_names": p.category_names,
-        }
-
-    def save(self, step: StepState, is_best: bool = False) -> None:
-        """Checkpoint ``step`` (a collective); never weights holding NaN / inf.
-
-        Raises:
-            NonFiniteError: the weights are not finite (nothing is written).
-            RunFolderError: the file could not be written (the previous one is intact).
-        """
-        bad = ckio.nonfinite_tensors(_unwrap(self.model).state_dict())
-        if bad:  # the same weights on every rank: every rank raises
-            raise NonFiniteError(
-                f"the weights became NaN / inf at epoch {step.epoch}, iteration "
-                f"{step.iteration} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
-                "training stopped without saving them, the last checkpoint is finite. Lower "
-                "train.lr or keep train.clip_max_norm > 0"
-            )
-        state = self.checkpoint_state(step)
-        if self.info.is_main:
-            path = ckio.save_training_checkpoint(state, self.output_dir)
-            if is_best:
-                ckio.link_best(self.output_dir)
-            logger.info(
-                "saved %s (epoch %d, batch %d, iteration %d)%s",
-                path, step.epoch, step.batch_in_epoch, step.iteration,
-                ", new best" if is_best else "",
-            )
-        barrier()
-
-    def stop_requested(self, agree: bool = True) -> int | None:
-        """The signal that stops every rank now, or None.
-
-        With several processes the ranks agree in a collective that waits for the
-        device; ``agree=False`` skips it (None), so that a step that would not wait
-        otherwise does not wait for it either.
-        """
-        if self.stop is None or (not agree and self.info.world_size > 1):
-            return None
-        return agreed_stop(self.stop.requested(), self.info.device)
-
-    def interrupted(self, signum: int, step: StepState) -> Interrupted:
-        """The error that ends a run stopped by ``signum`` after checkpointing ``step``."""
-        message = interrupted_message(signum, step.epoch, step.batch_in_epoch)
-        logger.warning("%s", message)
-        return Interrupted(message, signum)
-
-    def evaluate(self) -> tuple[dict[str, float], dict[str, Any], Any]:
-        p = self.parts
-        evaluator = new_evaluator(p.val_dataset)
-        losses, summary = evaluate(
-            self.model, p.criterion, p.postprocessor, p.val_loader, evaluator, self.info.device,
-            amp=self.cfg.train.amp, progress=self.progress,
-            print_freq=self.cfg.train.print_freq * 5,
-        )
-        return losses, summary, evaluator
-
-
-def restore(run: _Run, state: Mapping[str, Any]) -> None:
-    """Weights, optimizer, scaler, position, best AP and RNG states of a checkpoint; the
-    base lrs and weight decay then follow this run's config."""
-    p, info = run.parts, run.info
+# ----------------------------------------------------------------------------- a resume
+def _load_model_state(model: nn.Module, state: Mapping[str, Any]) -> None:
     try:
-        p.model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"])
     except RuntimeError as err:
-        raise ckio.CheckpointError(
+        raise CheckpointError(
             f"the resumed checkpoint does not fit the model of this config: {err}"
         ) from None
+
+
+def _load_optimizer_state(parts: RunParts, state: Mapping[str, Any]) -> None:
+    """The optimizer's (and the GradScaler's) state; the base lrs and the weight decay
+    then follow this run's config."""
     try:
-        p.optimizer.load_state_dict(state["optimizer"])
+        parts.optimizer.load_state_dict(state["optimizer"])
     except ValueError as err:  # another set of parameter groups
-        raise ckio.CheckpointError(
+        raise CheckpointError(
             f"the optimizer state of the resumed checkpoint does not fit this run ({err}); "
             "train.lr_backbone switched between 0 (frozen backbone) and > 0? Keep it, or "
             "start a new run with --finetune CHECKPOINT"
         ) from None
-    for line in apply_config_hyperparameters(p.optimizer, run.cfg.train):
+    for line in apply_config_hyperparameters(parts.optimizer, parts.cfg.train):
         logger.info("optimizer setting from this run's config: %s", line)
-    if p.settings.scaler is not None and state.get("scaler") is not None:
-        p.settings.scaler.load_state_dict(state["scaler"])
-    run.step = StepState(int(state["epoch"]), int(state.get("batch_in_epoch", 0)),
-                         int(state["iteration"]))
-    run.best_ap = state.get("best_ap")
-    run.best_epoch = state.get("best_epoch")
-    if run.step.batch_in_epoch and state.get("metrics"):
-        run.tracker.load_state_dict(state["metrics"])
+    if parts.settings.scaler is not None and state.get("scaler") is not None:
+        parts.settings.scaler.load_state_dict(state["scaler"])
+
+
+def _restore_rng(state: Mapping[str, Any], info: DistInfo) -> None:
+    """This rank's random streams, when the checkpoint was written by as many ranks."""
     saved_world = int(state.get("world_size", 1))
     rng = state.get("rng") or []
     if saved_world == info.world_size and len(rng) == info.world_size:
-        ckio.set_rng_state(rng[info.rank])
+        set_rng_state(rng[info.rank])
     else:
         logger.warning(
             "checkpoint was written by %d process(es), this run has %d: RNG states not "
             "restored, data order per epoch is kept", saved_world, info.world_size,
         )
-    if saved_world * int(state.get("batch_size", run.cfg.train.batch_size)) != (
-        info.world_size * run.cfg.train.batch_size
-    ) and run.step.batch_in_epoch:
+
+
+def _resumed_position(state: Mapping[str, Any], parts: RunParts, info: DistInfo) -> TrainingPosition:
+    """Where the checkpoint stopped; a position past the end of an epoch (fewer steps
+    per epoch now) is the start of the next one."""
+    position = TrainingPosition(int(state["epoch"]), int(state.get("batch_in_epoch", 0)),
+                         int(state["iteration"]))
+    batch_size = parts.cfg.train.batch_size
+    saved_batch = int(state.get("world_size", 1)) * int(state.get("batch_size", batch_size))
+    if position.batch_in_epoch and saved_batch != info.world_size * batch_size:
         logger.warning("the global batch size changed; mid-epoch position is approximate")
-    if run.step.batch_in_epoch >= p.steps_per_epoch:
-        run.step.epoch, run.step.batch_in_epoch = run.step.epoch + 1, 0
-        run.tracker = run.new_tracker()
+    if position.batch_in_epoch >= parts.steps_per_epoch:
+        position = TrainingPosition(position.epoch + 1, 0, position.iteration)
+    return position
+
+
+@dataclass
+class BestAP:
+    """The best validation AP so far and the ``epoch`` of the checkpoint written after
+    the evaluation that gave it."""
+
+    ap: float | None = None
+    epoch: int | None = None
+
+    @classmethod
+    def of_checkpoint(cls, state: Mapping[str, Any]) -> BestAP:
+        return cls(state.get("best_ap"), state.get("best_epoch"))
+
+    def update(self, summary: Mapping[str, Any], epoch: int) -> bool:
+        """Take the evaluation of ``epoch``; whether it is a new best."""
+        ap = float(summary["AP"])
+        if self.ap is not None and ap <= self.ap:
+            return False
+        self.ap, self.epoch = ap, epoch + 1  # the ``epoch`` of the checkpoint written after it
+        return True
 
 
 def _load_finetune_weights(model: nn.Module, path: Path) -> None:
-    from detr_irpe.models import load_checkpoint
-
-    load_info = load_checkpoint(model, path)
+    load_info = load_weights(model, path)
     logger.info("fine-tuning from %s (%s); re-initialised: %s", path,
                 load_info.get("format"), load_info.get("reinitialized") or "nothing")
 
 
-def _epoch_record(run: _Run, epoch: int, train_stats: Mapping[str, float],
-                  eval_result: tuple | None, times: tuple[float, float]) -> dict[str, Any]:
+def _wrap_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
+    if not info.distributed:
+        return model
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+# ----------------------------------------------------------------------------- the epochs
+def _epoch_record(epoch: int, train_stats: Mapping[str, float],
+                  eval_result: tuple | None, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``log.txt`` record of an epoch."""
     record: dict[str, Any] = {"epoch": epoch}
     record.update({f"train_{k}": v for k, v in train_stats.items()})
     if eval_result is not None:
@@ -529,16 +362,12 @@ def _epoch_record(run: _Run, epoch: int, train_stats: Mapping[str, float],
         record.update({f"test_{k}": v for k, v in losses.items()})
         if summary is not None:
             record["test_coco_eval_bbox"] = [float(v) for v in summary["stats"]]
-    record.update({"n_parameters": run.parts.n_parameters, "iteration": run.step.iteration,
-                   "epoch_time": times[0], "train_time": times[1]})
+    record.update(extra)
     return record
 
 
-def _log_epoch(run: _Run, record: Mapping[str, Any], log: JsonLinesLog,
-               tensorboard: TensorBoardWriter) -> None:
+def _log_epoch(record: Mapping[str, Any], log: JsonLinesLog, tensorboard: TensorBoardWriter) -> None:
     """``log.txt`` and the epoch's TensorBoard scalars (rank 0), keyed by iteration."""
-    if not run.info.is_main:
-        return
     log.append(record)
     step = int(record["iteration"])
     tensorboard.scalars({k[6:]: v for k, v in record.items() if k.startswith("train_")},
@@ -550,108 +379,227 @@ def _log_epoch(run: _Run, record: Mapping[str, Any], log: JsonLinesLog,
                             step, "coco/")
 
 
-def _train_epoch(run: _Run, tensorboard: TensorBoardWriter) -> dict[str, float]:
-    p, cfg, step = run.parts, run.cfg, run.step
+class TrainingRun:
+    """One training run: its parts, where it stands (:attr:`position`), the best AP so
+    far and the epoch's running sums; the steps that change them are its methods.
 
-    def on_step(state: StepState, read_losses) -> None:
-        if state.batch_in_epoch >= p.steps_per_epoch:
-            return  # the epoch's end: run_epochs evaluates, saves, then looks for a stop
-        every = cfg.train.checkpoint_every
-        checkpoint_due = every > 0 and state.iteration % every == 0
-        # Under torchrun the stop is agreed on at the steps that wait for the device
-        # anyway: the losses are read every print_freq steps, and before a checkpoint.
-        agree = checkpoint_due or state.batch_in_epoch % max(cfg.train.print_freq, 1) == 0
-        signum = run.stop_requested(agree)
-        if signum is not None:
-            read_losses()
-            run.save(state)
-            raise run.interrupted(signum, state)
-        if checkpoint_due:
-            read_losses()  # never checkpoint weights after a NaN / inf loss
-            run.save(state)
+    Start one with :meth:`start` (scratch, fine-tuning or a resume).
+    """
 
-    micro_done = step.batch_in_epoch * cfg.train.accumulate_steps
-    return train_one_epoch(
-        run.model, p.criterion, epoch_batches(p.train_loader, step.epoch, micro_done),
-        p.optimizer, p.schedule, run.info.device, step,
-        num_steps=p.steps_per_epoch, settings=p.settings, print_freq=cfg.train.print_freq,
-        progress=run.progress, total_epochs=cfg.train.epochs, on_step=on_step,
-        tensorboard=tensorboard, tracker=run.tracker,
-    )
+    def __init__(self, parts: RunParts, info: DistInfo, output_dir: Path, progress: bool,
+                 position: TrainingPosition | None = None, best: BestAP | None = None,
+                 metrics: Mapping[str, Any] | None = None) -> None:
+        self.parts = parts
+        self.cfg = parts.cfg
+        self.info = info
+        self.output_dir = output_dir
+        self.progress = progress
+        self.position = position or TrainingPosition()
+        self.best = best or BestAP()
+        # A resumed run follows its own config: the schedule is built, not restored.
+        self.lr_scheduler = build_lr_scheduler(
+            parts.optimizer, self.cfg.train, parts.steps_per_epoch, self.position.epoch,
+            self.position.batch_in_epoch, self.position.iteration)
+        # Running sums of the epoch in progress; saved with mid-epoch checkpoints so that
+        # a resumed epoch's log.txt averages cover all of its steps.
+        self.tracker = self._new_tracker()
+        if metrics:
+            self.tracker.load_state_dict(metrics)
+        self.model: nn.Module = _wrap_ddp(parts.model, info)  # after the weights are loaded
+        self.stop: StopOnSignal | None = None  # set while run_epochs listens for signals
+
+    @classmethod
+    def start(cls, parts: RunParts, info: DistInfo, output_dir: Path, progress: bool,
+              start: StartState) -> TrainingRun:
+        """The run from scratch, from fine-tuning weights, or where a checkpoint stopped
+        (its weights, optimizer, position, best AP, running sums and random streams)."""
+        state = start.resume_state
+        if state is None:
+            if start.finetune is not None:
+                _load_finetune_weights(parts.model, start.finetune)
+            return cls(parts, info, output_dir, progress)
+        _load_model_state(parts.model, state)
+        _load_optimizer_state(parts, state)
+        position = _resumed_position(state, parts, info)
+        metrics = state.get("metrics") if position.batch_in_epoch else None
+        _restore_rng(state, info)
+        return cls(parts, info, output_dir, progress, position, BestAP.of_checkpoint(state),
+                   metrics)
+
+    def _new_tracker(self) -> MetricTracker:
+        return MetricTracker(window=max(self.cfg.train.print_freq, 1))
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_state(self) -> dict:
+        """The checkpoint of the current position (a collective: every rank calls it)."""
+        parts, position = self.parts, self.position
+        rng = all_gather_object(get_rng_state())
+        return {
+            "model": unwrap_model(self.model).state_dict(),
+            "optimizer": parts.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "scaler": parts.settings.scaler.state_dict() if parts.settings.scaler else None,
+            "epoch": position.epoch,
+            "batch_in_epoch": position.batch_in_epoch,
+            "iteration": position.iteration,
+            "best_ap": self.best.ap,
+            "best_epoch": self.best.epoch,
+            "metrics": self.tracker.state_dict() if position.batch_in_epoch else {},
+            "rng": rng,
+            "world_size": self.info.world_size,
+            "batch_size": self.cfg.train.batch_size,
+            "config": self.cfg.to_dict(),
+            "category_names": parts.category_names,
+        }
+
+    def save(self, is_best: bool = False) -> None:
+        """Checkpoint the current position (a collective); never weights holding NaN / inf.
+
+        Raises:
+            NonFiniteError: the weights are not finite (nothing is written).
+            RunFolderError: the file could not be written (the previous one is intact).
+        """
+        position = self.position
+        bad = nonfinite_tensors(unwrap_model(self.model).state_dict())
+        if bad:  # the same weights on every rank: every rank raises
+            raise NonFiniteError(
+                f"the weights became NaN / inf at epoch {position.epoch}, iteration "
+                f"{position.iteration} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
+                "training stopped without saving them, the last checkpoint is finite. Lower "
+                "train.lr or keep train.clip_max_norm > 0"
+            )
+        state = self.checkpoint_state()
+        if self.info.is_main:
+            path = save_training_checkpoint(state, self.output_dir)
+            if is_best:
+                link_best(self.output_dir)
+            logger.info(
+                "saved %s (epoch %d, batch %d, iteration %d)%s",
+                path, position.epoch, position.batch_in_epoch, position.iteration,
+                ", new best" if is_best else "",
+            )
+        barrier()
+
+    # ------------------------------------------------------------------ stops
+    def stop_requested(self, agree: bool = True) -> int | None:
+        """The signal that stops every rank now, or None.
+
+        With several processes the ranks agree in a collective that waits for the
+        device; ``agree=False`` skips it (None), so that a step that would not wait
+        otherwise does not wait for it either.
+        """
+        if self.stop is None or (not agree and self.info.world_size > 1):
+            return None
+        return agreed_stop(self.stop.requested(), self.info.device)
+
+    def interrupted(self, signum: int) -> Interrupted:
+        """The error that ends a run stopped by ``signum`` after checkpointing here."""
+        message = interrupted_message(signum, self.position.epoch, self.position.batch_in_epoch)
+        logger.warning("%s", message)
+        return Interrupted(message, signum)
+
+    # ------------------------------------------------------------------ epochs
+    def evaluate(self) -> tuple[dict[str, float], dict[str, Any], CocoEvaluator]:
+        """``(losses, summary, evaluator)`` of the model on the val split."""
+        parts = self.parts
+        evaluator = CocoEvaluator(parts.val_dataset.coco)
+        losses, summary = evaluate(
+            self.model, parts.criterion, parts.postprocessor, parts.val_loader, evaluator,
+            self.info.device, amp=self.cfg.train.amp, progress=self.progress,
+            print_freq=self.cfg.train.print_freq * 5,
+        )
+        return losses, summary, evaluator
+
+    def train_epoch(self, tensorboard: TensorBoardWriter) -> dict[str, float]:
+        """Train the rest of the current epoch, checkpointing every
+        ``train.checkpoint_every`` steps and stopping at a step when a signal asks."""
+        parts, cfg, position = self.parts, self.cfg, self.position
+
+        def on_step(state: TrainingPosition, read_losses) -> None:
+            if state.batch_in_epoch >= parts.steps_per_epoch:
+                return  # the epoch's end: run_epochs evaluates, saves, then looks for a stop
+            every = cfg.train.checkpoint_every
+            checkpoint_due = every > 0 and state.iteration % every == 0
+            # Under torchrun the stop is agreed on at the steps that wait for the device
+            # anyway: the losses are read every print_freq steps, and before a checkpoint.
+            agree = checkpoint_due or state.batch_in_epoch % max(cfg.train.print_freq, 1) == 0
+            signum = self.stop_requested(agree)
+            if signum is not None:
+                read_losses()
+                self.save()
+                raise self.interrupted(signum)
+            if checkpoint_due:
+                read_losses()  # never checkpoint weights after a NaN / inf loss
+                self.save()
+
+        micro_done = position.batch_in_epoch * cfg.train.accumulate_steps
+        return train_one_epoch(
+            self.model, parts.criterion, epoch_batches(parts.train_loader, position.epoch, micro_done),
+            parts.optimizer, self.lr_scheduler, self.info.device, position,
+            num_steps=parts.steps_per_epoch, settings=parts.settings,
+            print_freq=cfg.train.print_freq, progress=self.progress,
+            total_epochs=cfg.train.epochs, on_step=on_step, tensorboard=tensorboard,
+            tracker=self.tracker,
+        )
+
+    def _evaluation_due(self, epoch: int) -> bool:
+        return (epoch + 1) % self.cfg.train.eval_every == 0 or epoch + 1 == self.cfg.train.epochs
+
+    def run_epochs(self) -> tuple[dict[str, Any] | None, CocoEvaluator | None]:
+        """Train to the last epoch, evaluating every ``eval_every`` epochs and
+        checkpointing after each one. Returns the last ``(summary, evaluator)``."""
+        cfg, position = self.cfg, self.position
+        log = JsonLinesLog(self.output_dir / "log.txt")
+        tensorboard = TensorBoardWriter(self.output_dir / "tensorboard" if self.info.is_main
+                                        else None)
+        if self.info.is_main:
+            log.truncate_to(position.epoch)  # drop records of epochs about to be redone
+        summary = evaluator = None
+        try:
+            while position.epoch < cfg.train.epochs:
+                epoch, epoch_start = position.epoch, time.perf_counter()
+                train_stats = self.train_epoch(tensorboard)
+                train_time = time.perf_counter() - epoch_start
+                eval_result = None
+                is_best = False
+                if self._evaluation_due(epoch):
+                    eval_result = self.evaluate()
+                    _, summary, evaluator = eval_result
+                    logger.info("epoch %d evaluation:\n%s", epoch, format_summary(summary))
+                    is_best = self.best.update(summary, epoch)
+                    if self.info.is_main:
+                        keep_pr_arrays(evaluator, self.output_dir / "eval", epoch)
+                record = _epoch_record(epoch, train_stats, eval_result, {
+                    "n_parameters": self.parts.n_parameters, "iteration": position.iteration,
+                    "epoch_time": time.perf_counter() - epoch_start, "train_time": train_time})
+                if self.info.is_main:
+                    _log_epoch(record, log, tensorboard)
+                position.epoch, position.batch_in_epoch = epoch + 1, 0
+                self.tracker = self._new_tracker()
+                self.save(is_best=is_best)
+                signum = self.stop_requested()
+                if signum is not None and position.epoch < cfg.train.epochs:
+                    raise self.interrupted(signum)
+        finally:
+            tensorboard.close()
+        return summary, evaluator
+
+    def finish(self, summary: Mapping[str, Any] | None, evaluator: CocoEvaluator | None,
+               seconds: float) -> dict[str, Any]:
+        """Write the last evaluation's outputs and return the run's result."""
+        table = per_class_table(evaluator) if evaluator is not None else ""
+        if self.info.is_main and evaluator is not None:
+            write_eval_outputs(evaluator, summary, {}, self.output_dir / "eval")
+            if table:
+                logger.info("per-class AP:\n%s", table)
+        logger.info("training done in %.1f s; best AP %s", seconds, self.best.ap)
+        return {"summary": summary, "per_class_table": table, "best_ap": self.best.ap,
+                "epochs": self.position.epoch, "iterations": self.position.iteration,
+                "train_time": seconds, "output_dir": str(self.output_dir), "config": self.cfg,
+                "rank": self.info.rank}
 
 
-def run_epochs(run: _Run) -> tuple[dict[str, Any] | None, Any]:
-    """Train from ``run.step`` to the last epoch, evaluating every ``eval_every`` epochs
-    and checkpointing after each one. Returns the last ``(summary, evaluator)``."""
-    cfg, step = run.cfg, run.step
-    log = JsonLinesLog(run.output_dir / "log.txt")
-    tensorboard = TensorBoardWriter(run.output_dir / "tensorboard" if run.info.is_main else None)
-    if run.info.is_main:
-        log.truncate_to(step.epoch)  # drop records of epochs about to be redone
-    summary = evaluator = None
-    try:
-        while step.epoch < cfg.train.epochs:
-            epoch, epoch_start = step.epoch, time.perf_counter()
-            train_stats = _train_epoch(run, tensorboard)
-            train_time = time.perf_counter() - epoch_start
-            eval_result = None
-            if (epoch + 1) % cfg.train.eval_every == 0 or epoch + 1 == cfg.train.epochs:
-                eval_result = run.evaluate()
-                _, summary, evaluator = eval_result
-                if run.info.is_main:
-                    _save_pr_arrays(evaluator, run.output_dir / "eval", epoch)
-            is_best = _update_best(run, summary if eval_result is not None else None, epoch)
-            record = _epoch_record(run, epoch, train_stats, eval_result,
-                                   (time.perf_counter() - epoch_start, train_time))
-            _log_epoch(run, record, log, tensorboard)
-            step.epoch, step.batch_in_epoch = epoch + 1, 0
-            run.tracker = run.new_tracker()
-            run.save(step, is_best=is_best)
-            signum = run.stop_requested()
-            if signum is not None and step.epoch < cfg.train.epochs:
-                raise run.interrupted(signum, step)
-    finally:
-        tensorboard.close()
-    return summary, evaluator
-
-
-def _save_pr_arrays(evaluator: Any, folder: Path, epoch: int) -> None:
-    """``precision.npz`` of every evaluation (the newest), and a kept copy every
-    ``KEEP_PR_EVERY`` epochs (``precision_0049.npz`` ...), as the reference keeps
-    ``eval/latest.pth`` and ``eval/000049.pth``: a 150-epoch COCO run keeps 3 copies,
-    not 150 files of several MB."""
-    evaluator.save_pr_arrays(folder / "precision.npz")
-    if (epoch + 1) % KEEP_PR_EVERY == 0:
-        evaluator.save_pr_arrays(folder / f"precision_{epoch:04d}.npz")
-
-
-def _update_best(run: _Run, summary: Mapping[str, Any] | None, epoch: int) -> bool:
-    if summary is None:
-        return False
-    logger.info("epoch %d evaluation:\n%s", epoch, format_summary(summary))
-    ap = float(summary["AP"])
-    if run.best_ap is not None and ap <= run.best_ap:
-        return False
-    run.best_ap = ap
-    run.best_epoch = epoch + 1  # the ``epoch`` of the checkpoint written after it
-    return True
-
-
-def finish(run: _Run, summary: Mapping[str, Any] | None, evaluator: Any,
-           started: float) -> dict[str, Any]:
-    """Write the last evaluation's outputs and return the run's result."""
-    table = per_class_table(evaluator) if evaluator is not None else ""
-    if run.info.is_main and evaluator is not None:
-        write_eval_outputs(evaluator, summary, {}, run.output_dir / "eval")
-        if table:
-            logger.info("per-class AP:\n%s", table)
-    total = time.perf_counter() - started
-    logger.info("training done in %.1f s; best AP %s", total, run.best_ap)
-    return {"summary": summary, "per_class_table": table, "best_ap": run.best_ap,
-            "epochs": run.step.epoch, "iterations": run.step.iteration, "train_time": total,
-            "output_dir": str(run.output_dir), "config": run.cfg, "rank": run.info.rank}
-
-
+# ----------------------------------------------------------------------------- the run
 def run_training(
     cfg: Config,
     *,
@@ -687,108 +635,60 @@ def run_training(
         cleanup_distributed()
 
 
+def _prepare_output_dir(output_dir: Path, info: DistInfo, lock: RunLock | None) -> None:
+    """Logging into the run folder, and removal of what an interrupted save left there
+    (rank 0, which holds the folder's ``lock``: no other run can be writing)."""
+    setup_logging(output_dir, info.rank)
+    if lock is not None:
+        remove_stale_temp_files(output_dir, lock)
+    barrier()
+
+
 def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
                   finetune: str | Path | None, progress: bool,
                   lock: RunLock | None) -> dict[str, Any]:
-    output_dir = _prepare_output_dir(cfg, info, lock)
-    _set_threads(cfg)
+    output_dir = Path(cfg.train.output_dir)
+    setup_logging(None, info.rank)  # the console only, until the folder is known to be ours
     check_amp_device(cfg.train.amp, info.device)  # before the data and the model are built
     start = resolve_start(output_dir, resume, finetune)
+    if start.saved_config is not None:
+        # Refused before anything in the folder is written or repaired.
+        check_resume_config(start.saved_config, cfg, start)
+    _prepare_output_dir(output_dir, info, lock)
+    if start.resume_path is not None:
+        logger.info("resuming from %s", start.resume_path)
+    cfg = apply_process_settings(cfg, info)
+    run = TrainingRun.start(build_parts(cfg, info, start), info, output_dir, progress, start)
     if lock is not None and start.resume_path is not None and (
         start.resume_path.resolve().parent == output_dir.resolve()
     ):
-        ckio.repair_best(start.resume_path, start.resume_state)
-    run = _Run(build_parts(cfg, info, start), info, output_dir, progress)
-    if start.resume_state is not None:
-        restore(run, start.resume_state)
-    elif start.finetune is not None:
-        _load_finetune_weights(run.parts.model, start.finetune)
-    run.model = _wrap_ddp(run.parts.model, info)
+        repair_best(start.resume_path, start.resume_state)
+    position = run.position
     logger.info(
         "training %d epochs x %d steps (%d images per step: %d per process x %d process(es) "
         "x %d micro-batches); starting at epoch %d, batch %d, iteration %d",
         run.cfg.train.epochs, run.parts.steps_per_epoch,
         run.cfg.train.batch_size * info.world_size * run.cfg.train.accumulate_steps,
         run.cfg.train.batch_size, info.world_size, run.cfg.train.accumulate_steps,
-        run.step.epoch, run.step.batch_in_epoch, run.step.iteration,
+        position.epoch, position.batch_in_epoch, position.iteration,
     )
     started = time.perf_counter()
     # SIGTERM / SIGINT from here on: stop at a step boundary with a checkpoint there.
     with StopOnSignal() as run.stop:
-        summary, evaluator = run_epochs(run)
-    return finish(run, summary, evaluator, started)
-
-
-# ----------------------------------------------------------------------------- evaluation
-def run_evaluation(
-    cfg: Config | None,
-    checkpoint: str | Path,
-    output_dir: str | Path,
-    *,
-    overrides: list[str] | tuple[str, ...] = (),
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Evaluate a checkpoint (this project's or a public DETR / iRPE-DETR one) on the
-    val split of the config's data.
-
-    The model is :func:`~detr_irpe.models.model_from_checkpoint` of ``checkpoint`` with
-    ``cfg`` (``None``: the checkpoint's own config) and ``overrides``: its class count
-    comes from the checkpoint's head unless ``model.num_classes`` is among the
-    overrides. Writes ``results.json``, ``metrics.json`` and ``precision.npz`` (the
-    precision / recall arrays of COCOeval) to ``output_dir``. Works under ``torchrun``
-    (results gathered from all ranks).
-
-    Returns:
-        ``{"summary", "per_class_table", "losses", "output_dir", "config", "rank"}``.
-    """
-    from detr_irpe.data import build_dataloader, build_dataset
-    from detr_irpe.models import model_from_checkpoint
-
-    checkpoint = Path(checkpoint)
-    loaded = model_from_checkpoint(checkpoint, cfg, overrides)
-    info = init_distributed(loaded.cfg.train.device)
-    try:
-        output_dir = Path(output_dir)
-        if info.is_main:
-            output_dir.mkdir(parents=True, exist_ok=True)
-        setup_logging(output_dir, info.rank, filename="eval.log")
-        cfg = _resolved_amp(loaded.cfg, info)
-        _set_threads(cfg)
-        logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
-        val_ds = build_dataset(cfg.data, "val")
-        val_ds.check_num_classes(cfg.model.num_classes)
-        model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
-        loader = build_dataloader(
-            val_ds, cfg.train.batch_size, train=False, num_workers=cfg.data.num_workers,
-            distributed=info.distributed, seed=cfg.train.seed,
-        )
-        evaluator = new_evaluator(val_ds)
-        losses, summary = evaluate(
-            model, criterion, loaded.postprocessor, loader, evaluator, info.device,
-            amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5,
-        )
-        table = per_class_table(evaluator)
-        if info.is_main:
-            logger.info("evaluation of %s:\n%s", checkpoint, format_summary(summary))
-            write_eval_outputs(evaluator, summary, losses, output_dir,
-                               {"checkpoint": str(checkpoint)})
-            evaluator.save_pr_arrays(output_dir / "precision.npz")
-        return {"summary": summary, "per_class_table": table, "losses": losses,
-                "output_dir": str(output_dir), "config": cfg, "rank": info.rank}
-    finally:
-        cleanup_distributed()
+        summary, evaluator = run.run_epochs()
+    return run.finish(summary, evaluator, time.perf_counter() - started)
 
 
 __all__ = [
+    "BestAP",
     "RunParts",
     "StartState",
+    "TrainingRun",
+    "apply_process_settings",
     "build_parts",
-    "config_differences",
-    "format_summary",
+    "check_resume_config",
     "resolve_num_classes",
     "resolve_start",
-    "run_epochs",
-    "run_evaluation",
     "run_training",
     "with_num_classes",
 ]

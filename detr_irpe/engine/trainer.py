@@ -26,10 +26,11 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.optim.lr_scheduler import LRScheduler
+from tqdm import tqdm
 
 from detr_irpe.config import ConfigError
 from detr_irpe.engine.logger import MetricTracker, TensorBoardWriter
-from detr_irpe.engine.optim import StepSchedule
 from detr_irpe.errors import NonFiniteError
 from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.dist import all_reduce_mean, get_world_size, is_main_process
@@ -240,6 +241,22 @@ def check_finite_outputs(outputs: Mapping[str, Any]) -> None:
     )
 
 
+def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
+    """Names of the floating-point tensors in ``tensors`` holding NaN or inf.
+
+    One host synchronisation for the whole mapping (a save already waits for the
+    device), the names are only looked for when something is wrong.
+    """
+    named = [(k, v) for k, v in tensors.items()
+             if torch.is_tensor(v) and v.is_floating_point() and v.numel()]
+    if not named:
+        return []
+    flags = torch.stack([v.detach().isfinite().all() for _, v in named])
+    if bool(flags.all()):
+        return []
+    return [k for (k, _), ok in zip(named, flags.tolist()) if not ok]
+
+
 def loss_and_backward(
     criterion: nn.Module,
     outputs: dict,
@@ -332,8 +349,8 @@ def train_step(
 
 # ----------------------------------------------------------------------------- one epoch
 @dataclass
-class StepState:
-    """Where training stands; updated in place by :func:`train_one_epoch`."""
+class TrainingPosition:
+    """Where training stands; advanced in place by :func:`train_one_epoch`."""
 
     epoch: int = 0  # epochs fully done
     batch_in_epoch: int = 0  # optimizer steps done in epoch ``epoch``
@@ -341,8 +358,9 @@ class StepState:
 
 
 @dataclass
-class StepSettings:
-    """How each step runs (from ``train.*``)."""
+class UpdateSettings:
+    """How each optimizer update is computed (from ``train.*``): autocast precision, the
+    GradScaler of fp16, gradient clipping, micro-batches per update."""
 
     amp: str = "none"
     scaler: torch.amp.GradScaler | None = None
@@ -367,7 +385,7 @@ def _format_eta(seconds: float) -> str:
 class _EpochLog:
     """Progress bar, periodic log lines and per-iteration TensorBoard scalars of an epoch."""
 
-    def __init__(self, state: StepState, num_steps: int, print_freq: int, progress: bool,
+    def __init__(self, state: TrainingPosition, num_steps: int, print_freq: int, progress: bool,
                  total_epochs: int | None, tensorboard: TensorBoardWriter | None,
                  tracker: MetricTracker | None = None) -> None:
         self.num_steps = num_steps
@@ -380,18 +398,16 @@ class _EpochLog:
         self.images_since_read = 0
         self.bar = None
         if progress and is_main_process():
-            from tqdm import tqdm
-
             # disable=None: tqdm turns itself off when stderr is not a terminal.
             self.bar = tqdm(total=num_steps, initial=state.batch_in_epoch, desc=self.label,
                             dynamic_ncols=True, disable=None, leave=False)
 
-    def due(self, state: StepState) -> bool:
+    def due(self, state: TrainingPosition) -> bool:
         return self.print_freq > 0 and (
             state.batch_in_epoch % self.print_freq == 0 or state.batch_in_epoch == self.num_steps
         )
 
-    def records(self, records: list[dict[str, float]], state: StepState) -> None:
+    def records(self, records: list[dict[str, float]], state: TrainingPosition) -> None:
         """Take the records of :meth:`PendingLosses.read` (up to ``state``)."""
         for record in records:
             self.tracker.update(**record)
@@ -408,7 +424,7 @@ class _EpochLog:
         if self.bar is not None:
             self.bar.update(1)
 
-    def line(self, state: StepState) -> None:
+    def line(self, state: TrainingPosition) -> None:
         done = max(state.batch_in_epoch - self.first_batch, 1)
         elapsed = time.perf_counter() - self.start
         eta = elapsed / done * (self.num_steps - state.batch_in_epoch)
@@ -428,16 +444,16 @@ def train_one_epoch(
     criterion: nn.Module,
     batches: Iterable[Batch],
     optimizer: torch.optim.Optimizer,
-    schedule: StepSchedule,
+    lr_scheduler: LRScheduler,
     device: torch.device,
-    state: StepState,
+    state: TrainingPosition,
     *,
     num_steps: int,
-    settings: StepSettings | None = None,
+    settings: UpdateSettings | None = None,
     print_freq: int = 10,
     progress: bool = False,
     total_epochs: int | None = None,
-    on_step: Callable[[StepState, Callable[[], None]], None] | None = None,
+    on_step: Callable[[TrainingPosition, Callable[[], None]], None] | None = None,
     tensorboard: TensorBoardWriter | None = None,
     tracker: MetricTracker | None = None,
 ) -> dict[str, float]:
@@ -447,8 +463,9 @@ def train_one_epoch(
     ``tracker`` holds the epoch's running sums so far (a resumed epoch's, from its
     checkpoint); the returned averages cover those steps too. Default: a new one.
 
-    Before each step the lr follows ``schedule`` at ``(state.epoch, state.iteration)``;
-    after it ``state`` is advanced and ``on_step(state, read_losses)`` is called (the
+    ``lr_scheduler`` is stepped after every optimizer step (its counter is the iteration:
+    :func:`~detr_irpe.engine.optim.build_lr_scheduler`); then ``state`` is advanced and
+    ``on_step(state, read_losses)`` is called (the
     runner writes mid-epoch checkpoints there, calling ``read_losses()`` first: it
     reads the pending loss values, checking them for NaN / inf).
 
@@ -461,14 +478,13 @@ def train_one_epoch(
         NonFiniteLossError: naming the epoch, iteration and every loss term.
         NonFiniteError: the model outputs became NaN / inf (naming epoch and iteration).
     """
-    settings = settings or StepSettings()
+    settings = settings or UpdateSettings()
     model.train()
     criterion.train()
     pending = PendingLosses(criterion.weight_dict)
     log = _EpochLog(state, num_steps, print_freq, progress, total_epochs, tensorboard, tracker)
     try:
         for micro in group_micro_batches(batches, settings.accumulate_steps):
-            schedule.apply(optimizer, state.epoch, state.iteration)
             try:
                 losses = train_step(model, criterion, micro, optimizer, device,
                                     amp=settings.amp, scaler=settings.scaler,
@@ -478,6 +494,7 @@ def train_one_epoch(
                     f"epoch {state.epoch}, iteration {state.iteration}: {err}"
                 ) from None
             pending.add(state.epoch, state.iteration, optimizer.param_groups[0]["lr"], losses)
+            lr_scheduler.step()
             state.iteration += 1
             state.batch_in_epoch += 1
             log.step_done(sum(len(t) for _, t in micro) * get_world_size())
@@ -523,8 +540,6 @@ def evaluate(
     num_batches = len(loader) if hasattr(loader, "__len__") else None
     iterable: Iterable = loader
     if progress and is_main_process():
-        from tqdm import tqdm
-
         iterable = tqdm(loader, total=num_batches, desc="eval", dynamic_ncols=True,
                         disable=None, leave=False)
     start = time.perf_counter()
@@ -534,7 +549,7 @@ def evaluate(
         outputs = model_outputs(model, images, device, amp, targets)
         pending.add(0, k, 0.0, criterion(outputs, targets))
         orig_sizes = torch.stack([t["orig_size"] for t in targets])
-        results = postprocessor(_float32(outputs), orig_sizes)
+        results = postprocessor(_outputs_in_float32(outputs), orig_sizes)
         evaluator.update(
             {
                 int(t["image_id"]): {key: val.cpu() for key, val in r.items()}
@@ -553,22 +568,22 @@ def evaluate(
     return tracker.averages(), summary
 
 
-def _float32(outputs: Any) -> Any:
+def _outputs_in_float32(outputs: Any) -> Any:
     """Model outputs back in float32 (they may be bf16/fp16 under autocast)."""
     if torch.is_tensor(outputs):
         return outputs.float() if outputs.is_floating_point() else outputs
     if isinstance(outputs, dict):
-        return {k: _float32(v) for k, v in outputs.items()}
+        return {k: _outputs_in_float32(v) for k, v in outputs.items()}
     if isinstance(outputs, list):
-        return [_float32(v) for v in outputs]
+        return [_outputs_in_float32(v) for v in outputs]
     return outputs
 
 
 __all__ = [
     "NonFiniteLossError",
     "PendingLosses",
-    "StepSettings",
-    "StepState",
+    "TrainingPosition",
+    "UpdateSettings",
     "autocast_context",
     "check_amp_device",
     "check_finite_outputs",
@@ -578,6 +593,7 @@ __all__ = [
     "loss_record",
     "model_outputs",
     "native_bf16_cpu",
+    "nonfinite_tensors",
     "resolve_amp",
     "train_one_epoch",
     "train_step",

@@ -39,6 +39,7 @@ _announced: set[tuple[str, str]] = set()
 @functools.cache
 def _faster_module() -> ModuleType | None:
     try:
+        # optional (the fast-eval extra): imported when an evaluation may use it
         import faster_coco_eval
     except ImportError as err:  # not installed, or a wheel whose binary does not load here
         logger.debug("faster-coco-eval is not usable: %s", err)

@@ -216,7 +216,7 @@ def run_onnx(path: str | Path, images: Tensor) -> tuple[Tensor, Tensor]:
     ``(pred_logits, pred_boxes)`` as tensors (to compare with PyTorch)."""
     if importlib.util.find_spec("onnxruntime") is None:
         raise ExportError("running an ONNX file needs onnxruntime: pip install 'detr_irpe[onnx]'")
-    import onnxruntime
+    import onnxruntime  # optional (the onnx extra): checked for just above
 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     logits, boxes = session.run(list(OUTPUTS), {IMAGE_INPUT: images.detach().cpu().numpy()})

@@ -10,7 +10,7 @@ from detr_irpe.inference.files import (
     images_from_annotations,
     predict_files,
 )
-from detr_irpe.inference.predictor import Predictor, resolve_device
+from detr_irpe.inference.predictor import Predictor
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -20,6 +20,5 @@ __all__ = [
     "collect_images",
     "images_from_annotations",
     "predict_files",
-    "resolve_device",
     "to_uint8_image",
 ]

@@ -31,6 +31,7 @@ from typing import Any
 
 import torchvision.transforms.v2.functional as F
 from torch import Tensor
+from tqdm import tqdm
 
 from detr_irpe.data import ImageReadError, load_image_list, read_image
 from detr_irpe.inference.predictor import Predictor
@@ -240,8 +241,6 @@ def predict_files(
     batches = [sources[i:i + batch_size] for i in range(0, len(sources), batch_size)]
     iterator: Iterable = batches
     if progress:
-        from tqdm import tqdm
-
         iterator = tqdm(batches, desc="predict", unit="batch", disable=None)
     for chunk in iterator:
         readable = _read_batch(chunk, max_pixels, strict, report)

@@ -27,36 +27,19 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
+from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.config import Config
 from detr_irpe.data.categories import default_category_names
 from detr_irpe.data.images import to_uint8_image
 from detr_irpe.data.transforms import eval_input
-from detr_irpe.errors import ConfigError
+from detr_irpe.models import PostProcess, model_from_checkpoint
+from detr_irpe.utils.device import resolve_device
 
 logger = logging.getLogger(__name__)
 
 # What one image may be: a file, a PIL image, an (H, W, 3) uint8 array, or a (3, H, W)
 # tensor (uint8, or float in [0, 1]).
 ImageInput = str | Path | Image.Image | np.ndarray | Tensor
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` / ``"auto"``: the GPU when CUDA is available, else the CPU; else as given
-    (:class:`ConfigError` for a CUDA device on a machine without one)."""
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        target = torch.device(device)
-    except RuntimeError as err:
-        raise ConfigError(f"device {device!r}: {err}; use auto, cpu, cuda or cuda:N") from None
-    if target.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or (target.index is not None and target.index >= count):
-            raise ConfigError(
-                f"device {device!r} is not available here ({count} CUDA device(s)); use "
-                f"--device cpu or auto"
-            )
-    return target
 
 
 class Predictor:
@@ -102,9 +85,6 @@ class Predictor:
         brings its own); ``overrides`` are ``"section.key=value"`` strings. Category
         names come from the file, else COCO's for a 91-class model.
         """
-        from detr_irpe.checkpoint.download import resolve_checkpoint
-        from detr_irpe.models import model_from_checkpoint
-
         target = resolve_device(device)
         source = resolve_checkpoint(path)
         if config is None:
@@ -129,8 +109,6 @@ class Predictor:
         Returns per image ``{"scores" (Q,), "labels" (Q,) int64, "boxes" (Q, 4)}`` on
         the CPU, boxes xyxy in that image's pixels.
         """
-        from detr_irpe.models import PostProcess
-
         if not images:
             return []
         inputs = [self.preprocess(image).to(self.device) for image in images]
@@ -172,4 +150,4 @@ class Predictor:
         return kept[0] if single else kept
 
 
-__all__ = ["ImageInput", "Predictor", "resolve_device"]
+__all__ = ["ImageInput", "Predictor"]

@@ -4,12 +4,15 @@
 - :class:`RPEConfig` -- the settings, incl. the model-zoo strings ``rpe-2.0-product-ctx-1-k``.
 - :func:`register_bucket_method` -- add a bucket method of one's own (``rpe-2.0-NAME-...``).
 - :class:`IRPEMultiheadAttention` -- batch-first multi-head attention with iRPE;
-  :func:`choose_impl` -- which of its computations a call uses.
+  :func:`choose_impl` -- which of its computations a call uses; :func:`is_rpe_key` --
+  which state-dict keys are its tables.
+- :func:`init_rpe_table` -- how a new table starts (:data:`RPE_INIT_MODES`).
 """
 
-from .attention import IRPEMultiheadAttention, choose_impl
+from .attention import IRPEMultiheadAttention, choose_impl, is_rpe_key
 from .buckets import bucket_ids, num_buckets, piecewise_index
 from .config import Method, Mode, RPEConfig, parse_rpe
+from .encodings import RPE_INIT_MODES, init_rpe_table
 from .functional import (
     attend_values,
     gather_buckets,
@@ -21,6 +24,7 @@ from .methods import BucketMethod, register_bucket_method
 
 __all__ = [
     "BucketMethod",
+    "RPE_INIT_MODES",
     "IRPEMultiheadAttention",
     "Method",
     "Mode",
@@ -31,6 +35,8 @@ __all__ = [
     "gather_buckets",
     "gather_buckets_add_",
     "gather_buckets_transposed",
+    "init_rpe_table",
+    "is_rpe_key",
     "num_buckets",
     "parse_rpe",
     "piecewise_index",

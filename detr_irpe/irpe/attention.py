@@ -29,9 +29,17 @@ from .dropout import dropout as apply_dropout
 from .encodings import build_encoding
 from .functional import attend_values
 
-__all__ = ["IMPLS", "IRPEMultiheadAttention", "choose_impl"]
+__all__ = ["IMPLS", "IRPEMultiheadAttention", "choose_impl", "is_rpe_key"]
 
 IMPLS = ("auto", "sdpa", "explicit", "blocked")
+# The attention's submodules that hold iRPE tables: rpe_q, rpe_k, rpe_v.
+_TABLE_PREFIX = "rpe_"
+
+
+def is_rpe_key(key: str) -> bool:
+    """True for the state-dict keys of iRPE tables, e.g.
+    ``transformer.encoder.layers.0.self_attn.rpe_k.lookup_table_weight``."""
+    return f".{_TABLE_PREFIX}" in key or key.startswith(_TABLE_PREFIX)
 _BLOCKED_DTYPES = (torch.float32, torch.float64)
 
 
@@ -266,15 +274,15 @@ class IRPEMultiheadAttention(nn.Module):
     def _bucket_ids(
         self, hw: tuple[int, int], device: torch.device
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(ids, flat_t)``: bucket ids ``(L, L)`` (``(2, L, L)`` cross) and, with RPE-Q,
+        """``(ids, transposed_ids)``: bucket ids ``(L, L)`` (``(2, L, L)`` cross) and, with RPE-Q,
         the flat transposed ids of its lookup; None without iRPE."""
         if self.rpe is None:
             return None, None
         height, width = _hw(hw)
         args = (self.rpe.method, height, width, self.rpe.ratio, self.rpe.skip, device)
         ids, _ = cached_bucket_ids(*args)
-        flat_t = cached_transposed_flat_ids(*args) if self.rpe_q is not None else None
-        return ids, flat_t
+        transposed_ids = cached_transposed_flat_ids(*args) if self.rpe_q is not None else None
+        return ids, transposed_ids
 
     def _impl_for(self, q: torch.Tensor, k: torch.Tensor, need_weights: bool) -> str:
         logit_tables = [p for enc in (self.rpe_q, self.rpe_k) if enc is not None
@@ -298,7 +306,7 @@ class IRPEMultiheadAttention(nn.Module):
         q_scaled: torch.Tensor,
         k_scaled: torch.Tensor | None,
         ids: torch.Tensor | None,
-        flat_t: torch.Tensor | None,
+        transposed_ids: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """RPE-K + RPE-Q logits, a fresh 3-D ``(B * h, L, L)`` (ctx) or ``(Hh, L, L)`` (bias)."""
         out = None
@@ -306,7 +314,7 @@ class IRPEMultiheadAttention(nn.Module):
             out = self.rpe_k.pair_term(q_scaled, ids)
         if self.rpe_q is not None:
             # (s k_j) . Wq[b(j, i)]: looked up directly in (i, j) order, in place into RPE-K
-            out = self.rpe_q.pair_term(k_scaled, ids, flat_t, out)
+            out = self.rpe_q.pair_term(k_scaled, ids, transposed_ids, out)
         return out
 
     def _logit_bias(
@@ -314,18 +322,18 @@ class IRPEMultiheadAttention(nn.Module):
         q_scaled: torch.Tensor,
         k_scaled: torch.Tensor | None,
         ids: torch.Tensor | None,
-        flat_t: torch.Tensor | None,
+        transposed_ids: torch.Tensor | None,
         key_padding_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(bias, pad)``: the iRPE logits (a 3-D base tensor, see :meth:`_rpe_logits`) and
         the padding ``(B, 1, 1, L)`` still to add (None once folded into ``bias``)."""
         batch, heads, length, _ = q_scaled.shape
-        bias = self._rpe_logits(q_scaled, k_scaled, ids, flat_t)
+        bias = self._rpe_logits(q_scaled, k_scaled, ids, transposed_ids)
         pad = _padding_bias(key_padding_mask, q_scaled)
         if pad is None:
             return bias, None
         pad = pad[:, None, None, :]
-        if _is_full(bias, batch * heads):
+        if _is_fresh_per_head(bias, batch * heads):
             # fresh full-size logits absorb the padding in place: on CPU each avoided
             # (L, L) buffer saves a large allocation
             bias.add_(pad.expand(batch, heads, 1, length).reshape(batch * heads, 1, length))
@@ -346,11 +354,11 @@ class IRPEMultiheadAttention(nn.Module):
         """``(out (B, h, L, D), weights (B, h, L, L))`` with a materialised softmax."""
         batch, heads, length, dim = q_scaled.shape
         bh = batch * heads
-        if _is_full(bias, bh):
+        if _is_fresh_per_head(bias, bh):
             # in-place updates stay on 3-D base tensors (never on views) to avoid
             # autograd's CopySlices
-            k3t = k.reshape(bh, length, dim).transpose(1, 2)
-            logits = bias.baddbmm_(q_scaled.view(bh, length, dim), k3t)
+            k_transposed = k.reshape(bh, length, dim).transpose(1, 2)  # (B h, D, L)
+            logits = bias.baddbmm_(q_scaled.view(bh, length, dim), k_transposed)
         else:
             logits = torch.matmul(q_scaled, k.transpose(-2, -1))
             if bias is not None:
@@ -362,15 +370,15 @@ class IRPEMultiheadAttention(nn.Module):
             attn = apply_dropout(attn, dropout_p)
         if self.rpe_v is None:
             return torch.matmul(attn, v), attn
-        v3 = v.reshape(bh, length, dim)
-        a3 = attn.reshape(bh, length, length)
-        if a3.dtype != v3.dtype:  # autocast: softmax may have run in float32
-            a3 = a3.to(v3.dtype)
-        out = attend_values(a3, v3, self.rpe_v.value_tables(ids), heads)
+        v_flat = v.reshape(bh, length, dim)  # (B h, L, D)
+        attn_flat = attn.reshape(bh, length, length)  # (B h, L, L)
+        if attn_flat.dtype != v_flat.dtype:  # autocast: softmax may have run in float32
+            attn_flat = attn_flat.to(v_flat.dtype)
+        out = attend_values(attn_flat, v_flat, self.rpe_v.value_tables(ids), heads)
         return out.view(batch, heads, length, dim), attn
 
     def _attend_blocked(
-        self, q_scaled, k, v, k_scaled, ids, flat_t, key_padding_mask, dropout_p
+        self, q_scaled, k, v, k_scaled, ids, transposed_ids, key_padding_mask, dropout_p
     ) -> torch.Tensor:
         """Attention output ``(B, h, L, D)`` by :func:`~.blocked.blocked_attention`."""
         batch, heads, length, dim = q_scaled.shape
@@ -378,7 +386,7 @@ class IRPEMultiheadAttention(nn.Module):
         if self.rpe_k is not None:
             terms += self.rpe_k.lookup_terms(q_scaled, ids)
         if self.rpe_q is not None:
-            terms += self.rpe_q.lookup_terms(k_scaled, ids, flat_t)
+            terms += self.rpe_q.lookup_terms(k_scaled, ids, transposed_ids)
         values = self.rpe_v.value_tables(ids) if self.rpe_v is not None else []
         n = batch * heads
         out = blocked_attention(
@@ -414,7 +422,7 @@ class IRPEMultiheadAttention(nn.Module):
         self._check(query, key, hw, key_padding_mask)
         batch, length, _ = query.shape
         q, k, v = self._project(query, key, value)
-        ids, flat_t = self._bucket_ids(hw, query.device)
+        ids, transposed_ids = self._bucket_ids(hw, query.device)
         scale = self.head_dim ** -0.5
         q_scaled = (q * scale).contiguous()
         k_scaled = k * scale if self.rpe_q is not None else None
@@ -422,10 +430,10 @@ class IRPEMultiheadAttention(nn.Module):
         impl = self._impl_for(q, k, need_weights)
         weights = None
         if impl == "blocked":
-            out = self._attend_blocked(q_scaled, k, v, k_scaled, ids, flat_t, key_padding_mask,
+            out = self._attend_blocked(q_scaled, k, v, k_scaled, ids, transposed_ids, key_padding_mask,
                                        dropout_p)
         else:
-            bias, pad = self._logit_bias(q_scaled, k_scaled, ids, flat_t, key_padding_mask)
+            bias, pad = self._logit_bias(q_scaled, k_scaled, ids, transposed_ids, key_padding_mask)
             if impl == "sdpa":
                 out = self._attend_sdpa(q, k, v, bias, pad, dropout_p, scale)
             else:
@@ -474,8 +482,9 @@ def _hw(hw: tuple[int, int]) -> tuple[int, int]:
         raise ValueError(f"hw must be a pair (H, W) of ints, got {hw!r}") from None
 
 
-def _is_full(bias: torch.Tensor | None, batch_heads: int) -> bool:
-    """Whether the iRPE logits are a fresh contiguous ``(B h, L, L)`` that may be updated in place."""
+def _is_fresh_per_head(bias: torch.Tensor | None, batch_heads: int) -> bool:
+    """Whether the iRPE logits are a fresh contiguous ``(B h, L, L)`` (one slice per image
+    and head, not the ``(Hh, L, L)`` of bias mode) that may be updated in place."""
     return bias is not None and bias.is_contiguous() and bias.shape[0] == batch_heads
 
 

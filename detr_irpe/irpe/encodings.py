@@ -14,17 +14,32 @@ from .config import Method, Mode
 from .functional import gather_buckets, gather_buckets_add_, gather_buckets_transposed
 from .methods import BucketMethod
 
-__all__ = ["CrossRPEEncoding", "RPEEncoding", "build_encoding"]
+__all__ = ["RPE_INIT_MODES", "CrossRPEEncoding", "RPEEncoding", "build_encoding", "init_rpe_table"]
+
+# How a new table starts: "xavier" (DETR's reset of every matrix, the published
+# iRPE-DETR recipe) or "zero" (a model then computes exactly the model without iRPE).
+RPE_INIT_MODES = ("xavier", "zero")
+
+
+def init_rpe_table(table: torch.Tensor, mode: str) -> None:
+    """Start one iRPE table ``(Hh, D, K)``, ``(Hh, K, D)`` or ``(Hh, K)`` in place:
+    ``xavier`` (``xavier_uniform_`` with torch's fan-in / fan-out for that shape) or ``zero``."""
+    if mode == "xavier":
+        nn.init.xavier_uniform_(table)
+    elif mode == "zero":
+        nn.init.zeros_(table)
+    else:
+        raise ValueError(f"rpe_init must be one of {', '.join(RPE_INIT_MODES)}, got {mode!r}")
 
 
 def _lookup(
-    scores: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None, out: torch.Tensor | None
+    scores: torch.Tensor, ids: torch.Tensor, transposed_ids: torch.Tensor | None, out: torch.Tensor | None
 ) -> torch.Tensor:
     if out is not None:
-        return gather_buckets_add_(out, scores, ids, flat_t)
-    if flat_t is None:
+        return gather_buckets_add_(out, scores, ids, transposed_ids)
+    if transposed_ids is None:
         return gather_buckets(scores, ids)
-    return gather_buckets_transposed(scores, flat_t)
+    return gather_buckets_transposed(scores, transposed_ids)
 
 
 class RPEEncoding(nn.Module):
@@ -66,7 +81,7 @@ class RPEEncoding(nn.Module):
         self,
         x: torch.Tensor,
         ids: torch.Tensor,
-        flat_t: torch.Tensor | None = None,
+        transposed_ids: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``out[b h, i, j] = x[b, h, i] . W[h, :, ids[i, j]]`` (ctx) or ``T[h, ids[i, j]]`` (bias).
@@ -74,7 +89,7 @@ class RPEEncoding(nn.Module):
         Args:
             x: ``(B, h, L, D)``, the scaled queries (RPE-K) or scaled keys (RPE-Q).
             ids: ``(L, L)`` bucket ids.
-            flat_t: for RPE-Q, the flat transposed ids (see
+            transposed_ids: for RPE-Q, the flat transposed ids (see
                 :func:`~detr_irpe.irpe.buckets.transposed_flat_ids`); the result is then
                 ``out[b h, i, j] = x[b, h, j] . W[h, :, ids[j, i]]``.
             out: if given, a previous result (base tensor of the same shape) to add to in place.
@@ -85,7 +100,7 @@ class RPEEncoding(nn.Module):
             bookkeeping).
         """
         # the O(L K D) projection is done; the gather is O(L^2)
-        return _lookup(self.bucket_scores(x), ids, flat_t, out)
+        return _lookup(self.bucket_scores(x), ids, transposed_ids, out)
 
     def bucket_scores(self, x: torch.Tensor) -> torch.Tensor:
         """Per-bucket scores before the lookup.
@@ -108,13 +123,13 @@ class RPEEncoding(nn.Module):
         return scores.reshape(-1, length, self.num_buckets)
 
     def lookup_terms(
-        self, x: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None = None
+        self, x: torch.Tensor, ids: torch.Tensor, transposed_ids: torch.Tensor | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
         """``[(scores, index, transposed)]`` for :func:`~detr_irpe.irpe.blocked.blocked_attention`
         (the lookup of :meth:`pair_term`, left to the caller)."""
-        if flat_t is None:
+        if transposed_ids is None:
             return [(self.bucket_scores(x), ids, False)]
-        return [(self.bucket_scores(x), flat_t, True)]
+        return [(self.bucket_scores(x), transposed_ids, True)]
 
     def value_tables(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(ids (L, L), W (Hh, K, D))]`` for :func:`~detr_irpe.irpe.functional.attend_values`."""
@@ -144,21 +159,21 @@ class CrossRPEEncoding(nn.Module):
         self,
         x: torch.Tensor,
         ids: torch.Tensor,
-        flat_t: torch.Tensor | None = None,
+        transposed_ids: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As :meth:`RPEEncoding.pair_term`; ``ids`` ``(2, L, L)``, ``flat_t`` ``(2, L * L)``."""
-        ft = (None, None) if flat_t is None else (flat_t[0], flat_t[1])
-        out = self.rp_rows.pair_term(x, ids[0], ft[0], out)
-        return self.rp_cols.pair_term(x, ids[1], ft[1], out)
+        """As :meth:`RPEEncoding.pair_term`; ``ids`` ``(2, L, L)``, ``transposed_ids`` ``(2, L * L)``."""
+        per_axis = (None, None) if transposed_ids is None else (transposed_ids[0], transposed_ids[1])
+        out = self.rp_rows.pair_term(x, ids[0], per_axis[0], out)
+        return self.rp_cols.pair_term(x, ids[1], per_axis[1], out)
 
     def lookup_terms(
-        self, x: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None = None
+        self, x: torch.Tensor, ids: torch.Tensor, transposed_ids: torch.Tensor | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
-        """Rows and columns terms; ``ids`` ``(2, L, L)``, ``flat_t`` ``(2, L * L)``."""
-        ft = (None, None) if flat_t is None else (flat_t[0], flat_t[1])
-        return self.rp_rows.lookup_terms(x, ids[0], ft[0]) + self.rp_cols.lookup_terms(
-            x, ids[1], ft[1])
+        """Rows and columns terms; ``ids`` ``(2, L, L)``, ``transposed_ids`` ``(2, L * L)``."""
+        per_axis = (None, None) if transposed_ids is None else (transposed_ids[0], transposed_ids[1])
+        return self.rp_rows.lookup_terms(x, ids[0], per_axis[0]) + self.rp_cols.lookup_terms(
+            x, ids[1], per_axis[1])
 
     def value_tables(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows and columns tables with their ``ids`` (``(2, L, L)``)."""

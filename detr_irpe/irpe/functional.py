@@ -132,25 +132,25 @@ class _GatherAddBuckets(torch.autograd.Function):
 
 
 def gather_buckets_add_(
-    out: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, flat_t: torch.Tensor | None = None
+    out: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, transposed_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """In place ``out += gather_buckets(scores, ids)`` (or the transposed lookup with ``flat_t``).
+    """In place ``out += gather_buckets(scores, ids)`` (or the transposed lookup with ``transposed_ids``).
 
     Args:
         out: ``(N, L, L)``, a base tensor (not a view) that autograd allows to modify.
         scores: ``(N, L, K)``.
-        ids: ``(L, L)`` bucket ids (used when ``flat_t`` is None).
-        flat_t: ``(L * L,)`` flat transposed ids for the RPE-Q lookup.
+        ids: ``(L, L)`` bucket ids (used when ``transposed_ids`` is None).
+        transposed_ids: ``(L * L,)`` flat transposed ids for the RPE-Q lookup.
 
     Returns:
         ``out``. Chunked so that the lookup temporaries stay small (on CPU, a fresh full-size
         buffer costs more in page faults than the lookup itself).
     """
     if torch.compiler.is_exporting():
-        return out + _plain_lookup(scores, ids if flat_t is None else flat_t, flat_t is not None)
-    if flat_t is None:
+        return out + _plain_lookup(scores, ids if transposed_ids is None else transposed_ids, transposed_ids is not None)
+    if transposed_ids is None:
         return _GatherAddBuckets.apply(out, scores, ids, False)
-    return _GatherAddBuckets.apply(out, scores, flat_t, True)
+    return _GatherAddBuckets.apply(out, scores, transposed_ids, True)
 
 
 def _flat3(x: torch.Tensor) -> torch.Tensor:
@@ -176,21 +176,21 @@ def gather_buckets(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out if scores.dim() == 3 else out.view(*scores.shape[:-1], ids.shape[-1])
 
 
-def gather_buckets_transposed(scores: torch.Tensor, flat_t: torch.Tensor) -> torch.Tensor:
+def gather_buckets_transposed(scores: torch.Tensor, transposed_ids: torch.Tensor) -> torch.Tensor:
     """The RPE-Q lookup in row-major order: ``out[..., i, j] = scores[..., j, ids[j, i]]``.
 
     Args:
         scores: ``(..., L, K)`` float.
-        flat_t: ``(L * L,)`` from :func:`~detr_irpe.irpe.buckets.transposed_flat_ids`.
+        transposed_ids: ``(L * L,)`` from :func:`~detr_irpe.irpe.buckets.transposed_flat_ids`.
 
     Returns:
         a fresh contiguous ``(..., L, L)``, equal to ``gather_buckets(scores, ids).mT``.
     """
     length = scores.shape[-2]
     if torch.compiler.is_exporting():
-        out = _plain_lookup(_flat3(scores), flat_t, True)
+        out = _plain_lookup(_flat3(scores), transposed_ids, True)
     else:
-        out = _GatherBuckets.apply(_flat3(scores), flat_t, True)
+        out = _GatherBuckets.apply(_flat3(scores), transposed_ids, True)
     return out if scores.dim() == 3 else out.view(*scores.shape[:-1], length)
 
 

@@ -1,12 +1,7 @@
 """DETR with an iRPE encoder: backbone, transformer, heads, matcher, loss, and building a
-model from a config or from a checkpoint."""
+model from a config or from a checkpoint (reading checkpoint files and loading weights
+is :mod:`detr_irpe.checkpoint`)."""
 
-from detr_irpe.checkpoint import (
-    CheckpointError,
-    convert_state_dict,
-    load_checkpoint,
-    read_checkpoint,
-)
 from detr_irpe.models.backbone import Backbone, FrozenBatchNorm2d, Joiner
 from detr_irpe.models.build import (
     build_backbone,
@@ -32,7 +27,6 @@ __all__ = [
     "DETR",
     "MLP",
     "Backbone",
-    "CheckpointError",
     "FrozenBatchNorm2d",
     "HungarianMatcher",
     "Joiner",
@@ -48,9 +42,6 @@ __all__ = [
     "build_model",
     "build_position_encoding",
     "build_transformer",
-    "convert_state_dict",
     "count_parameters",
-    "load_checkpoint",
     "model_from_checkpoint",
-    "read_checkpoint",
 ]

@@ -32,7 +32,15 @@ import torchvision
 from torch import Tensor, nn
 
 from detr_irpe.checkpoint import CheckpointError, key_problems, read_checkpoint
-from detr_irpe.registry import TORCHVISION_RESNETS, BackboneBody, backbone_builder
+from detr_irpe.models.timm_backbone import timm_builder
+from detr_irpe.registry import (
+    TIMM_PREFIX,
+    TORCHVISION_RESNETS,
+    BackboneBody,
+    BackboneBuilder,
+    register_backbone,
+    registered_backbone,
+)
 from detr_irpe.structures import ImageBatch
 
 logger = logging.getLogger(__name__)
@@ -177,6 +185,35 @@ def _load_local_weights(net: nn.Module, path: Path, name: str) -> None:
     logger.info("backbone %s: loaded weights from %s", name, path)
 
 
+def _torchvision_resnet(name: str) -> BackboneBuilder:
+    def build(*, weights: str | None, frozen_bn: bool, dilation: bool, stages: int
+              ) -> BackboneBody:
+        return resnet_body(name, weights=weights, frozen_bn=frozen_bn, dilation=dilation,
+                           stages=stages)
+    build.__qualname__ = f"torchvision_{name}"
+    return build
+
+
+def _register_torchvision_resnets() -> None:
+    """The built-in builders, unless a user's module replaced one (``overwrite=True``)
+    before this module was imported."""
+    for name in TORCHVISION_RESNETS:
+        try:
+            registered_backbone(name)
+        except ValueError:
+            register_backbone(name, _torchvision_resnet(name), overwrite=True)
+
+
+_register_torchvision_resnets()
+
+
+def _builder(name: str) -> BackboneBuilder:
+    """``model.backbone=name``'s builder: timm's for ``timm:NAME``, else the registered one."""
+    if name.startswith(TIMM_PREFIX):
+        return timm_builder(name[len(TIMM_PREFIX):].strip())
+    return registered_backbone(name)
+
+
 class Backbone(nn.Module):
     """A registered backbone's body returning its last features and the downsampled
     padding mask.
@@ -214,7 +251,7 @@ class Backbone(nn.Module):
         channels_last: bool = False,
     ) -> None:
         super().__init__()
-        built = backbone_builder(name)(
+        built = _builder(name)(
             weights=weights, frozen_bn=frozen_bn, dilation=dilation, stages=stages)
         if not isinstance(built, BackboneBody):
             raise TypeError(f"backbone builder of {name!r} returned {type(built).__name__}, "

@@ -28,7 +28,7 @@ EPS = 1e-7
 _F = TypeVar("_F", bound=Callable[..., Tensor])
 
 
-def _float32(fn: _F) -> _F:
+def _computed_in_float32(fn: _F) -> _F:
     """Run ``fn`` on float32 inputs with autocast disabled (bf16/fp16 IoU is too coarse)."""
 
     @wraps(fn)
@@ -76,19 +76,19 @@ def _giou(a: Tensor, b: Tensor, eps: float) -> Tensor:
     return iou - (enclosing - union) / enclosing.clamp(min=eps)
 
 
-@_float32
+@_computed_in_float32
 def box_iou(boxes1: Tensor, boxes2: Tensor, eps: float = EPS) -> Tensor:
     """Pairwise IoU: ``(N, 4)``, ``(M, 4)`` xyxy -> ``(N, M)`` float32."""
     return _iou_parts(boxes1[:, None, :], boxes2[None, :, :], eps)[0]
 
 
-@_float32
+@_computed_in_float32
 def generalized_box_iou(boxes1: Tensor, boxes2: Tensor, eps: float = EPS) -> Tensor:
     """Pairwise GIoU: ``(N, 4)``, ``(M, 4)`` xyxy -> ``(N, M)`` float32 in [-1, 1]."""
     return _giou(boxes1[:, None, :], boxes2[None, :, :], eps)
 
 
-@_float32
+@_computed_in_float32
 def elementwise_generalized_box_iou(boxes1: Tensor, boxes2: Tensor, eps: float = EPS) -> Tensor:
     """GIoU of matched pairs: ``(N, 4)``, ``(N, 4)`` xyxy -> ``(N,)`` float32.
 

@@ -8,8 +8,8 @@ import logging
 
 from torch import nn
 
-from detr_irpe.checkpoint import is_rpe_key
 from detr_irpe.config import Config, ConfigError, LossConfig, ModelConfig
+from detr_irpe.irpe import is_rpe_key
 from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.models.backbone import Backbone, Joiner
 from detr_irpe.models.criterion import SetCriterion

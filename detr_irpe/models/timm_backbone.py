@@ -151,7 +151,7 @@ def timm_body(
                           f"{', output_stride=16 (model.dilation)' if dilation else ''} "
                           f"({type(err).__name__}: {first})") from None
     if frozen_bn:
-        from timm.layers import freeze_batch_norm_2d
+        from timm.layers import freeze_batch_norm_2d  # optional dependency (timm extra)
 
         features = freeze_batch_norm_2d(features)
     info = features.feature_info

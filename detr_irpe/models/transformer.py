@@ -28,22 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from detr_irpe.irpe import IRPEMultiheadAttention
+from detr_irpe.irpe import RPE_INIT_MODES, IRPEMultiheadAttention, init_rpe_table
 from detr_irpe.irpe.config import RPEConfig
 from detr_irpe.irpe.dropout import Dropout
-
-RPE_INIT_MODES = ("xavier", "zero")
-
-
-def init_rpe_table(table: Tensor, mode: str) -> None:
-    """Start one iRPE table ``(Hh, D, K)``, ``(Hh, K, D)`` or ``(Hh, K)`` in place:
-    ``xavier`` (``xavier_uniform_`` with torch's fan-in / fan-out for that shape) or ``zero``."""
-    if mode == "xavier":
-        nn.init.xavier_uniform_(table)
-    elif mode == "zero":
-        nn.init.zeros_(table)
-    else:
-        raise ValueError(f"rpe_init must be one of {', '.join(RPE_INIT_MODES)}, got {mode!r}")
 
 
 def _residual(

@@ -67,6 +67,13 @@ def reduce_dict(values: dict[str, torch.Tensor], average: bool = True) -> dict[s
     return dict(zip(names, stacked))
 
 
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a ``DistributedDataParallel`` / ``DataParallel`` wrapper (the
+    one whose state dict has no ``module.`` prefix), or ``model`` itself."""
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    return model.module if isinstance(model, wrappers) else model
+
+
 __all__ = [
     "all_gather_object",
     "all_reduce_mean",
@@ -77,4 +84,5 @@ __all__ = [
     "is_dist",
     "is_main_process",
     "reduce_dict",
+    "unwrap_model",
 ]

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from detr_irpe.errors import RunFolderError
+
 
 def fsync_dir(folder: str | Path) -> None:
     """Flush a folder's entries (a finished rename) to disk, where the platform allows it."""
@@ -63,10 +65,48 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
     return path
 
 
+def describe_os_error(err: OSError) -> str:
+    """The reason of an ``OSError`` in words (``No space left on device``, ...)."""
+    return os.strerror(err.errno) if err.errno is not None else str(err)
+
+
+def ensure_writable_folder(folder: str | Path, what: str = "output folder", fix: str = "") -> Path:
+    """Create ``folder`` if needed and check that files can be created in it.
+
+    Tools call it before loading a model or data, so that an unusable output
+    location costs nothing. ``what`` names the folder and ``fix`` says what to do
+    in the message.
+
+    Raises:
+        RunFolderError: naming the folder and the reason (permission, read-only
+            file system, a file in the way, no space left).
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write_test.{os.getpid()}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.close(fd)
+        probe.unlink()
+    except OSError as err:
+        advice = f": {fix}" if fix else ""
+        raise RunFolderError(
+            f"{what} {folder} is not writable ({describe_os_error(err)}){advice}"
+        ) from None
+    return folder
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """:func:`atomic_write` of ``text`` as UTF-8."""
     data = text.encode("utf-8")
     return atomic_write(path, lambda f: f.write(data))
 
 
-__all__ = ["atomic_write", "atomic_write_text", "fsync_dir", "write_temp"]
+__all__ = [
+    "atomic_write",
+    "atomic_write_text",
+    "describe_os_error",
+    "ensure_writable_folder",
+    "fsync_dir",
+    "write_temp",
+]

@@ -4,7 +4,9 @@ Everything renders headless to PNG (matplotlib ``Figure`` objects on the Agg can
 pyplot). Submodules are imported lazily, so ``import detr_irpe.visualization`` is cheap.
 
 - capture: :func:`capture_attention` (hooks, no change to the model's forward) ->
-  :class:`AttentionRecord`; :func:`pixel_to_token`.
+  :class:`AttentionRecord`; :func:`pixel_to_token`. Images come in as
+  :func:`detr_irpe.data.inputs.prepare_image` makes them, models as
+  :func:`detr_irpe.models.model_from_checkpoint` builds them.
 - over an image: :func:`plot_predictions`, :func:`plot_encoder_attention`,
   :func:`plot_rpe_contribution`, :func:`plot_decoder_attention`;
   :func:`save_attention_maps` writes them all for one image.
@@ -26,8 +28,7 @@ _LAZY = {
     "record_attention_inputs": "attention",
     "pixel_to_token": "attention",
     "token_to_cell": "attention",
-    "InputImage": "image",
-    "prepare_image": "image",
+    "model_device": "attention",
     "Detections": "figures",
     "detections_from_outputs": "figures",
     "plot_predictions": "figures",
@@ -39,10 +40,7 @@ _LAZY = {
     "rpe_table_maps": "irpe_plots",
     "model_rpe_table_maps": "irpe_plots",
     "plot_rpe_tables": "irpe_plots",
-    "read_log": "curves",
     "plot_training_curves": "curves",
-    "load_model": "loading",
-    "resolve_category_names": "loading",
     "save_attention_maps": "maps",
     "plot_pr_curves": "pr_curves",
     "pr_curve_series": "pr_curves",

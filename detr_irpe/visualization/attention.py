@@ -30,6 +30,7 @@ from detr_irpe.structures import ImageBatch
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "model_device",
     "AttentionRecord",
     "InputRecorder",
     "capture_attention",
@@ -42,6 +43,12 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- token geometry
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (its inputs go there); the CPU for a model without."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 def pixel_to_token(

@@ -8,7 +8,6 @@ Keys used when present: ``epoch``, ``train_loss``/``test_loss``, ``train_loss_ce
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections import Counter
@@ -16,16 +15,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from detr_irpe.errors import ConfigError, RunFolderError
+from detr_irpe.errors import ConfigError
+from detr_irpe.run_folder.log import log_path, read_log
 
 from ._mpl import new_figure, save_figure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["read_log", "run_labels", "plot_training_curves", "PANELS"]
+__all__ = ["run_labels", "plot_training_curves", "PANELS"]
 
 # (panel title, [(key or (key, index), line style, legend text)], y scale factor)
 PANELS: list[tuple[str, list[tuple[Any, str, str]], float]] = [
@@ -41,45 +42,9 @@ PANELS: list[tuple[str, list[tuple[Any, str, str]], float]] = [
 ]
 
 
-def _log_path(path: str | Path) -> Path:
-    path = Path(path)
-    if path.is_dir():
-        path = path / "log.txt"
-    if not path.is_file():
-        raise RunFolderError(
-            f"training log {path} not found; pass a log.txt or the run folder that holds it"
-        )
-    return path
-
-
-def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a DETR-format log (a ``log.txt`` or the run folder holding it).
-
-    Lines that are empty or not a JSON object are skipped with a warning (a log that is
-    being written may end in a partial line).
-    """
-    path = _log_path(path)
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            logger.warning("%s:%d: not a JSON line, skipped", path, number)
-            continue
-        if not isinstance(record, dict):
-            logger.warning("%s:%d: not a JSON object, skipped", path, number)
-            continue
-        records.append(record)
-    if not records:
-        logger.warning("%s holds no log records", path)
-    return records
-
-
 def run_labels(paths: Sequence[str | Path]) -> list[str]:
     """Legend names: the run folder name, with its parent prepended where names clash."""
-    folders = [_log_path(p).resolve().parent for p in paths]
+    folders = [log_path(p).resolve().parent for p in paths]
     names = [f.name for f in folders]
     clashes = Counter(names)
     return [f"{f.parent.name}/{f.name}" if clashes[f.name] > 1 else f.name
@@ -136,9 +101,10 @@ def plot_training_curves(
     labels = list(labels) if labels is not None else run_labels(paths)
     if len(labels) != len(paths):
         raise ConfigError(f"{len(paths)} logs but {len(labels)} labels")
-    runs = [read_log(p) for p in paths]
-    from matplotlib import colormaps
-
+    runs = [read_log(p, required=True) for p in paths]
+    for path, records in zip(paths, runs):
+        if not records:
+            logger.warning("%s holds no log records", path)
     colours = colormaps["tab10"].colors
     cols = 3
     rows = math.ceil(len(PANELS) / cols)

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 import torchvision.transforms.v2.functional as F
+from matplotlib import get_data_path
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 from torchvision.ops import batched_nms
@@ -106,10 +107,8 @@ def suppress_duplicates(
 def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
     """A bold sans-serif TrueType font of ``size`` pixels (matplotlib ships DejaVu Sans)."""
     try:
-        from matplotlib import get_data_path
-
         return ImageFont.truetype(f"{get_data_path()}/fonts/ttf/DejaVuSans-Bold.ttf", size)
-    except (ImportError, OSError):  # fall back to Pillow's own font
+    except OSError:  # fall back to Pillow's own font
         try:
             return ImageFont.load_default(size=size)
         except TypeError:  # Pillow < 10.1: fixed bitmap font

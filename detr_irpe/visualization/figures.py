@@ -1,6 +1,6 @@
 """Figures over an image: predictions, encoder self-attention, decoder cross-attention.
 
-All functions take an :class:`~detr_irpe.visualization.image.InputImage` (the original
+All functions take an :class:`~detr_irpe.data.inputs.InputImage` (the original
 picture plus the model input) and, for attention, an
 :class:`~detr_irpe.visualization.attention.AttentionRecord` of that image; coordinates
 (points, boxes) are in original-image pixels. Attention maps are drawn on the padded
@@ -22,12 +22,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from torch import Tensor
 
+from detr_irpe.data.inputs import InputImage
 from detr_irpe.models.postprocess import PostProcess
 
 from ._mpl import fit_suptitle, hide_ticks, new_figure, save_figure
 from .attention import AttentionRecord, token_to_cell
 from .draw import DRAW_NMS_IOU, class_colour, suppress_duplicates, text_colour
-from .image import InputImage
 
 logger = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from matplotlib import colormaps
 from matplotlib.collections import LineCollection
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
@@ -79,8 +80,6 @@ def _id_colours(ids: np.ndarray) -> tuple[np.ndarray, ListedColormap]:
 
 
 def _tab20() -> np.ndarray:
-    from matplotlib import colormaps
-
     return colormaps["tab20"](np.arange(20))
 
 

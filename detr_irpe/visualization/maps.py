@@ -10,8 +10,9 @@ import numpy as np
 from torch import Tensor, nn
 
 from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS
+from detr_irpe.data.inputs import InputImage, prepare_image
 
-from .attention import AttentionRecord, capture_attention
+from .attention import AttentionRecord, capture_attention, model_device
 from .figures import (
     detections_from_outputs,
     plot_decoder_attention,
@@ -19,8 +20,6 @@ from .figures import (
     plot_predictions,
     plot_rpe_contribution,
 )
-from .image import InputImage, prepare_image
-from .loading import model_device
 
 logger = logging.getLogger(__name__)
 

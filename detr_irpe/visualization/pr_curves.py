@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from detr_irpe.errors import DetrIrpeError
@@ -112,8 +113,6 @@ def plot_pr_curves(
         logger.info("%d categories: drawing the overall curve only; pick categories with "
                     "classes=[...] (--classes)", len(arrays["catIds"]))
         classes = []
-    from matplotlib import colormaps
-
     colours = colormaps["tab10"].colors
     fig, axes = new_figure(1, len(iou_thresholds), panel_size=(4.6, 4.4))
     for ax, iou in zip(axes[0], iou_thresholds):

@@ -1,15 +1,21 @@
-"""One run per run folder: an OS lock held for the whole run, and the writability check.
+"""One writer per run folder: an OS lock held while a run (or the grid scheduler that
+launched it) works in the folder.
 
-The lock is ``fcntl.flock`` on ``<run folder>/.run.lock``. The operating system
-releases it when the holding process ends in any way (exit, crash, SIGKILL), so
-a lock file left by a dead process is simply taken over; the file's contents
-(host, PID, start time of the holder) only serve the message that a second
-start prints. Under ``torchrun`` only rank 0 takes the lock; the other ranks
-learn the outcome from it, so every rank stops with the same error.
+The lock is ``fcntl.flock`` on a file in the run folder: :data:`LOCK_NAME` for the
+training process, :data:`CLAIM_NAME` for a ``detr-irpe-ablate`` scheduler that claims
+the run before launching its training. They are two files because a training process
+must take :data:`LOCK_NAME` itself: a flock held by the scheduler cannot be handed to
+its child (the child would open the file again, which conflicts, and ``torchrun``'s
+workers do not inherit descriptors).
+
+The operating system releases a flock when the holding process ends in any way (exit,
+crash, SIGKILL), so a lock file left by a dead process is simply taken over; the
+file's contents (host, PID, start time of the holder, cleared on release) only serve
+the messages and :func:`lock_holder`. Under ``torchrun`` only rank 0 takes the lock;
+the other ranks learn the outcome from it, so every rank stops with the same error.
 
 ``flock`` locks are local to one machine on some network file systems (old NFS
-versions); two runs on two hosts writing to one shared folder are then not
-detected.
+versions); two runs on two hosts writing to one shared folder are then not detected.
 """
 
 from __future__ import annotations
@@ -25,46 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from detr_irpe.errors import RunFolderError
+from detr_irpe.utils.dist import all_gather_object, is_dist
+from detr_irpe.utils.files import describe_os_error, ensure_writable_folder
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".run.lock"
-
-
-def _describe_os_error(err: OSError) -> str:
-    if err.errno is not None:
-        return os.strerror(err.errno)
-    return str(err)
-
-
-_RUN_FOLDER_FIX = "set train.output_dir (--output-dir) to a folder you can write to"
-
-
-def ensure_writable_folder(
-    folder: str | Path, what: str = "run folder", fix: str = _RUN_FOLDER_FIX
-) -> Path:
-    """Create ``folder`` if needed and check that files can be created in it.
-
-    Tools call it before loading a model or data, so that an unusable output
-    location costs nothing. ``what`` names the folder and ``fix`` says what to do
-    in the message.
-
-    Raises:
-        RunFolderError: naming the folder and the reason (permission, read-only
-            file system, a file in the way, no space left).
-    """
-    folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write_test.{os.getpid()}"
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.close(fd)
-        probe.unlink()
-    except OSError as err:
-        raise RunFolderError(
-            f"{what} {folder} is not writable ({_describe_os_error(err)}): {fix}"
-        ) from None
-    return folder
+CLAIM_NAME = ".ablation.lock"
+_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+_FIX = "set train.output_dir (--output-dir) to a folder you can write to"
 
 
 def _read_holder(fd: int) -> dict[str, Any]:
@@ -90,12 +65,13 @@ def _format_holder(holder: dict[str, Any]) -> str:
 class RunLock:
     """An exclusive lock on a run folder, held from :meth:`acquire` to :meth:`release`.
 
-    Use as a context manager: ``with RunLock(folder): ...``.
+    Use as a context manager: ``with RunLock(folder): ...``. ``name`` is the lock file:
+    :data:`LOCK_NAME` (a training run) or :data:`CLAIM_NAME` (a grid scheduler's claim).
     """
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, name: str = LOCK_NAME) -> None:
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_NAME
+        self.path = self.folder / name
         self._fd: int | None = None
 
     @property
@@ -111,28 +87,25 @@ class RunLock:
         """
         if self._fd is not None:
             return self
-        ensure_writable_folder(self.folder)
+        ensure_writable_folder(self.folder, "run folder", _FIX)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise RunFolderError(
-                f"cannot create the lock file {self.path} ({_describe_os_error(err)}): "
-                f"{_RUN_FOLDER_FIX}"
+                f"cannot create the lock file {self.path} ({describe_os_error(err)}): {_FIX}"
             ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             holder = _read_holder(fd)
             os.close(fd)
-            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if err.errno in _BUSY:
                 raise RunFolderError(
                     f"run folder {self.folder} is in use by {_format_holder(holder)}: wait "
                     "for that run to end or stop it, or set train.output_dir (--output-dir) "
                     "to another folder"
                 ) from None
-            raise RunFolderError(
-                f"cannot lock {self.path} ({_describe_os_error(err)})"
-            ) from None
+            raise RunFolderError(f"cannot lock {self.path} ({describe_os_error(err)})") from None
         previous = _read_holder(fd)
         if previous:
             # The lock was free, so whoever wrote this has ended (or crashed).
@@ -164,6 +137,33 @@ class RunLock:
         self.release()
 
 
+def lock_holder(folder: str | Path, name: str = LOCK_NAME) -> str | None:
+    """Who holds the lock ``name`` of ``folder`` now (PID and host), or None.
+
+    Looks without taking the lock where it can, so that looking never makes a run
+    that starts at that moment find its folder in use: a lock file without a holder
+    record is free (a holder writes its record right after locking and clears it when
+    it lets go); only a record left behind is checked, with a shared lock that a live
+    holder's exclusive one refuses.
+    """
+    try:
+        fd = os.open(Path(folder) / name, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        holder = _read_holder(fd)
+        if not holder:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            return _format_holder(holder) if err.errno in _BUSY else None
+        fcntl.flock(fd, fcntl.LOCK_UN)  # the holder ended without clearing its record
+        return None
+    finally:
+        os.close(fd)
+
+
 def lock_run_folder(folder: str | Path, is_main: bool) -> RunLock | None:
     """Rank 0 takes the run folder's lock; every rank raises the same error if it fails.
 
@@ -173,8 +173,6 @@ def lock_run_folder(folder: str | Path, is_main: bool) -> RunLock | None:
     Raises:
         RunFolderError: on every rank, when rank 0 could not take the lock.
     """
-    from detr_irpe.utils.dist import all_gather_object, is_dist
-
     lock: RunLock | None = None
     message: str | None = None
     if is_main:
@@ -189,4 +187,4 @@ def lock_run_folder(folder: str | Path, is_main: bool) -> RunLock | None:
     return lock
 
 
-__all__ = ["LOCK_NAME", "RunLock", "ensure_writable_folder", "lock_run_folder"]
+__all__ = ["CLAIM_NAME", "LOCK_NAME", "RunLock", "lock_holder", "lock_run_folder"]

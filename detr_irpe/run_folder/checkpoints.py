@@ -1,4 +1,4 @@
-"""Training checkpoints on disk: atomic writes, rotation, validation and resume discovery.
+"""The checkpoints a run folder keeps: rotation, the best one, resume discovery.
 
 A training checkpoint is a dict that ``torch.load(weights_only=True)`` accepts
 (tensors, dicts, lists, numbers, strings, None)::
@@ -9,7 +9,7 @@ A training checkpoint is a dict that ``torch.load(weights_only=True)`` accepts
      "iteration": optimizer steps done, "best_ap": float | None,
      "best_epoch": ``epoch`` of the checkpoint with best_ap | None,
      "metrics": the epoch's running loss sums so far (MetricTracker.state_dict()),
-     "rng": [per-rank RNG states, see get_rng_state], "world_size": int,
+     "rng": [per-rank RNG states], "world_size": int, "batch_size": int,
      "config": Config.to_dict(), "category_names": {category_id: name}}
 
 Files in a run folder:
@@ -29,7 +29,7 @@ file, leaves the previous checkpoint in place and becomes a
 ``best_epoch`` records the ``epoch`` of the checkpoint that reached ``best_ap``;
 when ``checkpoint_last.pth`` is itself the best one but ``checkpoint_best.pth``
 is another file (a run stopped between the two writes), :func:`repair_best`
-links it again at the next start.
+links it again when the run is resumed.
 """
 
 from __future__ import annotations
@@ -37,18 +37,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import random
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from detr_irpe.checkpoint import FORMAT, atomic_save, safe_load, write_temp
-from detr_irpe.engine.run_lock import RunLock
+from detr_irpe.checkpoint import FORMAT, atomic_save, safe_load
 from detr_irpe.errors import CheckpointError, RunFolderError
-from detr_irpe.utils.files import fsync_dir
+from detr_irpe.run_folder.lock import RunLock
+from detr_irpe.utils.files import describe_os_error, fsync_dir, write_temp
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +56,8 @@ PREV = "checkpoint_prev.pth"
 BEST = "checkpoint_best.pth"
 
 _TRAINING_KEYS = ("model", "optimizer", "epoch", "iteration")
-# Names of the temporary files of an unfinished save (see _write_temp, _rotate, link_best).
+# Names of the temporary files of an unfinished save (see write_temp, _rotate, link_best).
 _TEMP_PATTERNS = (".checkpoint_*.pth.*.tmp", ".checkpoint_*.pth.link")
-
-
-def _write_temp(obj: Any, target: Path) -> Path:
-    """``torch.save`` ``obj`` completely (flushed, fsync'ed) to a temporary file next to ``target``."""
-    return write_temp(target, lambda f: torch.save(obj, f))
 
 
 def _rotate(last: Path, prev: Path) -> None:
@@ -84,49 +77,49 @@ def _rotate(last: Path, prev: Path) -> None:
 
 
 def _write_error(err: OSError, path: Path, kept: Path | None) -> RunFolderError:
-    reason = os.strerror(err.errno) if err.errno is not None else str(err)
     hint = "free some space" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "fix the folder"
     intact = f"; {kept.name} is intact" if kept is not None and kept.exists() else ""
     return RunFolderError(
-        f"could not write {path}: {reason}{intact}; {hint} and run the same command to resume"
+        f"could not write {path}: {describe_os_error(err)}{intact}; {hint} and run the same "
+        "command to resume"
     )
 
 
-def save_training_checkpoint(state: Mapping[str, Any], output_dir: str | Path) -> Path:
+def save_training_checkpoint(state: Mapping[str, Any], folder: str | Path) -> Path:
     """Write ``state`` as ``checkpoint_last.pth``, first rotating the old one to ``_prev``.
 
     Raises:
         RunFolderError: on an ``OSError`` (e.g. no space left); the previous
             ``checkpoint_last.pth`` is then unchanged and no temporary file is left.
     """
-    output_dir = Path(output_dir)
-    last = output_dir / LAST
+    folder = Path(folder)
+    last = folder / LAST
     state = {"format": FORMAT, "version": VERSION, **state}
     try:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         # The new file is complete on disk before the old ones are touched.
-        tmp = _write_temp(state, last)
+        tmp = write_temp(last, lambda f: torch.save(state, f))
         try:
-            _rotate(last, output_dir / PREV)
+            _rotate(last, folder / PREV)
             os.replace(tmp, last)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        fsync_dir(output_dir)
+        fsync_dir(folder)
     except OSError as err:
         raise _write_error(err, last, last) from None
     return last
 
 
-def link_best(output_dir: str | Path, source: str = LAST) -> Path:
-    """Make ``checkpoint_best.pth`` the current ``source`` file of ``output_dir``
+def link_best(folder: str | Path, source: str = LAST) -> Path:
+    """Make ``checkpoint_best.pth`` the current ``source`` file of ``folder``
     (a hard link, or a copy where the file system has none).
 
     Raises:
         RunFolderError: on an ``OSError`` while copying; the old best file stays.
     """
-    output_dir = Path(output_dir)
-    src, best = output_dir / source, output_dir / BEST
+    folder = Path(folder)
+    src, best = folder / source, folder / BEST
     link = best.with_name(f".{best.name}.link")
     try:
         link.unlink(missing_ok=True)
@@ -135,10 +128,10 @@ def link_best(output_dir: str | Path, source: str = LAST) -> Path:
     except OSError:
         link.unlink(missing_ok=True)
         try:
-            atomic_save(load_checkpoint_file(src), best)
+            atomic_save(safe_load(src), best)
         except OSError as err:
             raise _write_error(err, best, best) from None
-    fsync_dir(output_dir)
+    fsync_dir(folder)
     return best
 
 
@@ -159,7 +152,7 @@ def repair_best(path: str | Path, state: Mapping[str, Any]) -> bool:
     (its contents) says it is the best one but the best file is another file.
 
     A run stopped between writing ``checkpoint_last.pth`` and linking the best
-    leaves exactly this; it is repaired before the resumed run writes anything.
+    leaves exactly this; the resumed run repairs it before it saves anything.
     Returns whether the best file was re-linked.
     """
     path = Path(path)
@@ -176,71 +169,55 @@ def repair_best(path: str | Path, state: Mapping[str, Any]) -> bool:
     return True
 
 
-def remove_stale_temp_files(output_dir: str | Path, lock: RunLock) -> list[Path]:
-    """Delete temporary files that a process killed while saving left in ``output_dir``.
+def remove_stale_temp_files(folder: str | Path, lock: RunLock) -> list[Path]:
+    """Delete temporary files that a process killed while saving left in ``folder``.
 
     Only this module's temporary names are removed, and only while ``lock`` (the
-    :class:`~detr_irpe.engine.run_lock.RunLock` of the folder) is held: with the
+    :class:`~detr_irpe.run_folder.lock.RunLock` of the folder) is held: with the
     lock no other run can be writing there. Every removed file is logged.
     """
-    if not lock.held or Path(lock.folder).resolve() != Path(output_dir).resolve():
-        raise RuntimeError(f"remove_stale_temp_files needs the lock of {output_dir} held")
+    if not lock.held or Path(lock.folder).resolve() != Path(folder).resolve():
+        raise RuntimeError(f"remove_stale_temp_files needs the lock of {folder} held")
     removed = []
     for pattern in _TEMP_PATTERNS:
-        for path in sorted(Path(output_dir).glob(pattern)):
+        for path in sorted(Path(folder).glob(pattern)):
             path.unlink(missing_ok=True)
             logger.info("removed %s, left by an interrupted save", path)
             removed.append(path)
     return removed
 
 
-def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
-    """Names of the floating-point tensors in ``tensors`` holding NaN or inf.
-
-    One host synchronisation for the whole mapping (a save already waits for the
-    device), the names are only looked for when something is wrong.
-    """
-    named = [(k, v) for k, v in tensors.items()
-             if torch.is_tensor(v) and v.is_floating_point() and v.numel()]
-    if not named:
-        return []
-    flags = torch.stack([v.detach().isfinite().all() for _, v in named])
-    if bool(flags.all()):
-        return []
-    return [k for (k, _), ok in zip(named, flags.tolist()) if not ok]
-
-
-def load_checkpoint_file(path: str | Path, *, require_training_state: bool = False) -> dict:
-    """Load a checkpoint with ``weights_only=True`` and check that it is complete.
+def read_training_checkpoint(path: str | Path) -> dict:
+    """A training checkpoint of this package, read with ``weights_only=True`` and
+    checked to hold the state a resumed run needs.
 
     Raises:
-        CheckpointError: naming the file, when it is missing, truncated, corrupt,
-            or (with ``require_training_state``) lacks the model/optimizer/epoch state.
+        CheckpointError: naming the file, when it is missing, truncated, corrupt, of
+            another format, or lacks the model / optimizer / epoch state.
     """
     path = Path(path)
     state = safe_load(path)
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict")
-    if require_training_state:
-        if state.get("format") != FORMAT:
-            raise CheckpointError(
-                f"checkpoint {path} is not a detr_irpe training checkpoint "
-                f"(format {state.get('format')!r}); use --finetune to start from its weights"
-            )
-        missing = [k for k in _TRAINING_KEYS if k not in state]
-        if missing:
-            raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}")
+    if state.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} is not a detr_irpe training checkpoint "
+            f"(format {state.get('format')!r}); use --finetune to start from its weights"
+        )
+    missing = [k for k in _TRAINING_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}")
     return state
 
 
 def find_resume_checkpoint(
-    output_dir: str | Path, explicit: str | Path | None = None
+    folder: str | Path, explicit: str | Path | None = None
 ) -> tuple[Path, dict] | None:
     """The newest loadable training checkpoint, or None when the run has none yet.
 
     With ``explicit`` (``--resume PATH``) that file is used; if it is damaged and
     a ``checkpoint_prev.pth`` sits next to it, that one is used instead. Without
-    it, ``output_dir/checkpoint_last.pth`` then ``checkpoint_prev.pth`` are tried.
+    it, ``folder/checkpoint_last.pth`` then ``checkpoint_prev.pth`` are tried.
     Every damaged file is reported with an error log naming it.
 
     Raises:
@@ -252,8 +229,8 @@ def find_resume_checkpoint(
         if not explicit.exists():
             raise CheckpointError(f"--resume: checkpoint {explicit} does not exist")
     else:
-        output_dir = Path(output_dir)
-        candidates = [output_dir / LAST, output_dir / PREV]
+        folder = Path(folder)
+        candidates = [folder / LAST, folder / PREV]
         if not any(c.exists() for c in candidates):
             return None
     errors = []
@@ -261,7 +238,7 @@ def find_resume_checkpoint(
         if not candidate.exists():
             continue
         try:
-            state = load_checkpoint_file(candidate, require_training_state=True)
+            state = read_training_checkpoint(candidate)
         except CheckpointError as err:
             logger.error("%s", err)
             errors.append(str(err))
@@ -272,61 +249,22 @@ def find_resume_checkpoint(
     raise CheckpointError("no usable checkpoint to resume from: " + "; ".join(errors))
 
 
-# ---------------------------------------------------------------------------- RNG states
-def get_rng_state() -> dict[str, Any]:
-    """RNG states of torch, CUDA, numpy and python's ``random`` as weights_only-safe types."""
-    np_state = np.random.get_state()
-    py_version, py_internal, py_gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        # Only this process's GPU: get_rng_state_all() would open a context on every GPU.
-        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_initialized() else [],
-        "numpy": {
-            "kind": str(np_state[0]),
-            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "cached_gaussian": float(np_state[4]),
-        },
-        "python": [int(py_version), [int(v) for v in py_internal], py_gauss],
-    }
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`get_rng_state` returned."""
-    torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda") or []
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state(cuda[0])  # the current device of this rank
-    np_state = state["numpy"]
-    np.random.set_state(
-        (
-            np_state["kind"],
-            np_state["keys"].numpy().astype(np.uint32),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["cached_gaussian"],
-        )
-    )
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+def has_checkpoint(folder: str | Path) -> bool:
+    """Whether ``folder`` holds any of the run's checkpoints."""
+    return any((Path(folder) / name).exists() for name in (LAST, PREV, BEST))
 
 
 __all__ = [
     "BEST",
-    "FORMAT",
     "LAST",
     "PREV",
-    "CheckpointError",
-    "atomic_save",
+    "VERSION",
     "find_resume_checkpoint",
-    "get_rng_state",
+    "has_checkpoint",
     "is_best_checkpoint",
     "link_best",
-    "load_checkpoint_file",
-    "nonfinite_tensors",
+    "read_training_checkpoint",
     "remove_stale_temp_files",
     "repair_best",
     "save_training_checkpoint",
-    "set_rng_state",
 ]

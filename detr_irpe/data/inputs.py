@@ -1,9 +1,10 @@
-"""Images in, model input out: loading, eval-time resize + normalisation, and back for display.
+"""One image as the model's evaluation-time input, with the original kept for drawing.
 
-An :class:`InputImage` keeps the original picture (for drawing, in its own pixel
+An :class:`InputImage` keeps the original picture (for figures, in its own pixel
 coordinates) together with the normalised model input, resized as at evaluation
 (shorter side ``size``, longer side about ``max_size``; ``data.transforms.eval_input``,
-the same as the Predictor's input).
+the same as the Predictor's input). The attention figures and ``detr-irpe-visualize``
+take their images from here.
 """
 
 from __future__ import annotations

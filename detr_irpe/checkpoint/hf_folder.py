@@ -1,0 +1,353 @@
+"""Hugging Face ``save_pretrained`` folders of ``DetrForObjectDetection``: reading them
+into this project's layout and writing this project's plain-DETR weights as one.
+
+A folder holds ``config.json`` and ``model.safetensors`` (or a sharded safetensors
+file, or ``pytorch_model.bin`` in older Hub repositories). The key names are converted
+by :mod:`detr_irpe.checkpoint.hf_keys`; ``config.json`` gives the ``model.*`` settings
+(:func:`hf_model_config`) and the category names (``id2label``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from detr_irpe.checkpoint.hf_keys import convert_hf_state_dict, hf_layout, to_hf_state_dict
+from detr_irpe.checkpoint.safe import format_keys, load_safetensors, safe_load, safetensors_module
+from detr_irpe.errors import CheckpointError
+from detr_irpe.irpe import is_rpe_key, parse_rpe
+from detr_irpe.utils.files import fsync_dir
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+_SHARD_INDEX_NAME = "model.safetensors.index.json"
+_TORCH_WEIGHTS_NAME = "pytorch_model.bin"
+# (depths, layer type) of transformers' ResNetConfig -> the ResNet it is.
+_HF_RESNET_NAMES = {
+    ((2, 2, 2, 2), "basic"): "resnet18",
+    ((3, 4, 6, 3), "basic"): "resnet34",
+    ((3, 4, 6, 3), "bottleneck"): "resnet50",
+    ((3, 4, 23, 3), "bottleneck"): "resnet101",
+}
+
+
+def _load_weights(folder: Path) -> dict[str, Tensor]:
+    """The tensors of a ``save_pretrained`` folder: one safetensors file, a sharded one, or
+    (older Hub repositories) ``pytorch_model.bin``."""
+    if (folder / WEIGHTS_NAME).is_file():
+        return load_safetensors(folder / WEIGHTS_NAME)[0]
+    if (folder / _SHARD_INDEX_NAME).is_file():
+        index = _read_json(folder / _SHARD_INDEX_NAME)
+        shards = sorted(set(index.get("weight_map", {}).values()))
+        state: dict[str, Tensor] = {}
+        for shard in shards:
+            state.update(load_safetensors(folder / shard)[0])
+        return state
+    if (folder / _TORCH_WEIGHTS_NAME).is_file():
+        obj = safe_load(folder / _TORCH_WEIGHTS_NAME)
+        if isinstance(obj, Mapping) and all(isinstance(v, Tensor) for v in obj.values()):
+            return dict(obj)
+        raise CheckpointError(f"{folder / _TORCH_WEIGHTS_NAME} is not a state dict of tensors")
+    raise CheckpointError(
+        f"{folder} holds no weights: expected {WEIGHTS_NAME} (or {_SHARD_INDEX_NAME} or "
+        f"{_TORCH_WEIGHTS_NAME}) next to {CONFIG_NAME}"
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is not a readable JSON file: {err}") from err
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def hf_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``model.*`` config values of this project that a transformers ``config.json`` implies.
+
+    Raises:
+        CheckpointError: a setting this project's DETR cannot reproduce (another
+            activation, encoder and decoder with different widths or head counts, a
+            backbone other than a timm ResNet).
+    """
+    for a, b in (
+        ("encoder_attention_heads", "decoder_attention_heads"),
+        ("encoder_ffn_dim", "decoder_ffn_dim"),
+    ):
+        if hf_config.get(a, 0) != hf_config.get(b, 0):
+            raise CheckpointError(
+                f"{CONFIG_NAME}: {a}={hf_config.get(a)} differs from {b}={hf_config.get(b)}; "
+                "this project's DETR uses one value for encoder and decoder"
+            )
+    activation = hf_config.get("activation_function", "relu")
+    if activation != "relu":
+        raise CheckpointError(
+            f"{CONFIG_NAME}: activation_function={activation!r}; this project's DETR uses relu"
+        )
+    fields = {
+        "hidden_dim": "d_model",
+        "nheads": "encoder_attention_heads",
+        "enc_layers": "encoder_layers",
+        "dec_layers": "decoder_layers",
+        "dim_feedforward": "encoder_ffn_dim",
+        "num_queries": "num_queries",
+        "dilation": "dilation",
+        "position_embedding": "position_embedding_type",
+    }
+    model = {ours: hf_config[theirs] for ours, theirs in fields.items() if theirs in hf_config}
+    backbone = _backbone_name(hf_config)
+    if backbone:
+        model["backbone"] = backbone
+    if isinstance(hf_config.get("id2label"), Mapping):
+        model["num_classes"] = len(hf_config["id2label"])
+    return model
+
+
+def _backbone_name(hf_config: Mapping[str, Any]) -> str | None:
+    """The ResNet of a DETR ``config.json``: timm's name, or the one transformers' own
+    ResNet config (depths, layer type) describes."""
+    backbone_config = hf_config.get("backbone_config") or {}
+    kind = backbone_config.get("model_type", "timm_backbone")
+    if kind == "timm_backbone":
+        return hf_config.get("backbone") or backbone_config.get("backbone")
+    if kind != "resnet":
+        raise CheckpointError(
+            f"{CONFIG_NAME}: backbone_config.model_type={kind!r}; only ResNet backbones "
+            "(timm's or transformers' own) convert"
+        )
+    if backbone_config.get("downsample_in_bottleneck"):
+        raise CheckpointError(
+            f"{CONFIG_NAME}: backbone_config.downsample_in_bottleneck=true strides the first "
+            "1x1 convolution; torchvision's ResNet (used here) strides the 3x3 one"
+        )
+    depths = tuple(backbone_config.get("depths", (3, 4, 6, 3)))
+    layer_type = backbone_config.get("layer_type", "bottleneck")
+    name = _HF_RESNET_NAMES.get((depths, layer_type))
+    if name is None:
+        raise CheckpointError(
+            f"{CONFIG_NAME}: a {layer_type} ResNet with depths {list(depths)} is none of "
+            f"{', '.join(sorted(set(_HF_RESNET_NAMES.values())))}"
+        )
+    return name
+
+
+def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Read a ``save_pretrained`` folder of ``DetrForObjectDetection`` (or its
+    ``.safetensors`` file) into this project's layout.
+
+    Returns:
+        ``(state_dict, meta)``; ``meta`` has ``path``, ``format`` (``"hf"``),
+        ``layout`` (:data:`LAYOUTS`), ``num_classes`` (the class head's rows minus the
+        "no object" row; transformers' ``num_labels``), ``category_names``
+        (``{id: name}`` from ``id2label`` without the ``"N/A"`` placeholders, or None),
+        ``model`` (the ``model.*`` config values implied by ``config.json``, see
+        :func:`hf_model_config`) and ``hf_config`` (``config.json`` as a dict, or None
+        for a lone file without one).
+
+    Raises:
+        CheckpointError: missing files, unreadable JSON / weights, unknown key layout,
+            or a ``config.json`` that disagrees with the weights.
+    """
+    path = Path(path)
+    if path.is_dir():
+        if not (path / CONFIG_NAME).is_file():
+            raise CheckpointError(
+                f"{path} is not a Hugging Face save_pretrained folder: no {CONFIG_NAME}"
+            )
+        hf_config: dict[str, Any] | None = _read_json(path / CONFIG_NAME)
+        raw = _load_weights(path)
+    elif path.is_file():
+        raw, _ = load_safetensors(path)
+        sibling = path.with_name(CONFIG_NAME)
+        hf_config = _read_json(sibling) if sibling.is_file() else None
+        if hf_config is not None and hf_config.get("model_type") != "detr":
+            hf_config = None  # a config.json of something else in the same folder
+    else:
+        raise CheckpointError(f"checkpoint {str(path)!r} not found")
+    layout = hf_layout(raw)
+    state = convert_hf_state_dict(raw)
+    head = state.get("class_embed.weight")
+    num_classes = None if head is None else head.shape[0] - 1
+    model = hf_model_config(hf_config) if hf_config is not None else {}
+    if num_classes is not None and model.get("num_classes", num_classes) != num_classes:
+        raise CheckpointError(
+            f"{path}: {CONFIG_NAME} names {model['num_classes']} labels (id2label) but the class "
+            f"head has {num_classes} + 1 rows"
+        )
+    names = None
+    if hf_config is not None and isinstance(hf_config.get("id2label"), Mapping):
+        names = {int(k): str(v) for k, v in hf_config["id2label"].items() if v != "N/A"}
+    meta = {
+        "path": str(path),
+        "format": "hf",
+        "layout": layout,
+        "num_classes": num_classes,
+        "category_names": names,
+        "model": model,
+        "hf_config": hf_config,
+    }
+    return state, meta
+
+
+def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
+    """Why transformers' DETR cannot hold this model, or None when it can."""
+    model = cfg.model
+    if parse_rpe(model.rpe) is not None or any(is_rpe_key(k) for k in state):
+        return (
+            f"an iRPE model (model.rpe={model.rpe}) cannot be written for Hugging Face: "
+            "transformers' DETR has no relative position encodings"
+        )
+    if model.pre_norm:
+        return (
+            "model.pre_norm=true cannot be written for Hugging Face: transformers' DETR is "
+            "post-norm"
+        )
+    if model.position_embedding != "sine":
+        return (
+            f"model.position_embedding={model.position_embedding} cannot be written for Hugging "
+            "Face: only the sine encoding converts"
+        )
+    if model.dilation and model.backbone in ("resnet18", "resnet34"):
+        return (
+            f"model.dilation=true with {model.backbone} cannot be written for Hugging Face: "
+            "timm dilates layer4, this project only un-strides it for BasicBlock ResNets"
+        )
+    return None
+
+
+def hf_config_dict(
+    cfg: Any, num_classes: int, category_names: Mapping[int, str] | None = None
+) -> dict[str, Any]:
+    """A transformers 4-style ``config.json`` for ``cfg.model`` (both 4 and 5 read it).
+
+    The backbone is a timm ResNet built without downloading ImageNet weights
+    (``use_pretrained_backbone: false``): the folder holds all weights.
+    """
+    model = cfg.model
+    names = dict(category_names or {})
+    id2label = {str(i): names.get(i, "N/A") for i in range(num_classes)}
+    return {
+        "architectures": ["DetrForObjectDetection"],
+        "model_type": "detr",
+        "use_timm_backbone": True,
+        "backbone": model.backbone,
+        "use_pretrained_backbone": False,
+        "backbone_config": None,
+        "dilation": model.dilation,
+        "num_channels": 3,
+        "d_model": model.hidden_dim,
+        "encoder_layers": model.enc_layers,
+        "decoder_layers": model.dec_layers,
+        "encoder_attention_heads": model.nheads,
+        "decoder_attention_heads": model.nheads,
+        "encoder_ffn_dim": model.dim_feedforward,
+        "decoder_ffn_dim": model.dim_feedforward,
+        "num_queries": model.num_queries,
+        "position_embedding_type": "sine",
+        "activation_function": "relu",
+        # This project drops out attention weights, residual branches and the FFN
+        # activation with one rate; transformers has one setting for each.
+        "dropout": model.dropout,
+        "attention_dropout": model.dropout,
+        "activation_dropout": model.dropout,
+        # transformers' decoder with auxiliary_loss=true feeds each layer the
+        # layer-normalised output of the one before (DETR feeds the un-normalised one),
+        # which changes the predictions; the Hub configs leave it false, and so do we.
+        "auxiliary_loss": False,
+        "is_encoder_decoder": True,
+        "id2label": id2label,
+        "label2id": {name: int(i) for i, name in id2label.items()},
+    }
+
+
+def write_hf_folder(
+    state_dict: Mapping[str, Tensor],
+    cfg: Any,
+    out_dir: str | Path,
+    *,
+    category_names: Mapping[int, str] | None = None,
+) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` that ``DetrForObjectDetection.from_pretrained``
+    loads, in the ``transformers4`` layout of the Hub files.
+
+    Args:
+        state_dict: a plain-DETR model's weights in this project's layout.
+        cfg: the model's :class:`~detr_irpe.config.Config` (only ``cfg.model`` is read).
+        out_dir: a new folder, an empty one, or an earlier export (replaced).
+        category_names: ``{id: name}`` for ``id2label`` (missing ids become ``"N/A"``).
+
+    Raises:
+        CheckpointError: an iRPE / pre-norm / learned-position model (one line saying
+            why), or ``out_dir`` holding other files.
+    """
+    reason = _refusal(state_dict, cfg)
+    if reason:
+        raise CheckpointError(reason)
+    head = state_dict.get("class_embed.weight")
+    if head is None:
+        raise CheckpointError("the state dict has no class_embed.weight: not a DETR model")
+    tensors = to_hf_state_dict(state_dict, "transformers4")
+    config = hf_config_dict(cfg, head.shape[0] - 1, category_names)
+    # transformers refuses safetensors files without this metadata entry.
+    weights = safetensors_module().save(tensors, metadata={"format": "pt"})
+    files = {CONFIG_NAME: (json.dumps(config, indent=2) + "\n").encode(), WEIGHTS_NAME: weights}
+    out = _write_folder(Path(out_dir), files)
+    logger.info("wrote %d tensors and %s to %s", len(tensors), CONFIG_NAME, out)
+    return out
+
+
+def _write_folder(out_dir: Path, files: Mapping[str, bytes]) -> Path:
+    """Fill a temporary sibling folder, then rename it to ``out_dir``: a crash leaves
+    the old folder or the new one, never a half-written one."""
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise CheckpointError(f"{out_dir} exists and is not a folder; give a folder path")
+        others = sorted(p.name for p in out_dir.iterdir() if p.name not in files)
+        if others:
+            raise CheckpointError(
+                f"{out_dir} exists and holds other files ({format_keys(others, 4)}); give a new or "
+                "empty folder"
+            )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    old = tmp.with_name(tmp.name + ".old")
+    try:
+        for name, data in files.items():
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        os.chmod(tmp, 0o755)  # mkdtemp makes a private folder
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out_dir.exists():
+            os.replace(old, out_dir)
+        raise
+    fsync_dir(out_dir.parent)  # the rename itself survives a power cut, as atomic_write's
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+__all__ = [
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+    "hf_config_dict",
+    "hf_model_config",
+    "read_hf_folder",
+    "write_hf_folder",
+]

@@ -1,0 +1,92 @@
+"""The config a checkpoint's model is built from: the rules every tool shares (train
+``--finetune`` aside: eval, predict, visualize, export, convert, torch.hub).
+
+- **Config**: the one given (a name, a YAML path or a :class:`Config`), else the config
+  saved in the checkpoint (for a Hugging Face folder: ``detr_r50`` with the settings of
+  its ``config.json``); ``overrides`` (``"section.key=value"``) apply on top. A file
+  without a saved config (public DETR / iRPE-DETR weights) needs one: that is a
+  :class:`CheckpointError` saying to pass ``--config``.
+- **Number of classes**: the checkpoint's class head decides (its rows - 1: the head
+  has one "no object" output more than ``model.num_classes``), unless
+  ``model.num_classes`` is among the ``overrides``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from detr_irpe.checkpoint.layout import HEAD_KEYS
+from detr_irpe.config import Config, config_from_dict, load_config, parse_override
+from detr_irpe.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+# Hugging Face DETR is plain DETR-R50: its config.json settings go on top of this one.
+HF_BASE_CONFIG = "detr_r50"
+
+
+def resolve_config(
+    path: str | Path,
+    config: str | Path | Config | None,
+    overrides: Iterable[str],
+    meta: Mapping[str, Any],
+) -> Config:
+    """The config for a checkpoint: ``config`` if given, else the one saved in the file
+    (``meta`` of :func:`~detr_irpe.checkpoint.read_checkpoint`), ``overrides`` on top."""
+    overrides = list(overrides)
+    if isinstance(config, Config):
+        return config_from_dict(config.to_dict(), overrides) if overrides else config
+    if config is not None:
+        return load_config(config, overrides)
+    saved = meta.get("config")
+    if isinstance(saved, Mapping):
+        logger.info("using the config saved in %s", path)
+        return config_from_dict(saved, overrides)
+    if meta.get("hf_model"):
+        # a Hugging Face folder: plain DETR-R50 with the settings of its config.json
+        logger.info("config: %s with the model settings of %s/config.json", HF_BASE_CONFIG, path)
+        base = load_config(HF_BASE_CONFIG).to_dict()
+        base["model"].update(meta["hf_model"], rpe="none")
+        return config_from_dict(base, overrides)
+    raise CheckpointError(
+        f"checkpoint {path} ({meta.get('format')} layout) carries no config: pass --config "
+        "with the model it was trained as, e.g. --config detr_r50 for public DETR-R50 or "
+        "--config detr_r50_irpe for the public iRPE-DETR model zoo"
+    )
+
+
+def _overridden_keys(overrides: Iterable[str]) -> set[str]:
+    return {".".join(parse_override(text)[0]) for text in overrides}
+
+
+def config_for_checkpoint(
+    path: str | Path,
+    state: Mapping[str, Tensor],
+    meta: Mapping[str, Any],
+    config: str | Path | Config | None = None,
+    overrides: Iterable[str] = (),
+) -> Config:
+    """:func:`resolve_config`, with ``model.num_classes`` from the checkpoint's class
+    head unless the overrides set it (then a head of another size is the loader's
+    business: an error or, when fine-tuning, a re-initialised head)."""
+    overrides = list(overrides)
+    cfg = resolve_config(path, config, overrides, meta)
+    bias = state.get(HEAD_KEYS[1])
+    if bias is None or "model.num_classes" in _overridden_keys(overrides):
+        return cfg
+    from_head = int(bias.shape[0]) - 1
+    if cfg.model.num_classes not in (None, from_head):
+        logger.info(
+            "model.num_classes=%d from the class head of %s (the config said %d)",
+            from_head, path, cfg.model.num_classes,
+        )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=from_head))
+
+
+__all__ = ["HF_BASE_CONFIG", "config_for_checkpoint", "resolve_config"]
