@@ -1,5 +1,5 @@
-"""DETR with an iRPE encoder: backbone, transformer, heads, matcher, loss, and building a
-model from a config or from a checkpoint."""
+"""DETR and DAB-DETR / DN-DETR with an iRPE encoder: backbone, transformers, heads,
+matcher, loss, and building a model from a config or from a checkpoint."""
 
 from detr_irpe.checkpoint import (
     CheckpointError,
@@ -11,14 +11,21 @@ from detr_irpe.models.backbone import Backbone, FrozenBatchNorm2d, Joiner
 from detr_irpe.models.build import (
     build_backbone,
     build_criterion,
+    build_dab_transformer,
+    build_detector,
     build_model,
+    build_postprocessor,
     build_transformer,
     count_parameters,
 )
 from detr_irpe.models.criterion import SetCriterion
-from detr_irpe.models.detr import DETR, MLP
+from detr_irpe.models.dab_detr import DABDETR
+from detr_irpe.models.dab_transformer import DABTransformer
+from detr_irpe.models.denoising import Denoising, DenoisingNoise
+from detr_irpe.models.detr import DETR
 from detr_irpe.models.from_checkpoint import LoadedModel, model_from_checkpoint
 from detr_irpe.models.matcher import HungarianMatcher
+from detr_irpe.models.mlp import MLP
 from detr_irpe.models.position_encoding import (
     PositionEmbeddingLearned,
     PositionEmbeddingNone,
@@ -29,10 +36,14 @@ from detr_irpe.models.postprocess import PostProcess
 from detr_irpe.models.transformer import Transformer
 
 __all__ = [
+    "DABDETR",
     "DETR",
     "MLP",
     "Backbone",
     "CheckpointError",
+    "DABTransformer",
+    "Denoising",
+    "DenoisingNoise",
     "FrozenBatchNorm2d",
     "HungarianMatcher",
     "Joiner",
@@ -45,8 +56,11 @@ __all__ = [
     "Transformer",
     "build_backbone",
     "build_criterion",
+    "build_dab_transformer",
+    "build_detector",
     "build_model",
     "build_position_encoding",
+    "build_postprocessor",
     "build_transformer",
     "convert_state_dict",
     "count_parameters",

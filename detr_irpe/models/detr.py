@@ -10,29 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from detr_irpe.models.backbone import Joiner
+from detr_irpe.models.mlp import MLP
 from detr_irpe.models.transformer import Transformer
 from detr_irpe.structures import ImageBatch
 
-
-class MLP(nn.Module):
-    """``num_layers`` Linear layers with ReLU between them (keys ``layers.{i}``)."""
-
-    def __init__(self, input_dim: int, hidden_dim: int, output_dim: int, num_layers: int) -> None:
-        super().__init__()
-        dims = [input_dim] + [hidden_dim] * (num_layers - 1) + [output_dim]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
-
-    def forward(self, x: Tensor) -> Tensor:
-        """``(..., input_dim)`` -> ``(..., output_dim)``."""
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = F.relu(x)
-        return x
+__all__ = ["DETR", "MLP"]  # MLP lives in models/mlp.py; importable from here as before
 
 
 class DETR(nn.Module):
