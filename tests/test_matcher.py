@@ -41,6 +41,25 @@ def brute_force_min(cost: np.ndarray) -> float:
     )
 
 
+def assert_optimal(indices, outputs: dict, targets: list[dict], cost_fn, *weights) -> None:
+    """Every image's assignment is one-to-one, covers all its targets and costs the
+    brute-force minimum of ``cost_fn(logits, boxes, labels, target_boxes, *weights)``."""
+    for b, (rows, cols) in enumerate(indices):
+        cost = cost_fn(
+            outputs["pred_logits"][b].double().numpy(),
+            outputs["pred_boxes"][b].double().numpy(),
+            targets[b]["labels"].numpy(),
+            targets[b]["boxes"].double().numpy(),
+            *weights,
+        )
+        n = len(targets[b]["labels"])
+        assert rows.dtype == torch.int64 and len(rows) == len(cols) == n
+        assert sorted(cols.tolist()) == list(range(n))
+        assert len(set(rows.tolist())) == n
+        got = cost[rows.numpy(), cols.numpy()].sum()
+        np.testing.assert_allclose(got, brute_force_min(cost), rtol=1e-5, atol=1e-5)
+
+
 def random_problem(batch: int, queries: int, classes: int, sizes: list[int], seed: int):
     g = torch.Generator().manual_seed(seed)
     outputs = {
@@ -61,20 +80,7 @@ def test_matches_brute_force() -> None:
     matcher = HungarianMatcher(1.0, 5.0, 2.0)
     for seed in range(8):
         outputs, targets = random_problem(2, 5, 3, [3, 4], seed)
-        indices = matcher(outputs, targets)
-        for b, (rows, cols) in enumerate(indices):
-            cost = naive_cost(
-                outputs["pred_logits"][b].double().numpy(),
-                outputs["pred_boxes"][b].double().numpy(),
-                targets[b]["labels"].numpy(),
-                targets[b]["boxes"].double().numpy(),
-            )
-            n = len(targets[b]["labels"])
-            assert rows.dtype == torch.int64 and len(rows) == len(cols) == n
-            assert sorted(cols.tolist()) == list(range(n))
-            assert len(set(rows.tolist())) == n
-            got = cost[rows.numpy(), cols.numpy()].sum()
-            np.testing.assert_allclose(got, brute_force_min(cost), rtol=1e-5, atol=1e-5)
+        assert_optimal(matcher(outputs, targets), outputs, targets, naive_cost)
 
 
 def test_batched_equals_per_image() -> None:

@@ -18,9 +18,15 @@ so the summed micro-batch losses equal the loss of one batch holding them all
 (the cross-entropy's denominator likewise covers the whole step). Auxiliary decoder
 outputs get the same terms with suffixes ``_0`` .. ``_{n-2}``. Box terms are
 computed in float32 with autocast disabled.
+
+The module-level helpers (matched indexing, box terms, ``num_boxes``, matching of every
+stage, the logged metrics) are shared with DAB-DETR's
+:class:`detr_irpe.models.focal_criterion.FocalSetCriterion`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +37,7 @@ from detr_irpe.models.matcher import HungarianMatcher
 from detr_irpe.utils.dist import all_reduce_sum, get_world_size
 
 
-def _batch_query_index(
+def batch_query_index(
     indices: list[tuple[Tensor, Tensor]], device: torch.device
 ) -> tuple[Tensor, Tensor]:
     """Matched ``(batch_idx, query_idx)`` for advanced indexing of ``(B, Q, ...)`` tensors."""
@@ -40,9 +46,102 @@ def _batch_query_index(
     return batch_idx.to(device), query_idx.to(device)
 
 
-def _matched(targets: list[dict], key: str, indices: list[tuple[Tensor, Tensor]]) -> Tensor:
+def matched_targets(targets: list[dict], key: str, indices: list[tuple[Tensor, Tensor]]) -> Tensor:
     """``targets[b][key][target_idx]`` of every image, concatenated."""
     return torch.cat([t[key][tgt.to(t[key].device)] for t, (_, tgt) in zip(targets, indices)])
+
+
+def check_batch(outputs: dict, targets: list[dict]) -> None:
+    """One target dict per image of ``outputs``."""
+    # Only shapes: label ranges are checked once when the data is read, never per
+    # step (reading a label value would make the host wait for the device).
+    if len(targets) != outputs["pred_logits"].shape[0]:
+        raise ValueError(
+            f"{len(targets)} targets for a batch of {outputs['pred_logits'].shape[0]} images"
+        )
+
+
+def match_stages(
+    matcher: nn.Module, outputs: dict, targets: list[dict]
+) -> list[list[tuple[Tensor, Tensor]]]:
+    """``matcher`` on the final and every auxiliary output (in this order), the indices
+    moved to the outputs' device."""
+    check_batch(outputs, targets)
+    device = outputs["pred_logits"].device
+    stages = [outputs] + list(outputs.get("aux_outputs", []))
+    return [
+        [(src.to(device), tgt.to(device)) for src, tgt in matcher(out, targets)]
+        for out in stages
+    ]
+
+
+def matched_class_error(matched_logits: Tensor, matched_classes: Tensor) -> Tensor:
+    """100 - top-1 accuracy in % of ``(N, C')`` logits against ``(N,)`` classes; 0 when N = 0."""
+    with torch.no_grad():
+        if not matched_classes.numel():
+            return matched_logits.new_zeros((), dtype=torch.float32)
+        correct = (matched_logits.argmax(-1) == matched_classes).float().mean()
+        return 100.0 - 100.0 * correct
+
+
+def cardinality_error(is_object: Tensor, targets: list[dict]) -> Tensor:
+    """Mean over the images of |#queries predicted as an object - #targets|.
+
+    Args:
+        is_object: ``(B, Q)`` bool, the queries that count as a detection.
+    """
+    num_pred = is_object.sum(1).float()
+    # new_full fills on the device; a tensor made from a list would be a copy that waits.
+    num_tgt = torch.stack([is_object.new_full((), len(t["labels"]), dtype=torch.float32)
+                           for t in targets])
+    return F.l1_loss(num_pred, num_tgt)
+
+
+def stage_losses(
+    outputs: dict, stage_terms: Callable[[dict, int], dict[str, Tensor]]
+) -> dict[str, Tensor]:
+    """``stage_terms(output, stage)`` of the final output (``stage`` 0, keys as returned)
+    and of every auxiliary output ``i`` (``stage`` i + 1, keys with suffix ``_i``)."""
+    losses = dict(stage_terms(outputs, 0))
+    for i, aux in enumerate(outputs.get("aux_outputs", [])):
+        losses.update({f"{k}_{i}": v for k, v in stage_terms(aux, i + 1).items()})
+    return losses
+
+
+def box_losses(src: Tensor, tgt: Tensor, normalizer: float | Tensor) -> dict[str, Tensor]:
+    """``loss_bbox`` (L1 on cxcywh) and ``loss_giou`` (``1 - GIoU``) of paired boxes,
+    each summed over the ``(N, 4)`` pairs and divided by ``normalizer``; float32 with
+    autocast disabled."""
+    with torch.autocast(device_type=src.device.type, enabled=False):
+        src = src.float()
+        tgt = tgt.to(src)
+        loss_bbox = F.l1_loss(src, tgt, reduction="none").sum() / normalizer
+        giou = elementwise_generalized_box_iou(box_cxcywh_to_xyxy(src), box_cxcywh_to_xyxy(tgt))
+        loss_giou = (1 - giou).sum() / normalizer
+    return {"loss_bbox": loss_bbox, "loss_giou": loss_giou}
+
+
+def matched_box_losses(
+    outputs: dict,
+    targets: list[dict],
+    indices: list[tuple[Tensor, Tensor]],
+    num_boxes: float | Tensor,
+) -> dict[str, Tensor]:
+    """:func:`box_losses` of the matched ``(query, target)`` pairs of one stage."""
+    pred = outputs["pred_boxes"]
+    src = pred[batch_query_index(indices, pred.device)]
+    return box_losses(src, matched_targets(targets, "boxes", indices), num_boxes)
+
+
+def num_boxes_normalizer(count: int, device: torch.device) -> float | Tensor:
+    """DETR's box-loss normaliser: ``count`` target boxes summed over the processes,
+    divided by the world size, at least 1. A Python float in one process (nothing is
+    read back from the device in either case)."""
+    if get_world_size() == 1:
+        return max(float(count), 1.0)
+    # Summed over the processes on the device (NCCL needs a device tensor).
+    total = all_reduce_sum(torch.full((), float(count), device=device))
+    return torch.clamp(total / get_world_size(), min=1.0)
 
 
 class SetCriterion(nn.Module):
@@ -73,14 +172,6 @@ class SetCriterion(nn.Module):
         empty_weight[-1] = eos_coef
         self.register_buffer("empty_weight", empty_weight)
 
-    def _check_batch(self, outputs: dict, targets: list[dict]) -> None:
-        # Only shapes: label ranges are checked once when the data is read, never per
-        # step (reading a label value would make the host wait for the device).
-        if len(targets) != outputs["pred_logits"].shape[0]:
-            raise ValueError(
-                f"{len(targets)} targets for a batch of {outputs['pred_logits'].shape[0]} images"
-            )
-
     def loss_labels(
         self,
         outputs: dict,
@@ -90,8 +181,8 @@ class SetCriterion(nn.Module):
         class_weight_total: float,
     ) -> dict[str, Tensor]:
         logits = outputs["pred_logits"].float()  # (B, Q, C + 1)
-        idx = _batch_query_index(indices, logits.device)
-        matched_classes = _matched(targets, "labels", indices).to(logits.device)
+        idx = batch_query_index(indices, logits.device)
+        matched_classes = matched_targets(targets, "labels", indices).to(logits.device)
         target_classes = torch.full(
             logits.shape[:2], self.num_classes, dtype=torch.int64, device=logits.device
         )
@@ -102,38 +193,13 @@ class SetCriterion(nn.Module):
         ) / class_weight_total
         losses = {"loss_ce": loss}
         if log:
-            with torch.no_grad():
-                if matched_classes.numel():
-                    correct = (logits[idx].argmax(-1) == matched_classes).float().mean()
-                    losses["class_error"] = 100.0 - 100.0 * correct
-                else:
-                    losses["class_error"] = logits.new_zeros(())
+            losses["class_error"] = matched_class_error(logits[idx], matched_classes)
         return losses
 
     @torch.no_grad()
     def loss_cardinality(self, outputs: dict, targets: list[dict]) -> dict[str, Tensor]:
-        logits = outputs["pred_logits"]
-        num_pred = (logits.argmax(-1) != self.num_classes).sum(1).float()
-        # new_full fills on the device; a tensor made from a list would be a copy that waits.
-        num_tgt = torch.stack([logits.new_full((), len(t["labels"]), dtype=torch.float32)
-                               for t in targets])
-        return {"cardinality_error": F.l1_loss(num_pred, num_tgt)}
-
-    def loss_boxes(
-        self,
-        outputs: dict,
-        targets: list[dict],
-        indices: list[tuple[Tensor, Tensor]],
-        num_boxes: float | Tensor,
-    ) -> dict[str, Tensor]:
-        pred = outputs["pred_boxes"]
-        with torch.autocast(device_type=pred.device.type, enabled=False):
-            src = pred[_batch_query_index(indices, pred.device)].float()
-            tgt = _matched(targets, "boxes", indices).to(src)
-            loss_bbox = F.l1_loss(src, tgt, reduction="none").sum() / num_boxes
-            giou = elementwise_generalized_box_iou(box_cxcywh_to_xyxy(src), box_cxcywh_to_xyxy(tgt))
-            loss_giou = (1 - giou).sum() / num_boxes
-        return {"loss_bbox": loss_bbox, "loss_giou": loss_giou}
+        is_object = outputs["pred_logits"].argmax(-1) != self.num_classes
+        return {"cardinality_error": cardinality_error(is_object, targets)}
 
     def normalizers(
         self, target_batches: list[list[dict]], num_queries: int, device: torch.device
@@ -152,16 +218,8 @@ class SetCriterion(nn.Module):
         counts = [len(t["labels"]) for targets in target_batches for t in targets]
         matched = sum(min(n, num_queries) for n in counts)
         class_weight_total = matched + self.eos_coef * (len(counts) * num_queries - matched)
-        return {"num_boxes": self._num_boxes(sum(counts), device),
+        return {"num_boxes": num_boxes_normalizer(sum(counts), device),
                 "class_weight_total": max(float(class_weight_total), 1e-12)}
-
-    @staticmethod
-    def _num_boxes(count: int, device: torch.device) -> float | Tensor:
-        if get_world_size() == 1:
-            return max(float(count), 1.0)
-        # Summed over the processes on the device (NCCL needs a device tensor).
-        total = all_reduce_sum(torch.full((), float(count), device=device))
-        return torch.clamp(total / get_world_size(), min=1.0)
 
     def match(self, outputs: dict, targets: list[dict]) -> list[list[tuple[Tensor, Tensor]]]:
         """Hungarian matching of the final and every auxiliary output (in this order),
@@ -170,13 +228,7 @@ class SetCriterion(nn.Module):
         The one place of a training step that waits for the device: the matcher solves
         the assignment on the host.
         """
-        self._check_batch(outputs, targets)
-        device = outputs["pred_logits"].device
-        stages = [outputs] + list(outputs.get("aux_outputs", []))
-        return [
-            [(src.to(device), tgt.to(device)) for src, tgt in self.matcher(out, targets)]
-            for out in stages
-        ]
+        return match_stages(self.matcher, outputs, targets)
 
     def forward(
         self,
@@ -209,13 +261,11 @@ class SetCriterion(nn.Module):
             num_boxes = norms["num_boxes"] if num_boxes is None else num_boxes
             if class_weight_total is None:
                 class_weight_total = norms["class_weight_total"]
-        stages = [("", outputs, True)] + [
-            (f"_{i}", aux, False) for i, aux in enumerate(outputs.get("aux_outputs", []))
-        ]
-        losses: dict[str, Tensor] = {}
-        for (suffix, out, log), stage_indices in zip(stages, indices):
-            terms = self.loss_labels(out, targets, stage_indices, log, class_weight_total)
-            terms.update(self.loss_boxes(out, targets, stage_indices, num_boxes))
-            terms.update(self.loss_cardinality(out, targets))
-            losses.update({k + suffix: v for k, v in terms.items()})
-        return losses
+
+        def terms(out: dict, stage: int) -> dict[str, Tensor]:
+            found = self.loss_labels(out, targets, indices[stage], stage == 0, class_weight_total)
+            found.update(matched_box_losses(out, targets, indices[stage], num_boxes))
+            found.update(self.loss_cardinality(out, targets))
+            return found
+
+        return stage_losses(outputs, terms)

@@ -1,4 +1,10 @@
-"""Model outputs -> per-image detections in absolute pixel coordinates (DETR)."""
+"""Model outputs -> per-image detections in absolute pixel coordinates.
+
+- :class:`PostProcess` (DETR): softmax, the best real class of every query.
+- :class:`TopKPostProcess` (DAB-DETR / DN-DETR, sigmoid classification): the
+  ``num_select`` best (query, class) pairs of each image, so one query may give
+  several detections of different classes.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,19 @@ import torch
 from torch import Tensor, nn
 
 from detr_irpe.models.box_ops import box_cxcywh_to_xyxy
+
+
+def _absolute_xyxy(outputs: dict, target_sizes: Tensor) -> Tensor:
+    """``pred_boxes`` ``(B, Q, 4)`` cxcywh in [0, 1] -> absolute xyxy float32 for the
+    ``(B, 2)`` ``[height, width]`` ``target_sizes`` (checked against the batch)."""
+    boxes = outputs["pred_boxes"]
+    if len(boxes) != len(target_sizes):
+        raise ValueError(f"{len(boxes)} predictions but {len(target_sizes)} target sizes")
+    if target_sizes.dim() != 2 or target_sizes.shape[1] != 2:
+        raise ValueError(f"target_sizes must be (B, 2) [h, w], got {tuple(target_sizes.shape)}")
+    height, width = target_sizes.float().unbind(1)
+    scale = torch.stack((width, height, width, height), dim=1).to(boxes.device)
+    return box_cxcywh_to_xyxy(boxes.float()) * scale[:, None, :]
 
 
 class PostProcess(nn.Module):
@@ -22,14 +41,47 @@ class PostProcess(nn.Module):
             B dicts: ``scores`` ``(Q,)``, ``labels`` ``(Q,)`` int64, ``boxes`` ``(Q, 4)``
             absolute (x1, y1, x2, y2) float32.
         """
-        logits, boxes = outputs["pred_logits"], outputs["pred_boxes"]
-        if len(logits) != len(target_sizes):
-            raise ValueError(f"{len(logits)} predictions but {len(target_sizes)} target sizes")
-        if target_sizes.dim() != 2 or target_sizes.shape[1] != 2:
-            raise ValueError(f"target_sizes must be (B, 2) [h, w], got {tuple(target_sizes.shape)}")
-        prob = logits.float().softmax(-1)
+        xyxy = _absolute_xyxy(outputs, target_sizes)
+        prob = outputs["pred_logits"].float().softmax(-1)
         scores, labels = prob[..., :-1].max(-1)
-        height, width = target_sizes.float().unbind(1)
-        scale = torch.stack((width, height, width, height), dim=1).to(boxes.device)
-        xyxy = box_cxcywh_to_xyxy(boxes.float()) * scale[:, None, :]
         return [{"scores": s, "labels": lab, "boxes": b} for s, lab, b in zip(scores, labels, xyxy)]
+
+
+class TopKPostProcess(nn.Module):
+    """Sigmoid scores of every (query, class) pair; the ``num_select`` best of each image.
+
+    Args:
+        num_select: detections kept per image (DAB-DETR / DN-DETR: 300); fewer when
+            the model has fewer than ``num_select`` (query, class) pairs.
+    """
+
+    def __init__(self, num_select: int = 300) -> None:
+        super().__init__()
+        if num_select < 1:
+            raise ValueError(f"num_select must be at least 1, got {num_select}")
+        self.num_select = num_select
+
+    @torch.no_grad()
+    def forward(self, outputs: dict, target_sizes: Tensor) -> list[dict[str, Tensor]]:
+        """
+        Args:
+            outputs: ``pred_logits`` ``(B, Q, C)`` (sigmoid logits, no "no object"
+                column), ``pred_boxes`` ``(B, Q, 4)`` cxcywh in [0, 1].
+            target_sizes: ``(B, 2)`` ``[height, width]`` of each original image.
+
+        Returns:
+            B dicts, highest score first: ``scores`` ``(K,)`` float32, ``labels`` ``(K,)``
+            int64, ``boxes`` ``(K, 4)`` absolute (x1, y1, x2, y2) float32, with
+            ``K = min(num_select, Q * C)``. Pair ``i * C + c`` is query ``i``, class ``c``.
+        """
+        xyxy = _absolute_xyxy(outputs, target_sizes)  # (B, Q, 4)
+        logits = outputs["pred_logits"]
+        batch, num_queries, num_classes = logits.shape
+        # Explicit sizes: reshape cannot infer a -1 when B = 0.
+        prob = logits.float().sigmoid().reshape(batch, num_queries * num_classes)
+        scores, pairs = prob.topk(min(self.num_select, prob.shape[1]), dim=1)
+        # max(C, 1): with C = 0 there is no pair, but the division is still traced.
+        queries = torch.div(pairs, max(num_classes, 1), rounding_mode="floor")
+        labels = pairs - queries * num_classes
+        boxes = xyxy.gather(1, queries[..., None].expand(-1, -1, 4))
+        return [{"scores": s, "labels": lab, "boxes": b} for s, lab, b in zip(scores, labels, boxes)]
