@@ -163,6 +163,22 @@ def test_matching_outputs_do_not_depend_on_the_denoising_queries() -> None:
     assert_close(with_dn["pred_boxes"], without["pred_boxes"])
 
 
+@pytest.mark.parametrize("layers", [("model.enc_layers=0", "model.dec_layers=1"), ()])
+def test_every_parameter_gets_a_gradient(layers) -> None:
+    """No unused parameter (DistributedDataParallel would stop): one decoder layer has
+    no decoder query_scale, no encoder layer no encoder query_scale."""
+    model = tiny_dab(*DN, *layers).train()
+    batch, targets = images_and_targets()
+    out = model(batch, targets)
+    parts = [out, out["dn_outputs"], *out["aux_outputs"], *out["dn_outputs"]["aux_outputs"]]
+    sum(p["pred_logits"].sum() + p["pred_boxes"].sum() for p in parts).backward()
+    unused = [k for k, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert unused == []
+    if layers:
+        assert model.transformer.decoder.query_scale is None
+        assert model.transformer.encoder.query_scale is None
+
+
 def test_eval_mode_and_missing_targets_build_no_denoising_queries() -> None:
     model = tiny_dab(*DN)
     batch, targets = images_and_targets()

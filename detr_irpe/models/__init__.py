@@ -23,8 +23,9 @@ from detr_irpe.models.dab_detr import DABDETR
 from detr_irpe.models.dab_transformer import DABTransformer
 from detr_irpe.models.denoising import Denoising, DenoisingNoise
 from detr_irpe.models.detr import DETR
+from detr_irpe.models.focal_criterion import FocalSetCriterion, focal_weight_dict
 from detr_irpe.models.from_checkpoint import LoadedModel, model_from_checkpoint
-from detr_irpe.models.matcher import HungarianMatcher
+from detr_irpe.models.matcher import FocalHungarianMatcher, HungarianMatcher
 from detr_irpe.models.mlp import MLP
 from detr_irpe.models.position_encoding import (
     PositionEmbeddingLearned,
@@ -32,7 +33,7 @@ from detr_irpe.models.position_encoding import (
     PositionEmbeddingSine,
     build_position_encoding,
 )
-from detr_irpe.models.postprocess import PostProcess
+from detr_irpe.models.postprocess import PostProcess, TopKPostProcess
 from detr_irpe.models.transformer import Transformer
 
 __all__ = [
@@ -44,6 +45,8 @@ __all__ = [
     "DABTransformer",
     "Denoising",
     "DenoisingNoise",
+    "FocalHungarianMatcher",
+    "FocalSetCriterion",
     "FrozenBatchNorm2d",
     "HungarianMatcher",
     "Joiner",
@@ -52,6 +55,7 @@ __all__ = [
     "PositionEmbeddingNone",
     "PositionEmbeddingSine",
     "PostProcess",
+    "TopKPostProcess",
     "SetCriterion",
     "Transformer",
     "build_backbone",
@@ -64,6 +68,7 @@ __all__ = [
     "build_transformer",
     "convert_state_dict",
     "count_parameters",
+    "focal_weight_dict",
     "load_checkpoint",
     "model_from_checkpoint",
     "read_checkpoint",

@@ -17,9 +17,10 @@ from detr_irpe.models.dab_detr import DABDETR
 from detr_irpe.models.dab_transformer import DABTransformer
 from detr_irpe.models.denoising import Denoising
 from detr_irpe.models.detr import DETR
-from detr_irpe.models.matcher import HungarianMatcher
+from detr_irpe.models.focal_criterion import FocalSetCriterion, focal_weight_dict
+from detr_irpe.models.matcher import FocalHungarianMatcher, HungarianMatcher
 from detr_irpe.models.position_encoding import PositionEmbeddingSine, build_position_encoding
-from detr_irpe.models.postprocess import PostProcess
+from detr_irpe.models.postprocess import PostProcess, TopKPostProcess
 from detr_irpe.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)
@@ -115,12 +116,11 @@ def _aux_weights(base: dict[str, float], num_aux: int) -> dict[str, float]:
     return weight_dict
 
 
-def build_focal_criterion(model_cfg: Config | ModelConfig, loss: LossConfig | None = None):
+def build_focal_criterion(
+    model_cfg: Config | ModelConfig, loss: LossConfig | None = None
+) -> FocalSetCriterion:
     """The dab decoder's loss: FocalSetCriterion with the focal matcher (``loss.set_cost_*``,
     ``loss.focal_*``) and its weights (``_i`` aux terms, ``_dn`` denoising terms)."""
-    from detr_irpe.models.focal_criterion import FocalSetCriterion, focal_weight_dict
-    from detr_irpe.models.matcher import FocalHungarianMatcher
-
     m, loss = _sections(model_cfg, loss)
     matcher = FocalHungarianMatcher(
         cost_class=loss.set_cost_class, cost_bbox=loss.set_cost_bbox,
@@ -139,8 +139,6 @@ def build_postprocessor(cfg: Config | ModelConfig) -> nn.Module:
     top ``model.num_select`` (query, class) sigmoid scores."""
     m, _ = _sections(cfg)
     if m.decoder == "dab":
-        from detr_irpe.models.postprocess import TopKPostProcess
-
         return TopKPostProcess(num_select=m.num_select)
     return PostProcess()
 

@@ -228,7 +228,9 @@ class DABDecoder(nn.Module):
             for i in range(num_layers)
         )
         self.norm = nn.LayerNorm(d_model)
-        self.query_scale = MLP(d_model, d_model, d_model, 2)
+        # Layer 0 does not scale its spatial query: one layer needs no query_scale (an
+        # unused parameter would also stop DistributedDataParallel).
+        self.query_scale = MLP(d_model, d_model, d_model, 2) if num_layers > 1 else None
         self.ref_point_head = MLP(2 * d_model, d_model, d_model, 2)
         self.ref_anchor_head = MLP(d_model, d_model, 2, 2)
         self.bbox_embed: nn.Module | None = None
@@ -326,7 +328,8 @@ class DABTransformer(nn.Module):
                 for _ in range(num_encoder_layers)
             ],
             None,
-            query_scale=MLP(d_model, d_model, d_model, 2),
+            # no encoder layer, no scale (an unused parameter would stop DDP)
+            query_scale=MLP(d_model, d_model, d_model, 2) if num_encoder_layers else None,
         )
         self.decoder = DABDecoder(
             d_model, nhead, num_decoder_layers, dim_feedforward, dropout, activation
