@@ -372,3 +372,26 @@ def test_shipped_dab_configs_hold_the_published_recipe(name: str) -> None:
     if m.denoising.enabled:
         dn = m.denoising
         assert (dn.groups, dn.label_noise, dn.box_noise) == (5, 0.2, 0.4)
+
+
+def test_files_in_the_public_layout_load(tmp_path) -> None:
+    """A file saved like the official main.py ({"model": state, "args": Namespace, ...})
+    loads strictly into the same model, and into its iRPE variant with only the iRPE
+    tables missing (they start as model.rpe_init says)."""
+    import argparse
+
+    from detr_irpe.models import load_checkpoint
+
+    source = tiny_dab(*DN).float()
+    path = tmp_path / "dn_detr.pth"
+    torch.save({"model": source.state_dict(), "epoch": 49,
+                "args": argparse.Namespace(modelname="dn_dab_detr", num_queries=5)}, path)
+    same = build_detector(load_tiny_config(*TINY_DAB, *DN), load_backbone_weights=False)
+    info = load_checkpoint(same, path)
+    assert info["loaded"] == len(source.state_dict()) and not info["missing_rpe"]
+    for key, value in source.state_dict().items():
+        assert torch.equal(same.state_dict()[key], value), key
+    irpe = build_detector(load_tiny_config(*TINY_DAB, *DN, "model.rpe=rpe-2.0-product-ctx-1-k"),
+                          load_backbone_weights=False)
+    info = load_checkpoint(irpe, path)
+    assert len(info["missing_rpe"]) == 2 and all(is_rpe_key(k) for k in info["missing_rpe"])
