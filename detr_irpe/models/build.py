@@ -57,35 +57,29 @@ def build_backbone(cfg: Config | ModelConfig, *, load_weights: bool = True) -> J
     return Joiner(backbone, build_position_encoding(m.position_embedding, m.hidden_dim))
 
 
+def _transformer_args(m: ModelConfig) -> dict:
+    """The arguments DETR's and DAB-DETR's transformers share."""
+    return {
+        "d_model": m.hidden_dim,
+        "nhead": m.nheads,
+        "num_encoder_layers": m.enc_layers,
+        "num_decoder_layers": m.dec_layers,
+        "dim_feedforward": m.dim_feedforward,
+        "dropout": m.dropout,
+        "rpe": parse_rpe(m.rpe),
+        "rpe_init": m.rpe_init,
+    }
+
+
 def build_transformer(cfg: Config | ModelConfig) -> Transformer:
     m, _ = _sections(cfg)
-    return Transformer(
-        d_model=m.hidden_dim,
-        nhead=m.nheads,
-        num_encoder_layers=m.enc_layers,
-        num_decoder_layers=m.dec_layers,
-        dim_feedforward=m.dim_feedforward,
-        dropout=m.dropout,
-        pre_norm=m.pre_norm,
-        rpe=parse_rpe(m.rpe),
-        rpe_init=m.rpe_init,
-    )
+    return Transformer(**_transformer_args(m), pre_norm=m.pre_norm)
 
 
 def build_dab_transformer(cfg: Config | ModelConfig) -> DABTransformer:
     """DAB-DETR's encoder-decoder (PReLU layers, iRPE in the encoder as ``model.rpe``)."""
     m, _ = _sections(cfg)
-    return DABTransformer(
-        d_model=m.hidden_dim,
-        nhead=m.nheads,
-        num_encoder_layers=m.enc_layers,
-        num_decoder_layers=m.dec_layers,
-        dim_feedforward=m.dim_feedforward,
-        dropout=m.dropout,
-        rpe=parse_rpe(m.rpe),
-        rpe_init=m.rpe_init,
-        activation="prelu",
-    )
+    return DABTransformer(**_transformer_args(m), activation="prelu")
 
 
 def build_denoising(cfg: Config | ModelConfig) -> Denoising | None:

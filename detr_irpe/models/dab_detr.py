@@ -21,23 +21,13 @@ from torch import Tensor, nn
 from detr_irpe.models.backbone import Joiner
 from detr_irpe.models.dab_transformer import DABTransformer, inverse_sigmoid
 from detr_irpe.models.denoising import Denoising, DenoisingNoise, build_denoising_queries
+from detr_irpe.models.detr import predictions
 from detr_irpe.models.mlp import MLP
 from detr_irpe.structures import ImageBatch
 
 # RetinaNet's prior: every class starts at probability 0.01, so that the focal loss of
 # the many negatives does not swamp the first steps.
 PRIOR_PROB = 0.01
-
-
-def _predictions(logits: Tensor, boxes: Tensor, aux: bool) -> dict:
-    """``(L, B, N, C)`` logits and ``(L, B, N, 4)`` boxes -> the last layer's, and with
-    ``aux`` the earlier layers' as ``aux_outputs``."""
-    out = {"pred_logits": logits[-1], "pred_boxes": boxes[-1]}
-    if aux:
-        out["aux_outputs"] = [
-            {"pred_logits": a, "pred_boxes": b} for a, b in zip(logits[:-1], boxes[:-1])
-        ]
-    return out
 
 
 class DABDETR(nn.Module):
@@ -136,10 +126,10 @@ class DABDETR(nn.Module):
         logits = self.class_embed(hs)  # (layers, B, P + Q, C)
         boxes = (self.bbox_embed(hs) + inverse_sigmoid(starts)).sigmoid()
         split = 0 if dn is None else dn.size
-        out = _predictions(logits[:, :, split:], boxes[:, :, split:], self.aux_loss)
+        out = predictions(logits[:, :, split:], boxes[:, :, split:], self.aux_loss)
         out["anchors"] = starts[:, :, split:].detach()
         if dn is not None:
-            out["dn_outputs"] = _predictions(logits[:, :, :split], boxes[:, :, :split],
+            out["dn_outputs"] = predictions(logits[:, :, :split], boxes[:, :, :split],
                                              self.aux_loss)
             out["dn_meta"] = {"groups": dn.groups, "pad": dn.pad}
         return out

@@ -38,7 +38,8 @@ from detr_irpe.models.position_encoding import sine_features
 from detr_irpe.models.transformer import (
     TransformerEncoder,
     TransformerEncoderLayer,
-    make_activation,
+    add_feed_forward,
+    feed_forward,
     reset_parameters,
 )
 
@@ -153,18 +154,15 @@ class DABDecoderLayer(nn.Module):
         self.ca_qpos_sine_proj = nn.Linear(d_model, d_model)
         self.cross_attn = ProjectedAttention(d_model, nhead, dropout)
 
-        self.linear1 = nn.Linear(d_model, dim_feedforward)
-        self.dropout = Dropout(dropout)
-        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        add_feed_forward(self, d_model, dim_feedforward, dropout, activation)
         self.norm2 = nn.LayerNorm(d_model)
         self.norm3 = nn.LayerNorm(d_model)
         self.dropout2 = Dropout(dropout)
         self.dropout3 = Dropout(dropout)
-        self.activation = make_activation(activation)
         self.nhead = nhead
 
     def _ffn(self, x: Tensor) -> Tensor:
-        return self.dropout3(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+        return self.dropout3(feed_forward(self, x))
 
     def forward(
         self,

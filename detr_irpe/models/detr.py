@@ -20,6 +20,18 @@ from detr_irpe.structures import ImageBatch
 __all__ = ["DETR", "MLP"]  # MLP lives in models/mlp.py; importable from here as before
 
 
+def predictions(logits: Tensor, boxes: Tensor, aux: bool) -> dict:
+    """Every decoder layer's ``(L, B, Q, C)`` logits and ``(L, B, Q, 4)`` boxes -> the last
+    layer's as ``pred_logits`` / ``pred_boxes``, and with ``aux`` the earlier layers' as
+    ``aux_outputs`` (a list of dicts with the same two keys)."""
+    out = {"pred_logits": logits[-1], "pred_boxes": boxes[-1]}
+    if aux:
+        out["aux_outputs"] = [
+            {"pred_logits": a, "pred_boxes": b} for a, b in zip(logits[:-1], boxes[:-1])
+        ]
+    return out
+
+
 class DETR(nn.Module):
     """DETR: set prediction of ``num_queries`` (class, box) pairs per image.
 
@@ -71,10 +83,4 @@ class DETR(nn.Module):
         features, mask, pos = self.backbone(batch)
         hs, _ = self.transformer(self.input_proj(features), mask, self.query_embed.weight, pos)
         logits = self.class_embed(hs)  # (layers, B, Q, C + 1)
-        boxes = self.bbox_embed(hs).sigmoid()
-        out = {"pred_logits": logits[-1], "pred_boxes": boxes[-1]}
-        if self.aux_loss:
-            out["aux_outputs"] = [
-                {"pred_logits": a, "pred_boxes": b} for a, b in zip(logits[:-1], boxes[:-1])
-            ]
-        return out
+        return predictions(logits, self.bbox_embed(hs).sigmoid(), self.aux_loss)

@@ -75,6 +75,22 @@ def make_activation(name: str) -> Callable[[Tensor], Tensor]:
     raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {name!r}")
 
 
+def add_feed_forward(
+    layer: nn.Module, d_model: int, dim_feedforward: int, dropout: float, activation: str
+) -> None:
+    """Give ``layer`` the feed-forward block under DETR's names (``linear1``, ``dropout``,
+    ``linear2``, ``activation``), which public checkpoints use."""
+    layer.linear1 = nn.Linear(d_model, dim_feedforward)
+    layer.dropout = Dropout(dropout)
+    layer.linear2 = nn.Linear(dim_feedforward, d_model)
+    layer.activation = make_activation(activation)
+
+
+def feed_forward(layer: nn.Module, x: Tensor) -> Tensor:
+    """``linear2(dropout(activation(linear1(x))))`` of a layer set up by :func:`add_feed_forward`."""
+    return layer.linear2(layer.dropout(layer.activation(layer.linear1(x))))
+
+
 def _residual(
     x: Tensor, norm: nn.LayerNorm, fn: Callable[[Tensor], Tensor], pre_norm: bool
 ) -> Tensor:
@@ -103,18 +119,15 @@ class TransformerEncoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = IRPEMultiheadAttention(d_model, nhead, dropout=dropout, rpe=rpe)
-        self.linear1 = nn.Linear(d_model, dim_feedforward)
-        self.dropout = Dropout(dropout)
-        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        add_feed_forward(self, d_model, dim_feedforward, dropout, activation)
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
         self.dropout1 = Dropout(dropout)
         self.dropout2 = Dropout(dropout)
-        self.activation = make_activation(activation)
         self.pre_norm = pre_norm
 
     def _ffn(self, x: Tensor) -> Tensor:
-        return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+        return self.dropout2(feed_forward(self, x))
 
     def forward(
         self,
@@ -155,9 +168,7 @@ class TransformerDecoderLayer(nn.Module):
         self.multihead_attn = nn.MultiheadAttention(
             d_model, nhead, dropout=dropout, batch_first=True
         )
-        self.linear1 = nn.Linear(d_model, dim_feedforward)
-        self.dropout = Dropout(dropout)
-        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        add_feed_forward(self, d_model, dim_feedforward, dropout, "relu")
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
         self.norm3 = nn.LayerNorm(d_model)
@@ -167,7 +178,7 @@ class TransformerDecoderLayer(nn.Module):
         self.pre_norm = pre_norm
 
     def _ffn(self, x: Tensor) -> Tensor:
-        return self.dropout3(self.linear2(self.dropout(F.relu(self.linear1(x)))))
+        return self.dropout3(feed_forward(self, x))
 
     def forward(
         self,
