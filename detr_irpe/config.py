@@ -55,6 +55,33 @@ POSITION_EMBEDDINGS = ("sine", "learned", "none")
 AMP_MODES = ("none", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 AUGMENTATIONS = ("detr", "simple")
+# "detr": DETR's decoder (object queries, softmax classes); "dab": DAB-DETR's (anchor boxes,
+# conditional cross-attention, sigmoid focal classes), docs/model.md.
+DECODERS = ("detr", "dab")
+# The sine position encoding's temperature each decoder was published with (for H and W);
+# model.pe_temperature: null means this one.
+PE_TEMPERATURES = {"detr": 10000.0, "dab": 20.0}
+
+
+@dataclass
+class DenoisingConfig:
+    """DN-DETR's denoising queries (training only; needs ``model.decoder: dab``)."""
+
+    enabled: bool = False
+    # Noised copies of the ground truth per image (DN-DETR's "scalar").
+    groups: int = 5
+    # Probability that a copy's label is replaced by a uniformly drawn class.
+    label_noise: float = 0.2
+    # Box jitter: the centre moves up to box_noise * (w/2, h/2), the size up to box_noise * (w, h).
+    box_noise: float = 0.4
+
+    def __post_init__(self) -> None:
+        _positive("model.denoising.groups", self.groups)
+        if not 0.0 <= self.label_noise <= 1.0:
+            raise ConfigError(
+                f"model.denoising.label_noise is a probability in [0, 1], got {self.label_noise!r}"
+            )
+        _at_least("model.denoising.box_noise", self.box_noise, 0)
 
 
 @dataclass
@@ -98,6 +125,14 @@ class ModelConfig:
     # None: largest category id + 1 of the training annotations.
     num_classes: int | None = None
     aux_loss: bool = True
+    # "detr" or "dab" (DAB-DETR: anchor-box queries; with denoising.enabled, DN-DETR).
+    decoder: str = "detr"
+    denoising: DenoisingConfig = field(default_factory=DenoisingConfig)
+    # Detections kept per image by the DAB post-processing: top (query, class) scores.
+    num_select: int = 300
+    # Temperature of the sine position encoding; null: the decoder's published value
+    # (PE_TEMPERATURES: DETR 10000, DAB-DETR 20).
+    pe_temperature: float | None = None
 
     def __post_init__(self) -> None:
         self.imports = import_names(self.imports)
@@ -135,6 +170,36 @@ class ModelConfig:
             _positive("model.num_classes", self.num_classes)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        _choice("model.decoder", self.decoder, DECODERS)
+        _positive("model.num_select", self.num_select)
+        if self.pe_temperature is not None:
+            _positive("model.pe_temperature", self.pe_temperature)
+        if self.decoder == "dab":
+            self._check_dab()
+        elif self.denoising.enabled:
+            raise ConfigError(
+                "model.denoising.enabled=true needs model.decoder=dab (DN-DETR denoises "
+                f"anchor-box queries), got model.decoder={self.decoder}"
+            )
+
+    def _check_dab(self) -> None:
+        # The anchor's sine embedding gives each of x, y, w, h hidden_dim / 2 features in
+        # sin / cos pairs, so hidden_dim / 2 must be even.
+        if self.hidden_dim % 4:
+            raise ConfigError(
+                f"model.decoder=dab needs model.hidden_dim divisible by 4, got {self.hidden_dim}"
+            )
+        if self.pre_norm:
+            raise ConfigError(
+                "model.decoder=dab has post-norm layers only (as DAB-DETR); set model.pre_norm=false"
+            )
+
+    @property
+    def position_temperature(self) -> float:
+        """``pe_temperature``, or the published value of ``decoder`` when it is null."""
+        if self.pe_temperature is not None:
+            return self.pe_temperature
+        return PE_TEMPERATURES[self.decoder]
 
 
 @dataclass
@@ -145,12 +210,20 @@ class LossConfig:
     ce_loss_coef: float = 1.0
     bbox_loss_coef: float = 5.0
     giou_loss_coef: float = 2.0
-    # Weight of the "no object" class in the cross-entropy.
+    # Weight of the "no object" class in the cross-entropy (decoder detr only).
     eos_coef: float = 0.1
+    # Sigmoid focal loss and focal matching cost of the dab decoder (RetinaNet's alpha, gamma).
+    focal_alpha: float = 0.25
+    focal_gamma: float = 2.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _at_least(f"loss.{f.name}", getattr(self, f.name), 0)
+        if self.focal_alpha > 1:
+            raise ConfigError(
+                f"loss.focal_alpha weighs positives against negatives, in [0, 1]; got "
+                f"{self.focal_alpha!r}"
+            )
         if not (self.set_cost_class or self.set_cost_bbox or self.set_cost_giou):
             raise ConfigError(
                 "loss.set_cost_class, set_cost_bbox and set_cost_giou are all 0: the "

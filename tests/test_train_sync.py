@@ -15,6 +15,7 @@ from helpers import load_tiny_config
 from detr_irpe.benchmark.model import synthetic_batch
 from detr_irpe.engine.trainer import loss_and_backward, model_outputs, targets_to
 from detr_irpe.models import build_model
+from detr_irpe.models.denoising import Denoising, build_denoising_queries
 
 READ_BACKS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
@@ -33,20 +34,31 @@ def no_read_back(monkeypatch: pytest.MonkeyPatch):
         yield
 
 
-def tiny_model_and_batch(num_classes: int = 4):
-    cfg = load_tiny_config(f"model.num_classes={num_classes}")
+# The DETR decoder, DAB-DETR's and DN-DETR's (whose denoising queries come from the targets).
+DECODERS = {
+    "detr": (),
+    "dab": ("model.decoder=dab",),
+    "dn": ("model.decoder=dab", "model.denoising.enabled=true"),
+}
+
+
+def tiny_model_and_batch(num_classes: int = 4, *overrides: str):
+    cfg = load_tiny_config(f"model.num_classes={num_classes}", *overrides)
     model, criterion, _ = build_model(cfg, load_backbone_weights=False)
     images, targets = synthetic_batch(2, 64, 64, num_classes=num_classes, objects=3)
+    targets[1] = {k: v[:1] if k in ("boxes", "labels") else v for k, v in targets[1].items()}
     return model.train(), criterion.train(), images, targets
 
 
-def test_forward_loss_backward_read_nothing_back(monkeypatch) -> None:
-    model, criterion, images, targets = tiny_model_and_batch()
+@pytest.mark.parametrize("decoder", sorted(DECODERS))
+def test_forward_loss_backward_read_nothing_back(monkeypatch, decoder: str) -> None:
+    model, criterion, images, targets = tiny_model_and_batch(4, *DECODERS[decoder])
     device = torch.device("cpu")
     targets = targets_to(targets, device)
     with no_read_back(monkeypatch):
-        outputs = model_outputs(model, images, device, "none")
+        outputs = model_outputs(model, images, device, "none", targets)
         norms = criterion.normalizers([targets], outputs["pred_logits"].shape[1], device)
+    assert ("dn_outputs" in outputs) == (decoder == "dn")
     indices = criterion.match(outputs, targets)  # the one place that reads back (scipy)
     with no_read_back(monkeypatch):
         losses = loss_and_backward(criterion, outputs, targets, indices, norms)
@@ -60,3 +72,13 @@ def test_the_check_catches_a_read_back(monkeypatch) -> None:
     labels = torch.tensor([1, 2])
     with no_read_back(monkeypatch), pytest.raises(AssertionError, match="read-back"):
         int(labels.max())
+
+
+def test_building_denoising_queries_reads_nothing_back(monkeypatch) -> None:
+    """The pad S comes from the targets' lengths (host shapes), validity and the mask
+    from device-side comparisons: no .item(), no nonzero, no boolean indexing."""
+    _, _, _, targets = tiny_model_and_batch()
+    label_enc = torch.nn.Embedding(5, 31)
+    with no_read_back(monkeypatch):
+        dn = build_denoising_queries(targets, Denoising(), label_enc, 4, num_queries=4)
+    assert (dn.groups, dn.pad) == (5, 3) and dn.content.shape == (2, 15, 32)

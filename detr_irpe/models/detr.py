@@ -10,29 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from detr_irpe.models.backbone import Joiner
+from detr_irpe.models.mlp import MLP
 from detr_irpe.models.transformer import Transformer
 from detr_irpe.structures import ImageBatch
 
+__all__ = ["DETR", "MLP"]  # MLP lives in models/mlp.py; importable from here as before
 
-class MLP(nn.Module):
-    """``num_layers`` Linear layers with ReLU between them (keys ``layers.{i}``)."""
 
-    def __init__(self, input_dim: int, hidden_dim: int, output_dim: int, num_layers: int) -> None:
-        super().__init__()
-        dims = [input_dim] + [hidden_dim] * (num_layers - 1) + [output_dim]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
-
-    def forward(self, x: Tensor) -> Tensor:
-        """``(..., input_dim)`` -> ``(..., output_dim)``."""
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = F.relu(x)
-        return x
+def predictions(logits: Tensor, boxes: Tensor, aux: bool) -> dict:
+    """Every decoder layer's ``(L, B, Q, C)`` logits and ``(L, B, Q, 4)`` boxes -> the last
+    layer's as ``pred_logits`` / ``pred_boxes``, and with ``aux`` the earlier layers' as
+    ``aux_outputs`` (a list of dicts with the same two keys)."""
+    out = {"pred_logits": logits[-1], "pred_boxes": boxes[-1]}
+    if aux:
+        out["aux_outputs"] = [
+            {"pred_logits": a, "pred_boxes": b} for a, b in zip(logits[:-1], boxes[:-1])
+        ]
+    return out
 
 
 class DETR(nn.Module):
@@ -86,10 +83,4 @@ class DETR(nn.Module):
         features, mask, pos = self.backbone(batch)
         hs, _ = self.transformer(self.input_proj(features), mask, self.query_embed.weight, pos)
         logits = self.class_embed(hs)  # (layers, B, Q, C + 1)
-        boxes = self.bbox_embed(hs).sigmoid()
-        out = {"pred_logits": logits[-1], "pred_boxes": boxes[-1]}
-        if self.aux_loss:
-            out["aux_outputs"] = [
-                {"pred_logits": a, "pred_boxes": b} for a, b in zip(logits[:-1], boxes[:-1])
-            ]
-        return out
+        return predictions(logits, self.bbox_embed(hs).sigmoid(), self.aux_loss)

@@ -19,6 +19,22 @@ import torch
 from torch import Tensor, nn
 
 
+def sine_features(values: Tensor, num_feats: int, temperature: float) -> Tensor:
+    """``(...)`` -> ``(..., num_feats)``: ``sin(v / f_0), cos(v / f_1), sin(v / f_2), ...``
+    with ``f_m = temperature ** (2 * floor(m / 2) / num_feats)``.
+
+    The one sine encoding of a coordinate: DETR's feature map (per axis) and DAB-DETR's
+    anchor boxes (per box coordinate) both use it. The frequencies are float32 (float64
+    for float64 values), as in DETR.
+    """
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    m = torch.arange(num_feats, dtype=dtype, device=values.device)
+    dim_t = temperature ** (2 * torch.div(m, 2, rounding_mode="floor") / num_feats)
+    angles = values[..., None] / dim_t
+    # Interleave: even features are sines, odd ones cosines.
+    return torch.stack((angles[..., 0::2].sin(), angles[..., 1::2].cos()), dim=-1).flatten(-2)
+
+
 class PositionEmbeddingSine(nn.Module):
     """DETR's sine encoding: 128 features of y, then 128 of x (for ``num_pos_feats=128``).
 
@@ -55,15 +71,8 @@ class PositionEmbeddingSine(nn.Module):
         if self.normalize:
             y_embed = y_embed / (y_embed[:, -1:, :] + self.eps) * self.scale
             x_embed = x_embed / (x_embed[:, :, -1:] + self.eps) * self.scale
-        m = torch.arange(self.num_pos_feats, dtype=torch.float32, device=mask.device)
-        dim_t = self.temperature ** (
-            2 * torch.div(m, 2, rounding_mode="floor") / self.num_pos_feats
-        )
-        pos_x = x_embed[..., None] / dim_t  # (B, H, W, F)
-        pos_y = y_embed[..., None] / dim_t
-        # Interleave: even features are sines, odd ones cosines.
-        pos_x = torch.stack((pos_x[..., 0::2].sin(), pos_x[..., 1::2].cos()), dim=4).flatten(3)
-        pos_y = torch.stack((pos_y[..., 0::2].sin(), pos_y[..., 1::2].cos()), dim=4).flatten(3)
+        pos_x = sine_features(x_embed, self.num_pos_feats, self.temperature)  # (B, H, W, F)
+        pos_y = sine_features(y_embed, self.num_pos_feats, self.temperature)
         return torch.cat((pos_y, pos_x), dim=3).permute(0, 3, 1, 2)
 
 
@@ -112,13 +121,14 @@ class PositionEmbeddingNone(nn.Module):
         return mask.new_zeros((batch, 2 * self.num_pos_feats, height, width), dtype=torch.float32)
 
 
-def build_position_encoding(kind: str, hidden_dim: int) -> nn.Module:
-    """``kind``: ``sine`` | ``learned`` | ``none``; ``hidden_dim`` channels in total."""
+def build_position_encoding(kind: str, hidden_dim: int, temperature: float = 10000.0) -> nn.Module:
+    """``kind``: ``sine`` | ``learned`` | ``none``; ``hidden_dim`` channels in total;
+    ``temperature`` of the sine encoding (DETR 10000, DAB-DETR 20 for both axes)."""
     if hidden_dim % 2:
         raise ValueError(f"hidden_dim must be even for a 2D position encoding, got {hidden_dim}")
     num_pos_feats = hidden_dim // 2
     if kind == "sine":
-        return PositionEmbeddingSine(num_pos_feats, normalize=True)
+        return PositionEmbeddingSine(num_pos_feats, temperature=temperature, normalize=True)
     if kind == "learned":
         return PositionEmbeddingLearned(num_pos_feats)
     if kind == "none":

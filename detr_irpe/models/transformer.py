@@ -13,6 +13,10 @@ What changed:
   parameter reset, which re-initialises every matrix including the tables (the
   published iRPE-DETR recipe); ``zero`` makes a fresh iRPE model compute exactly the
   model without iRPE.
+- the encoder is also DAB-DETR's (``models/dab_transformer.py``): its layers take an
+  ``activation`` (``prelu``: one learned slope per layer, key ``activation.weight``), and
+  the stack an optional ``query_scale`` MLP that rescales the position encoding from
+  each layer's input.
 
 Parameter names are DETR's (``self_attn``, ``multihead_attn``, ``linear1``,
 ``linear2``, ``norm1..3``, ``decoder.norm``), so public DETR and iRPE-DETR
@@ -31,6 +35,48 @@ from torch import Tensor, nn
 from detr_irpe.irpe import RPE_INIT_MODES, IRPEMultiheadAttention, init_rpe_table
 from detr_irpe.irpe.config import RPEConfig
 from detr_irpe.irpe.dropout import Dropout
+
+ACTIVATIONS = ("relu", "prelu")
+
+
+def reset_parameters(module: nn.Module, rpe_init: str) -> None:
+    """DETR's reset of a transformer: ``xavier_uniform_`` on every matrix (which in
+    DETR-with-iRPE includes the iRPE tables); ``rpe_init="zero"`` keeps the tables at zero."""
+    if rpe_init not in RPE_INIT_MODES:
+        raise ValueError(f"rpe_init must be one of {', '.join(RPE_INIT_MODES)}, got {rpe_init!r}")
+    for name, param in module.named_parameters():
+        if param.dim() <= 1:
+            continue
+        if "lookup_table" in name:
+            init_rpe_table(param, rpe_init)
+        else:
+            nn.init.xavier_uniform_(param)
+
+
+def make_activation(name: str) -> Callable[[Tensor], Tensor]:
+    """``relu`` (a function: no parameter) or ``prelu`` (a module with one learned slope,
+    so a layer holding it has the key ``activation.weight``, as in DAB-DETR)."""
+    if name == "relu":
+        return F.relu
+    if name == "prelu":
+        return nn.PReLU()
+    raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {name!r}")
+
+
+def add_feed_forward(
+    layer: nn.Module, d_model: int, dim_feedforward: int, dropout: float, activation: str
+) -> None:
+    """Give ``layer`` the feed-forward block under DETR's names (``linear1``, ``dropout``,
+    ``linear2``, ``activation``), which public checkpoints use."""
+    layer.linear1 = nn.Linear(d_model, dim_feedforward)
+    layer.dropout = Dropout(dropout)
+    layer.linear2 = nn.Linear(dim_feedforward, d_model)
+    layer.activation = make_activation(activation)
+
+
+def feed_forward(layer: nn.Module, x: Tensor) -> Tensor:
+    """``linear2(dropout(activation(linear1(x))))`` of a layer set up by :func:`add_feed_forward`."""
+    return layer.linear2(layer.dropout(layer.activation(layer.linear1(x))))
 
 
 def _residual(
@@ -57,12 +103,11 @@ class TransformerEncoderLayer(nn.Module):
         dropout: float = 0.1,
         pre_norm: bool = False,
         rpe: RPEConfig | str | None = None,
+        activation: str = "relu",
     ) -> None:
         super().__init__()
         self.self_attn = IRPEMultiheadAttention(d_model, nhead, dropout=dropout, rpe=rpe)
-        self.linear1 = nn.Linear(d_model, dim_feedforward)
-        self.dropout = Dropout(dropout)
-        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        add_feed_forward(self, d_model, dim_feedforward, dropout, activation)
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
         self.dropout1 = Dropout(dropout)
@@ -70,7 +115,7 @@ class TransformerEncoderLayer(nn.Module):
         self.pre_norm = pre_norm
 
     def _ffn(self, x: Tensor) -> Tensor:
-        return self.dropout2(self.linear2(self.dropout(F.relu(self.linear1(x)))))
+        return self.dropout2(feed_forward(self, x))
 
     def forward(
         self,
@@ -111,9 +156,7 @@ class TransformerDecoderLayer(nn.Module):
         self.multihead_attn = nn.MultiheadAttention(
             d_model, nhead, dropout=dropout, batch_first=True
         )
-        self.linear1 = nn.Linear(d_model, dim_feedforward)
-        self.dropout = Dropout(dropout)
-        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        add_feed_forward(self, d_model, dim_feedforward, dropout, "relu")
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
         self.norm3 = nn.LayerNorm(d_model)
@@ -123,7 +166,7 @@ class TransformerDecoderLayer(nn.Module):
         self.pre_norm = pre_norm
 
     def _ffn(self, x: Tensor) -> Tensor:
-        return self.dropout3(self.linear2(self.dropout(F.relu(self.linear1(x)))))
+        return self.dropout3(feed_forward(self, x))
 
     def forward(
         self,
@@ -156,12 +199,22 @@ class TransformerDecoderLayer(nn.Module):
 
 
 class TransformerEncoder(nn.Module):
-    """A stack of encoder layers, with a final LayerNorm in the pre-norm variant."""
+    """A stack of encoder layers, with a final LayerNorm in the pre-norm variant.
 
-    def __init__(self, layers: list[TransformerEncoderLayer], norm: nn.LayerNorm | None) -> None:
+    With ``query_scale`` (DAB-DETR's encoder) layer ``i`` sees the position encoding
+    ``pos * query_scale(x_i)``, ``x_i`` its own input, instead of ``pos``.
+    """
+
+    def __init__(
+        self,
+        layers: list[TransformerEncoderLayer],
+        norm: nn.LayerNorm | None,
+        query_scale: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.norm = norm
+        self.query_scale = query_scale  # None: no key, DETR's encoder
 
     def forward(
         self,
@@ -173,7 +226,10 @@ class TransformerEncoder(nn.Module):
         """``(B, L, C)`` -> ``(B, L, C)``; arguments as :class:`TransformerEncoderLayer`."""
         x = src
         for layer in self.layers:
-            x = layer(x, hw, key_padding_mask=key_padding_mask, pos=pos)
+            layer_pos = pos
+            if self.query_scale is not None and pos is not None:
+                layer_pos = pos * self.query_scale(x)
+            x = layer(x, hw, key_padding_mask=key_padding_mask, pos=layer_pos)
         return x if self.norm is None else self.norm(x)
 
 
@@ -229,10 +285,6 @@ class Transformer(nn.Module):
         rpe_init: str = "xavier",
     ) -> None:
         super().__init__()
-        if rpe_init not in RPE_INIT_MODES:
-            raise ValueError(
-                f"rpe_init must be one of {', '.join(RPE_INIT_MODES)}, got {rpe_init!r}"
-            )
         self.encoder = TransformerEncoder(
             [
                 TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, pre_norm, rpe)
@@ -250,18 +302,7 @@ class Transformer(nn.Module):
         self.d_model = d_model
         self.nhead = nhead
         self.rpe_init = rpe_init
-        self._reset_parameters()
-
-    def _reset_parameters(self) -> None:
-        # DETR: xavier_uniform on every matrix, which in DETR-with-iRPE includes the
-        # iRPE tables; rpe_init="zero" keeps them at zero instead.
-        for name, param in self.named_parameters():
-            if param.dim() <= 1:
-                continue
-            if "lookup_table" in name:
-                init_rpe_table(param, self.rpe_init)
-            else:
-                nn.init.xavier_uniform_(param)
+        reset_parameters(self, rpe_init)
 
     def forward(
         self, src: Tensor, mask: Tensor, query_embed: Tensor, pos: Tensor
