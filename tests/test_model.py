@@ -70,12 +70,23 @@ def targets() -> list[dict]:
 def test_every_irpe_variant_trains(rpe: str) -> None:
     model, criterion, _ = tiny(f"model.rpe={rpe}", "model.frozen_bn=false")
     queries = tiny_cfg().model.num_queries
+    heads = {}
+    for name in ("class_embed", "bbox_embed"):
+        getattr(model, name).register_forward_hook(
+            lambda module, args, output, name=name: heads.__setitem__(name, output.detach()))
     out = model(images())
     assert out["pred_logits"].shape == (2, queries, 5)
     assert out["pred_boxes"].shape == (2, queries, 4)
     assert len(out["aux_outputs"]) == 1
     assert out["aux_outputs"][0]["pred_boxes"].shape == (2, queries, 4)
-    assert ((out["pred_boxes"] >= 0) & (out["pred_boxes"] <= 1)).all()
+    # the heads of the last decoder layer are the prediction, the earlier one's the
+    # auxiliary output; boxes are the sigmoid of the box head
+    logits, raw_boxes = heads["class_embed"], heads["bbox_embed"]
+    assert logits.shape[0] == raw_boxes.shape[0] == 2  # (decoder layers, B, Q, ...)
+    assert torch.equal(out["pred_logits"], logits[1])
+    assert torch.equal(out["aux_outputs"][0]["pred_logits"], logits[0])
+    assert_close(out["pred_boxes"], raw_boxes[1].sigmoid())  # elementwise: ulps apart at most
+    assert_close(out["aux_outputs"][0]["pred_boxes"], raw_boxes[0].sigmoid())
     losses = criterion(out, targets())
     assert set(criterion.weight_dict) <= set(losses)
     total = sum(losses[k] * w for k, w in criterion.weight_dict.items())
