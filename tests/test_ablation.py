@@ -263,9 +263,11 @@ def test_mismatched_run_folder_is_refused(tmp_path, tiny_dataset, monkeypatch) -
 
 
 def test_run_lock(tmp_path) -> None:
+    import socket
+
     lock = RunLock(tmp_path)
     assert lock.acquire()
-    assert lock_holder(tmp_path) is not None
+    assert lock_holder(tmp_path) == f"{socket.gethostname()}:{os.getpid()}"  # this process
     assert not RunLock(tmp_path).acquire()
     lock.release()
     assert lock_holder(tmp_path) is None
@@ -274,8 +276,6 @@ def test_run_lock(tmp_path) -> None:
     if dead == 0:
         os._exit(0)
     os.waitpid(dead, 0)
-    import socket
-
     (tmp_path / ".ablation.lock").write_text(f"{socket.gethostname()} {dead}\n")
     assert lock_holder(tmp_path) is None
     assert RunLock(tmp_path).acquire()
