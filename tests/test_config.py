@@ -9,7 +9,6 @@ import pytest
 from helpers import TINY_CONFIG, load_tiny_config
 
 from detr_irpe.config import (
-    Config,
     ConfigError,
     config_from_dict,
     load_config,
