@@ -102,6 +102,7 @@ def trained_grid(tiny_dataset, tmp_path_factory):
     }
 
 
+@pytest.mark.slow  # trained_grid: two training processes
 def test_interrupted_grid_resumes_without_rerunning(trained_grid) -> None:
     assert trained_grid["rcs"] == (1, 0, 0)  # 1: a run was left for later
     assert trained_grid["states_between"] == [RunState.FINISHED, RunState.PENDING]
@@ -121,6 +122,7 @@ def test_interrupted_grid_resumes_without_rerunning(trained_grid) -> None:
         assert not (run.output_dir / ".ablation.lock").exists()
 
 
+@pytest.mark.slow  # trained_grid: two training processes
 def test_two_run_grid_table_rows_and_numbers(trained_grid) -> None:
     grid = trained_grid["grid"]
     out = grid.output_dir

@@ -41,21 +41,28 @@ def _python(code: str, *args: str, **kwargs) -> subprocess.Popen:
 
 
 # A process that takes the lock of argv[1], announces it with the file argv[2] and
-# holds it until its stdin closes.
+# holds it until its stdin closes. It loads the lock's module file (argv[3]) by itself:
+# through its package it would import the whole training stack, torch included (~3 s of
+# CPU per process).
 _HOLDER = """
+    import importlib.util
     import sys
     from pathlib import Path
-    from detr_irpe.engine.run_lock import RunLock
-    lock = RunLock(sys.argv[1]).acquire()
+    spec = importlib.util.spec_from_file_location("run_lock", sys.argv[3])
+    run_lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_lock)
+    lock = run_lock.RunLock(sys.argv[1]).acquire()
     Path(sys.argv[2]).touch()
     sys.stdin.read()
 """
+_LOCK_MODULE = sys.modules[RunLock.__module__].__file__
 
 
 # ------------------------------------------------------------------------- run folder lock
 def test_second_lock_is_refused_naming_the_holder(tmp_path):
     ready = tmp_path / "ready"
-    holder = _python(_HOLDER, str(tmp_path / "run"), str(ready), stdin=subprocess.PIPE)
+    holder = _python(_HOLDER, str(tmp_path / "run"), str(ready), _LOCK_MODULE,
+                     stdin=subprocess.PIPE)
     try:
         wait_for_file(ready, holder)
         with pytest.raises(RunFolderError) as info:
@@ -71,7 +78,8 @@ def test_second_lock_is_refused_naming_the_holder(tmp_path):
 
 def test_lock_of_a_killed_process_is_taken_over(tmp_path, caplog):
     ready = tmp_path / "ready"
-    holder = _python(_HOLDER, str(tmp_path), str(ready), stdin=subprocess.PIPE)
+    holder = _python(_HOLDER, str(tmp_path), str(ready), _LOCK_MODULE,
+                     stdin=subprocess.PIPE)
     wait_for_file(ready, holder)
     holder.kill()  # SIGKILL: no clean-up, the lock file still names it
     holder.communicate()
@@ -393,7 +401,8 @@ def test_second_training_start_in_a_busy_folder_exits_2_naming_the_holder(
     tiny_dataset, tmp_path, capsys
 ):
     out, ready = tmp_path / "run", tmp_path / "ready"
-    holder = _python(_HOLDER, str(out), str(ready), stdin=subprocess.PIPE)
+    holder = _python(_HOLDER, str(out), str(ready), _LOCK_MODULE,
+                     stdin=subprocess.PIPE)
     try:
         wait_for_file(ready, holder)
         in_flight = out / ".checkpoint_last.pth.x81k.tmp"  # the first run's save in progress

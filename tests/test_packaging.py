@@ -92,6 +92,7 @@ def test_wheel_ships_every_config_and_grid(wheel: Path) -> None:
         assert f"{script} = {target}" in entries
 
 
+@pytest.mark.slow  # a fresh environment and three interpreters importing torch
 def test_installed_package_runs_from_any_folder(installed: Path, tmp_path: Path) -> None:
     """Not editable: the package, its configs and grids come from the environment, and
     the console script answers from a folder that is not the repository."""

@@ -83,6 +83,7 @@ def test_resume_at_epoch_boundary_equals_straight_run(tiny_data, straight_run, t
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "train.log").is_file()
 
 
+@pytest.mark.slow  # a training subprocess, then two resumed runs
 def test_sigkill_mid_epoch_then_resume_equals_straight_run(
     tiny_data, straight_run, tmp_path, caplog
 ):
