@@ -6,7 +6,8 @@ The two sides sum in another order (batch 4 against 2 + 2), so they are compared
 float order cannot matter beyond rounding: the gradients of the same step, from the same
 weights, to a fraction of each tensor's scale (``helpers.FLOAT_ORDER_REL``), and the
 weights after one AdamW step within a bound derived from those gradients. Each test also
-runs with a float order of its own (a permuted batch, micro-batches of 1 image)."""
+runs with a float order of its own (a permuted batch, two threads, micro-batches of 1
+image)."""
 
 from __future__ import annotations
 
@@ -70,8 +71,15 @@ def first_adamw_step_bound(grad_a: torch.Tensor, grad_b: torch.Tensor, weight: t
     return lr * ((grad_a - grad_b).abs() / eps).clamp(max=2.0) + 2.0**-21 * (weight.abs() + lr)
 
 
-@pytest.mark.parametrize("order", [(0, 1, 2, 3), (3, 1, 0, 2)], ids=["same-order", "permuted"])
-def test_two_micro_batches_equal_one_batch(order: tuple[int, ...]) -> None:
+# Two threads: in the slow set, as a machine busy with other jobs stalls a 2-thread step
+# (its threads wait for each other) at several times its 1-thread time.
+@pytest.mark.parametrize("order, threads", [
+    pytest.param((0, 1, 2, 3), 1, id="same-order"),
+    pytest.param((3, 1, 0, 2), 1, id="permuted"),
+    pytest.param((3, 1, 0, 2), 2, id="permuted-2-threads", marks=pytest.mark.slow),
+])
+def test_two_micro_batches_equal_one_batch(order: tuple[int, ...], threads: int) -> None:
+    torch.set_num_threads(threads)  # conftest restores the session's count afterwards
     cfg = tiny_config_without_batch_effects("model.num_classes=4")
     model_a, criterion, _ = build_model(cfg, load_backbone_weights=False)
     model_b = copy.deepcopy(model_a)
