@@ -97,6 +97,26 @@ def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor,
                                msg=lambda m: f"{what}: {m} (scale {scale:.3g})")
 
 
+def zeroing_gradient_recorder(steps: list[list[torch.Tensor]], keep: bool = True) -> Callable:
+    """An optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``)
+    that appends the gradients each step is given, in the optimizer's parameter order, to
+    ``steps`` (when ``keep``) and then sets them to zero.
+
+    AdamW then moves no weight (it only applies its weight decay, elementwise and alike in
+    every run), so every step of two runs takes its gradients at the same weights: the
+    runs stay comparable to float order at every step, where the weights of two trained
+    runs part by whole Adam steps wherever a gradient is ~0 and rounds to either sign."""
+
+    def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if keep:
+            steps.append([p.grad.clone() for p in params])
+        for p in params:
+            p.grad.zero_()
+
+    return record
+
+
 # ----------------------------------------------------------------------------- rectangles
 
 # Flat colours far apart, so a box can be recovered from the pixels independently.

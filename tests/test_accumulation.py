@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close_to_scale, load_tiny_config
+from helpers import assert_close_to_scale, load_tiny_config, zeroing_gradient_recorder
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -143,24 +143,13 @@ def test_gradients_are_synchronised_on_the_last_micro_batch_only() -> None:
 
 def _run_recording_steps(data: Path, out: Path, *overrides: str) -> list[list[torch.Tensor]]:
     """Train the tiny config for one epoch (2 optimizer steps) and return the gradients
-    every optimizer step was given, clipped, in the optimizer's parameter order.
-
-    Each step's gradients are set to zero once recorded: AdamW then moves no weight (it
-    only applies its weight decay, elementwise and alike in every run), so every step of
-    every run computes its gradients at the same weights, and two runs are comparable at
-    every step, not only at the first."""
+    every optimizer step was given, clipped; each step leaves the weights as they were
+    (``helpers.zeroing_gradient_recorder``), so both runs are compared at every step."""
     steps: list[list[torch.Tensor]] = []
-
-    def record(optimizer, args, kwargs):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        steps.append([p.grad.clone() for p in params])
-        for p in params:
-            p.grad.zero_()
-
     cfg = tiny_config_without_batch_effects(
         f"data.root={data}", f"train.output_dir={out}", "train.epochs=1",
         "train.eval_every=100", *overrides)
-    handle = register_optimizer_step_pre_hook(record)
+    handle = register_optimizer_step_pre_hook(zeroing_gradient_recorder(steps))
     try:
         result = run_training(cfg, progress=False)
     finally:

@@ -15,10 +15,9 @@ means average to the global one only when every process holds the same number of
 How it is compared: the sums run in another order on two processes, and AdamW turns
 that float noise into whole steps (up to ``lr``) for weights whose gradient is ~0, so
 comparing weights after training would compare noise. Each run records the gradients
-every optimizer step is given (clipped, after DDP's averaging) and then sets them to
-zero, so no weight moves (AdamW only applies its weight decay, alike in both runs): every
-step of both runs takes its gradients at the same weights, and they must agree to float
-order (``helpers.FLOAT_ORDER_REL``) at every step.
+every optimizer step is given (clipped, after DDP's averaging) and then sets them to zero
+(``helpers.zeroing_gradient_recorder``): every step of both runs takes its gradients at
+the same weights, and they must agree to float order (``helpers.FLOAT_ORDER_REL``).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset
 from detr_irpe.engine import checkpoint_io as ckio
 
 # tools/train.py's main, with the gradients of every optimizer step recorded (rank 0 saves
-# them to argv[1]) and then set to zero on every rank.
+# them to argv[1]) and then set to zero on every rank (argv[2]: the tests folder).
 _RECORDING_TRAIN = """
     import os
     import sys
@@ -48,18 +47,13 @@ _RECORDING_TRAIN = """
 
     from detr_irpe.cli.train import main
 
+    sys.path.insert(0, sys.argv[2])
+    from helpers import zeroing_gradient_recorder
+
     rank0 = int(os.environ.get("RANK", "0")) == 0
     steps = []
-
-    def record(optimizer, args, kwargs):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if rank0:
-            steps.append([p.grad.clone() for p in params])
-        for p in params:
-            p.grad.zero_()
-
-    register_optimizer_step_pre_hook(record)
-    code = main(sys.argv[2:])
+    register_optimizer_step_pre_hook(zeroing_gradient_recorder(steps, keep=rank0))
+    code = main(sys.argv[3:])
     if rank0:
         torch.save(steps, sys.argv[1])
     sys.exit(code)
@@ -73,7 +67,8 @@ def _torchrun(nproc: int, data: Path, out: Path, batch_size: int) -> list[list[t
     grads = out.parent / f"grads_{nproc}.pt"
     args = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(script), str(grads), "--config", "synthetic_tiny",
+        f"--nproc_per_node={nproc}", str(script), str(grads), str(ROOT / "tests"),
+        "--config", "synthetic_tiny",
         "--device", "cpu", "--output-dir", str(out), "--no-progress",
         "--set", f"data.root={data}", f"train.batch_size={batch_size}", "train.epochs=2",
         "model.frozen_bn=true", "model.dropout=0.0", "train.num_threads=1",
