@@ -382,7 +382,8 @@ def test_shipped_grids_load() -> None:
         assert grid.runs, path
         if path.stem.startswith("demo"):
             assert grid.base.name == "synthetic_demo.yaml" and grid.launcher == "local"
-            assert grid.synthetic_data is not None
+            # the dataset tools/demo.py generates (README: 1600 + 200 images, seed 0)
+            assert grid.synthetic_data == {"num_train": 1600, "num_val": 200, "seed": 0}
         else:
             assert grid.base.name == "detr_r50.yaml" and grid.launcher == "torchrun"
     ratio = load_grid("ratio")  # a shipped grid by name, from any folder
