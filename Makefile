@@ -29,9 +29,11 @@ $(STAMP): $(PY) setup.cfg pyproject.toml $(CONSTRAINTS)
 
 venv: $(STAMP)
 
+# pytest's default selection (setup.cfg): every test not marked slow or gpu
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# the slow tests too (CI: .ci/run)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"
 

@@ -9,6 +9,7 @@ import csv
 import io
 import json
 import os
+import socket
 import statistics
 import sys
 from pathlib import Path
@@ -112,6 +113,7 @@ def trained_grid(tiny_dataset, tmp_path_factory):
     }
 
 
+@pytest.mark.slow  # trained_grid: two training processes
 def test_interrupted_grid_resumes_without_rerunning(trained_grid) -> None:
     assert trained_grid["rcs"] == (1, 0, 0)  # 1: a run was left for later
     assert trained_grid["states_between"] == [RunState.FINISHED, RunState.PENDING]
@@ -133,6 +135,7 @@ def test_interrupted_grid_resumes_without_rerunning(trained_grid) -> None:
         assert lock_holder(run.output_dir, CLAIM_NAME) is None
 
 
+@pytest.mark.slow  # trained_grid: two training processes
 def test_two_run_grid_table_rows_and_numbers(trained_grid) -> None:
     grid = trained_grid["grid"]
     out = grid.output_dir
@@ -278,7 +281,8 @@ def test_a_scheduler_claims_a_run_with_the_run_folder_lock(tmp_path, tiny_datase
     grid = load_grid(_fake_grid(tmp_path, tiny_dataset, seeds=[1]))
     run = grid.runs[0]
     claim = RunLock(run.output_dir, CLAIM_NAME).acquire()
-    assert lock_holder(run.output_dir, CLAIM_NAME) is not None
+    holder = lock_holder(run.output_dir, CLAIM_NAME)  # this process, on this host
+    assert holder.startswith(f"PID {os.getpid()} on host {socket.gethostname()}"), holder
     assert _state(run) is RunState.RUNNING
     with pytest.raises(RunFolderError, match="in use"):
         RunLock(run.output_dir, CLAIM_NAME).acquire()  # a second scheduler
@@ -398,7 +402,8 @@ def test_shipped_grids_load() -> None:
         assert grid.runs, path
         if path.stem.startswith("demo"):
             assert grid.base.name == "synthetic_demo.yaml" and grid.launcher == "local"
-            assert grid.synthetic_data is not None
+            # the dataset tools/demo.py generates (README: 1600 + 200 images, seed 0)
+            assert grid.synthetic_data == {"num_train": 1600, "num_val": 200, "seed": 0}
         else:
             assert grid.base.name == "detr_r50.yaml" and grid.launcher == "torchrun"
     ratio = load_grid("ratio")  # a shipped grid by name, from any folder

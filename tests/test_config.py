@@ -9,7 +9,6 @@ import pytest
 from helpers import TINY_CONFIG, load_tiny_config
 
 from detr_irpe.config import (
-    Config,
     ConfigError,
     config_from_dict,
     load_config,
@@ -21,7 +20,6 @@ from detr_irpe.config import (
 
 def test_defaults_are_the_irpe_recipe() -> None:
     cfg = load_config()
-    assert isinstance(cfg, Config)
     assert cfg.model.rpe == "rpe-2.0-product-ctx-1-k"
     assert (cfg.model.hidden_dim, cfg.model.nheads, cfg.model.enc_layers) == (256, 8, 6)
     assert cfg.model.num_classes is None

@@ -53,22 +53,36 @@ def _python(code: str, *args: str, **kwargs) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
-# A process that takes the lock of argv[1], announces it with the file argv[2] and
-# holds it until its stdin closes.
-_HOLDER = """
+def _module_file(obj) -> str:
+    return sys.modules[obj.__module__].__file__
+
+
+# Imports the module file argv[1] alone, as ``loaded``: through its package it would
+# import the whole training stack (torch, the models, the data and evaluation code: ~2 s
+# of CPU per process on top of what the module itself needs).
+_LOAD_ALONE = textwrap.dedent("""
+    import importlib.util
     import sys
+    spec = importlib.util.spec_from_file_location("loaded", sys.argv[1])
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+""")
+
+# A process that takes the lock of argv[2], announces it with the file argv[3] and
+# holds it until its stdin closes (argv[1]: the run lock's module file).
+_HOLDER = _LOAD_ALONE + textwrap.dedent("""
     from pathlib import Path
-    from detr_irpe.run_folder.lock import RunLock
-    lock = RunLock(sys.argv[1]).acquire()
-    Path(sys.argv[2]).touch()
+    lock = loaded.RunLock(sys.argv[2]).acquire()
+    Path(sys.argv[3]).touch()
     sys.stdin.read()
-"""
+""")
 
 
 # ------------------------------------------------------------------------- run folder lock
 def test_second_lock_is_refused_naming_the_holder(tmp_path):
     ready = tmp_path / "ready"
-    holder = _python(_HOLDER, str(tmp_path / "run"), str(ready), stdin=subprocess.PIPE)
+    holder = _python(_HOLDER, _module_file(RunLock), str(tmp_path / "run"), str(ready),
+                     stdin=subprocess.PIPE)
     try:
         wait_for_file(ready, holder)
         with pytest.raises(RunFolderError) as info:
@@ -84,7 +98,8 @@ def test_second_lock_is_refused_naming_the_holder(tmp_path):
 
 def test_lock_of_a_killed_process_is_taken_over(tmp_path, caplog):
     ready = tmp_path / "ready"
-    holder = _python(_HOLDER, str(tmp_path), str(ready), stdin=subprocess.PIPE)
+    holder = _python(_HOLDER, _module_file(RunLock), str(tmp_path), str(ready),
+                     stdin=subprocess.PIPE)
     wait_for_file(ready, holder)
     holder.kill()  # SIGKILL: no clean-up, the lock file still names it
     holder.communicate()
@@ -206,17 +221,16 @@ def test_first_signal_is_recorded_and_handlers_are_restored():
 
 def test_second_signal_exits_at_once_with_128_plus_signal(tmp_path):
     ready = tmp_path / "ready"
-    proc = _python(f"""
+    proc = _python(_LOAD_ALONE + textwrap.dedent(f"""
         import os, signal, time
         from pathlib import Path
-        from detr_irpe.engine.interrupt import StopOnSignal
-        with StopOnSignal(same_request_s=0.0) as stop:
+        with loaded.StopOnSignal(same_request_s=0.0) as stop:
             os.kill(os.getpid(), signal.SIGINT)
             assert stop.requested() == signal.SIGINT
             Path({str(ready)!r}).touch()
             time.sleep(60)
         print("not reached")
-    """)
+    """), _module_file(StopOnSignal))
     wait_for_file(ready, proc)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
@@ -308,7 +322,9 @@ def _log(out: Path) -> list[dict]:
 
 
 def _assert_same_run(reference: Path, resumed: Path) -> None:
-    """Equal final weights and equal ``log.txt`` numbers (times aside)."""
+    """Equal final weights and equal ``log.txt`` numbers (times aside). Both runs perform
+    the same operations in the same order on one thread (the tiny config's
+    ``train.num_threads``), so they round alike on any CPU."""
     a = read_training_checkpoint(reference / LAST)["model"]
     b = read_training_checkpoint(resumed / LAST)["model"]
     assert a.keys() == b.keys()
@@ -408,7 +424,8 @@ def test_second_training_start_in_a_busy_folder_exits_2_naming_the_holder(
     tiny_dataset, tmp_path, capsys
 ):
     out, ready = tmp_path / "run", tmp_path / "ready"
-    holder = _python(_HOLDER, str(out), str(ready), stdin=subprocess.PIPE)
+    holder = _python(_HOLDER, _module_file(RunLock), str(out), str(ready),
+                     stdin=subprocess.PIPE)
     try:
         wait_for_file(ready, holder)
         in_flight = out / ".checkpoint_last.pth.x81k.tmp"  # the first run's save in progress

@@ -96,6 +96,7 @@ def test_wheel_ships_every_config_and_grid(wheel: Path) -> None:
     assert wheel.name.startswith(f"detr_irpe-{detr_irpe.__version__}-")
 
 
+@pytest.mark.slow  # a fresh environment and three interpreters importing torch
 def test_installed_package_runs_from_any_folder(installed: Path, tmp_path: Path) -> None:
     """Not editable: the package, its configs and grids come from the environment, and
     the console script answers from a folder that is not the repository."""

@@ -14,6 +14,7 @@ from helpers import load_tiny_config, load_tool
 from detr_irpe.config import ConfigError
 from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import EXIT_NON_FINITE
+from detr_irpe.models import build_model
 from detr_irpe.models.criterion import SetCriterion
 from detr_irpe.run_folder.checkpoints import LAST, read_training_checkpoint
 
@@ -40,7 +41,12 @@ def test_log_txt_has_detr_fields(trained):
                 "n_parameters", "epoch_time"):
         assert key in record, key
     assert len(record["test_coco_eval_bbox"]) == 12
-    assert record["train_loss"] > 0 and record["n_parameters"] > 0
+    # the loss is the sum of its weighted terms (one decoder layer: no auxiliary terms)
+    terms = [record[f"train_loss_{k}"] for k in ("ce", "bbox", "giou")]
+    assert record["train_loss"] == pytest.approx(sum(terms), rel=1e-6)
+    assert record["train_loss_bbox"] == pytest.approx(5 * record["train_loss_bbox_unscaled"])
+    model, _, _ = build_model(load_tiny_config("model.num_classes=4"))
+    assert record["n_parameters"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(
@@ -97,7 +103,10 @@ def test_eval_only_on_saved_checkpoint(tiny_dataset, trained, tmp_path, capsys):
     assert "AP50" in printed and "| circle |" in printed
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert metrics["bbox"]["stats"] == pytest.approx(_final_ap(trained), abs=1e-9)
-    assert isinstance(json.loads((tmp_path / "eval" / "results.json").read_text()), list)
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    val = json.loads((tiny_dataset / "annotations" / "instances_val.json").read_text())
+    assert {r["image_id"] for r in results} == {i["id"] for i in val["images"]}
+    assert all(set(r) == {"image_id", "category_id", "bbox", "score"} for r in results)
     assert not (tmp_path / LAST).exists()  # evaluation writes no checkpoint
 
 

@@ -115,7 +115,11 @@ def test_rpe_table_maps_bias_and_cross(tmp_path):
     assert maps["k.cols bias"][0][0, 3] == pytest.approx(-10.0)
     fig = plot_rpe_tables({(0, k): v for k, v in maps.items()}, out=tmp_path / "t.png")
     assert_png(tmp_path / "t.png", min_bytes=3000)
-    assert fig is not None
+    # one panel per table (rows before columns), each showing its table's map
+    panels = [ax for ax in fig.axes if ax.get_images()]
+    assert [ax.get_title() for ax in panels] == ["layer 0 · k.rows bias", "layer 0 · k.cols bias"]
+    for ax, name in zip(panels, ("k.rows bias", "k.cols bias")):
+        np.testing.assert_array_equal(ax.get_images()[0].get_array(), maps[name].mean(axis=0))
 
 
 # --------------------------------------------------------------------------- curves
