@@ -1,6 +1,9 @@
 """Evaluate a checkpoint (this project's, or a public DETR / iRPE-DETR one) on the
 val split of a COCO-format dataset: COCO box AP (the 12 COCOeval numbers) and AP per class.
 
+The checkpoint is a .pth file (this project's, or the public DETR / iRPE-DETR
+weights), this project's .safetensors file, or a Hugging Face DetrForObjectDetection
+save_pretrained folder (config.json + model.safetensors) or its .safetensors file.
 A checkpoint written by tools/train.py carries its config; public checkpoints
 need one (--config). --set points at other data::
 
@@ -10,7 +13,9 @@ need one (--config). --set points at other data::
         --set data.root=/data/coco --output-dir outputs/eval_irpe
 
 Writes OUTPUT_DIR/results.json (COCO results format), metrics.json (the 12
-numbers, per-class AP, losses) and eval.log; prints the numbers and the table.
+numbers, per-class AP, losses), precision.npz (COCOeval's precision / recall arrays,
+for `tools/visualize.py pr-curves OUTPUT_DIR`) and eval.log; prints the numbers and
+the table.
 Exit status 2 on a config, data or checkpoint problem (one line on stderr).
 """
 
@@ -33,12 +38,15 @@ from detr_irpe.cli.common import (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = new_parser(__doc__, prog="eval.py")
-    parser.add_argument("checkpoint", type=Path, help="checkpoint file (.pth)")
+    parser.add_argument("checkpoint", type=Path,
+                        help="checkpoint: a .pth or .safetensors file, or a Hugging Face "
+                             "save_pretrained folder")
     add_config_arguments(parser, config_help="config name or YAML path (default: the "
                                              "checkpoint's own)")
     add_device_argument(parser, default=None)
     parser.add_argument("--output-dir", type=Path,
-                        help="where results go (default: CHECKPOINT_DIR/eval_CHECKPOINT_STEM)")
+                        help="where results.json, metrics.json, precision.npz and eval.log "
+                             "go (default: CHECKPOINT_DIR/eval_CHECKPOINT_STEM)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
