@@ -13,6 +13,7 @@ from helpers import load_tool
 from detr_irpe.benchmark import SuiteOptions, run_suite, suite_markdown, write_results
 from detr_irpe.benchmark import op as op_bench
 from detr_irpe.benchmark import profile as profile_bench
+from detr_irpe.benchmark.suite import QUICK_NOTE, target_ratios
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def test_quick_suite_structure(quick_results) -> None:
     assert [r["augmentation"] for r in results["data"]["rows"]] == ["detr", "simple"]
     assert results["data"]["rows"][0]["images"] == 4
     assert results["eval"]["images"] == 4 and results["eval"]["AP"] > 0.3
-    targets = {t["target"] for t in results["targets"]}
+    # the ratios are computed from these rows; quick mode judges none of them (below)
+    targets = {t["target"] for t in target_ratios(results)}
     assert "DETR training step (fp32), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
     assert "DETR training step (bf16), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
     assert any("SDPA" in t for t in targets) and any("DETR MHA" in t for t in targets)
@@ -78,12 +80,34 @@ def test_results_written(quick_results) -> None:
     assert "| variant | wall ms | x DETR MHA | x SDPA MHA |" in md
 
 
+def test_quick_mode_gives_no_verdicts(quick_results) -> None:
+    """Smoke-test sizes say nothing about the targets: no met / NO column, a note instead."""
+    results, out = quick_results
+    assert results["targets"] == [] and loaded_targets(out) == []
+    md = (out / "results.md").read_text()
+    assert "| met |" not in md and "| NO |" not in md and "| yes |" not in md
+    assert md.count("smoke-test sizes") == 2  # the header and the targets section
+    assert f"Not judged: {QUICK_NOTE}." in md and "judged only at full size" in md
+    # the same results as a full-size run are judged: the verdicts come only from "quick"
+    full = {**results, "options": {**results["options"], "quick": False}}
+    full["targets"] = target_ratios(full)
+    text = suite_markdown(full)
+    assert "| met |" in text and "smoke-test" not in text
+    assert sum(line.endswith(("| yes |", "| NO |")) for line in text.splitlines()) \
+        == len(full["targets"]) > 0
+
+
+def loaded_targets(out: Path) -> list:
+    return json.loads((out / "results.json").read_text())["targets"]
+
+
 def test_tool_cli_quick_op_only(tmp_path: Path, capsys) -> None:
     tool = load_tool("benchmark")
     assert tool.main(["--quick", "--only", "op", "--no-sweep", "--threads", "1",
                       "--output-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "IRPEMultiheadAttention rpe-2.0-product-ctx-1-k" in printed
+    assert "judged only at full size" in printed and "| met |" not in printed
     results = json.loads((tmp_path / "results.json").read_text())
     assert "model" not in results and "sweep" not in results["op"]
     assert tool.main(["--quick", "--only", "op,bogus", "--output-dir", str(tmp_path)]) == 2
@@ -97,7 +121,10 @@ def test_render_from_json(quick_results) -> None:
     _, out = quick_results
     (out / "results.md").unlink()
     assert tool.main(["--render", "--output-dir", str(out)]) == 0
-    assert "CPU targets" in (out / "results.md").read_text()
+    md = (out / "results.md").read_text()
+    # re-rendering a quick run judges nothing either
+    assert f"Not judged: {QUICK_NOTE}." in md and "| met |" not in md
+    assert loaded_targets(out) == []
 
 
 def test_tool_render_without_results_is_one_line(tmp_path: Path, capsys) -> None:

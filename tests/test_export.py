@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -48,15 +50,23 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def exported(checkpoint: Path) -> tuple[Path, int, str]:
-    """The command line run once, checkpoint -> .onnx (the export is the slow part):
-    (file, exit status, stdout)."""
+def exported(checkpoint: Path) -> tuple[Path, int, str, list[str]]:
+    """The command line run once, checkpoint -> .onnx + --check (the export is the slow
+    part): (file, exit status, stdout, the package's log messages in order)."""
     out = checkpoint.parent / "tiny_irpe.onnx"
     stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        status = main([str(checkpoint), "--format", "onnx", "--size", "64x96",
-                       "--output", str(out)])
-    return out, status, stdout.getvalue()
+    messages: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    package = logging.getLogger("detr_irpe")
+    package.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(stdout):
+            status = main([str(checkpoint), "--format", "onnx", "--size", "64x96",
+                           "--output", str(out), "--check"])
+    finally:
+        package.removeHandler(handler)
+    return out, status, stdout.getvalue(), messages
 
 
 def _pytorch_outputs(checkpoint: Path, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -68,7 +78,7 @@ def _pytorch_outputs(checkpoint: Path, images: torch.Tensor) -> tuple[torch.Tens
 
 
 def test_cli_writes_onnx_with_named_input_and_outputs(exported) -> None:
-    path, status, printed = exported
+    path, status, printed, _ = exported
     assert status == 0 and path.is_file() and f"rpe={RPE}" in printed and "opset 18" in printed
     graph = onnx.load(str(path)).graph
     assert [i.name for i in graph.input] == ["images"]
@@ -78,7 +88,7 @@ def test_cli_writes_onnx_with_named_input_and_outputs(exported) -> None:
 
 
 def test_onnxruntime_matches_pytorch(exported, checkpoint: Path) -> None:
-    path, _, _ = exported
+    path, _, _, _ = exported
     images = torch.randn(1, 3, *SIZE)
     logits, boxes = run_onnx(path, images)
     ref_logits, ref_boxes = _pytorch_outputs(checkpoint, images)
@@ -87,8 +97,22 @@ def test_onnxruntime_matches_pytorch(exported, checkpoint: Path) -> None:
     torch.testing.assert_close(boxes, ref_boxes, **TOL)
 
 
+def test_cli_reports_each_stage_as_it_starts_and_ends(exported) -> None:
+    """The minute of a DETR-R50 export is not silent: trace, translate, write, check."""
+    path, _, printed, messages = exported
+    stages = [m for m in messages if m.startswith(("ONNX export", "check:"))]
+    assert [m.split(":")[0] + (" ..." if m.endswith("...") else " done") for m in stages] == [
+        "ONNX export 1/3 ...", "ONNX export 1/3 done", "ONNX export 2/3 ...",
+        "ONNX export 2/3 done", "ONNX export 3/3 ...", "ONNX export 3/3 done", "check ..."]
+    assert "torch.export" in stages[0] and "torch.onnx" in stages[2] and str(path) in stages[4]
+    assert all(re.search(r"done in \d+\.\d s$", m) for m in stages[1:6:2])
+    # the stage lines go to the log (stderr); stdout keeps the result lines only
+    assert printed.splitlines()[1].startswith("check: onnxruntime vs PyTorch, max |difference|")
+    assert len(printed.splitlines()) == 2
+
+
 def test_existing_output_needs_force(checkpoint: Path, exported, capsys) -> None:
-    path, _, _ = exported
+    path, _, _, _ = exported
     assert main([str(checkpoint), "--size", "64x96", "--output", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "--force" in err[0]
@@ -177,6 +201,9 @@ def test_dynamic_model_export_runs_at_other_sizes(checkpoint: Path, tmp_path: Pa
     """--dynamic: any batch and image size, iRPE bucket ids computed inside the graph."""
     model = model_from_checkpoint(checkpoint).model
     path = export_onnx(model, tmp_path / "dynamic.onnx", SIZE, dynamic=True)
+    # traced, then translated: the symbolic dimensions keep the names they were given
+    dims = onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in dims] == ["batch", 3, "height", "width"]
     for shape in [(1, 3, *SIZE), (2, 3, 96, 64), (1, 3, 160, 130)]:
         images = torch.randn(*shape)
         logits, boxes = run_onnx(path, images)

@@ -126,6 +126,26 @@ def test_eval_tool_uses_checkpoint_config(trained, tmp_path, capsys):
         precision = arrays["precision"][:, :, :, 0, -1]
         assert precision.shape[2] == 3
         assert precision[precision > -1].mean() == pytest.approx(metrics["bbox"]["AP"], abs=1e-6)
+    # --help names every file the tool wrote
+    from detr_irpe.cli.eval import build_parser
+
+    help_text = " ".join(build_parser().format_help().split())
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["eval.log", "metrics.json", "precision.npz", "results.json"]
+    assert [name for name in written if name not in help_text] == []
+
+
+def test_eval_help_names_every_checkpoint_kind():
+    """.pth, .safetensors and Hugging Face folders all load (tests/test_hf_checkpoint.py)."""
+    from detr_irpe.cli.eval import build_parser
+
+    parser = build_parser()
+    words = " ".join(parser.format_help().split())
+    for kind in (".pth", ".safetensors", "Hugging Face", "save_pretrained folder",
+                 "precision.npz"):
+        assert kind in words, kind
+    positional = next(a for a in parser._actions if a.dest == "checkpoint")
+    assert ".safetensors" in positional.help and "folder" in positional.help
 
 
 def test_training_saves_pr_arrays_of_its_evaluation(trained):

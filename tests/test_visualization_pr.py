@@ -121,6 +121,30 @@ def test_chosen_classes_area_and_threshold(evaluated):
         plot_pr_curves(arrays, iou_thresholds=[0.52])
 
 
+@pytest.mark.parametrize("num_categories,thresholds", [(3, (0.5, 0.75)), (12, (0.5,)),
+                                                       (12, (0.5, 0.75, 0.9))])
+def test_legends_cover_no_data_area(num_categories: int, thresholds: tuple) -> None:
+    """Low curves stay visible: in the rendered figure no legend overlaps any panel's data
+    area, and each legend lies on the canvas, beside its own panel."""
+    coco = make_coco(num_categories)
+    evaluator = CocoEvaluator(coco)
+    evaluator.update(noisy_predictions(coco))
+    evaluator.summarize()
+    fig = plot_pr_curves(evaluator.pr_arrays, iou_thresholds=thresholds)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        assert len(legend.get_texts()) == num_categories + 1  # every curve is in it
+        box = legend.get_window_extent(renderer)
+        for other in fig.axes:
+            assert not box.overlaps(other.bbox), (ax.get_title(), other.get_title())
+        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1
+        assert fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1
+        assert ax.bbox.x1 < box.x0  # to the right of its own panel, next to it
+        assert ax.bbox.y0 <= box.y1 <= ax.bbox.y1 + 1
+
+
 def test_many_classes_draw_the_overall_curve_only() -> None:
     coco = make_coco(num_categories=14)
     evaluator = CocoEvaluator(coco)

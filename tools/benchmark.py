@@ -6,7 +6,7 @@ prints markdown tables.
     python tools/benchmark.py --threads 1 --only op            # one attention layer + L sweep
     python tools/benchmark.py --only model --model-repeats 5
     python tools/benchmark.py --device cuda --model-size 800x1216 --op-repeats 20
-    python tools/benchmark.py --quick --output-dir /tmp/bench  # tiny sizes (smoke test)
+    python tools/benchmark.py --quick --output-dir /tmp/bench  # smoke test: tiny sizes, no verdicts
     python tools/benchmark.py --render --output-dir outputs/benchmark   # re-render results.md
     python tools/benchmark.py --only model --reference-code PATH/TO/Cream/iRPE/DETR-with-iRPE
 
@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", default="outputs/benchmark", help="(%(default)s)")
     p.add_argument("--only", default=",".join(SECTIONS),
                    help="comma-separated sections out of %(default)s")
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every path")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes: a smoke test of every path; the CPU targets are not judged")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU (%(default)s)")
     p.add_argument("--render", action="store_true",
                    help="measure nothing: rebuild results.md, targets and plot from the "

@@ -1,6 +1,9 @@
 """Evaluate a checkpoint (this project's, or a public DETR / iRPE-DETR one) on the
 val split of a COCO-format dataset: COCO box AP (the 12 COCOeval numbers) and AP per class.
 
+The checkpoint is a .pth file (this project's, or the public DETR / iRPE-DETR
+weights), this project's .safetensors file, or a Hugging Face DetrForObjectDetection
+save_pretrained folder (config.json + model.safetensors) or its .safetensors file.
 A checkpoint written by tools/train.py carries its config; public checkpoints
 need one (--config). --set points at other data::
 
@@ -15,7 +18,9 @@ downloaded once into torch.hub's cache; a name brings its config::
     python tools/eval.py detr_r50_irpe/rpe-2.0-product-ctx-1-k --set data.root=/data/coco
 
 Writes OUTPUT_DIR/results.json (COCO results format), metrics.json (the 12
-numbers, per-class AP, losses) and eval.log; prints the numbers and the table.
+numbers, per-class AP, losses), precision.npz (COCOeval's precision / recall arrays,
+for `tools/visualize.py pr-curves OUTPUT_DIR`) and eval.log; prints the numbers and
+the table.
 Exit status 2 on a config, data or checkpoint problem (one line on stderr).
 """
 
@@ -110,13 +115,14 @@ def run_evaluation(
 def build_parser() -> argparse.ArgumentParser:
     parser = new_parser(__doc__, prog="eval.py")
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
-                        help="checkpoint file or folder, a published name (detr_r50, ...) "
-                             "or an http(s) address")
+                        help="a .pth or .safetensors file, a Hugging Face save_pretrained "
+                             "folder, a published name (detr_r50, ...) or an http(s) address")
     add_config_arguments(parser, config_help="config name or YAML path (default: the "
                                              "checkpoint's own)")
     add_device_argument(parser, default=None)
     parser.add_argument("--output-dir", type=Path,
-                        help="where results go (default: CHECKPOINT_DIR/eval_CHECKPOINT_STEM; "
+                        help="where results.json, metrics.json, precision.npz and eval.log "
+                             "go (default: CHECKPOINT_DIR/eval_CHECKPOINT_STEM; "
                              "outputs/eval_STEM for a downloaded file)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser

@@ -109,6 +109,7 @@ def export(args: argparse.Namespace) -> list[str]:
     lines = [f"{args.checkpoint} (rpe={loaded.cfg.model.rpe}) -> {path} "
              f"(onnx opset {opset}, images {shape})"]
     if args.check:
+        logger.info("check: running %s with onnxruntime and PyTorch on random images ...", path)
         lines.append(_check_against_pytorch(loaded.model, path, size, args.batch))
     return lines
 
@@ -117,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        # this package's progress lines; the exporter's own notes about its graph
-        # optimisations (not about the model) stay hidden
+        # this package's progress lines (load, "ONNX export i/3: ..." as each step starts
+        # and ends, check); the exporter's own notes about its graph optimisations (not
+        # about the model) stay hidden
         setup_tool_logging(logging.WARNING)
         logging.getLogger("detr_irpe").setLevel(logging.INFO)
         for name in ("onnxscript", "onnx_ir"):

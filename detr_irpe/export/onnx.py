@@ -18,6 +18,7 @@ import copy
 import importlib.util
 import logging
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +39,8 @@ OUTPUTS = ("pred_logits", "pred_boxes")
 # torch.onnx's exporter (dynamo=True) writes opset 18 or newer
 MIN_OPSET = 18
 _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+# the steps export_onnx logs as "ONNX export i/3: ..." when each starts and ends
+EXPORT_STAGES = ("trace", "translate", "write")
 # the traced batch of a dynamic export: torch.export specialises a size-1 dimension
 _DYNAMIC_TRACE_BATCH = 2
 
@@ -152,20 +155,42 @@ def _dynamic_shapes(model: DETR) -> dict[str, dict[int, torch.export.Dim]]:
 def _to_onnx_bytes(
     wrapper: ImagesToPredictions, images: Tensor, dynamic_shapes: dict | None, opset: int
 ) -> bytes:
-    """The serialised ONNX model; exporter failures become one-line :class:`ExportError` s."""
+    """The serialised ONNX model; exporter failures become one-line :class:`ExportError` s.
+
+    The two slow steps run one after the other so that each is logged as it starts and
+    ends (a DETR-R50 takes about a minute): tracing the model into an ``ExportedProgram``
+    (what ``torch.onnx.export`` does first, non-strict), then translating it into ONNX.
+    The dynamic shapes go to both, so the symbolic dimensions keep their names.
+    """
     try:
         with torch.no_grad():
+            started = _stage_start(1, "trace the model (torch.export)")
+            traced = torch.export.export(wrapper, (images,), dynamic_shapes=dynamic_shapes,
+                                         strict=False)
+            _stage_done(1, started)
+            started = _stage_start(2, "translate it to ONNX and optimise the graph (torch.onnx)")
             program = torch.onnx.export(
-                wrapper, (images,), input_names=[IMAGE_INPUT], output_names=list(OUTPUTS),
+                traced, (images,), input_names=[IMAGE_INPUT], output_names=list(OUTPUTS),
                 dynamo=True, dynamic_shapes=dynamic_shapes, opset_version=opset,
                 external_data=False, verbose=False,
             )
+            _stage_done(2, started)
     except Exception as err:  # the exporter raises many types, none of them user errors
         logger.debug("torch.onnx.export failed", exc_info=True)
         first = next((line for line in str(err).splitlines() if line.strip()), "")
         raise ExportError(f"torch.onnx could not export this model ({type(err).__name__}: "
                           f"{first})") from err
     return program.model_proto.SerializeToString()
+
+
+def _stage_start(number: int, what: str) -> float:
+    logger.info("ONNX export %d/%d: %s ...", number, len(EXPORT_STAGES), what)
+    return time.perf_counter()
+
+
+def _stage_done(number: int, started: float) -> None:
+    logger.info("ONNX export %d/%d: %s done in %.1f s", number, len(EXPORT_STAGES),
+                EXPORT_STAGES[number - 1], time.perf_counter() - started)
 
 
 def export_onnx(
@@ -206,7 +231,9 @@ def export_onnx(
                 "dynamic" if dynamic else "static", "N x 3 x H x W" if dynamic
                 else f"{batch} x 3 x {size[0]} x {size[1]}")
     data = _to_onnx_bytes(wrapper, images, _dynamic_shapes(model) if dynamic else None, opset)
+    started = _stage_start(3, f"write {path}")
     path = atomic_write(path, lambda f: f.write(data))
+    _stage_done(3, started)
     logger.info("wrote %s (%.1f MB)", path, len(data) / 2**20)
     return path
 

@@ -6,6 +6,12 @@ picture plus the model input) and, for attention, an
 (points, boxes) are in original-image pixels. Attention maps are drawn on the padded
 feature grid stretched over the padded input, so every cell lies exactly over the pixels
 it stands for (the padding falls outside the axes).
+
+Every map is blended over the image (a grey copy, so that hue comes from the colour map
+only) with alpha :data:`MAP_ALPHA`: the picture stays visible through the colours. Every
+map has a labelled colour bar that says its scale: the encoder and decoder attention maps
+are each divided by their own maximum (colours 0 to 1, the maximum in the panel's
+title), the iRPE-contribution maps show absolute values.
 """
 
 from __future__ import annotations
@@ -31,7 +37,15 @@ from .draw import DRAW_NMS_IOU, class_colour, suppress_duplicates, text_colour
 
 logger = logging.getLogger(__name__)
 
+# opacity of an attention map over its image: enough to read the colour map, little
+# enough that the picture stays visible (about half of its contrast shows through)
+MAP_ALPHA = 0.55
+# the colour-bar label of the maps divided by their own maximum (the titles give it)
+NORMALISED_LABEL = "attention weight / map max"
+
 __all__ = [
+    "MAP_ALPHA",
+    "NORMALISED_LABEL",
     "Detections",
     "detections_from_outputs",
     "category_name",
@@ -183,28 +197,52 @@ def _scale(image: InputImage, record: AttentionRecord, batch_index: int) -> tupl
 
 def _show_map(ax, image: InputImage, record: AttentionRecord, batch_index: int,
               data: np.ndarray, cmap: str = "inferno", diverging: bool = False,
-              overlay: bool = True, vmax: float | None = None):
-    """The image (dimmed, grey) under an ``(H, W)`` map; returns the map's artist."""
+              vmax: float | None = None, normalise: bool = False):
+    """An ``(H, W)`` map blended over the image (grey) with alpha :data:`MAP_ALPHA`.
+
+    Colours span ``[0, vmax]`` (``[-vmax, vmax]`` when ``diverging``); ``vmax`` defaults
+    to the largest ``|value|`` of the non-padded cells. With ``normalise`` the map is
+    divided by that maximum and the colours span ``[0, 1]``.
+
+    Returns:
+        ``(artist, peak)``: the map's ``AxesImage`` and the maximum it was scaled by.
+    """
     h0, w0 = image.original_size
-    if overlay:
-        grey = image.display.mean(axis=2)
-        ax.imshow(grey, cmap="gray", vmin=0, vmax=255, extent=(0, w0, h0, 0))
+    grey = image.display.mean(axis=2)
+    ax.imshow(grey, cmap="gray", vmin=0, vmax=255, extent=(0, w0, h0, 0))
     valid = ~record.padding[batch_index].numpy()
     shown = np.where(valid, data, np.nan)
     if vmax is None:
         finite = np.isfinite(shown)
         vmax = float(np.abs(shown[finite]).max()) if finite.any() else 1.0
     vmax = vmax or 1.0
-    if diverging:
-        kwargs = dict(cmap="RdBu_r", vmin=-vmax, vmax=vmax)
+    if normalise:
+        shown, limit = shown / vmax, 1.0
     else:
-        kwargs = dict(cmap=cmap, vmin=0.0, vmax=vmax)
+        limit = vmax
+    if diverging:
+        kwargs = dict(cmap="RdBu_r", vmin=-limit, vmax=limit)
+    else:
+        kwargs = dict(cmap=cmap, vmin=0.0, vmax=limit)
     artist = ax.imshow(shown, extent=_map_extent(image, record, batch_index),
-                       interpolation="nearest", alpha=0.75 if overlay else 1.0, **kwargs)
+                       interpolation="nearest", alpha=MAP_ALPHA, **kwargs)
     ax.set_xlim(0, w0)
     ax.set_ylim(h0, 0)
     hide_ticks(ax)
-    return artist
+    return artist, vmax
+
+
+def _colorbar(fig: Figure, artist, ax, label: str, **kwargs):
+    """A colour bar of ``artist`` beside ``ax`` (one axes or a list), labelled ``label``.
+
+    The bar shows the colour map itself, opaque: the map's alpha would only blend the
+    bar with the white page, a background the map never has.
+    """
+    bar = fig.colorbar(artist, ax=ax, label=label, **kwargs)
+    bar.solids.set_alpha(1.0)
+    bar.ax.tick_params(labelsize=7)
+    bar.ax.yaxis.label.set_size(8)
+    return bar
 
 
 def _mark_point(ax, x: float, y: float, colour: str = "cyan") -> None:
@@ -271,6 +309,9 @@ def plot_encoder_attention(
     """Encoder self-attention of reference points: rows = points, columns = the point on
     the image, the mean over heads, then every head (or ``heads``).
 
+    Each map is divided by its own maximum (in the panel's title): one colour bar,
+    0 to 1, serves them all.
+
     Args:
         points: ``(x, y)`` in original-image pixels; each maps to the feature cell that
             holds it (:func:`~detr_irpe.visualization.attention.pixel_to_token`).
@@ -285,6 +326,7 @@ def plot_encoder_attention(
     h0, w0 = image.original_size
     cols = 2 + len(head_ids)
     fig, axes = new_figure(len(points), cols, panel_size=(2.6, 2.6 * h0 / w0 + 0.35))
+    artist = None
     for r, ((x, y), token) in enumerate(zip(points, tokens)):
         maps = record.encoder_maps(layer_idx, token, batch_index).numpy()
         row_axes = axes[r]
@@ -296,11 +338,13 @@ def plot_encoder_attention(
         panels = [("mean of heads", maps.mean(axis=0))] + [(f"head {h}", maps[h])
                                                             for h in head_ids]
         for ax, (title, data) in zip(row_axes[1:], panels):
-            _show_map(ax, image, record, batch_index, data)
+            artist, peak = _show_map(ax, image, record, batch_index, data, normalise=True)
             _mark_point(ax, x, y)
-            ax.set_title(title, fontsize=8)
+            ax.set_title(f"{title} (max {peak:.3g})", fontsize=8)
+    _colorbar(fig, artist, [ax for row in axes for ax in row[1:]], NORMALISED_LABEL,
+              shrink=0.8, aspect=30)
     fit_suptitle(fig, f"{image.name}: encoder layer {layer_idx} self-attention "
-                      f"(grid {record.hw[0]}x{record.hw[1]})", fontsize=10)
+                      f"(grid {record.hw[0]}x{record.hw[1]}; each map / its max)", fontsize=10)
     save_figure(fig, out)
     return fig
 
@@ -319,6 +363,8 @@ def plot_rpe_contribution(
     Columns: the point; softmax(content + iRPE) (the model's attention);
     softmax(content) (the same layer without the iRPE term); their difference; the iRPE
     logits. Mean over heads, or one ``head``. Needs a record captured with ``rpe_split``.
+    Absolute values, each panel with a labelled colour bar: the two softmaxes share one
+    range ``[0, max of both]``, the difference and the logits are symmetric about 0.
     """
     if not points:
         raise ValueError("plot_rpe_contribution needs at least one reference point")
@@ -327,10 +373,11 @@ def plot_rpe_contribution(
     tokens = _point_tokens(image, record, points, batch_index)
     layer_idx = record.layer_index("encoder", layer)
     h0, w0 = image.original_size
-    columns = [("weights", "with iRPE: softmax(content + rpe)", False),
-               ("content", "without iRPE: softmax(content)", False),
-               ("difference", "difference (with - without)", True),
-               ("rpe_logits", "iRPE logits", True)]
+    # (what, title, diverging, colour-bar label)
+    columns = [("weights", "with iRPE: softmax(content + rpe)", False, "attention weight"),
+               ("content", "without iRPE: softmax(content)", False, "attention weight"),
+               ("difference", "difference (with - without)", True, "weight difference"),
+               ("rpe_logits", "iRPE logits", True, "iRPE logit")]
     fig, axes = new_figure(len(points), 1 + len(columns),
                            panel_size=(2.9, 2.9 * h0 / w0 + 0.35))
     for r, ((x, y), token) in enumerate(zip(points, tokens)):
@@ -341,21 +388,21 @@ def plot_rpe_contribution(
         row_axes[0].set_title(f"point ({x:.0f}, {y:.0f}) -> cell "
                               f"{token_to_cell(token, record.hw)}", fontsize=8)
         datas = []
-        for what, _, _ in columns:
+        for what, *_ in columns:
             maps = record.encoder_maps(layer_idx, token, batch_index, what=what).numpy()
             datas.append(maps.mean(axis=0) if head is None else maps[head])
         valid = ~record.padding[batch_index].numpy()
         # one scale for both softmaxes, so that with / without iRPE compare directly
         shared = float(max(datas[0][valid].max(), datas[1][valid].max()))
-        for ax, (what, title, diverging), data in zip(row_axes[1:], columns, datas):
-            artist = _show_map(ax, image, record, batch_index, data, diverging=diverging,
-                               vmax=shared if what in ("weights", "content") else None)
+        for ax, (what, title, diverging, label), data in zip(row_axes[1:], columns, datas):
+            artist, _ = _show_map(ax, image, record, batch_index, data, diverging=diverging,
+                                  vmax=shared if what in ("weights", "content") else None)
             _mark_point(ax, x, y, colour="lime")
-            fig.colorbar(artist, ax=ax, shrink=0.7)
+            _colorbar(fig, artist, ax, label, shrink=0.7)
             ax.set_title(title, fontsize=8)
     who = "mean of heads" if head is None else f"head {head}"
-    fit_suptitle(fig, f"{image.name}: iRPE contribution, encoder layer {layer_idx} ({who})",
-                 fontsize=10)
+    fit_suptitle(fig, f"{image.name}: iRPE contribution, encoder layer {layer_idx} ({who}; "
+                      "absolute values)", fontsize=10)
     save_figure(fig, out)
     return fig
 
@@ -374,7 +421,8 @@ def plot_decoder_attention(
     max_columns: int = 4,
 ) -> Figure:
     """The DETR paper's figure: per kept detection, the decoder cross-attention (mean of
-    heads) of its object query over the image, next to its box; first panel = all boxes."""
+    heads) of its object query over the image, next to its box; first panel = all boxes.
+    Each map is divided by its own maximum (in the panel's title); one colour bar."""
     layer_idx = record.layer_index("decoder", layer)
     panels = len(detections) + 1
     cols = min(panels, max_columns)
@@ -391,13 +439,16 @@ def plot_decoder_attention(
             detections.boxes, detections.labels, detections.scores, detections.queries)):
         ax = flat[i + 1]
         data = record.decoder_maps(int(query), layer_idx, batch_index).mean(0).numpy()
-        _show_map(ax, image, record, batch_index, data, cmap="viridis")
+        artist, peak = _show_map(ax, image, record, batch_index, data, cmap="viridis",
+                                 normalise=True)
         _draw_box(ax, box, class_colour(int(label)))
         ax.set_title(f"query {int(query)}: {category_name(label, category_names)} "
-                     f"{score:.2f}", fontsize=8)
+                     f"{score:.2f} (max {peak:.3g})", fontsize=8)
     for ax in flat[panels:]:
         ax.axis("off")
+    if len(detections):
+        _colorbar(fig, artist, flat[1:panels], NORMALISED_LABEL, shrink=0.8, aspect=30)
     fit_suptitle(fig, f"{image.name}: decoder layer {layer_idx} cross-attention "
-                      "(mean of heads)", fontsize=10)
+                      "(mean of heads; each map / its max)", fontsize=10)
     save_figure(fig, out)
     return fig

@@ -292,7 +292,10 @@ def plot_rpe_tables(
                                   extent=(-extent_ - 0.5, extent_ + 0.5, extent_ + 0.5,
                                           -extent_ - 0.5))
             ax.plot(0, 0, marker="+", color="white", markersize=8)
-            fig.colorbar(image, ax=ax, shrink=0.8)
+            bar = fig.colorbar(image, ax=ax, shrink=0.8,
+                               label="bias value" if name.endswith("bias") else "encoding norm")
+            bar.ax.tick_params(labelsize=7)
+            bar.ax.yaxis.label.set_size(8)
             head_txt = f" head {head}" if per_head else (" (mean of heads)"
                                                          if value.shape[0] > 1 else "")
             ax.set_title(f"layer {layer} · {name}{head_txt}", fontsize=9)

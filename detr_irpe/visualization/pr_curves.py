@@ -3,8 +3,9 @@
 One panel per IoU threshold (0.5 and 0.75 by default). Each panel shows COCO's
 101-point interpolated precision against recall: one thin line per category and a
 thick black line for all categories (the mean over categories with ground truth, so
-that the area under it is the AP of the summary at that threshold). The legend gives
-each curve's AP.
+that the area under it is the AP of the summary at that threshold). The legend, to the
+right of its panel (outside the axes, so that it never hides a low curve), gives each
+curve's AP.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def plot_pr_curves(
                     "classes=[...] (--classes)", len(arrays["catIds"]))
         classes = []
     colours = colormaps["tab10"].colors
-    fig, axes = new_figure(1, len(iou_thresholds), panel_size=(4.6, 4.4))
+    # each panel is wider than its axes by the legend beside it
+    fig, axes = new_figure(1, len(iou_thresholds), panel_size=(6.4, 4.4))
     for ax, iou in zip(axes[0], iou_thresholds):
         series = pr_curve_series(arrays, iou, area, max_dets, classes)
         # the overall curve comes first: categories keep one colour in every panel
@@ -133,7 +135,9 @@ def plot_pr_curves(
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         if series:
-            ax.legend(fontsize=7, loc="lower left")
+            # beside the axes: inside them it covers the curves near precision 0
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                      borderaxespad=0.0)
         else:
             ax.text(0.5, 0.5, "no ground truth", ha="center", va="center",
                     transform=ax.transAxes, color="grey")
