@@ -133,7 +133,7 @@ def build_model(
         counts["trainable"],
         counts["rpe"],
     )
-    return model, criterion, PostProcess()
+    return model, criterion, PostProcess(m.category_ids)
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
