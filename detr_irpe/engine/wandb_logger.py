@@ -97,6 +97,9 @@ class WandbWriter:
 
     def close(self) -> None:
         self._run.finish()
+        if self.mode == "offline":
+            logger.info("W&B offline run in %s; upload it with: wandb sync %s",
+                        self._run.settings.sync_dir, self._run.settings.sync_dir)
 
 
 __all__ = ["DEFAULT_PROJECT", "WandbWriter", "check_wandb", "wandb_mode"]
