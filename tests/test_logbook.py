@@ -267,6 +267,33 @@ def test_disabled_wandb_writes_no_run(tmp_path, monkeypatch) -> None:
     assert not list((tmp_path / "wandb").glob("*run-*"))
 
 
+def test_a_failing_wandb_never_stops_the_run(tmp_path, monkeypatch, caplog) -> None:
+    """A W&B run that breaks (its service killed with the job) is dropped with a warning;
+    the W&B run id of the folder is kept for the resumed run."""
+    wandb = pytest.importorskip("wandb", reason="the wandb extra")
+
+    class Broken:
+        id = "x"
+
+        def log(self, *args, **kwargs):
+            raise BrokenPipeError("the wandb service is gone")
+
+        def finish(self):
+            raise BrokenPipeError("the wandb service is gone")
+
+    ids = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: ids.append(kwargs["id"]) or Broken())
+    for _ in range(2):
+        writer = WandbWriter(tmp_path, {})
+        with caplog.at_level(logging.WARNING, logger="detr_irpe.engine.wandb_logger"):
+            writer.scalars({"loss": 1.0}, step=1)
+            writer.scalars({"loss": 1.0}, step=2)  # given up: not tried again
+            writer.close()
+    warnings = [r for r in caplog.records if "logging stopped" in r.getMessage()]
+    assert len(warnings) == 2 and "BrokenPipeError" in warnings[0].getMessage()
+    assert ids[0] == ids[1] == (tmp_path / "wandb" / "run_id").read_text().strip()
+
+
 def test_missing_wandb_is_refused_before_the_run(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     with pytest.raises(ConfigError, match=r"wandb package is not installed.*\[wandb\]"):

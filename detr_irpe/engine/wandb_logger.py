@@ -80,26 +80,49 @@ class WandbWriter:
         folder = output_dir / "wandb"
         folder.mkdir(parents=True, exist_ok=True)
         self.mode = wandb_mode()
-        self._run = wandb.init(
-            dir=str(output_dir), project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
-            name=output_dir.resolve().name, id=_run_id(folder), resume="allow",
-            config=dict(run_config), mode=self.mode,
-            # console="off": wandb leaves stdout / stderr (and the progress bars) alone
-            settings=wandb.Settings(console="off", silent=True),
-        )
+        try:
+            self._run = wandb.init(
+                dir=str(output_dir), project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+                name=output_dir.resolve().name, id=_run_id(folder), resume="allow",
+                config=dict(run_config), mode=self.mode,
+                # console="off": wandb leaves stdout / stderr (and the progress bars) alone
+                settings=wandb.Settings(console="off", silent=True),
+            )
+        except Exception as err:  # noqa: BLE001 (wandb's own errors: login, bad mode, ...)
+            raise ConfigError(
+                f"Weights & Biases did not start in {self.mode} mode ({type(err).__name__}: "
+                f"{err}); for online mode run `wandb login` first, or set WANDB_MODE=offline, "
+                "or drop wandb from train.loggers"
+            ) from None
         logger.info("Weights & Biases run %s (%s mode) in %s", self._run.id, self.mode, folder)
 
     def scalars(self, values: Mapping[str, float], step: int, prefix: str = "") -> None:
         """Log ``values`` (numbers; :class:`~detr_irpe.engine.logger.ScalarLoggers` passes
         the finite ones) at training iteration ``step``."""
-        if values:
-            self._run.log({f"{prefix}{k}": float(v) for k, v in values.items()}, step=int(step))
+        if values and self._run is not None:
+            try:
+                self._run.log({f"{prefix}{k}": float(v) for k, v in values.items()},
+                              step=int(step))
+            except Exception as err:  # noqa: BLE001 (a logger never stops the training)
+                self._give_up(err)
 
     def close(self) -> None:
-        self._run.finish()
+        if self._run is None:
+            return
+        try:
+            self._run.finish()
+        except Exception as err:  # noqa: BLE001 (e.g. wandb's service killed with the job)
+            self._give_up(err)
+            return
         if self.mode == "offline":
             logger.info("W&B offline run in %s; upload it with: wandb sync %s",
                         self._run.settings.sync_dir, self._run.settings.sync_dir)
+        self._run = None
+
+    def _give_up(self, err: Exception) -> None:
+        logger.warning("Weights & Biases logging stopped (%s: %s); log.txt and the other "
+                       "loggers go on", type(err).__name__, err)
+        self._run = None
 
 
 __all__ = ["DEFAULT_PROJECT", "WandbWriter", "check_wandb", "wandb_mode"]
