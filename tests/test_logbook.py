@@ -5,6 +5,8 @@ evaluation on the console."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import math
@@ -18,7 +20,14 @@ from helpers import load_tiny_config, load_tool
 
 from detr_irpe.benchmark.model import synthetic_batch
 from detr_irpe.config import ConfigError
-from detr_irpe.engine.logger import RunClock, check_loggers, format_duration, timed
+from detr_irpe.engine.logger import (
+    RunClock,
+    TensorBoardWriter,
+    build_scalar_loggers,
+    check_loggers,
+    format_duration,
+    timed,
+)
 from detr_irpe.engine.optim import build_lr_scheduler, build_optimizer
 from detr_irpe.engine.trainer import TrainingPosition, train_one_epoch
 from detr_irpe.engine.wandb_logger import WandbWriter, wandb_mode
@@ -176,11 +185,14 @@ def read_wandb_history(run_file: Path) -> list[tuple[int, dict[str, float]]]:
 @pytest.fixture(scope="module")
 def wandb_run(tiny_dataset, tmp_path_factory):
     """Two epochs of 2 steps, logged to TensorBoard and W&B with no W&B setting in the
-    environment (so: offline), through the training tool; its console output."""
+    environment (so: offline), through the training tool; its run folder and what it
+    wrote on the console (stdout + stderr)."""
     pytest.importorskip("wandb", reason="the wandb extra")
     out = tmp_path_factory.mktemp("logbook") / "run"
     home = out.parent / "wandb_home"
-    with pytest.MonkeyPatch.context() as mp:
+    console = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(console), \
+            contextlib.redirect_stderr(console):
         for name in ("WANDB_MODE", "WANDB_DISABLED", "WANDB_PROJECT", "WANDB_API_KEY"):
             mp.delenv(name, raising=False)
         for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
@@ -189,11 +201,12 @@ def wandb_run(tiny_dataset, tmp_path_factory):
             "--config", "synthetic_tiny", "--output-dir", str(out), "--no-progress",
             "--set", f"data.root={tiny_dataset}", "train.print_freq=1",
             "train.loggers=[tensorboard,wandb]"])
-    assert code == 0
-    return out
+    assert code == 0, console.getvalue()
+    return out, console.getvalue()
 
 
 def test_log_txt_records_carry_data_time_memory_and_eta(wandb_run) -> None:
+    wandb_run, _ = wandb_run
     records = read_log(wandb_run)
     assert [r["epoch"] for r in records] == [0, 1]
     for record in records:
@@ -206,6 +219,7 @@ def test_log_txt_records_carry_data_time_memory_and_eta(wandb_run) -> None:
 
 
 def test_wandb_logs_offline_into_the_run_folder(wandb_run) -> None:
+    wandb_run, _ = wandb_run
     runs = list((wandb_run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1  # offline: nothing asked for online mode
     history = read_wandb_history(runs[0])
@@ -220,18 +234,16 @@ def test_wandb_logs_offline_into_the_run_folder(wandb_run) -> None:
     assert (wandb_run / "tensorboard").is_dir()  # the other logger still writes
 
 
-def test_training_console_shows_one_table_per_evaluation(tiny_dataset, tmp_path, capsys):
-    code = load_tool("train").main([
-        "--config", "synthetic_tiny", "--output-dir", str(tmp_path / "run"), "--no-progress",
-        "--set", f"data.root={tiny_dataset}", "train.epochs=1", "train.loggers=[]"])
-    assert code == 0
-    console = "".join(capsys.readouterr())
-    assert console.count(SUMMARY_HEADER) == 1 and console.count(PER_CLASS_HEADER) == 1
+def test_training_console_shows_one_table_per_evaluation(wandb_run) -> None:
+    _, console = wandb_run
+    # two evaluations: a 12-number table each, the per-class table after the last
+    assert console.count(SUMMARY_HEADER) == 2 and console.count(PER_CLASS_HEADER) == 1
     assert RAW_DUMP not in console
-    assert not (tmp_path / "run" / "tensorboard").exists()  # train.loggers=[]
+    assert "(run 0:" in console and "max mem " in console  # the log lines
 
 
 def test_eval_console_shows_one_table(wandb_run, tmp_path, capsys) -> None:
+    wandb_run, _ = wandb_run
     code = load_tool("eval").main([str(wandb_run / LAST), "--output-dir", str(tmp_path),
                                    "--no-progress"])
     assert code == 0
@@ -308,6 +320,14 @@ def test_loggers_config_key() -> None:
         load_tiny_config("train.loggers=[mlflow]")
     with pytest.raises(ConfigError, match="twice"):
         load_tiny_config("train.loggers=[wandb,wandb]")
+
+
+def test_loggers_follow_the_list_on_the_main_process_only(tmp_path) -> None:
+    assert build_scalar_loggers([], tmp_path, {}, is_main=True).writers == []
+    assert build_scalar_loggers(["tensorboard"], tmp_path, {}, is_main=False).writers == []
+    (writer,) = build_scalar_loggers(["tensorboard"], tmp_path, {}, is_main=True).writers
+    assert isinstance(writer, TensorBoardWriter)
+    writer.close()
 
 
 def test_loggers_do_not_make_another_experiment() -> None:
