@@ -55,6 +55,8 @@ POSITION_EMBEDDINGS = ("sine", "learned", "none")
 AMP_MODES = ("none", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 AUGMENTATIONS = ("detr", "simple")
+# Scalar loggers of a training run (train.loggers); log.txt and train.log are always written.
+LOGGERS = ("tensorboard", "wandb")
 # "detr": DETR's decoder (object queries, softmax classes); "dab": DAB-DETR's (anchor boxes,
 # conditional cross-attention, sigmoid focal classes), docs/model.md.
 DECODERS = ("detr", "dab")
@@ -122,8 +124,13 @@ class ModelConfig:
     dropout: float = 0.1
     pre_norm: bool = False
     num_queries: int = 100
-    # None: largest category id + 1 of the training annotations.
+    # None: largest category id + 1 of the training annotations (with
+    # data.remap_categories: the number of categories).
     num_classes: int | None = None
+    # The dataset's category id of each class output, in order (output k is category
+    # category_ids[k]); None: output k is category id k. Filled in from the data when
+    # data.remap_categories is true, and saved with the run's config and checkpoints.
+    category_ids: list[int] | None = None
     aux_loss: bool = True
     # "detr" or "dab" (DAB-DETR: anchor-box queries; with denoising.enabled, DN-DETR).
     decoder: str = "detr"
@@ -168,6 +175,8 @@ class ModelConfig:
             raise ConfigError(f"model.enc_layers must be >= 0, got {self.enc_layers}")
         if self.num_classes is not None:
             _positive("model.num_classes", self.num_classes)
+        if self.category_ids is not None:
+            _check_category_ids(self.category_ids, self.num_classes)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         _choice("model.decoder", self.decoder, DECODERS)
@@ -260,6 +269,10 @@ class DataConfig:
     # Images declaring more pixels (width x height, read from the file header before
     # decoding) are refused as unreadable: a small file can declare a huge image.
     max_image_pixels: int = 89_478_485
+    # Train on contiguous class indices (0 .. number of categories - 1) instead of the
+    # category ids themselves: for sparse ids such as {0, 500, 1000}. Every output file
+    # keeps the original ids (model.category_ids holds the mapping).
+    remap_categories: bool = False
 
     def __post_init__(self) -> None:
         _choice("data.augmentation", self.augmentation, AUGMENTATIONS)
@@ -300,10 +313,17 @@ class TrainConfig:
     # Torch intra-op threads per process (0: torch's default).
     num_threads: int = 0
     print_freq: int = 10
+    # Where scalars go besides log.txt: tensorboard (when installed), wandb (the wandb
+    # extra; offline unless WANDB_MODE says otherwise); [] for neither.
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])
 
     def __post_init__(self) -> None:
         _choice("train.amp", self.amp, AMP_MODES)
         _choice("train.device", self.device, DEVICES)
+        for name in self.loggers:
+            _choice("train.loggers", name, LOGGERS)
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(f"train.loggers lists a logger twice: {self.loggers}")
         if not self.output_dir.strip():
             raise ConfigError("train.output_dir must name a folder, got an empty string")
         for key in ("epochs", "lr_drop", "batch_size", "accumulate_steps", "lr", "eval_every",
@@ -352,6 +372,22 @@ def _at_least(key: str, value: float, minimum: float) -> None:
 def _positive(key: str, value: float) -> None:
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
+
+
+def _check_category_ids(ids: list[int], num_classes: int | None) -> None:
+    if not ids:
+        raise ConfigError("model.category_ids must list at least one category id, or be null")
+    bad = [i for i in ids if i < 0]
+    if bad:
+        raise ConfigError(f"model.category_ids must be ids >= 0, got {bad[0]}")
+    if len(set(ids)) != len(ids):
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise ConfigError(f"model.category_ids lists id(s) {twice} more than once")
+    if num_classes is not None and num_classes != len(ids):
+        raise ConfigError(
+            f"model.num_classes={num_classes} but model.category_ids lists {len(ids)} ids "
+            "(one per class output); set one of them to match or remove model.num_classes"
+        )
 
 
 def _sizes(key: str, values: list[int]) -> None:

@@ -57,7 +57,7 @@ LEAVES = {
 # that may be missing, and the user's reference checkout (benchmark/reference.py), which is
 # importable only while it is on sys.path.
 OPTIONAL = {"safetensors", "torch.utils.tensorboard", "faster_coco_eval", "onnxruntime",
-            "timm", "torchvision.io", "models", "util.misc", "submitit"}
+            "timm", "torchvision.io", "models", "util.misc", "submitit", "wandb"}
 
 
 def _module_name(path: Path) -> str:

@@ -237,7 +237,10 @@ def hf_config_dict(
     """
     model = cfg.model
     names = dict(category_names or {})
-    id2label = {str(i): names.get(i, "N/A") for i in range(num_classes)}
+    # id2label is keyed by class index; a model on remapped categories names index k
+    # after its category model.category_ids[k] (the original ids stay behind)
+    ids = model.category_ids if len(model.category_ids or ()) == num_classes else None
+    id2label = {str(i): names.get(ids[i] if ids else i, "N/A") for i in range(num_classes)}
     return {
         "architectures": ["DetrForObjectDetection"],
         "model_type": "detr",

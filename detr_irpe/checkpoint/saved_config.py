@@ -9,6 +9,9 @@
 - **Number of classes**: the checkpoint's class head decides (its rows - 1: the head
   has one "no object" output more than ``model.num_classes``), unless
   ``model.num_classes`` is among the ``overrides``.
+- **Categories of the class outputs** (``model.category_ids``, a run on remapped
+  categories): the saved config's, also when another config is given, unless the given
+  config sets them or the overrides set them or ``model.num_classes``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 from torch import Tensor
 
 from detr_irpe.checkpoint.layout import HEAD_KEYS
-from detr_irpe.config import Config, config_from_dict, load_config, parse_override
+from detr_irpe.config import Config, ConfigError, config_from_dict, load_config, parse_override
 from detr_irpe.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -77,16 +80,33 @@ def config_for_checkpoint(
     business: an error or, when fine-tuning, a re-initialised head)."""
     overrides = list(overrides)
     cfg = resolve_config(path, config, overrides, meta)
+    overridden = _overridden_keys(overrides)
+    category_ids = cfg.model.category_ids
+    if category_ids is None and not {"model.category_ids", "model.num_classes"} & overridden:
+        category_ids = _saved_category_ids(meta)
+    num_classes = cfg.model.num_classes
     bias = state.get(HEAD_KEYS[1])
-    if bias is None or "model.num_classes" in _overridden_keys(overrides):
-        return cfg
-    from_head = int(bias.shape[0]) - 1
-    if cfg.model.num_classes not in (None, from_head):
-        logger.info(
-            "model.num_classes=%d from the class head of %s (the config said %d)",
-            from_head, path, cfg.model.num_classes,
-        )
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=from_head))
+    if bias is not None and "model.num_classes" not in overridden:
+        num_classes = int(bias.shape[0]) - 1
+        if cfg.model.num_classes not in (None, num_classes):
+            logger.info(
+                "model.num_classes=%d from the class head of %s (the config said %d)",
+                num_classes, path, cfg.model.num_classes,
+            )
+    try:
+        model = dataclasses.replace(cfg.model, num_classes=num_classes,
+                                    category_ids=category_ids)
+    except ConfigError as err:
+        raise CheckpointError(f"checkpoint {path}: {err}") from None
+    return dataclasses.replace(cfg, model=model)
+
+
+def _saved_category_ids(meta: Mapping[str, Any]) -> list[int] | None:
+    """``model.category_ids`` of the config saved in a checkpoint, or None."""
+    saved = meta.get("config")
+    model = saved.get("model") if isinstance(saved, Mapping) else None
+    ids = model.get("category_ids") if isinstance(model, Mapping) else None
+    return [int(i) for i in ids] if isinstance(ids, list) else None
 
 
 __all__ = ["HF_BASE_CONFIG", "config_for_checkpoint", "resolve_config"]

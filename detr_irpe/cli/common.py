@@ -92,14 +92,18 @@ def device_override(device: str | None) -> list[str]:
     return [f"train.device={device}"]
 
 
-def print_eval_result(result: Mapping[str, Any]) -> None:
+def print_eval_result(result: Mapping[str, Any], *, tables: bool = True) -> None:
     """The 12 COCO numbers, the per-class table and the output folder of a
-    ``run_training`` / ``run_evaluation`` result, on rank 0 only."""
+    ``run_training`` / ``run_evaluation`` result, on rank 0 only.
+
+    ``tables=False``: the folder only (a training run has logged the tables of its
+    evaluations already; the console shows each table once)."""
     if result["rank"] != 0 or result["summary"] is None:
         return
-    print(format_summary(result["summary"]))
-    if result["per_class_table"]:
-        print(result["per_class_table"])
+    if tables:
+        print(format_summary(result["summary"]))
+        if result["per_class_table"]:
+            print(result["per_class_table"])
     print(f"outputs in {result['output_dir']}")
 
 

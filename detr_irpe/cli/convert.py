@@ -101,6 +101,8 @@ def _updated_config(
     config = copy.deepcopy(config)
     if args.num_classes is not None:
         config["model"]["num_classes"] = args.num_classes
+        # a resized head is for other data: its outputs have no categories yet
+        config["model"]["category_ids"] = None
     if args.rpe is not None:
         config["model"].update(rpe=args.rpe, rpe_init=args.rpe_init)
     return config

@@ -143,6 +143,7 @@ def draw_figures(checkpoint: Path, val_images: list[Path], run_dir: Path) -> Non
             paths = vis.save_attention_maps(
                 predictor.model, image, figures, size=cfg.data.val_size,
                 max_size=cfg.data.max_size, category_names=predictor.category_names,
+                category_ids=cfg.model.category_ids,
                 threshold=0.5, prefix=f"{image.stem}_", max_pixels=cfg.data.max_image_pixels,
             )
             print(f"[demo] attention maps of {image.name}: "

@@ -46,7 +46,7 @@ from detr_irpe.cli.common import (
 from detr_irpe.config import Config, load_config
 from detr_irpe.data import build_dataloader, build_dataset
 from detr_irpe.engine.distributed import cleanup_distributed, init_distributed
-from detr_irpe.engine.logger import setup_logging
+from detr_irpe.engine.logger import FILE_ONLY, setup_logging
 from detr_irpe.engine.runner import apply_process_settings
 from detr_irpe.engine.trainer import evaluate
 from detr_irpe.evaluation import CocoEvaluator, format_summary, per_class_table, write_eval_outputs
@@ -88,7 +88,8 @@ def run_evaluation(
         setup_logging(output_dir, info.rank, filename="eval.log")
         cfg = apply_process_settings(loaded.cfg, info)
         logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
-        val_ds = build_dataset(cfg.data, "val")
+        # labels as the model's class indices (remapped categories: model.category_ids)
+        val_ds = build_dataset(cfg.data, "val", category_ids=cfg.model.category_ids)
         val_ds.check_num_classes(cfg.model.num_classes)
         model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
         loader = build_dataloader(
@@ -102,7 +103,9 @@ def run_evaluation(
         )
         table = per_class_table(evaluator)
         if info.is_main:
-            logger.info("evaluation of %s:\n%s", checkpoint, format_summary(summary))
+            # into eval.log only: the program prints the tables on stdout (print_eval_result)
+            logger.info("evaluation of %s:\n%s\n%s", checkpoint, format_summary(summary), table,
+                        extra=FILE_ONLY)
             write_eval_outputs(evaluator, summary, losses, output_dir,
                                {"checkpoint": str(checkpoint)})
             evaluator.save_pr_arrays(output_dir / "precision.npz")

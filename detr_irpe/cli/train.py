@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             progress = not args.no_progress
             result = run_training(cfg, resume=_local(args.resume, progress),
                                   finetune=_local(args.finetune, progress), progress=progress)
-        print_eval_result(result)
+        # a training run logged the table of each evaluation (train.log and the console)
+        print_eval_result(result, tables=args.eval_only)
         return 0
 
     return run_main(body)

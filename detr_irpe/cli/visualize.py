@@ -217,15 +217,17 @@ def _load(args: argparse.Namespace) -> tuple[nn.Module, Config, dict[int, str] |
     return model.to(device).eval(), cfg, None
 
 
-def _image_run(args: argparse.Namespace) -> tuple[nn.Module, InputImage, dict[int, str] | None]:
-    """Model, prepared image, category names."""
+def _image_run(args: argparse.Namespace
+               ) -> tuple[nn.Module, InputImage, dict[int, str] | None, list[int] | None]:
+    """Model, prepared image, category names, the category id of each class output
+    (``model.category_ids``: None when the class indices are the ids)."""
     check_resize_flags(args.size, args.max_size)  # before the model is loaded
     model, cfg, stored_names = _load(args)
     image = prepare_image(args.image, size=args.size or cfg.data.val_size,
                           max_size=args.max_size or cfg.data.max_size,
                           max_pixels=cfg.data.max_image_pixels)
     names = resolve_category_names(cfg, stored_names, args.names)
-    return model, image, names
+    return model, image, names, cfg.model.category_ids
 
 
 def _rpe_tables(args: argparse.Namespace) -> list[Path]:
@@ -251,7 +253,7 @@ def _image_figure(args: argparse.Namespace) -> list[Path]:
     if args.out is not None:
         # before the model is loaded
         ensure_writable_folder(args.out.parent, "output folder", "choose another --out")
-    model, image, names = _image_run(args)
+    model, image, names, category_ids = _image_run(args)
     inputs = [image.tensor.to(model_device(model))]
     record = None
     with torch.no_grad():
@@ -267,7 +269,8 @@ def _image_figure(args: argparse.Namespace) -> list[Path]:
             outputs = record.outputs
     detections = vis.detections_from_outputs(
         outputs, image.original_size, threshold=args.threshold,
-        max_detections=args.max_detections, min_detections=args.min_detections)
+        max_detections=args.max_detections, min_detections=args.min_detections,
+        category_ids=category_ids)
     logger.info("%d detections kept (score >= %s)", len(detections),
                                      args.threshold)
     out = args.out or DEFAULT_DIR / f"{image.name}_{args.command.replace('-', '_')}.png"
@@ -309,9 +312,10 @@ def run(args: argparse.Namespace) -> list[Path]:
     if args.command == "rpe-tables":
         return _rpe_tables(args)
     if args.command == "all":
-        model, image, names = _image_run(args)
+        model, image, names, category_ids = _image_run(args)
         paths = vis.save_attention_maps(model, image, args.out_dir or DEFAULT_DIR,
-                                        category_names=names, threshold=args.threshold,
+                                        category_names=names, category_ids=category_ids,
+                                        threshold=args.threshold,
                                         layer=args.layer, prefix=f"{image.name}_")
         return list(paths.values())
     return _image_figure(args)

@@ -34,6 +34,7 @@ import logging
 import math
 import os
 from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
 from typing import Any
@@ -379,6 +380,50 @@ def load_image_list(
     return ImageList(list(images.values()), problems.dropped_images)
 
 
+# ----------------------------------------------------------------------------- categories
+
+
+def class_indices(category_ids: Sequence[int], categories: Mapping[int, Any],
+                  ann_file: Path) -> dict[int, int]:
+    """``{category id: class index}`` of a model's ``category_ids``.
+
+    Raises:
+        DatasetError: a category of the annotation file (``categories``) has no class.
+    """
+    index = {int(cat_id): k for k, cat_id in enumerate(category_ids)}
+    missing = sorted(set(categories) - set(index))
+    if missing:
+        raise DatasetError(
+            f"{ann_file}: category id(s) {missing[:10]} are not among the model's "
+            f"{len(index)} categories (model.category_ids {list(category_ids)[:20]}); "
+            "the annotation files of a run must list the same categories"
+        )
+    return index
+
+
+def sparse_ids_warning(category_ids: Iterable[int], num_classes: int) -> str | None:
+    """A warning when most outputs of a class head would never be a target: fewer
+    category ids than half of ``num_classes`` (largest id + 1); else None."""
+    ids = sorted(set(category_ids))
+    if not ids or 2 * len(ids) >= num_classes:
+        return None
+    unused = num_classes - len(ids)
+    return (
+        f"the annotations use {len(ids)} category ids ({_id_range(ids)}) but the class head "
+        f"gets {num_classes} outputs (largest id + 1): {unused} of them "
+        f"({100 * unused / num_classes:.0f}%) are never a target, which slows training "
+        f"(the classification loss starts near ln({num_classes + 1}) = "
+        f"{math.log(num_classes + 1):.1f} instead of ln({len(ids) + 1}) = "
+        f"{math.log(len(ids) + 1):.1f}); set data.remap_categories=true for a "
+        f"{len(ids)}-class head (outputs keep the original ids)"
+    )
+
+
+def _id_range(ids: Sequence[int]) -> str:
+    shown = ", ".join(map(str, ids[:5]))
+    return f"{shown}, ..., {ids[-1]}" if len(ids) > 6 else ", ".join(map(str, ids))
+
+
 # ----------------------------------------------------------------------------- dataset
 
 
@@ -398,6 +443,18 @@ class CocoDetection(Dataset):
     categories, boxes 4 finite numbers), so ``0 <= label < num_classes`` holds for
     every target and the training step needs no check of its own.
 
+    With ``category_ids`` (or ``remap_categories``) the labels are contiguous class
+    indices instead: label ``k`` is category ``category_ids[k]``. ``coco`` and
+    ``category_names`` keep the file's own ids, so evaluation compares detections in
+    those ids (the post-processor maps class indices back: ``model.category_ids``).
+
+    Args:
+        category_ids: the category id of each class index; every category of the file
+            must be among them. None: labels are the category ids themselves, unless
+            ``remap_categories``.
+        remap_categories: without ``category_ids``, the file's own category ids in
+            increasing order.
+
     Attributes:
         coco: the pycocotools ``COCO`` of the validated annotations.
         ids: image ids in index order (sorted).
@@ -414,6 +471,8 @@ class CocoDetection(Dataset):
         cache_images: bool = False,
         strict: bool = False,
         max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+        category_ids: Sequence[int] | None = None,
+        remap_categories: bool = False,
     ) -> None:
         self.images_dir = Path(images_dir)
         self.ann_file = Path(ann_file)
@@ -425,6 +484,14 @@ class CocoDetection(Dataset):
         self.category_names: dict[int, str] = {
             cat_id: str(cat["name"]) for cat_id, cat in sorted(self.coco.cats.items())
         }
+        if category_ids is None and remap_categories:
+            category_ids = sorted(self.category_names)
+        # class index -> category id (None: the same number), and back
+        self.category_ids: list[int] | None = (
+            None if category_ids is None else [int(i) for i in category_ids])
+        self._class_of: dict[int, int] | None = None
+        if self.category_ids is not None:
+            self._class_of = class_indices(self.category_ids, self.category_names, self.ann_file)
         # Per process: unreadable images already reported (and skipped), and the count.
         self._unreadable: set[int] = set()
         self.num_skipped = 0
@@ -434,7 +501,10 @@ class CocoDetection(Dataset):
 
     @property
     def num_classes(self) -> int:
-        """Largest category id + 1 (the model's classes; the extra logit is "no object")."""
+        """The model's classes (the extra logit is "no object"): the largest category id
+        + 1, or with remapped categories their number."""
+        if self.category_ids is not None:
+            return len(self.category_ids)
         return max(self.category_names) + 1
 
     def check_num_classes(self, num_classes: int) -> None:
@@ -449,6 +519,10 @@ class CocoDetection(Dataset):
                 f"needs num_classes >= {self.num_classes} (largest category id + 1); got "
                 f"model.num_classes={num_classes}"
             )
+
+    def label_of(self, category_id: int) -> int:
+        """The class index (the target label) of a category id."""
+        return category_id if self._class_of is None else self._class_of[category_id]
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -513,7 +587,8 @@ class CocoDetection(Dataset):
         boxes[:, 1::2].clamp_(0, height)
         target = {
             "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(height, width)),
-            "labels": torch.tensor([a["category_id"] for a in anns], dtype=torch.int64),
+            "labels": torch.tensor([self.label_of(a["category_id"]) for a in anns],
+                                   dtype=torch.int64),
             "area": torch.tensor([a["area"] for a in anns], dtype=torch.float32),
             "iscrowd": torch.zeros(len(anns), dtype=torch.int64),
             "image_id": torch.tensor(image_id, dtype=torch.int64),
@@ -558,13 +633,16 @@ class CocoDetection(Dataset):
 
 
 def build_dataset(
-    cfg_data: DataConfig, split: str, transforms: Transform | str | None = "default"
+    cfg_data: DataConfig, split: str, transforms: Transform | str | None = "default",
+    category_ids: Sequence[int] | None = None,
 ) -> CocoDetection:
     """The ``"train"`` or ``"val"`` dataset of a data config.
 
     Paths are ``cfg_data.root / train_ann`` and ``root / train_images`` (resp.
     ``val_*``). ``transforms="default"`` uses :func:`build_transforms`; pass
-    ``None`` to get un-augmented images.
+    ``None`` to get un-augmented images. ``category_ids`` (a model's
+    ``model.category_ids``) remaps the labels to class indices; without them
+    ``data.remap_categories`` takes the file's own ids in increasing order.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -576,6 +654,7 @@ def build_dataset(
     return CocoDetection(
         images, ann, transforms=transforms, cache_images=cfg_data.cache_images,
         strict=cfg_data.strict, max_image_pixels=cfg_data.max_image_pixels,
+        category_ids=category_ids, remap_categories=cfg_data.remap_categories,
     )
 
 
@@ -585,9 +664,11 @@ __all__ = [
     "ImageList",
     "ImageReadError",
     "build_dataset",
+    "class_indices",
     "coco_from_dict",
     "load_coco_annotations",
     "load_image_list",
     "read_image",
+    "sparse_ids_warning",
     "unsafe_file_name",
 ]

@@ -1,30 +1,43 @@
 """Logging for training runs: python logging to the console and ``train.log``,
-running averages of loss terms, optional TensorBoard (``log.txt`` is
-:mod:`detr_irpe.run_folder.log`).
+running averages of loss terms, the run's clock (ETA, time waiting for data) and the
+scalar loggers chosen by ``train.loggers`` (TensorBoard, Weights & Biases); ``log.txt``
+is :mod:`detr_irpe.run_folder.log`.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import sys
+import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from tqdm import tqdm
+
+from detr_irpe.config import LOGGERS, ConfigError
+from detr_irpe.engine.wandb_logger import WandbWriter, check_wandb
 
 logger = logging.getLogger(__name__)
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _DATEFMT = "%Y-%m-%d %H:%M:%S"
+# ``logger.info(..., extra=FILE_ONLY)``: into the run's log file, not onto the console
+# (what a program prints on stdout itself, e.g. the evaluation tool's tables).
+FILE_ONLY = {"console": False}
+T = TypeVar("T")
 
 
 class _TqdmHandler(logging.StreamHandler):
-    """Console handler that writes through ``tqdm.write`` so that bars stay intact."""
+    """Console handler that writes through ``tqdm.write`` so that bars stay intact; it
+    leaves out records logged with ``extra=FILE_ONLY``."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "console", True) is False:
+            return
         try:
             tqdm.write(self.format(record), file=self.stream)
         except Exception:  # pragma: no cover - logging must never raise
@@ -124,6 +137,98 @@ class MetricTracker:
             self.meters[name] = meter
 
 
+# ----------------------------------------------------------------------------- the clock
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` (``D days, H:MM:SS`` beyond a day); ``?`` when not known yet."""
+    if not math.isfinite(seconds):
+        return "?"
+    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+
+
+def timed(items: Iterable[T], clock: Callable[[], float] = time.perf_counter
+          ) -> Iterator[tuple[T, float]]:
+    """Each item of ``items`` with the seconds spent waiting for it (for a data loader:
+    the time the training step waited for its batch)."""
+    iterator = iter(items)
+    while True:
+        start = clock()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        yield item, clock() - start
+
+
+class RunClock:
+    """The time a training run has left: its remaining steps at the measured seconds per
+    step, plus its remaining evaluations at the measured seconds per evaluation.
+
+    Steps are timed end to end (waiting for data included) from the first step this
+    process runs; an evaluation not yet measured counts as nothing.
+
+    Args:
+        steps_left: optimizer steps the run still has to take.
+        evaluations_left: evaluations the run still has to do.
+        clock: seconds, monotonic (a fake one in tests).
+    """
+
+    def __init__(self, steps_left: int, evaluations_left: int = 0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.steps_left = int(steps_left)
+        self.evaluations_left = int(evaluations_left)
+        self.clock = clock
+        self.step_seconds = 0.0
+        self.steps = 0
+        self.evaluation_seconds = 0.0
+        self.evaluations = 0
+        self._last_step_end: float | None = None
+
+    def start_steps(self) -> None:
+        """Steps follow from now (after an evaluation, a time not to count as a step)."""
+        self._last_step_end = self.clock()
+
+    def step_done(self) -> float:
+        """Count one step, ending now; returns its seconds (0 for the first one timed
+        without :meth:`start_steps`)."""
+        now = self.clock()
+        seconds = 0.0 if self._last_step_end is None else now - self._last_step_end
+        self._last_step_end = now
+        if seconds > 0:
+            self.step_seconds += seconds
+            self.steps += 1
+        self.steps_left = max(self.steps_left - 1, 0)
+        return seconds
+
+    def evaluation_done(self, seconds: float) -> None:
+        self.evaluation_seconds += seconds
+        self.evaluations += 1
+        self.evaluations_left = max(self.evaluations_left - 1, 0)
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.step_seconds / self.steps if self.steps else math.nan
+
+    def eta(self) -> float:
+        """Seconds until the run ends (NaN before a step was timed)."""
+        per_evaluation = self.evaluation_seconds / self.evaluations if self.evaluations else 0.0
+        return self.steps_left * self.seconds_per_step + self.evaluations_left * per_evaluation
+
+
+# ----------------------------------------------------------------------------- scalars
+class ScalarWriter(Protocol):
+    """What a scalar logger offers (TensorBoard, Weights & Biases)."""
+
+    def scalars(self, values: Mapping[str, float], step: int, prefix: str = "") -> None: ...
+
+    def close(self) -> None: ...
+
+
+def finite_scalars(values: Mapping[str, Any]) -> dict[str, float]:
+    """The entries of ``values`` that are finite numbers (a logger plots nothing else)."""
+    return {k: float(v) for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
 class TensorBoardWriter:
     """Scalars to TensorBoard when ``tensorboard`` is installed; otherwise does nothing."""
 
@@ -146,13 +251,71 @@ class TensorBoardWriter:
     def scalars(self, values: Mapping[str, float], step: int, prefix: str = "") -> None:
         if self._writer is None:
             return
-        for name, value in values.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._writer.add_scalar(f"{prefix}{name}", value, step)
+        for name, value in finite_scalars(values).items():
+            self._writer.add_scalar(f"{prefix}{name}", value, step)
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
 
 
-__all__ = ["MetricTracker", "SmoothedValue", "TensorBoardWriter", "setup_logging"]
+class ScalarLoggers:
+    """Every scalar logger of a run at once (``train.loggers``); none on ranks > 0."""
+
+    def __init__(self, writers: Sequence[ScalarWriter] = ()) -> None:
+        self.writers = list(writers)
+
+    def scalars(self, values: Mapping[str, Any], step: int, prefix: str = "") -> None:
+        """The finite numbers of ``values`` to every logger, at training iteration ``step``."""
+        finite = finite_scalars(values)
+        for writer in self.writers:
+            writer.scalars(finite, step, prefix)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
+def check_loggers(names: Sequence[str]) -> None:
+    """Refuse, before a run builds anything, a logger whose package is missing.
+
+    Raises:
+        ConfigError: an unknown name, or ``wandb`` without the wandb package.
+    """
+    unknown = [n for n in names if n not in LOGGERS]
+    if unknown:
+        raise ConfigError(f"train.loggers: {unknown[0]!r} is not one of {', '.join(LOGGERS)}")
+    if "wandb" in names:
+        check_wandb()
+
+
+def build_scalar_loggers(names: Sequence[str], output_dir: Path, run_config: Mapping[str, Any],
+                         is_main: bool) -> ScalarLoggers:
+    """The loggers ``names`` (``train.loggers``) of a run writing into ``output_dir``
+    (TensorBoard: ``tensorboard/``, Weights & Biases: ``wandb/``); ``run_config`` is
+    the config shown with a W&B run. Only the main process logs."""
+    if not is_main:
+        return ScalarLoggers()
+    writers: list[ScalarWriter] = []
+    if "tensorboard" in names:
+        writers.append(TensorBoardWriter(output_dir / "tensorboard"))
+    if "wandb" in names:
+        writers.append(WandbWriter(output_dir, run_config))
+    return ScalarLoggers(writers)
+
+
+__all__ = [
+    "FILE_ONLY",
+    "MetricTracker",
+    "RunClock",
+    "ScalarLoggers",
+    "ScalarWriter",
+    "SmoothedValue",
+    "TensorBoardWriter",
+    "build_scalar_loggers",
+    "check_loggers",
+    "finite_scalars",
+    "format_duration",
+    "setup_logging",
+    "timed",
+]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,9 +30,17 @@ from torch.nn.parallel import DistributedDataParallel
 from detr_irpe.checkpoint import load_weights
 from detr_irpe.config import Config, ConfigError, save_config
 from detr_irpe.data import build_dataloader, build_dataset, epoch_batches
+from detr_irpe.data.coco import sparse_ids_warning
 from detr_irpe.engine.distributed import DistInfo, cleanup_distributed, init_distributed
 from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
-from detr_irpe.engine.logger import MetricTracker, TensorBoardWriter, setup_logging
+from detr_irpe.engine.logger import (
+    MetricTracker,
+    RunClock,
+    ScalarWriter,
+    build_scalar_loggers,
+    check_loggers,
+    setup_logging,
+)
 from detr_irpe.engine.optim import (
     apply_config_hyperparameters,
     build_lr_scheduler,
@@ -69,6 +78,7 @@ from detr_irpe.run_folder.experiment import config_differences, experiment_diffe
 from detr_irpe.run_folder.lock import RunLock, lock_run_folder
 from detr_irpe.run_folder.log import JsonLinesLog
 from detr_irpe.utils.dist import all_gather_object, barrier, unwrap_model
+from detr_irpe.utils.memory import peak_memory_mb
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +97,28 @@ def apply_process_settings(cfg: Config, info: DistInfo) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp))
 
 
-def with_num_classes(cfg: Config, num_classes: int) -> Config:
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=num_classes))
+def with_num_classes(cfg: Config, num_classes: int,
+                     category_ids: list[int] | None = None) -> Config:
+    """``cfg`` with ``model.num_classes`` (and ``model.category_ids`` when given) set."""
+    ids = cfg.model.category_ids if category_ids is None else list(category_ids)
+    model = dataclasses.replace(cfg.model, num_classes=num_classes, category_ids=ids)
+    return dataclasses.replace(cfg, model=model)
+
+
+def warn_sparse_category_ids(datasets: list[Any], num_classes: int) -> None:
+    """Log :func:`~detr_irpe.data.coco.sparse_ids_warning` for datasets trained on
+    their category ids (not remapped) when most of the head's outputs are unused."""
+    if any(d.category_ids is not None for d in datasets if d is not None):
+        return
+    ids = {int(i) for d in datasets if d is not None for i in d.category_names}
+    message = sparse_ids_warning(ids, num_classes)
+    if message:
+        logger.warning("%s", message)
 
 
 def resolve_num_classes(cfg: Config, datasets: list[Any]) -> int:
-    """``model.num_classes`` from the data (largest category id + 1 over the splits).
+    """``model.num_classes`` from the data (largest category id + 1 over the splits, or
+    the number of remapped categories).
 
     Raises:
         ConfigError: an explicit ``model.num_classes`` that differs from the data.
@@ -104,10 +130,13 @@ def resolve_num_classes(cfg: Config, datasets: list[Any]) -> int:
             raise ConfigError("cannot derive model.num_classes without a dataset: set it")
         return explicit
     if explicit is not None and explicit != from_data:
+        remapped = any(getattr(d, "category_ids", None) is not None for d in datasets)
+        what = (f"it has {from_data} categories (remapped to class indices)" if remapped else
+                f"its largest category id is {from_data - 1}")
         raise ConfigError(
-            f"model.num_classes={explicit} disagrees with the data: its largest category id "
-            f"is {from_data - 1}, so num_classes must be {from_data}; remove model.num_classes "
-            "(it defaults to the data) or fix data.root / the annotation files"
+            f"model.num_classes={explicit} disagrees with the data: {what}, so num_classes "
+            f"must be {from_data}; remove model.num_classes (it defaults to the data) or fix "
+            "data.root / the annotation files"
         )
     return from_data
 
@@ -197,9 +226,11 @@ class RunParts:
 
 
 def _settle_config(cfg: Config, start: StartState, info: DistInfo, datasets: list) -> Config:
-    """Fill in ``num_classes``, check a resumed run's config against this one (now
-    resolved), log and write ``config.yaml``."""
-    cfg = with_num_classes(cfg, resolve_num_classes(cfg, datasets))
+    """Fill in ``num_classes`` and the categories of remapped class indices, check a
+    resumed run's config against this one (now resolved), log and write ``config.yaml``."""
+    cfg = with_num_classes(cfg, resolve_num_classes(cfg, datasets), datasets[0].category_ids)
+    if info.is_main:
+        warn_sparse_category_ids(datasets, cfg.model.num_classes)
     if start.saved_config is not None:
         check_resume_config(start.saved_config, cfg, start)
         _log_resume_changes(start.saved_config, cfg)
@@ -233,8 +264,9 @@ def build_parts(cfg: Config, info: DistInfo, start: StartState) -> RunParts:
     """Datasets, loaders, model, criterion and optimizer of the run (``cfg`` with its
     precision resolved, :func:`apply_process_settings`); the lr schedule follows from
     where the run starts (:class:`TrainingRun`)."""
-    train_ds = build_dataset(cfg.data, "train")
-    val_ds = build_dataset(cfg.data, "val")
+    # Remapped categories: the training file's ids (or model.category_ids), for both splits.
+    train_ds = build_dataset(cfg.data, "train", category_ids=cfg.model.category_ids)
+    val_ds = build_dataset(cfg.data, "val", category_ids=train_ds.category_ids)
     cfg = _settle_config(cfg, start, info, [train_ds, val_ds])
 
     seed_everything(cfg.train.seed)  # the same initial weights on every rank
@@ -366,17 +398,22 @@ def _epoch_record(epoch: int, train_stats: Mapping[str, float],
     return record
 
 
-def _log_epoch(record: Mapping[str, Any], log: JsonLinesLog, tensorboard: TensorBoardWriter) -> None:
-    """``log.txt`` and the epoch's TensorBoard scalars (rank 0), keyed by iteration."""
+def _log_epoch(record: Mapping[str, Any], log: JsonLinesLog, loggers: ScalarWriter) -> None:
+    """``log.txt`` and the epoch's scalars (rank 0), keyed by iteration."""
     log.append(record)
     step = int(record["iteration"])
-    tensorboard.scalars({k[6:]: v for k, v in record.items() if k.startswith("train_")},
-                        step, "epoch/")
-    tensorboard.scalars({k[5:]: v for k, v in record.items()
-                         if k.startswith("test_") and isinstance(v, float)}, step, "test/")
+    loggers.scalars({k[6:]: v for k, v in record.items() if k.startswith("train_")},
+                    step, "epoch/")
+    loggers.scalars({k[5:]: v for k, v in record.items()
+                     if k.startswith("test_") and isinstance(v, float)}, step, "test/")
     if "test_coco_eval_bbox" in record:
-        tensorboard.scalars(dict(zip(COCO_STAT_NAMES, record["test_coco_eval_bbox"])),
-                            step, "coco/")
+        loggers.scalars(dict(zip(COCO_STAT_NAMES, record["test_coco_eval_bbox"])),
+                        step, "coco/")
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no NaN: ``None`` for a number not known yet."""
+    return value if math.isfinite(value) else None
 
 
 class TrainingRun:
@@ -407,6 +444,11 @@ class TrainingRun:
             self.tracker.load_state_dict(metrics)
         self.model: nn.Module = _wrap_ddp(parts.model, info)  # after the weights are loaded
         self.stop: StopOnSignal | None = None  # set while run_epochs listens for signals
+        # The whole run's ETA: the steps and evaluations from this position on.
+        epochs = range(self.position.epoch, self.cfg.train.epochs)
+        self.clock = RunClock(
+            len(epochs) * parts.steps_per_epoch - self.position.batch_in_epoch,
+            sum(self._evaluation_due(epoch) for epoch in epochs))
 
     @classmethod
     def start(cls, parts: RunParts, info: DistInfo, output_dir: Path, progress: bool,
@@ -510,7 +552,7 @@ class TrainingRun:
         )
         return losses, summary, evaluator
 
-    def train_epoch(self, tensorboard: TensorBoardWriter) -> dict[str, float]:
+    def train_epoch(self, loggers: ScalarWriter) -> dict[str, float]:
         """Train the rest of the current epoch, checkpointing every
         ``train.checkpoint_every`` steps and stopping at a step when a signal asks."""
         parts, cfg, position = self.parts, self.cfg, self.position
@@ -538,8 +580,8 @@ class TrainingRun:
             parts.optimizer, self.lr_scheduler, self.info.device, position,
             num_steps=parts.steps_per_epoch, settings=parts.settings,
             print_freq=cfg.train.print_freq, progress=self.progress,
-            total_epochs=cfg.train.epochs, on_step=on_step, tensorboard=tensorboard,
-            tracker=self.tracker,
+            total_epochs=cfg.train.epochs, on_step=on_step, loggers=loggers,
+            tracker=self.tracker, run_clock=self.clock,
         )
 
     def _evaluation_due(self, epoch: int) -> bool:
@@ -550,20 +592,22 @@ class TrainingRun:
         checkpointing after each one. Returns the last ``(summary, evaluator)``."""
         cfg, position = self.cfg, self.position
         log = JsonLinesLog(self.output_dir / "log.txt")
-        tensorboard = TensorBoardWriter(self.output_dir / "tensorboard" if self.info.is_main
-                                        else None)
+        loggers = build_scalar_loggers(cfg.train.loggers, self.output_dir, cfg.to_dict(),
+                                       self.info.is_main)
         if self.info.is_main:
             log.truncate_to(position.epoch)  # drop records of epochs about to be redone
         summary = evaluator = None
         try:
             while position.epoch < cfg.train.epochs:
                 epoch, epoch_start = position.epoch, time.perf_counter()
-                train_stats = self.train_epoch(tensorboard)
+                train_stats = self.train_epoch(loggers)
                 train_time = time.perf_counter() - epoch_start
                 eval_result = None
                 is_best = False
                 if self._evaluation_due(epoch):
+                    eval_start = time.perf_counter()
                     eval_result = self.evaluate()
+                    self.clock.evaluation_done(time.perf_counter() - eval_start)
                     _, summary, evaluator = eval_result
                     logger.info("epoch %d evaluation:\n%s", epoch, format_summary(summary))
                     is_best = self.best.update(summary, epoch)
@@ -571,9 +615,11 @@ class TrainingRun:
                         keep_pr_arrays(evaluator, self.output_dir / "eval", epoch)
                 record = _epoch_record(epoch, train_stats, eval_result, {
                     "n_parameters": self.parts.n_parameters, "iteration": position.iteration,
-                    "epoch_time": time.perf_counter() - epoch_start, "train_time": train_time})
+                    "epoch_time": time.perf_counter() - epoch_start, "train_time": train_time,
+                    "max_mem_mb": peak_memory_mb(self.info.device),
+                    "eta_seconds": _finite_or_none(self.clock.eta())})
                 if self.info.is_main:
-                    _log_epoch(record, log, tensorboard)
+                    _log_epoch(record, log, loggers)
                 position.epoch, position.batch_in_epoch = epoch + 1, 0
                 self.tracker = self._new_tracker()
                 self.save(is_best=is_best)
@@ -581,7 +627,7 @@ class TrainingRun:
                 if signum is not None and position.epoch < cfg.train.epochs:
                     raise self.interrupted(signum)
         finally:
-            tensorboard.close()
+            loggers.close()
         return summary, evaluator
 
     def finish(self, summary: Mapping[str, Any] | None, evaluator: CocoEvaluator | None,
@@ -650,6 +696,7 @@ def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
     output_dir = Path(cfg.train.output_dir)
     setup_logging(None, info.rank)  # the console only, until the folder is known to be ours
     check_amp_device(cfg.train.amp, info.device)  # before the data and the model are built
+    check_loggers(cfg.train.loggers)
     start = resolve_start(output_dir, resume, finetune)
     if start.saved_config is not None:
         # Refused before anything in the folder is written or repaired.
@@ -688,6 +735,7 @@ __all__ = [
     "build_parts",
     "check_resume_config",
     "resolve_num_classes",
+    "warn_sparse_category_ids",
     "resolve_start",
     "run_training",
     "with_num_classes",

@@ -15,7 +15,6 @@ are read, averaged over the processes and checked for NaN / inf every
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import logging
 import math
@@ -30,10 +29,17 @@ from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
 
 from detr_irpe.config import ConfigError
-from detr_irpe.engine.logger import MetricTracker, TensorBoardWriter
+from detr_irpe.engine.logger import (
+    MetricTracker,
+    RunClock,
+    ScalarWriter,
+    format_duration,
+    timed,
+)
 from detr_irpe.errors import NonFiniteError
 from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.dist import all_reduce_mean, get_world_size, is_main_process
+from detr_irpe.utils.memory import peak_memory_mb
 
 logger = logging.getLogger(__name__)
 
@@ -378,23 +384,29 @@ def group_micro_batches(batches: Iterable[T], size: int) -> Iterator[list[T]]:
             group = []
 
 
-def _format_eta(seconds: float) -> str:
-    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
-
-
 class _EpochLog:
-    """Progress bar, periodic log lines and per-iteration TensorBoard scalars of an epoch."""
+    """Progress bar, periodic log lines and per-iteration scalars of an epoch, and the
+    run's clock (``data_time``: seconds a step waited for its batches; ``step_time``:
+    seconds per step, end to end)."""
 
     def __init__(self, state: TrainingPosition, num_steps: int, print_freq: int, progress: bool,
-                 total_epochs: int | None, tensorboard: TensorBoardWriter | None,
-                 tracker: MetricTracker | None = None) -> None:
+                 total_epochs: int | None, loggers: ScalarWriter | None,
+                 tracker: MetricTracker | None, run_clock: RunClock | None,
+                 device: torch.device) -> None:
         self.num_steps = num_steps
         self.print_freq = print_freq
-        self.tensorboard = tensorboard
+        self.loggers = loggers
+        self.device = device
         self.tracker = tracker if tracker is not None else MetricTracker(window=max(print_freq, 1))
+        if run_clock is None:  # the steps of this epoch and of the epochs after it
+            later = (total_epochs - state.epoch - 1) * num_steps if total_epochs else 0
+            run_clock = RunClock(num_steps - state.batch_in_epoch + later)
+        self.run_clock = run_clock
+        self.clock = run_clock.clock
         self.label = f"epoch {state.epoch}" + (f"/{total_epochs - 1}" if total_epochs else "")
         self.first_batch = state.batch_in_epoch
-        self.start = self.last_read = time.perf_counter()
+        self.start = self.last_read = self.clock()
+        run_clock.start_steps()
         self.images_since_read = 0
         self.bar = None
         if progress and is_main_process():
@@ -407,32 +419,39 @@ class _EpochLog:
             state.batch_in_epoch % self.print_freq == 0 or state.batch_in_epoch == self.num_steps
         )
 
+    def max_mem_mb(self) -> float:
+        return peak_memory_mb(self.device)
+
     def records(self, records: list[dict[str, float]], state: TrainingPosition) -> None:
         """Take the records of :meth:`PendingLosses.read` (up to ``state``)."""
         for record in records:
             self.tracker.update(**record)
-        now = time.perf_counter()
-        if records and self.tensorboard is not None:
+        now = self.clock()
+        if records and self.loggers is not None:
             images_per_s = self.images_since_read / max(now - self.last_read, 1e-9)
             recent = self.tracker.recent()
-            self.tensorboard.scalars({**recent, "images_per_s": images_per_s},
-                                     state.iteration, "train/")
+            self.loggers.scalars({**recent, "images_per_s": images_per_s,
+                                  "max_mem_mb": self.max_mem_mb()}, state.iteration, "train/")
         self.last_read, self.images_since_read = now, 0
 
-    def step_done(self, images: int) -> None:
+    def step_done(self, images: int, data_time: float) -> None:
+        step_time = self.run_clock.step_done()
+        self.tracker.update(data_time=data_time, step_time=step_time)
         self.images_since_read += images
         if self.bar is not None:
             self.bar.update(1)
 
     def line(self, state: TrainingPosition) -> None:
         done = max(state.batch_in_epoch - self.first_batch, 1)
-        elapsed = time.perf_counter() - self.start
+        elapsed = self.clock() - self.start
         eta = elapsed / done * (self.num_steps - state.batch_in_epoch)
         if self.bar is not None:
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in self.tracker.recent(list(_SHOWN)).items()})
-        logger.info("%s [%d/%d] it %d  eta %s  %s  %.3f s/it", self.label, state.batch_in_epoch,
-                    self.num_steps, state.iteration, _format_eta(eta),
-                    self.tracker.format(list(_SHOWN)), elapsed / done)
+        data = self.tracker.recent(["data_time"]).get("data_time", 0.0)
+        logger.info("%s [%d/%d] it %d  eta %s (run %s)  %s  %.3f s/it (data %.3f)  "
+                    "max mem %.0f MB", self.label, state.batch_in_epoch, self.num_steps,
+                    state.iteration, format_duration(eta), format_duration(self.run_clock.eta()),
+                    self.tracker.format(list(_SHOWN)), elapsed / done, data, self.max_mem_mb())
 
     def close(self) -> None:
         if self.bar is not None:
@@ -454,14 +473,18 @@ def train_one_epoch(
     progress: bool = False,
     total_epochs: int | None = None,
     on_step: Callable[[TrainingPosition, Callable[[], None]], None] | None = None,
-    tensorboard: TensorBoardWriter | None = None,
+    loggers: ScalarWriter | None = None,
     tracker: MetricTracker | None = None,
+    run_clock: RunClock | None = None,
 ) -> dict[str, float]:
     """Train over ``batches`` (the rest of epoch ``state.epoch``), one optimizer step per
     ``settings.accumulate_steps`` batches.
 
     ``tracker`` holds the epoch's running sums so far (a resumed epoch's, from its
     checkpoint); the returned averages cover those steps too. Default: a new one.
+    ``run_clock`` times the steps for the whole run's ETA (default: one for the steps
+    left in this epoch and the ``total_epochs`` after it); ``loggers`` take the
+    scalars every ``print_freq`` steps.
 
     ``lr_scheduler`` is stepped after every optimizer step (its counter is the iteration:
     :func:`~detr_irpe.engine.optim.build_lr_scheduler`); then ``state`` is advanced and
@@ -472,7 +495,8 @@ def train_one_epoch(
     Returns:
         Averages over the processes and the epoch's steps of every loss term
         (weighted total ``loss``, the weighted terms, the unscaled terms with
-        suffix ``_unscaled``, ``class_error``, ``cardinality_error``) and ``lr``.
+        suffix ``_unscaled``, ``class_error``, ``cardinality_error``), ``lr``, and
+        this process's ``data_time`` and ``step_time`` (seconds per step).
 
     Raises:
         NonFiniteLossError: naming the epoch, iteration and every loss term.
@@ -482,9 +506,11 @@ def train_one_epoch(
     model.train()
     criterion.train()
     pending = PendingLosses(criterion.weight_dict)
-    log = _EpochLog(state, num_steps, print_freq, progress, total_epochs, tensorboard, tracker)
+    log = _EpochLog(state, num_steps, print_freq, progress, total_epochs, loggers, tracker,
+                    run_clock, device)
     try:
-        for micro in group_micro_batches(batches, settings.accumulate_steps):
+        for micro, data_time in timed(group_micro_batches(batches, settings.accumulate_steps),
+                                      log.clock):
             try:
                 losses = train_step(model, criterion, micro, optimizer, device,
                                     amp=settings.amp, scaler=settings.scaler,
@@ -497,7 +523,7 @@ def train_one_epoch(
             lr_scheduler.step()
             state.iteration += 1
             state.batch_in_epoch += 1
-            log.step_done(sum(len(t) for _, t in micro) * get_world_size())
+            log.step_done(sum(len(t) for _, t in micro) * get_world_size(), data_time)
             if log.due(state):
                 log.records(pending.read(), state)
                 log.line(state)

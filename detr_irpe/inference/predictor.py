@@ -51,6 +51,8 @@ class Predictor:
         category_names: ``{category id: name}``; ids without a name show as ``class N``.
         device: where the model runs (None: the GPU when there is one).
         score_threshold: detections with a lower score are left out.
+        postprocessor: outputs -> detections with category ids (default: DETR's
+            :class:`~detr_irpe.models.PostProcess` with ``cfg.model.category_ids``).
     """
 
     def __init__(
@@ -60,10 +62,13 @@ class Predictor:
         category_names: Mapping[int, str] | None = None,
         device: str | torch.device | None = None,
         score_threshold: float = 0.7,
+        postprocessor: nn.Module | None = None,
     ) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.cfg = cfg
+        self.postprocessor = (postprocessor if postprocessor is not None
+                              else PostProcess(cfg.model.category_ids))
         self.category_names = {int(k): str(v) for k, v in (category_names or {}).items()}
         self.score_threshold = float(score_threshold)
 
@@ -92,7 +97,8 @@ class Predictor:
         loaded = model_from_checkpoint(source.path, config=config, overrides=overrides,
                                        device=target)
         names = loaded.category_names or default_category_names(loaded.cfg.model.num_classes)
-        return cls(loaded.model, loaded.cfg, names, target, score_threshold)
+        return cls(loaded.model, loaded.cfg, names, target, score_threshold,
+                   loaded.postprocessor)
 
     def label(self, category_id: int) -> str:
         """The name of a category id (``class N`` when it has none)."""
@@ -115,7 +121,7 @@ class Predictor:
         outputs = self.model(inputs)
         sizes = torch.tensor([list(image.shape[-2:]) for image in images], device=self.device)
         results = []
-        for result in PostProcess()(outputs, sizes):
+        for result in self.postprocessor(outputs, sizes):
             order = result["scores"].argsort(descending=True)
             results.append({key: value[order].cpu() for key, value in result.items()})
         return results

@@ -133,8 +133,8 @@ def build_postprocessor(cfg: Config | ModelConfig) -> nn.Module:
     top ``model.num_select`` (query, class) sigmoid scores."""
     m, _ = _sections(cfg)
     if m.decoder == "dab":
-        return TopKPostProcess(num_select=m.num_select)
-    return PostProcess()
+        return TopKPostProcess(num_select=m.num_select, category_ids=m.category_ids)
+    return PostProcess(m.category_ids)
 
 
 def build_criterion(model_cfg: Config | ModelConfig, loss: LossConfig | None = None) -> nn.Module:

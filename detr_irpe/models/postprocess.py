@@ -4,9 +4,15 @@
 - :class:`TopKPostProcess` (DAB-DETR / DN-DETR, sigmoid classification): the
   ``num_select`` best (query, class) pairs of each image, so one query may give
   several detections of different classes.
+
+Both return category ids: a model trained on remapped categories
+(``data.remap_categories``) gives them its ``model.category_ids``, and class index
+``k`` comes out as category ``category_ids[k]``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -27,8 +33,29 @@ def _absolute_xyxy(outputs: dict, target_sizes: Tensor) -> Tensor:
     return box_cxcywh_to_xyxy(boxes.float()) * scale[:, None, :]
 
 
-class PostProcess(nn.Module):
-    """Softmax, drop "no object", keep the best class of every query; boxes to absolute xyxy."""
+class _CategoryIds(nn.Module):
+    """Class index -> category id (``model.category_ids``; None: the same number)."""
+
+    def __init__(self, category_ids: Sequence[int] | None = None) -> None:
+        super().__init__()
+        ids = None if category_ids is None else torch.tensor(list(category_ids), dtype=torch.int64)
+        # not saved: the mapping is the config's (model.category_ids), not a weight
+        self.register_buffer("category_ids", ids, persistent=False)
+
+    def category_of(self, labels: Tensor) -> Tensor:
+        """The category ids of class indices ``labels`` (any shape, int64)."""
+        if self.category_ids is None:
+            return labels
+        return self.category_ids.to(labels.device)[labels]
+
+
+class PostProcess(_CategoryIds):
+    """Softmax, drop "no object", keep the best class of every query; boxes to absolute xyxy.
+
+    Args:
+        category_ids: the category id of each class index (``model.category_ids``);
+            None: labels are the class indices.
+    """
 
     @torch.no_grad()
     def forward(self, outputs: dict, target_sizes: Tensor) -> list[dict[str, Tensor]]:
@@ -38,25 +65,27 @@ class PostProcess(nn.Module):
             target_sizes: ``(B, 2)`` ``[height, width]`` of each original image.
 
         Returns:
-            B dicts: ``scores`` ``(Q,)``, ``labels`` ``(Q,)`` int64, ``boxes`` ``(Q, 4)``
-            absolute (x1, y1, x2, y2) float32.
+            B dicts: ``scores`` ``(Q,)``, ``labels`` ``(Q,)`` int64 category ids,
+            ``boxes`` ``(Q, 4)`` absolute (x1, y1, x2, y2) float32.
         """
         xyxy = _absolute_xyxy(outputs, target_sizes)
         prob = outputs["pred_logits"].float().softmax(-1)
         scores, labels = prob[..., :-1].max(-1)
+        labels = self.category_of(labels)
         return [{"scores": s, "labels": lab, "boxes": b} for s, lab, b in zip(scores, labels, xyxy)]
 
 
-class TopKPostProcess(nn.Module):
+class TopKPostProcess(_CategoryIds):
     """Sigmoid scores of every (query, class) pair; the ``num_select`` best of each image.
 
     Args:
         num_select: detections kept per image (DAB-DETR / DN-DETR: 300); fewer when
             the model has fewer than ``num_select`` (query, class) pairs.
+        category_ids: as for :class:`PostProcess`.
     """
 
-    def __init__(self, num_select: int = 300) -> None:
-        super().__init__()
+    def __init__(self, num_select: int = 300, category_ids: Sequence[int] | None = None) -> None:
+        super().__init__(category_ids)
         if num_select < 1:
             raise ValueError(f"num_select must be at least 1, got {num_select}")
         self.num_select = num_select
@@ -71,7 +100,7 @@ class TopKPostProcess(nn.Module):
 
         Returns:
             B dicts, highest score first: ``scores`` ``(K,)`` float32, ``labels`` ``(K,)``
-            int64, ``boxes`` ``(K, 4)`` absolute (x1, y1, x2, y2) float32, with
+            int64 category ids, ``boxes`` ``(K, 4)`` absolute (x1, y1, x2, y2) float32, with
             ``K = min(num_select, Q * C)``. Pair ``i * C + c`` is query ``i``, class ``c``.
         """
         xyxy = _absolute_xyxy(outputs, target_sizes)  # (B, Q, 4)
@@ -82,6 +111,6 @@ class TopKPostProcess(nn.Module):
         scores, pairs = prob.topk(min(self.num_select, prob.shape[1]), dim=1)
         # max(C, 1): with C = 0 there is no pair, but the division is still traced.
         queries = torch.div(pairs, max(num_classes, 1), rounding_mode="floor")
-        labels = pairs - queries * num_classes
+        labels = self.category_of(pairs - queries * num_classes)
         boxes = xyxy.gather(1, queries[..., None].expand(-1, -1, 4))
         return [{"scores": s, "labels": lab, "boxes": b} for s, lab, b in zip(scores, labels, boxes)]

@@ -12,9 +12,10 @@ and then applies from there on. Keys one of the two configs lacks (a config writ
 an older or newer version of the package) are not compared.
 
 Values the run decides when it starts are written resolved into its ``config.yaml`` and
-checkpoints: ``auto`` (``train.amp``: bf16 or float32 for the machine) and
-``model.num_classes: null`` (from the data). A config that still says ``auto`` / ``null``
-stands for whatever the run resolved, so it matches the resolved value.
+checkpoints: ``auto`` (``train.amp``: bf16 or float32 for the machine),
+``model.num_classes: null`` and ``model.category_ids: null`` (from the data). A config
+that still says ``auto`` / ``null`` stands for whatever the run resolved, so it matches
+the resolved value.
 """
 
 from __future__ import annotations
@@ -23,20 +24,21 @@ from collections.abc import Mapping
 from typing import Any
 
 # Keys that never make two configs different experiments: how the run is carried out
-# (where, on what, how fast, how often it reports, evaluates and saves, how bad images
-# are treated), how weights start (a resumed run takes them from its checkpoint) and the
-# schedule's length (a longer schedule continues the run).
+# (where, on what, how fast, how often and to which loggers it reports, how often it
+# evaluates and saves, how bad images are treated), how weights start (a resumed run
+# takes them from its checkpoint) and the schedule's length (a longer schedule continues
+# the run).
 NOT_IDENTITY = frozenset({
     "train.output_dir", "train.device", "train.num_threads", "train.print_freq",
-    "train.checkpoint_every", "train.eval_every", "data.num_workers", "data.cache_images",
-    "data.strict", "data.max_image_pixels", "model.channels_last",
+    "train.loggers", "train.checkpoint_every", "train.eval_every", "data.num_workers",
+    "data.cache_images", "data.strict", "data.max_image_pixels", "model.channels_last",
     "model.backbone_weights", "model.rpe_init",
     "train.epochs", "train.lr_drop",
 })
 # A value the run replaces by what it resolves to (``train.amp: auto``, ...), and the
-# key whose ``null`` means "from the data".
+# keys whose ``null`` means "from the data".
 AUTO = "auto"
-FROM_THE_DATA = "model.num_classes"
+FROM_THE_DATA = frozenset({"model.num_classes", "model.category_ids"})
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -69,7 +71,7 @@ def _counts(key: str, with_recipe: bool) -> bool:
 
 def _resolves_to(key: str, current: Any, saved: Any) -> bool:
     """Whether ``current`` is a value the run resolves, and ``saved`` what it became."""
-    return current == AUTO or (key == FROM_THE_DATA and current is None and saved is not None)
+    return current == AUTO or (key in FROM_THE_DATA and current is None and saved is not None)
 
 
 def experiment_differences(

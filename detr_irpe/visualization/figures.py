@@ -98,6 +98,7 @@ def detections_from_outputs(
     max_detections: int | None = None,
     min_detections: int = 0,
     batch_index: int = 0,
+    category_ids: Sequence[int] | None = None,
 ) -> Detections:
     """DETR post-processing of one image, keeping queries with score >= ``threshold``.
 
@@ -109,10 +110,12 @@ def detections_from_outputs(
         max_detections: keep at most this many (best first).
         min_detections: keep at least this many even below the threshold (useful for an
             untrained model, whose scores are all low).
+        category_ids: the model's ``model.category_ids`` (remapped categories): labels
+            come out as those category ids; None: the class indices are the ids.
     """
     single = {key: outputs[key][batch_index:batch_index + 1].detach().float().cpu()
               for key in ("pred_logits", "pred_boxes")}
-    result = PostProcess()(single, torch.tensor([list(original_size)]))[0]
+    result = PostProcess(category_ids)(single, torch.tensor([list(original_size)]))[0]
     scores = result["scores"]
     order = torch.argsort(scores, descending=True)
     keep = [int(q) for q in order if scores[q] >= threshold]

@@ -45,6 +45,7 @@ def save_attention_maps(
     max_size: int | None = 1333,
     normalized: bool = False,
     category_names: Mapping[int, str] | Sequence[str] | None = None,
+    category_ids: Sequence[int] | None = None,
     threshold: float = 0.7,
     min_detections: int = 3,
     max_detections: int = 6,
@@ -64,6 +65,8 @@ def save_attention_maps(
         size, max_size: eval-time resize (``cfg.data.val_size`` / ``cfg.data.max_size``);
             ``size=None`` feeds the image at its own size.
         category_names: id -> name (or a list) for the labels.
+        category_ids: the model's ``model.category_ids`` when it was trained on remapped
+            categories (labels then show the original ids' names).
         threshold: detections kept at score >= threshold ...
         min_detections: ... but at least this many (an untrained model scores low) ...
         max_detections: ... and at most this many.
@@ -88,7 +91,8 @@ def save_attention_maps(
                                decoder_layers=[-1], rpe_split=split)
     detections = detections_from_outputs(record.outputs, prepared.original_size,
                                          threshold=threshold, max_detections=max_detections,
-                                         min_detections=min_detections)
+                                         min_detections=min_detections,
+                                         category_ids=category_ids)
     if points is None:
         points = distinct_points(detections.centres(), prepared, record, limit=4)
         if not points:
