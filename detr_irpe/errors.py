@@ -53,8 +53,21 @@ class ImageReadError(DatasetError):
 
 
 class RunFolderError(DetrIrpeError, RuntimeError):
-    """An output folder that cannot be used: not writable, locked by another run, or
-    holding a different experiment."""
+    """An output folder that cannot be used: not writable, full, locked by another run,
+    or holding a different experiment."""
+
+
+class WriteError(RunFolderError, OSError):
+    """A file that could not be written (no space left, quota, permissions, a read-only
+    file system); the previous file of that name is left as it was.
+
+    An ``OSError`` too, with the ``errno`` of the failed write, so that code handling
+    ``OSError`` goes on working; ``str()`` is the one-line message.
+    """
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 class ExportError(DetrIrpeError, RuntimeError):
@@ -96,5 +109,6 @@ __all__ = [
     "Interrupted",
     "NonFiniteError",
     "RunFolderError",
+    "WriteError",
     "exit_status_for_signal",
 ]
