@@ -19,6 +19,8 @@ EXIT_FAILURE = 1
 EXIT_USER_ERROR = 2
 # Training stopped because the loss, the outputs or the weights became NaN / inf.
 EXIT_NON_FINITE = 3
+# Another process of a multi-process job ended (or its connection broke): this one stops.
+EXIT_LOST_RANK = 4
 
 
 def exit_status_for_signal(signum: int) -> int:
@@ -84,6 +86,13 @@ class NonFiniteError(DetrIrpeError, FloatingPointError):
     exit_status = EXIT_NON_FINITE
 
 
+class LostRankError(DetrIrpeError, RuntimeError):
+    """Another rank of a multi-process job went away in the middle of a collective: the
+    job cannot go on. Not this process's fault; the other rank's output says why."""
+
+    exit_status = EXIT_LOST_RANK
+
+
 class Interrupted(DetrIrpeError):
     """The run was stopped by SIGINT / SIGTERM after saving where it stopped."""
 
@@ -95,6 +104,7 @@ class Interrupted(DetrIrpeError):
 
 __all__ = [
     "EXIT_FAILURE",
+    "EXIT_LOST_RANK",
     "EXIT_NON_FINITE",
     "EXIT_OK",
     "EXIT_SIGINT",
@@ -107,6 +117,7 @@ __all__ = [
     "ExportError",
     "ImageReadError",
     "Interrupted",
+    "LostRankError",
     "NonFiniteError",
     "RunFolderError",
     "WriteError",
