@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import errno
 import io
+import logging
 import os
 import shutil
 import subprocess
@@ -33,6 +34,7 @@ from detr_irpe.cli.export import main as export_main
 from detr_irpe.cli.predict import main as predict_main
 from detr_irpe.cli.train import main as train_main
 from detr_irpe.engine import runner
+from detr_irpe.engine.logger import setup_logging
 from detr_irpe.errors import RunFolderError, WriteError
 from detr_irpe.evaluation import CocoEvaluator
 from detr_irpe.export import onnx as onnx_export
@@ -240,6 +242,21 @@ def test_log_record_is_whole_or_not_at_all(full_disk) -> None:
                                          "is intact"):
         log.append({"epoch": 1, "notes": "x" * 20000})
     assert log.path.read_bytes() == before
+
+
+def test_run_log_file_turns_itself_off_with_one_warning(full_disk, capsys) -> None:
+    disk = full_disk("1m")
+    setup_logging(disk.root, filename="train.log")
+    log = logging.getLogger("detr_irpe.test_disk")
+    log.info("before")
+    disk.fill(leave=0)
+    for k in range(200):  # more than the free rest of the file's last page
+        log.info("line %d of a run that goes on %s", k, "." * 60)
+    err = capsys.readouterr().err
+    assert "Logging error" not in err and "Traceback" not in err
+    warnings = [line for line in err.splitlines() if "could not write" in line]
+    assert len(warnings) == 1 and f"{disk.root / 'train.log'} ({NO_SPACE})" in warnings[0]
+    assert "line 199 of a run" in err  # the console goes on
 
 
 # ----------------------------------------------------------------------------- training

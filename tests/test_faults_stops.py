@@ -115,6 +115,16 @@ def _launch(code: str, args: list[str], world_size: int = 2) -> list[subprocess.
     return procs
 
 
+def _survivor_stderr(survivor: subprocess.Popen, lost: subprocess.Popen, timeout: float) -> str:
+    """The stderr of the rank that stayed, checked: ``lost`` was killed, ``survivor``
+    exited with the lost-rank status and no traceback."""
+    _, err = survivor.communicate(timeout=timeout)
+    lost.communicate(timeout=60)
+    assert lost.returncode == -signal.SIGKILL
+    assert survivor.returncode == EXIT_LOST_RANK and "Traceback" not in err, err
+    return err
+
+
 # Joins the group, then rank argv[1] is killed while the others are in collectives.
 _COLLECTIVES = """
     import os, signal, sys
@@ -173,13 +183,8 @@ def test_a_collective_that_lost_a_rank_becomes_one_error_naming_it() -> None:
 def test_a_lost_rank_without_torchrun_is_one_line_naming_it() -> None:
     # rank 0 goes: it also held the job's rendezvous store
     lost, survivor = _launch(_COLLECTIVES, ["0"])
-    lost_pid = lost.pid
-    out, err = survivor.communicate(timeout=120)
-    lost.communicate(timeout=60)
-    assert lost.returncode == -signal.SIGKILL
-    assert survivor.returncode == EXIT_LOST_RANK, err
-    line = _last_line(err)
-    assert line.startswith(f"error: rank 1 of 2 lost rank 0 (PID {lost_pid} on ")
+    err = _survivor_stderr(survivor, lost, timeout=120)
+    assert err.strip().startswith(f"error: rank 1 of 2 lost rank 0 (PID {lost.pid} on ")
     assert len(err.strip().splitlines()) == 1
 
 
@@ -209,11 +214,7 @@ def test_training_without_torchrun_that_loses_a_rank_stops_with_one_line(tiny_da
             f"data.root={tiny_dataset}", "train.batch_size=1", "train.checkpoint_every=0",
             "train.num_threads=1"]
     survivor, lost = _launch(_KILLED_AT_STEP_2, args)
-    out, err = survivor.communicate(timeout=300)
-    lost.communicate(timeout=60)
-    assert lost.returncode == -signal.SIGKILL
-    assert survivor.returncode == EXIT_LOST_RANK, err
-    line = _last_line(err)
+    line = _last_line(_survivor_stderr(survivor, lost, timeout=300))
     assert line.startswith(f"error: rank 0 of 2 lost rank 1 (PID {lost.pid} on ")
     assert "Connection" in line
 
