@@ -47,7 +47,10 @@ def describe_os_error(err: OSError) -> str:
 
 def os_error_behind(err: BaseException) -> OSError | None:
     """The ``OSError`` (with an ``errno``) that ``err`` is or was raised while handling,
-    or None. A package error is never one: its message already says what went wrong."""
+    or None. A package error is never one (its message already says what went wrong),
+    nor a Ctrl-C / SIGTERM that came during a write."""
+    if not isinstance(err, Exception):
+        return None
     seen: set[int] = set()
     current: BaseException | None = err
     while current is not None and id(current) not in seen:
