@@ -48,6 +48,7 @@ from detr_irpe.run_folder.checkpoints import (
     save_training_checkpoint,
 )
 from detr_irpe.run_folder.log import JsonLinesLog
+from detr_irpe.utils.files import atomic_write
 
 FORCE_PATCHED = "DETR_IRPE_TEST_FULL_DISK"
 NO_SPACE = os.strerror(errno.ENOSPC)
@@ -384,6 +385,19 @@ def test_converted_checkpoint(full_disk, checkpoint, capsys, target) -> None:
     assert status == 2
     _one_line(capsys.readouterr().err, out)
     assert _unchanged(previous) and _temp_files(disk.root) == []
+
+
+def test_an_interrupt_during_a_write_stays_an_interrupt(tmp_path) -> None:
+    """Ctrl-C arriving while a writer handles a full disk is not turned into a write error."""
+    def write(f):
+        try:
+            raise OSError(errno.ENOSPC, NO_SPACE)
+        except OSError:
+            raise KeyboardInterrupt from None
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(tmp_path / "out.json", write)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_patched_writes_fail_as_a_full_disk_does(tmp_path, monkeypatch) -> None:
