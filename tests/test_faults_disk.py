@@ -328,16 +328,22 @@ def _unchanged(files: dict[Path, bytes]) -> bool:
     return all(path.read_bytes() == data for path, data in files.items())
 
 
-@pytest.mark.parametrize("failing", ["results.json", "precision.npz"])
+# In the order the evaluation writes them; metrics.json holds the per-class AP.
+_EVAL_OUTPUTS = ["results.json", "metrics.json", "precision.npz"]
+
+
+@pytest.mark.parametrize("failing", _EVAL_OUTPUTS)
 def test_eval_outputs(full_disk, checkpoint, monkeypatch, capsys, failing) -> None:
     disk = full_disk()
     out = disk.root / "eval"
-    previous = _previous(out, "results.json", "metrics.json", "precision.npz")
+    previous = _previous(out, *_EVAL_OUTPUTS)
     if failing == "results.json":
         disk.fill(leave=0)
-    else:  # results.json and metrics.json are written, then the disk is full
-        _fill_after(disk, monkeypatch, CocoEvaluator, "save_pr_arrays", 0, True)
-        del previous[out / "results.json"], previous[out / "metrics.json"]
+    else:  # the files before it are written, then the disk is full
+        when = {"metrics.json": "write_results", "precision.npz": "save_pr_arrays"}[failing]
+        _fill_after(disk, monkeypatch, CocoEvaluator, when, 0, failing == "precision.npz")
+        for name in _EVAL_OUTPUTS[:_EVAL_OUTPUTS.index(failing)]:
+            del previous[out / name]
     status = eval_main([str(checkpoint), "--output-dir", str(out), "--no-progress",
                         "--device", "cpu"])
     assert status == 2
