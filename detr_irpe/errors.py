@@ -19,6 +19,8 @@ EXIT_FAILURE = 1
 EXIT_USER_ERROR = 2
 # Training stopped because the loss, the outputs or the weights became NaN / inf.
 EXIT_NON_FINITE = 3
+# Another process of a multi-process job ended (or its connection broke): this one stops.
+EXIT_LOST_RANK = 4
 
 
 def exit_status_for_signal(signum: int) -> int:
@@ -53,8 +55,21 @@ class ImageReadError(DatasetError):
 
 
 class RunFolderError(DetrIrpeError, RuntimeError):
-    """An output folder that cannot be used: not writable, locked by another run, or
-    holding a different experiment."""
+    """An output folder that cannot be used: not writable, full, locked by another run,
+    or holding a different experiment."""
+
+
+class WriteError(RunFolderError, OSError):
+    """A file that could not be written (no space left, quota, permissions, a read-only
+    file system); the previous file of that name is left as it was.
+
+    An ``OSError`` too, with the ``errno`` of the failed write, so that code handling
+    ``OSError`` goes on working; ``str()`` is the one-line message.
+    """
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 class ExportError(DetrIrpeError, RuntimeError):
@@ -71,6 +86,13 @@ class NonFiniteError(DetrIrpeError, FloatingPointError):
     exit_status = EXIT_NON_FINITE
 
 
+class LostRankError(DetrIrpeError, RuntimeError):
+    """Another rank of a multi-process job went away in the middle of a collective: the
+    job cannot go on. Not this process's fault; the other rank's output says why."""
+
+    exit_status = EXIT_LOST_RANK
+
+
 class Interrupted(DetrIrpeError):
     """The run was stopped by SIGINT / SIGTERM after saving where it stopped."""
 
@@ -82,6 +104,7 @@ class Interrupted(DetrIrpeError):
 
 __all__ = [
     "EXIT_FAILURE",
+    "EXIT_LOST_RANK",
     "EXIT_NON_FINITE",
     "EXIT_OK",
     "EXIT_SIGINT",
@@ -94,7 +117,9 @@ __all__ = [
     "ExportError",
     "ImageReadError",
     "Interrupted",
+    "LostRankError",
     "NonFiniteError",
     "RunFolderError",
+    "WriteError",
     "exit_status_for_signal",
 ]

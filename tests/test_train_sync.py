@@ -1,7 +1,9 @@
-"""A training step reads nothing back from the device outside the matcher: forward,
-loss and backward queue work without waiting. On the CPU this is checked by making
-every read-back (``.item()``, ``bool()``, ``int()``, ``float()``, ``.tolist()``,
-``.numpy()``) raise inside those regions; ``tests/test_train_gpu.py`` checks the same
+"""A training step reads nothing back from the device outside the matcher, but for one
+deliberate read: whether the summed loss is finite, right after the matcher (so that an
+infinite loss stops the run before the optimizer step). Forward, loss and backward
+queue work without waiting. On the CPU this is checked by making every read-back
+(``.item()``, ``bool()``, ``int()``, ``float()``, ``.tolist()``, ``.numpy()``) raise
+inside those regions, or counting them; ``tests/test_train_gpu.py`` checks the same
 regions on a GPU with ``torch.cuda.set_sync_debug_mode("error")``."""
 
 from __future__ import annotations
@@ -82,3 +84,29 @@ def test_building_denoising_queries_reads_nothing_back(monkeypatch) -> None:
     with no_read_back(monkeypatch):
         dn = build_denoising_queries(targets, Denoising(), label_enc, 4, num_queries=4)
     assert (dn.groups, dn.pad) == (5, 3) and dn.content.shape == (2, 15, 32)
+
+
+def test_the_finite_loss_check_is_one_read(monkeypatch) -> None:
+    """What a training step runs after the matcher (the loss check on) reads back exactly
+    one value: the check of the summed loss, before the backward pass."""
+    model, criterion, images, targets = tiny_model_and_batch()
+    device = torch.device("cpu")
+    targets = targets_to(targets, device)
+    outputs = model_outputs(model, images, device, "none")
+    norms = criterion.normalizers([targets], outputs["pred_logits"].shape[1], device)
+    indices = criterion.match(outputs, targets)
+    reads = []
+
+    def count(name):
+        real = getattr(torch.Tensor, name)
+
+        def method(self, *args, **kwargs):
+            reads.append(name)
+            return real(self, *args, **kwargs)
+        return method
+
+    with monkeypatch.context() as patch:
+        for name in READ_BACKS:
+            patch.setattr(torch.Tensor, name, count(name))
+        loss_and_backward(criterion, outputs, targets, indices, norms, check_finite=True)
+    assert reads == ["__bool__"]

@@ -39,6 +39,7 @@ from detr_irpe.benchmark.common import median, sync, timed
 from detr_irpe.irpe.attention import IRPEMultiheadAttention
 from detr_irpe.irpe.buckets import cached_bucket_ids
 from detr_irpe.irpe.naive import naive_irpe_attention
+from detr_irpe.utils.files import atomic_write
 
 __all__ = [
     "DEFAULT_VARIANTS",
@@ -387,6 +388,5 @@ def plot_sweep(sweep: dict, path: str | Path, title: str = "") -> Path:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    fmt = path.suffix.lstrip(".") or "png"
+    return atomic_write(path, lambda f: fig.savefig(f, dpi=110, format=fmt))

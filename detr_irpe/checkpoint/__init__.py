@@ -12,7 +12,8 @@ atomic writers, key layouts, loading into a model, and the config a checkpoint i
 - ``hf_keys`` / ``hf_folder``: Hugging Face ``DetrForObjectDetection`` key names, and its
   ``save_pretrained`` folders;
 - ``load``: :func:`load_weights` / :func:`load_state` into a model, with the class-head
-  and iRPE-table rules and errors that name the differing config keys;
+  and iRPE-table rules, :func:`check_state_fits` (a resume's strict check), and errors
+  that name the differing config keys;
 - ``saved_config``: :func:`config_for_checkpoint`, the config a checkpoint's model is
   built from (``detr_irpe.models.model_from_checkpoint`` builds it);
 - ``zoo``: the published checkpoints' addresses.
@@ -37,7 +38,7 @@ from detr_irpe.checkpoint.layout import (
     explain_mismatch,
     resize_class_head,
 )
-from detr_irpe.checkpoint.load import key_problems, load_state, load_weights
+from detr_irpe.checkpoint.load import check_state_fits, key_problems, load_state, load_weights
 from detr_irpe.checkpoint.safe import FORMAT, allowed_classes, format_keys, safe_load
 from detr_irpe.checkpoint.saved_config import config_for_checkpoint, resolve_config
 from detr_irpe.errors import CheckpointError
@@ -51,6 +52,7 @@ __all__ = [
     "allowed_classes",
     "architecture",
     "atomic_save",
+    "check_state_fits",
     "config_for_checkpoint",
     "convert_state_dict",
     "explain_mismatch",

@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from detr_irpe.checkpoint.zoo import ZOO, ZooEntry
 from detr_irpe.errors import CheckpointError
-from detr_irpe.utils.files import atomic_write
+from detr_irpe.utils.files import atomic_write, describe_os_error
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ def fetch(url: str, target: Path, *, sha256_prefix: str | None = None,
                     response, out, url, target, sha256_prefix, progress))
     except OSError as err:  # the cache folder, not the network (those became messages)
         raise CheckpointError(
-            f"cannot write {target} ({err.strerror or err}): free space there, or point "
+            f"cannot write {target} ({describe_os_error(err)}): free space there, or point "
             "TORCH_HOME at a writable folder"
         ) from None
     logger.info("saved %s", target)

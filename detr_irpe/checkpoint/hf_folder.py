@@ -24,7 +24,7 @@ from detr_irpe.checkpoint.hf_keys import convert_hf_state_dict, hf_layout, to_hf
 from detr_irpe.checkpoint.safe import format_keys, load_safetensors, safe_load, safetensors_module
 from detr_irpe.errors import CheckpointError
 from detr_irpe.irpe import is_rpe_key, parse_rpe
-from detr_irpe.utils.files import fsync_dir
+from detr_irpe.utils.files import fsync_dir, os_error_behind, write_error
 
 logger = logging.getLogger(__name__)
 
@@ -323,8 +323,12 @@ def _write_folder(out_dir: Path, files: Mapping[str, bytes]) -> Path:
                 f"{out_dir} exists and holds other files ({format_keys(others, 4)}); give a new or "
                 "empty folder"
             )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp",
+                                    dir=out_dir.parent))
+    except OSError as err:
+        raise write_error(out_dir, err) from err
     old = tmp.with_name(tmp.name + ".old")
     try:
         for name, data in files.items():
@@ -336,11 +340,14 @@ def _write_folder(out_dir: Path, files: Mapping[str, bytes]) -> Path:
         if out_dir.exists():
             os.replace(out_dir, old)
         os.replace(tmp, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not out_dir.exists():
             os.replace(old, out_dir)
-        raise
+        cause = os_error_behind(exc)  # a full disk: one line, the old folder intact
+        if cause is None:
+            raise
+        raise write_error(out_dir, cause) from cause
     fsync_dir(out_dir.parent)  # the rename itself survives a power cut, as atomic_write's
     shutil.rmtree(old, ignore_errors=True)
     return out_dir

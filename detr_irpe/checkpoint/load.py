@@ -154,6 +154,22 @@ def _mismatch_error(
     return CheckpointError(f"{lead}; keys " + "; ".join(problems) + hint)
 
 
+def check_state_fits(model: nn.Module, state: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
+    """Refuse a state dict that does not fit ``model`` key for key and shape for shape
+    (a resumed run loads its own checkpoint whole: no head or table is left out).
+
+    ``meta`` names the file (``path``, ``format``, as :func:`read_checkpoint` gives it).
+
+    Raises:
+        CheckpointError: one line naming the file, the first keys that do not fit and the
+            config keys that explain them (``model.hidden_dim: checkpoint 256, model 128``).
+    """
+    target = unwrap_model(model).state_dict()
+    problems = key_problems(state, target, set())
+    if problems:
+        raise _mismatch_error(meta.get("path"), meta, state, target, problems)
+
+
 def _apply(
     model: nn.Module, state: Mapping[str, Tensor], reinitialized: list[str]
 ) -> None:
@@ -213,4 +229,4 @@ def load_weights(
     return load_state(model, state, meta, strict_head=strict_head)
 
 
-__all__ = ["key_problems", "load_state", "load_weights"]
+__all__ = ["check_state_fits", "key_problems", "load_state", "load_weights"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import time
 
@@ -33,8 +32,14 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from detr_irpe.ablation import collect_and_write, format_markdown, load_grid, run_grid
 from detr_irpe.ablation.schedule import format_command, launch_command
-from detr_irpe.cli.common import add_config_arguments, checked_overrides, new_parser, run_main
-from detr_irpe.errors import EXIT_FAILURE, EXIT_SIGINT, exit_status_for_signal
+from detr_irpe.cli.common import (
+    Terminated,
+    add_config_arguments,
+    checked_overrides,
+    new_parser,
+    run_main,
+)
+from detr_irpe.errors import EXIT_FAILURE, EXIT_SIGINT
 from detr_irpe.run_folder.status import RunState, run_state
 from detr_irpe.utils.files import ensure_writable_folder
 
@@ -72,14 +77,6 @@ def _non_negative(text: str) -> int:
     return value
 
 
-class _Terminated(SystemExit):
-    """SIGTERM (a batch system's stop) as an exception, so the running child is stopped."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated(exit_status_for_signal(signum))
-
-
 def _list_runs(grid, print_commands: bool) -> None:
     for run in grid.runs:
         state = run_state(run.output_dir, run.config)
@@ -93,15 +90,13 @@ def _list_runs(grid, print_commands: bool) -> None:
 
 
 def _train(grid, args: argparse.Namespace):
-    """Train the grid's unfinished runs; the tables are rewritten after each run."""
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        with logging_redirect_tqdm():  # log lines above the bar, not through it
-            return run_grid(grid, max_runs=args.max_runs, retry_failed=args.retry_failed,
-                            show_output=args.show_output, progress=not args.no_progress,
-                            after_run=lambda run, finished: collect_and_write(grid))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    """Train the grid's unfinished runs; the tables are rewritten after each run. SIGTERM
+    (a batch system's stop) is :class:`~detr_irpe.cli.common.Terminated` here (run_main):
+    it stops the running child on its way out."""
+    with logging_redirect_tqdm():  # log lines above the bar, not through it
+        return run_grid(grid, max_runs=args.max_runs, retry_failed=args.retry_failed,
+                        show_output=args.show_output, progress=not args.no_progress,
+                        after_run=lambda run, finished: collect_and_write(grid))
 
 
 def _summary(grid, report, seconds: float) -> int:
@@ -135,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.table_only:
             try:
                 report = _train(grid, args)
-            except (KeyboardInterrupt, _Terminated) as stop:
+            except (KeyboardInterrupt, Terminated) as stop:
                 print("interrupted; run the same command again to continue the grid",
                       file=sys.stderr)
                 collect_and_write(grid)
-                return stop.code if isinstance(stop, _Terminated) else EXIT_SIGINT
+                return stop.code if isinstance(stop, Terminated) else EXIT_SIGINT
         return _summary(grid, report, time.perf_counter() - start)
 
     return run_main(body, tool="detr-irpe-ablate")

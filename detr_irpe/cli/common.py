@@ -12,10 +12,15 @@ items win. Values are YAML scalars or lists (``data.train_scales=[480,512]``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import re
+import signal
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 from detr_irpe import sizes
@@ -25,6 +30,7 @@ from detr_irpe.errors import (
     EXIT_USER_ERROR,
     ConfigError,
     DetrIrpeError,
+    exit_status_for_signal,
 )
 from detr_irpe.evaluation import format_summary
 
@@ -151,23 +157,58 @@ def load_config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -
     return load_config(args.config, overrides)
 
 
+class Terminated(SystemExit):
+    """SIGTERM as an exception, as Ctrl-C is ``KeyboardInterrupt``: it unwinds through
+    ``finally`` blocks (temporary files removed, child processes stopped) and past
+    ``except Exception``. Its ``code`` is the exit status, 128 + 15."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(exit_status_for_signal(signum))
+
+
+@contextlib.contextmanager
+def sigterm_as_exception() -> Iterator[None]:
+    """Within the block SIGTERM raises :class:`Terminated` in the main thread (a training
+    loop installs its own stop at the next step inside it). A forked child that inherited
+    the handler (a data-loader worker) ignores the signal and ends with its parent."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pid = os.getpid()
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() == pid:
+            raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_main(body: Callable[[], int | None], *, tool: str | None = None) -> int:
     """Run a tool's body and turn errors into exit statuses.
 
     A :class:`~detr_irpe.errors.DetrIrpeError` prints ``error: <message>`` (one line,
     no traceback) and returns its ``exit_status`` (2 for user errors, 3 for NaN / inf,
     128 + signal after an interruption that saved a checkpoint). Ctrl-C anywhere
-    else returns 130 without a traceback. Any other exception is a bug and propagates.
+    else returns 130, SIGTERM 143, each with one line and no traceback. Any other
+    exception is a bug and propagates.
     """
     prefix = f"{tool}: " if tool else ""
     try:
-        status = body()
+        with sigterm_as_exception():
+            status = body()
     except DetrIrpeError as err:
         print(f"{prefix}error: {err}", file=sys.stderr)
         return int(getattr(err, "exit_status", EXIT_USER_ERROR))
     except KeyboardInterrupt:
         print(f"{prefix}interrupted", file=sys.stderr)
         return EXIT_SIGINT
+    except Terminated as stop:
+        print(f"{prefix}terminated (SIGTERM)", file=sys.stderr)
+        return int(stop.code)
     return int(status or 0)
 
 
@@ -177,6 +218,7 @@ def setup_tool_logging(level: int = logging.INFO) -> None:
 
 
 __all__ = [
+    "Terminated",
     "add_config_arguments",
     "add_device_argument",
     "check_resize_flags",
@@ -188,4 +230,5 @@ __all__ = [
     "print_eval_result",
     "run_main",
     "setup_tool_logging",
+    "sigterm_as_exception",
 ]

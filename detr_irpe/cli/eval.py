@@ -45,12 +45,17 @@ from detr_irpe.cli.common import (
 )
 from detr_irpe.config import Config, load_config
 from detr_irpe.data import build_dataloader, build_dataset
-from detr_irpe.engine.distributed import cleanup_distributed, init_distributed
+from detr_irpe.engine.distributed import (
+    DistInfo,
+    cleanup_distributed,
+    init_distributed,
+    lost_rank_as_error,
+)
 from detr_irpe.engine.logger import FILE_ONLY, setup_logging
 from detr_irpe.engine.runner import apply_process_settings
 from detr_irpe.engine.trainer import evaluate
 from detr_irpe.evaluation import CocoEvaluator, format_summary, per_class_table, write_eval_outputs
-from detr_irpe.models import model_from_checkpoint
+from detr_irpe.models import LoadedModel, model_from_checkpoint
 from detr_irpe.utils.files import ensure_writable_folder
 
 logger = logging.getLogger(__name__)
@@ -82,37 +87,43 @@ def run_evaluation(
     loaded = model_from_checkpoint(checkpoint, cfg, overrides)
     info = init_distributed(loaded.cfg.train.device)
     try:
-        output_dir = Path(output_dir)
-        if info.is_main:
-            output_dir.mkdir(parents=True, exist_ok=True)
-        setup_logging(output_dir, info.rank, filename="eval.log")
-        cfg = apply_process_settings(loaded.cfg, info)
-        logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
-        # labels as the model's class indices (remapped categories: model.category_ids)
-        val_ds = build_dataset(cfg.data, "val", category_ids=cfg.model.category_ids)
-        val_ds.check_num_classes(cfg.model.num_classes)
-        model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
-        loader = build_dataloader(
-            val_ds, cfg.train.batch_size, train=False, num_workers=cfg.data.num_workers,
-            distributed=info.distributed, seed=cfg.train.seed,
-        )
-        evaluator = CocoEvaluator(val_ds.coco)
-        losses, summary = evaluate(
-            model, criterion, loaded.postprocessor, loader, evaluator, info.device,
-            amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5,
-        )
-        table = per_class_table(evaluator)
-        if info.is_main:
-            # into eval.log only: the program prints the tables on stdout (print_eval_result)
-            logger.info("evaluation of %s:\n%s\n%s", checkpoint, format_summary(summary), table,
-                        extra=FILE_ONLY)
-            write_eval_outputs(evaluator, summary, losses, output_dir,
-                               {"checkpoint": str(checkpoint)})
-            evaluator.save_pr_arrays(output_dir / "precision.npz")
-        return {"summary": summary, "per_class_table": table, "losses": losses,
-                "output_dir": str(output_dir), "config": cfg, "rank": info.rank}
+        with lost_rank_as_error(info):
+            return _evaluate_on_this_rank(loaded, checkpoint, Path(output_dir), info, progress)
     finally:
         cleanup_distributed()
+
+
+def _evaluate_on_this_rank(loaded: LoadedModel, checkpoint: Path, output_dir: Path, info: DistInfo,
+                           progress: bool) -> dict[str, Any]:
+    """:func:`run_evaluation` in the process group ``info`` describes."""
+    if info.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(output_dir, info.rank, filename="eval.log")
+    cfg = apply_process_settings(loaded.cfg, info)
+    logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
+    # labels as the model's class indices (remapped categories: model.category_ids)
+    val_ds = build_dataset(cfg.data, "val", category_ids=cfg.model.category_ids)
+    val_ds.check_num_classes(cfg.model.num_classes)
+    model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
+    loader = build_dataloader(
+        val_ds, cfg.train.batch_size, train=False, num_workers=cfg.data.num_workers,
+        distributed=info.distributed, seed=cfg.train.seed,
+    )
+    evaluator = CocoEvaluator(val_ds.coco)
+    losses, summary = evaluate(
+        model, criterion, loaded.postprocessor, loader, evaluator, info.device,
+        amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5,
+    )
+    table = per_class_table(evaluator)
+    if info.is_main:
+        # into eval.log only: the program prints the tables on stdout (print_eval_result)
+        logger.info("evaluation of %s:\n%s\n%s", checkpoint, format_summary(summary), table,
+                    extra=FILE_ONLY)
+        write_eval_outputs(evaluator, summary, losses, output_dir,
+                           {"checkpoint": str(checkpoint)})
+        evaluator.save_pr_arrays(output_dir / "precision.npz")
+    return {"summary": summary, "per_class_table": table, "losses": losses,
+            "output_dir": str(output_dir), "config": cfg, "rank": info.rank}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ and images (each image draws from its own generator seeded by
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from detr_irpe.utils.files import atomic_write_text
+from detr_irpe.utils.files import atomic_write, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +267,16 @@ def render_image_with_owner(
 # ----------------------------------------------------------------------------- dataset files
 
 
+def _write_jpeg(path: Path, pixels: np.ndarray, quality: int) -> None:
+    """Encoded in memory, then written whole: PIL writing to a file itself can leave a
+    cut image without an error when the disk is full. Not fsync'ed one by one (a
+    generated dataset can be made again; the annotation file, written last, is)."""
+    encoded = io.BytesIO()
+    Image.fromarray(pixels).save(encoded, format="JPEG", quality=quality)
+    data = encoded.getvalue()
+    atomic_write(path, lambda f: f.write(data), durable=False)
+
+
 def generate_split(
     out_dir: str | Path,
     split: str,
@@ -295,7 +306,7 @@ def generate_split(
         pixels, objects = render_image(rng, spec)
         image_id = index + 1
         file_name = f"{index:06d}.jpg"
-        Image.fromarray(pixels).save(image_dir / file_name, quality=spec.jpeg_quality)
+        _write_jpeg(image_dir / file_name, pixels, spec.jpeg_quality)
         images.append(
             {"id": image_id, "file_name": file_name, "height": spec.size, "width": spec.size}
         )

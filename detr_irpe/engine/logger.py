@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from detr_irpe.config import LOGGERS, ConfigError
 from detr_irpe.engine.wandb_logger import WandbWriter, check_wandb
+from detr_irpe.utils.files import describe_os_error
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,30 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+class _RunLogFile(logging.FileHandler):
+    """``train.log`` / ``eval.log``: a write that fails (a full disk) turns the file off
+    with one warning on the console, where logging would print a traceback per line."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handleError(record)
+            return
+        self.failed = True
+        try:
+            self.close()
+        except OSError:  # the close flushes what the disk did not take
+            pass
+        logger.warning("could not write %s (%s): logging on the console only from here on",
+                       self.baseFilename, describe_os_error(err))
+
+
 def setup_logging(output_dir: str | Path | None = None, rank: int = 0, filename: str = "train.log") -> None:
     """Configure the ``detr_irpe`` logger (and the root for tools): INFO on rank 0,
     WARNING elsewhere; rank 0 also appends to ``output_dir/filename``."""
@@ -61,7 +86,7 @@ def setup_logging(output_dir: str | Path | None = None, rank: int = 0, filename:
     root.addHandler(console)
     if output_dir is not None and rank == 0:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(Path(output_dir) / filename)
+        file_handler = _RunLogFile(Path(output_dir) / filename)
         file_handler.setFormatter(fmt)
         file_handler.setLevel(logging.INFO)
         file_handler._detr_irpe = True  # type: ignore[attr-defined]

@@ -27,11 +27,16 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from detr_irpe.checkpoint import load_weights
+from detr_irpe.checkpoint import FORMAT, check_state_fits, load_weights
 from detr_irpe.config import Config, ConfigError, save_config
 from detr_irpe.data import build_dataloader, build_dataset, epoch_batches
 from detr_irpe.data.coco import sparse_ids_warning
-from detr_irpe.engine.distributed import DistInfo, cleanup_distributed, init_distributed
+from detr_irpe.engine.distributed import (
+    DistInfo,
+    cleanup_distributed,
+    init_distributed,
+    lost_rank_as_error,
+)
 from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
 from detr_irpe.engine.logger import (
     MetricTracker,
@@ -296,7 +301,9 @@ def build_parts(cfg: Config, info: DistInfo, start: StartState) -> RunParts:
 
 
 # ----------------------------------------------------------------------------- a resume
-def _load_model_state(model: nn.Module, state: Mapping[str, Any]) -> None:
+def _load_model_state(model: nn.Module, state: Mapping[str, Any], path: Path) -> None:
+    # one line naming the config keys that differ, as --finetune says it
+    check_state_fits(model, state["model"], {"path": path, "format": FORMAT})
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as err:
@@ -460,7 +467,7 @@ class TrainingRun:
             if start.finetune is not None:
                 _load_finetune_weights(parts.model, start.finetune)
             return cls(parts, info, output_dir, progress)
-        _load_model_state(parts.model, state)
+        _load_model_state(parts.model, state, start.resume_path)
         _load_optimizer_state(parts, state)
         position = _resumed_position(state, parts, info)
         metrics = state.get("metrics") if position.batch_in_epoch else None
@@ -674,7 +681,8 @@ def run_training(
     try:
         # One run per folder, and a writable one: checked before anything is built.
         lock = lock_run_folder(cfg.train.output_dir, info.is_main)
-        return _run_training(cfg, info, resume, finetune, progress, lock)
+        with lost_rank_as_error(info):
+            return _run_training(cfg, info, resume, finetune, progress, lock)
     finally:
         if lock is not None:
             lock.release()

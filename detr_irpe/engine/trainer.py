@@ -263,6 +263,41 @@ def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
     return [k for (k, _), ok in zip(named, flags.tolist()) if not ok]
 
 
+def check_finite_loss(loss: Tensor, loss_dict: Mapping[str, Tensor],
+                      weight_dict: Mapping[str, float]) -> None:
+    """Stop before the backward pass (so before any optimizer step) when the weighted
+    loss ``loss`` is NaN / inf, naming the terms that made it so.
+
+    One read of a scalar from the device. It comes right after the matcher's (which
+    waits for the forward pass): only the loss terms are queued in between, the
+    backward pass not yet. The terms are read only when something is wrong.
+
+    Raises:
+        NonFiniteError: ``loss_bbox * 1e+300 = inf (loss_bbox = 3.3)``, ...
+    """
+    if bool(loss.detach().isfinite()):
+        return
+    terms = {k: v.detach() for k, v in loss_dict.items()}
+    weighted = {k: float(v) for k, v in weighted_terms(terms, weight_dict).items()}
+    raw = {k: float(terms[k]) for k in weighted}
+    bad = [k for k in sorted(weighted) if not math.isfinite(weighted[k])]
+    parts = [f"{k} = {raw[k]}" if not math.isfinite(raw[k])
+             else f"{k} * {weight_dict[k]:g} = {weighted[k]} ({k} = {raw[k]:.4g})" for k in bad]
+    if not parts:  # every term finite, their sum not
+        parts = [f"the sum of {', '.join(f'{k} = {v:.4g}' for k, v in sorted(weighted.items()))}"
+                 f" = {float(loss.detach())}"]
+    shown = "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else "")
+    if all(math.isfinite(raw[k]) for k in bad):
+        advice = "lower the loss weight (loss.*_coef): the weighted term overflows float32"
+    else:
+        advice = ("lower train.lr, keep train.clip_max_norm > 0 or use train.amp=bf16 "
+                  "instead of fp16")
+    raise NonFiniteError(
+        f"non-finite loss: {shown}. Stopped before the optimizer step: the weights were not "
+        f"updated and the last checkpoint is intact; {advice}"
+    )
+
+
 def loss_and_backward(
     criterion: nn.Module,
     outputs: dict,
@@ -270,15 +305,21 @@ def loss_and_backward(
     indices: list,
     norms: Mapping[str, Any],
     scaler: torch.amp.GradScaler | None = None,
+    *,
+    check_finite: bool = False,
 ) -> dict[str, Tensor]:
     """Loss terms of matched ``outputs`` and the backward pass of their weighted sum.
 
     Args:
         indices: ``criterion.match(outputs, targets)``.
         norms: ``criterion.normalizers(...)`` of the whole accumulated batch.
+        check_finite: :func:`check_finite_loss` before the backward pass (one read from
+            the device); without it nothing is read back.
     """
     loss_dict = criterion(outputs, targets, indices=indices, **norms)
     loss = weighted_loss(loss_dict, criterion.weight_dict)
+    if check_finite:
+        check_finite_loss(loss, loss_dict, criterion.weight_dict)
     (scaler.scale(loss) if scaler is not None else loss).backward()
     return loss_dict
 
@@ -347,7 +388,8 @@ def train_step(
                     [t for _, t in micro], outputs["pred_logits"].shape[1], device
                 )
             indices = criterion.match(outputs, targets)
-            loss_dict = loss_and_backward(criterion, outputs, targets, indices, norms, scaler)
+            loss_dict = loss_and_backward(criterion, outputs, targets, indices, norms, scaler,
+                                          check_finite=True)
         _add_micro_losses(total, loss_dict, len(micro))
     _optimizer_step(model, optimizer, scaler, clip_max_norm)
     return total
@@ -612,6 +654,7 @@ __all__ = [
     "UpdateSettings",
     "autocast_context",
     "check_amp_device",
+    "check_finite_loss",
     "check_finite_outputs",
     "build_grad_scaler",
     "evaluate",

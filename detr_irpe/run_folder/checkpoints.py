@@ -24,7 +24,7 @@ fsync'ed, then renamed over the target with ``os.replace``; a process killed
 at any moment leaves either the old or the new file, never half of one. An
 ``OSError`` while writing (no space left, permissions) removes the temporary
 file, leaves the previous checkpoint in place and becomes a
-:class:`~detr_irpe.errors.RunFolderError` naming the file and the reason.
+:class:`~detr_irpe.errors.WriteError` naming the file and the reason.
 
 ``best_epoch`` records the ``epoch`` of the checkpoint that reached ``best_ap``;
 when ``checkpoint_last.pth`` is itself the best one but ``checkpoint_best.pth``
@@ -34,7 +34,6 @@ links it again when the run is resumed.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from collections.abc import Mapping
@@ -44,9 +43,9 @@ from typing import Any
 import torch
 
 from detr_irpe.checkpoint import FORMAT, atomic_save, safe_load
-from detr_irpe.errors import CheckpointError, RunFolderError
+from detr_irpe.errors import CheckpointError
 from detr_irpe.run_folder.lock import RunLock
-from detr_irpe.utils.files import describe_os_error, fsync_dir, write_temp
+from detr_irpe.utils.files import fsync_dir, write_error, write_temp
 
 logger = logging.getLogger(__name__)
 
@@ -76,20 +75,15 @@ def _rotate(last: Path, prev: Path) -> None:
         os.replace(last, prev)
 
 
-def _write_error(err: OSError, path: Path, kept: Path | None) -> RunFolderError:
-    hint = "free some space" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "fix the folder"
-    intact = f"; {kept.name} is intact" if kept is not None and kept.exists() else ""
-    return RunFolderError(
-        f"could not write {path}: {describe_os_error(err)}{intact}; {hint} and run the same "
-        "command to resume"
-    )
+# What to do after a failed checkpoint write, after "free some space" / "fix the folder".
+_RESUME_ADVICE = " and run the same command to resume"
 
 
 def save_training_checkpoint(state: Mapping[str, Any], folder: str | Path) -> Path:
     """Write ``state`` as ``checkpoint_last.pth``, first rotating the old one to ``_prev``.
 
     Raises:
-        RunFolderError: on an ``OSError`` (e.g. no space left); the previous
+        WriteError: on an ``OSError`` (e.g. no space left); the previous
             ``checkpoint_last.pth`` is then unchanged and no temporary file is left.
     """
     folder = Path(folder)
@@ -106,8 +100,8 @@ def save_training_checkpoint(state: Mapping[str, Any], folder: str | Path) -> Pa
             tmp.unlink(missing_ok=True)
             raise
         fsync_dir(folder)
-    except OSError as err:
-        raise _write_error(err, last, last) from None
+    except OSError as err:  # a WriteError from write_temp, or the rename's own
+        raise write_error(last, err, _RESUME_ADVICE) from None
     return last
 
 
@@ -116,7 +110,7 @@ def link_best(folder: str | Path, source: str = LAST) -> Path:
     (a hard link, or a copy where the file system has none).
 
     Raises:
-        RunFolderError: on an ``OSError`` while copying; the old best file stays.
+        WriteError: on an ``OSError`` while copying; the old best file stays.
     """
     folder = Path(folder)
     src, best = folder / source, folder / BEST
@@ -129,8 +123,8 @@ def link_best(folder: str | Path, source: str = LAST) -> Path:
         link.unlink(missing_ok=True)
         try:
             atomic_save(safe_load(src), best)
-        except OSError as err:
-            raise _write_error(err, best, best) from None
+        except OSError as err:  # the WriteError of a full disk
+            raise write_error(best, err, _RESUME_ADVICE) from None
     fsync_dir(folder)
     return best
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from detr_irpe.errors import RunFolderError
-from detr_irpe.utils.files import atomic_write_text
+from detr_irpe.utils.files import append_text, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +61,15 @@ def read_log(path: str | Path, *, required: bool = False) -> list[dict[str, Any]
 
 
 class JsonLinesLog:
-    """The ``log.txt`` a training run writes: records appended and flushed one by one."""
+    """The ``log.txt`` a training run writes: records appended one by one, each whole
+    or not at all (:func:`~detr_irpe.utils.files.append_text`)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
     def append(self, record: Mapping[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
+        """Add one record as a line. Raises ``WriteError`` (the earlier lines intact)."""
+        append_text(self.path, json.dumps(record) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
         return read_log(self.path)
