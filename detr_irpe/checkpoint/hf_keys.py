@@ -28,6 +28,9 @@ Writing goes the other way, in the ``transformers4`` layout, which both major
 versions of transformers load. Only plain DETR converts: transformers' DETR has
 no relative position encodings to hold the iRPE tables. Reading and writing
 ``save_pretrained`` folders is :mod:`detr_irpe.checkpoint.hf_folder`.
+
+:class:`KeyTable` is the renaming itself (name templates both ways, q / k / v fused or
+split); :mod:`detr_irpe.checkpoint.hf_dab_keys` gives it DAB-DETR's names.
 """
 
 from __future__ import annotations
