@@ -184,3 +184,57 @@ def test_dynamic_model_export_runs_at_other_sizes(checkpoint: Path, tmp_path: Pa
         ref_logits, ref_boxes = _pytorch_outputs(checkpoint, images)
         torch.testing.assert_close(logits, ref_logits, **TOL)
         torch.testing.assert_close(boxes, ref_boxes, **TOL)
+
+
+# ----------------------------------------------------------------------------- dab decoder
+# DAB-DETR, and DN-DETR (DAB-DETR trained with denoising queries: its eval-mode graph has
+# none, but its matching queries start from label_enc's extra row instead of zeros).
+DAB_DECODERS = {
+    "dab": ("model.decoder=dab",),
+    "dn": ("model.decoder=dab", "model.denoising.enabled=true"),
+}
+
+
+def _random_dab_model(decoder: str) -> nn.Module:
+    """A tiny DAB / DN model whose outputs depend on the image everywhere: random iRPE
+    tables and a random last box-head layer (it starts at zero: the boxes would be the
+    anchors whatever the image)."""
+    cfg = load_tiny_config("model.num_classes=3", f"model.rpe={RPE}", *DAB_DECODERS[decoder])
+    model, _, _ = build_model(cfg, load_backbone_weights=False)
+    _randomise_tables(model)
+    with torch.no_grad():
+        model.bbox_embed.layers[-1].weight.normal_(0.0, 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("decoder", ["dn", pytest.param("dab", marks=pytest.mark.slow)])
+def test_dab_decoder_exports_its_inference_graph(tmp_path: Path, decoder: str) -> None:
+    """images -> (pred_logits (N, Q, C): no "no object" column, pred_boxes): onnxruntime
+    equals the model's own forward; the anchors and the denoising part stay out."""
+    model = _random_dab_model(decoder)
+    path = export_onnx(model, tmp_path / f"{decoder}.onnx", SIZE)
+    assert [o.name for o in onnx.load(str(path)).graph.output] == list(OUTPUTS)
+    images = torch.randn(1, 3, *SIZE)
+    logits, boxes = run_onnx(path, images)
+    with torch.no_grad():
+        expected = model(ImageBatch.from_images(list(images)))
+    assert logits.shape == (1, 4, 3) and boxes.shape == (1, 4, 4)
+    # the boxes moved away from the anchors: the test sees the box head's graph
+    assert (expected["pred_boxes"][0] - expected["anchors"][-1, 0]).abs().max() > 1e-2
+    torch.testing.assert_close(logits, expected["pred_logits"], **TOL)
+    torch.testing.assert_close(boxes, expected["pred_boxes"], **TOL)
+
+
+@pytest.mark.slow
+def test_dab_decoder_dynamic_export_runs_at_other_sizes(tmp_path: Path) -> None:
+    """--dynamic with the dab decoder: the anchor queries do not depend on the image size,
+    so one file serves every batch and size."""
+    model = _random_dab_model("dn")
+    path = export_onnx(model, tmp_path / "dn_dynamic.onnx", SIZE, dynamic=True)
+    for shape in [(2, 3, 96, 64), (1, 3, 160, 130)]:
+        images = torch.randn(*shape)
+        logits, boxes = run_onnx(path, images)
+        with torch.no_grad():
+            expected = model(ImageBatch.from_images(list(images)))
+        torch.testing.assert_close(logits, expected["pred_logits"], **TOL)
+        torch.testing.assert_close(boxes, expected["pred_boxes"], **TOL)
