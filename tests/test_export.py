@@ -6,16 +6,17 @@ import contextlib
 import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import CHEBYSHEV, load_tiny_config
+from helpers import CHEBYSHEV, ROOT, load_tiny_config
 from torch import nn
 
 from detr_irpe.checkpoint import FORMAT, atomic_save
 from detr_irpe.cli.export import main
 from detr_irpe.export import OUTPUTS, export_onnx, run_onnx
 from detr_irpe.irpe import IRPEMultiheadAttention
-from detr_irpe.models import build_model
+from detr_irpe.models import TopKPostProcess, build_model
 from detr_irpe.models.from_checkpoint import model_from_checkpoint
 from detr_irpe.structures import ImageBatch
 
@@ -223,6 +224,26 @@ def test_dab_decoder_exports_its_inference_graph(tmp_path: Path, decoder: str) -
     assert (expected["pred_boxes"][0] - expected["anchors"][-1, 0]).abs().max() > 1e-2
     torch.testing.assert_close(logits, expected["pred_logits"], **TOL)
     torch.testing.assert_close(boxes, expected["pred_boxes"], **TOL)
+    _check_documented_dab_postprocessing(logits, boxes, (SIZE[0] * 2, SIZE[1] * 3))
+
+
+def _check_documented_dab_postprocessing(logits: torch.Tensor, boxes: torch.Tensor,
+                                         size: tuple[int, int]) -> None:
+    """docs/deployment.md's numpy post-processing of a DAB file equals TopKPostProcess."""
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    block = text.split("**DAB-DETR / DN-DETR files**", 1)[1].split("```python\n", 1)[1]
+    code = block.split("```", 1)[0]
+    height, width = size
+    namespace = {"np": np, "logits": logits.numpy(), "boxes": boxes.numpy(),
+                 "width": width, "height": height}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(code, "docs/deployment.md", "exec"), namespace)
+    (expected,) = TopKPostProcess(num_select=300)(
+        {"pred_logits": logits, "pred_boxes": boxes}, torch.tensor([[height, width]]))
+    assert len(namespace["scores"]) == len(expected["scores"]) == logits.shape[1:].numel()
+    torch.testing.assert_close(torch.from_numpy(namespace["scores"]), expected["scores"])
+    assert namespace["labels"].tolist() == expected["labels"].tolist()
+    torch.testing.assert_close(torch.from_numpy(namespace["xyxy"]), expected["boxes"])
 
 
 @pytest.mark.slow
