@@ -104,12 +104,12 @@ def _prediction(ax, box: Sequence[float], label: int, query: int) -> None:
 
 
 def _panels(count: int, image: InputImage, max_columns: int, size: float):
-    """``(fig, flat axes)``: ``count`` panels in rows of at most ``max_columns``."""
+    """``(fig, flat axes, columns)``: ``count`` panels in rows of at most ``max_columns``."""
     cols = max(min(count, max_columns), 1)
     rows = -(-max(count, 1) // cols)
     h0, w0 = image.original_size
     fig, axes = new_figure(rows, cols, panel_size=(size, size * h0 / w0 + 0.35))
-    return fig, [ax for row in axes for ax in row]
+    return fig, [ax for row in axes for ax in row], cols
 
 
 def _title(detections: Detections, i: int, names) -> str:
@@ -137,7 +137,7 @@ def plot_anchor_attention(
     """
     boxes = anchor_boxes(record.outputs, image.original_size, batch_index)
     layer_idx = record.layer_index("decoder", layer)
-    fig, flat = _panels(len(detections), image, max_columns, 3.2)
+    fig, flat, _ = _panels(len(detections), image, max_columns, 3.2)
     for i, (query, label) in enumerate(zip(detections.queries, detections.labels)):
         ax = flat[i]
         data = record.decoder_maps(int(query), layer_idx, batch_index).mean(0).numpy()
@@ -177,7 +177,7 @@ def plot_anchor_refinement(
     boxes = anchor_boxes(outputs, image.original_size, batch_index)
     layers = boxes.shape[0] - 1
     colours = layer_colours(layers)
-    fig, flat = _panels(len(detections), image, max_columns, 3.2)
+    fig, flat, cols = _panels(len(detections), image, max_columns, 3.2)
     for i, (query, label) in enumerate(zip(detections.queries, detections.labels)):
         ax, q = flat[i], int(query)
         ax.imshow(image.display)
@@ -202,8 +202,12 @@ def plot_anchor_refinement(
                       label="layer 0 start: learned anchor" if layer == 0
                       else f"layer {layer} start") for layer in range(layers)]
     handles.append(Line2D([], [], color="grey", label="prediction (class colour)"))
-    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4),
-               fontsize=8)
+    # one legend entry per panel width: a one-panel figure stacks them, and the figure
+    # grows by the legend's rows instead of shrinking the panels
+    ncols = min(len(handles), cols)
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width, height + 0.2 * -(-len(handles) // ncols) + 0.1)
+    fig.legend(handles=handles, loc="outside lower center", ncols=ncols, fontsize=8)
     fit_suptitle(fig, f"{image.name}: anchor boxes through the {layers} decoder layers "
                       "(box refinement)", fontsize=10)
     save_figure(fig, out)
