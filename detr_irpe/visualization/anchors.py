@@ -112,6 +112,16 @@ def _panels(count: int, image: InputImage, max_columns: int, size: float):
     return fig, [ax for row in axes for ax in row], cols
 
 
+def _blank_panels(flat: list, image: InputImage, count: int) -> None:
+    """Panels beyond the ``count`` detections hidden; without any, the image alone."""
+    if not count:
+        flat[0].imshow(image.display)
+        hide_ticks(flat[0])
+        flat[0].set_title("no detections", fontsize=9)
+    for ax in flat[max(count, 1):]:
+        ax.axis("off")
+
+
 def _title(detections: Detections, i: int, names) -> str:
     return (f"query {int(detections.queries[i])}: "
             f"{category_name(detections.labels[i], names)} {detections.scores[i]:.2f}")
@@ -145,12 +155,7 @@ def plot_anchor_attention(
         _box(ax, boxes[layer_idx, int(query)], ANCHOR_COLOUR, f"anchor:{int(query)}:{layer_idx}")
         _prediction(ax, boxes[-1, int(query)], int(label), int(query))
         ax.set_title(_title(detections, i, category_names), fontsize=8)
-    if not len(detections):
-        flat[0].imshow(image.display)
-        hide_ticks(flat[0])
-        flat[0].set_title("no detections", fontsize=9)
-    for ax in flat[max(len(detections), 1):]:
-        ax.axis("off")
+    _blank_panels(flat, image, len(detections))
     fit_suptitle(fig, f"{image.name}: decoder layer {layer_idx} cross-attention (mean of "
                       f"heads), dashed: the anchor box layer {layer_idx} started from",
                  fontsize=10)
@@ -192,12 +197,7 @@ def plot_anchor_refinement(
         ax.set_ylim(h0, 0)
         hide_ticks(ax)
         ax.set_title(_title(detections, i, category_names), fontsize=8)
-    if not len(detections):
-        flat[0].imshow(image.display)
-        hide_ticks(flat[0])
-        flat[0].set_title("no detections", fontsize=9)
-    for ax in flat[max(len(detections), 1):]:
-        ax.axis("off")
+    _blank_panels(flat, image, len(detections))
     handles = [Line2D([], [], color=colours[layer], linestyle="--",
                       label="layer 0 start: learned anchor" if layer == 0
                       else f"layer {layer} start") for layer in range(layers)]
