@@ -1,15 +1,30 @@
 """DAB-DETR and DN-DETR through the entry points DETR has: the Predictor and its
-post-processing (the dab decoder's top-k sigmoid scores, no "no object" column)."""
+post-processing (the dab decoder's top-k sigmoid scores, no "no object" column), and a
+checkpoint of a tiny DAB / DN training run read by model_from_checkpoint, eval, predict,
+visualize, export, the demo's figure step and safetensors."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import load_tiny_config
+from helpers import load_tiny_config, load_tool
+from PIL import Image
 
+from detr_irpe.checkpoint import save_safetensors
+from detr_irpe.engine.runner import run_training
 from detr_irpe.inference import Predictor
-from detr_irpe.models import TopKPostProcess, build_model
+from detr_irpe.models import (
+    DABDETR,
+    FocalSetCriterion,
+    TopKPostProcess,
+    build_model,
+    model_from_checkpoint,
+)
+from detr_irpe.run_folder.checkpoints import LAST
 
 NAMES = {1: "circle", 2: "square", 3: "triangle"}
 # DAB-DETR, and DN-DETR (DAB-DETR trained with denoising queries; in eval mode its
@@ -77,3 +92,116 @@ def test_predictor_uses_the_dab_post_processing(decoder: str) -> None:
     # a threshold keeps the best ones
     kept = predictor(pixels, score_threshold=float(scores[2]))
     torch.testing.assert_close(kept["scores"], scores[:3])
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module", params=sorted(DECODERS))
+def trained(request: pytest.FixtureRequest, tiny_dataset: Path, tmp_path_factory) -> Path:
+    """One epoch (2 steps) of a tiny DAB / DN model on the tiny dataset (3 classes, ids
+    1-3), evaluated at its end; its run folder is what the entry points below read."""
+    out = tmp_path_factory.mktemp(f"run_{request.param}")
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={out}",
+                           "train.epochs=1", *DECODERS[request.param])
+    run_training(cfg, progress=False)
+    return out
+
+
+def _final_ap(run: Path) -> list[float]:
+    return json.loads((run / "log.txt").read_text().splitlines()[-1])["test_coco_eval_bbox"]
+
+
+def _images(folder: Path, count: int = 2) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 256, (80, 120, 3), dtype=np.uint8)).save(
+            folder / f"img{i}.png")
+    return folder
+
+
+def test_model_from_checkpoint_builds_the_dab_model(trained: Path) -> None:
+    loaded = model_from_checkpoint(trained / LAST)
+    cfg = loaded.cfg.model
+    assert isinstance(loaded.model, DABDETR) and cfg.decoder == "dab"
+    assert (loaded.model.denoising is not None) == cfg.denoising.enabled
+    assert isinstance(loaded.criterion, FocalSetCriterion)
+    assert isinstance(loaded.postprocessor, TopKPostProcess)
+    assert loaded.model.class_embed.out_features == cfg.num_classes == 4  # no "no object"
+    assert not loaded.model.training
+
+
+def test_eval_tool_reproduces_the_runs_evaluation(trained: Path, tmp_path: Path, capsys) -> None:
+    """tools/eval.py on the checkpoint gives the 12 numbers the training's own evaluation
+    logged, with the dab post-processing: min(300, Q x C) = 4 x 4 detections per image."""
+    code = load_tool("eval").main([str(trained / LAST), "--output-dir", str(tmp_path),
+                                   "--no-progress"])
+    assert code == 0 and "AP50" in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["bbox"]["stats"] == pytest.approx(_final_ap(trained), abs=1e-9)
+    results = json.loads((tmp_path / "results.json").read_text())
+    per_image: dict[int, int] = {}
+    for entry in results:
+        per_image[entry["image_id"]] = per_image.get(entry["image_id"], 0) + 1
+    assert len(per_image) == 4 and set(per_image.values()) == {16}
+    assert {entry["category_id"] for entry in results} <= {0, 1, 2, 3}
+
+
+def test_predictor_and_predict_tool(trained: Path, tmp_path: Path) -> None:
+    predictor = Predictor.from_checkpoint(trained / LAST, device="cpu", score_threshold=0.0)
+    assert isinstance(predictor.postprocessor, TopKPostProcess)
+    images = _images(tmp_path / "in")
+    direct = predictor(str(images / "img0.png"))
+    assert len(direct["scores"]) == 16  # every (query, class) pair of 4 queries x 4 classes
+    out = tmp_path / "out"
+    code = load_tool("predict").main([str(trained / LAST), str(images), "--output-dir",
+                                      str(out), "--score-threshold", "0", "--device", "cpu",
+                                      "--no-progress"])
+    assert code == 0
+    document = json.loads((out / "detections.json").read_text())
+    assert len(document["detections"]) == 2 * 16
+    first = [d for d in document["detections"] if d["image_id"] == 1]
+    np.testing.assert_allclose([d["score"] for d in first], direct["scores"].numpy(), atol=1e-5)
+    assert sorted(p.stem for p in out.glob("*.png")) == ["img0", "img1"]
+
+
+def test_safetensors_holds_the_same_model(trained: Path, tmp_path: Path) -> None:
+    loaded = model_from_checkpoint(trained / LAST)
+    path = save_safetensors(loaded.model.state_dict(), tmp_path / "model.safetensors",
+                            config=loaded.cfg.to_dict())
+    again = model_from_checkpoint(path)
+    assert isinstance(again.postprocessor, TopKPostProcess)
+    images = [torch.randn(3, 64, 80)]
+    with torch.no_grad():
+        expected, got = loaded.model(images), again.model(images)
+    for key in ("pred_logits", "pred_boxes", "anchors"):
+        assert torch.equal(got[key], expected[key]), key
+
+
+def test_visualize_all_and_the_demo_figure_step(trained: Path, tmp_path: Path, capsys) -> None:
+    """visualize all (and the demo's draw_figures, which calls the same maps) writes the
+    anchor figures of a DAB / DN checkpoint."""
+    from detr_irpe.cli.demo import draw_figures
+
+    image = _images(tmp_path / "in", count=1) / "img0.png"
+    assert load_tool("visualize").main(["all", "--checkpoint", str(trained / LAST),
+                                        "--image", str(image), "--out-dir",
+                                        str(tmp_path / "figs")]) == 0
+    written = {Path(line).name for line in capsys.readouterr().out.splitlines()}
+    assert {"img0_anchor_attention.png", "img0_anchor_refinement.png",
+            "img0_decoder_attention.png"} <= written
+    draw_figures(trained / LAST, [image], tmp_path / "demo")
+    figures = {p.name for p in (tmp_path / "demo" / "figures").glob("*.png")}
+    assert {"img0_anchor_attention.png", "img0_anchor_refinement.png"} <= figures
+
+
+@pytest.mark.slow
+def test_export_tool_checks_a_dab_checkpoint(trained: Path, tmp_path: Path, capsys) -> None:
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    out = tmp_path / "model.onnx"
+    assert load_tool("export").main([str(trained / LAST), "--size", "64x96", "--output",
+                                     str(out), "--check"]) == 0
+    printed = capsys.readouterr().out
+    assert "check: onnxruntime vs PyTorch" in printed and out.is_file()
