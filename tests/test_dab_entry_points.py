@@ -97,7 +97,8 @@ def test_predictor_uses_the_dab_post_processing(decoder: str) -> None:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-@pytest.fixture(scope="module", params=sorted(DECODERS))
+# DN-DETR (the dab decoder and label_enc) in the default suite, plain DAB-DETR with -m slow
+@pytest.fixture(scope="module", params=["dn", pytest.param("dab", marks=pytest.mark.slow)])
 def trained(request: pytest.FixtureRequest, tiny_dataset: Path, tmp_path_factory) -> Path:
     """One epoch (2 steps) of a tiny DAB / DN model on the tiny dataset (3 classes, ids
     1-3), evaluated at its end; its run folder is what the entry points below read."""
