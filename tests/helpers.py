@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+import detr_irpe.cli.export
 from detr_irpe.config import Config, DataConfig, load_config
 from detr_irpe.data.synthetic import SyntheticSpec
 from detr_irpe.irpe import register_bucket_method
@@ -167,3 +168,37 @@ def write_png_bomb(path: Path, side: int = BOMB_SIDE) -> Path:
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header)
                      + _png_chunk(b"IDAT", data) + _png_chunk(b"IEND", b""))
     return path
+
+
+@torch.no_grad()
+def randomise(module: torch.nn.Module, seed: int) -> None:
+    """Every parameter and buffer to random values of a sensible scale (BN variances > 0),
+    so that a wrong name or a swapped tensor shows in the outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in module.state_dict().items():
+        if not tensor.is_floating_point():
+            continue
+        if name.endswith("running_var") or (tensor.dim() == 1 and name.endswith("weight")):
+            values = torch.rand(tensor.shape, generator=gen) + 0.5
+        elif tensor.dim() == 1:
+            values = torch.randn(tensor.shape, generator=gen) * 0.1
+        else:  # fan-in scaled, so that activations neither vanish nor saturate
+            values = torch.randn(tensor.shape, generator=gen) * tensor[0].numel() ** -0.5
+        tensor.copy_(values)
+
+
+def record_exported_model(monkeypatch: Any) -> dict[str, Any]:
+    """Replace the export tool's ``export_onnx`` by a stand-in that writes a dummy file and
+    records the state dict of the model it is given (``["state"]`` of the returned dict):
+    which weights the export tool hands over, without the ONNX conversion itself. (The
+    tool's own name is replaced: it imported the function before any test ran.)"""
+    received: dict[str, Any] = {}
+
+    def export_onnx(model: torch.nn.Module, path: str | Path, size: Any, **kwargs: Any) -> Path:
+        received["state"] = model.state_dict()
+        Path(path).write_bytes(b"onnx")
+        return Path(path)
+
+    monkeypatch.setattr(detr_irpe.cli.export, "export_onnx", export_onnx)
+    return received
+

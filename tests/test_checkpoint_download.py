@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, load_tiny_config
+from helpers import ROOT, load_tiny_config, record_exported_model
 
 from detr_irpe.checkpoint import zoo
 from detr_irpe.checkpoint.download import (
@@ -359,16 +359,7 @@ def test_train_finetunes_and_resumes_from_names(tiny_zoo, published, tiny_datase
 def test_export_takes_a_name(tiny_zoo, published, tmp_path, monkeypatch):
     # The ONNX conversion itself (about 20 s) is tests/test_export.py's; here the model the
     # exporter receives must be the named checkpoint's.
-    import detr_irpe.export
-
-    received = {}
-
-    def export_onnx(model, path, size, **kwargs):
-        received["state"] = model.state_dict()
-        Path(path).write_bytes(b"onnx")
-        return Path(path)
-
-    monkeypatch.setattr(detr_irpe.export, "export_onnx", export_onnx)
+    received = record_exported_model(monkeypatch)
     out = tmp_path / "tiny.onnx"
     assert _run("export", TINY, "--format", "onnx", "--size", "64x64",
                 "--output", str(out)) == 0

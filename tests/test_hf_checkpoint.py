@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import randomise
 
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
@@ -58,22 +59,6 @@ def to_published_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             key = re.sub(pattern, replacement, key)
         renamed[key] = value
     return renamed
-
-
-@torch.no_grad()
-def randomise(module: torch.nn.Module, seed: int) -> None:
-    """Every parameter and buffer to random values of a sensible scale (BN variances > 0)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, tensor in module.state_dict().items():
-        if not tensor.is_floating_point():
-            continue
-        if name.endswith("running_var") or (tensor.dim() == 1 and name.endswith("weight")):
-            values = torch.rand(tensor.shape, generator=gen) + 0.5
-        elif tensor.dim() == 1:
-            values = torch.randn(tensor.shape, generator=gen) * 0.1
-        else:  # fan-in scaled, so that activations neither vanish nor saturate
-            values = torch.randn(tensor.shape, generator=gen) * tensor[0].numel() ** -0.5
-        tensor.copy_(values)
 
 
 def project_model(*overrides: str) -> torch.nn.Module:

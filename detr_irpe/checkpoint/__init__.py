@@ -4,17 +4,20 @@ atomic writers, key layouts, loading into a model, and the config a checkpoint i
 - ``safe``: :func:`safe_load` (``torch.load(weights_only=True)`` allowing only
   ``argparse.Namespace``) and :func:`load_safetensors`; a leaf module;
 - ``files``: :func:`read_checkpoint` ``(path) -> (state_dict, meta)``: every layout this
-  project accepts (own ``.pth`` / ``.safetensors``, public DETR and iRPE-DETR, the
-  reference training script's files, Hugging Face DETR), each file read once;
+  project accepts (own ``.pth`` / ``.safetensors``, public DETR, iRPE-DETR, DAB-DETR and
+  DN-DETR, the reference training scripts' files, Hugging Face DETR and DAB-DETR), each
+  file read once;
   :func:`atomic_save` / :func:`save_safetensors`;
 - ``layout``: key layouts, :func:`architecture` (what a state dict says about its model),
+  :func:`decoder_of` / :func:`num_classes_of` (DETR's or DAB-DETR's class head),
   :func:`explain_mismatch`, :func:`convert_state_dict` (class-head resize, iRPE tables);
-- ``hf_keys`` / ``hf_folder``: Hugging Face ``DetrForObjectDetection`` key names, and its
-  ``save_pretrained`` folders;
+- ``hf_keys`` / ``hf_dab_keys`` / ``hf_folder``: Hugging Face ``DetrForObjectDetection``
+  and ``DabDetrForObjectDetection`` key names, and their ``save_pretrained`` folders;
 - ``load``: :func:`load_weights` / :func:`load_state` into a model, with the class-head
   and iRPE-table rules and errors that name the differing config keys;
 - ``saved_config``: :func:`config_for_checkpoint`, the config a checkpoint's model is
-  built from (``detr_irpe.models.model_from_checkpoint`` builds it);
+  built from (``detr_irpe.models.model_from_checkpoint`` builds it); ``implied_config``:
+  the one a DAB-DETR / DN-DETR file without a config implies;
 - ``zoo``: the published checkpoints' addresses.
 
 Which checkpoints a training run keeps (last / prev / best, resume discovery) is
@@ -34,12 +37,15 @@ from detr_irpe.checkpoint.layout import (
     add_rpe_tables,
     architecture,
     convert_state_dict,
+    decoder_of,
     explain_mismatch,
+    layout_of,
+    num_classes_of,
     resize_class_head,
 )
 from detr_irpe.checkpoint.load import key_problems, load_state, load_weights
 from detr_irpe.checkpoint.safe import FORMAT, allowed_classes, format_keys, safe_load
-from detr_irpe.checkpoint.saved_config import config_for_checkpoint, resolve_config
+from detr_irpe.checkpoint.saved_config import config_for_checkpoint, has_config, resolve_config
 from detr_irpe.errors import CheckpointError
 
 __all__ = [
@@ -53,11 +59,15 @@ __all__ = [
     "atomic_save",
     "config_for_checkpoint",
     "convert_state_dict",
+    "decoder_of",
     "explain_mismatch",
     "format_keys",
+    "has_config",
     "key_problems",
+    "layout_of",
     "load_state",
     "load_weights",
+    "num_classes_of",
     "read_checkpoint",
     "resize_class_head",
     "resolve_config",

@@ -6,12 +6,12 @@ reader. It accepts
 
 - this project's ``.pth`` files (``{"format": "detr_irpe", "model": sd, "config": ...}``);
 - this project's ``.safetensors`` files (config and category names in the metadata);
-- public DETR and iRPE-DETR files ``{"model": sd, ...}`` (with ``args`` an
-  ``argparse.Namespace`` when written by the reference training script);
+- public DETR, iRPE-DETR, DAB-DETR and DN-DETR files ``{"model": sd, ...}`` (with
+  ``args`` an ``argparse.Namespace`` when written by the reference training script);
 - bare state dicts (``{"state_dict": sd}`` or ``{key: tensor}``);
-- Hugging Face ``DetrForObjectDetection`` weights (a ``save_pretrained`` folder or
-  its ``.safetensors`` file), converted by :mod:`detr_irpe.checkpoint.hf_keys` and
-  :mod:`detr_irpe.checkpoint.hf_folder`;
+- Hugging Face ``DetrForObjectDetection`` / ``DabDetrForObjectDetection`` weights (a
+  ``save_pretrained`` folder or its ``.safetensors`` file), converted by
+  :mod:`detr_irpe.checkpoint.hf_keys`, ``hf_dab_keys`` and ``hf_folder``;
 
 and returns ``(state_dict, meta)`` in this project's key layout, reading the file once.
 """
@@ -28,8 +28,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from detr_irpe.checkpoint.hf_folder import CONFIG_NAME, WEIGHTS_NAME, read_hf_folder
-from detr_irpe.checkpoint.hf_keys import convert_hf_state_dict, is_hf_state_dict
+from detr_irpe.checkpoint.hf_folder import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    convert_hf_weights,
+    read_hf_folder,
+)
+from detr_irpe.checkpoint.hf_keys import is_hf_state_dict
 from detr_irpe.checkpoint.layout import layout_of, strip_ddp_prefix
 from detr_irpe.checkpoint.safe import (
     FORMAT,
@@ -96,6 +101,7 @@ def split_checkpoint(obj: Any, path: str | Path) -> tuple[dict[str, Tensor], dic
     """``(state_dict, meta)`` of an already loaded torch checkpoint ``obj`` read from ``path``.
 
     ``meta``: ``path``, ``format`` (``detr_irpe`` | ``detr`` | ``irpe_detr`` |
+    ``dab_detr`` | ``dn_dab_detr`` |
     ``state_dict`` | ``hf``), ``config`` (the saved config dict or None), ``epoch``,
     ``category_names`` (``{id: name}`` or None), ``args`` (the reference training
     script's arguments as a dict, or None) and ``extra`` (every other top-level entry,
@@ -125,11 +131,12 @@ def split_checkpoint(obj: Any, path: str | Path) -> tuple[dict[str, Tensor], dic
 def _from_hf_if_needed(
     state: dict[str, Tensor], meta: dict[str, Any]
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Convert Hugging Face ``DetrForObjectDetection`` keys to this project's layout."""
+    """Convert Hugging Face ``DetrForObjectDetection`` / ``DabDetrForObjectDetection`` keys
+    to this project's layout."""
     if meta["format"] == FORMAT or not is_hf_state_dict(state):
         return state, meta
     meta["format"] = "hf"
-    return convert_hf_state_dict(state), meta
+    return convert_hf_weights(state)[0], meta
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:

@@ -1,16 +1,20 @@
-"""Hugging Face ``save_pretrained`` folders of ``DetrForObjectDetection``: reading them
-into this project's layout and writing this project's plain-DETR weights as one.
+"""Hugging Face ``save_pretrained`` folders of ``DetrForObjectDetection`` and
+``DabDetrForObjectDetection``: reading them into this project's layout and writing this
+project's plain DETR / plain DAB-DETR weights as one.
 
 A folder holds ``config.json`` and ``model.safetensors`` (or a sharded safetensors
 file, or ``pytorch_model.bin`` in older Hub repositories). The key names are converted
-by :mod:`detr_irpe.checkpoint.hf_keys`; ``config.json`` gives the ``model.*`` settings
-(:func:`hf_model_config`) and the category names (``id2label``).
+by :mod:`detr_irpe.checkpoint.hf_keys` (DETR) and :mod:`detr_irpe.checkpoint.hf_dab_keys`
+(DAB-DETR), whichever the keys are (:func:`convert_hf_weights`); ``config.json`` gives
+the ``model.*`` settings (:func:`hf_model_config`, :func:`hf_dab_model_config`) and the
+category names (``id2label``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -20,7 +24,13 @@ from typing import Any
 
 from torch import Tensor
 
+from detr_irpe.checkpoint.hf_dab_keys import (
+    convert_hf_dab_state_dict,
+    is_hf_dab_state_dict,
+    to_hf_dab_state_dict,
+)
 from detr_irpe.checkpoint.hf_keys import convert_hf_state_dict, hf_layout, to_hf_state_dict
+from detr_irpe.checkpoint.layout import LABEL_KEY, num_classes_of
 from detr_irpe.checkpoint.safe import format_keys, load_safetensors, safe_load, safetensors_module
 from detr_irpe.errors import CheckpointError
 from detr_irpe.irpe import is_rpe_key, parse_rpe
@@ -32,6 +42,10 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 _SHARD_INDEX_NAME = "model.safetensors.index.json"
 _TORCH_WEIGHTS_NAME = "pytorch_model.bin"
+# transformers' model_type of each family (config.json), and the key layout reported for
+# DAB-DETR (transformers 4.48+ and 5 use the same names).
+MODEL_TYPES = {"detr": "detr", "dab_detr": "dab-detr"}
+DAB_LAYOUT = "transformers"
 # (depths, layer type) of transformers' ResNetConfig -> the ResNet it is.
 _HF_RESNET_NAMES = {
     ((2, 2, 2, 2), "basic"): "resnet18",
@@ -74,14 +88,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def hf_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``model.*`` config values of this project that a transformers ``config.json`` implies.
-
-    Raises:
-        CheckpointError: a setting this project's DETR cannot reproduce (another
-            activation, encoder and decoder with different widths or head counts, a
-            backbone other than a timm ResNet).
-    """
+def _same_for_encoder_and_decoder(hf_config: Mapping[str, Any]) -> None:
     for a, b in (
         ("encoder_attention_heads", "decoder_attention_heads"),
         ("encoder_ffn_dim", "decoder_ffn_dim"),
@@ -91,27 +98,93 @@ def hf_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
                 f"{CONFIG_NAME}: {a}={hf_config.get(a)} differs from {b}={hf_config.get(b)}; "
                 "this project's DETR uses one value for encoder and decoder"
             )
-    activation = hf_config.get("activation_function", "relu")
-    if activation != "relu":
+
+
+def _check_activation(hf_config: Mapping[str, Any], expected: str, default: str) -> None:
+    activation = hf_config.get("activation_function", default)
+    if activation != expected:
         raise CheckpointError(
-            f"{CONFIG_NAME}: activation_function={activation!r}; this project's DETR uses relu"
+            f"{CONFIG_NAME}: activation_function={activation!r}; this project's model uses "
+            f"{expected}"
         )
-    fields = {
-        "hidden_dim": "d_model",
-        "nheads": "encoder_attention_heads",
-        "enc_layers": "encoder_layers",
-        "dec_layers": "decoder_layers",
-        "dim_feedforward": "encoder_ffn_dim",
-        "num_queries": "num_queries",
-        "dilation": "dilation",
-        "position_embedding": "position_embedding_type",
-    }
+
+
+def _model_settings(hf_config: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
+    """``{our key: their value}`` of ``fields`` (ours -> theirs), the backbone and the
+    class count (``id2label``)."""
     model = {ours: hf_config[theirs] for ours, theirs in fields.items() if theirs in hf_config}
     backbone = _backbone_name(hf_config)
     if backbone:
         model["backbone"] = backbone
     if isinstance(hf_config.get("id2label"), Mapping):
         model["num_classes"] = len(hf_config["id2label"])
+    return model
+
+
+# Settings both families name alike: ours -> theirs.
+_SHARED_FIELDS = {
+    "nheads": "encoder_attention_heads",
+    "enc_layers": "encoder_layers",
+    "dec_layers": "decoder_layers",
+    "dim_feedforward": "encoder_ffn_dim",
+    "num_queries": "num_queries",
+    "dilation": "dilation",
+}
+
+
+def hf_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``model.*`` config values of this project that a transformers ``config.json`` implies.
+
+    Raises:
+        CheckpointError: a setting this project's DETR cannot reproduce (another
+            activation, encoder and decoder with different widths or head counts, a
+            backbone other than a timm ResNet).
+    """
+    _same_for_encoder_and_decoder(hf_config)
+    _check_activation(hf_config, "relu", "relu")
+    fields = {"hidden_dim": "d_model", **_SHARED_FIELDS,
+              "position_embedding": "position_embedding_type"}
+    return _model_settings(hf_config, fields)
+
+
+# DabDetrConfig settings whose non-default values this project's DAB-DETR does not build.
+_DAB_UNSUPPORTED = (
+    ("normalize_before", False, "the DAB layers here are post-norm"),
+    ("keep_query_pos", False, "only decoder layer 0 adds the query position here, as published"),
+    ("num_patterns", 0, "pattern embeddings are not offered"),
+    ("query_dim", 4, "the anchors are 4-D boxes"),
+)
+
+
+def hf_dab_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``model.*`` config values a ``DabDetrConfig`` ``config.json`` implies
+    (``model.decoder: dab``, no denoising: transformers' DAB-DETR has none).
+
+    Raises:
+        CheckpointError: a setting this project's DAB-DETR cannot reproduce (another
+            activation, pre-norm, ``keep_query_pos``, pattern embeddings, different
+            height / width temperatures or a position scale other than 2 pi, encoder and
+            decoder of different widths, a backbone other than a ResNet).
+    """
+    _same_for_encoder_and_decoder(hf_config)
+    _check_activation(hf_config, "prelu", "prelu")
+    for key, default, why in _DAB_UNSUPPORTED:
+        if hf_config.get(key, default) != default:
+            raise CheckpointError(f"{CONFIG_NAME}: {key}={hf_config[key]!r}; {why}")
+    height, width = hf_config.get("temperature_height", 20), hf_config.get("temperature_width", 20)
+    if height != width:
+        raise CheckpointError(
+            f"{CONFIG_NAME}: temperature_height={height} and temperature_width={width} differ; "
+            "model.pe_temperature is one value for both"
+        )
+    scale = hf_config.get("sine_position_embedding_scale")
+    if scale is not None and not math.isclose(scale, 2 * math.pi):
+        raise CheckpointError(
+            f"{CONFIG_NAME}: sine_position_embedding_scale={scale}; the position encoding here "
+            "scales by 2 pi"
+        )
+    model = _model_settings(hf_config, {"hidden_dim": "hidden_size", **_SHARED_FIELDS})
+    model.update(decoder="dab", pe_temperature=float(height))
     return model
 
 
@@ -143,18 +216,32 @@ def _backbone_name(hf_config: Mapping[str, Any]) -> str | None:
     return name
 
 
+def convert_hf_weights(state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], str]:
+    """A transformers detector's state dict in this project's layout, and its family:
+    ``"dab_detr"`` (``DabDetrForObjectDetection``) or ``"detr"`` (``DetrForObjectDetection``).
+
+    Raises:
+        CheckpointError: keys of neither, as the family's converter says.
+    """
+    if is_hf_dab_state_dict(state):
+        return convert_hf_dab_state_dict(state), "dab_detr"
+    return convert_hf_state_dict(state), "detr"
+
+
 def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Read a ``save_pretrained`` folder of ``DetrForObjectDetection`` (or its
-    ``.safetensors`` file) into this project's layout.
+    """Read a ``save_pretrained`` folder of ``DetrForObjectDetection`` or
+    ``DabDetrForObjectDetection`` (or its ``.safetensors`` file) into this project's layout.
 
     Returns:
         ``(state_dict, meta)``; ``meta`` has ``path``, ``format`` (``"hf"``),
-        ``layout`` (:data:`LAYOUTS`), ``num_classes`` (the class head's rows minus the
-        "no object" row; transformers' ``num_labels``), ``category_names``
-        (``{id: name}`` from ``id2label`` without the ``"N/A"`` placeholders, or None),
-        ``model`` (the ``model.*`` config values implied by ``config.json``, see
-        :func:`hf_model_config`) and ``hf_config`` (``config.json`` as a dict, or None
-        for a lone file without one).
+        ``model_type`` (``detr`` or ``dab-detr``), ``layout`` (DETR: :data:`LAYOUTS`;
+        DAB-DETR: :data:`DAB_LAYOUT`, one set of names), ``num_classes`` (transformers'
+        ``num_labels``: DETR's class head rows minus the "no object" row, DAB-DETR's
+        rows), ``category_names`` (``{id: name}`` from ``id2label`` without the
+        ``"N/A"`` placeholders, or None), ``model`` (the ``model.*`` config values
+        implied by ``config.json``, see :func:`hf_model_config` /
+        :func:`hf_dab_model_config`) and ``hf_config`` (``config.json`` as a dict, or
+        None for a lone file without one).
 
     Raises:
         CheckpointError: missing files, unreadable JSON / weights, unknown key layout,
@@ -172,19 +259,21 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
         raw, _ = load_safetensors(path)
         sibling = path.with_name(CONFIG_NAME)
         hf_config = _read_json(sibling) if sibling.is_file() else None
-        if hf_config is not None and hf_config.get("model_type") != "detr":
-            hf_config = None  # a config.json of something else in the same folder
     else:
         raise CheckpointError(f"checkpoint {str(path)!r} not found")
-    layout = hf_layout(raw)
-    state = convert_hf_state_dict(raw)
-    head = state.get("class_embed.weight")
-    num_classes = None if head is None else head.shape[0] - 1
-    model = hf_model_config(hf_config) if hf_config is not None else {}
+    state, family = convert_hf_weights(raw)
+    if path.is_file() and hf_config is not None and \
+            hf_config.get("model_type") != MODEL_TYPES[family]:
+        hf_config = None  # a config.json of something else in the same folder
+    num_classes = num_classes_of(state)
+    if hf_config is None:
+        model: dict[str, Any] = {}
+    else:
+        model = hf_dab_model_config(hf_config) if family == "dab_detr" else hf_model_config(hf_config)
     if num_classes is not None and model.get("num_classes", num_classes) != num_classes:
         raise CheckpointError(
             f"{path}: {CONFIG_NAME} names {model['num_classes']} labels (id2label) but the class "
-            f"head has {num_classes} + 1 rows"
+            f"head is for {num_classes} classes ({state['class_embed.weight'].shape[0]} rows)"
         )
     names = None
     if hf_config is not None and isinstance(hf_config.get("id2label"), Mapping):
@@ -192,7 +281,8 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
     meta = {
         "path": str(path),
         "format": "hf",
-        "layout": layout,
+        "model_type": MODEL_TYPES[family],
+        "layout": hf_layout(raw) if family == "detr" else DAB_LAYOUT,
         "num_classes": num_classes,
         "category_names": names,
         "model": model,
@@ -202,12 +292,23 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
 
 
 def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
-    """Why transformers' DETR cannot hold this model, or None when it can."""
+    """Why transformers' DETR / DAB-DETR cannot hold this model, or None when it can."""
     model = cfg.model
     if parse_rpe(model.rpe) is not None or any(is_rpe_key(k) for k in state):
         return (
             f"an iRPE model (model.rpe={model.rpe}) cannot be written for Hugging Face: "
-            "transformers' DETR has no relative position encodings"
+            "transformers' DETR and DAB-DETR have no relative position encodings"
+        )
+    if model.decoder == "dab" and (model.denoising.enabled or LABEL_KEY in state):
+        return (
+            "a DN-DETR model (model.denoising.enabled=true) cannot be written for Hugging Face: "
+            "transformers' DabDetrForObjectDetection has no label_enc, and DN-DETR's matching "
+            "queries start from its last row (transformers' start at zero)"
+        )
+    if model.decoder == "dab" and not float(model.position_temperature).is_integer():
+        return (
+            f"model.pe_temperature={model.position_temperature} cannot be written for Hugging "
+            "Face: DabDetrConfig's temperatures are integers"
         )
     if model.pre_norm:
         return (
@@ -227,27 +328,26 @@ def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
     return None
 
 
-def hf_config_dict(
-    cfg: Any, num_classes: int, category_names: Mapping[int, str] | None = None
-) -> dict[str, Any]:
-    """A transformers 4-style ``config.json`` for ``cfg.model`` (both 4 and 5 read it).
+def _labels(num_classes: int, category_names: Mapping[int, str] | None) -> dict[str, Any]:
+    """``id2label`` / ``label2id`` of ``num_classes`` ids (``"N/A"`` for unnamed ones)."""
+    names = dict(category_names or {})
+    id2label = {str(i): names.get(i, "N/A") for i in range(num_classes)}
+    return {"id2label": id2label, "label2id": {name: int(i) for i, name in id2label.items()}}
+
+
+def _shared_config(cfg: Any) -> dict[str, Any]:
+    """The ``config.json`` entries DetrConfig and DabDetrConfig name alike.
 
     The backbone is a timm ResNet built without downloading ImageNet weights
     (``use_pretrained_backbone: false``): the folder holds all weights.
     """
     model = cfg.model
-    names = dict(category_names or {})
-    id2label = {str(i): names.get(i, "N/A") for i in range(num_classes)}
     return {
-        "architectures": ["DetrForObjectDetection"],
-        "model_type": "detr",
         "use_timm_backbone": True,
         "backbone": model.backbone,
         "use_pretrained_backbone": False,
         "backbone_config": None,
         "dilation": model.dilation,
-        "num_channels": 3,
-        "d_model": model.hidden_dim,
         "encoder_layers": model.enc_layers,
         "decoder_layers": model.dec_layers,
         "encoder_attention_heads": model.nheads,
@@ -255,21 +355,49 @@ def hf_config_dict(
         "encoder_ffn_dim": model.dim_feedforward,
         "decoder_ffn_dim": model.dim_feedforward,
         "num_queries": model.num_queries,
-        "position_embedding_type": "sine",
-        "activation_function": "relu",
         # This project drops out attention weights, residual branches and the FFN
         # activation with one rate; transformers has one setting for each.
         "dropout": model.dropout,
         "attention_dropout": model.dropout,
         "activation_dropout": model.dropout,
-        # transformers' decoder with auxiliary_loss=true feeds each layer the
-        # layer-normalised output of the one before (DETR feeds the un-normalised one),
-        # which changes the predictions; the Hub configs leave it false, and so do we.
         "auxiliary_loss": False,
         "is_encoder_decoder": True,
-        "id2label": id2label,
-        "label2id": {name: int(i) for i, name in id2label.items()},
     }
+
+
+def hf_config_dict(
+    cfg: Any, num_classes: int, category_names: Mapping[int, str] | None = None
+) -> dict[str, Any]:
+    """A transformers 4-style ``config.json`` for ``cfg.model`` (both 4 and 5 read it):
+    ``DetrConfig`` for plain DETR, ``DabDetrConfig`` for plain DAB-DETR."""
+    model = cfg.model
+    if model.decoder == "dab":
+        specific = {
+            "architectures": ["DabDetrForObjectDetection"],
+            "model_type": MODEL_TYPES["dab_detr"],
+            "hidden_size": model.hidden_dim,
+            "activation_function": "prelu",
+            "temperature_height": int(model.position_temperature),
+            "temperature_width": int(model.position_temperature),
+            "query_dim": 4,
+            "keep_query_pos": False,
+            "num_patterns": 0,
+            "normalize_before": False,
+            "random_refpoints_xy": False,
+        }
+    else:
+        specific = {
+            "architectures": ["DetrForObjectDetection"],
+            "model_type": MODEL_TYPES["detr"],
+            "num_channels": 3,
+            "d_model": model.hidden_dim,
+            "position_embedding_type": "sine",
+            "activation_function": "relu",
+        }
+    # transformers' DETR decoder with auxiliary_loss=true feeds each layer the
+    # layer-normalised output of the one before (DETR feeds the un-normalised one), which
+    # changes the predictions; the Hub configs leave it false, and so do we (both kinds).
+    return {**specific, **_shared_config(cfg), **_labels(num_classes, category_names)}
 
 
 def write_hf_folder(
@@ -279,27 +407,32 @@ def write_hf_folder(
     *,
     category_names: Mapping[int, str] | None = None,
 ) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` that ``DetrForObjectDetection.from_pretrained``
-    loads, in the ``transformers4`` layout of the Hub files.
+    """Write ``config.json`` + ``model.safetensors`` that ``DetrForObjectDetection`` (plain
+    DETR) or ``DabDetrForObjectDetection`` (plain DAB-DETR) ``.from_pretrained`` loads, in
+    the names transformers' ``save_pretrained`` writes (DETR: the ``transformers4``
+    layout of the Hub files).
 
     Args:
-        state_dict: a plain-DETR model's weights in this project's layout.
+        state_dict: the model's weights in this project's layout.
         cfg: the model's :class:`~detr_irpe.config.Config` (only ``cfg.model`` is read).
         out_dir: a new folder, an empty one, or an earlier export (replaced).
         category_names: ``{id: name}`` for ``id2label`` (missing ids become ``"N/A"``).
 
     Raises:
-        CheckpointError: an iRPE / pre-norm / learned-position model (one line saying
-            why), or ``out_dir`` holding other files.
+        CheckpointError: an iRPE / DN-DETR / pre-norm / learned-position model (one line
+            saying why), or ``out_dir`` holding other files.
     """
     reason = _refusal(state_dict, cfg)
     if reason:
         raise CheckpointError(reason)
-    head = state_dict.get("class_embed.weight")
-    if head is None:
-        raise CheckpointError("the state dict has no class_embed.weight: not a DETR model")
-    tensors = to_hf_state_dict(state_dict, "transformers4")
-    config = hf_config_dict(cfg, head.shape[0] - 1, category_names)
+    num_classes = num_classes_of(state_dict)
+    if num_classes is None:
+        raise CheckpointError("the state dict has no class_embed: not a detector")
+    if cfg.model.decoder == "dab":
+        tensors = to_hf_dab_state_dict(state_dict)
+    else:
+        tensors = to_hf_state_dict(state_dict, "transformers4")
+    config = hf_config_dict(cfg, num_classes, category_names)
     # transformers refuses safetensors files without this metadata entry.
     weights = safetensors_module().save(tensors, metadata={"format": "pt"})
     files = {CONFIG_NAME: (json.dumps(config, indent=2) + "\n").encode(), WEIGHTS_NAME: weights}
@@ -345,8 +478,12 @@ def _write_folder(out_dir: Path, files: Mapping[str, bytes]) -> Path:
 
 __all__ = [
     "CONFIG_NAME",
+    "DAB_LAYOUT",
+    "MODEL_TYPES",
     "WEIGHTS_NAME",
+    "convert_hf_weights",
     "hf_config_dict",
+    "hf_dab_model_config",
     "hf_model_config",
     "read_hf_folder",
     "write_hf_folder",

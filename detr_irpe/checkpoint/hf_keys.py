@@ -28,13 +28,16 @@ Writing goes the other way, in the ``transformers4`` layout, which both major
 versions of transformers load. Only plain DETR converts: transformers' DETR has
 no relative position encodings to hold the iRPE tables. Reading and writing
 ``save_pretrained`` folders is :mod:`detr_irpe.checkpoint.hf_folder`.
+
+:class:`KeyTable` is the renaming itself (name templates both ways, q / k / v fused or
+split); :mod:`detr_irpe.checkpoint.hf_dab_keys` gives it DAB-DETR's names.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -84,7 +87,7 @@ _HF_RESNET = re.compile(
 )
 
 
-def _timm_resnet_name(name: str) -> str:
+def timm_resnet_name(name: str) -> str:
     """A transformers-ResNet backbone name as timm / torchvision name it; others unchanged."""
     match = _HF_RESNET.match(name)
     if not match:
@@ -170,7 +173,7 @@ _ATTENTIONS = (
 _QKV = ("q", "k", "v")  # the row order of a fused in_proj
 
 
-def _compile(template: str) -> re.Pattern[str]:
+def compile_template(template: str) -> re.Pattern[str]:
     """``"a.{n}.b"`` -> a regex with the named group ``n`` for the placeholder."""
     parts = re.split(r"\{(\w)\}", template)
     pattern = "".join(
@@ -180,24 +183,138 @@ def _compile(template: str) -> re.Pattern[str]:
     return re.compile(pattern)
 
 
-_TO_PROJECT = tuple((_compile(hf), project) for project, hf in _NAMES)
-_TO_HF = tuple((_compile(project), hf) for project, hf in _NAMES)
-_QKV_HF = tuple((_compile(hf + ".{x}_proj.{p}"), project) for project, hf in _ATTENTIONS)
-_QKV_PROJECT = tuple((_compile(project + ".in_proj_{p}"), hf) for project, hf in _ATTENTIONS)
-
-
 def _fill(template: str, groups: Mapping[str, str]) -> str:
     return re.sub(r"\{(\w)\}", lambda m: groups[m.group(1)], template)
 
 
-def _rename(key: str, rules: Iterable[tuple[re.Pattern[str], str]]) -> str:
+def rename(key: str, rules: Iterable[tuple[re.Pattern[str], str]]) -> str:
+    """``key`` after every ``(pattern, replacement)`` substitution of ``rules``, in order."""
     for pattern, replacement in rules:
         key = pattern.sub(replacement, key)
     return key
 
 
+class KeyTable:
+    """The key names of one transformers model family against this project's.
+
+    Args:
+        names: ``(project template, transformers template)`` pairs; placeholders
+            (``{n}``, ``{p}``, ``{t}``) match one name part.
+        attentions: ``(project module, transformers module)`` pairs of the attentions
+            whose q / k / v projections are one fused ``in_proj`` here (rows q, k, v)
+            and three ``{x}_proj`` there.
+        family: the transformers class, for messages.
+    """
+
+    def __init__(self, names: Iterable[tuple[str, str]],
+                 attentions: Iterable[tuple[str, str]], family: str) -> None:
+        names, attentions = tuple(names), tuple(attentions)
+        self.family = family
+        self._to_project = tuple((compile_template(hf), project) for project, hf in names)
+        self._to_hf = tuple((compile_template(project), hf) for project, hf in names)
+        self._qkv_hf = tuple(
+            (compile_template(hf + ".{x}_proj.{p}"), project) for project, hf in attentions
+        )
+        self._qkv_project = tuple(
+            (compile_template(project + ".in_proj_{p}"), hf) for project, hf in attentions
+        )
+
+    def to_project(
+        self, state: Mapping[str, Tensor], normalise: Callable[[str], str]
+    ) -> tuple[dict[str, Tensor], list[str]]:
+        """``(state in this project's names, keys that match no name)``.
+
+        ``normalise`` maps each transformers key to the names of ``names`` first (older
+        layouts, other backbone prefixes). q / k / v projections are fused;
+        ``num_batches_tracked`` is dropped.
+
+        Raises:
+            CheckpointError: an attention with some but not all of its projections.
+        """
+        out: dict[str, Tensor] = {}
+        projections: dict[tuple[str, str], dict[str, Tensor]] = {}
+        unmatched: list[str] = []
+        for key, value in state.items():
+            if key.endswith("num_batches_tracked"):
+                continue
+            target = self._project_name(normalise(key), value, projections)
+            if target is None:
+                unmatched.append(key)
+            elif target:
+                out[target] = value
+        for (module, kind), parts in projections.items():
+            if set(parts) != set(_QKV):
+                raise CheckpointError(
+                    f"Hugging Face {self.family} checkpoint: attention {module} has the {kind}s "
+                    f"of {'/'.join(sorted(parts))} projections only; q, k and v are all needed"
+                )
+            out[f"{module}.in_proj_{kind}"] = torch.cat([parts[x] for x in _QKV])
+        return out, unmatched
+
+    def _project_name(
+        self, name: str, value: Tensor, projections: dict[tuple[str, str], dict[str, Tensor]]
+    ) -> str | None:
+        """The project name of one transformers ``name``; ``""`` when the tensor was set
+        aside in ``projections`` for fusing; ``None`` when it matches nothing."""
+        for pattern, project in self._qkv_hf:
+            match = pattern.fullmatch(name)
+            if match:
+                module = _fill(project, match.groupdict())
+                projections.setdefault((module, match["p"]), {})[match["x"]] = value
+                return ""
+        for pattern, project in self._to_project:
+            match = pattern.fullmatch(name)
+            if match:
+                return _fill(project, match.groupdict())
+        return None
+
+    def to_hf(
+        self, state: Mapping[str, Tensor], finish: Callable[[str], str] = lambda name: name
+    ) -> tuple[dict[str, Tensor], list[str]]:
+        """``(state in the transformers names, keys with no counterpart)``.
+
+        ``in_proj_weight`` ``(3C, C)`` / ``in_proj_bias`` ``(3C,)`` are split into q / k / v
+        projections and ``finish`` maps each name last (e.g. to an older layout);
+        ``num_batches_tracked`` is dropped. The tensors are copies (safetensors refuses
+        tensors that share memory).
+        """
+        out: dict[str, Tensor] = {}
+        unmatched: list[str] = []
+        for key, value in state.items():
+            if key.endswith("num_batches_tracked"):
+                continue
+            named = self._hf_names(key, value)
+            if named is None:
+                unmatched.append(key)
+                continue
+            for name, tensor in named.items():
+                out[finish(name)] = tensor.detach().contiguous().clone()
+        return out, unmatched
+
+    def _hf_names(self, key: str, value: Tensor) -> dict[str, Tensor] | None:
+        """``{transformers name: tensor}`` for one project key (three for a fused in_proj)."""
+        for pattern, hf in self._qkv_project:
+            match = pattern.fullmatch(key)
+            if match:
+                module = _fill(hf, match.groupdict())
+                return {
+                    f"{module}.{x}_proj.{match['p']}": part
+                    for x, part in zip(_QKV, value.chunk(len(_QKV), dim=0))
+                }
+        for pattern, hf in self._to_hf:
+            match = pattern.fullmatch(key)
+            if match:
+                return {_fill(hf, match.groupdict()): value}
+        return None
+
+
+_DETR = KeyTable(_NAMES, _ATTENTIONS, "DETR")
+
+
 def is_hf_state_dict(keys: Iterable[str]) -> bool:
-    """True when the keys are those of a transformers ``DetrForObjectDetection`` (either layout)."""
+    """True when the keys are those of a transformers ``DetrForObjectDetection`` (either
+    layout) or of another transformers detector with the same prefixes
+    (``DabDetrForObjectDetection``: :mod:`detr_irpe.checkpoint.hf_dab_keys` tells them apart)."""
     return any(str(key).startswith(_HF_PREFIXES) for key in keys)
 
 
@@ -238,51 +355,15 @@ def convert_hf_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
             some but not all of its q / k / v projections.
     """
     layout = hf_layout(state)
-    out: dict[str, Tensor] = {}
-    projections: dict[tuple[str, str], dict[str, Tensor]] = {}
-    unmatched: list[str] = []
-    for key, value in state.items():
-        if key.endswith("num_batches_tracked"):
-            continue
-        name = _timm_resnet_name(_rename(key, _V4_TO_V5))
-        target = _project_name(name, value, projections)
-        if target is None:
-            unmatched.append(key)
-        elif target:
-            out[target] = value
+    out, unmatched = _DETR.to_project(state, lambda key: timm_resnet_name(rename(key, _V4_TO_V5)))
     if unmatched:
         raise CheckpointError(
             f"Hugging Face DETR checkpoint ({layout} layout): {len(unmatched)} key(s) match no "
             f"name of DetrForObjectDetection in the layouts {', '.join(LAYOUTS)} "
             f"(ResNet-18/34/50/101 backbones only): {format_keys(unmatched)}"
         )
-    for (module, kind), parts in projections.items():
-        if set(parts) != set(_QKV):
-            raise CheckpointError(
-                f"Hugging Face DETR checkpoint: attention {module} has the {kind}s of "
-                f"{'/'.join(sorted(parts))} projections only; q, k and v are all needed"
-            )
-        out[f"{module}.in_proj_{kind}"] = torch.cat([parts[x] for x in _QKV])
     logger.info("converted %d tensors of a %s DETR checkpoint", len(out), layout)
     return out
-
-
-def _project_name(
-    name: str, value: Tensor, projections: dict[tuple[str, str], dict[str, Tensor]]
-) -> str | None:
-    """The project name of one transformers 5 ``name``; ``""`` when the tensor was set aside
-    in ``projections`` for fusing; ``None`` when it matches nothing."""
-    for pattern, project in _QKV_HF:
-        match = pattern.fullmatch(name)
-        if match:
-            module = _fill(project, match.groupdict())
-            projections.setdefault((module, match["p"]), {})[match["x"]] = value
-            return ""
-    for pattern, project in _TO_PROJECT:
-        match = pattern.fullmatch(name)
-        if match:
-            return _fill(project, match.groupdict())
-    return None
 
 
 def to_hf_state_dict(
@@ -302,19 +383,8 @@ def to_hf_state_dict(
         raise CheckpointError(
             f"unknown Hugging Face layout {layout!r}; choose {' or '.join(LAYOUTS)}"
         )
-    out: dict[str, Tensor] = {}
-    unmatched: list[str] = []
-    for key, value in state.items():
-        if key.endswith("num_batches_tracked"):
-            continue
-        named = _hf_names(key, value)
-        if named is None:
-            unmatched.append(key)
-            continue
-        for name, tensor in named.items():
-            if layout == "transformers4":
-                name = _rename(name, _V5_TO_V4)
-            out[name] = tensor.detach().contiguous().clone()
+    finish = (lambda name: rename(name, _V5_TO_V4)) if layout == "transformers4" else str
+    out, unmatched = _DETR.to_hf(state, finish)
     if unmatched:
         raise CheckpointError(
             f"{len(unmatched)} key(s) have no counterpart in transformers' "
@@ -323,25 +393,12 @@ def to_hf_state_dict(
     return out
 
 
-def _hf_names(key: str, value: Tensor) -> dict[str, Tensor] | None:
-    """``{transformers 5 name: tensor}`` for one project key (three for a fused in_proj)."""
-    for pattern, hf in _QKV_PROJECT:
-        match = pattern.fullmatch(key)
-        if match:
-            module = _fill(hf, match.groupdict())
-            return {
-                f"{module}.{x}_proj.{match['p']}": part
-                for x, part in zip(_QKV, value.chunk(len(_QKV), dim=0))
-            }
-    for pattern, hf in _TO_HF:
-        match = pattern.fullmatch(key)
-        if match:
-            return {_fill(hf, match.groupdict()): value}
-    return None
-
-
 __all__ = [
     "LAYOUTS",
+    "KeyTable",
+    "compile_template",
+    "rename",
+    "timm_resnet_name",
     "convert_hf_state_dict",
     "hf_layout",
     "is_hf_state_dict",

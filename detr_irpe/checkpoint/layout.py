@@ -1,10 +1,17 @@
 """Key layouts of DETR state dicts: recognising them, describing them, converting them.
 
-This project's key layout *is* the public one: facebookresearch/detr files and the
-iRPE-DETR model-zoo files load without renaming (``transformer.encoder.layers.N.
-self_attn.rpe_k.lookup_table_weight`` are the iRPE tables). What differs between
-files is the container (see :mod:`detr_irpe.checkpoint.files`), a ``module.``
-prefix from DDP, and Hugging Face's names (converted in :mod:`detr_irpe.checkpoint.hf_keys`).
+This project's key layout *is* the public one: facebookresearch/detr files, the
+iRPE-DETR model-zoo files and the DAB-DETR / DN-DETR files of IDEA-Research load
+without renaming (``transformer.encoder.layers.N.self_attn.rpe_k.lookup_table_weight``
+are the iRPE tables). What differs between files is the container (see
+:mod:`detr_irpe.checkpoint.files`), a ``module.`` prefix from DDP, and Hugging Face's
+names (converted in :mod:`detr_irpe.checkpoint.hf_keys` / ``hf_dab_keys``).
+
+Two decoders, two class heads: DETR's ``class_embed`` has ``num_classes + 1`` rows (the
+last is "no object", softmax); DAB-DETR's has ``num_classes`` rows (one sigmoid per
+class, no "no object"), and DN-DETR adds ``label_enc`` with ``num_classes + 1`` rows (the
+last is the content of the matching queries). :func:`decoder_of` tells them apart,
+:func:`num_classes_of` reads the class count either way.
 
 :func:`architecture` reads the model settings a state dict implies (hidden size,
 layer counts, backbone, iRPE tables, ...), so that a checkpoint that does not fit a
@@ -14,6 +21,7 @@ shapes.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,6 +32,13 @@ from detr_irpe.errors import CheckpointError
 from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table, is_rpe_key, parse_rpe
 
 HEAD_KEYS = ("class_embed.weight", "class_embed.bias")
+# DN-DETR's label embedding: a row per class, then the matching queries' content.
+LABEL_KEY = "label_enc.weight"
+# The bias a new DAB-DETR class head starts with: every class at probability 0.01
+# (models.dab_detr.PRIOR_PROB; this package does not import the models).
+FOCAL_PRIOR_BIAS = -math.log((1 - 0.01) / 0.01)
+# Rows of the class head beyond the classes: DETR's "no object", none for DAB-DETR.
+_EXTRA_HEAD_ROWS = {"detr": 1, "dab": 0}
 
 # ResNet stage-3 block counts: they tell the depth apart within one block type.
 _RESNETS = {
@@ -34,9 +49,33 @@ _RESNETS = {
 }
 
 
+def decoder_of(state: Mapping[str, Any]) -> str | None:
+    """``"dab"`` for DAB-DETR's keys (anchor boxes ``refpoint_embed``, the decoder's
+    ``ref_point_head``), ``"detr"`` for DETR's (``query_embed``, the decoder's
+    ``multihead_attn``), None when the state dict shows no decoder."""
+    if any(k == "refpoint_embed.weight" or k.startswith("transformer.decoder.ref_point_head.")
+           for k in state):
+        return "dab"
+    if any(k == "query_embed.weight" or ".multihead_attn." in k for k in state):
+        return "detr"
+    return None
+
+
 def layout_of(state: Mapping[str, Any]) -> str:
-    """``irpe_detr`` when the state dict has iRPE tables, else ``detr``."""
+    """The public layout of a state dict: ``dn_dab_detr`` (DN-DETR: DAB-DETR's keys and
+    ``label_enc``), ``dab_detr``, ``irpe_detr`` (DETR with iRPE tables) or ``detr``."""
+    if decoder_of(state) == "dab":
+        return "dn_dab_detr" if LABEL_KEY in state else "dab_detr"
     return "irpe_detr" if any(is_rpe_key(k) for k in state) else "detr"
+
+
+def num_classes_of(state: Mapping[str, Tensor]) -> int | None:
+    """``model.num_classes`` of a state dict's class head: its rows, less DETR's "no object"
+    row (none in DAB-DETR's sigmoid head); None without a class head."""
+    bias = state.get(HEAD_KEYS[1])
+    if bias is None:
+        return None
+    return int(bias.shape[0]) - _EXTRA_HEAD_ROWS[decoder_of(state) or "detr"]
 
 
 def strip_ddp_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -84,12 +123,20 @@ def _backbone_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
     return {"model.backbone": _backbone_name(state)}
 
 
+def _decoder_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
+    decoder = decoder_of(state)
+    # label_enc exists only with denoising (DN-DETR; DETR has none: False)
+    denoising = (LABEL_KEY in state) if decoder else None
+    return {"model.decoder": decoder, "model.denoising.enabled": denoising}
+
+
 def _transformer_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
     return {
         "model.hidden_dim": _first_shape(
             state, ("query_embed.weight", "transformer.decoder.norm.weight"), -1
         ),
-        "model.num_queries": _first_shape(state, ("query_embed.weight",), 0),
+        # DETR's query embeddings or DAB-DETR's anchor boxes: one row per query
+        "model.num_queries": _first_shape(state, ("query_embed.weight", "refpoint_embed.weight"), 0),
         "model.enc_layers": _layer_count(state, "transformer.encoder.layers."),
         "model.dec_layers": _layer_count(state, "transformer.decoder.layers."),
         "model.dim_feedforward": _first_shape(
@@ -112,9 +159,7 @@ def _irpe_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
 
 
 def _head_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    if HEAD_KEYS[1] not in state:
-        return {}
-    return {"model.num_classes": int(state[HEAD_KEYS[1]].shape[0]) - 1}
+    return {"model.num_classes": num_classes_of(state)}
 
 
 # What a state dict says about its model, part by part: each reader returns the config
@@ -123,6 +168,7 @@ def _head_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
 # here; explain_mismatch and every "does not fit" message then name its keys too. The
 # order is the order in which differences are reported.
 ARCHITECTURE_READERS: tuple[Callable[[Mapping[str, Tensor]], dict[str, Any]], ...] = (
+    _decoder_facts,
     _backbone_facts,
     _transformer_facts,
     _position_facts,
@@ -198,26 +244,48 @@ def explain_mismatch(
 
 
 # ------------------------------------------------------------------------- conversion
-def resize_class_head(state: dict[str, Tensor], num_classes: int) -> str | None:
-    """Resize the class head in place to ``num_classes + 1`` outputs.
+def _resized_rows(old: Tensor, fresh: Tensor, keep: int, tail: int) -> Tensor:
+    """``fresh`` with its first ``keep`` rows and its last ``tail`` rows taken from ``old``."""
+    out = fresh.detach().clone().to(old.dtype)
+    out[:keep] = old[:keep]
+    if tail:
+        out[-tail:] = old[-tail:]
+    return out
 
-    Rows of class ids ``< min(old, new)`` and the "no object" row (last) are kept;
-    new rows get ``nn.Linear``'s default initialisation. Returns a note, or None when
-    the head already has that size.
+
+def resize_class_head(state: dict[str, Tensor], num_classes: int) -> str | None:
+    """Resize the class-count-dependent tensors in place to ``num_classes`` classes.
+
+    DETR's head (``num_classes + 1`` rows): rows of class ids ``< min(old, new)`` and the
+    "no object" row (last) are kept. DAB-DETR's sigmoid head (``num_classes`` rows): rows
+    of ids ``< min(old, new)`` are kept. DN-DETR's ``label_enc`` (``num_classes + 1``
+    rows): rows of ids ``< min(old, new)`` and the matching queries' row (last) are kept.
+    New head rows get ``nn.Linear``'s default weights and, in a sigmoid head, the prior
+    bias a new DAB-DETR head starts with (probability 0.01); new ``label_enc`` rows get
+    ``nn.Embedding``'s default. Returns a note, or None when the head already has that size.
     """
     weight, bias = state.get(HEAD_KEYS[0]), state.get(HEAD_KEYS[1])
     if weight is None or bias is None:
         raise CheckpointError("no class_embed.weight/bias in the state dict to resize")
-    old = weight.shape[0] - 1
+    extra = _EXTRA_HEAD_ROWS[decoder_of(state) or "detr"]
+    old = weight.shape[0] - extra
     if old == num_classes:
         return None
-    fresh = nn.Linear(weight.shape[1], num_classes + 1)
     keep = min(old, num_classes)
-    new_w, new_b = fresh.weight.detach().clone(), fresh.bias.detach().clone()
-    new_w[:keep], new_b[:keep] = weight[:keep], bias[:keep]
-    new_w[-1], new_b[-1] = weight[-1], bias[-1]
-    state[HEAD_KEYS[0]], state[HEAD_KEYS[1]] = new_w.to(weight.dtype), new_b.to(bias.dtype)
-    return f"class head resized from {old} to {num_classes} classes (kept rows 0..{keep - 1} and no-object)"
+    fresh = nn.Linear(weight.shape[1], num_classes + extra)
+    if not extra:
+        nn.init.constant_(fresh.bias, FOCAL_PRIOR_BIAS)
+    state[HEAD_KEYS[0]] = _resized_rows(weight, fresh.weight, keep, extra)
+    state[HEAD_KEYS[1]] = _resized_rows(bias, fresh.bias, keep, extra)
+    kept = f"rows 0..{keep - 1}" + (" and no-object" if extra else "")
+    note = f"class head resized from {old} to {num_classes} classes (kept {kept})"
+    labels = state.get(LABEL_KEY)
+    if labels is not None:
+        fresh_labels = nn.Embedding(num_classes + 1, labels.shape[1]).weight
+        state[LABEL_KEY] = _resized_rows(labels, fresh_labels, keep, 1)
+        note += f"; label_enc resized to {num_classes + 1} rows (kept rows 0..{keep - 1} and " \
+                "the matching queries' row)"
+    return note
 
 
 def _encoder_attention_prefixes(state: Mapping[str, Tensor]) -> list[str]:
@@ -315,12 +383,16 @@ def convert_state_dict(
 
 __all__ = [
     "ARCHITECTURE_READERS",
+    "FOCAL_PRIOR_BIAS",
     "HEAD_KEYS",
+    "LABEL_KEY",
     "add_rpe_tables",
     "architecture",
     "convert_state_dict",
+    "decoder_of",
     "explain_mismatch",
     "layout_of",
+    "num_classes_of",
     "resize_class_head",
     "strip_ddp_prefix",
 ]

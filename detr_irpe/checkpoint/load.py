@@ -3,7 +3,11 @@
 Rules (:func:`load_state`):
 
 - class head (``class_embed``) rows differ (another number of classes): re-initialised
-  with a warning (fine-tuning), or an error with ``strict_head``;
+  with a warning (fine-tuning), or an error with ``strict_head``. DETR's head has
+  ``num_classes + 1`` rows (softmax, "no object" last), DAB-DETR's ``num_classes``
+  (sigmoid; re-initialised with the focal prior bias, as a new model's). DN-DETR's
+  ``label_enc`` (``num_classes + 1`` rows) then starts as a new model's too, but for its
+  last row, the content of the matching queries, which is loaded;
 - a plain-DETR checkpoint into an iRPE model: the model's iRPE tables are left as the
   model was built (``model.rpe_init``: xavier like the reference recipe, or zero, in
   which case the model computes exactly the plain DETR), logged;
@@ -25,7 +29,14 @@ import torch
 from torch import Tensor, nn
 
 from detr_irpe.checkpoint.files import read_checkpoint
-from detr_irpe.checkpoint.layout import HEAD_KEYS, explain_mismatch
+from detr_irpe.checkpoint.layout import (
+    FOCAL_PRIOR_BIAS,
+    HEAD_KEYS,
+    LABEL_KEY,
+    decoder_of,
+    explain_mismatch,
+    num_classes_of,
+)
 from detr_irpe.checkpoint.safe import format_keys
 from detr_irpe.errors import CheckpointError
 from detr_irpe.irpe import is_rpe_key
@@ -70,34 +81,52 @@ def _missing_rpe_tables(
 
 
 def _class_head_differs(state: Mapping[str, Tensor], target: Mapping[str, Tensor]) -> bool:
-    """Only the number of classes differs: same input width, other row count."""
+    """Only the number of classes differs: same decoder, same input width, other row count."""
     weight = HEAD_KEYS[0]
-    if weight not in state or weight not in target:
+    if weight not in state or weight not in target or decoder_of(state) != decoder_of(target):
         return False
     saved, model = state[weight].shape, target[weight].shape
     return saved != model and saved[1:] == model[1:]
 
 
+def _head_size(state: Mapping[str, Tensor]) -> str:
+    """``"92 outputs (91 classes)"``: the class head's rows and the class count they mean."""
+    return f"{state[HEAD_KEYS[0]].shape[0]} outputs ({num_classes_of(state)} classes)"
+
+
 def _take_off_class_head(
     state: dict[str, Tensor], target: Mapping[str, Tensor], path: Any, strict_head: bool
-) -> list[str]:
-    """Remove a class head of another size from ``state`` (to be re-initialised) or refuse."""
+) -> tuple[list[str], Tensor | None]:
+    """Remove a class head of another size (and DN-DETR's label_enc, whose rows follow the
+    classes) from ``state``, to be re-initialised, or refuse.
+
+    Returns:
+        the model keys to re-initialise, and label_enc's last row (the matching queries'
+        content, kept) or None.
+    """
     if not _class_head_differs(state, target):
-        return []
-    saved, model = state[HEAD_KEYS[0]].shape[0], target[HEAD_KEYS[0]].shape[0]
+        return [], None
+    saved, model = num_classes_of(state), num_classes_of(target)
     message = (
-        f"checkpoint {path}: class head has {saved} outputs ({saved - 1} classes), the model "
-        f"{model} ({model - 1} classes: model.num_classes + 1)"
+        f"checkpoint {path}: class head has {_head_size(state)}, the model {_head_size(target)}"
     )
     if strict_head:
         raise CheckpointError(
-            message + f"; set model.num_classes={saved - 1} to match the checkpoint, or allow "
+            message + f"; set model.num_classes={saved} to match the checkpoint, or allow "
             "the head to be re-initialised (fine-tuning)"
         )
-    logger.warning("%s: re-initialising the class head (fine-tuning)", message)
+    logger.warning("%s: re-initialising the class head (fine-tuning; %d -> %d classes)",
+                   message, saved, model)
     for key in HEAD_KEYS:
         state.pop(key, None)
-    return [k for k in HEAD_KEYS if k in target]
+    keys = [k for k in HEAD_KEYS if k in target]
+    matching_row = None
+    if LABEL_KEY in state and LABEL_KEY in target:
+        matching_row = state.pop(LABEL_KEY)[-1]
+        keys.append(LABEL_KEY)
+        logger.warning("checkpoint %s: label_enc re-initialised for %d classes but its last "
+                       "row, the matching queries' content, which is loaded", path, model)
+    return keys, matching_row
 
 
 def key_problems(
@@ -126,6 +155,16 @@ def key_problems(
     ]
 
 
+def _assignment(key: str, shown: str) -> str:
+    """``model.decoder=detr``: the setting that gives the checkpoint's value (``shown``, as
+    :func:`explain_mismatch` writes it); the key alone when the value is no setting."""
+    if shown in ("True", "False"):
+        return f"{key}={shown.lower()}"
+    if key != "model.rpe" and shown and " " not in shown:
+        return f"{key}={shown}"
+    return key
+
+
 def _mismatch_error(
     path: Any,
     meta: Mapping[str, Any],
@@ -144,7 +183,7 @@ def _mismatch_error(
                   "public model zoo)")
     else:
         lead = f"checkpoint {path} ({meta.get('format')}) does not fit this model"
-        advice = "Set these config keys to the checkpoint's values"
+        advice = "Set " + ", ".join(_assignment(k, a) for k, a, _ in differences)
     if differences:
         shown = "; ".join(f"{k}: checkpoint {a}, model {b}" for k, a, b in differences)
         hint = f". It differs in {shown}. {advice}."
@@ -155,12 +194,21 @@ def _mismatch_error(
 
 
 def _apply(
-    model: nn.Module, state: Mapping[str, Tensor], reinitialized: list[str]
+    model: nn.Module, state: Mapping[str, Tensor], reinitialized: list[str],
+    matching_row: Tensor | None, sigmoid_head: bool,
 ) -> None:
     model.load_state_dict(state, strict=False)
-    if reinitialized:
-        with torch.no_grad():
-            model.get_submodule(HEAD_KEYS[0].rsplit(".", 1)[0]).reset_parameters()
+    if not reinitialized:
+        return
+    with torch.no_grad():
+        head = model.get_submodule(HEAD_KEYS[0].rsplit(".", 1)[0])
+        head.reset_parameters()
+        if sigmoid_head:  # DAB-DETR's head starts every class at the prior probability
+            nn.init.constant_(head.bias, FOCAL_PRIOR_BIAS)
+        if matching_row is not None:
+            labels = model.get_submodule(LABEL_KEY.rsplit(".", 1)[0])
+            labels.reset_parameters()
+            labels.weight[-1].copy_(matching_row)
 
 
 def load_state(
@@ -174,7 +222,8 @@ def load_state(
     rules of the module docstring.
 
     Returns:
-        info dict: ``path``, ``format``, ``reinitialized`` (class-head keys),
+        info dict: ``path``, ``format``, ``reinitialized`` (class-head keys, and
+        ``label_enc.weight`` whose last row was loaded),
         ``missing_rpe`` (table keys left as built), ``dropped`` (ignored keys),
         ``loaded`` (number of tensors).
 
@@ -187,11 +236,11 @@ def load_state(
     state = dict(state)
     dropped = _drop_bn_counters(state, target)
     missing_rpe = _missing_rpe_tables(state, target, path)
-    reinitialized = _take_off_class_head(state, target, path, strict_head)
+    reinitialized, matching_row = _take_off_class_head(state, target, path, strict_head)
     problems = key_problems(state, target, set(missing_rpe) | set(reinitialized))
     if problems:
         raise _mismatch_error(path, meta, state, target, problems)
-    _apply(model, state, reinitialized)
+    _apply(model, state, reinitialized, matching_row, decoder_of(target) == "dab")
     logger.info("loaded %d tensors from %s (%s)", len(state), path, meta.get("format"))
     return {
         "path": str(path),

@@ -2,13 +2,15 @@
 ``--finetune`` aside: eval, predict, visualize, export, convert, torch.hub).
 
 - **Config**: the one given (a name, a YAML path or a :class:`Config`), else the config
-  saved in the checkpoint (for a Hugging Face folder: ``detr_r50`` with the settings of
-  its ``config.json``); ``overrides`` (``"section.key=value"``) apply on top. A file
-  without a saved config (public DETR / iRPE-DETR weights) needs one: that is a
-  :class:`CheckpointError` saying to pass ``--config``.
-- **Number of classes**: the checkpoint's class head decides (its rows - 1: the head
-  has one "no object" output more than ``model.num_classes``), unless
-  ``model.num_classes`` is among the ``overrides``.
+  saved in the checkpoint (for a Hugging Face folder: ``detr_r50`` or, for DAB-DETR,
+  ``dab_detr_r50`` with the settings of its ``config.json``), else the one a DAB-DETR /
+  DN-DETR layout implies (:mod:`~detr_irpe.checkpoint.implied_config`: the published
+  recipe, the layout's shapes and the official ``args``); ``overrides``
+  (``"section.key=value"``) apply on top. A public DETR / iRPE-DETR file needs one:
+  that is a :class:`CheckpointError` saying to pass ``--config``.
+- **Number of classes**: the checkpoint's class head decides (DETR: its rows - 1, the
+  "no object" output; DAB-DETR: its rows), unless ``model.num_classes`` is among the
+  ``overrides``.
 """
 
 from __future__ import annotations
@@ -21,14 +23,17 @@ from typing import Any
 
 from torch import Tensor
 
-from detr_irpe.checkpoint.layout import HEAD_KEYS
-from detr_irpe.config import Config, config_from_dict, load_config, parse_override
+from detr_irpe.checkpoint.implied_config import implied_config
+from detr_irpe.checkpoint.layout import decoder_of, num_classes_of
+from detr_irpe.config import Config, config_from_dict, load_config, merge_dicts, parse_override
 from detr_irpe.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-# Hugging Face DETR is plain DETR-R50: its config.json settings go on top of this one.
+# Hugging Face DETR is plain DETR-R50, its DAB-DETR plain DAB-DETR-R50: the settings
+# of a folder's config.json go on top of these (by model.decoder).
 HF_BASE_CONFIG = "detr_r50"
+HF_BASE_CONFIGS = {"detr": HF_BASE_CONFIG, "dab": "dab_detr_r50"}
 
 
 def resolve_config(
@@ -36,9 +41,11 @@ def resolve_config(
     config: str | Path | Config | None,
     overrides: Iterable[str],
     meta: Mapping[str, Any],
+    state: Mapping[str, Tensor] | None = None,
 ) -> Config:
     """The config for a checkpoint: ``config`` if given, else the one saved in the file
-    (``meta`` of :func:`~detr_irpe.checkpoint.read_checkpoint`), ``overrides`` on top."""
+    (``meta`` of :func:`~detr_irpe.checkpoint.read_checkpoint`), else the one its
+    DAB-DETR / DN-DETR ``state`` implies, ``overrides`` on top."""
     overrides = list(overrides)
     if isinstance(config, Config):
         return config_from_dict(config.to_dict(), overrides) if overrides else config
@@ -49,16 +56,29 @@ def resolve_config(
         logger.info("using the config saved in %s", path)
         return config_from_dict(saved, overrides)
     if meta.get("hf_model"):
-        # a Hugging Face folder: plain DETR-R50 with the settings of its config.json
-        logger.info("config: %s with the model settings of %s/config.json", HF_BASE_CONFIG, path)
-        base = load_config(HF_BASE_CONFIG).to_dict()
+        # a Hugging Face folder: plain DETR-R50 / DAB-DETR-R50 with its config.json's settings
+        base_name = HF_BASE_CONFIGS[meta["hf_model"].get("decoder", "detr")]
+        logger.info("config: %s with the model settings of %s/config.json", base_name, path)
+        base = load_config(base_name).to_dict()
         base["model"].update(meta["hf_model"], rpe="none")
         return config_from_dict(base, overrides)
+    implied = implied_config(path, state, meta) if state is not None else None
+    if implied is not None:
+        base_name, values = implied
+        logger.info("config: %s with the settings of %s's layout and args", base_name, path)
+        return config_from_dict(merge_dicts(load_config(base_name).to_dict(), values), overrides)
     raise CheckpointError(
         f"checkpoint {path} ({meta.get('format')} layout) carries no config: pass --config "
         "with the model it was trained as, e.g. --config detr_r50 for public DETR-R50 or "
         "--config detr_r50_irpe for the public iRPE-DETR model zoo"
     )
+
+
+def has_config(meta: Mapping[str, Any], state: Mapping[str, Tensor]) -> bool:
+    """Whether :func:`resolve_config` finds a config without one given: a saved one, a
+    Hugging Face ``config.json``, or a DAB-DETR / DN-DETR layout."""
+    return (isinstance(meta.get("config"), Mapping) or bool(meta.get("hf_model"))
+            or decoder_of(state) == "dab")
 
 
 def _overridden_keys(overrides: Iterable[str]) -> set[str]:
@@ -76,11 +96,10 @@ def config_for_checkpoint(
     head unless the overrides set it (then a head of another size is the loader's
     business: an error or, when fine-tuning, a re-initialised head)."""
     overrides = list(overrides)
-    cfg = resolve_config(path, config, overrides, meta)
-    bias = state.get(HEAD_KEYS[1])
-    if bias is None or "model.num_classes" in _overridden_keys(overrides):
+    cfg = resolve_config(path, config, overrides, meta, state)
+    from_head = num_classes_of(state)
+    if from_head is None or "model.num_classes" in _overridden_keys(overrides):
         return cfg
-    from_head = int(bias.shape[0]) - 1
     if cfg.model.num_classes not in (None, from_head):
         logger.info(
             "model.num_classes=%d from the class head of %s (the config said %d)",
@@ -89,4 +108,5 @@ def config_for_checkpoint(
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=from_head))
 
 
-__all__ = ["HF_BASE_CONFIG", "config_for_checkpoint", "resolve_config"]
+__all__ = ["HF_BASE_CONFIG", "HF_BASE_CONFIGS", "config_for_checkpoint", "has_config",
+           "resolve_config"]

@@ -1,6 +1,6 @@
-"""Convert a checkpoint (this project's, public DETR / iRPE-DETR, a reference training
-file, Hugging Face DETR) to this project's .pth or .safetensors, or to a Hugging Face
-folder::
+"""Convert a checkpoint (this project's, public DETR / iRPE-DETR / DAB-DETR / DN-DETR, a
+reference training file, Hugging Face DETR / DAB-DETR) to this project's .pth or
+.safetensors, or to a Hugging Face folder::
 
     # public DETR-R50 -> an iRPE model's starting point (tables start as --rpe-init says)
     python tools/convert_checkpoint.py detr-r50-e632da11.pth detr_r50_irpe_init.pth \\
@@ -12,6 +12,10 @@ folder::
         --to safetensors
     # a plain-DETR model as a Hugging Face folder (DetrForObjectDetection.from_pretrained)
     python tools/convert_checkpoint.py detr-r50-e632da11.pth detr-r50-hf --to hf --config detr_r50
+    # public DN-DETR-R50 for 21 class ids (head and label_enc resized; config from the file)
+    python tools/convert_checkpoint.py dn_detr_r50.pth dn_detr_21cls.pth --num-classes 21
+    # public DAB-DETR-R50 as a folder for DabDetrForObjectDetection.from_pretrained
+    python tools/convert_checkpoint.py dab_detr_r50.pth dab-detr-r50-hf --to hf
     # a published checkpoint by name (docs/checkpoints.md; downloaded once into torch.hub's
     # cache, with its config)
     python tools/convert_checkpoint.py detr_r50 detr-r50-hf --to hf
@@ -34,6 +38,7 @@ from detr_irpe.checkpoint import (
     FORMAT,
     atomic_save,
     convert_state_dict,
+    has_config,
     read_checkpoint,
     resolve_config,
     save_safetensors,
@@ -58,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--to", choices=TARGETS, default=None,
                         help="output kind (default: from OUTPUT's suffix)")
     parser.add_argument("--num-classes", type=int, default=None,
-                        help="resize the class head to NUM_CLASSES + 1 outputs "
-                             "(largest category id + 1)")
+                        help="resize the class head to NUM_CLASSES classes (largest "
+                             "category id + 1; DETR's head has one output more, DN-DETR's "
+                             "label_enc one row more)")
     parser.add_argument("--rpe", default=None,
                         help="add iRPE tables of this setting, e.g. rpe-2.0-product-ctx-1-k")
     parser.add_argument("--rpe-init", choices=RPE_INIT_MODES, default="xavier",
@@ -82,14 +88,13 @@ def _check_options(args: argparse.Namespace) -> str:
 
 
 def _saved_config(path: Path, config: str | None, args: argparse.Namespace,
-                  meta: dict[str, Any]) -> dict[str, Any] | None:
+                  meta: dict[str, Any], state: dict) -> dict[str, Any] | None:
     """The model's config as a dict: ``config`` (--config, or a published name's) with
     --set, else the one in the file (for a Hugging Face folder: the one its config.json
-    implies), else None."""
-    if config is None and not isinstance(meta.get("config"), dict) \
-            and not meta.get("hf_model"):
+    implies; for a DAB-DETR / DN-DETR file: the one its layout and args imply), else None."""
+    if config is None and not has_config(meta, state):
         return None
-    return resolve_config(path, config, args.overrides, meta).to_dict()
+    return resolve_config(path, config, args.overrides, meta, state).to_dict()
 
 
 def _updated_config(
@@ -109,7 +114,7 @@ def _updated_config(
 def _write_hf(state: dict, config: dict[str, Any] | None, meta: dict, out: Path) -> None:
     if config is None:
         raise CheckpointError(f"--to hf needs the model's config: {meta['path']} carries none; "
-                              "pass --config, e.g. --config detr_r50")
+                              "pass --config, e.g. --config detr_r50 or dab_detr_r50")
     write_hf_folder(state, config_from_dict(config), out,
                     category_names=meta.get("category_names"))
 
@@ -120,13 +125,15 @@ def convert(args: argparse.Namespace) -> list[str]:
     # before the checkpoint is read
     ensure_writable_folder(args.output.parent, "output folder", "choose another OUTPUT")
     source = resolve_checkpoint(args.input)
-    state, meta = read_checkpoint(source.path)
+    original, meta = read_checkpoint(source.path)
     state, notes = convert_state_dict(
-        state, num_classes=args.num_classes, rpe=args.rpe, nheads=args.nheads,
+        original,
+        num_classes=args.num_classes, rpe=args.rpe, nheads=args.nheads,
         rpe_init=args.rpe_init,
     )
     config = args.config if args.config is not None else source.config
-    config = _updated_config(_saved_config(source.path, config, args, meta), args)
+    # the config of the file as read (before the conversion changed its class count)
+    config = _updated_config(_saved_config(source.path, config, args, meta, original), args)
     names = meta.get("category_names")
     if target == "hf":
         _write_hf(state, config, meta, args.output)

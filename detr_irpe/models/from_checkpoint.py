@@ -5,8 +5,10 @@ The rules (which config, how many classes, how weights load) are the checkpoint
 package's: :func:`~detr_irpe.checkpoint.config_for_checkpoint` and
 :func:`~detr_irpe.checkpoint.load_state`. Here they are put together: the backbone
 weights are never loaded (no ImageNet download, no local ResNet file: the checkpoint
-holds the backbone), and iRPE tables a checkpoint lacks (plain DETR) start as
-``model.rpe_init`` says.
+holds the backbone), and iRPE tables a checkpoint lacks (plain DETR, public DAB-DETR /
+DN-DETR) start as ``model.rpe_init`` says. DETR and DAB-DETR / DN-DETR files alike: the
+config is the saved one, ``config``, or for a public DAB-DETR / DN-DETR file the one its
+layout and ``args`` imply.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from detr_irpe.checkpoint import config_for_checkpoint, load_state, read_checkpoint
 from detr_irpe.config import Config
 from detr_irpe.models.build import build_model
-from detr_irpe.models.criterion import SetCriterion
+from detr_irpe.models.dab_detr import DABDETR
 from detr_irpe.models.detr import DETR
-from detr_irpe.models.postprocess import PostProcess
 
 
 @dataclass
@@ -31,18 +33,20 @@ class LoadedModel:
     """What :func:`model_from_checkpoint` returns.
 
     Attributes:
-        model: the DETR with the checkpoint's weights, in eval mode, on the device.
-        criterion: its loss (on the device), e.g. for evaluation losses.
-        postprocessor: turns outputs into per-image ``scores``, ``labels``, ``boxes``.
+        model: the DETR or DAB-DETR with the checkpoint's weights, in eval mode, on the device.
+        criterion: its loss (on the device), e.g. for evaluation losses (SetCriterion or
+            FocalSetCriterion).
+        postprocessor: turns outputs into per-image ``scores``, ``labels``, ``boxes``
+            (PostProcess or TopKPostProcess).
         cfg: the resolved config the model was built from (``model.num_classes`` set).
         meta: :func:`~detr_irpe.checkpoint.read_checkpoint`'s meta dict plus ``"load"``,
             the info dict of :func:`~detr_irpe.checkpoint.load_state`.
         category_names: ``{category id: name}`` stored with the weights, or None.
     """
 
-    model: DETR
-    criterion: SetCriterion
-    postprocessor: PostProcess
+    model: DETR | DABDETR
+    criterion: nn.Module
+    postprocessor: nn.Module
     cfg: Config
     meta: dict[str, Any]
     category_names: dict[int, str] | None
@@ -60,7 +64,8 @@ def model_from_checkpoint(
 
     Args:
         path: any checkpoint :func:`~detr_irpe.checkpoint.read_checkpoint` accepts (own
-            ``.pth`` / ``.safetensors``, public DETR / iRPE-DETR, Hugging Face DETR).
+            ``.pth`` / ``.safetensors``, public DETR / iRPE-DETR / DAB-DETR / DN-DETR,
+            Hugging Face DETR / DAB-DETR).
         config: a config name, a YAML path or a :class:`Config`; None: the saved one.
         overrides: ``"section.key=value"`` strings applied on top of the config.
         device: where the model and the criterion go.
@@ -68,8 +73,8 @@ def model_from_checkpoint(
             is an error (True) or re-initialised for fine-tuning (False).
 
     Raises:
-        CheckpointError: unreadable file, no config for a public file, or weights that
-            do not fit the config (the message names the differing config keys).
+        CheckpointError: unreadable file, no config for a public DETR file, or weights
+            that do not fit the config (the message names the differing config keys).
         ConfigError: a bad config or override.
     """
     state, meta = read_checkpoint(path)
