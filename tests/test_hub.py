@@ -171,6 +171,11 @@ def test_dn_checkpoint_loads_through_the_entry(tmp_path: Path, hub_dir: Path) ->
         got = model(images)
     torch.testing.assert_close(got["pred_logits"], expected["pred_logits"], rtol=0, atol=0)
     torch.testing.assert_close(got["pred_boxes"], expected["pred_boxes"], rtol=0, atol=0)
+    # another class count: new class head and label_enc rows, the rest loaded (fine-tuning)
+    other = torch.hub.load(str(ROOT), "dn_detr_resnet50", source="local", num_classes=3,
+                           checkpoint=str(path), **SIZES)
+    assert other.class_embed.out_features == 3 and other.label_enc.num_embeddings == 4
+    assert torch.equal(other.refpoint_embed.weight, published.refpoint_embed.weight)
     # the iRPE entry takes the same file: every tensor but the new iRPE tables
     irpe = torch.hub.load(str(ROOT), "dn_detr_resnet50_irpe", source="local",
                           checkpoint=str(path), **SIZES)
