@@ -1,7 +1,7 @@
 """DAB-DETR and DN-DETR through the entry points DETR has: the Predictor and its
 post-processing (the dab decoder's top-k sigmoid scores, no "no object" column), and a
 checkpoint of a tiny DAB / DN training run read by model_from_checkpoint, eval, predict,
-visualize, export, the demo's figure step and safetensors."""
+visualize, export (slow), the demo's figure step and safetensors."""
 
 from __future__ import annotations
 
@@ -184,21 +184,24 @@ def test_safetensors_holds_the_same_model(trained: Path, tmp_path: Path) -> None
         assert torch.equal(got[key], expected[key]), key
 
 
-def test_visualize_all_and_the_demo_figure_step(trained: Path, tmp_path: Path, capsys) -> None:
-    """visualize all (and the demo's draw_figures, which calls the same maps) writes the
-    anchor figures of a DAB / DN checkpoint."""
+def test_visualize_and_the_demo_figure_step(trained: Path, tmp_path: Path, capsys) -> None:
+    """visualize anchors from a DAB / DN checkpoint, and the demo's figure step
+    (draw_figures: Predictor.from_checkpoint, predictions, save_attention_maps) writes the
+    anchor figures next to DETR's ones (visualize all: the same maps). The training and PR
+    curves of the step read the run folder, not the model: not asked for here."""
     from detr_irpe.cli.demo import draw_figures
 
     image = _images(tmp_path / "in", count=1) / "img0.png"
-    assert load_tool("visualize").main(["all", "--checkpoint", str(trained / LAST),
-                                        "--image", str(image), "--out-dir",
-                                        str(tmp_path / "figs")]) == 0
-    written = {Path(line).name for line in capsys.readouterr().out.splitlines()}
-    assert {"img0_anchor_attention.png", "img0_anchor_refinement.png",
-            "img0_decoder_attention.png"} <= written
+    out = tmp_path / "anchors.png"
+    assert load_tool("visualize").main(["anchors", "--checkpoint", str(trained / LAST),
+                                        "--image", str(image), "--min-detections", "2",
+                                        "--out", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(out)] and out.is_file()
     draw_figures(trained / LAST, [image], tmp_path / "demo")
     figures = {p.name for p in (tmp_path / "demo" / "figures").glob("*.png")}
-    assert {"img0_anchor_attention.png", "img0_anchor_refinement.png"} <= figures
+    assert {"img0_predictions.png", "img0_decoder_attention.png", "img0_anchor_attention.png",
+            "img0_anchor_refinement.png"} <= figures
+    assert (tmp_path / "demo" / "predictions" / "img0.png").is_file()
 
 
 @pytest.mark.slow
