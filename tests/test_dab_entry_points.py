@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import load_tiny_config, load_tool
+from helpers import load_tiny_config, load_tool, randomise
 from PIL import Image
 
 from detr_irpe.checkpoint import save_safetensors
@@ -36,13 +36,11 @@ DECODERS = {
 
 
 def tiny_dab(decoder: str, *overrides: str):
-    """``(model, cfg)``: a tiny DAB / DN model (4 classes, 4 queries) whose box head moves
-    the boxes (its last layer starts at zero)."""
-    torch.manual_seed(0)
+    """``(model, cfg)``: a tiny DAB / DN model (4 classes, 4 queries) with random weights
+    (also the box head's last layer, which starts at zero)."""
     cfg = load_tiny_config("model.num_classes=4", *DECODERS[decoder], *overrides)
     model, _, _ = build_model(cfg, load_backbone_weights=False)
-    with torch.no_grad():
-        model.bbox_embed.layers[-1].weight.normal_(0.0, 0.3)
+    randomise(model, seed=0)
     return model.eval(), cfg
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CHEBYSHEV, ROOT, load_tiny_config
+from helpers import CHEBYSHEV, ROOT, load_tiny_config, randomise
 from torch import nn
 
 from detr_irpe.checkpoint import FORMAT, atomic_save
@@ -197,14 +197,12 @@ DAB_DECODERS = {
 
 
 def _random_dab_model(decoder: str) -> nn.Module:
-    """A tiny DAB / DN model whose outputs depend on the image everywhere: random iRPE
-    tables and a random last box-head layer (it starts at zero: the boxes would be the
-    anchors whatever the image)."""
+    """A tiny DAB / DN model whose outputs depend on the image everywhere: every weight
+    random (the iRPE tables, and the box head's last layer, which starts at zero: the boxes
+    would be the anchors whatever the image)."""
     cfg = load_tiny_config("model.num_classes=3", f"model.rpe={RPE}", *DAB_DECODERS[decoder])
     model, _, _ = build_model(cfg, load_backbone_weights=False)
-    _randomise_tables(model)
-    with torch.no_grad():
-        model.bbox_embed.layers[-1].weight.normal_(0.0, 0.5)
+    randomise(model, seed=0)
     return model.eval()
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import load_tiny_config
+from helpers import load_tiny_config, randomise
 from matplotlib.patches import Rectangle
 from PIL import Image
 
@@ -36,14 +36,11 @@ DN = (*DAB, "model.denoising.enabled=true")
 
 
 def dab_model(*overrides: str):
-    """A tiny DAB model whose box head moves the boxes (its last layer starts at zero:
-    every layer would start from the learned anchor)."""
-    torch.manual_seed(0)
+    """A tiny DAB model with random weights, so that the box head moves the boxes (its last
+    layer starts at zero: every layer would start from the learned anchor)."""
     cfg = load_tiny_config(*overrides)
     model, _, _ = build_model(cfg, load_backbone_weights=False)
-    with torch.no_grad():
-        model.bbox_embed.layers[-1].weight.normal_(0.0, 0.3)
-        model.bbox_embed.layers[-1].bias.normal_(0.0, 0.3)
+    randomise(model, seed=0)
     return model.eval(), cfg
 
 
