@@ -261,6 +261,8 @@ def loader_predictions(loader: Any) -> dict[int, dict]:
 
 
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    # a forked child must not reuse the parent's OpenMP pool (as in DataLoader workers)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:
@@ -294,7 +296,11 @@ def synthetic_config(root: Path) -> DataConfig:
 
 def test_gather_across_two_ranks_equals_one_rank(tmp_path: Path) -> None:
     generate_dataset(tmp_path / "data", num_train=0, num_val=5, spec=SyntheticSpec(size=48))
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    # fork, not spawn: the ranks start from this process's imports (a spawned rank imports
+    # torch, torchvision and this module again: ~5 s of CPU each); nothing here has set up
+    # a process group or threads that a forked child could inherit half-way.
+    mp.start_processes(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
     coco = make_gt()
     single = evaluate_predictions(coco, gt_predictions(coco, shift=5.0))
     dataset = build_dataset(synthetic_config(tmp_path / "data"), "val")

@@ -138,6 +138,7 @@ def _docs_plugin_and_command() -> tuple[str, list[str]]:
     return code, shlex.split(command)
 
 
+@pytest.mark.slow  # a training subprocess (~6 s); in-process registration is tested above
 def test_docs_plugin_in_a_tool_and_from_its_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_dataset: Path,
 ) -> None:

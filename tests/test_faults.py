@@ -370,6 +370,7 @@ def _stop_during_save(data: Path, out: Path, nth_save: int, *signals: int,
                                        "".join(seen) + err_text)
 
 
+@pytest.mark.slow  # two training subprocesses and a straight run (~18 s of a 2-core machine)
 def test_sigterm_during_a_save_stops_at_the_next_step_and_resumes_exactly(
     tiny_dataset, straight_run, tmp_path
 ):
