@@ -18,7 +18,6 @@ from detr_irpe.errors import ConfigError
 from detr_irpe.models import build_model
 from detr_irpe.models.dab_transformer import ProjectedAttention
 from detr_irpe.structures import ImageBatch
-from detr_irpe.visualization.figures import NORMALISED_LABEL
 from detr_irpe.visualization import (
     anchor_boxes,
     capture_attention,
@@ -28,6 +27,7 @@ from detr_irpe.visualization import (
     plot_decoder_attention,
     save_attention_maps,
 )
+from detr_irpe.visualization.figures import NORMALISED_LABEL
 
 # 3 decoder layers (two refinements between them), 6 queries, iRPE on keys; the figures are
 # drawn for a 96 x 144 picture fed at 64 x 96.
