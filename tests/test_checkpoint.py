@@ -419,14 +419,15 @@ def test_hugging_face_files_read_in_project_layout(tmp_path: Path, layout: str) 
     from detr_irpe.checkpoint.hf_folder import write_hf_folder
     from detr_irpe.checkpoint.hf_keys import to_hf_state_dict
 
-    source = tiny("model.rpe=none").state_dict()
+    whole = "model.backbone_stages=4"  # Hugging Face's DETR has the whole ResNet
+    source = tiny("model.rpe=none", whole).state_dict()
     file = tmp_path / "model.safetensors"
     save_file(to_hf_state_dict(source, layout), str(file))
     state, meta = read_checkpoint(file)
     assert meta["format"] == "hf"
     assert state.keys() == source.keys()
     assert all(torch.equal(state[k], source[k]) for k in source)
-    cfg = tiny_cfg("model.rpe=none")
+    cfg = tiny_cfg("model.rpe=none", whole)
     folder = write_hf_folder(source, cfg, tmp_path / "folder")
     state, meta = read_checkpoint(folder)
     assert meta["format"] == "hf" and meta["hf_model"]["hidden_dim"] == 32

@@ -99,7 +99,7 @@ def test_every_irpe_variant_trains(rpe: str) -> None:
 
 
 def test_image_batch_equals_list_and_padding() -> None:
-    model, _, _ = tiny()
+    model, _, _ = tiny("model.backbone_stages=4")  # stride 32
     model.eval()
     imgs = images()
     batch = ImageBatch.from_images(imgs)

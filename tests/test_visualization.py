@@ -33,7 +33,9 @@ from detr_irpe.visualization import (
 # iRPE on queries and keys with a table per head (the split of the logits then has both
 # terms and differs between heads), and the image size rule the figures are drawn at
 # (the 96 x 144 test image becomes 64 x 96).
+# the whole ResNet-18 (stride 32): the token geometry below is counted in 32-pixel cells
 MODEL = ("model.num_classes=5", "model.num_queries=6", "model.rpe=rpe-2.0-product-ctx-0-qk",
+         "model.backbone_stages=4",
          "data.val_size=64", "data.max_size=160")
 
 

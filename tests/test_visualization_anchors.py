@@ -31,7 +31,7 @@ from detr_irpe.visualization.figures import NORMALISED_LABEL
 
 # 3 decoder layers (two refinements between them), 6 queries, iRPE on keys; the figures are
 # drawn for a 96 x 144 picture fed at 64 x 96.
-DAB = ("model.num_classes=5", "model.num_queries=6", "model.dec_layers=3",
+DAB = ("model.num_classes=5", "model.num_queries=6", "model.dec_layers=3", "model.backbone_stages=4",
        "model.decoder=dab", "data.val_size=64", "data.max_size=160")
 DN = (*DAB, "model.denoising.enabled=true")
 

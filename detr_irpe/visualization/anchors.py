@@ -155,7 +155,7 @@ def plot_anchor_attention(
                                  normalise=True)
         _box(ax, boxes[layer_idx, int(query)], ANCHOR_COLOUR, f"anchor:{int(query)}:{layer_idx}")
         _prediction(ax, boxes[-1, int(query)], int(label), int(query))
-        ax.set_title(f"{_title(detections, i, category_names)} (max {peak:.3g})", fontsize=8)
+        ax.set_title(f"{_title(detections, i, category_names)}\n(max {peak:.3g})", fontsize=8)
     _blank_panels(flat, image, len(detections))
     if len(detections):
         _colorbar(fig, artist, flat[:len(detections)], NORMALISED_LABEL, shrink=0.8, aspect=30)

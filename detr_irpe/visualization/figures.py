@@ -453,7 +453,7 @@ def plot_decoder_attention(
                                  normalise=True)
         _draw_box(ax, box, class_colour(int(label)))
         ax.set_title(f"query {int(query)}: {category_name(label, category_names)} "
-                     f"{score:.2f} (max {peak:.3g})", fontsize=8)
+                     f"{score:.2f}\n(max {peak:.3g})", fontsize=8)
     for ax in flat[panels:]:
         ax.axis("off")
     if len(detections):
