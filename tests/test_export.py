@@ -232,7 +232,8 @@ def _random_dab_model(decoder: str) -> nn.Module:
     return model.eval()
 
 
-@pytest.mark.parametrize("decoder", ["dn", pytest.param("dab", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two exports (~6 s each); the DETR export runs in the default suite
+@pytest.mark.parametrize("decoder", ["dn", "dab"])
 def test_dab_decoder_exports_its_inference_graph(tmp_path: Path, decoder: str) -> None:
     """images -> (pred_logits (N, Q, C): no "no object" column, pred_boxes): onnxruntime
     equals the model's own forward; the anchors and the denoising part stay out."""
