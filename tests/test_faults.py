@@ -96,6 +96,16 @@ def test_second_lock_is_refused_naming_the_holder(tmp_path):
         assert lock.held
 
 
+def test_the_lock_module_imports_no_torch() -> None:
+    """A lock holder (these tests' helper processes, a grid scheduler's claim) starts in a
+    fraction of a second: run_folder/lock.py needs neither torch nor the training stack."""
+    proc = _python(_LOAD_ALONE + "print(sorted(m for m in sys.modules if m.split('.')[0] "
+                   "in ('torch', 'numpy')))\n", _module_file(RunLock))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.strip() == "[]"
+
+
 def test_lock_of_a_killed_process_is_taken_over(tmp_path, caplog):
     ready = tmp_path / "ready"
     holder = _python(_HOLDER, _module_file(RunLock), str(tmp_path), str(ready),

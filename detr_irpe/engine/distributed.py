@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from detr_irpe.errors import DetrIrpeError, LostRankError
+from detr_irpe.errors import DetrIrpeError, LostRankError, RunFolderError
+from detr_irpe.run_folder.lock import RunLock
 from detr_irpe.utils.device import resolve_device
-from detr_irpe.utils.dist import all_gather_object
+from detr_irpe.utils.dist import all_gather_object, is_dist
 
 logger = logging.getLogger(__name__)
 
@@ -182,10 +183,34 @@ def lost_rank_as_error(info: DistInfo) -> Iterator[None]:
         raise LostRankError(lost_rank_message(info, reason)) from None
 
 
+def lock_run_folder(folder: str | Path, is_main: bool) -> RunLock | None:
+    """Rank 0 takes the run folder's lock (:class:`RunLock`); every rank raises the same error if it fails.
+
+    Call on every rank (a collective under ``torchrun``). Returns the held lock on
+    rank 0 and None elsewhere.
+
+    Raises:
+        RunFolderError: on every rank, when rank 0 could not take the lock.
+    """
+    lock: RunLock | None = None
+    message: str | None = None
+    if is_main:
+        try:
+            lock = RunLock(folder).acquire()
+        except RunFolderError as err:
+            message = str(err)
+    if is_dist():
+        message = all_gather_object(message)[0]  # rank 0's outcome
+    if message is not None:
+        raise RunFolderError(message)
+    return lock
+
+
 __all__ = [
     "DistInfo",
     "cleanup_distributed",
     "init_distributed",
+    "lock_run_folder",
     "lost_rank_as_error",
     "lost_rank_message",
 ]

@@ -35,6 +35,7 @@ from detr_irpe.engine.distributed import (
     DistInfo,
     cleanup_distributed,
     init_distributed,
+    lock_run_folder,
     lost_rank_as_error,
 )
 from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
@@ -80,7 +81,7 @@ from detr_irpe.run_folder.checkpoints import (
     save_training_checkpoint,
 )
 from detr_irpe.run_folder.experiment import config_differences, experiment_differences
-from detr_irpe.run_folder.lock import RunLock, lock_run_folder
+from detr_irpe.run_folder.lock import RunLock
 from detr_irpe.run_folder.log import JsonLinesLog
 from detr_irpe.utils.dist import all_gather_object, barrier, unwrap_model
 from detr_irpe.utils.memory import peak_memory_mb

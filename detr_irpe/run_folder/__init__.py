@@ -17,7 +17,8 @@ A run folder holds::
     ablation_status.json    how a grid's last launch of the run ended (status.py)
     ablation_output.log     the run's console output under a grid
 
-- ``lock``: :class:`RunLock` (one writer per folder), :func:`lock_run_folder` (ranks),
+- ``lock``: :class:`RunLock` (one writer per folder; the ranks' agreement on it is
+  :func:`detr_irpe.engine.distributed.lock_run_folder`),
   :func:`lock_holder`;
 - ``experiment``: :func:`experiment_differences`, the one rule for "same experiment"
   (:data:`NOT_IDENTITY` the one list of keys that never count);
@@ -41,7 +42,7 @@ from detr_irpe.run_folder.experiment import (
     config_differences,
     experiment_differences,
 )
-from detr_irpe.run_folder.lock import CLAIM_NAME, LOCK_NAME, RunLock, lock_holder, lock_run_folder
+from detr_irpe.run_folder.lock import CLAIM_NAME, LOCK_NAME, RunLock, lock_holder
 from detr_irpe.run_folder.log import JsonLinesLog, read_log
 from detr_irpe.run_folder.status import RunState, config_mismatch, is_finished, run_state
 
@@ -62,7 +63,6 @@ __all__ = [
     "is_finished",
     "link_best",
     "lock_holder",
-    "lock_run_folder",
     "read_log",
     "read_training_checkpoint",
     "repair_best",

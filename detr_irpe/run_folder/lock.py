@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from detr_irpe.errors import RunFolderError
-from detr_irpe.utils.dist import all_gather_object, is_dist
 from detr_irpe.utils.files import describe_os_error, ensure_writable_folder
 
 logger = logging.getLogger(__name__)
@@ -164,27 +163,4 @@ def lock_holder(folder: str | Path, name: str = LOCK_NAME) -> str | None:
         os.close(fd)
 
 
-def lock_run_folder(folder: str | Path, is_main: bool) -> RunLock | None:
-    """Rank 0 takes the run folder's lock; every rank raises the same error if it fails.
-
-    Call on every rank (a collective under ``torchrun``). Returns the held lock on
-    rank 0 and None elsewhere.
-
-    Raises:
-        RunFolderError: on every rank, when rank 0 could not take the lock.
-    """
-    lock: RunLock | None = None
-    message: str | None = None
-    if is_main:
-        try:
-            lock = RunLock(folder).acquire()
-        except RunFolderError as err:
-            message = str(err)
-    if is_dist():
-        message = all_gather_object(message)[0]  # rank 0's outcome
-    if message is not None:
-        raise RunFolderError(message)
-    return lock
-
-
-__all__ = ["CLAIM_NAME", "LOCK_NAME", "RunLock", "lock_holder", "lock_run_folder"]
+__all__ = ["CLAIM_NAME", "LOCK_NAME", "RunLock", "lock_holder"]
