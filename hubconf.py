@@ -1,4 +1,5 @@
-"""torch.hub entry points: DETR-R50 with and without iRPE in the encoder.
+"""torch.hub entry points: DETR-R50, DAB-DETR-R50 and DN-DETR-R50, each with and without
+iRPE in the encoder.
 
     import torch
     model = torch.hub.load("PATH/TO/detr_irpe", "detr_resnet50_irpe", source="local",
@@ -15,6 +16,15 @@ put the file at. Other keyword arguments are ``model.*`` config values,
 e.g. ``backbone_weights="none"`` (no ImageNet download for an untrained model) or
 ``rpe_init="zero"``. With ``num_classes`` other than 91 the published class head is
 replaced by a fresh one (fine-tuning), with a warning.
+
+DAB-DETR and DN-DETR (``dab_detr_resnet50[_irpe]``, ``dn_detr_resnet50[_irpe]``): the
+official weights are shared through Google Drive folders, which have no stable download
+address, so ``pretrained=True`` cannot fetch them; it raises a one-line
+``CheckpointError`` that says where the file is and how to load it: download it once and
+pass ``checkpoint="PATH/TO/file.pth"`` (any checkpoint the tools read), e.g.
+
+    model = torch.hub.load("PATH/TO/detr_irpe", "dn_detr_resnet50", source="local",
+                           checkpoint="checkpoint.pth")     # the DN-DETR-R50 file, 44.4 AP
 """
 
 from __future__ import annotations
@@ -50,14 +60,28 @@ def _make(
     return_postprocessor: bool,
     model_options: dict[str, Any],
 ):
-    from detr_irpe.checkpoint import load_state
     from detr_irpe.checkpoint.zoo import zoo_entry
-    from detr_irpe.models import build_model
 
     # an unpublished name, or no way to download the file, fails before the model is built
     weights = _download(zoo_entry(zoo_name)) if pretrained else None
+    return _build(config, weights, num_classes, return_postprocessor, model_options)
+
+
+def _build(
+    config: str,
+    weights: tuple[dict, dict] | None,
+    num_classes: int,
+    return_postprocessor: bool,
+    model_options: dict[str, Any],
+):
+    """The model of ``config`` with ``model_options`` and, when given, the read checkpoint
+    ``weights`` loaded (a class head of another class count is replaced), in eval mode."""
+    from detr_irpe.checkpoint import load_state
+    from detr_irpe.models import build_model
+
     cfg = _config(config, num_classes, model_options)
-    model, _, postprocessor = build_model(cfg, load_backbone_weights=not pretrained)
+    # no ImageNet download when a checkpoint brings the backbone
+    model, _, postprocessor = build_model(cfg, load_backbone_weights=weights is None)
     if weights is not None:
         load_state(model, *weights, strict_head=False)
         model.eval()
@@ -89,3 +113,110 @@ def detr_resnet50(
     """Plain DETR-R50 (config ``detr_r50``); ``pretrained=True``: the DETR model zoo's file."""
     return _make("detr_r50", "detr_r50", pretrained, num_classes, return_postprocessor,
                  model_options)
+
+
+# The official DAB-DETR / DN-DETR model zoos (their repositories' READMEs link each file
+# from a Google Drive folder; no stable address to download from).
+_DAB_FILES = {
+    "dab_detr_r50": ("DAB-DETR-R50 (42.2 AP)", "github.com/IDEA-Research/DAB-DETR",
+                     "dab_detr_resnet50"),
+    "dn_detr_r50": ("DN-DETR-R50 (44.4 AP)", "github.com/IDEA-Research/DN-DETR",
+                    "dn_detr_resnet50"),
+}
+
+
+def _make_dab(
+    config: str,
+    pretrained: bool,
+    checkpoint: str | None,
+    num_classes: int,
+    return_postprocessor: bool,
+    model_options: dict[str, Any],
+):
+    """A ``dab`` decoder entry: the config's model, with ``checkpoint``'s weights when given.
+
+    ``pretrained=True`` without ``checkpoint`` raises a one-line CheckpointError naming the
+    official file and the call that loads it (before anything is built)."""
+    from detr_irpe.checkpoint import read_checkpoint
+    from detr_irpe.errors import CheckpointError
+
+    if pretrained and checkpoint is None:
+        base = config.removesuffix("_irpe")
+        name, repository, entry = _DAB_FILES[base]
+        if config != base:
+            raise CheckpointError(
+                f"no published weights for {config} (iRPE on {name.split()[0]} is the "
+                f"experiment): train it, or start from the official {name} file (model zoo "
+                f"of {repository}, a Google Drive link) with checkpoint='PATH', which leaves "
+                "the iRPE tables as model.rpe_init says")
+        raise CheckpointError(
+            f"the official {name} weights have no stable download address (a Google Drive "
+            f"link in the model zoo of {repository}): download the file once and load it "
+            f"with torch.hub.load(REPO, {entry!r}, source='local', checkpoint='PATH')")
+    weights = read_checkpoint(checkpoint) if checkpoint is not None else None
+    return _build(config, weights, num_classes, return_postprocessor, model_options)
+
+
+def dab_detr_resnet50(
+    pretrained: bool = False,
+    num_classes: int = 91,
+    checkpoint: str | None = None,
+    return_postprocessor: bool = False,
+    **model_options: Any,
+):
+    """DAB-DETR-R50 (config ``dab_detr_r50``, 50-epoch recipe): anchor-box queries, sigmoid
+    classes (``num_classes`` outputs, no "no object"); the postprocessor keeps the top
+    (query, class) scores.
+
+    ``checkpoint``: a file to load (e.g. the official DAB-DETR-R50 one, downloaded by hand:
+    ``pretrained=True`` alone says where it is).
+    """
+    return _make_dab("dab_detr_r50", pretrained, checkpoint, num_classes,
+                     return_postprocessor, model_options)
+
+
+def dab_detr_resnet50_irpe(
+    pretrained: bool = False,
+    num_classes: int = 91,
+    rpe: str = "rpe-2.0-product-ctx-1-k",
+    checkpoint: str | None = None,
+    return_postprocessor: bool = False,
+    **model_options: Any,
+):
+    """DAB-DETR-R50 with iRPE ``rpe`` in every encoder self-attention (config
+    ``dab_detr_r50_irpe``). No published weights: ``checkpoint`` loads a file, e.g. your
+    own run, or the official DAB-DETR-R50 one (iRPE tables then start as ``rpe_init``)."""
+    return _make_dab("dab_detr_r50_irpe", pretrained, checkpoint, num_classes,
+                     return_postprocessor, {**model_options, "rpe": rpe})
+
+
+def dn_detr_resnet50(
+    pretrained: bool = False,
+    num_classes: int = 91,
+    checkpoint: str | None = None,
+    return_postprocessor: bool = False,
+    **model_options: Any,
+):
+    """DN-DETR-R50 (config ``dn_detr_r50``): DAB-DETR-R50 trained with denoising queries
+    (training only; in eval mode it is a DAB-DETR whose queries start from ``label_enc``).
+
+    ``checkpoint``: a file to load (e.g. the official DN-DETR-R50 one, downloaded by hand:
+    ``pretrained=True`` alone says where it is).
+    """
+    return _make_dab("dn_detr_r50", pretrained, checkpoint, num_classes,
+                     return_postprocessor, model_options)
+
+
+def dn_detr_resnet50_irpe(
+    pretrained: bool = False,
+    num_classes: int = 91,
+    rpe: str = "rpe-2.0-product-ctx-1-k",
+    checkpoint: str | None = None,
+    return_postprocessor: bool = False,
+    **model_options: Any,
+):
+    """DN-DETR-R50 with iRPE ``rpe`` in every encoder self-attention (config
+    ``dn_detr_r50_irpe``). No published weights: ``checkpoint`` loads a file, e.g. your
+    own run, or the official DN-DETR-R50 one (iRPE tables then start as ``rpe_init``)."""
+    return _make_dab("dn_detr_r50_irpe", pretrained, checkpoint, num_classes,
+                     return_postprocessor, {**model_options, "rpe": rpe})

@@ -29,7 +29,7 @@ from detr_irpe.ablation import (
 )
 from detr_irpe.ablation.grid import GRID_DIR
 from detr_irpe.cli import ablate
-from detr_irpe.config import read_yaml_with_base
+from detr_irpe.config import load_config, read_yaml_with_base
 from detr_irpe.errors import RunFolderError
 from detr_irpe.run_folder.lock import CLAIM_NAME, RunLock, lock_holder
 from detr_irpe.run_folder.status import RunState, config_mismatch, run_state
@@ -395,7 +395,8 @@ def test_tool_reports_a_bad_grid(tmp_path, capsys) -> None:
 def test_shipped_grids_load() -> None:
     files = sorted(GRID_DIR.glob("*.yaml"))
     names = {f.stem for f in files}
-    for question in ("methods", "modes", "placement", "ratio", "absolute", "shared_head"):
+    for question in ("methods", "modes", "placement", "ratio", "absolute", "shared_head",
+                     "decoders"):
         assert question in names and f"demo_{question}" in names
     for path in files:
         grid = load_grid(path)
@@ -410,6 +411,51 @@ def test_shipped_grids_load() -> None:
     # Product buckets per ratio (irpe.md): 49, 81, 121, 169; D = 32, shared, 6 layers.
     assert [rpe_parameter_count(r.config) for r in ratio.runs] == [
         6 * 32 * k for k in (49, 81, 121, 169)]
+
+
+IRPE = "rpe-2.0-product-ctx-1-k"
+# decoders.yaml's rows and the published configs they must equal
+PUBLISHED = {("detr", "none"): "detr_r50", ("detr", IRPE): "detr_r50_irpe",
+             ("dab", "none"): "dab_detr_r50", ("dab", IRPE): "dab_detr_r50_irpe",
+             ("dn", "none"): "dn_detr_r50", ("dn", IRPE): "dn_detr_r50_irpe"}
+
+
+def _decoder_and_rpe(run) -> tuple[str, str]:
+    """``("dab", "none")`` of the run of variant ``dab,rpe=none``."""
+    decoder, rpe = run.variant.name.split(",rpe=")
+    return decoder, rpe
+
+
+def test_decoders_grid_runs_the_published_configs() -> None:
+    """Each row of decoders.yaml is its decoder's published config (model and loss
+    sections, iRPE variant included) on the grid's common 50-epoch schedule: the grid's
+    overrides cannot drift from dab_detr_r50.yaml / dn_detr_r50.yaml."""
+    grid = load_grid("decoders")
+    assert sorted(_decoder_and_rpe(run) for run in grid.runs) == sorted(PUBLISHED)
+    for run in grid.runs:
+        expected = load_config(PUBLISHED[_decoder_and_rpe(run)], [
+            "train.epochs=50", "train.lr_drop=40", f"train.seed={run.seed}",
+            f"train.output_dir={run.output_dir}"])
+        assert run.config.to_dict() == expected.to_dict(), run.variant.name
+
+
+def test_demo_decoders_grid_changes_only_the_decoder() -> None:
+    """demo_decoders.yaml: the demo config, the decoder, denoising, the matching cost of
+    each decoder and the iRPE axis; nothing else differs between its rows."""
+    grid = load_grid("demo_decoders")
+    assert sorted(_decoder_and_rpe(run) for run in grid.runs) == sorted(PUBLISHED)
+    cost = {"detr": 1.0, "dab": 2.0, "dn": 2.0}
+    for run in grid.runs:
+        decoder, rpe = _decoder_and_rpe(run)
+        model, loss = run.config.model, run.config.loss
+        assert (model.decoder, model.denoising.enabled, model.rpe, loss.set_cost_class) == (
+            "detr" if decoder == "detr" else "dab", decoder == "dn", rpe, cost[decoder])
+        expected = load_config("synthetic_demo", [
+            *grid.overrides, f"model.decoder={model.decoder}",
+            f"model.denoising.enabled={str(decoder == 'dn').lower()}", f"model.rpe={rpe}",
+            f"loss.set_cost_class={cost[decoder]}", f"train.seed={run.seed}",
+            f"train.output_dir={run.output_dir}"])
+        assert run.config.to_dict() == expected.to_dict(), run.variant.name
 
 
 def test_variants_times_one_axis_names(tmp_path, tiny_dataset) -> None:

@@ -41,10 +41,10 @@ def test_quick_suite_structure(quick_results) -> None:
     assert sweep["skipped"] and "naive_product_qkv at L=64" in sweep["skipped"][0]
     assert Path(results["op"]["plot"]).is_file()
     rows = results["model"]["rows"]
-    assert [(r["rpe"], r["amp"]) for r in rows] == [
-        ("none", "none"), ("none", "bf16"),
-        ("rpe-2.0-product-ctx-1-k", "none"), ("rpe-2.0-product-ctx-1-k", "bf16"),
-    ]
+    # every decoder with and without iRPE, each in both precisions, in one run
+    assert [(r["decoder"], r["rpe"], r["amp"]) for r in rows] == [
+        (decoder, rpe, amp) for decoder in ("detr", "dab", "dn")
+        for rpe in ("none", "rpe-2.0-product-ctx-1-k") for amp in ("none", "bf16")]
     for row in rows:
         assert row["train_step_s"] > 0 and row["infer_images_per_s"] > 0
         assert len(row["train_step_s_all"]) == 1
@@ -52,6 +52,11 @@ def test_quick_suite_structure(quick_results) -> None:
     # same start, same batch: the first step's loss differs only by the precision
     fp32, bf16 = rows[2]["loss_after"], rows[3]["loss_after"]
     assert fp32 != bf16 and abs(fp32 - bf16) < 0.1 * fp32
+    # the dn rows' step has the denoising terms on top of the same DAB model's loss
+    # (same seed, same batch): its loss is the larger
+    by_key = {(r["decoder"], r["rpe"], r["amp"]): r for r in rows}
+    for rpe in ("none", "rpe-2.0-product-ctx-1-k"):
+        assert by_key["dn", rpe, "none"]["loss_after"] > by_key["dab", rpe, "none"]["loss_after"]
     profile = results["profile"]["rows"]
     assert [r["amp"] for r in profile] == ["none", "bf16"]
     for row in profile:
@@ -65,6 +70,8 @@ def test_quick_suite_structure(quick_results) -> None:
     targets = {t["target"] for t in target_ratios(results)}
     assert "DETR training step (fp32), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
     assert "DETR training step (bf16), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
+    for name in ("DAB-DETR", "DN-DETR"):  # the iRPE overhead on each decoder
+        assert f"{name} training step (fp32), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
     assert any("SDPA" in t for t in targets) and any("DETR MHA" in t for t in targets)
 
 
@@ -78,6 +85,10 @@ def test_results_written(quick_results) -> None:
                   "COCO evaluation", "CPU targets"):
         assert title in md
     assert "| variant | wall ms | x DETR MHA | x SDPA MHA |" in md
+    for name in ("| DETR-R50 |", "| DAB-DETR-R50 |", "| DN-DETR-R50 |",
+                 "| DAB-DETR-R50-iRPE rpe-2.0-product-ctx-1-k |",
+                 "| DN-DETR-R50-iRPE rpe-2.0-product-ctx-1-k |"):
+        assert md.count(name) == 2, name  # fp32 and bf16 rows
 
 
 def test_quick_mode_gives_no_verdicts(quick_results) -> None:
@@ -114,6 +125,9 @@ def test_tool_cli_quick_op_only(tmp_path: Path, capsys) -> None:
     # "auto" is a training setting, not a precision a benchmark row can name
     assert tool.main(["--quick", "--only", "model", "--amp", "auto",
                       "--output-dir", str(tmp_path)]) == 2
+    assert tool.main(["--quick", "--only", "model", "--decoders", "detr,deformable",
+                      "--output-dir", str(tmp_path)]) == 2
+    assert "--decoders" in capsys.readouterr().err
 
 
 def test_render_from_json(quick_results) -> None:

@@ -170,13 +170,17 @@ def test_suite_reference_rows_targets_and_tables(checkout: Path, tmp_path: Path)
     bf16 = targets["DETR training step, rpe-2.0-product-ctx-1-k: this project in bf16 vs the "
                    "reference code in fp32"]
     assert (fp32["limit"], bf16["limit"]) == (0.90, 0.60)
-    ours = {(r["rpe"], r["amp"]): r for r in model["rows"]}
+    # the DAB / DN rows are in the same run; the reference code is DETR's only
+    assert {r["decoder"] for r in model["rows"]} == {"detr", "dab", "dn"}
+    ours = {(r["rpe"], r["amp"]): r for r in model["rows"] if r["decoder"] == "detr"}
     base = model["reference_rows"][1]
     assert fp32["ratio"] == pytest.approx(
         ours[("rpe-2.0-product-ctx-1-k", "none")]["train_cpu_s"] / base["train_cpu_s"])
     text = suite_markdown(results)
     assert "the reference DETR-with-iRPE code, same batch, same run" in text
     assert "| reference | DETR-R50-iRPE rpe-2.0-product-ctx-1-k | fp32 |" in text
+    reference_table = text.split("the reference DETR-with-iRPE code")[1].split("###")[0]
+    assert "DAB-DETR" not in reference_table and "DN-DETR" not in reference_table
     assert "Same weights in both models" in text
 
 

@@ -8,16 +8,17 @@ import logging
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import CHEBYSHEV, load_tiny_config
+from helpers import CHEBYSHEV, ROOT, load_tiny_config, randomise
 from torch import nn
 
 from detr_irpe.checkpoint import FORMAT, atomic_save
 from detr_irpe.cli.export import main
 from detr_irpe.export import OUTPUTS, export_onnx, run_onnx
 from detr_irpe.irpe import IRPEMultiheadAttention
-from detr_irpe.models import build_model
+from detr_irpe.models import TopKPostProcess, build_model
 from detr_irpe.models.from_checkpoint import model_from_checkpoint
 from detr_irpe.structures import ImageBatch
 
@@ -210,3 +211,75 @@ def test_dynamic_model_export_runs_at_other_sizes(checkpoint: Path, tmp_path: Pa
         ref_logits, ref_boxes = _pytorch_outputs(checkpoint, images)
         torch.testing.assert_close(logits, ref_logits, **TOL)
         torch.testing.assert_close(boxes, ref_boxes, **TOL)
+
+
+# ----------------------------------------------------------------------------- dab decoder
+# DAB-DETR, and DN-DETR (DAB-DETR trained with denoising queries: its eval-mode graph has
+# none, but its matching queries start from label_enc's extra row instead of zeros).
+DAB_DECODERS = {
+    "dab": ("model.decoder=dab",),
+    "dn": ("model.decoder=dab", "model.denoising.enabled=true"),
+}
+
+
+def _random_dab_model(decoder: str) -> nn.Module:
+    """A tiny DAB / DN model whose outputs depend on the image everywhere: every weight
+    random (the iRPE tables, and the box head's last layer, which starts at zero: the boxes
+    would be the anchors whatever the image)."""
+    cfg = load_tiny_config("model.num_classes=3", f"model.rpe={RPE}", *DAB_DECODERS[decoder])
+    model, _, _ = build_model(cfg, load_backbone_weights=False)
+    randomise(model, seed=0)
+    return model.eval()
+
+
+@pytest.mark.parametrize("decoder", ["dn", pytest.param("dab", marks=pytest.mark.slow)])
+def test_dab_decoder_exports_its_inference_graph(tmp_path: Path, decoder: str) -> None:
+    """images -> (pred_logits (N, Q, C): no "no object" column, pred_boxes): onnxruntime
+    equals the model's own forward; the anchors and the denoising part stay out."""
+    model = _random_dab_model(decoder)
+    path = export_onnx(model, tmp_path / f"{decoder}.onnx", SIZE)
+    assert [o.name for o in onnx.load(str(path)).graph.output] == list(OUTPUTS)
+    images = torch.randn(1, 3, *SIZE)
+    logits, boxes = run_onnx(path, images)
+    with torch.no_grad():
+        expected = model(ImageBatch.from_images(list(images)))
+    assert logits.shape == (1, 4, 3) and boxes.shape == (1, 4, 4)
+    # the boxes moved away from the anchors: the test sees the box head's graph
+    assert (expected["pred_boxes"][0] - expected["anchors"][-1, 0]).abs().max() > 1e-2
+    torch.testing.assert_close(logits, expected["pred_logits"], **TOL)
+    torch.testing.assert_close(boxes, expected["pred_boxes"], **TOL)
+    _check_documented_dab_postprocessing(logits, boxes, (SIZE[0] * 2, SIZE[1] * 3))
+
+
+def _check_documented_dab_postprocessing(logits: torch.Tensor, boxes: torch.Tensor,
+                                         size: tuple[int, int]) -> None:
+    """docs/deployment.md's numpy post-processing of a DAB file equals TopKPostProcess."""
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    block = text.split("**DAB-DETR / DN-DETR files**", 1)[1].split("```python\n", 1)[1]
+    code = block.split("```", 1)[0]
+    height, width = size
+    namespace = {"np": np, "logits": logits.numpy(), "boxes": boxes.numpy(),
+                 "width": width, "height": height}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(code, "docs/deployment.md", "exec"), namespace)
+    (expected,) = TopKPostProcess(num_select=300)(
+        {"pred_logits": logits, "pred_boxes": boxes}, torch.tensor([[height, width]]))
+    assert len(namespace["scores"]) == len(expected["scores"]) == logits.shape[1:].numel()
+    torch.testing.assert_close(torch.from_numpy(namespace["scores"]), expected["scores"])
+    assert namespace["labels"].tolist() == expected["labels"].tolist()
+    torch.testing.assert_close(torch.from_numpy(namespace["xyxy"]), expected["boxes"])
+
+
+@pytest.mark.slow
+def test_dab_decoder_dynamic_export_runs_at_other_sizes(tmp_path: Path) -> None:
+    """--dynamic with the dab decoder: the anchor queries do not depend on the image size,
+    so one file serves every batch and size."""
+    model = _random_dab_model("dn")
+    path = export_onnx(model, tmp_path / "dn_dynamic.onnx", SIZE, dynamic=True)
+    for shape in [(2, 3, 96, 64), (1, 3, 160, 130)]:
+        images = torch.randn(*shape)
+        logits, boxes = run_onnx(path, images)
+        with torch.no_grad():
+            expected = model(ImageBatch.from_images(list(images)))
+        torch.testing.assert_close(logits, expected["pred_logits"], **TOL)
+        torch.testing.assert_close(boxes, expected["pred_boxes"], **TOL)

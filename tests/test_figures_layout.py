@@ -189,3 +189,32 @@ def test_pr_curves(monkeypatch):
     for thresholds in ([0.5], [0.5, 0.75, 0.95]):
         fig = plot_pr_curves(evaluator.pr_arrays, iou_thresholds=thresholds)
         assert_text_on_canvas(fig, monkeypatch)
+
+
+# DAB-DETR's anchor figures (their own module: detr_irpe/visualization/anchors.py).
+@pytest.fixture(scope="module", params=[1, 6], ids=["dab-1-layer", "dab-6-layer"])
+def dab_captured(request: pytest.FixtureRequest, picture):
+    from detr_irpe.visualization import capture_attention as capture
+
+    layers = request.param
+    cfg = load_tiny_config(f"model.dec_layers={layers}", "model.num_classes=4",
+                           "model.decoder=dab")
+    torch.manual_seed(layers)
+    model, _, _ = build_model(cfg, load_backbone_weights=False)
+    image = prepare_image(picture, size=64, max_size=96, name="val_000002")
+    record = capture(model.eval(), [image.tensor], encoder_layers="none")
+    detections = detections_from_outputs(record.outputs, image.original_size, threshold=1.0,
+                                         min_detections=3, max_detections=3)
+    return image, record, detections
+
+
+def test_anchor_figures(dab_captured, monkeypatch):
+    from detr_irpe.visualization import plot_anchor_attention, plot_anchor_refinement
+
+    image, record, detections = dab_captured
+    none = Detections(np.zeros((0, 4), np.float32), np.zeros(0, np.float32),
+                      np.zeros(0, np.int64), np.zeros(0, np.int64))
+    for shown in (detections, none):  # three panels, and one narrow one
+        assert_text_on_canvas(plot_anchor_attention(image, record, shown, NAMES), monkeypatch)
+        assert_text_on_canvas(plot_anchor_refinement(image, record.outputs, shown, NAMES),
+                              monkeypatch)

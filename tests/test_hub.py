@@ -101,3 +101,85 @@ def test_zoo_addresses() -> None:
     assert all(e.url.startswith("https://") for e in zoo.ZOO.values())
     with pytest.raises(KeyError, match="detr_r50"):
         zoo.zoo_entry("detr_r50_irpe/rpe-9.9-product-ctx-1-k")
+
+
+# ----------------------------------------------------------------------------- DAB / DN
+# The tiny config's sizes only: its decoder / denoising keys would override the entries'.
+SIZES = {key: SMALL[key] for key in (
+    "backbone", "backbone_weights", "frozen_bn", "freeze_stem", "hidden_dim", "nheads",
+    "enc_layers", "dec_layers", "dim_feedforward", "num_queries")}
+DAB_ENTRIES = ("dab_detr_resnet50", "dab_detr_resnet50_irpe", "dn_detr_resnet50",
+               "dn_detr_resnet50_irpe")
+
+
+@pytest.mark.parametrize("entry", DAB_ENTRIES)
+def test_hub_load_untrained_dab_models(hub_dir: Path, entry: str) -> None:
+    from detr_irpe.models import DABDETR, TopKPostProcess
+
+    model, post = torch.hub.load(str(ROOT), entry, source="local", return_postprocessor=True,
+                                 **SIZES)
+    assert isinstance(model, DABDETR) and isinstance(post, TopKPostProcess)
+    assert model.class_embed.out_features == 91  # sigmoid classes: no "no object" output
+    assert (model.denoising is not None) == entry.startswith("dn_")
+    assert hasattr(model, "label_enc") == entry.startswith("dn_")
+    tables = [n for n, _ in model.named_parameters() if ".rpe_k.lookup_table" in n]
+    assert len(tables) == (1 if entry.endswith("_irpe") else 0)
+
+
+@pytest.mark.parametrize("entry", DAB_ENTRIES)
+def test_dab_pretrained_says_where_the_file_is(hub_dir: Path, entry: str, monkeypatch) -> None:
+    """No stable address for the official files: one line naming the model zoo and the
+    checkpoint= call, before any model is built."""
+    import detr_irpe.models
+    from detr_irpe.errors import CheckpointError
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the weights were found")
+
+    monkeypatch.setattr(detr_irpe.models, "build_model", no_build)
+    with pytest.raises(CheckpointError) as caught:
+        torch.hub.load(str(ROOT), entry, source="local", pretrained=True, **SIZES)
+    message = str(caught.value)
+    assert "\n" not in message and "checkpoint='PATH'" in message and "Google Drive" in message
+    repository = "DN-DETR" if entry.startswith("dn_") else "DAB-DETR"
+    assert f"github.com/IDEA-Research/{repository}" in message
+    if entry.endswith("_irpe"):
+        assert "no published weights" in message
+
+
+def _official_style(model: torch.nn.Module, path: Path) -> Path:
+    """Saved as the official DAB-DETR / DN-DETR training scripts save: the state dict under
+    "model", their arguments as an argparse.Namespace."""
+    torch.save({"model": model.state_dict(), "epoch": 49,
+                "args": argparse.Namespace(lr=1e-4, use_dn=True, num_queries=4)}, path)
+    return path
+
+
+def test_dn_checkpoint_loads_through_the_entry(tmp_path: Path, hub_dir: Path) -> None:
+    published = torch.hub.load(str(ROOT), "dn_detr_resnet50", source="local", **SIZES)
+    with torch.no_grad():
+        published.bbox_embed.layers[-1].weight.normal_()  # not all zero, as after training
+    path = _official_style(published, tmp_path / "checkpoint.pth")
+    model = torch.hub.load(str(ROOT), "dn_detr_resnet50", source="local",
+                           checkpoint=str(path), **SIZES)
+    assert not model.training
+    for name, value in published.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    images = [torch.randn(3, 64, 80)]
+    with torch.no_grad():
+        expected = published.eval()(images)
+        got = model(images)
+    torch.testing.assert_close(got["pred_logits"], expected["pred_logits"], rtol=0, atol=0)
+    torch.testing.assert_close(got["pred_boxes"], expected["pred_boxes"], rtol=0, atol=0)
+    # another class count: new class head and label_enc rows, the rest loaded (fine-tuning)
+    other = torch.hub.load(str(ROOT), "dn_detr_resnet50", source="local", num_classes=3,
+                           checkpoint=str(path), **SIZES)
+    assert other.class_embed.out_features == 3 and other.label_enc.num_embeddings == 4
+    assert torch.equal(other.refpoint_embed.weight, published.refpoint_embed.weight)
+    # the iRPE entry takes the same file: every tensor but the new iRPE tables
+    irpe = torch.hub.load(str(ROOT), "dn_detr_resnet50_irpe", source="local",
+                          checkpoint=str(path), **SIZES)
+    loaded = irpe.state_dict()
+    assert any(".rpe_k.lookup_table" in name for name in loaded)
+    for name, value in published.state_dict().items():
+        assert torch.equal(loaded[name], value), name

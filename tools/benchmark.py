@@ -5,6 +5,7 @@ prints markdown tables.
     python tools/benchmark.py                                  # CPU, 2 threads, a few minutes
     python tools/benchmark.py --threads 1 --only op            # one attention layer + L sweep
     python tools/benchmark.py --only model --model-repeats 5
+    python tools/benchmark.py --only model --decoders detr,dn  # DETR and DN-DETR rows only
     python tools/benchmark.py --device cuda --model-size 800x1216 --op-repeats 20
     python tools/benchmark.py --quick --output-dir /tmp/bench  # smoke test: tiny sizes, no verdicts
     python tools/benchmark.py --render --output-dir outputs/benchmark   # re-render results.md
@@ -65,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "fp16 (%(default)s)")
     g.add_argument("--models", default=None,
                    help="comma-separated model.rpe values (none,rpe-2.0-product-ctx-1-k)")
+    g.add_argument("--decoders", default=None,
+                   help="comma-separated decoders, each with every --models value, out of "
+                        "detr (detr_r50), dab (dab_detr_r50), dn (dn_detr_r50, denoising "
+                        "queries in the step) (default: all three)")
     g.add_argument("--reference-code", metavar="DIR", default=None,
                    help="the iRPE/DETR-with-iRPE folder of a microsoft/Cream checkout (not "
                         "shipped, never downloaded): its training step is timed in the same "
@@ -111,6 +116,8 @@ def _body(args: argparse.Namespace) -> int:
             chosen[key] = getattr(args, flag)
     if args.models:
         chosen["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.decoders is not None:
+        chosen["decoders"] = [d.strip() for d in args.decoders.split(",") if d.strip()]
     options = SuiteOptions.quick_options(**chosen) if args.quick else SuiteOptions(**chosen)
     results = run_suite(options, args.output_dir,
                         progress=lambda what: print(f"measuring {what} ...", file=sys.stderr,

@@ -1,10 +1,13 @@
-"""Model level: DETR training-step time and inference images/s, plain vs iRPE encoder.
+"""Model level: training-step time and inference images/s of each decoder, plain vs iRPE
+encoder.
 
 The training step is the engine's own :func:`~detr_irpe.engine.trainer.train_step`
 (forward, Hungarian matcher, set loss, backward, gradient clipping, AdamW step) run over
-a fixed synthetic batch, in float32 and / or under bf16 autocast. Models are built by :func:`~detr_irpe.models.build_model`
-from ``configs/detr_r50.yaml`` with random weights (``model.backbone_weights=none``), so
-nothing is downloaded; the only difference between the two models is ``model.rpe``.
+a fixed synthetic batch, in float32 and / or under bf16 autocast. Models are built by
+:func:`~detr_irpe.models.build_model` from each decoder's published config
+(:data:`DECODER_CONFIGS`: ``detr_r50``, ``dab_detr_r50``, ``dn_detr_r50``) with random
+weights (``model.backbone_weights=none``), so nothing is downloaded; within a decoder the
+only difference between the models is ``model.rpe``.
 """
 
 from __future__ import annotations
@@ -23,17 +26,32 @@ from detr_irpe.config import load_config
 from detr_irpe.data.categories import COCO_NUM_CLASSES
 from detr_irpe.engine.optim import build_optimizer
 from detr_irpe.engine.trainer import autocast_context, train_step, weighted_loss
+from detr_irpe.errors import ConfigError
 from detr_irpe.models import build_model
 from detr_irpe.structures import ImageBatch
 
 __all__ = [
-    "DEFAULT_MODELS", "StepRunner", "build_benchmark_model", "interleave", "model_table",
+    "DECODER_CONFIGS", "DEFAULT_DECODERS", "DEFAULT_MODELS", "StepRunner",
+    "build_benchmark_model", "decoder_name", "interleave", "model_table",
     "run_model_benchmark", "synthetic_batch", "training_state_bytes",
 ]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODELS = ("none", "rpe-2.0-product-ctx-1-k")
+# Each decoder of the model rows and the published config its models are built from:
+# DETR, DAB-DETR, and DAB-DETR trained with DN-DETR's denoising queries (their training
+# step includes them: 5 groups of the batch's ground truth).
+DECODER_CONFIGS = {"detr": "detr_r50", "dab": "dab_detr_r50", "dn": "dn_detr_r50"}
+DEFAULT_DECODERS = tuple(DECODER_CONFIGS)
+_DECODER_NAMES = {"detr": "DETR-R50", "dab": "DAB-DETR-R50", "dn": "DN-DETR-R50"}
+
+
+def decoder_name(row: dict[str, Any]) -> str:
+    """``DETR-R50`` / ``DAB-DETR-R50`` / ``DN-DETR-R50`` (+ ``-iRPE <rpe>``) of a model row
+    (rows without ``decoder``, from before the decoders were measured, are DETR's)."""
+    name = _DECODER_NAMES[row.get("decoder", "detr")]
+    return name if row["rpe"] == "none" else f"{name}-iRPE {row['rpe']}"
 
 
 def synthetic_batch(
@@ -67,10 +85,14 @@ def synthetic_batch(
     return ImageBatch.from_images(images), targets
 
 
-def build_benchmark_model(rpe: str, device: torch.device, overrides: Sequence[str] = ()):
-    """``(cfg, model, criterion, postprocessor)`` of ``configs/detr_r50.yaml`` with
-    ``model.rpe=rpe``, random weights (seed 0) and the COCO class count."""
-    cfg = load_config("detr_r50", [
+def build_benchmark_model(rpe: str, device: torch.device, overrides: Sequence[str] = (),
+                          decoder: str = "detr"):
+    """``(cfg, model, criterion, postprocessor)`` of the ``decoder``'s config
+    (:data:`DECODER_CONFIGS`, default ``configs/detr_r50.yaml``) with ``model.rpe=rpe``,
+    random weights (seed 0) and the COCO class count."""
+    if decoder not in DECODER_CONFIGS:
+        raise ConfigError(f"unknown decoder {decoder!r}; choose from {', '.join(DECODER_CONFIGS)}")
+    cfg = load_config(DECODER_CONFIGS[decoder], [
         f"model.rpe={rpe}", "model.backbone_weights=none", f"model.num_classes={COCO_NUM_CLASSES}",
         *overrides,
     ])
@@ -174,9 +196,10 @@ def run_model_benchmark(
     overrides: Sequence[str] = (),
     progress: Callable[[str], None] | None = None,
     extra_runners: Sequence[StepRunner] = (),
+    decoders: Sequence[str] = ("detr",),
 ) -> list[dict[str, Any]]:
     """Training-step seconds, inference images/s and the loss after the timed steps, for
-    each ``model.rpe`` value and each precision.
+    each decoder, each ``model.rpe`` value and each precision.
 
     All models are built first and their steps interleaved (:func:`interleave`), together
     with ``extra_runners`` (e.g. the reference code's, see
@@ -194,9 +217,11 @@ def run_model_benchmark(
         infer_repeats, infer_warmup: timed / untimed inference batches.
         amp: one ``train.amp`` value or several (``none``, ``bf16``, ``fp16``).
         overrides: extra config overrides (e.g. smaller models for tests).
+        decoders: keys of :data:`DECODER_CONFIGS` (``detr``, ``dab``, ``dn``); every
+            (decoder, rpe, amp) model is stepped in the one interleaved run.
 
     Returns:
-        one dict per (model, amp): ``rpe``, ``amp``, ``train_step_s`` (median),
+        one dict per (decoder, model, amp): ``decoder``, ``rpe``, ``amp``, ``train_step_s`` (median),
         ``train_step_s_all``, ``train_cpu_s`` (median process CPU time),
         ``train_images_per_s``, ``infer_batch_s``, ``infer_images_per_s``,
         ``loss_after``, ``peak_train_mib`` (CUDA only: the model's training state plus
@@ -210,11 +235,13 @@ def run_model_benchmark(
     images = images.to(dev)
     targets = [{k: v.to(dev) for k, v in t.items()} for t in targets]
     built, runners = [], []
-    for rpe in models:
+    for decoder, rpe in [(d, r) for d in decoders for r in models]:
         for precision in amps:
             if progress is not None:
-                progress(f"building DETR-R50 rpe={rpe} amp={precision} at {batch} x {height}x{width}")
-            cfg, model, criterion, postprocessor = build_benchmark_model(rpe, dev, overrides)
+                progress(f"building {decoder_name({'decoder': decoder, 'rpe': rpe})} "
+                         f"amp={precision} at {batch} x {height}x{width}")
+            cfg, model, criterion, postprocessor = build_benchmark_model(rpe, dev, overrides,
+                                                                         decoder)
             optimizer = build_optimizer(model, cfg.train)
             model.train()
 
@@ -225,7 +252,7 @@ def run_model_benchmark(
                 return float(weighted_loss(terms, criterion.weight_dict))
 
             built.append((model, postprocessor))
-            runners.append(StepRunner({"rpe": rpe, "amp": precision}, step,
+            runners.append(StepRunner({"decoder": decoder, "rpe": rpe, "amp": precision}, step,
                                       resident=partial(training_state_bytes, model, optimizer)))
     interleave([*runners, *extra_runners], train_warmup + train_repeats, dev, progress)
     results = []
@@ -248,32 +275,37 @@ def run_model_benchmark(
 
 
 def model_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown. ``x plain`` compares with the ``rpe=none`` row of the same precision,
-    ``x fp32`` with the same model in float32; ``loss diff`` is ``loss_after`` minus the
-    float32 row's (same start, same batch, same number of steps)."""
-    def find(rpe: str, amp: str) -> dict[str, Any] | None:
-        return next((r for r in rows if r["rpe"] == rpe and r.get("amp", "none") == amp), None)
+    """Markdown. ``x plain`` compares with the ``rpe=none`` row of the same decoder and
+    precision (the iRPE overhead on that decoder), ``x DETR`` with the DETR row of the same
+    ``rpe`` and precision (the decoder's cost), ``x fp32`` with the same model in float32;
+    ``loss diff`` is ``loss_after`` minus the float32 row's (same start, same batch, same
+    number of steps)."""
+    def find(decoder: str, rpe: str, amp: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r.get("decoder", "detr") == decoder and r["rpe"] == rpe
+                     and r.get("amp", "none") == amp), None)
+
+    def ratio(r: dict[str, Any], base: dict[str, Any] | None) -> str:
+        return "n/a" if base is None else f"{r['train_step_s'] / base['train_step_s']:.3f}"
 
     lines = [
-        "| model | amp | images | train step s | x plain | x fp32 | train CPU s | train img/s "
-        "| infer img/s | loss after N | loss diff vs fp32 | peak train MiB |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | amp | images | train step s | x plain | x DETR | x fp32 | train CPU s "
+        "| train img/s | infer img/s | loss after N | loss diff vs fp32 | peak train MiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        amp = r.get("amp", "none")
-        plain, fp32 = find("none", amp), find(r["rpe"], "none")
-        name = "DETR-R50" if r["rpe"] == "none" else f"DETR-R50-iRPE {r['rpe']}"
-        x_plain = "n/a" if plain is None else f"{r['train_step_s'] / plain['train_step_s']:.3f}"
-        x_fp32 = "n/a" if fp32 is None else f"{r['train_step_s'] / fp32['train_step_s']:.3f}"
+        amp, decoder = r.get("amp", "none"), r.get("decoder", "detr")
+        fp32 = find(decoder, r["rpe"], "none")
+        x_plain, x_detr = ratio(r, find(decoder, "none", amp)), ratio(r, find("detr", r["rpe"], amp))
+        x_fp32 = ratio(r, fp32)
         loss = r.get("loss_after")
         loss_cell = "n/a" if loss is None else f"{loss:.4f} (N={r.get('loss_steps')})"
         diff = ("n/a" if fp32 is None or loss is None or fp32.get("loss_after") is None
                 else f"{loss - fp32['loss_after']:+.4f}")
         peak = "n/a (CPU)" if r["peak_train_mib"] is None else f"{r['peak_train_mib']:.0f}"
         lines.append(
-            f"| {name} | {'fp32' if amp == 'none' else amp} | {r['batch']} x "
+            f"| {decoder_name(r)} | {'fp32' if amp == 'none' else amp} | {r['batch']} x "
             f"{r['image_hw'][0]}x{r['image_hw'][1]} (L={r['encoder_tokens']}) | "
-            f"{r['train_step_s']:.3f} | {x_plain} | {x_fp32} | {r['train_cpu_s']:.3f} | "
+            f"{r['train_step_s']:.3f} | {x_plain} | {x_detr} | {x_fp32} | {r['train_cpu_s']:.3f} | "
             f"{r['train_images_per_s']:.2f} | {r['infer_images_per_s']:.2f} | {loss_cell} | "
             f"{diff} | {peak} |"
         )

@@ -84,6 +84,8 @@ class SuiteOptions:
     # model-level precisions: float32 and bf16 autocast rows (with the loss difference)
     amp: Sequence[str] = ("none", "bf16")
     models: Sequence[str] = model_bench.DEFAULT_MODELS
+    # the decoders of the model rows (detr, dab, dn), each with every model.rpe value
+    decoders: Sequence[str] = model_bench.DEFAULT_DECODERS
     # the DETR-with-iRPE folder of a microsoft/Cream checkout: its step is measured in the
     # same run (precisions: reference_amp) and its outputs compared with this project's
     reference_code: str | None = None
@@ -108,6 +110,16 @@ class SuiteOptions:
         )
         base.update(kwargs)
         return cls(**base)
+
+
+# the decoder in a target's name (the DETR one's name is the one the docs have always used)
+_TARGET_NAMES = {"detr": "DETR", "dab": "DAB-DETR", "dn": "DN-DETR"}
+
+
+def _detr_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The DETR decoder's model rows: the ones the reference DETR-with-iRPE code compares
+    with (rows without ``decoder`` are DETR's)."""
+    return [r for r in rows if r.get("decoder", "detr") == "detr"]
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -162,21 +174,24 @@ def target_ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
                         "ratio_wall": op[key]["median_ms"] / plain["median_ms"],
                         "met": ratio <= limit})
     model_rows = results.get("model", {}).get("rows", [])
-    for amp in dict.fromkeys(r.get("amp", "none") for r in model_rows):
-        rows = {r["rpe"]: r for r in model_rows if r.get("amp", "none") == amp}
+    groups = dict.fromkeys((r.get("decoder", "detr"), r.get("amp", "none")) for r in model_rows)
+    for decoder, amp in groups:
+        rows = {r["rpe"]: r for r in model_rows
+                if (r.get("decoder", "detr"), r.get("amp", "none")) == (decoder, amp)}
         if "none" not in rows:
             continue
         for rpe, r in rows.items():
             if rpe != "none":
                 ratio = r["train_cpu_s"] / rows["none"]["train_cpu_s"]
                 precision = "fp32" if amp == "none" else amp
-                out.append({"target": f"DETR training step ({precision}), {rpe} vs rpe=none",
+                out.append({"target": f"{_TARGET_NAMES[decoder]} training step ({precision}), "
+                                      f"{rpe} vs rpe=none",
                             "limit": TARGETS["model_train_step"], "ratio": ratio,
                             "ratio_wall": r["train_step_s"] / rows["none"]["train_step_s"],
                             "met": ratio <= TARGETS["model_train_step"]})
     reference = {r["rpe"]: r for r in results.get("model", {}).get("reference_rows", [])
                  if r.get("amp", "none") == "none"}
-    for r in model_rows:
+    for r in _detr_rows(model_rows):
         base, amp = reference.get(r["rpe"]), r.get("amp", "none")
         if base is None or r["rpe"] == "none" or amp not in REFERENCE_TARGETS:
             continue
@@ -205,6 +220,10 @@ def run_suite(
     bad_amp = [a for a in options.reference_amp if a not in ("none", "bf16")]
     if bad_amp:
         raise ConfigError(f"--reference-amp: {bad_amp} not allowed; choose from none, bf16")
+    bad = [d for d in options.decoders if d not in model_bench.DECODER_CONFIGS]
+    if bad or not options.decoders:
+        raise ConfigError(f"--decoders: {bad or 'none given'} not allowed; choose from "
+                          f"{', '.join(model_bench.DECODER_CONFIGS)}")
     if options.reference_code:
         reference_bench.check_reference_dir(options.reference_code)
     dev = torch.device(options.device)
@@ -267,6 +286,7 @@ def _model_level(options: SuiteOptions, progress: Callable[[str], None] | None) 
             options.device, options.model_repeats, options.model_warmup,
             max(options.model_repeats, 1), 1 if options.model_warmup else 0, options.amp,
             _QUICK_MODEL if options.quick else (), progress, extra_runners,
+            decoders=options.decoders,
         )
 
     if not options.reference_code:
@@ -336,11 +356,12 @@ def suite_markdown(results: dict[str, Any]) -> str:
             if sweep["skipped"]:
                 parts.append("\n" + "\n".join(f"- {note}" for note in sweep["skipped"]))
     if "model" in results:
-        parts += ["\n### Model level: DETR-R50 training step and inference\n",
+        parts += ["\n### Model level: training step and inference of each decoder (one "
+                  "interleaved run)\n",
                   model_bench.model_table(results["model"]["rows"])]
         if results["model"].get("reference_rows"):
             parts += ["\n### Model level: the reference DETR-with-iRPE code, same batch, same "
-                      "run\n", reference_bench.reference_table(results["model"]["rows"],
+                      "run\n", reference_bench.reference_table(_detr_rows(results["model"]["rows"]),
                                                                results["model"]["reference_rows"]),
                       "\n" + reference_bench.outputs_table(results["model"]["reference_outputs"])]
     if "profile" in results:

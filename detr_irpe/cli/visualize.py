@@ -9,6 +9,12 @@ Over one image (the model is rebuilt from the config saved in an own checkpoint)
     detr-irpe-visualize decoder-attention --checkpoint CKPT.pth --image img.jpg
     detr-irpe-visualize all --checkpoint CKPT.pth --image img.jpg --out-dir figs/
 
+DAB-DETR / DN-DETR models (``model.decoder=dab``) also show their anchor boxes (``all``
+writes both figures for them)::
+
+    detr-irpe-visualize anchor-attention --checkpoint CKPT.pth --image img.jpg --layer -1
+    detr-irpe-visualize anchors --checkpoint CKPT.pth --image img.jpg
+
 Public iRPE-DETR weights carry no config: name it, and override what differs::
 
     detr-irpe-visualize rpe-tables --checkpoint rpe-2.0-product-ctx-1-k.pth \\
@@ -69,7 +75,8 @@ from detr_irpe.visualization.maps import distinct_points
 logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = Path("outputs/visualize")
-IMAGE_FIGURES = ("predictions", "encoder-attention", "decoder-attention")
+IMAGE_FIGURES = ("predictions", "encoder-attention", "decoder-attention", "anchor-attention",
+                 "anchors")
 
 
 def _point(text: str) -> tuple[float, float]:
@@ -139,6 +146,15 @@ def _add_image_commands(sub, common: argparse.ArgumentParser) -> None:
                        help="a decoder layer's cross-attention of every kept detection")
     _image_args(p)
     p.add_argument("--layer", type=int, default=-1, help="decoder layer (-1: the last)")
+    p = sub.add_parser("anchor-attention", parents=[common],
+                       help="DAB-DETR / DN-DETR: a decoder layer's cross-attention of every "
+                            "kept detection with the anchor box the layer started from")
+    _image_args(p)
+    p.add_argument("--layer", type=int, default=-1, help="decoder layer (-1: the last)")
+    p = sub.add_parser("anchors", parents=[common],
+                       help="DAB-DETR / DN-DETR: the anchor boxes of every kept detection "
+                            "through the decoder layers (box refinement)")
+    _image_args(p)
     p = sub.add_parser("all", parents=[common],
                        help="predictions, encoder (+ iRPE split) and decoder figures")
     _image_args(p, detections=False)
@@ -249,7 +265,8 @@ def _pr_curves(args: argparse.Namespace) -> list[Path]:
 
 
 def _image_figure(args: argparse.Namespace) -> list[Path]:
-    """predictions, encoder-attention (+ iRPE split) or decoder-attention of one image."""
+    """predictions, encoder-attention (+ iRPE split), decoder-attention, or the dab
+    decoder's anchor-attention / anchors of one image."""
     if args.out is not None:
         # before the model is loaded
         ensure_writable_folder(args.out.parent, "output folder", "choose another --out")
@@ -257,7 +274,7 @@ def _image_figure(args: argparse.Namespace) -> list[Path]:
     inputs = [image.tensor.to(model_device(model))]
     record = None
     with torch.no_grad():
-        if args.command == "predictions":
+        if args.command in ("predictions", "anchors"):
             outputs = model(inputs)
         else:
             encoder = args.command == "encoder-attention"
@@ -279,6 +296,12 @@ def _image_figure(args: argparse.Namespace) -> list[Path]:
         return [out]
     if args.command == "decoder-attention":
         vis.plot_decoder_attention(image, record, detections, names, layer=args.layer, out=out)
+        return [out]
+    if args.command == "anchor-attention":
+        vis.plot_anchor_attention(image, record, detections, names, layer=args.layer, out=out)
+        return [out]
+    if args.command == "anchors":
+        vis.plot_anchor_refinement(image, outputs, detections, names, out=out)
         return [out]
     points = args.points or distinct_points(detections.centres(), image, record,
                                             limit=args.num_points)

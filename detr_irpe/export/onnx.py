@@ -1,10 +1,15 @@
-"""ONNX export of a DETR / DETR-iRPE model (``torch.onnx.export`` with ``dynamo=True``).
+"""ONNX export of a DETR / DETR-iRPE or DAB-DETR / DN-DETR model (``torch.onnx.export``
+with ``dynamo=True``).
 
 The exported graph is :class:`ImagesToPredictions`: one input ``images`` ``(N, 3, H, W)``
 (normalised as at evaluation, every pixel valid: no padding mask) and two outputs,
-``pred_logits`` ``(N, Q, num_classes + 1)`` and ``pred_boxes`` ``(N, Q, 4)``
-(cx, cy, w, h relative to the image). Post-processing (softmax, dropping the no-object
-class, box conversion) stays outside the graph; docs/deployment.md shows it.
+``pred_logits`` and ``pred_boxes`` ``(N, Q, 4)`` (cx, cy, w, h relative to the image).
+DETR's logits are ``(N, Q, num_classes + 1)`` (softmax, the last column "no object"); the
+``dab`` decoder's are ``(N, Q, num_classes)`` (one sigmoid per class). The graph is the
+inference one: DN-DETR's denoising queries exist only in training, so a DN model exports
+as its DAB-DETR graph. Post-processing (softmax and dropping the no-object class, or
+sigmoid and the top-k (query, class) pairs; box conversion) stays outside the graph;
+docs/deployment.md shows both.
 
 While exporting, the iRPE attention takes its export form (see
 :func:`detr_irpe.irpe.attention.choose_impl`): plain gather / scatter-add ops, and bucket
@@ -27,6 +32,7 @@ from torch import Tensor, nn
 from detr_irpe import sizes
 from detr_irpe.errors import ExportError
 from detr_irpe.irpe import IRPEMultiheadAttention
+from detr_irpe.models.dab_detr import DABDETR
 from detr_irpe.models.detr import DETR
 from detr_irpe.models.position_encoding import PositionEmbeddingLearned
 from detr_irpe.structures import ImageBatch
@@ -43,21 +49,25 @@ _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 EXPORT_STAGES = ("trace", "translate", "write")
 # the traced batch of a dynamic export: torch.export specialises a size-1 dimension
 _DYNAMIC_TRACE_BATCH = 2
+# the detectors export_onnx takes: DETR, or the dab decoder's (DAB-DETR / DN-DETR)
+Detector = DETR | DABDETR
 
 
 class ImagesToPredictions(nn.Module):
-    """DETR as ``images -> (pred_logits, pred_boxes)`` with an all-False padding mask.
+    """A detector as ``images -> (pred_logits, pred_boxes)`` with an all-False padding mask.
 
     Args:
-        model: the DETR (its ``aux_outputs`` are not exported).
+        model: a DETR or DAB-DETR (its ``aux_outputs`` and the DAB ``anchors`` are not
+            exported; in eval mode a DN-DETR builds no denoising queries).
     """
 
-    def __init__(self, model: DETR) -> None:
+    def __init__(self, model: Detector) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
-        """``(N, 3, H, W)`` -> ``(N, Q, num_classes + 1)`` logits, ``(N, Q, 4)`` boxes."""
+        """``(N, 3, H, W)`` -> ``(N, Q, num_classes + 1)`` logits (``num_classes`` for the
+        dab decoder), ``(N, Q, 4)`` boxes."""
         batch, _, height, width = images.shape
         mask = torch.zeros((batch, height, width), dtype=torch.bool, device=images.device)
         out = self.model(ImageBatch(images, mask))
@@ -73,7 +83,7 @@ def parse_size(text: str) -> tuple[int, int]:
 
 
 def check_input_size(
-    size: tuple[int, int], batch: int, *, dynamic: bool = False, model: DETR | None = None
+    size: tuple[int, int], batch: int, *, dynamic: bool = False, model: Detector | None = None
 ) -> None:
     """Refuse an input that one forward pass could not hold in this machine's memory.
 
@@ -114,7 +124,7 @@ def _require_exporter() -> None:
 
 
 def _check_settings(
-    model: DETR, size: tuple[int, int], batch: int, dynamic: bool, opset: int
+    model: Detector, size: tuple[int, int], batch: int, dynamic: bool, opset: int
 ) -> None:
     """Refuse, with the reason, what the exported graph could not represent."""
     if opset < MIN_OPSET:
@@ -138,7 +148,7 @@ def _check_settings(
             f"export at most {position.max_size * stride} pixels per side")
 
 
-def _dynamic_shapes(model: DETR) -> dict[str, dict[int, torch.export.Dim]]:
+def _dynamic_shapes(model: Detector) -> dict[str, dict[int, torch.export.Dim]]:
     """Symbolic batch, height and width of ``images``, in the ranges the model supports."""
     stride = model.backbone[0].stride
     position = model.backbone[1]
@@ -194,7 +204,7 @@ def _stage_done(number: int, started: float) -> None:
 
 
 def export_onnx(
-    model: DETR,
+    model: Detector,
     path: str | Path,
     size: tuple[int, int],
     *,
@@ -205,8 +215,8 @@ def export_onnx(
     """Write ``model`` as an ONNX file (atomically: a temporary file, then a rename).
 
     Args:
-        model: a DETR (any iRPE setting); a copy of it is exported in eval mode on the
-            CPU in float32, the model itself is left as it is.
+        model: a DETR or DAB-DETR / DN-DETR (any iRPE setting); a copy of it is exported
+            in eval mode on the CPU in float32, the model itself is left as it is.
         path: the ``.onnx`` file to write (a single self-contained file).
         size: ``(H, W)`` of the input images in pixels.
         batch: the batch size N of a static export.

@@ -32,7 +32,7 @@ from detr_irpe.config import Config
 from detr_irpe.data.categories import default_category_names
 from detr_irpe.data.images import to_uint8_image
 from detr_irpe.data.transforms import eval_input
-from detr_irpe.models import PostProcess, model_from_checkpoint
+from detr_irpe.models import build_postprocessor, model_from_checkpoint
 from detr_irpe.utils.device import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -43,16 +43,17 @@ ImageInput = str | Path | Image.Image | np.ndarray | Tensor
 
 
 class Predictor:
-    """A DETR in eval mode with its config and category names.
+    """A DETR (or DAB-DETR / DN-DETR) in eval mode with its config and category names.
 
     Args:
-        model: the DETR (its weights loaded).
+        model: the detector (its weights loaded).
         cfg: its config; ``data.val_size`` / ``data.max_size`` set the input size.
         category_names: ``{category id: name}``; ids without a name show as ``class N``.
         device: where the model runs (None: the GPU when there is one).
         score_threshold: detections with a lower score are left out.
-        postprocessor: outputs -> detections with category ids (default: DETR's
-            :class:`~detr_irpe.models.PostProcess` with ``cfg.model.category_ids``).
+        postprocessor: outputs -> per-image detections; None: the one of ``cfg``'s
+            decoder (DETR's softmax, or the dab decoder's top ``model.num_select``
+            (query, class) sigmoid scores).
     """
 
     def __init__(
@@ -67,10 +68,10 @@ class Predictor:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.cfg = cfg
-        self.postprocessor = (postprocessor if postprocessor is not None
-                              else PostProcess(cfg.model.category_ids))
         self.category_names = {int(k): str(v) for k, v in (category_names or {}).items()}
         self.score_threshold = float(score_threshold)
+        self.postprocessor = postprocessor if postprocessor is not None else (
+            build_postprocessor(cfg))
 
     @classmethod
     def from_checkpoint(
@@ -110,9 +111,11 @@ class Predictor:
 
     @torch.no_grad()
     def detect(self, images: Sequence[Tensor]) -> list[dict[str, Tensor]]:
-        """Every query's detection, sorted by score, for ``(3, H, W)`` uint8 images (one batch).
+        """Every detection, sorted by score, for ``(3, H, W)`` uint8 images (one batch):
+        one per query (DETR), or the top ``model.num_select`` (query, class) pairs (dab
+        decoder).
 
-        Returns per image ``{"scores" (Q,), "labels" (Q,) int64, "boxes" (Q, 4)}`` on
+        Returns per image ``{"scores" (K,), "labels" (K,) int64, "boxes" (K, 4)}`` on
         the CPU, boxes xyxy in that image's pixels.
         """
         if not images:

@@ -121,6 +121,25 @@ class ProjectedAttention(nn.Module):
         )  # (B, H, Lq, C / H)
         return self.out_proj(out.transpose(1, 2).flatten(2))
 
+    @torch.no_grad()
+    def attention_weights(
+        self,
+        q: Tensor,
+        k: Tensor,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The softmax weights :meth:`forward` applies to the values (no dropout), for
+        figures: ``q`` ``(B, Lq, H * Dq)``, ``k`` ``(B, Lk, H * Dq)``, masks as in
+        :meth:`forward` -> ``(B, H, Lq, Lk)``, each row summing to 1 over the allowed keys."""
+        qh, kh = _split_heads(q, self.nhead), _split_heads(k, self.nhead)
+        logits = qh @ kh.transpose(-2, -1) / math.sqrt(qh.shape[-1])
+        if key_padding_mask is not None:
+            logits = logits.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+        if attn_mask is not None:
+            logits = logits.masked_fill(attn_mask, float("-inf"))
+        return logits.softmax(-1)
+
 
 class DABDecoderLayer(nn.Module):
     """Self-attention over the queries, conditional cross-attention to the memory, FFN

@@ -10,6 +10,9 @@ pyplot). Submodules are imported lazily, so ``import detr_irpe.visualization`` i
 - over an image: :func:`plot_predictions`, :func:`plot_encoder_attention`,
   :func:`plot_rpe_contribution`, :func:`plot_decoder_attention`;
   :func:`save_attention_maps` writes them all for one image.
+- DAB-DETR / DN-DETR anchors: :func:`plot_anchor_attention` (a query's cross-attention
+  with the anchor box its layer started from), :func:`plot_anchor_refinement` (the
+  anchors through the decoder layers); :func:`anchor_boxes`.
 - iRPE: :func:`plot_bucket_layout`, :func:`plot_rpe_tables`.
 - training: :func:`plot_training_curves` from DETR-format ``log.txt`` files.
 - evaluation: :func:`plot_pr_curves` from a ``precision.npz``.
@@ -35,6 +38,10 @@ _LAZY = {
     "plot_encoder_attention": "figures",
     "plot_rpe_contribution": "figures",
     "plot_decoder_attention": "figures",
+    "anchor_boxes": "anchors",
+    "has_anchors": "anchors",
+    "plot_anchor_attention": "anchors",
+    "plot_anchor_refinement": "anchors",
     "bucket_layout": "irpe_plots",
     "plot_bucket_layout": "irpe_plots",
     "rpe_table_maps": "irpe_plots",

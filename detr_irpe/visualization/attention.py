@@ -1,7 +1,8 @@
 """Capture the attention weights of a DETR forward pass without touching the model's code.
 
 :func:`capture_attention` registers forward pre-hooks (``with_kwargs=True``) on the encoder
-layers' ``self_attn`` and the decoder layers' ``multihead_attn``. The hooks only record the
+layers' ``self_attn`` and the decoder layers' ``multihead_attn`` (DETR) or ``cross_attn``
+(DAB-DETR / DN-DETR: weights from its ``attention_weights``). The hooks only record the
 inputs of each call during one ``torch.no_grad()`` forward; afterwards the weights are
 recomputed from those inputs (``need_weights=True``; ``attention_logits`` for the split of
 the encoder logits into content and iRPE terms). The hooks are removed when the capture
@@ -97,14 +98,20 @@ def encoder_attention_modules(model: nn.Module) -> list[nn.Module]:
         ) from None
 
 
+def _cross_attention(layer: nn.Module) -> nn.Module:
+    attention = getattr(layer, "multihead_attn", None)
+    return attention if attention is not None else layer.cross_attn
+
+
 def decoder_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """``model.transformer.decoder.layers[i].multihead_attn`` for every decoder layer."""
+    """The cross-attention of every decoder layer: ``multihead_attn`` (DETR) or
+    ``cross_attn`` (the dab decoder's conditional cross-attention, DAB-DETR / DN-DETR)."""
     try:
-        return [layer.multihead_attn for layer in model.transformer.decoder.layers]
+        return [_cross_attention(layer) for layer in model.transformer.decoder.layers]
     except AttributeError:
         raise ValueError(
-            "model has no transformer.decoder.layers[i].multihead_attn; expected a DETR "
-            "built by detr_irpe.build_model"
+            "model has no transformer.decoder.layers[i].multihead_attn (or cross_attn); "
+            "expected a DETR or DAB-DETR built by detr_irpe.build_model"
         ) from None
 
 
@@ -219,7 +226,8 @@ class AttentionRecord:
         encoder_rpe: ``{layer: (B, heads, L, L)}`` iRPE logits (RPE-Q + RPE-K terms;
             only with ``rpe_split``).
         decoder: ``{layer: (B, heads, Q, L)}`` cross-attention weights of the object queries
-            over the encoder memory.
+            over the encoder memory (DETR's, or the dab decoder's conditional
+            cross-attention; its ``outputs`` then also hold ``anchors``).
         num_encoder_layers, num_decoder_layers: depths of the model (layer -1 = the last).
     """
 
@@ -394,13 +402,9 @@ def _recompute(calls: dict[str, tuple[nn.Module, dict[str, Any]]], outputs: dict
                     content[layer] = c.float().cpu()
                     rpe[layer] = r.float().cpu()
         else:
-            # nn.MultiheadAttention: per-head weights, not the head average
-            arguments = dict(arguments, need_weights=True, average_attn_weights=False)
             if padding_flat is None:
                 padding_flat = arguments.get("key_padding_mask")
-            with _eval_mode(module):
-                _, weights = module(**arguments)
-            decoder[layer] = weights.float().cpu()
+            decoder[layer] = _decoder_weights(module, arguments).float().cpu()
     input_size = tuple(int(v) for v in batch.tensors.shape[-2:])
     b = batch.tensors.shape[0]
     if grid_mask is not None and grid_mask.dim() == 3:
@@ -416,6 +420,19 @@ def _recompute(calls: dict[str, tuple[nn.Module, dict[str, Any]]], outputs: dict
         image_sizes=[tuple(int(v) for v in s) for s in batch.image_sizes],
         encoder=encoder, encoder_content=content, encoder_rpe=rpe, decoder=decoder,
     )
+
+
+def _decoder_weights(module: nn.Module, arguments: dict[str, Any]) -> Tensor:
+    """``(B, heads, Q, L)`` cross-attention weights of one recorded decoder call."""
+    if hasattr(module, "attention_weights"):
+        # the dab decoder's attention of already projected (content, position) pairs
+        return module.attention_weights(
+            arguments["q"], arguments["k"], key_padding_mask=arguments.get("key_padding_mask"),
+            attn_mask=arguments.get("attn_mask"))
+    # nn.MultiheadAttention: per-head weights, not the head average
+    arguments = dict(arguments, need_weights=True, average_attn_weights=False)
+    with _eval_mode(module):
+        return module(**arguments)[1]
 
 
 def _grid_from_decoder(decoder: dict[int, Tensor], batch: ImageBatch) -> tuple[int, int]:

@@ -100,11 +100,14 @@ def detections_from_outputs(
     batch_index: int = 0,
     category_ids: Sequence[int] | None = None,
 ) -> Detections:
-    """DETR post-processing of one image, keeping queries with score >= ``threshold``.
+    """Post-processing of one image, one detection per query, keeping queries with
+    score >= ``threshold``.
 
     Args:
         outputs: ``pred_logits (B, Q, C+1)``, ``pred_boxes (B, Q, 4)`` cxcywh in [0, 1]
-            of the un-padded image.
+            of the un-padded image. The dab decoder's outputs (DAB-DETR / DN-DETR: they
+            carry ``anchors``) have ``C`` sigmoid logits: a query's score is then its best
+            class's sigmoid.
         original_size: ``(h0, w0)`` to scale boxes to.
         threshold: minimum score (max class probability, "no object" excluded).
         max_detections: keep at most this many (best first).
@@ -115,7 +118,11 @@ def detections_from_outputs(
     """
     single = {key: outputs[key][batch_index:batch_index + 1].detach().float().cpu()
               for key in ("pred_logits", "pred_boxes")}
-    result = PostProcess(category_ids)(single, torch.tensor([list(original_size)]))[0]
+    postprocess = PostProcess(category_ids)
+    result = postprocess(single, torch.tensor([list(original_size)]))[0]
+    if "anchors" in outputs:  # sigmoid classes, no "no object" column (PostProcess: boxes)
+        scores, labels = single["pred_logits"][0].sigmoid().max(-1)
+        result["scores"], result["labels"] = scores, postprocess.category_of(labels)
     scores = result["scores"]
     order = torch.argsort(scores, descending=True)
     keep = [int(q) for q in order if scores[q] >= threshold]

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS
 from detr_irpe.data.inputs import InputImage, prepare_image
 
+from .anchors import has_anchors, plot_anchor_attention, plot_anchor_refinement
 from .attention import AttentionRecord, capture_attention, model_device
 from .figures import (
     detections_from_outputs,
@@ -80,7 +81,8 @@ def save_attention_maps(
 
     Returns:
         ``{"predictions", "encoder_attention", "rpe_contribution" (when written),
-        "decoder_attention"}`` -> PNG path.
+        "decoder_attention", and for a dab-decoder model (DAB-DETR / DN-DETR)
+        "anchor_attention" and "anchor_refinement"}`` -> PNG path.
     """
     out_dir = Path(out_dir)
     prepared = image if isinstance(image, InputImage) else prepare_image(
@@ -112,7 +114,24 @@ def save_attention_maps(
     written["decoder_attention"] = out_dir / f"{prefix}decoder_attention.png"
     plot_decoder_attention(prepared, record, detections, category_names,
                            out=written["decoder_attention"])
+    written.update(_anchor_figures(prepared, record, detections, category_names, out_dir,
+                                   prefix))
     logger.info("attention maps of %s written to %s", prepared.name, out_dir)
+    return written
+
+
+def _anchor_figures(image: InputImage, record: AttentionRecord, detections,
+                    category_names, out_dir: Path, prefix: str) -> dict[str, Path]:
+    """The dab decoder's two anchor figures (none for DETR): the last layer's
+    cross-attention with its anchors, and the anchors through the layers."""
+    if not has_anchors(record.outputs):
+        return {}
+    written = {"anchor_attention": out_dir / f"{prefix}anchor_attention.png",
+               "anchor_refinement": out_dir / f"{prefix}anchor_refinement.png"}
+    plot_anchor_attention(image, record, detections, category_names,
+                          out=written["anchor_attention"])
+    plot_anchor_refinement(image, record.outputs, detections, category_names,
+                           out=written["anchor_refinement"])
     return written
 
 
