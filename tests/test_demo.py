@@ -11,7 +11,8 @@ from detr_irpe.cli import demo
 
 
 @pytest.mark.parametrize(("num_train", "batch", "steps", "expected"), [
-    (1600, 8, 4800, (24, 20)),   # the demo: 200 steps per epoch
+    (1600, 8, 3600, (18, 15)),   # the demo: 200 steps per epoch
+    (1600, 8, 4800, (24, 20)),   # the DETR-iRPE demo's budget (--config synthetic_demo)
     (1600, 8, 100, (1, 1)),      # fewer steps than an epoch still trains one epoch
     (10, 4, 20, (10, 9)),        # the lr drop sits at ~85 % of the epochs
 ])
@@ -67,3 +68,47 @@ def test_fresh_clears_the_run_folder_in_use_and_nothing_else(tiny_dataset: Path,
     assert not (used / "marker").exists()
     # the budget counts optimizer steps: 8 images / (batch 4 x 2 micro-batches) = 1 per epoch
     assert json.loads((used / "demo_results.json").read_text())["steps"] == 2
+
+
+def test_the_default_config_holds_the_default_budgets_schedule() -> None:
+    """The default config's train.epochs / train.lr_drop are those tools/demo.py sets for
+    its default budget on the generated dataset: its YAML says what a run does."""
+    from detr_irpe.config import load_config
+
+    cfg = load_config(demo.DEFAULT_CONFIG)
+    assert (cfg.train.epochs, cfg.train.lr_drop) == demo.schedule_for(
+        demo.NUM_TRAIN, cfg.train.batch_size, demo.DEFAULT_STEPS, cfg.train.accumulate_steps)
+
+
+# The shipped demo config at test size: only the sizes shrink; the decoder, the loss, the
+# schedule's shape and the precision stay as shipped.
+_TEST_SIZE = (
+    "model.hidden_dim=16", "model.dim_feedforward=32", "model.enc_layers=1",
+    "model.dec_layers=1", "data.train_scales=[64]", "data.val_size=64", "data.max_size=64",
+    "train.num_threads=1",
+)
+
+
+def test_the_shipped_demo_config_runs_end_to_end(tiny_dataset: Path, tmp_path: Path) -> None:
+    """``tools/demo.py`` with its default config (the DN-DETR-iRPE demo) trains, evaluates
+    and draws its figures, the anchor figures included; the run's config is the shipped
+    one but for the test sizes and the step budget."""
+    from detr_irpe.config import load_config
+
+    out = tmp_path / "demo"
+    status = demo.main(["--data", str(tiny_dataset), "--output-dir", str(out), "--steps", "2",
+                        "--num-images", "1", "--no-progress", "--set", *_TEST_SIZE])
+    assert status == 0
+    shipped = load_config(demo.DEFAULT_CONFIG).to_dict()
+    ran = load_config(out / "config.yaml").to_dict()
+    assert ran["loss"] == shipped["loss"]
+    sized = {o.split("=", 1)[0].split(".", 1)[1] for o in _TEST_SIZE if o.startswith("model.")}
+    assert {k: v for k, v in ran["model"].items() if k not in sized | {"num_classes"}} == {
+        k: v for k, v in shipped["model"].items() if k not in sized | {"num_classes"}}
+    # 8 training images in one batch of 8: one step per epoch, the drop at ~85 % of 2
+    assert (ran["train"]["epochs"], ran["train"]["lr_drop"]) == (2, 2)
+    assert json.loads((out / "demo_results.json").read_text())["steps"] == 2
+    assert len(list((out / "predictions").glob("*.png"))) == 1
+    assert (out / "figures" / "training_curves.png").is_file()
+    if shipped["model"]["decoder"] == "dab":
+        assert len(list((out / "figures").glob("*_anchor_refinement.png"))) == 1

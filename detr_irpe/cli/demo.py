@@ -1,21 +1,24 @@
-"""The CPU demo behind ``make demo``: DETR with iRPE learns to detect shapes on a CPU.
+"""The CPU demo behind ``make demo``: a DN-DETR with iRPE learns to detect shapes on a CPU.
 
 1. generates the synthetic shapes dataset into datasets/synthetic/ when it is missing
    (1600 train + 200 val images of 128 px, 3 classes, 1-3 objects each);
-2. trains the ``synthetic_demo`` config (a small DETR with iRPE rpe-2.0-product-ctx-1-k,
-   ResNet-18 up to layer3 at stride 16) for a budget of optimizer steps, into
+2. trains the ``synthetic_demo_dn`` config (a small DN-DAB-DETR with iRPE
+   rpe-2.0-product-ctx-1-k, ResNet-18 up to layer3 at stride 16; ``--config
+   synthetic_demo`` trains the DETR-iRPE one) for a budget of optimizer steps, into
    outputs/demo/ (log.txt, train.log, checkpoints), in bf16 autocast on CPUs with native
    bf16 and float32 elsewhere (``train.amp=auto``; the choice is logged);
 3. evaluates on the val split and prints the COCO numbers and AP per class;
-4. draws predictions on a few val images (outputs/demo/predictions/), attention maps,
-   training curves and precision-recall curves (outputs/demo/figures/).
+4. draws predictions on a few val images (outputs/demo/predictions/), attention maps
+   (with the anchor boxes of a DAB / DN model), training curves and precision-recall
+   curves (outputs/demo/figures/).
 
 The schedule is a step budget (``--steps``), not a time budget: the same seed gives the
 same result on any machine of one kind, whatever its speed. Run it again and it resumes
 (or, when finished, re-evaluates) the same run; ``--fresh`` starts over::
 
     python tools/demo.py
-    python tools/demo.py --fresh --steps 1500 --set train.lr=3e-4 train.amp=none
+    python tools/demo.py --fresh --steps 1500 --set train.lr=2e-4 train.amp=none
+    python tools/demo.py --fresh --config synthetic_demo --steps 4800
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ from detr_irpe.utils.files import atomic_write_text
 DATA_DIR = Path("datasets/synthetic")
 OUTPUT_DIR = Path("outputs/demo")
 NUM_TRAIN, NUM_VAL = 1600, 200
-DEFAULT_STEPS = 4800
+# DN-DETR-iRPE: AP50 0.70 / AP 0.45 in fewer steps than DETR-iRPE's 4800 (docs/training.md)
+DEFAULT_CONFIG = "synthetic_demo_dn"
+DEFAULT_STEPS = 3600
 # lr / 10 after this fraction of the steps (a late drop gave the largest final gain)
 DROP_AT = 0.85
 
@@ -56,7 +61,7 @@ logger = logging.getLogger("detr_irpe.demo")
 
 def parse_args(argv: list[str] | None = None):
     parser = new_parser(__doc__, prog="demo")
-    add_config_arguments(parser, config_help="config (default: synthetic_demo)")
+    add_config_arguments(parser, config_help=f"config (default: {DEFAULT_CONFIG})")
     parser.add_argument("--data", type=Path, default=DATA_DIR,
                         help="synthetic dataset folder, generated when missing (%(default)s)")
     parser.add_argument("--output-dir", type=Path, default=OUTPUT_DIR,
@@ -101,7 +106,7 @@ def schedule_for(num_train: int, batch_size: int, steps: int,
 
 def demo_config(args) -> Any:
     """The demo config on ``args.data`` with the step budget turned into epochs."""
-    name = args.config or "synthetic_demo"
+    name = args.config or DEFAULT_CONFIG
     user = checked_overrides(args.overrides)
     data = [
         f"data.root={args.data}", "data.train_ann=annotations/instances_train.json",
