@@ -24,6 +24,7 @@ def quick_results(tmp_path_factory) -> tuple[dict, Path]:
     return results, out
 
 
+@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~6 s, shared by the module)
 def test_quick_suite_structure(quick_results) -> None:
     results, out = quick_results
     assert set(results) >= {"environment", "options", "op", "model", "data", "eval", "targets"}
@@ -75,6 +76,7 @@ def test_quick_suite_structure(quick_results) -> None:
     assert any("SDPA" in t for t in targets) and any("DETR MHA" in t for t in targets)
 
 
+@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~6 s, shared by the module)
 def test_results_written(quick_results) -> None:
     results, out = quick_results
     loaded = json.loads((out / "results.json").read_text())
@@ -91,6 +93,7 @@ def test_results_written(quick_results) -> None:
         assert md.count(name) == 2, name  # fp32 and bf16 rows
 
 
+@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~6 s, shared by the module)
 def test_quick_mode_gives_no_verdicts(quick_results) -> None:
     """Smoke-test sizes say nothing about the targets: no met / NO column, a note instead."""
     results, out = quick_results
@@ -130,6 +133,7 @@ def test_tool_cli_quick_op_only(tmp_path: Path, capsys) -> None:
     assert "--decoders" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~6 s, shared by the module)
 def test_render_from_json(quick_results) -> None:
     tool = load_tool("benchmark")
     _, out = quick_results

@@ -154,6 +154,7 @@ def test_other_code_is_refused(checkout: Path) -> None:
         ref.check_reference_dir(checkout)
 
 
+@pytest.mark.slow  # the model section with every decoder and the stand-in reference (~6 s)
 def test_suite_reference_rows_targets_and_tables(checkout: Path, tmp_path: Path) -> None:
     options = SuiteOptions.quick_options(threads=1, sections=["model"],
                                          reference_code=str(checkout), amp=["none", "bf16"])
