@@ -184,7 +184,8 @@ def lost_rank_as_error(info: DistInfo) -> Iterator[None]:
 
 
 def lock_run_folder(folder: str | Path, is_main: bool) -> RunLock | None:
-    """Rank 0 takes the run folder's lock (:class:`RunLock`); every rank raises the same error if it fails.
+    """Rank 0 takes the run folder's lock (:class:`RunLock`); every rank raises the same
+    error if it fails.
 
     Call on every rank (a collective under ``torchrun``). Returns the held lock on
     rank 0 and None elsewhere.
