@@ -14,6 +14,9 @@ TORCH_INDEX ?=
 # The tested versions of everything else; empty to let pip choose (e.g. with an older torch).
 CONSTRAINTS ?= constraints.txt
 STAMP := $(VENV)/.installed
+# pytest-xdist worker processes for the suite: one per CPU core (auto); 0 runs in one process.
+TEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 .PHONY: venv test test-all demo benchmark lint clean
 
@@ -31,11 +34,11 @@ venv: $(STAMP)
 
 # pytest's default selection (setup.cfg): every test not marked slow or gpu
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 # the slow tests too (CI: .ci/run)
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu"
+	$(PYTEST) -m "not gpu"
 
 demo: $(STAMP)
 	$(PY) tools/demo.py
