@@ -117,7 +117,8 @@ class ModelConfig:
     # DC5: stride 16 by dilating layer4 (Bottleneck) or un-striding it (BasicBlock).
     dilation: bool = False
     # 4: the whole ResNet (DETR). 3: stop after layer3 (stride 16, half the channels,
-    # much cheaper; for small CPU models such as the demo).
+    # much cheaper; for small CPU models). 2: stop after layer2 (stride 8, a quarter of
+    # the channels; for small images, such as the CPU demo's).
     backbone_stages: int = 4
     # Memory layout of the ResNet: true = channels-last (NHWC), false = NCHW, "auto" =
     # NHWC with frozen BN (DETR-R50 on CPU: about 2x faster in bf16), NCHW with trainable
@@ -171,12 +172,13 @@ class ModelConfig:
             raise ConfigError(
                 f"model.channels_last must be true, false or auto, got {self.channels_last!r}"
             )
-        if self.backbone_stages not in (3, 4):
-            raise ConfigError(f"model.backbone_stages must be 3 or 4, got {self.backbone_stages!r}")
-        if self.backbone_stages == 3 and self.dilation:
+        if self.backbone_stages not in (2, 3, 4):
             raise ConfigError(
-                "model.dilation=true dilates layer4, which model.backbone_stages=3 does not build; "
-                "set one of them"
+                f"model.backbone_stages must be 2, 3 or 4, got {self.backbone_stages!r}")
+        if self.backbone_stages < 4 and self.dilation:
+            raise ConfigError(
+                f"model.dilation=true dilates layer4, which model.backbone_stages="
+                f"{self.backbone_stages} does not build; set one of them"
             )
         if self.hidden_dim % self.nheads:
             raise ConfigError(
@@ -465,7 +467,7 @@ def _check_sizes(cfg: Config) -> None:
     values = {"train.batch_size": train.batch_size, "data.max_size": data.max_size,
               shorter_key: shorter}
     data_defaults = {"train.batch_size": 2, "data.max_size": 1333, shorter_key: 800}
-    stride = 16 if m.dilation or m.backbone_stages == 3 else 32
+    stride = 16 if m.dilation else 2 ** (m.backbone_stages + 1)
 
     def forward(v: Mapping[str, int]) -> int:
         side, batch = v["data.max_size"], v["train.batch_size"]

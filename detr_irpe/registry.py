@@ -53,7 +53,7 @@ class BackboneBody:
         body: images ``(B, 3, H, W)`` -> one feature map ``(B, C, H / stride, W / stride)``
             (sides rounded up). Its parameters are saved under ``backbone.0.body.``.
         num_channels: C.
-        stride: the output stride (32 for a whole ResNet, 16 for DC5 or 3 stages).
+        stride: the output stride (32 for a whole ResNet, 16 for DC5 or 3 stages, 8 for 2).
         stem: parameter-name prefixes of ``body`` that ``model.freeze_stem`` keeps fixed
             (the stem and the first stage; ResNet: ``conv1``, ``bn1``, ``layer1``).
     """
@@ -74,7 +74,8 @@ class BackboneBuilder(Protocol):
       or ``None`` (random, quietly: a checkpoint will be loaded over the model);
     - ``frozen_bn``: BatchNorm with fixed statistics;
     - ``dilation``: output stride 16 instead of 32 (DC5), where the network supports it;
-    - ``stages``: 4 (the whole network) or 3 (stop one stage early, stride 16).
+    - ``stages``: 4 (the whole network), 3 (stop one stage early, stride 16) or 2 (two
+      stages early, stride 8).
 
     A builder that cannot honour a setting raises ``ValueError`` saying which.
     """

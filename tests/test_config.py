@@ -113,11 +113,19 @@ def test_unknown_keys_named() -> None:
         ("model.dropout=.nan", "model.dropout"),
         ("model.num_queries=0", "model.num_queries"),
         ("model.enc_layers=-1", "model.enc_layers"),
+        ("model.backbone_stages=1", "model.backbone_stages"),
+        ("model.backbone_stages=5", "model.backbone_stages"),
     ],
 )
 def test_bad_values_named(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_dilation_needs_layer4(stages: int) -> None:
+    with pytest.raises(ConfigError, match=f"model.backbone_stages={stages} does not build"):
+        load_config(None, ["model.dilation=true", f"model.backbone_stages={stages}"])
 
 
 @pytest.mark.parametrize(

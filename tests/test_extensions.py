@@ -248,7 +248,7 @@ def timm():
     return pytest.importorskip("timm")
 
 
-@pytest.mark.parametrize("stages, channels, stride", [(4, 64, 32), (3, 48, 16)])
+@pytest.mark.parametrize("stages, channels, stride", [(4, 64, 32), (3, 48, 16), (2, 32, 8)])
 def test_timm_backbone_reads_channels_and_stride_from_the_model(
     timm, stages: int, channels: int, stride: int,
 ) -> None:
@@ -257,7 +257,7 @@ def test_timm_backbone_reads_channels_and_stride_from_the_model(
     model, _, _ = build_model(cfg)
     backbone = model.backbone[0]
     reference = timm.create_model(TIMM_MODEL, features_only=True, pretrained=False,
-                                  out_indices=(-1 if stages == 4 else -2,))
+                                  out_indices=(stages - 5,))
     info = reference.feature_info
     assert (backbone.num_channels, backbone.stride) == (channels, stride)
     assert (info.channels()[-1], info.reduction()[-1]) == (channels, stride)

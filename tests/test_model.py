@@ -234,6 +234,32 @@ def test_dilation_output_stride() -> None:
         assert plain.state_dict().keys() == dc5.state_dict().keys()
 
 
+@pytest.mark.parametrize(("name", "stages", "channels", "stride"), [
+    ("resnet18", 2, 128, 8), ("resnet18", 3, 256, 16), ("resnet18", 4, 512, 32),
+    ("resnet50", 2, 512, 8),
+])
+def test_backbone_stages_end_where_torchvision_s_layers_end(
+    name: str, stages: int, channels: int, stride: int,
+) -> None:
+    """``model.backbone_stages``: the body is torchvision's ResNet up to ``layer{stages}``,
+    with the channels and stride of that layer."""
+    import torchvision
+
+    backbone = Backbone(name, weights=None, frozen_bn=False, stages=stages).eval()
+    reference = getattr(torchvision.models, name)().eval()
+    reference.load_state_dict(backbone.body.state_dict(), strict=False)
+    assert (backbone.num_channels, backbone.stride) == (channels, stride)
+    x = torch.randn(2, 3, 64, 96)
+    with torch.no_grad():
+        features, mask = backbone(x, torch.zeros(2, 64, 96, dtype=torch.bool))
+        expected = reference.maxpool(reference.relu(reference.bn1(reference.conv1(x))))
+        for layer in range(1, stages + 1):
+            expected = getattr(reference, f"layer{layer}")(expected)
+    assert features.shape == (2, channels, 64 // stride, 96 // stride)
+    assert mask.shape == (2, 64 // stride, 96 // stride)
+    assert_close(features, expected)
+
+
 def test_random_init_warning_and_local_weights(tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         source = Backbone("resnet18", weights="none")

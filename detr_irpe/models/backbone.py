@@ -146,17 +146,18 @@ def resnet_body(
 ) -> BackboneBody:
     """The builder of the torchvision ResNets (see :class:`~detr_irpe.registry.BackboneBuilder`):
     the stem and ``layer1`` to ``layer{stages}`` as an ``nn.Sequential`` (DETR's names)."""
-    if stages not in (3, 4):
-        raise ValueError(f"backbone stages must be 3 or 4, got {stages}")
-    if stages == 3 and dilation:
-        raise ValueError("dilation changes layer4, which a 3-stage backbone does not have")
+    if stages not in (2, 3, 4):
+        raise ValueError(f"backbone stages must be 2, 3 or 4, got {stages}")
+    if stages < 4 and dilation:
+        raise ValueError(f"dilation changes layer4, which a {stages}-stage backbone does not have")
     net = _resnet(name, weights, frozen_bn, dilation)
     kept = _STAGES[: len(_STAGES) - 4 + stages]
     body = nn.Sequential(OrderedDict((stage, getattr(net, stage)) for stage in kept))
     return BackboneBody(
         body=body,
-        num_channels=_CHANNELS[name] // (2 if stages == 3 else 1),
-        stride=16 if dilation or stages == 3 else 32,
+        # each stage halves the side and doubles the channels of the one before
+        num_channels=_CHANNELS[name] >> (4 - stages),
+        stride=16 if dilation else 2 ** (stages + 1),
         stem=_RESNET_STEM,
     )
 
@@ -230,9 +231,10 @@ class Backbone(nn.Module):
         train_backbone: False freezes every backbone parameter.
         freeze_stem: keep the stem and ``layer1`` fixed (DETR recipe; other backbones:
             their builder's ``stem`` prefixes).
-        stages: 4 (all of the ResNet, the DETR model) or 3 (stop after ``layer3``:
+        stages: 4 (all of the ResNet, the DETR model), 3 (stop after ``layer3``:
             stride 16 with half the channels and a fraction of the compute; layer4
-            holds about half of a small ResNet's training time at stride 16).
+            holds about half of a small ResNet's training time at stride 16) or 2 (stop
+            after ``layer2``: stride 8, for small images).
         channels_last: keep the ResNet's weights and activations in channels-last
             (NHWC) memory layout. Same values; oneDNN's convolutions (CPU, above all in
             bf16) and cuDNN's under autocast are faster on it. The features come out

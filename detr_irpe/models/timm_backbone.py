@@ -138,9 +138,10 @@ def timm_body(
     if not timm.is_model(name):
         raise ConfigError(f"{key}: timm {timm.__version__} has no model {name!r} (list them "
                           "with timm.list_models('*pattern*'))")
-    if stages not in (3, 4):
-        raise ConfigError(f"model.backbone_stages must be 3 or 4, got {stages}")
-    kwargs: dict[str, Any] = {"features_only": True, "out_indices": (-1 if stages == 4 else -2,)}
+    if stages not in (2, 3, 4):
+        raise ConfigError(f"model.backbone_stages must be 2, 3 or 4, got {stages}")
+    # the last feature map (4 stages), the one before (3) or the one before that (2)
+    kwargs: dict[str, Any] = {"features_only": True, "out_indices": (stages - 5,)}
     if dilation:
         kwargs["output_stride"] = 16
     try:
