@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torchvision
 from helpers import assert_close_to_scale, load_tiny_config
 from torch.testing import assert_close
 
@@ -243,8 +244,6 @@ def test_backbone_stages_end_where_torchvision_s_layers_end(
 ) -> None:
     """``model.backbone_stages``: the body is torchvision's ResNet up to ``layer{stages}``,
     with the channels and stride of that layer."""
-    import torchvision
-
     backbone = Backbone(name, weights=None, frozen_bn=False, stages=stages).eval()
     reference = getattr(torchvision.models, name)().eval()
     reference.load_state_dict(backbone.body.state_dict(), strict=False)
