@@ -41,10 +41,14 @@ from detr_irpe.run_folder.checkpoints import LAST
 from detr_irpe.structures import ImageBatch
 
 NUM_CLASSES = 4  # the tiny dataset's largest category id + 1
-# A tiny DAB model: the tiny config (the whole ResNet-18 as in the official files, hidden 32, 4 heads, 1 + 1 layers,
-# 4 queries) with the DAB decoder; two decoder layers so that layer 1 differs from 0.
+# The whole ResNet-18 (the tiny config stops after layer3), as in the official files.
+WHOLE_RESNET = "model.backbone_stages=4"
+# A tiny DETR model of the same size.
+TINY_DETR = ("model.rpe=none", f"model.num_classes={NUM_CLASSES}", WHOLE_RESNET)
+# A tiny DAB model: the tiny config (hidden 32, 4 heads, 1 + 1 layers, 4 queries) with the
+# DAB decoder; two decoder layers so that layer 1 differs from 0.
 TINY_DAB = ("model.decoder=dab", "model.rpe=none", "model.dec_layers=2",
-            f"model.num_classes={NUM_CLASSES}", "model.backbone_stages=4")
+            f"model.num_classes={NUM_CLASSES}", WHOLE_RESNET)
 DN = ("model.denoising.enabled=true",)
 
 # The official main.py's arguments (their defaults; DN-DETR's extra ones below), with the
@@ -212,7 +216,7 @@ def test_irpe_tables_without_config_ask_for_one(tmp_path) -> None:
 def test_class_heads_of_both_decoders(dab_file, tmp_path) -> None:
     """DETR's head has a "no object" row, DAB-DETR's none: the same 4 classes are 5 and 4
     rows, and the strict-head error says so in the model's terms."""
-    detr = build_model(load_tiny_config("model.rpe=none", f"model.num_classes={NUM_CLASSES}", "model.backbone_stages=4"))[0]
+    detr = build_model(load_tiny_config(*TINY_DETR))[0]
     assert num_classes_of(detr.state_dict()) == NUM_CLASSES
     assert detr.state_dict()["class_embed.bias"].shape[0] == NUM_CLASSES + 1
     with pytest.raises(CheckpointError) as err:
@@ -270,8 +274,7 @@ def _message(path: Path, *overrides: str, base: tuple[str, ...] = TINY_DAB) -> s
 @pytest.fixture(scope="module")
 def detr_file(tmp_path_factory) -> Path:
     torch.manual_seed(0)
-    model = build_model(load_tiny_config("model.rpe=none", f"model.num_classes={NUM_CLASSES}", "model.backbone_stages=4",
-                                         "model.dec_layers=2"))[0]
+    model = build_model(load_tiny_config(*TINY_DETR, "model.dec_layers=2"))[0]
     path = tmp_path_factory.mktemp("detr") / "detr.pth"
     torch.save({"model": model.state_dict(), "epoch": 1}, path)
     return path
@@ -383,7 +386,8 @@ def test_train_finetune_and_resume(dn_file, dn_source, tiny_dataset, tmp_path, c
 
     def common(epochs: int = 1) -> list[str]:  # the class count comes from the data
         return ["--config", "synthetic_tiny", "--device", "cpu", "--no-progress", "--set",
-                f"data.root={tiny_dataset}", f"train.epochs={epochs}", *TINY_DAB[:3], TINY_DAB[-1], *DN]
+                f"data.root={tiny_dataset}", f"train.epochs={epochs}",
+                "model.decoder=dab", "model.rpe=none", "model.dec_layers=2", WHOLE_RESNET, *DN]
 
     run = tmp_path / "ft"
     with caplog.at_level(logging.INFO, logger="detr_irpe"):

@@ -31,8 +31,8 @@ from detr_irpe.visualization.figures import NORMALISED_LABEL
 
 # 3 decoder layers (two refinements between them), 6 queries, iRPE on keys; the figures are
 # drawn for a 96 x 144 picture fed at 64 x 96.
-DAB = ("model.num_classes=5", "model.num_queries=6", "model.dec_layers=3", "model.backbone_stages=4",
-       "model.decoder=dab", "data.val_size=64", "data.max_size=160")
+DAB = ("model.num_classes=5", "model.num_queries=6", "model.dec_layers=3",
+       "model.backbone_stages=4", "model.decoder=dab", "data.val_size=64", "data.max_size=160")
 DN = (*DAB, "model.denoising.enabled=true")
 
 
@@ -194,7 +194,8 @@ def test_anchor_refinement_draws_every_layer_and_the_centre_path(dab, picture) -
         assert len({tuple(p.get_edgecolor()) for (p,) in drawn}) == layers
         (prediction,) = patches(fig, f"prediction:{query}")
         assert_box(prediction, naive_pixels(boxes[-1], 96, 144))
-        (path,) = [line for ax in fig.axes for line in ax.lines if line.get_gid() == f"path:{query}"]
+        (path,) = [line for ax in fig.axes for line in ax.lines
+                   if line.get_gid() == f"path:{query}"]
         centres = np.array([(float(b[0]) * 144, float(b[1]) * 96) for b in boxes])
         np.testing.assert_allclose(np.c_[path.get_xdata(), path.get_ydata()], centres,
                                    rtol=1e-5, atol=1e-3)
