@@ -33,7 +33,7 @@ import torchvision
 
 from detr_irpe.config import load_config
 from detr_irpe.models import build_model as build_ours
-from detr_irpe.models.detr import DETR
+from detr_irpe.models.detr.model import DETR
 from detr_irpe.structures import ImageBatch
 
 LOGIT_OFFSET = 0.0

@@ -10,11 +10,15 @@ import torch
 from torch.testing import assert_close
 
 from detr_irpe.config import load_config
-from detr_irpe.models.build import build_criterion
-from detr_irpe.models.criterion import SetCriterion
+from detr_irpe.models.detr.build import build_criterion
+from detr_irpe.models.detr.criterion import SetCriterion
 from detr_irpe.models.matcher import HungarianMatcher
 
 WEIGHTS = {"loss_ce": 1.0, "loss_bbox": 5.0, "loss_giou": 2.0}
+
+
+def _criterion(cfg):
+    return build_criterion(cfg.model, cfg.loss)
 
 
 def make_criterion(num_classes: int = 2, eos_coef: float = 0.1) -> SetCriterion:
@@ -111,7 +115,7 @@ def test_gradients_finite_with_degenerate_boxes_under_autocast() -> None:
 
 def test_weight_dict_from_config() -> None:
     cfg = load_config(None, ["model.num_classes=5", "model.dec_layers=3"])
-    criterion = build_criterion(cfg)
+    criterion = build_criterion(cfg.model, cfg.loss)
     assert criterion.weight_dict == {
         "loss_ce": 1.0,
         "loss_bbox": 5.0,
@@ -124,5 +128,5 @@ def test_weight_dict_from_config() -> None:
         "loss_giou_1": 2.0,
     }
     assert_close(criterion.empty_weight, torch.tensor([1, 1, 1, 1, 1, 0.1]))
-    no_aux = build_criterion(load_config(None, ["model.num_classes=5", "model.aux_loss=false"]))
+    no_aux = _criterion(load_config(None, ["model.num_classes=5", "model.aux_loss=false"]))
     assert set(no_aux.weight_dict) == {"loss_ce", "loss_bbox", "loss_giou"}

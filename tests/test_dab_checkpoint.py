@@ -36,7 +36,7 @@ from detr_irpe.checkpoint.layout import FOCAL_PRIOR_BIAS
 from detr_irpe.config import Config
 from detr_irpe.errors import CheckpointError
 from detr_irpe.models import build_model, model_from_checkpoint
-from detr_irpe.models.dab_detr import PRIOR_PROB
+from detr_irpe.models.dab.model import PRIOR_PROB
 from detr_irpe.run_folder.checkpoints import LAST
 from detr_irpe.structures import ImageBatch
 
@@ -47,7 +47,7 @@ WHOLE_RESNET = "model.backbone_stages=4"
 TINY_DETR = ("model.rpe=none", f"model.num_classes={NUM_CLASSES}", WHOLE_RESNET)
 # A tiny DAB model: the tiny config (hidden 32, 4 heads, 1 + 1 layers, 4 queries) with the
 # DAB decoder; two decoder layers so that layer 1 differs from 0.
-TINY_DAB = ("model.decoder=dab", "model.rpe=none", "model.dec_layers=2",
+TINY_DAB = ("model.family=dab", "model.rpe=none", "model.dec_layers=2",
             f"model.num_classes={NUM_CLASSES}", WHOLE_RESNET)
 DN = ("model.denoising.enabled=true",)
 
@@ -153,7 +153,7 @@ def test_official_files_are_recognised_and_load_strictly(denoising, dab_file, dn
     assert meta["epoch"] == 49 and meta["args"]["pe_temperatureH"] == 20
     assert set(meta["extra"]) == {"optimizer", "lr_scheduler", "epoch", "args"}
     facts = architecture(state)
-    assert facts["model.decoder"] == "dab" and facts["model.denoising.enabled"] is denoising
+    assert facts["model.family"] == "dab" and facts["model.denoising.enabled"] is denoising
     assert facts["model.num_queries"] == 4  # from the anchors, refpoint_embed
     assert facts["model.num_classes"] == num_classes_of(state) == NUM_CLASSES  # no "no object"
     model = build_model(tiny_cfg(*(DN if denoising else ())))[0]
@@ -171,7 +171,7 @@ def test_config_is_implied_by_layout_and_args(denoising, dab_file, dn_file, dab_
     path, source = (dn_file, dn_source) if denoising else (dab_file, dab_source)
     loaded = model_from_checkpoint(path)
     m = loaded.cfg.model
-    assert (m.decoder, m.denoising.enabled, m.rpe) == ("dab", denoising, "none")
+    assert (m.family, m.denoising.enabled, m.rpe) == ("dab", denoising, "none")
     assert (m.backbone, m.hidden_dim, m.nheads, m.enc_layers, m.dec_layers) == (
         "resnet18", 32, 4, 1, 2)
     assert (m.dim_feedforward, m.num_queries, m.num_classes) == (64, 4, NUM_CLASSES)
@@ -287,11 +287,11 @@ def test_mismatches_name_the_settings(dn_file, dab_file, detr_file) -> None:
     assert "Set model.denoising.enabled=false." in _message(dab_file, *DN)
     # another decoder: named first, before any class-head complaint (92 vs 91 rows)
     text = _message(detr_file)
-    assert "model.decoder: checkpoint detr, model dab" in text, text
-    assert "Set model.decoder=detr" in text and "class head" not in text
+    assert "model.family: checkpoint detr, model dab" in text, text
+    assert "Set model.family=detr" in text and "class head" not in text
     text = _message(dn_file, base=("model.rpe=none", f"model.num_classes={NUM_CLASSES}",
                                    "model.dec_layers=2"))
-    assert "Set model.decoder=dab, model.denoising.enabled=true." in text, text
+    assert "Set model.family=dab, model.denoising.enabled=true." in text, text
     text = _message(dab_file, "model.num_queries=7")
     assert "model.num_queries: checkpoint 4, model 7" in text
     assert "Set model.num_queries=4." in text
@@ -387,7 +387,7 @@ def test_train_finetune_and_resume(dn_file, dn_source, tiny_dataset, tmp_path, c
     def common(epochs: int = 1) -> list[str]:  # the class count comes from the data
         return ["--config", "synthetic_tiny", "--device", "cpu", "--no-progress", "--set",
                 f"data.root={tiny_dataset}", f"train.epochs={epochs}",
-                "model.decoder=dab", "model.rpe=none", "model.dec_layers=2", WHOLE_RESNET, *DN]
+                "model.family=dab", "model.rpe=none", "model.dec_layers=2", WHOLE_RESNET, *DN]
 
     run = tmp_path / "ft"
     with caplog.at_level(logging.INFO, logger="detr_irpe"):

@@ -17,21 +17,17 @@ from PIL import Image
 from detr_irpe.checkpoint import save_safetensors
 from detr_irpe.engine.runner import run_training
 from detr_irpe.inference import Predictor
-from detr_irpe.models import (
-    DABDETR,
-    FocalSetCriterion,
-    TopKPostProcess,
-    build_model,
-    model_from_checkpoint,
-)
+from detr_irpe.models import TopKPostProcess, build_model, model_from_checkpoint
+from detr_irpe.models.dab import DABDETR
+from detr_irpe.models.dab.criterion import FocalSetCriterion
 from detr_irpe.run_folder.checkpoints import LAST
 
 NAMES = {1: "circle", 2: "square", 3: "triangle"}
 # DAB-DETR, and DN-DETR (DAB-DETR trained with denoising queries; in eval mode its
 # matching queries start from label_enc's extra row)
 DECODERS = {
-    "dab": ("model.decoder=dab",),
-    "dn": ("model.decoder=dab", "model.denoising.enabled=true"),
+    "dab": ("model.family=dab",),
+    "dn": ("model.family=dab", "model.denoising.enabled=true"),
 }
 
 
@@ -123,7 +119,7 @@ def _images(folder: Path, count: int = 2) -> Path:
 def test_model_from_checkpoint_builds_the_dab_model(trained: Path) -> None:
     loaded = model_from_checkpoint(trained / LAST)
     cfg = loaded.cfg.model
-    assert isinstance(loaded.model, DABDETR) and cfg.decoder == "dab"
+    assert isinstance(loaded.model, DABDETR) and cfg.family == "dab"
     assert (loaded.model.denoising is not None) == cfg.denoising.enabled
     assert isinstance(loaded.criterion, FocalSetCriterion)
     assert isinstance(loaded.postprocessor, TopKPostProcess)

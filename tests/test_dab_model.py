@@ -15,8 +15,9 @@ from torch.testing import assert_close
 
 from detr_irpe.config import ConfigError, load_config
 from detr_irpe.irpe import is_rpe_key
-from detr_irpe.models import DenoisingNoise, build_detector
-from detr_irpe.models.dab_detr import DABDETR
+from detr_irpe.models import build_detector
+from detr_irpe.models.dab.denoising import DenoisingNoise
+from detr_irpe.models.dab.model import DABDETR
 from detr_irpe.structures import ImageBatch
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -27,12 +28,12 @@ NUM_CLASSES = 4
 # A tiny DAB model with more than one of everything: 2 heads, 2 encoder and 3 decoder
 # layers (layer 0 is special in the decoder), hidden 16 (any multiple of 4 works), a
 # 3-stage ResNet-18 (cheap to build).
-TINY_DAB = ("model.decoder=dab", "model.rpe=none", "model.hidden_dim=16", "model.nheads=2",
+TINY_DAB = ("model.family=dab", "model.rpe=none", "model.hidden_dim=16", "model.nheads=2",
             "model.backbone_stages=3",
             "model.enc_layers=2", "model.dec_layers=3", "model.dim_feedforward=24",
             "model.num_queries=5", f"model.num_classes={NUM_CLASSES}")
 DN = ("model.denoising.enabled=true",)
-R50_DAB = ("model.decoder=dab", "model.rpe=none", "model.num_queries=300",
+R50_DAB = ("model.family=dab", "model.rpe=none", "model.num_queries=300",
            "model.num_classes=91", "model.backbone_weights=none")
 
 
@@ -295,18 +296,19 @@ def test_position_encoding_temperature_follows_the_decoder() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (("model.decoder=deformable",), "model.decoder"),
-    (("model.denoising.enabled=true",), "needs model.decoder=dab"),
-    (("model.decoder=dab", "model.hidden_dim=18", "model.nheads=2"), "divisible by 4"),
-    (("model.decoder=dab", "model.pre_norm=true"), "post-norm"),
-    (("model.denoising.groups=0",), "model.denoising.groups"),
-    (("model.denoising.label_noise=1.5",), "model.denoising.label_noise"),
-    (("model.denoising.box_noise=-0.1",), "model.denoising.box_noise"),
-    (("model.num_select=0",), "model.num_select"),
+    (("model.family=deformable",), "model.family: 'deformable' is not a registered"),
+    (("model.decoder=deformable",), "model.family: 'deformable' is not a registered"),
+    (("model.denoising.enabled=true",), "model.denoising (a key of model.family dab)"),
+    (("model.family=dab", "model.hidden_dim=18", "model.nheads=2"), "divisible by 4"),
+    (("model.family=dab", "model.pre_norm=true"), "model.pre_norm (a key of model.family detr)"),
+    (("model.family=dab", "model.denoising.groups=0",), "model.denoising.groups"),
+    (("model.family=dab", "model.denoising.label_noise=1.5",), "model.denoising.label_noise"),
+    (("model.family=dab", "model.denoising.box_noise=-0.1",), "model.denoising.box_noise"),
+    (("model.family=dab", "model.num_select=0",), "model.num_select"),
     (("model.pe_temperature=0",), "model.pe_temperature"),
-    (("loss.focal_alpha=1.5",), "loss.focal_alpha"),
-    (("loss.focal_gamma=-1",), "loss.focal_gamma"),
-    (("model.denoising.noise=1",), "model.denoising.noise"),
+    (("model.family=dab", "loss.focal_alpha=1.5",), "loss.focal_alpha"),
+    (("model.family=dab", "loss.focal_gamma=-1",), "loss.focal_gamma"),
+    (("model.family=dab", "model.denoising.noise=1",), "model.denoising.noise"),
 ])
 def test_bad_dab_settings_are_config_errors(overrides, message) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -340,7 +342,7 @@ TINY_SIZE = ("model.backbone=resnet18", "model.backbone_weights=none", "model.ba
 def test_shipped_dab_configs_build_and_run_at_tiny_scale(name: str) -> None:
     denoising, rpe = DAB_CONFIGS[name]
     cfg = load_config(name, TINY_SIZE)
-    assert (cfg.model.decoder, cfg.model.denoising.enabled, cfg.model.rpe) == ("dab", denoising, rpe)
+    assert (cfg.model.family, cfg.model.denoising.enabled, cfg.model.rpe) == ("dab", denoising, rpe)
     torch.manual_seed(0)
     model = build_detector(cfg, load_backbone_weights=False).train()
     assert model.backbone[1].temperature == 20.0
@@ -360,8 +362,8 @@ def test_shipped_dab_configs_hold_the_published_recipe(name: str) -> None:
     cfg = load_config(name)
     m, loss, train = cfg.model, cfg.loss, cfg.train
     assert (m.backbone, m.hidden_dim, m.nheads, m.enc_layers, m.dec_layers,
-            m.dim_feedforward, m.dropout, m.num_queries, m.num_select, m.pre_norm) == (
-        "resnet50", 256, 8, 6, 6, 2048, 0.0, 300, 300, False)
+            m.dim_feedforward, m.dropout, m.num_queries, m.num_select) == (
+        "resnet50", 256, 8, 6, 6, 2048, 0.0, 300, 300)
     assert (loss.set_cost_class, loss.set_cost_bbox, loss.set_cost_giou) == (2.0, 5.0, 2.0)
     assert (loss.ce_loss_coef, loss.bbox_loss_coef, loss.giou_loss_coef) == (1.0, 5.0, 2.0)
     assert (loss.focal_alpha, loss.focal_gamma) == (0.25, 2.0)

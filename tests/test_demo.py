@@ -99,5 +99,5 @@ def test_the_shipped_demo_config_runs_end_to_end(tiny_dataset: Path, tmp_path: P
     assert len(list((out / "predictions").glob("*.png"))) == 1
     assert (out / "figures" / "training_curves.png").is_file()
     assert (out / "figures" / "pr_curves.png").is_file()
-    if shipped["model"]["decoder"] == "dab":
+    if shipped["model"]["family"] == "dab":
         assert len(list((out / "figures").glob("*_anchor_refinement.png"))) == 1

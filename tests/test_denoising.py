@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from detr_irpe.models.dab_transformer import inverse_sigmoid
-from detr_irpe.models.denoising import (
+from detr_irpe.models.dab.denoising import (
     Denoising,
     DenoisingNoise,
     build_denoising_queries,
@@ -16,6 +15,7 @@ from detr_irpe.models.denoising import (
     noised_targets,
     padded_targets,
 )
+from detr_irpe.models.dab.transformer import inverse_sigmoid
 
 CPU = torch.device("cpu")
 

@@ -217,8 +217,8 @@ def test_dynamic_model_export_runs_at_other_sizes(checkpoint: Path, tmp_path: Pa
 # DAB-DETR, and DN-DETR (DAB-DETR trained with denoising queries: its eval-mode graph has
 # none, but its matching queries start from label_enc's extra row instead of zeros).
 DAB_DECODERS = {
-    "dab": ("model.decoder=dab",),
-    "dn": ("model.decoder=dab", "model.denoising.enabled=true"),
+    "dab": ("model.family=dab",),
+    "dn": ("model.family=dab", "model.denoising.enabled=true"),
 }
 
 

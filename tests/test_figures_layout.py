@@ -198,7 +198,7 @@ def dab_captured(request: pytest.FixtureRequest, picture):
 
     layers = request.param
     cfg = load_tiny_config(f"model.dec_layers={layers}", "model.num_classes=4",
-                           "model.decoder=dab")
+                           "model.family=dab")
     torch.manual_seed(layers)
     model, _, _ = build_model(cfg, load_backbone_weights=False)
     image = prepare_image(picture, size=64, max_size=96, name="val_000002")

@@ -13,7 +13,7 @@ from test_train_sync import no_read_back
 from torch import Tensor
 from torch.testing import assert_close
 
-from detr_irpe.models.focal_criterion import FocalSetCriterion, focal_weight_dict
+from detr_irpe.models.dab.criterion import FocalSetCriterion, focal_weight_dict
 from detr_irpe.models.matcher import FocalHungarianMatcher
 
 ALPHA, GAMMA = 0.25, 2.0

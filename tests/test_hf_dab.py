@@ -32,16 +32,16 @@ from transformers import DabDetrConfig, DabDetrForObjectDetection, ResNetConfig 
 
 import detr_irpe  # noqa: E402
 from detr_irpe.checkpoint import read_checkpoint  # noqa: E402
-from detr_irpe.checkpoint.hf_dab_keys import (  # noqa: E402
-    convert_hf_dab_state_dict,
-    is_hf_dab_state_dict,
-    to_hf_dab_state_dict,
-)
 from detr_irpe.checkpoint.hf_folder import read_hf_folder, write_hf_folder  # noqa: E402
 from detr_irpe.cli.convert import main as convert_main  # noqa: E402
 from detr_irpe.config import load_config  # noqa: E402
 from detr_irpe.errors import CheckpointError  # noqa: E402
 from detr_irpe.models import build_model, model_from_checkpoint  # noqa: E402
+from detr_irpe.models.dab.hf_keys import (  # noqa: E402
+    convert_hf_dab_state_dict,
+    is_hf_dab_state_dict,
+    to_hf_dab_state_dict,
+)
 from detr_irpe.structures import ImageBatch  # noqa: E402
 
 NUM_LABELS = 3
@@ -128,7 +128,7 @@ def test_save_pretrained_folder_gives_transformers_outputs(hf_model, hf_folder, 
     assert not any(k.startswith("model.decoder.bbox_embed.") for k in written)  # tied: left out
     loaded = model_from_checkpoint(hf_folder)
     m = loaded.cfg.model
-    assert (m.decoder, m.denoising.enabled, m.rpe) == ("dab", False, "none")
+    assert (m.family, m.denoising.enabled, m.rpe) == ("dab", False, "none")
     assert (m.hidden_dim, m.nheads, m.enc_layers, m.dec_layers) == (32, 4, LAYERS, LAYERS)
     assert (m.num_queries, m.num_classes, m.pe_temperature, m.backbone) == (5, 3, 20.0, "resnet18")
     assert loaded.cfg.loss.focal_alpha == 0.25 and loaded.cfg.loss.set_cost_class == 2.0

@@ -114,7 +114,8 @@ DAB_ENTRIES = ("dab_detr_resnet50", "dab_detr_resnet50_irpe", "dn_detr_resnet50"
 
 @pytest.mark.parametrize("entry", DAB_ENTRIES)
 def test_hub_load_untrained_dab_models(hub_dir: Path, entry: str) -> None:
-    from detr_irpe.models import DABDETR, TopKPostProcess
+    from detr_irpe.models import TopKPostProcess
+    from detr_irpe.models.dab import DABDETR
 
     model, post = torch.hub.load(str(ROOT), entry, source="local", return_postprocessor=True,
                                  **SIZES)

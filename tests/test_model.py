@@ -17,7 +17,7 @@ from detr_irpe.engine.optim import build_optimizer
 from detr_irpe.errors import CheckpointError
 from detr_irpe.models import FrozenBatchNorm2d, PostProcess, build_model
 from detr_irpe.models.backbone import Backbone
-from detr_irpe.models.transformer import Transformer
+from detr_irpe.models.detr.transformer import Transformer
 from detr_irpe.structures import ImageBatch
 
 # On top of the tiny config: two decoder layers, so that there is an auxiliary output; a

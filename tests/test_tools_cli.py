@@ -15,7 +15,7 @@ from detr_irpe.config import ConfigError
 from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import EXIT_NON_FINITE
 from detr_irpe.models import build_model
-from detr_irpe.models.criterion import SetCriterion
+from detr_irpe.models.detr.criterion import SetCriterion
 from detr_irpe.run_folder.checkpoints import LAST, read_training_checkpoint
 
 

@@ -31,8 +31,8 @@ def test_amp_training_on_gpu(tiny_dataset, tmp_path, amp):
 # The DETR decoder, DAB-DETR's and DN-DETR's (whose denoising queries come from the targets).
 DECODERS = {
     "detr": (),
-    "dab": ("model.decoder=dab",),
-    "dn": ("model.decoder=dab", "model.denoising.enabled=true"),
+    "dab": ("model.family=dab",),
+    "dn": ("model.family=dab", "model.denoising.enabled=true"),
 }
 
 

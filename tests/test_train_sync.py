@@ -17,7 +17,7 @@ from helpers import load_tiny_config
 from detr_irpe.benchmark.model import synthetic_batch
 from detr_irpe.engine.trainer import loss_and_backward, model_outputs, targets_to
 from detr_irpe.models import build_model
-from detr_irpe.models.denoising import Denoising, build_denoising_queries
+from detr_irpe.models.dab.denoising import Denoising, build_denoising_queries
 
 READ_BACKS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
@@ -39,8 +39,8 @@ def no_read_back(monkeypatch: pytest.MonkeyPatch):
 # The DETR decoder, DAB-DETR's and DN-DETR's (whose denoising queries come from the targets).
 DECODERS = {
     "detr": (),
-    "dab": ("model.decoder=dab",),
-    "dn": ("model.decoder=dab", "model.denoising.enabled=true"),
+    "dab": ("model.family=dab",),
+    "dn": ("model.family=dab", "model.denoising.enabled=true"),
 }
 
 

@@ -16,7 +16,7 @@ from detr_irpe.cli.visualize import main as visualize_main
 from detr_irpe.data.inputs import prepare_image
 from detr_irpe.errors import ConfigError
 from detr_irpe.models import build_model
-from detr_irpe.models.dab_transformer import ProjectedAttention
+from detr_irpe.models.dab.transformer import ProjectedAttention
 from detr_irpe.structures import ImageBatch
 from detr_irpe.visualization import (
     anchor_boxes,
@@ -32,7 +32,7 @@ from detr_irpe.visualization.figures import NORMALISED_LABEL
 # 3 decoder layers (two refinements between them), 6 queries, iRPE on keys; the figures are
 # drawn for a 96 x 144 picture fed at 64 x 96.
 DAB = ("model.num_classes=5", "model.num_queries=6", "model.dec_layers=3",
-       "model.backbone_stages=4", "model.decoder=dab", "data.val_size=64", "data.max_size=160")
+       "model.backbone_stages=4", "model.family=dab", "data.val_size=64", "data.max_size=160")
 DN = (*DAB, "model.denoising.enabled=true")
 
 
@@ -214,7 +214,7 @@ def test_anchor_figures_refuse_detr_outputs(picture) -> None:
     image = prepare_image(picture, size=64, max_size=160)
     with torch.no_grad():
         outputs = model.eval()([image.tensor])
-    with pytest.raises(ConfigError, match="model.decoder=dab"):
+    with pytest.raises(ConfigError, match="model.family=dab"):
         anchor_boxes(outputs, image.original_size)
 
 
@@ -263,4 +263,4 @@ def test_tool_anchor_subcommands(tmp_path, picture, capsys) -> None:
     status = visualize_main(["anchors", "--image", str(path), "--config", "synthetic_tiny",
                              "--set", "model.num_classes=5", "--out", str(tmp_path / "x.png")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(err) == 1 and "model.decoder=dab" in err[0]
+    assert status == 2 and len(err) == 1 and "model.family=dab" in err[0]

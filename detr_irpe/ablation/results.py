@@ -26,8 +26,7 @@ from typing import Any
 from detr_irpe.ablation.grid import Grid, RunSpec, Variant
 from detr_irpe.config import Config
 from detr_irpe.evaluation import COCO_STAT_NAMES
-from detr_irpe.irpe import is_rpe_key
-from detr_irpe.models.build import build_transformer
+from detr_irpe.irpe import parse_rpe, table_parameter_count
 from detr_irpe.run_folder.log import read_log
 from detr_irpe.run_folder.status import RunState, final_evaluation, read_status, run_state
 
@@ -134,9 +133,11 @@ def collect_run(run: RunSpec) -> RunResult:
 
 
 def rpe_parameter_count(cfg: Config) -> int:
-    """Parameters of the iRPE tables of the model ``cfg`` describes (0 without RPE)."""
-    transformer = build_transformer(cfg)
-    return sum(p.numel() for name, p in transformer.named_parameters() if is_rpe_key(name))
+    """Parameters of the iRPE tables of the model ``cfg`` describes (0 without RPE): one
+    table set per attention layer with iRPE (the family's ``rpe_layer_count``)."""
+    m = cfg.model
+    per_layer = table_parameter_count(parse_rpe(m.rpe), m.nheads, m.hidden_dim)
+    return per_layer * m.rpe_layer_count()
 
 
 def aggregate(values: Sequence[float]) -> Aggregate | None:

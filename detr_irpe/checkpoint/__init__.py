@@ -9,21 +9,22 @@ atomic writers, key layouts, loading into a model, and the config a checkpoint i
   file read once;
   :func:`atomic_save` / :func:`save_safetensors`;
 - ``layout``: key layouts, :func:`architecture` (what a state dict says about its model),
-  :func:`decoder_of` / :func:`num_classes_of` (DETR's or DAB-DETR's class head),
+  :func:`family_name_of_state` / :func:`num_classes_of` (as the family reads its head),
   :func:`explain_mismatch`, :func:`convert_state_dict` (class-head resize, iRPE tables);
-- ``hf_keys`` / ``hf_dab_keys`` / ``hf_folder``: Hugging Face ``DetrForObjectDetection``
-  and ``DabDetrForObjectDetection`` key names, and their ``save_pretrained`` folders;
+- ``hf_keys`` / ``hf_folder``: Hugging Face key renaming (``KeyTable``; DETR's names) and
+  ``save_pretrained`` folders of every family with an ``HFSupport``;
 - ``load``: :func:`load_weights` / :func:`load_state` into a model, with the class-head
   and iRPE-table rules, :func:`check_state_fits` (a resume's strict check), and errors
   that name the differing config keys;
 - ``saved_config``: :func:`config_for_checkpoint`, the config a checkpoint's model is
-  built from (``detr_irpe.models.model_from_checkpoint`` builds it); ``implied_config``:
-  the one a DAB-DETR / DN-DETR file without a config implies;
+  built from (``detr_irpe.models.model_from_checkpoint`` builds it): the saved one, a
+  Hugging Face ``config.json``, or the one a file's family says its layout implies;
 - ``zoo``: the published checkpoints' addresses.
 
 Which checkpoints a training run keeps (last / prev / best, resume discovery) is
 :mod:`detr_irpe.run_folder.checkpoints`. This package imports nothing from
-:mod:`detr_irpe.models`, so the models can use it.
+:mod:`detr_irpe.models`, so the models can use it: what differs between families comes
+from their registry entries (:mod:`detr_irpe.family`).
 """
 
 from detr_irpe.checkpoint.files import (
@@ -33,13 +34,12 @@ from detr_irpe.checkpoint.files import (
     split_checkpoint,
 )
 from detr_irpe.checkpoint.layout import (
-    ARCHITECTURE_READERS,
     HEAD_KEYS,
     add_rpe_tables,
     architecture,
     convert_state_dict,
-    decoder_of,
     explain_mismatch,
+    family_name_of_state,
     layout_of,
     num_classes_of,
     resize_class_head,
@@ -50,7 +50,6 @@ from detr_irpe.checkpoint.saved_config import config_for_checkpoint, has_config,
 from detr_irpe.errors import CheckpointError
 
 __all__ = [
-    "ARCHITECTURE_READERS",
     "FORMAT",
     "HEAD_KEYS",
     "CheckpointError",
@@ -61,8 +60,8 @@ __all__ = [
     "check_state_fits",
     "config_for_checkpoint",
     "convert_state_dict",
-    "decoder_of",
     "explain_mismatch",
+    "family_name_of_state",
     "format_keys",
     "has_config",
     "key_problems",

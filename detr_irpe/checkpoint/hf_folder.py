@@ -1,20 +1,18 @@
-"""Hugging Face ``save_pretrained`` folders of ``DetrForObjectDetection`` and
-``DabDetrForObjectDetection``: reading them into this project's layout and writing this
-project's plain DETR / plain DAB-DETR weights as one.
+"""Hugging Face ``save_pretrained`` folders: reading them into this project's layout and
+writing a model as one, for every family with an ``HFSupport`` (DETR:
+``DetrForObjectDetection``; DAB-DETR: ``DabDetrForObjectDetection``).
 
 A folder holds ``config.json`` and ``model.safetensors`` (or a sharded safetensors
-file, or ``pytorch_model.bin`` in older Hub repositories). The key names are converted
-by :mod:`detr_irpe.checkpoint.hf_keys` (DETR) and :mod:`detr_irpe.checkpoint.hf_dab_keys`
-(DAB-DETR), whichever the keys are (:func:`convert_hf_weights`); ``config.json`` gives
-the ``model.*`` settings (:func:`hf_model_config`, :func:`hf_dab_model_config`) and the
-category names (``id2label``).
+file, or ``pytorch_model.bin`` in older Hub repositories). The family whose key names the
+weights have converts them (:func:`convert_hf_weights`); ``config.json`` gives the
+``model.*`` settings (each family's ``HFSupport.model_settings``) and the category names
+(``id2label``). The helpers for transformers' DETR-like ``config.json`` files live here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -24,15 +22,10 @@ from typing import Any
 
 from torch import Tensor
 
-from detr_irpe.checkpoint.hf_dab_keys import (
-    convert_hf_dab_state_dict,
-    is_hf_dab_state_dict,
-    to_hf_dab_state_dict,
-)
-from detr_irpe.checkpoint.hf_keys import convert_hf_state_dict, hf_layout, to_hf_state_dict
-from detr_irpe.checkpoint.layout import LABEL_KEY, num_classes_of
+from detr_irpe.checkpoint.layout import num_classes_of
 from detr_irpe.checkpoint.safe import format_keys, load_safetensors, safe_load, safetensors_module
 from detr_irpe.errors import CheckpointError
+from detr_irpe.family import DetectorFamily, families, get_family
 from detr_irpe.irpe import is_rpe_key, parse_rpe
 from detr_irpe.utils.files import fsync_dir, os_error_behind, write_error
 
@@ -42,10 +35,6 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 _SHARD_INDEX_NAME = "model.safetensors.index.json"
 _TORCH_WEIGHTS_NAME = "pytorch_model.bin"
-# transformers' model_type of each family (config.json), and the key layout reported for
-# DAB-DETR (transformers 4.48+ and 5 use the same names).
-MODEL_TYPES = {"detr": "detr", "dab_detr": "dab-detr"}
-DAB_LAYOUT = "transformers"
 # (depths, layer type) of transformers' ResNetConfig -> the ResNet it is.
 _HF_RESNET_NAMES = {
     ((2, 2, 2, 2), "basic"): "resnet18",
@@ -61,7 +50,7 @@ def _load_weights(folder: Path) -> dict[str, Tensor]:
     if (folder / WEIGHTS_NAME).is_file():
         return load_safetensors(folder / WEIGHTS_NAME)[0]
     if (folder / _SHARD_INDEX_NAME).is_file():
-        index = _read_json(folder / _SHARD_INDEX_NAME)
+        index = read_json(folder / _SHARD_INDEX_NAME)
         shards = sorted(set(index.get("weight_map", {}).values()))
         state: dict[str, Tensor] = {}
         for shard in shards:
@@ -78,7 +67,7 @@ def _load_weights(folder: Path) -> dict[str, Tensor]:
     )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -88,7 +77,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def _same_for_encoder_and_decoder(hf_config: Mapping[str, Any]) -> None:
+def same_for_encoder_and_decoder(hf_config: Mapping[str, Any]) -> None:
     for a, b in (
         ("encoder_attention_heads", "decoder_attention_heads"),
         ("encoder_ffn_dim", "decoder_ffn_dim"),
@@ -100,7 +89,7 @@ def _same_for_encoder_and_decoder(hf_config: Mapping[str, Any]) -> None:
             )
 
 
-def _check_activation(hf_config: Mapping[str, Any], expected: str, default: str) -> None:
+def check_activation(hf_config: Mapping[str, Any], expected: str, default: str) -> None:
     activation = hf_config.get("activation_function", default)
     if activation != expected:
         raise CheckpointError(
@@ -109,7 +98,7 @@ def _check_activation(hf_config: Mapping[str, Any], expected: str, default: str)
         )
 
 
-def _model_settings(hf_config: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
+def model_settings(hf_config: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
     """``{our key: their value}`` of ``fields`` (ours -> theirs), the backbone and the
     class count (``id2label``)."""
     model = {ours: hf_config[theirs] for ours, theirs in fields.items() if theirs in hf_config}
@@ -122,7 +111,7 @@ def _model_settings(hf_config: Mapping[str, Any], fields: Mapping[str, str]) -> 
 
 
 # Settings both families name alike: ours -> theirs.
-_SHARED_FIELDS = {
+SHARED_FIELDS = {
     "nheads": "encoder_attention_heads",
     "enc_layers": "encoder_layers",
     "dec_layers": "decoder_layers",
@@ -130,62 +119,6 @@ _SHARED_FIELDS = {
     "num_queries": "num_queries",
     "dilation": "dilation",
 }
-
-
-def hf_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``model.*`` config values of this project that a transformers ``config.json`` implies.
-
-    Raises:
-        CheckpointError: a setting this project's DETR cannot reproduce (another
-            activation, encoder and decoder with different widths or head counts, a
-            backbone other than a timm ResNet).
-    """
-    _same_for_encoder_and_decoder(hf_config)
-    _check_activation(hf_config, "relu", "relu")
-    fields = {"hidden_dim": "d_model", **_SHARED_FIELDS,
-              "position_embedding": "position_embedding_type"}
-    return _model_settings(hf_config, fields)
-
-
-# DabDetrConfig settings whose non-default values this project's DAB-DETR does not build.
-_DAB_UNSUPPORTED = (
-    ("normalize_before", False, "the DAB layers here are post-norm"),
-    ("keep_query_pos", False, "only decoder layer 0 adds the query position here, as published"),
-    ("num_patterns", 0, "pattern embeddings are not offered"),
-    ("query_dim", 4, "the anchors are 4-D boxes"),
-)
-
-
-def hf_dab_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``model.*`` config values a ``DabDetrConfig`` ``config.json`` implies
-    (``model.decoder: dab``, no denoising: transformers' DAB-DETR has none).
-
-    Raises:
-        CheckpointError: a setting this project's DAB-DETR cannot reproduce (another
-            activation, pre-norm, ``keep_query_pos``, pattern embeddings, different
-            height / width temperatures or a position scale other than 2 pi, encoder and
-            decoder of different widths, a backbone other than a ResNet).
-    """
-    _same_for_encoder_and_decoder(hf_config)
-    _check_activation(hf_config, "prelu", "prelu")
-    for key, default, why in _DAB_UNSUPPORTED:
-        if hf_config.get(key, default) != default:
-            raise CheckpointError(f"{CONFIG_NAME}: {key}={hf_config[key]!r}; {why}")
-    height, width = hf_config.get("temperature_height", 20), hf_config.get("temperature_width", 20)
-    if height != width:
-        raise CheckpointError(
-            f"{CONFIG_NAME}: temperature_height={height} and temperature_width={width} differ; "
-            "model.pe_temperature is one value for both"
-        )
-    scale = hf_config.get("sine_position_embedding_scale")
-    if scale is not None and not math.isclose(scale, 2 * math.pi):
-        raise CheckpointError(
-            f"{CONFIG_NAME}: sine_position_embedding_scale={scale}; the position encoding here "
-            "scales by 2 pi"
-        )
-    model = _model_settings(hf_config, {"hidden_dim": "hidden_size", **_SHARED_FIELDS})
-    model.update(decoder="dab", pe_temperature=float(height))
-    return model
 
 
 def _backbone_name(hf_config: Mapping[str, Any]) -> str | None:
@@ -216,16 +149,27 @@ def _backbone_name(hf_config: Mapping[str, Any]) -> str | None:
     return name
 
 
-def convert_hf_weights(state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], str]:
-    """A transformers detector's state dict in this project's layout, and its family:
-    ``"dab_detr"`` (``DabDetrForObjectDetection``) or ``"detr"`` (``DetrForObjectDetection``).
+def _hf_family(state: Mapping[str, Tensor]) -> DetectorFamily:
+    """The family whose Hugging Face key names ``state`` has."""
+    for family in families():
+        if family.hf is not None and family.hf.recognizes_hf_keys(state):
+            return family
+    names = [f.hf.model_type for f in families() if f.hf is not None]
+    raise CheckpointError(
+        f"the weights have keys of no Hugging Face model this package reads (model types "
+        f"{', '.join(names)}); e.g. {format_keys(sorted(state)[:3])}")
+
+
+def convert_hf_weights(state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], DetectorFamily]:
+    """A transformers detector's state dict in this project's layout, and its family.
 
     Raises:
-        CheckpointError: keys of neither, as the family's converter says.
+        CheckpointError: keys of no family's Hugging Face model, or keys its converter
+            refuses.
     """
-    if is_hf_dab_state_dict(state):
-        return convert_hf_dab_state_dict(state), "dab_detr"
-    return convert_hf_state_dict(state), "detr"
+    family = _hf_family(state)
+    converted, _ = family.hf.from_hf_keys(state)
+    return converted, family
 
 
 def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -253,27 +197,26 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
             raise CheckpointError(
                 f"{path} is not a Hugging Face save_pretrained folder: no {CONFIG_NAME}"
             )
-        hf_config: dict[str, Any] | None = _read_json(path / CONFIG_NAME)
+        hf_config: dict[str, Any] | None = read_json(path / CONFIG_NAME)
         raw = _load_weights(path)
     elif path.is_file():
         raw, _ = load_safetensors(path)
         sibling = path.with_name(CONFIG_NAME)
-        hf_config = _read_json(sibling) if sibling.is_file() else None
+        hf_config = read_json(sibling) if sibling.is_file() else None
     else:
         raise CheckpointError(f"checkpoint {str(path)!r} not found")
-    state, family = convert_hf_weights(raw)
+    family = _hf_family(raw)
+    state, layout = family.hf.from_hf_keys(raw)
     if path.is_file() and hf_config is not None and \
-            hf_config.get("model_type") != MODEL_TYPES[family]:
+            hf_config.get("model_type") != family.hf.model_type:
         hf_config = None  # a config.json of something else in the same folder
     num_classes = num_classes_of(state)
-    if hf_config is None:
-        model: dict[str, Any] = {}
-    else:
-        model = hf_dab_model_config(hf_config) if family == "dab_detr" else hf_model_config(hf_config)
+    model: dict[str, Any] = {} if hf_config is None else family.hf.model_settings(hf_config)
+    model["family"] = family.name
     if num_classes is not None and model.get("num_classes", num_classes) != num_classes:
         raise CheckpointError(
             f"{path}: {CONFIG_NAME} names {model['num_classes']} labels (id2label) but the class "
-            f"head is for {num_classes} classes ({state['class_embed.weight'].shape[0]} rows)"
+            f"head is for {num_classes} classes"
         )
     names = None
     if hf_config is not None and isinstance(hf_config.get("id2label"), Mapping):
@@ -281,8 +224,8 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
     meta = {
         "path": str(path),
         "format": "hf",
-        "model_type": MODEL_TYPES[family],
-        "layout": hf_layout(raw) if family == "detr" else DAB_LAYOUT,
+        "model_type": family.hf.model_type,
+        "layout": layout,
         "num_classes": num_classes,
         "category_names": names,
         "model": model,
@@ -291,30 +234,19 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
     return state, meta
 
 
-def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
-    """Why transformers' DETR / DAB-DETR cannot hold this model, or None when it can."""
+def _refusal(state: Mapping[str, Tensor], cfg: Any, family: DetectorFamily) -> str | None:
+    """Why transformers cannot hold this model, or None when it can."""
     model = cfg.model
     if parse_rpe(model.rpe) is not None or any(is_rpe_key(k) for k in state):
         return (
             f"an iRPE model (model.rpe={model.rpe}) cannot be written for Hugging Face: "
-            "transformers' DETR and DAB-DETR have no relative position encodings"
+            f"transformers' {family.title} has no relative position encodings"
         )
-    if model.decoder == "dab" and (model.denoising.enabled or LABEL_KEY in state):
-        return (
-            "a DN-DETR model (model.denoising.enabled=true) cannot be written for Hugging Face: "
-            "transformers' DabDetrForObjectDetection has no label_enc, and DN-DETR's matching "
-            "queries start from its last row (transformers' start at zero)"
-        )
-    if model.decoder == "dab" and not float(model.position_temperature).is_integer():
-        return (
-            f"model.pe_temperature={model.position_temperature} cannot be written for Hugging "
-            "Face: DabDetrConfig's temperatures are integers"
-        )
-    if model.pre_norm:
-        return (
-            "model.pre_norm=true cannot be written for Hugging Face: transformers' DETR is "
-            "post-norm"
-        )
+    return family.hf.refusal(state, cfg)
+
+
+def check_position_and_backbone(model: Any) -> str | None:
+    """Refusals both DETR-like families share: the encoding and a dilated small ResNet."""
     if model.position_embedding != "sine":
         return (
             f"model.position_embedding={model.position_embedding} cannot be written for Hugging "
@@ -339,7 +271,7 @@ def _labels(num_classes: int, category_names: Mapping[int, str] | None,
     return {"id2label": id2label, "label2id": {name: int(i) for i, name in id2label.items()}}
 
 
-def _shared_config(cfg: Any) -> dict[str, Any]:
+def shared_config(cfg: Any) -> dict[str, Any]:
     """The ``config.json`` entries DetrConfig and DabDetrConfig name alike.
 
     The backbone is a timm ResNet built without downloading ImageNet weights
@@ -372,36 +304,12 @@ def _shared_config(cfg: Any) -> dict[str, Any]:
 def hf_config_dict(
     cfg: Any, num_classes: int, category_names: Mapping[int, str] | None = None
 ) -> dict[str, Any]:
-    """A transformers 4-style ``config.json`` for ``cfg.model`` (both 4 and 5 read it):
-    ``DetrConfig`` for plain DETR, ``DabDetrConfig`` for plain DAB-DETR."""
-    model = cfg.model
-    if model.decoder == "dab":
-        specific = {
-            "architectures": ["DabDetrForObjectDetection"],
-            "model_type": MODEL_TYPES["dab_detr"],
-            "hidden_size": model.hidden_dim,
-            "activation_function": "prelu",
-            "temperature_height": int(model.position_temperature),
-            "temperature_width": int(model.position_temperature),
-            "query_dim": 4,
-            "keep_query_pos": False,
-            "num_patterns": 0,
-            "normalize_before": False,
-            "random_refpoints_xy": False,
-        }
-    else:
-        specific = {
-            "architectures": ["DetrForObjectDetection"],
-            "model_type": MODEL_TYPES["detr"],
-            "num_channels": 3,
-            "d_model": model.hidden_dim,
-            "position_embedding_type": "sine",
-            "activation_function": "relu",
-        }
-    # transformers' DETR decoder with auxiliary_loss=true feeds each layer the
-    # layer-normalised output of the one before (DETR feeds the un-normalised one), which
-    # changes the predictions; the Hub configs leave it false, and so do we (both kinds).
-    return {**specific, **_shared_config(cfg),
+    """A transformers 4-style ``config.json`` for ``cfg.model`` (both 4 and 5 read it), as
+    its family writes it (``DetrConfig``, ``DabDetrConfig``)."""
+    family = get_family(cfg.model.family)
+    if family.hf is None:
+        raise CheckpointError(f"model.family={family.name} has no Hugging Face model to write")
+    return {**family.hf.config_json(cfg),
             **_labels(num_classes, category_names, cfg.model.category_ids)}
 
 
@@ -427,16 +335,16 @@ def write_hf_folder(
         CheckpointError: an iRPE / DN-DETR / pre-norm / learned-position model (one line
             saying why), or ``out_dir`` holding other files.
     """
-    reason = _refusal(state_dict, cfg)
+    family = get_family(cfg.model.family)
+    if family.hf is None:
+        raise CheckpointError(f"model.family={family.name} has no Hugging Face model to write")
+    reason = _refusal(state_dict, cfg, family)
     if reason:
         raise CheckpointError(reason)
     num_classes = num_classes_of(state_dict)
     if num_classes is None:
-        raise CheckpointError("the state dict has no class_embed: not a detector")
-    if cfg.model.decoder == "dab":
-        tensors = to_hf_dab_state_dict(state_dict)
-    else:
-        tensors = to_hf_state_dict(state_dict, "transformers4")
+        raise CheckpointError("the state dict has no class head: not a detector")
+    tensors = family.hf.to_hf_keys(state_dict)
     config = hf_config_dict(cfg, num_classes, category_names)
     # transformers refuses safetensors files without this metadata entry.
     weights = safetensors_module().save(tensors, metadata={"format": "pt"})
@@ -490,13 +398,16 @@ def _write_folder(out_dir: Path, files: Mapping[str, bytes]) -> Path:
 
 __all__ = [
     "CONFIG_NAME",
-    "DAB_LAYOUT",
-    "MODEL_TYPES",
+    "SHARED_FIELDS",
     "WEIGHTS_NAME",
+    "check_activation",
+    "check_position_and_backbone",
     "convert_hf_weights",
     "hf_config_dict",
-    "hf_dab_model_config",
-    "hf_model_config",
+    "model_settings",
     "read_hf_folder",
+    "read_json",
+    "same_for_encoder_and_decoder",
+    "shared_config",
     "write_hf_folder",
 ]

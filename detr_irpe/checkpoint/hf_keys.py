@@ -30,7 +30,7 @@ no relative position encodings to hold the iRPE tables. Reading and writing
 ``save_pretrained`` folders is :mod:`detr_irpe.checkpoint.hf_folder`.
 
 :class:`KeyTable` is the renaming itself (name templates both ways, q / k / v fused or
-split); :mod:`detr_irpe.checkpoint.hf_dab_keys` gives it DAB-DETR's names.
+split); :mod:`detr_irpe.models.dab.hf_keys` gives it DAB-DETR's names.
 """
 
 from __future__ import annotations
@@ -314,7 +314,7 @@ _DETR = KeyTable(_NAMES, _ATTENTIONS, "DETR")
 def is_hf_state_dict(keys: Iterable[str]) -> bool:
     """True when the keys are those of a transformers ``DetrForObjectDetection`` (either
     layout) or of another transformers detector with the same prefixes
-    (``DabDetrForObjectDetection``: :mod:`detr_irpe.checkpoint.hf_dab_keys` tells them apart)."""
+    (``DabDetrForObjectDetection``: :mod:`detr_irpe.models.dab.hf_keys` tells them apart)."""
     return any(str(key).startswith(_HF_PREFIXES) for key in keys)
 
 

@@ -7,11 +7,9 @@ are the iRPE tables). What differs between files is the container (see
 :mod:`detr_irpe.checkpoint.files`), a ``module.`` prefix from DDP, and Hugging Face's
 names (converted in :mod:`detr_irpe.checkpoint.hf_keys` / ``hf_dab_keys``).
 
-Two decoders, two class heads: DETR's ``class_embed`` has ``num_classes + 1`` rows (the
-last is "no object", softmax); DAB-DETR's has ``num_classes`` rows (one sigmoid per
-class, no "no object"), and DN-DETR adds ``label_enc`` with ``num_classes + 1`` rows (the
-last is the content of the matching queries). :func:`decoder_of` tells them apart,
-:func:`num_classes_of` reads the class count either way.
+Which detector family a state dict belongs to is the families' business
+(:func:`detr_irpe.family.family_of_state`): each family's ``CheckpointSupport`` recognises
+its keys, names its layout, reads its class count and the settings its parts imply.
 
 :func:`architecture` reads the model settings a state dict implies (hidden size,
 layer counts, backbone, iRPE tables, ...), so that a checkpoint that does not fit a
@@ -23,59 +21,45 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor, nn
 
 from detr_irpe.errors import CheckpointError
+from detr_irpe.family import family_of_state
 from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table, is_rpe_key, parse_rpe
 
 HEAD_KEYS = ("class_embed.weight", "class_embed.bias")
 # DN-DETR's label embedding: a row per class, then the matching queries' content.
 LABEL_KEY = "label_enc.weight"
-# The bias a new DAB-DETR class head starts with: every class at probability 0.01
-# (models.dab_detr.PRIOR_PROB; this package does not import the models).
+# The bias a new sigmoid class head starts with: every class at probability 0.01
+# (the focal-loss prior; this package does not import the models).
 FOCAL_PRIOR_BIAS = -math.log((1 - 0.01) / 0.01)
-# Rows of the class head beyond the classes: DETR's "no object", none for DAB-DETR.
-_EXTRA_HEAD_ROWS = {"detr": 1, "dab": 0}
-
-# ResNet stage-3 block counts: they tell the depth apart within one block type.
-_RESNETS = {
-    ("basic", 2): "resnet18",
-    ("basic", 6): "resnet34",
-    ("bottleneck", 6): "resnet50",
-    ("bottleneck", 23): "resnet101",
-}
 
 
-def decoder_of(state: Mapping[str, Any]) -> str | None:
-    """``"dab"`` for DAB-DETR's keys (anchor boxes ``refpoint_embed``, the decoder's
-    ``ref_point_head``), ``"detr"`` for DETR's (``query_embed``, the decoder's
-    ``multihead_attn``), None when the state dict shows no decoder."""
-    if any(k == "refpoint_embed.weight" or k.startswith("transformer.decoder.ref_point_head.")
-           for k in state):
-        return "dab"
-    if any(k == "query_embed.weight" or ".multihead_attn." in k for k in state):
-        return "detr"
-    return None
+def family_name_of_state(state: Mapping[str, Any]) -> str | None:
+    """The name of the family whose layout ``state`` has, None when none recognises it."""
+    family = family_of_state(state)
+    return family.name if family is not None else None
 
 
 def layout_of(state: Mapping[str, Any]) -> str:
-    """The public layout of a state dict: ``dn_dab_detr`` (DN-DETR: DAB-DETR's keys and
-    ``label_enc``), ``dab_detr``, ``irpe_detr`` (DETR with iRPE tables) or ``detr``."""
-    if decoder_of(state) == "dab":
-        return "dn_dab_detr" if LABEL_KEY in state else "dab_detr"
-    return "irpe_detr" if any(is_rpe_key(k) for k in state) else "detr"
+    """The public layout of a state dict (``dn_dab_detr``, ``dab_detr``, ``irpe_detr``,
+    ``detr``, ...: its family says), ``unknown`` when no family recognises it."""
+    family = family_of_state(state)
+    if family is None or family.checkpoint is None:
+        return "unknown"
+    return family.checkpoint.layout_name(state)
 
 
 def num_classes_of(state: Mapping[str, Tensor]) -> int | None:
-    """``model.num_classes`` of a state dict's class head: its rows, less DETR's "no object"
-    row (none in DAB-DETR's sigmoid head); None without a class head."""
-    bias = state.get(HEAD_KEYS[1])
-    if bias is None:
+    """``model.num_classes`` of a state dict's class head (its family reads it: DETR's
+    rows less "no object", DAB-DETR's sigmoid rows); None without a class head."""
+    family = family_of_state(state)
+    if family is None or family.checkpoint is None:
         return None
-    return int(bias.shape[0]) - _EXTRA_HEAD_ROWS[decoder_of(state) or "detr"]
+    return family.checkpoint.num_classes(state)
 
 
 def strip_ddp_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -86,22 +70,13 @@ def strip_ddp_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 # ------------------------------------------------------------------- what a layout implies
-def _layer_count(state: Mapping[str, Tensor], prefix: str) -> int:
+def layer_count(state: Mapping[str, Tensor], prefix: str) -> int:
     pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
     ids = {int(m.group(1)) for k in state if (m := pattern.match(k))}
     return max(ids) + 1 if ids else 0
 
 
-def _backbone_name(state: Mapping[str, Tensor]) -> str | None:
-    body = "backbone.0.body."
-    if not any(k.startswith(body) for k in state):
-        return None
-    block = "bottleneck" if f"{body}layer1.0.conv3.weight" in state else "basic"
-    depth = _layer_count(state, f"{body}layer3.")
-    return _RESNETS.get((block, depth), f"a {block}-block ResNet with {depth} layer3 blocks")
-
-
-def _first_shape(state: Mapping[str, Tensor], keys: tuple[str, ...], dim: int) -> int | None:
+def first_shape(state: Mapping[str, Tensor], keys: tuple[str, ...], dim: int) -> int | None:
     for key in keys:
         if key in state:
             return int(state[key].shape[dim])
@@ -110,7 +85,7 @@ def _first_shape(state: Mapping[str, Tensor], keys: tuple[str, ...], dim: int) -
 
 def _rpe_tables(state: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
     """The iRPE tables of the first encoder layer that has them: ``{name: shape}``."""
-    pattern = re.compile(r"transformer\.encoder\.layers\.(\d+)\.self_attn\.(.+)")
+    pattern = re.compile(r".*\.layers\.(\d+)\.self_attn\.(.+)")
     tables: dict[int, dict[str, tuple[int, ...]]] = {}
     for key, value in state.items():
         match = pattern.match(key)
@@ -119,74 +94,31 @@ def _rpe_tables(state: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
     return tables[min(tables)] if tables else {}
 
 
-def _backbone_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    return {"model.backbone": _backbone_name(state)}
-
-
-def _decoder_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    decoder = decoder_of(state)
-    # label_enc exists only with denoising (DN-DETR; DETR has none: False)
-    denoising = (LABEL_KEY in state) if decoder else None
-    return {"model.decoder": decoder, "model.denoising.enabled": denoising}
-
-
-def _transformer_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    return {
-        "model.hidden_dim": _first_shape(
-            state, ("query_embed.weight", "transformer.decoder.norm.weight"), -1
-        ),
-        # DETR's query embeddings or DAB-DETR's anchor boxes: one row per query
-        "model.num_queries": _first_shape(state, ("query_embed.weight", "refpoint_embed.weight"), 0),
-        "model.enc_layers": _layer_count(state, "transformer.encoder.layers."),
-        "model.dec_layers": _layer_count(state, "transformer.decoder.layers."),
-        "model.dim_feedforward": _first_shape(
-            state,
-            ("transformer.encoder.layers.0.linear1.weight",
-             "transformer.decoder.layers.0.linear1.weight"),
-            0,
-        ),
-        "model.pre_norm": "transformer.encoder.norm.weight" in state,
-    }
-
-
-def _position_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    learned = "backbone.1.row_embed.weight" in state
-    return {"model.position_embedding": "learned" if learned else "sine or none"}
-
-
 def _irpe_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
     return {"model.rpe": _rpe_tables(state)}
+
+
+def _family_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
+    return {"model.family": family_name_of_state(state)}
 
 
 def _head_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
     return {"model.num_classes": num_classes_of(state)}
 
 
-# What a state dict says about its model, part by part: each reader returns the config
-# keys it can read off the key names and shapes (None: not shown). A model family whose
-# parts have keys of their own (another decoder, denoising queries) adds its readers
-# here; explain_mismatch and every "does not fit" message then name its keys too. The
-# order is the order in which differences are reported.
-ARCHITECTURE_READERS: tuple[Callable[[Mapping[str, Tensor]], dict[str, Any]], ...] = (
-    _decoder_facts,
-    _backbone_facts,
-    _transformer_facts,
-    _position_facts,
-    _irpe_facts,
-    _head_facts,
-)
-
-
 def architecture(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    """The model settings a state dict implies, keyed by their config names
-    (:data:`ARCHITECTURE_READERS`).
+    """The model settings a state dict implies, keyed by their config names: its family,
+    then what its family's ``architecture_readers`` read, its iRPE tables and its class
+    count.
 
     Settings a state dict does not show (``model.nheads`` without per-head tables,
     ``model.dilation``) are absent; ``model.rpe`` is the ``{table: shape}`` dict of
     one encoder layer (empty without iRPE).
     """
+    family = family_of_state(state)
+    readers = family.checkpoint.architecture_readers if family and family.checkpoint else ()
     facts: dict[str, Any] = {}
-    for reader in ARCHITECTURE_READERS:
+    for reader in (_family_facts, *readers, _irpe_facts, _head_facts):
         facts.update(reader(state))
     return {k: v for k, v in facts.items() if v is not None}
 
@@ -228,6 +160,10 @@ def explain_mismatch(
     """
     a, b = architecture(saved), architecture(model)
     out = []
+    if a.get("model.family") != b.get("model.family"):
+        # another family: its own settings count too (DN-DETR's denoising for a DETR model)
+        out += [(key, _show(key, a[key]), "(not a key of its family)")
+                for key in a.keys() - b.keys()]
     for key in a.keys() & b.keys():
         if a[key] == b[key]:
             continue
@@ -244,7 +180,7 @@ def explain_mismatch(
 
 
 # ------------------------------------------------------------------------- conversion
-def _resized_rows(old: Tensor, fresh: Tensor, keep: int, tail: int) -> Tensor:
+def resized_rows(old: Tensor, fresh: Tensor, keep: int, tail: int) -> Tensor:
     """``fresh`` with its first ``keep`` rows and its last ``tail`` rows taken from ``old``."""
     out = fresh.detach().clone().to(old.dtype)
     out[:keep] = old[:keep]
@@ -253,50 +189,56 @@ def _resized_rows(old: Tensor, fresh: Tensor, keep: int, tail: int) -> Tensor:
     return out
 
 
-def resize_class_head(state: dict[str, Tensor], num_classes: int) -> str | None:
-    """Resize the class-count-dependent tensors in place to ``num_classes`` classes.
+def resize_linear_head(
+    state: dict[str, Tensor], prefix: str, num_classes: int, *, extra_rows: int,
+    sigmoid: bool,
+) -> tuple[int, int] | None:
+    """Resize the linear class head ``prefix.weight`` / ``prefix.bias`` in place to
+    ``num_classes`` rows (+ ``extra_rows`` kept last rows, such as DETR's "no object").
 
-    DETR's head (``num_classes + 1`` rows): rows of class ids ``< min(old, new)`` and the
-    "no object" row (last) are kept. DAB-DETR's sigmoid head (``num_classes`` rows): rows
-    of ids ``< min(old, new)`` are kept. DN-DETR's ``label_enc`` (``num_classes + 1``
-    rows): rows of ids ``< min(old, new)`` and the matching queries' row (last) are kept.
-    New head rows get ``nn.Linear``'s default weights and, in a sigmoid head, the prior
-    bias a new DAB-DETR head starts with (probability 0.01); new ``label_enc`` rows get
-    ``nn.Embedding``'s default. Returns a note, or None when the head already has that size.
+    Rows of class ids ``< min(old, new)`` and the extra rows are kept; new rows get
+    ``nn.Linear``'s default weights and, in a ``sigmoid`` head, the focal prior bias
+    (probability 0.01). Returns ``(old class count, rows kept)``, or None when the head
+    already has that size.
     """
-    weight, bias = state.get(HEAD_KEYS[0]), state.get(HEAD_KEYS[1])
+    weight, bias = state.get(f"{prefix}.weight"), state.get(f"{prefix}.bias")
     if weight is None or bias is None:
-        raise CheckpointError("no class_embed.weight/bias in the state dict to resize")
-    extra = _EXTRA_HEAD_ROWS[decoder_of(state) or "detr"]
-    old = weight.shape[0] - extra
+        raise CheckpointError(f"no {prefix}.weight/bias in the state dict to resize")
+    old = weight.shape[0] - extra_rows
     if old == num_classes:
         return None
     keep = min(old, num_classes)
-    fresh = nn.Linear(weight.shape[1], num_classes + extra)
-    if not extra:
+    fresh = nn.Linear(weight.shape[1], num_classes + extra_rows)
+    if sigmoid:
         nn.init.constant_(fresh.bias, FOCAL_PRIOR_BIAS)
-    state[HEAD_KEYS[0]] = _resized_rows(weight, fresh.weight, keep, extra)
-    state[HEAD_KEYS[1]] = _resized_rows(bias, fresh.bias, keep, extra)
-    kept = f"rows 0..{keep - 1}" + (" and no-object" if extra else "")
-    note = f"class head resized from {old} to {num_classes} classes (kept {kept})"
-    labels = state.get(LABEL_KEY)
-    if labels is not None:
-        fresh_labels = nn.Embedding(num_classes + 1, labels.shape[1]).weight
-        state[LABEL_KEY] = _resized_rows(labels, fresh_labels, keep, 1)
-        note += f"; label_enc resized to {num_classes + 1} rows (kept rows 0..{keep - 1} and " \
-                "the matching queries' row)"
-    return note
+    state[f"{prefix}.weight"] = resized_rows(weight, fresh.weight, keep, extra_rows)
+    state[f"{prefix}.bias"] = resized_rows(bias, fresh.bias, keep, extra_rows)
+    return old, keep
+
+
+def resize_class_head(state: dict[str, Tensor], num_classes: int) -> str | None:
+    """Resize the class-count-dependent tensors in place to ``num_classes`` classes, as
+    the state dict's family says (its ``resize_class_head``). Returns a note, or None when
+    the head already has that size."""
+    family = family_of_state(state)
+    if family is None or family.checkpoint is None or family.checkpoint.resize_class_head is None:
+        raise CheckpointError("the state dict has no class head this package can resize "
+                              "(no registered family recognises its keys)")
+    return family.checkpoint.resize_class_head(state, num_classes)
 
 
 def _encoder_attention_prefixes(state: Mapping[str, Tensor]) -> list[str]:
+    """The encoder layers whose self-attention takes iRPE tables (their family says where
+    its encoder is)."""
+    family = family_of_state(state)
+    start = (family.checkpoint.encoder_attention_prefix if family and family.checkpoint
+             else "transformer.encoder.layers.")
     suffix = ".self_attn.in_proj_weight"
     prefixes = sorted(
-        k[: -len(suffix)]
-        for k in state
-        if k.startswith("transformer.encoder.layers.") and k.endswith(suffix)
+        k[: -len(suffix)] for k in state if k.startswith(start) and k.endswith(suffix)
     )
     if not prefixes:
-        raise CheckpointError("no encoder self-attention found (transformer.encoder.layers.*)")
+        raise CheckpointError(f"no encoder self-attention found ({start}*)")
     return prefixes
 
 
@@ -382,17 +324,20 @@ def convert_state_dict(
 
 
 __all__ = [
-    "ARCHITECTURE_READERS",
     "FOCAL_PRIOR_BIAS",
     "HEAD_KEYS",
     "LABEL_KEY",
     "add_rpe_tables",
     "architecture",
     "convert_state_dict",
-    "decoder_of",
+    "family_name_of_state",
+    "first_shape",
+    "layer_count",
     "explain_mismatch",
     "layout_of",
     "num_classes_of",
     "resize_class_head",
+    "resize_linear_head",
+    "resized_rows",
     "strip_ddp_prefix",
 ]

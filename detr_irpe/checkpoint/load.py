@@ -33,12 +33,12 @@ from detr_irpe.checkpoint.layout import (
     FOCAL_PRIOR_BIAS,
     HEAD_KEYS,
     LABEL_KEY,
-    decoder_of,
     explain_mismatch,
     num_classes_of,
 )
 from detr_irpe.checkpoint.safe import format_keys
 from detr_irpe.errors import CheckpointError
+from detr_irpe.family import family_of_state
 from detr_irpe.irpe import is_rpe_key
 from detr_irpe.utils.dist import unwrap_model
 
@@ -83,7 +83,7 @@ def _missing_rpe_tables(
 def _class_head_differs(state: Mapping[str, Tensor], target: Mapping[str, Tensor]) -> bool:
     """Only the number of classes differs: same decoder, same input width, other row count."""
     weight = HEAD_KEYS[0]
-    if weight not in state or weight not in target or decoder_of(state) != decoder_of(target):
+    if weight not in state or weight not in target or family_of_state(state) is not family_of_state(target):
         return False
     saved, model = state[weight].shape, target[weight].shape
     return saved != model and saved[1:] == model[1:]
@@ -156,7 +156,7 @@ def key_problems(
 
 
 def _assignment(key: str, shown: str) -> str:
-    """``model.decoder=detr``: the setting that gives the checkpoint's value (``shown``, as
+    """``model.family=detr``: the setting that gives the checkpoint's value (``shown``, as
     :func:`explain_mismatch` writes it); the key alone when the value is no setting."""
     if shown in ("True", "False"):
         return f"{key}={shown.lower()}"
@@ -256,7 +256,9 @@ def load_state(
     problems = key_problems(state, target, set(missing_rpe) | set(reinitialized))
     if problems:
         raise _mismatch_error(path, meta, state, target, problems)
-    _apply(model, state, reinitialized, matching_row, decoder_of(target) == "dab")
+    family = family_of_state(target)
+    sigmoid_head = bool(family and family.checkpoint and family.checkpoint.sigmoid_head)
+    _apply(model, state, reinitialized, matching_row, sigmoid_head)
     logger.info("loaded %d tensors from %s (%s)", len(state), path, meta.get("format"))
     return {
         "path": str(path),

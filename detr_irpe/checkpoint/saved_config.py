@@ -4,7 +4,7 @@
 - **Config**: the one given (a name, a YAML path or a :class:`Config`), else the config
   saved in the checkpoint (for a Hugging Face folder: ``detr_r50`` or, for DAB-DETR,
   ``dab_detr_r50`` with the settings of its ``config.json``), else the one a DAB-DETR /
-  DN-DETR layout implies (:mod:`~detr_irpe.checkpoint.implied_config`: the published
+  DN-DETR layout implies (:mod:`~detr_irpe.models.dab.implied_config`: the published
   recipe, the layout's shapes and the official ``args``); ``overrides``
   (``"section.key=value"``) apply on top. A public DETR / iRPE-DETR file needs one:
   that is a :class:`CheckpointError` saying to pass ``--config``.
@@ -26,8 +26,7 @@ from typing import Any
 
 from torch import Tensor
 
-from detr_irpe.checkpoint.implied_config import implied_config
-from detr_irpe.checkpoint.layout import decoder_of, num_classes_of
+from detr_irpe.checkpoint.layout import num_classes_of
 from detr_irpe.config import (
     Config,
     ConfigError,
@@ -37,13 +36,10 @@ from detr_irpe.config import (
     parse_override,
 )
 from detr_irpe.errors import CheckpointError
+from detr_irpe.family import DEFAULT_FAMILY, family_of_state, get_family
 
 logger = logging.getLogger(__name__)
 
-# Hugging Face DETR is plain DETR-R50, its DAB-DETR plain DAB-DETR-R50: the settings
-# of a folder's config.json go on top of these (by model.decoder).
-HF_BASE_CONFIG = "detr_r50"
-HF_BASE_CONFIGS = {"detr": HF_BASE_CONFIG, "dab": "dab_detr_r50"}
 
 
 def resolve_config(
@@ -66,13 +62,15 @@ def resolve_config(
         logger.info("using the config saved in %s", path)
         return config_from_dict(saved, overrides)
     if meta.get("hf_model"):
-        # a Hugging Face folder: plain DETR-R50 / DAB-DETR-R50 with its config.json's settings
-        base_name = HF_BASE_CONFIGS[meta["hf_model"].get("decoder", "detr")]
+        # a Hugging Face folder: its family's base recipe (plain DETR-R50, ...) with its
+        # config.json's settings
+        family = get_family(meta["hf_model"].get("family", DEFAULT_FAMILY))
+        base_name = family.hf.base_config
         logger.info("config: %s with the model settings of %s/config.json", base_name, path)
         base = load_config(base_name).to_dict()
         base["model"].update(meta["hf_model"], rpe="none")
         return config_from_dict(base, overrides)
-    implied = implied_config(path, state, meta) if state is not None else None
+    implied = _implied_config(path, state, meta) if state is not None else None
     if implied is not None:
         base_name, values = implied
         logger.info("config: %s with the settings of %s's layout and args", base_name, path)
@@ -87,8 +85,18 @@ def resolve_config(
 def has_config(meta: Mapping[str, Any], state: Mapping[str, Tensor]) -> bool:
     """Whether :func:`resolve_config` finds a config without one given: a saved one, a
     Hugging Face ``config.json``, or a DAB-DETR / DN-DETR layout."""
+    family = family_of_state(state)
     return (isinstance(meta.get("config"), Mapping) or bool(meta.get("hf_model"))
-            or decoder_of(state) == "dab")
+            or (family is not None and family.checkpoint.implied_config is not None))
+
+
+def _implied_config(path: Any, state: Mapping[str, Tensor], meta: Mapping[str, Any]
+                    ) -> tuple[str, dict[str, Any]] | None:
+    """The config a file without one implies (its family's ``implied_config``), or None."""
+    family = family_of_state(state)
+    if family is None or family.checkpoint is None or family.checkpoint.implied_config is None:
+        return None
+    return family.checkpoint.implied_config(path, state, meta)
 
 
 def _overridden_keys(overrides: Iterable[str]) -> set[str]:
@@ -136,5 +144,5 @@ def _saved_category_ids(meta: Mapping[str, Any]) -> list[int] | None:
     return [int(i) for i in ids] if isinstance(ids, list) else None
 
 
-__all__ = ["HF_BASE_CONFIG", "HF_BASE_CONFIGS", "config_for_checkpoint", "has_config",
+__all__ = ["config_for_checkpoint", "has_config",
            "resolve_config"]

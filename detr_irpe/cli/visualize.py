@@ -9,7 +9,7 @@ Over one image (the model is rebuilt from the config saved in an own checkpoint)
     detr-irpe-visualize decoder-attention --checkpoint CKPT.pth --image img.jpg
     detr-irpe-visualize all --checkpoint CKPT.pth --image img.jpg --out-dir figs/
 
-DAB-DETR / DN-DETR models (``model.decoder=dab``) also show their anchor boxes (``all``
+DAB-DETR / DN-DETR models (``model.family=dab``) also show their anchor boxes (``all``
 writes both figures for them)::
 
     detr-irpe-visualize anchor-attention --checkpoint CKPT.pth --image img.jpg --layer -1

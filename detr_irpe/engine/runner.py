@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from detr_irpe.checkpoint import FORMAT, check_state_fits, load_weights
-from detr_irpe.config import Config, ConfigError, save_config
+from detr_irpe.config import Config, ConfigError, save_config, upgrade_config_dict
 from detr_irpe.data import build_dataloader, build_dataset, epoch_batches
 from detr_irpe.data.coco import sparse_ids_warning
 from detr_irpe.engine.distributed import (
@@ -188,7 +188,7 @@ def check_resume_config(saved: Mapping[str, Any], cfg: Config, start: StartState
         ConfigError: ``train.seed`` changed on a resume (the checkpoint's random
             streams continue, so the new seed could not apply).
     """
-    differ = experiment_differences(saved, cfg.to_dict())
+    differ = experiment_differences(upgrade_config_dict(saved), cfg.to_dict())
     if differ and not start.explicit:
         raise RunFolderError(
             f"{cfg.train.output_dir} holds a run of another experiment "

@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from detr_irpe import sizes
 from detr_irpe.errors import ExportError
 from detr_irpe.irpe import IRPEMultiheadAttention
-from detr_irpe.models.dab_detr import DABDETR
-from detr_irpe.models.detr import DETR
+from detr_irpe.models.dab.model import DABDETR
+from detr_irpe.models.detr.model import DETR
 from detr_irpe.models.position_encoding import PositionEmbeddingLearned
 from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.files import atomic_write

@@ -12,7 +12,7 @@
 from .attention import IRPEMultiheadAttention, choose_impl, is_rpe_key
 from .buckets import bucket_ids, num_buckets, piecewise_index
 from .config import Method, Mode, RPEConfig, parse_rpe
-from .encodings import RPE_INIT_MODES, init_rpe_table
+from .encodings import RPE_INIT_MODES, init_rpe_table, table_parameter_count
 from .functional import (
     attend_values,
     gather_buckets,
@@ -42,4 +42,5 @@ __all__ = [
     "piecewise_index",
     "register_bucket_method",
     "scatter_buckets",
+    "table_parameter_count",
 ]

@@ -10,11 +10,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import Method, Mode
+from .buckets import num_buckets
+from .config import Method, Mode, RPEConfig
 from .functional import gather_buckets, gather_buckets_add_, gather_buckets_transposed
 from .methods import BucketMethod
 
-__all__ = ["RPE_INIT_MODES", "CrossRPEEncoding", "RPEEncoding", "build_encoding", "init_rpe_table"]
+__all__ = [
+    "RPE_INIT_MODES",
+    "CrossRPEEncoding",
+    "RPEEncoding",
+    "build_encoding",
+    "init_rpe_table",
+    "table_parameter_count",
+]
 
 # How a new table starts: "xavier" (DETR's reset of every matrix, the published
 # iRPE-DETR recipe) or "zero" (a model then computes exactly the model without iRPE).
@@ -188,3 +196,15 @@ def build_encoding(
     # a registered method (BucketMethod) has one table, like product
     cls = CrossRPEEncoding if method == Method.CROSS else RPEEncoding
     return cls(mode, target, num_heads, head_dim, num_buckets, shared_head)
+
+
+def table_parameter_count(rpe: RPEConfig | None, num_heads: int, embed_dim: int) -> int:
+    """Entries of the iRPE tables of one attention layer (0 without iRPE): the one place
+    that knows the table shapes the modules above create."""
+    if rpe is None:
+        return 0
+    buckets = num_buckets(rpe.method, rpe.ratio)
+    tables = 1 if rpe.shared_head else num_heads
+    width = 1 if rpe.mode is Mode.BIAS else embed_dim // num_heads
+    axes = 2 if rpe.method == Method.CROSS else 1
+    return len(rpe.rpe_on) * axes * tables * buckets * width

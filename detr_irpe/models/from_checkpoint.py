@@ -24,8 +24,6 @@ from torch import nn
 from detr_irpe.checkpoint import config_for_checkpoint, load_state, read_checkpoint
 from detr_irpe.config import Config
 from detr_irpe.models.build import build_model
-from detr_irpe.models.dab_detr import DABDETR
-from detr_irpe.models.detr import DETR
 
 
 @dataclass
@@ -33,7 +31,7 @@ class LoadedModel:
     """What :func:`model_from_checkpoint` returns.
 
     Attributes:
-        model: the DETR or DAB-DETR with the checkpoint's weights, in eval mode, on the device.
+        model: the detector (of the checkpoint's family) with its weights, in eval mode, on the device.
         criterion: its loss (on the device), e.g. for evaluation losses (SetCriterion or
             FocalSetCriterion).
         postprocessor: turns outputs into per-image ``scores``, ``labels``, ``boxes``
@@ -44,7 +42,7 @@ class LoadedModel:
         category_names: ``{category id: name}`` stored with the weights, or None.
     """
 
-    model: DETR | DABDETR
+    model: nn.Module
     criterion: nn.Module
     postprocessor: nn.Module
     cfg: Config

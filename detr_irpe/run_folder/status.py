@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from detr_irpe.config import Config
+from detr_irpe.config import Config, upgrade_config_dict
 from detr_irpe.run_folder.checkpoints import has_checkpoint
 from detr_irpe.run_folder.experiment import experiment_differences
 from detr_irpe.run_folder.lock import CLAIM_NAME, LOCK_NAME, lock_holder
@@ -85,7 +85,7 @@ def config_mismatch(folder: str | Path, cfg: Config) -> list[str]:
         return [f"{path} is not readable YAML"]
     if not isinstance(saved, Mapping):
         return [f"{path} is not a config"]
-    return experiment_differences(saved, cfg.to_dict(), with_recipe=True)
+    return experiment_differences(upgrade_config_dict(saved), cfg.to_dict(), with_recipe=True)
 
 
 def running_holder(folder: str | Path) -> str | None:

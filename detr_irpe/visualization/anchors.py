@@ -66,11 +66,11 @@ def anchor_boxes(
         original_size: ``(h0, w0)`` of the picture the boxes are drawn on.
 
     Raises:
-        ConfigError: the outputs have no anchors (not a ``model.decoder=dab`` model).
+        ConfigError: the outputs have no anchors (not a ``model.family=dab`` model).
     """
     if not has_anchors(outputs):
         raise ConfigError("anchor figures need a model with the dab decoder (DAB-DETR / "
-                          "DN-DETR, model.decoder=dab); this model's outputs have no anchors")
+                          "DN-DETR, model.family=dab); this model's outputs have no anchors")
     anchors = outputs["anchors"][:, batch_index]  # (layers, Q, 4)
     final = outputs["pred_boxes"][batch_index][None]  # (1, Q, 4)
     boxes = torch.cat((anchors, final)).detach().float().cpu()

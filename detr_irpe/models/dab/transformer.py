@@ -33,15 +33,15 @@ from torch import Tensor, nn
 
 from detr_irpe.irpe.config import RPEConfig
 from detr_irpe.irpe.dropout import Dropout
-from detr_irpe.models.mlp import MLP
-from detr_irpe.models.position_encoding import sine_features
-from detr_irpe.models.transformer import (
+from detr_irpe.models.detr.transformer import (
     TransformerEncoder,
     TransformerEncoderLayer,
     add_feed_forward,
     feed_forward,
     reset_parameters,
 )
+from detr_irpe.models.mlp import MLP
+from detr_irpe.models.position_encoding import sine_features
 
 # Box coordinates are clamped this far from 0 and 1 before the logit (the official value).
 INVERSE_SIGMOID_EPS = 1e-3

@@ -19,9 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from detr_irpe.models.backbone import Joiner
-from detr_irpe.models.dab_transformer import DABTransformer, inverse_sigmoid
-from detr_irpe.models.denoising import Denoising, DenoisingNoise, build_denoising_queries
-from detr_irpe.models.detr import predictions
+from detr_irpe.models.dab.denoising import Denoising, DenoisingNoise, build_denoising_queries
+from detr_irpe.models.dab.transformer import DABTransformer, inverse_sigmoid
+from detr_irpe.models.detr.model import predictions
 from detr_irpe.models.mlp import MLP
 from detr_irpe.structures import ImageBatch
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from detr_irpe.models.backbone import Joiner
+from detr_irpe.models.detr.transformer import Transformer
 from detr_irpe.models.mlp import MLP
-from detr_irpe.models.transformer import Transformer
 from detr_irpe.structures import ImageBatch
 
 __all__ = ["DETR", "MLP"]  # MLP lives in models/mlp.py; importable from here as before

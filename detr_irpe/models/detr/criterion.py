@@ -21,7 +21,7 @@ computed in float32 with autocast disabled.
 
 The module-level helpers (matched indexing, box terms, ``num_boxes``, matching of every
 stage, the logged metrics) are shared with DAB-DETR's
-:class:`detr_irpe.models.focal_criterion.FocalSetCriterion`.
+:class:`detr_irpe.models.dab.criterion.FocalSetCriterion`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from detr_irpe.models.dab_transformer import inverse_sigmoid
+from detr_irpe.models.dab.transformer import inverse_sigmoid
 
 
 @dataclass(frozen=True)

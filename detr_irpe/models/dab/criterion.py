@@ -9,7 +9,7 @@ For predictions matched to targets by
   is 1 at its target's class; unmatched queries are all 0), summed and divided by
   ``num_boxes``. There is no "no object" logit: each class is a sigmoid;
 - ``loss_bbox``, ``loss_giou``: DETR's box terms over the matched pairs / ``num_boxes``
-  (:func:`detr_irpe.models.criterion.box_losses`, float32, autocast off);
+  (:func:`detr_irpe.models.detr.criterion.box_losses`, float32, autocast off);
 - logged only: ``class_error`` (100 - top-1 accuracy in % of the matched queries, 0
   without targets) and ``cardinality_error`` (|#queries whose best class probability
   exceeds 0.5 - #targets|, averaged over the images).
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 from torchvision.ops import sigmoid_focal_loss
 
-from detr_irpe.models.criterion import (
+from detr_irpe.models.detr.criterion import (
     batch_query_index,
     box_losses,
     cardinality_error,
@@ -92,7 +92,7 @@ def _dn_index(
 class FocalSetCriterion(nn.Module):
     """DAB-DETR's loss, with DN-DETR's denoising terms (see the module docstring).
 
-    Same calling convention as :class:`~detr_irpe.models.criterion.SetCriterion`.
+    Same calling convention as :class:`~detr_irpe.models.detr.criterion.SetCriterion`.
 
     Args:
         num_classes: C, the number of class logits (largest category id + 1).

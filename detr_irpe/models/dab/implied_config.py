@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import Tensor
 
-from detr_irpe.checkpoint.layout import architecture, decoder_of
+from detr_irpe.checkpoint.layout import LABEL_KEY, architecture
 from detr_irpe.errors import CheckpointError
 
 # The published recipe each layout starts from (configs/*.yaml).
@@ -108,7 +108,8 @@ def _nested(values: Mapping[str, Any]) -> dict[str, Any]:
 def implied_config(
     path: str | Path, state: Mapping[str, Tensor], meta: Mapping[str, Any]
 ) -> tuple[str, dict[str, Any]] | None:
-    """The config a DAB-DETR / DN-DETR state dict implies, or None for other layouts.
+    """The config a DAB-DETR / DN-DETR state dict implies (the family's ``implied_config``:
+    it is only asked about state dicts of the family).
 
     Args:
         path: the checkpoint (for messages).
@@ -123,10 +124,8 @@ def implied_config(
         CheckpointError: iRPE tables (their setting is not in the layout), or ``args`` of
             a model this project does not build.
     """
-    if decoder_of(state) != "dab":
-        return None
     facts = architecture(state)
-    denoising = bool(facts.get("model.denoising.enabled"))
+    denoising = LABEL_KEY in state
     layout = "dn_dab_detr" if denoising else "dab_detr"
     if facts.get("model.rpe"):
         raise CheckpointError(
@@ -142,7 +141,7 @@ def implied_config(
         )
     values = _from_args(args, denoising)
     values.update({key: facts[key] for key in _LAYOUT_KEYS if key in facts})
-    values.update({"model.decoder": "dab", "model.rpe": "none",
+    values.update({"model.family": "dab", "model.rpe": "none",
                    "model.denoising.enabled": denoising})
     return BASE_CONFIGS[layout], _nested(values)
 

@@ -1,0 +1,241 @@
+"""The registry of detector families: one object per family says what the package needs.
+
+A *family* is a kind of detector (``detr``: DETR; ``dab``: DAB-DETR, DN-DETR with
+denoising; a user's own). ``model.family`` in a config names it. Each family lives in one
+folder (``detr_irpe/models/<family>/``) whose ``__init__`` registers a
+:class:`DetectorFamily`: its config sections, how to build the model, loss and
+post-processor, the checkpoint layouts it reads and writes, its ONNX wrapper, its figures
+and its benchmark targets. Config, checkpoints, export, visualization, benchmark, ablation
+and the tools ask this registry; no code outside a family's folder tests which family it
+holds.
+
+The built-in families are imported the first time they are asked for (their folders hold
+the model code, which imports torch); a user's family registers itself when a module named
+in ``model.import`` is imported (docs/model.md, "A detector family of your own").
+
+This module imports nothing else of the package but :mod:`detr_irpe.errors`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from detr_irpe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+__all__ = [
+    "BUILTIN_FAMILIES",
+    "DEFAULT_FAMILY",
+    "CheckpointSupport",
+    "DetectorFamily",
+    "HFSupport",
+    "families",
+    "family_names",
+    "family_of_model",
+    "family_of_state",
+    "get_family",
+    "register_family",
+]
+
+# The families shipped with the package: name -> the module whose import registers it.
+BUILTIN_FAMILIES: dict[str, str] = {
+    "detr": "detr_irpe.models.detr",
+    "dab": "detr_irpe.models.dab",
+}
+# The family of a config that names none (every config written before model.family).
+DEFAULT_FAMILY = "detr"
+
+_REGISTRY: dict[str, DetectorFamily] = {}
+
+
+@dataclass(frozen=True)
+class HFSupport:
+    """A family's Hugging Face ``save_pretrained`` folders.
+
+    Attributes:
+        model_type: ``config.json``'s ``model_type`` (``"detr"``, ``"dab-detr"``).
+        base_config: the config the folder's settings go on top of (``detr_r50``).
+        model_settings: ``config.json`` -> ``{model key: value}`` (raises
+            :class:`~detr_irpe.errors.CheckpointError` for settings this family lacks).
+        from_hf_keys: Hugging Face state dict -> this family's state dict (``(state,
+            layout name)``).
+        refusal: ``(state, cfg) -> why this model cannot be written for transformers``
+            or None.
+        config_json: ``(cfg, labels) -> config.json`` mapping of a model to write.
+        to_hf_keys: this family's state dict -> Hugging Face's.
+        recognizes_hf_keys: whether a Hugging Face state dict is this family's.
+    """
+
+    model_type: str
+    base_config: str
+    model_settings: Callable[[Mapping[str, Any]], dict[str, Any]]
+    from_hf_keys: Callable[[Mapping[str, Tensor]], tuple[dict[str, Tensor], str]]
+    recognizes_hf_keys: Callable[[Mapping[str, Any]], bool]
+    refusal: Callable[[Mapping[str, Tensor], Any], str | None]
+    config_json: Callable[[Any, dict[int, str]], dict[str, Any]]
+    to_hf_keys: Callable[[Mapping[str, Tensor]], dict[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class CheckpointSupport:
+    """What a family's state dicts look like.
+
+    Attributes:
+        recognizes: whether a state dict (keys; values may be shapes' holders) is this
+            family's.
+        layout_name: the public layout of one of its state dicts (``detr``, ``irpe_detr``,
+            ``dab_detr``, ``dn_dab_detr``): shown in messages and stored with conversions.
+        num_classes: the class count of a state dict's class head (None: no head).
+        architecture_readers: functions ``state -> {config key: value}``, each reading the
+            settings one part of the model implies (a mismatch is reported by key).
+        implied_config: ``(path, state, meta) -> (base config name, {key: value})`` for a
+            file without a saved config (a public release), or None when it implies none.
+        resize_class_head: ``(state, num_classes) -> note`` resizing every class-count
+            tensor in place (None: the head needs no resizing, or the sizes agree).
+        sigmoid_head: the class head has one sigmoid per class (a new row starts at the
+            focal prior), not softmax rows.
+        encoder_attention_prefix: the key prefix of the encoder layers whose
+            self-attention takes iRPE tables (``transformer.encoder.layers.``).
+    """
+
+    recognizes: Callable[[Mapping[str, Any]], bool]
+    layout_name: Callable[[Mapping[str, Any]], str]
+    num_classes: Callable[[Mapping[str, Any]], int | None] = lambda state: None
+    architecture_readers: tuple[Callable[[Mapping[str, Any]], dict[str, Any]], ...] = ()
+    implied_config: Callable[[Any, Mapping[str, Any], Mapping[str, Any]],
+                             tuple[str, dict[str, Any]] | None] | None = None
+    resize_class_head: Callable[[dict[str, Any], int], str | None] | None = None
+    sigmoid_head: bool = False
+    encoder_attention_prefix: str = "transformer.encoder.layers."
+
+
+@dataclass(frozen=True)
+class DetectorFamily:
+    """Everything the package needs of one detector family.
+
+    Attributes:
+        name: the value of ``model.family``.
+        title: the name shown to people (``"DETR"``).
+        model_config: the dataclass of the ``model`` section (a subclass of
+            :class:`detr_irpe.config.ModelConfig`).
+        loss_config: the dataclass of the ``loss`` section (a subclass of
+            :class:`detr_irpe.config.LossConfig`).
+        build: ``(model section, loss section, load_backbone_weights) -> (model,
+            criterion, postprocessor)``.
+        build_detector: ``(model section, load_backbone_weights) -> model``.
+        build_postprocessor: ``model section -> post-processor`` (outputs -> per-image
+            ``scores``, ``labels`` (category ids), ``boxes`` (absolute xyxy)).
+        model_types: the ``nn.Module`` classes of its detectors (to tell a built model's
+            family).
+        describe: ``model section -> name`` of one configuration (``"DN-DAB-DETR"``);
+            default: ``title``.
+        checkpoint: its state-dict layouts (None: it reads only its own saved files).
+        hf: its Hugging Face folders (None: none).
+        onnx_wrapper: ``model -> nn.Module`` mapping ``images (N, 3, H, W)`` to
+            ``(pred_logits, pred_boxes)`` for export; None: the package's default (an
+            all-False padding mask).
+        figures: the extra figure kinds of ``visualize.py`` it offers (``"anchors"``).
+        benchmark_targets: ``{row name: config name}`` of the benchmark's model rows
+            (``{"DETR": "detr_r50"}``).
+        demo_config: a small config of this family that trains in seconds on the
+            synthetic data (the toy family tests and docs use it).
+        aliases: older spellings of the name (``model.decoder`` values).
+    """
+
+    name: str
+    title: str
+    model_config: type
+    loss_config: type
+    build: Callable[[Any, Any, bool], tuple[nn.Module, nn.Module, nn.Module]]
+    build_detector: Callable[[Any, bool], nn.Module]
+    build_postprocessor: Callable[[Any], nn.Module]
+    model_types: tuple[type, ...] = ()
+    describe: Callable[[Any], str] | None = None
+    checkpoint: CheckpointSupport | None = None
+    hf: HFSupport | None = None
+    onnx_wrapper: Callable[[nn.Module], nn.Module] | None = None
+    figures: tuple[str, ...] = ()
+    benchmark_targets: Mapping[str, str] = field(default_factory=dict)
+    aliases: Sequence[str] = ()
+
+    def name_of(self, model_cfg: Any) -> str:
+        """The name of one configuration of this family (``DN-DAB-DETR``)."""
+        return self.describe(model_cfg) if self.describe is not None else self.title
+
+
+def register_family(family: DetectorFamily) -> DetectorFamily:
+    """Make ``family`` available as ``model.family: <name>``.
+
+    Registering the same name again replaces the entry (a module reloaded in a notebook);
+    a name that is another family's alias is refused.
+    """
+    if not family.name.isidentifier():
+        raise ValueError(f"a family name must be an identifier, got {family.name!r}")
+    for other in _REGISTRY.values():
+        if other.name != family.name and family.name in other.aliases:
+            raise ValueError(f"family name {family.name!r} is an alias of {other.name!r}")
+    _REGISTRY[family.name] = family
+    return family
+
+
+def _load_builtin(name: str) -> None:
+    module = BUILTIN_FAMILIES.get(name)
+    if module is not None and name not in _REGISTRY:
+        importlib.import_module(module)
+
+
+def _load_builtins() -> None:
+    for name in BUILTIN_FAMILIES:
+        _load_builtin(name)
+
+
+def family_names() -> list[str]:
+    """Every family's name: the built-in ones and those registered so far."""
+    return sorted(set(BUILTIN_FAMILIES) | set(_REGISTRY))
+
+
+def families() -> Iterator[DetectorFamily]:
+    """Every family (the built-in ones loaded), in name order."""
+    _load_builtins()
+    for name in sorted(_REGISTRY):
+        yield _REGISTRY[name]
+
+
+def get_family(name: str) -> DetectorFamily:
+    """The family named ``name`` (or one of its aliases).
+
+    Raises:
+        ConfigError: no such family, naming the registered ones.
+    """
+    _load_builtin(name)
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    for family in families():
+        if name in family.aliases:
+            return family
+    raise ConfigError(
+        f"model.family: {name!r} is not a registered detector family; choose one of "
+        f"{', '.join(family_names())}, or register yours from a module named in model.import"
+    )
+
+
+def family_of_state(state: Mapping[str, Any]) -> DetectorFamily | None:
+    """The family whose checkpoint layout ``state`` has, or None when none recognises it."""
+    for family in families():
+        if family.checkpoint is not None and family.checkpoint.recognizes(state):
+            return family
+    return None
+
+
+def family_of_model(model: nn.Module) -> DetectorFamily | None:
+    """The family of a built detector (its class, or a wrapper's ``module``)."""
+    model = getattr(model, "module", model)
+    for family in families():
+        if family.model_types and isinstance(model, family.model_types):
+            return family
+    return None
