@@ -34,13 +34,15 @@ ENCODING_VARIANTS: dict[str, tuple[str | None, str | None]] = {
 
 @dataclass
 class EncodingResult:
-    """One row: median milliseconds of a forward+backward, the path, the ratio to none."""
+    """One row: median milliseconds of a forward+backward, the path, the ratios to none
+    (wall time, and process-CPU time, the steadier one on a shared machine)."""
 
     name: str
     impl: str
     median_ms: float
     cpu_ms: float
     vs_none: float
+    cpu_vs_none: float
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -105,13 +107,15 @@ def run_encoding_benchmark(
             cpus[name].append(time.process_time() - cpu_start)
     probe = torch.empty(batch, heads, length, dim // heads, device=dev, requires_grad=True)
     base = median(walls["none"]) if "none" in walls else float("nan")
+    cpu_base = median(cpus["none"]) if "none" in cpus else float("nan")
     return [EncodingResult(name, module._impl_for(probe, probe, False), 1e3 * median(walls[name]),
-                           1e3 * median(cpus[name]), median(walls[name]) / base)
+                           1e3 * median(cpus[name]), median(walls[name]) / base,
+                           median(cpus[name]) / cpu_base if cpu_base > 0 else float("nan"))
             for name, module in modules.items()]
 
 
 def encoding_table(results: Sequence[EncodingResult]) -> str:
     """The rows as a markdown table."""
     return markdown_table(
-        ["encoding", "impl (auto)", "median ms", "CPU ms", "x none"],
-        [(r.name, r.impl, r.median_ms, r.cpu_ms, r.vs_none) for r in results])
+        ["encoding", "impl (auto)", "median ms", "CPU ms", "x none", "CPU x none"],
+        [(r.name, r.impl, r.median_ms, r.cpu_ms, r.vs_none, r.cpu_vs_none) for r in results])
