@@ -8,7 +8,9 @@ table scalars instead of the dot products):
     z_i  = sum_j a_ij (v_j + Wv[b(i, j)])
 
 computed in O(L K D + L^2): project onto the tables, then gather by bucket id; values
-scatter-add the weights into buckets. Three interchangeable computations of the same
+scatter-add the weights into buckets. An optional rotary module (2D RoPE,
+:mod:`detr_irpe.rope`) rotates q and k before the content product ``q_i . k_j``; the iRPE
+terms keep the unrotated q and k, so each encoding stays a function of the offset. Three interchangeable computations of the same
 function exist (see :func:`choose_impl`): PyTorch's fused
 ``F.scaled_dot_product_attention`` with the iRPE logits as an additive float mask, an
 explicit softmax path, and the row-blocked core of :mod:`.blocked`.
@@ -148,6 +150,11 @@ class IRPEMultiheadAttention(nn.Module):
             function; a call with ``need_weights=True`` always runs the explicit path.
         block_rows: query rows per block of the blocked core (None: about 8 MiB per
             ``(B h, R, L)`` block).
+        rope: None, or a rotary module (e.g. :func:`detr_irpe.rope.build_rope`) called as
+            ``rope(q, k, (H, W), skip) -> (q, k)`` on the projected ``(B, h, L, D)`` queries
+            and keys; it rotates the content term ``q_i . k_j`` on every path (the fused one
+            included), never the iRPE terms. Kept as the submodule ``rope`` (RoPE-Mixed's
+            frequencies are ``rope.freqs``); None adds no state-dict key.
 
     Parameters (names as in ``nn.MultiheadAttention`` and the public iRPE checkpoints):
         ``in_proj_weight (3C, C)``, ``in_proj_bias (3C)``, ``out_proj.{weight,bias}`` and the
@@ -163,6 +170,7 @@ class IRPEMultiheadAttention(nn.Module):
         bias: bool = True,
         impl: str = "auto",
         block_rows: int | None = None,
+        rope: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads != 0:
@@ -200,6 +208,13 @@ class IRPEMultiheadAttention(nn.Module):
                     self.rpe.shared_head,
                 )
                 setattr(self, f"rpe_{target}", table)
+        if rope is not None and getattr(rope, "head_dim", self.head_dim) != self.head_dim:
+            raise ValueError(f"the rotary module is for head dim {rope.head_dim}, the attention's "
+                             f"is {self.head_dim} (embed_dim {embed_dim} / {num_heads} heads)")
+        if rope is not None and getattr(rope, "num_heads", num_heads) != num_heads:
+            raise ValueError(f"the rotary module is for {rope.num_heads} heads, the attention "
+                             f"has {num_heads}")
+        self.rope = rope
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
@@ -270,6 +285,15 @@ class IRPEMultiheadAttention(nn.Module):
             q, k = lin(query, 0, 1), lin(key, 1, 2)
             v = None if value is None else lin(value, 2, 3)
         return self._heads(q), self._heads(k), None if v is None else self._heads(v)
+
+    def _rotate(
+        self, q: torch.Tensor, k: torch.Tensor, hw: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k ``(B, h, L, D)`` rotated by the rotary module (unchanged without one)."""
+        if self.rope is None:
+            return q, k
+        skip = self.rpe.skip if self.rpe is not None else 0
+        return self.rope(q, k, _hw(hw), skip)
 
     def _bucket_ids(
         self, hw: tuple[int, int], device: torch.device
@@ -378,13 +402,16 @@ class IRPEMultiheadAttention(nn.Module):
         return out.view(batch, heads, length, dim), attn
 
     def _attend_blocked(
-        self, q_scaled, k, v, k_scaled, ids, transposed_ids, key_padding_mask, dropout_p
+        self, q_scaled, k, v, q_context, k_scaled, ids, transposed_ids, key_padding_mask,
+        dropout_p,
     ) -> torch.Tensor:
-        """Attention output ``(B, h, L, D)`` by :func:`~.blocked.blocked_attention`."""
+        """Attention output ``(B, h, L, D)`` by :func:`~.blocked.blocked_attention`;
+        ``q_scaled``, ``k`` for the content product, ``q_context`` / ``k_scaled`` (scaled,
+        unrotated) for the iRPE terms."""
         batch, heads, length, dim = q_scaled.shape
         terms = []
         if self.rpe_k is not None:
-            terms += self.rpe_k.lookup_terms(q_scaled, ids)
+            terms += self.rpe_k.lookup_terms(q_context, ids)
         if self.rpe_q is not None:
             terms += self.rpe_q.lookup_terms(k_scaled, ids, transposed_ids)
         values = self.rpe_v.value_tables(ids) if self.rpe_v is not None else []
@@ -426,18 +453,22 @@ class IRPEMultiheadAttention(nn.Module):
         scale = self.head_dim ** -0.5
         q_scaled = (q * scale).contiguous()
         k_scaled = k * scale if self.rpe_q is not None else None
+        # the content product uses the rotated q / k, the iRPE terms the unrotated ones
+        q_rot, k_rot = self._rotate(q, k, hw)
+        q_rot_scaled = q_scaled if self.rope is None else (q_rot * scale).contiguous()
         dropout_p = self.dropout if self.training else 0.0
         impl = self._impl_for(q, k, need_weights)
         weights = None
         if impl == "blocked":
-            out = self._attend_blocked(q_scaled, k, v, k_scaled, ids, transposed_ids, key_padding_mask,
-                                       dropout_p)
+            out = self._attend_blocked(q_rot_scaled, k_rot, v, q_scaled, k_scaled, ids,
+                                       transposed_ids, key_padding_mask, dropout_p)
         else:
             bias, pad = self._logit_bias(q_scaled, k_scaled, ids, transposed_ids, key_padding_mask)
             if impl == "sdpa":
-                out = self._attend_sdpa(q, k, v, bias, pad, dropout_p, scale)
+                out = self._attend_sdpa(q_rot, k_rot, v, bias, pad, dropout_p, scale)
             else:
-                out, attn = self._attend_explicit(q_scaled, k, v, bias, pad, dropout_p, ids)
+                out, attn = self._attend_explicit(q_rot_scaled, k_rot, v, bias, pad, dropout_p,
+                                                  ids)
                 weights = attn if need_weights else None
         out = out.transpose(1, 2).reshape(batch, length, self.embed_dim)
         return self.out_proj(out), weights
@@ -457,7 +488,8 @@ class IRPEMultiheadAttention(nn.Module):
             key_padding_mask: accepted for symmetry with :meth:`forward`; not applied.
 
         Returns:
-            ``(content, rpe)`` both ``(B, h, L, L)``: ``content = s q . k``;
+            ``(content, rpe)`` both ``(B, h, L, L)``: ``content = s q . k`` (q, k rotated
+            by the rotary module, if any);
             ``rpe`` = RPE-Q + RPE-K terms (zeros without them). No padding is applied.
         """
         del key_padding_mask
@@ -465,7 +497,8 @@ class IRPEMultiheadAttention(nn.Module):
         q, k, _ = self._project(query, key, None)
         scale = self.head_dim ** -0.5
         q_scaled, k_scaled = q * scale, k * scale
-        content = torch.matmul(q_scaled, k.transpose(-2, -1))
+        q_rot, k_rot = self._rotate(q, k, hw)
+        content = torch.matmul(q_rot * scale, k_rot.transpose(-2, -1))
         rpe = self._rpe_logits(q_scaled, k_scaled, *self._bucket_ids(hw, query.device))
         if rpe is None:
             return content, torch.zeros_like(content)

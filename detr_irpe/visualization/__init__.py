@@ -14,6 +14,8 @@ pyplot). Submodules are imported lazily, so ``import detr_irpe.visualization`` i
   with the anchor box its layer started from), :func:`plot_anchor_refinement` (the
   anchors through the decoder layers); :func:`anchor_boxes`.
 - iRPE: :func:`plot_bucket_layout`, :func:`plot_rpe_tables`.
+- relative-position response (iRPE and RoPE side by side): :func:`position_responses`,
+  :func:`plot_position_response`.
 - training: :func:`plot_training_curves` from DETR-format ``log.txt`` files.
 - evaluation: :func:`plot_pr_curves` from a ``precision.npz``.
 - into pixels: :func:`draw_detections` (labelled boxes drawn into an image tensor, for
@@ -47,6 +49,11 @@ _LAZY = {
     "rpe_table_maps": "irpe_plots",
     "model_rpe_table_maps": "irpe_plots",
     "plot_rpe_tables": "irpe_plots",
+    "irpe_response": "position_response",
+    "rope_response": "position_response",
+    "position_responses": "position_response",
+    "encoder_position_responses": "position_response",
+    "plot_position_response": "position_response",
     "plot_training_curves": "curves",
     "save_attention_maps": "maps",
     "plot_pr_curves": "pr_curves",
