@@ -38,6 +38,7 @@ from detr_irpe.engine.distributed import (
     lock_run_folder,
     lost_rank_as_error,
 )
+from detr_irpe.engine.ema import ModelEma
 from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
 from detr_irpe.engine.logger import (
     MetricTracker,
@@ -378,6 +379,36 @@ class BestAP:
         return True
 
 
+def _new_ema(parts: RunParts) -> ModelEma | None:
+    """The moving average of ``train.ema`` (None when off), starting from the weights."""
+    cfg = parts.cfg.train.ema
+    if not cfg.enabled:
+        return None
+    logger.info("EMA of the weights: decay %g, warm-up %d updates; evaluation, the best "
+                "checkpoint and the tools use the averaged weights", cfg.decay, cfg.warmup)
+    return ModelEma.from_config(parts.model, cfg)
+
+
+def _resumed_ema(parts: RunParts, state: Mapping[str, Any], path: Path) -> ModelEma | None:
+    """The moving average of a resumed run: the checkpoint's, a new one when the run
+    turns ``train.ema`` on, or none."""
+    ema = _new_ema(parts)
+    saved = state.get("ema")
+    if ema is None:
+        if saved is not None:
+            logger.warning("%s holds an EMA of the weights, but train.ema.enabled is false: "
+                           "training continues without it", path)
+        return None
+    if saved is None:
+        logger.warning("%s holds no EMA of the weights: the average starts from the "
+                       "resumed weights", path)
+        return ema
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{path}: its 'ema' entry is a {type(saved).__name__}, not a dict")
+    ema.load_state_dict(saved, str(path))
+    return ema
+
+
 def _load_finetune_weights(model: nn.Module, path: Path) -> None:
     load_info = load_weights(model, path)
     logger.info("fine-tuning from %s (%s); re-initialised: %s", path,
@@ -433,7 +464,7 @@ class TrainingRun:
 
     def __init__(self, parts: RunParts, info: DistInfo, output_dir: Path, progress: bool,
                  position: TrainingPosition | None = None, best: BestAP | None = None,
-                 metrics: Mapping[str, Any] | None = None) -> None:
+                 metrics: Mapping[str, Any] | None = None, ema: ModelEma | None = None) -> None:
         self.parts = parts
         self.cfg = parts.cfg
         self.info = info
@@ -441,6 +472,9 @@ class TrainingRun:
         self.progress = progress
         self.position = position or TrainingPosition()
         self.best = best or BestAP()
+        # train.ema: the average of the weights, which evaluation, the best checkpoint and
+        # every tool reading the checkpoint use instead of the trained weights.
+        self.ema = ema
         # A resumed run follows its own config: the schedule is built, not restored.
         self.lr_scheduler = build_lr_scheduler(
             parts.optimizer, self.cfg.train, parts.steps_per_epoch, self.position.epoch,
@@ -467,14 +501,15 @@ class TrainingRun:
         if state is None:
             if start.finetune is not None:
                 _load_finetune_weights(parts.model, start.finetune)
-            return cls(parts, info, output_dir, progress)
+            return cls(parts, info, output_dir, progress, ema=_new_ema(parts))
         _load_model_state(parts.model, state, start.resume_path)
         _load_optimizer_state(parts, state)
         position = _resumed_position(state, parts, info)
         metrics = state.get("metrics") if position.batch_in_epoch else None
         _restore_rng(state, info)
+        ema = _resumed_ema(parts, state, start.resume_path)
         return cls(parts, info, output_dir, progress, position, BestAP.of_checkpoint(state),
-                   metrics)
+                   metrics, ema)
 
     def _new_tracker(self) -> MetricTracker:
         return MetricTracker(window=max(self.cfg.train.print_freq, 1))
@@ -484,6 +519,7 @@ class TrainingRun:
         """The checkpoint of the current position (a collective: every rank calls it)."""
         parts, position = self.parts, self.position
         rng = all_gather_object(get_rng_state())
+        ema = {"ema": self.ema.state_dict()} if self.ema is not None else {}
         return {
             "model": unwrap_model(self.model).state_dict(),
             "optimizer": parts.optimizer.state_dict(),
@@ -500,6 +536,7 @@ class TrainingRun:
             "batch_size": self.cfg.train.batch_size,
             "config": self.cfg.to_dict(),
             "category_names": parts.category_names,
+            **ema,
         }
 
     def save(self, is_best: bool = False) -> None:
@@ -511,6 +548,8 @@ class TrainingRun:
         """
         position = self.position
         bad = nonfinite_tensors(unwrap_model(self.model).state_dict())
+        if self.ema is not None:
+            bad += [f"ema.{k}" for k in nonfinite_tensors(self.ema.module.state_dict())]
         if bad:  # the same weights on every rank: every rank raises
             raise NonFiniteError(
                 f"the weights became NaN / inf at epoch {position.epoch}, iteration "
@@ -553,8 +592,10 @@ class TrainingRun:
         """``(losses, summary, evaluator)`` of the model on the val split."""
         parts = self.parts
         evaluator = CocoEvaluator(parts.val_dataset.coco)
+        # An EMA run is judged (and its best checkpoint chosen) by the averaged weights.
+        model = self.ema.module if self.ema is not None else self.model
         losses, summary = evaluate(
-            self.model, parts.criterion, parts.postprocessor, parts.val_loader, evaluator,
+            model, parts.criterion, parts.postprocessor, parts.val_loader, evaluator,
             self.info.device, amp=self.cfg.train.amp, progress=self.progress,
             print_freq=self.cfg.train.print_freq * 5,
         )
@@ -589,7 +630,7 @@ class TrainingRun:
             num_steps=parts.steps_per_epoch, settings=parts.settings,
             print_freq=cfg.train.print_freq, progress=self.progress,
             total_epochs=cfg.train.epochs, on_step=on_step, loggers=loggers,
-            tracker=self.tracker, run_clock=self.clock,
+            tracker=self.tracker, run_clock=self.clock, ema=self.ema,
         )
 
     def _evaluation_due(self, epoch: int) -> bool:
@@ -617,7 +658,9 @@ class TrainingRun:
                     eval_result = self.evaluate()
                     self.clock.evaluation_done(time.perf_counter() - eval_start)
                     _, summary, evaluator = eval_result
-                    logger.info("epoch %d evaluation:\n%s", epoch, format_summary(summary))
+                    logger.info("epoch %d evaluation%s:\n%s", epoch,
+                                " of the EMA weights" if self.ema is not None else "",
+                                format_summary(summary))
                     is_best = self.best.update(summary, epoch)
                     if self.info.is_main:
                         keep_pr_arrays(evaluator, self.output_dir / "eval", epoch)
