@@ -31,6 +31,7 @@ from detr_irpe.checkpoint import FORMAT, check_state_fits, load_weights
 from detr_irpe.config import Config, ConfigError, save_config
 from detr_irpe.data import build_dataloader, build_dataset, epoch_batches
 from detr_irpe.data.coco import sparse_ids_warning
+from detr_irpe.data.loader import batch_scales_of
 from detr_irpe.engine.distributed import (
     DistInfo,
     cleanup_distributed,
@@ -624,8 +625,10 @@ class TrainingRun:
                 self.save()
 
         micro_done = position.batch_in_epoch * cfg.train.accumulate_steps
+        batches = epoch_batches(parts.train_loader, position.epoch, micro_done,
+                                batch_scales_of(cfg.data, position.epoch))
         return train_one_epoch(
-            self.model, parts.criterion, epoch_batches(parts.train_loader, position.epoch, micro_done),
+            self.model, parts.criterion, batches,
             parts.optimizer, self.lr_scheduler, self.info.device, position,
             num_steps=parts.steps_per_epoch, settings=parts.settings,
             print_freq=cfg.train.print_freq, progress=self.progress,
