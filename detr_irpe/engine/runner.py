@@ -323,8 +323,9 @@ def _load_optimizer_state(parts: RunParts, state: Mapping[str, Any]) -> None:
     except ValueError as err:  # another set of parameter groups
         raise CheckpointError(
             f"the optimizer state of the resumed checkpoint does not fit this run ({err}); "
-            "train.lr_backbone switched between 0 (frozen backbone) and > 0? Keep it, or "
-            "start a new run with --finetune CHECKPOINT"
+            "train.lr_backbone switched between 0 (frozen backbone) and > 0, or "
+            "train.no_decay_norm_bias changed? Keep them, or start a new run with "
+            "--finetune CHECKPOINT"
         ) from None
     for line in apply_config_hyperparameters(parts.optimizer, parts.cfg.train):
         logger.info("optimizer setting from this run's config: %s", line)
