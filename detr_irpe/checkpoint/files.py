@@ -5,6 +5,8 @@ Every file is read through the safe readers of :mod:`detr_irpe.checkpoint.safe`
 reader. It accepts
 
 - this project's ``.pth`` files (``{"format": "detr_irpe", "model": sd, "config": ...}``);
+  a training checkpoint of a ``train.ema`` run also holds ``{"ema": {"module": sd,
+  "updates": n}}`` (RT-DETR's layout), and then the EMA weights are the ones returned;
 - this project's ``.safetensors`` files (config and category names in the metadata);
 - public DETR, iRPE-DETR, DAB-DETR and DN-DETR files ``{"model": sd, ...}`` (with
   ``args`` an ``argparse.Namespace`` when written by the reference training script);
@@ -58,6 +60,7 @@ def _empty_meta(path: Path, fmt: str) -> dict[str, Any]:
         "epoch": None,
         "category_names": None,
         "args": None,
+        "weights": "model",
         "extra": {},
     }
 
@@ -70,12 +73,26 @@ def _category_names(value: Any) -> dict[int, str] | None:
     return None
 
 
+def ema_weights(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The EMA weights of a checkpoint holding ``{"ema": {"module": state dict, ...}}``
+    (a ``train.ema`` run's, or RT-DETR's), else None."""
+    ema = obj.get("ema")
+    if isinstance(ema, Mapping) and isinstance(ema.get("module"), Mapping):
+        return ema["module"]
+    return None
+
+
 def _model_state(obj: Any, path: Path) -> tuple[dict[str, Any], str]:
-    """The state dict inside a loaded file and the layout name of its container."""
+    """The state dict inside a loaded file (the EMA weights when it has them) and the
+    layout name of its container."""
     if not isinstance(obj, Mapping):
         raise CheckpointError(
             f"checkpoint {path} holds a {type(obj).__name__}, not a dict with a 'model' state dict"
         )
+    ema = ema_weights(obj)
+    if ema is not None:
+        state = dict(ema)
+        return state, FORMAT if obj.get("format") == FORMAT else layout_of(state)
     if "model" in obj and isinstance(obj["model"], Mapping):
         state = dict(obj["model"])
         return state, FORMAT if obj.get("format") == FORMAT else layout_of(state)
@@ -104,8 +121,9 @@ def split_checkpoint(obj: Any, path: str | Path) -> tuple[dict[str, Tensor], dic
     ``dab_detr`` | ``dn_dab_detr`` |
     ``state_dict`` | ``hf``), ``config`` (the saved config dict or None), ``epoch``,
     ``category_names`` (``{id: name}`` or None), ``args`` (the reference training
-    script's arguments as a dict, or None) and ``extra`` (every other top-level entry,
-    e.g. the optimizer state of a training checkpoint). Hugging Face folders add
+    script's arguments as a dict, or None), ``weights`` (``"ema"`` when the returned
+    weights are the file's EMA ones, else ``"model"``) and ``extra`` (every other
+    top-level entry, e.g. the optimizer state of a training checkpoint). Hugging Face folders add
     ``hf_model``: the ``model.*`` settings their ``config.json`` implies.
     """
     path = Path(path)
@@ -113,6 +131,9 @@ def split_checkpoint(obj: Any, path: str | Path) -> tuple[dict[str, Tensor], dic
     _check_tensors(state, path)
     state = strip_ddp_prefix(state)
     meta = _empty_meta(path, fmt)
+    if isinstance(obj, Mapping) and ema_weights(obj) is not None:
+        meta["weights"] = "ema"
+        logger.info("%s: using its EMA weights (the 'ema' entry), not 'model'", path)
     if fmt != "state_dict":
         extra = {k: v for k, v in obj.items() if k not in ("model", "state_dict")}
         args = extra.get("args")
@@ -239,6 +260,7 @@ def save_safetensors(
 
 __all__ = [
     "atomic_save",
+    "ema_weights",
     "read_checkpoint",
     "save_safetensors",
     "split_checkpoint",

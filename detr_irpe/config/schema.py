@@ -34,6 +34,8 @@ __all__ = [
     "LOGGERS",
     "Config",
     "DataConfig",
+    "EmaConfig",
+    "LR_SCHEDULES",
     "LossConfig",
     "ModelConfig",
     "TrainConfig",
@@ -44,7 +46,9 @@ __all__ = [
 # "auto": bf16 autocast on a CPU with native bf16 support, float32 ("none") elsewhere.
 AMP_MODES = ("none", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
-AUGMENTATIONS = ("detr", "simple")
+AUGMENTATIONS = ("detr", "simple", "rtdetr")
+# train.lr_schedule: the factor of the base lrs over the run (docs/training.md, "The recipe").
+LR_SCHEDULES = ("step", "multistep", "cosine")
 # Scalar loggers of a training run (train.loggers); log.txt and train.log are always written.
 LOGGERS = ("tensorboard", "wandb")
 
@@ -150,17 +154,41 @@ class LossConfig:
 class DataConfig:
     # Folder that the annotation and image paths below are relative to.
     root: str = "datasets/coco"
+    # The training annotations: a COCO-format JSON file under root.
     train_ann: str = "annotations/instances_train2017.json"
+    # The folder of the training images under root.
     train_images: str = "train2017"
+    # The validation annotations (evaluation), under root.
     val_ann: str = "annotations/instances_val2017.json"
+    # The folder of the validation images under root.
     val_images: str = "val2017"
-    # "detr": the full DETR multi-scale + crop recipe; "simple": flip + one fixed size.
+    # "detr": the full DETR multi-scale + crop recipe; "simple": flip + one fixed size;
+    # "rtdetr": RT-DETR's (photometric distortion, zoom-out, IoU crop, flip, a square
+    # resize to train_size, batches resized to one of batch_scales; docs/data.md).
     augmentation: str = "detr"
+    # data.augmentation=detr / simple: the shorter sides a training image is resized to
+    # (one drawn per image).
     train_scales: list[int] = field(default_factory=lambda: list(range(480, 801, 32)))
+    # data.augmentation=detr: the shorter sides before the random crop (its other branch).
     crop_resize_scales: list[int] = field(default_factory=lambda: [400, 500, 600])
+    # data.augmentation=detr: [min, max] side of the random crop in pixels.
     crop_size: list[int] = field(default_factory=lambda: [384, 600])
+    # The longer side of any resized image is at most this (train and evaluation).
     max_size: int = 1333
+    # Evaluation: the shorter side each image is resized to (longer side <= max_size).
     val_size: int = 800
+    # data.augmentation=rtdetr: every training image is resized to train_size x train_size
+    # and every evaluation image to eval_size x eval_size (aspect ratio not kept).
+    train_size: int = 640
+    # data.augmentation=rtdetr: the square evaluation size.
+    eval_size: int = 640
+    # data.augmentation=rtdetr: each training batch is resized to a size drawn from this
+    # list (640 three times, as the official recipe); [] keeps train_size.
+    batch_scales: list[int] = field(default_factory=lambda: [
+        480, 512, 544, 576, 608, 640, 640, 640, 672, 704, 736, 768, 800])
+    # From this epoch (0-based) on the batches keep train_size; null: never (RT-DETR v1's
+    # recipe; RT-DETRv2 stops at 71 of 72).
+    batch_scales_stop_epoch: int | None = None
     # Data-loader worker processes per training process.
     num_workers: int = 2
     # Decode every image once and keep it in memory (small datasets only).
@@ -180,32 +208,81 @@ class DataConfig:
         # Image sizes in pixels: a size of 0 only fails at the first batch, far from its cause.
         for key in ("train_scales", "crop_resize_scales", "crop_size"):
             pixel_sizes(f"data.{key}", getattr(self, key))
+        if self.batch_scales:
+            pixel_sizes("data.batch_scales", self.batch_scales)
+        if self.batch_scales_stop_epoch is not None:
+            at_least("data.batch_scales_stop_epoch", self.batch_scales_stop_epoch, 0)
         if len(self.crop_size) != 2 or self.crop_size[0] > self.crop_size[1]:
             raise ConfigError(f"data.crop_size must be [min, max], got {self.crop_size}")
-        for key in ("max_size", "val_size", "max_image_pixels"):
+        for key in ("max_size", "val_size", "train_size", "eval_size", "max_image_pixels"):
             positive(f"data.{key}", getattr(self, key))
         at_least("data.num_workers", self.num_workers, 0)
 
 
 @dataclass
+class EmaConfig:
+    """An exponential moving average of the weights (RT-DETR's recipe), evaluated, chosen
+    as the best and exported instead of the trained weights (docs/training.md, "EMA")."""
+
+    # Keep and evaluate the average (off: the trained weights, the DETR recipe).
+    enabled: bool = False
+    # After update n the average keeps decay * (1 - exp(-n / warmup)) of itself.
+    decay: float = 0.9999
+    # Updates over which the kept share ramps up to decay (0: decay from the first).
+    warmup: int = 2000
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decay < 1.0:
+            raise ConfigError(f"train.ema.decay must be in [0, 1), got {self.decay!r}")
+        at_least("train.ema.warmup", self.warmup, 0)
+
+
+@dataclass
 class TrainConfig:
+    # The run folder: checkpoints, logs, the config, evaluations.
     output_dir: str = "outputs/run"
+    # Passes over the training set.
     epochs: int = 150
+    # The lr factor over the run: "step" (times lr_gamma every lr_drop epochs, the
+    # reference's StepLR), "multistep" (times lr_gamma at each of lr_milestones) or
+    # "cosine" (flat for lr_flat_epochs, then a half cosine down to lr_min_ratio at the
+    # end); each after the warm-up of warmup_iters (docs/training.md, "The recipe").
+    lr_schedule: str = "step"
     # The lr is divided by 10 every this many epochs (the reference's StepLR).
     lr_drop: int = 100
+    # The factor of each step / milestone drop.
+    lr_gamma: float = 0.1
+    # lr_schedule=multistep: the epochs (0-based: the first epoch with the lower lr).
+    lr_milestones: list[int] = field(default_factory=list)
+    # lr_schedule=cosine: epochs (may be fractional) at the full lr before the decay.
+    lr_flat_epochs: float = 0.0
+    # lr_schedule=cosine: the factor at the end of the last epoch.
+    lr_min_ratio: float = 0.0
     # Images per process and micro-batch.
     batch_size: int = 2
     # Micro-batches per optimizer step (gradient accumulation): a step sees
     # batch_size x processes x accumulate_steps images.
     accumulate_steps: int = 1
+    # AdamW learning rate of everything but the backbone.
     lr: float = 1e-4
+    # Learning rate of the backbone (0: frozen).
     lr_backbone: float = 1e-5
+    # AdamW weight decay.
     weight_decay: float = 1e-4
+    # Gradients are clipped to this total norm (0: no clipping).
     clip_max_norm: float = 0.1
     # Linear lr warm-up over this many iterations (0: none, the DETR recipe).
     warmup_iters: int = 0
+    # Weight decay 0 for the biases and the normalisation layers' weights (RT-DETR's
+    # parameter groups); false: every parameter decays (the DETR recipe).
+    no_decay_norm_bias: bool = False
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    # Seeds torch, NumPy, Python's random and the data order and augmentation.
     seed: int = 42
+    # Mixed precision: none (float32), bf16, fp16 (CUDA) or auto (bf16 where the CPU or
+    # GPU computes it natively, float32 elsewhere).
     amp: str = "none"
+    # auto (CUDA when available), cpu or cuda.
     device: str = "auto"
     # Evaluate every this many epochs (and after the last).
     eval_every: int = 1
@@ -213,6 +290,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     # Torch intra-op threads per process (0: torch's default).
     num_threads: int = 0
+    # Log the losses every this many steps (they are read off the device only then).
     print_freq: int = 10
     # Where scalars go besides log.txt: tensorboard (when installed), wandb (the wandb
     # extra; offline unless WANDB_MODE says otherwise); [] for neither.
@@ -221,6 +299,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         choice("train.amp", self.amp, AMP_MODES)
         choice("train.device", self.device, DEVICES)
+        self._check_lr_schedule()
         for name in self.loggers:
             choice("train.loggers", name, LOGGERS)
         if len(set(self.loggers)) != len(self.loggers):
@@ -238,6 +317,26 @@ class TrainConfig:
         # The seed goes to torch, NumPy and Python's random: an unsigned 64-bit value.
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"train.seed must be in [0, 2**63), got {self.seed}")
+
+    def _check_lr_schedule(self) -> None:
+        choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        at_least("train.lr_gamma", self.lr_gamma, 0)
+        if self.lr_schedule == "multistep":
+            milestones = self.lr_milestones
+            if not milestones:
+                raise ConfigError("train.lr_schedule=multistep needs train.lr_milestones, the "
+                                  "epochs at which the lr drops, e.g. [80, 110]")
+            if any(m < 1 for m in milestones) or milestones != sorted(set(milestones)):
+                raise ConfigError(f"train.lr_milestones must be increasing epochs >= 1, got "
+                                  f"{milestones}")
+        at_least("train.lr_flat_epochs", self.lr_flat_epochs, 0)
+        if self.lr_schedule == "cosine" and self.lr_flat_epochs >= self.epochs:
+            raise ConfigError(
+                f"train.lr_flat_epochs={self.lr_flat_epochs:g} leaves no epoch of train.epochs="
+                f"{self.epochs} for the cosine decay; lower it")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ConfigError(f"train.lr_min_ratio is a factor of the lr in [0, 1], got "
+                              f"{self.lr_min_ratio!r}")
 
 
 @dataclass

@@ -24,7 +24,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from detr_irpe.config import DataConfig
 from detr_irpe.data.sampling import DistributedEpochSampler, EpochSampler, KeyedDataset, mix_seed
+from detr_irpe.data.transforms import batch_scale, resize_batch
 from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.dist import get_rank, get_world_size, is_dist
 
@@ -146,9 +148,24 @@ def build_dataloader(
     return loader
 
 
-def epoch_batches(loader: DataLoader, epoch: int, start_batch: int = 0) -> Iterator[Any]:
+def batch_scales_of(cfg: DataConfig, epoch: int) -> list[int]:
+    """The sides the training batches of ``epoch`` are resized to (``data.batch_scales``
+    with ``augmentation: rtdetr`` before ``data.batch_scales_stop_epoch``), or [] for none."""
+    if cfg.augmentation != "rtdetr":
+        return []
+    stop = cfg.batch_scales_stop_epoch
+    return list(cfg.batch_scales) if stop is None or epoch < stop else []
+
+
+def epoch_batches(loader: DataLoader, epoch: int, start_batch: int = 0,
+                  scales: Sequence[int] = ()) -> Iterator[Any]:
     """The batches of ``epoch`` of a :func:`build_dataloader` loader from batch
     ``start_batch`` on, for exact mid-epoch resume.
+
+    With ``scales`` (:func:`batch_scales_of`) every batch is resized to a square of a
+    side drawn from them by :func:`~detr_irpe.data.transforms.batch_scale` of the
+    loader's seed, the epoch and the batch's number in the epoch: the same sides after
+    a resume, on every process.
 
     The batches already seen are skipped in the sampler, by index: nothing is loaded for
     them, and the loader (with its persistent workers) is the same one. Making the
@@ -159,7 +176,12 @@ def epoch_batches(loader: DataLoader, epoch: int, start_batch: int = 0) -> Itera
     loader.sampler.set_epoch(epoch, start=start_batch * loader.batch_size)
     with torch.random.fork_rng(devices=[]):
         iterator = iter(loader)
-    yield from iterator
+    if not scales:
+        yield from iterator
+        return
+    seed = loader.sampler.seed
+    for number, (images, targets) in enumerate(iterator, start=start_batch):
+        yield resize_batch(images, targets, batch_scale(scales, seed, epoch, number))
 
 
-__all__ = ["build_dataloader", "collate_fn", "epoch_batches"]
+__all__ = ["batch_scales_of", "build_dataloader", "collate_fn", "epoch_batches"]

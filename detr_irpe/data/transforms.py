@@ -15,6 +15,13 @@ random choice of ``crop_resize_scales``, crop a random ``[crop_min, crop_max]``
 region, then (a). Validation resizes the shorter side to ``val_size`` (longer side
 about ``max_size``).
 
+RT-DETR's recipe (``data.augmentation: rtdetr``, docs/data.md): photometric distortion
+(p 0.5), zoom-out onto a black canvas up to 4x the side (p 0.5), an SSD-style IoU crop
+(p 0.8), dropping boxes smaller than 1 pixel, flip, then a resize to a ``train_size``
+square (aspect ratio not kept) and the box check again; validation resizes to an
+``eval_size`` square. The multi-scale part of that recipe resizes whole batches
+(:func:`batch_scale`, :func:`resize_batch`), in :func:`~detr_irpe.data.loader.epoch_batches`.
+
 All randomness comes from torch's global CPU generator (as in
 ``torchvision.transforms.v2``), so seeding it reproduces an augmentation.
 """
@@ -31,6 +38,8 @@ from torch import Tensor
 from torchvision import tv_tensors
 
 from detr_irpe.config import DataConfig
+from detr_irpe.data.sampling import mix_seed
+from detr_irpe.structures import ImageBatch
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -230,9 +239,154 @@ def val_transforms(val_size: int, max_size: int) -> Transform:
     return RandomResize([val_size], max_size)
 
 
+# ----------------------------------------------------------------------------- RT-DETR
+def _box_area(boxes: Tensor) -> Tensor:
+    boxes = boxes.as_subclass(Tensor)
+    return (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+
+
+class RandomPhotometricDistort:
+    """torchvision's ``RandomPhotometricDistort`` on the image alone (each of brightness,
+    contrast, saturation, hue and a channel permutation with probability ``p``)."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        self.distort = T.RandomPhotometricDistort(p=p)
+
+    def __call__(self, image: tv_tensors.Image, target: Target) -> tuple[tv_tensors.Image, Target]:
+        return self.distort(image), target
+
+    def __repr__(self) -> str:
+        return f"RandomPhotometricDistort(p={self.distort.p})"
+
+
+class RandomZoomOut:
+    """With probability ``p``, put the image at a random place of a canvas ``r`` times its
+    size (``r`` uniform in ``side_range``) filled with ``fill``; boxes move by the offset
+    (torchvision's ``RandomZoomOut``). Areas are unchanged."""
+
+    def __init__(self, fill: int = 0, side_range: tuple[float, float] = (1.0, 4.0),
+                 p: float = 0.5) -> None:
+        self.zoom = T.RandomZoomOut(fill=fill, side_range=side_range, p=p)
+
+    def __call__(self, image: tv_tensors.Image, target: Target) -> tuple[tv_tensors.Image, Target]:
+        return self.zoom(image, target)
+
+    def __repr__(self) -> str:
+        return f"RandomZoomOut(fill={self.zoom.fill}, side_range={self.zoom.side_range})"
+
+
+class RandomIoUCrop:
+    """With probability ``p``, torchvision's ``RandomIoUCrop`` (SSD's crop: a region of
+    0.3 to 1 of each side, aspect 0.5 to 2, holding the centre of at least one box whose
+    IoU with it reaches a random threshold in {0, 0.1, 0.3, 0.5, 0.7, 0.9}, or no crop):
+    boxes are shifted and clipped to the region, boxes whose centre lies outside it
+    become empty (for :class:`SanitizeBoxes` to drop) and areas are recomputed."""
+
+    def __init__(self, p: float = 0.8) -> None:
+        self.p = p
+        self.crop = T.RandomIoUCrop()
+
+    def __call__(self, image: tv_tensors.Image, target: Target) -> tuple[tv_tensors.Image, Target]:
+        # drawn before the crop's own draws, as RT-DETR's wrapper does
+        if torch.rand(1) >= self.p:
+            return image, target
+        cropped, target = self.crop(image, target)
+        if cropped.shape[-2:] != image.shape[-2:] and "area" in target:
+            target = dict(target)
+            target["area"] = _box_area(target["boxes"])
+        return cropped, target
+
+    def __repr__(self) -> str:
+        return f"RandomIoUCrop(p={self.p})"
+
+
+class SanitizeBoxes:
+    """Drop boxes (and their per-box fields) narrower or lower than ``min_size`` pixels,
+    of area below ``min_area``, or reaching outside the image: the rule of torchvision's
+    ``SanitizeBoundingBoxes``, which would leave ``area`` and ``iscrowd`` unfiltered."""
+
+    def __init__(self, min_size: float = 1.0, min_area: float = 1.0) -> None:
+        self.min_size = min_size
+        self.min_area = min_area
+
+    def __call__(self, image: tv_tensors.Image, target: Target) -> tuple[tv_tensors.Image, Target]:
+        boxes = target["boxes"].as_subclass(Tensor)
+        height, width = image.shape[-2:]
+        w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+        keep = (w >= self.min_size) & (h >= self.min_size) & (w * h >= self.min_area)
+        keep &= (boxes >= 0).all(dim=1) & (boxes[:, 0::2] <= width).all(dim=1) & (
+            boxes[:, 1::2] <= height).all(dim=1)
+        if bool(keep.all()):
+            return image, target
+        return image, filter_boxes(target, keep)
+
+    def __repr__(self) -> str:
+        return f"SanitizeBoxes(min_size={self.min_size}, min_area={self.min_area})"
+
+
+class SquareResize:
+    """Resize to ``size x size`` (aspect ratio not kept); boxes scale with each side and
+    ``area`` by the product of both ratios."""
+
+    def __init__(self, size: int) -> None:
+        self.size = int(size)
+
+    def __call__(self, image: tv_tensors.Image, target: Target) -> tuple[tv_tensors.Image, Target]:
+        height, width = image.shape[-2:]
+        if (height, width) == (self.size, self.size):
+            return image, target
+        image = F.resize(image, [self.size, self.size], antialias=True)
+        target = dict(target)
+        target["boxes"] = F.resize(target["boxes"], [self.size, self.size])
+        if "area" in target:
+            target["area"] = target["area"] * (self.size * self.size / (width * height))
+        return image, target
+
+    def __repr__(self) -> str:
+        return f"SquareResize({self.size})"
+
+
+def rtdetr_train_transforms(train_size: int) -> Transform:
+    """RT-DETR's training recipe up to the batch-level multi-scale resize."""
+    return T.Compose([
+        RandomPhotometricDistort(p=0.5),
+        RandomZoomOut(fill=0),
+        RandomIoUCrop(p=0.8),
+        SanitizeBoxes(min_size=1),
+        T.RandomHorizontalFlip(p=0.5),
+        SquareResize(train_size),
+        SanitizeBoxes(min_size=1),
+    ])
+
+
+def batch_scale(scales: Sequence[int], seed: int, epoch: int, batch: int) -> int:
+    """The side a training batch is resized to: one of ``scales`` (repeats weigh more),
+    drawn from ``(seed, epoch, batch)`` alone, so a resumed run draws the same one and
+    every process of a distributed run resizes its share of a step's batch alike."""
+    generator = torch.Generator().manual_seed(mix_seed(seed, epoch, batch))
+    return int(scales[int(torch.randint(len(scales), (1,), generator=generator))])
+
+
+def resize_batch(images: ImageBatch, targets: list[Target], size: int
+                 ) -> tuple[ImageBatch, list[Target]]:
+    """A batch resized to ``size x size`` by nearest-neighbour interpolation (as RT-DETR's
+    collate function); the mask likewise. Boxes are normalised, so they stay; each
+    target's ``size`` becomes ``[size, size]``."""
+    height, width = images.tensors.shape[-2:]
+    if (height, width) == (size, size):
+        return images, targets
+    tensors = torch.nn.functional.interpolate(images.tensors, size=(size, size), mode="nearest")
+    mask = torch.nn.functional.interpolate(images.mask[:, None].float(), size=(size, size),
+                                           mode="nearest")[:, 0].bool()
+    square = torch.tensor([size, size], dtype=torch.int64)
+    return ImageBatch(tensors, mask), [{**t, "size": square} for t in targets]
+
+
 def build_transforms(cfg: DataConfig, split: str) -> Transform:
     """The geometric transforms of ``split`` ("train" or "val") for a data config."""
     if split == "val":
+        if cfg.augmentation == "rtdetr":
+            return SquareResize(cfg.eval_size)
         return val_transforms(cfg.val_size, cfg.max_size)
     if split != "train":
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -242,22 +396,43 @@ def build_transforms(cfg: DataConfig, split: str) -> Transform:
         )
     if cfg.augmentation == "simple":
         return simple_train_transforms(cfg.train_scales, cfg.max_size)
-    raise ValueError(f"data.augmentation {cfg.augmentation!r}: choose 'detr' or 'simple'")
+    if cfg.augmentation == "rtdetr":
+        return rtdetr_train_transforms(cfg.train_size)
+    raise ValueError(f"data.augmentation {cfg.augmentation!r}: choose 'detr', 'simple' or "
+                     "'rtdetr'")
+
+
+def eval_image(image: Tensor, cfg: DataConfig) -> Tensor:
+    """:func:`eval_input` as ``data.*`` says: an ``eval_size`` square for
+    ``augmentation: rtdetr``, else the shorter side ``val_size`` (longer about ``max_size``)."""
+    if cfg.augmentation == "rtdetr":
+        image = F.resize(image, [cfg.eval_size, cfg.eval_size], antialias=True)
+        return eval_input(image, None)
+    return eval_input(image, cfg.val_size, cfg.max_size)
 
 
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "PER_BOX_KEYS",
+    "RandomIoUCrop",
+    "RandomPhotometricDistort",
     "RandomResize",
     "RandomSizeCrop",
+    "RandomZoomOut",
+    "SanitizeBoxes",
+    "SquareResize",
+    "batch_scale",
     "build_transforms",
     "crop",
     "detr_train_transforms",
     "drop_degenerate",
+    "eval_image",
     "eval_input",
     "filter_boxes",
+    "resize_batch",
     "resized_hw",
+    "rtdetr_train_transforms",
     "simple_train_transforms",
     "to_model_input",
     "val_transforms",

@@ -1,9 +1,12 @@
-"""The DETR optimisation recipe: AdamW with a backbone lr, a step decay in epochs and an
-optional warm-up in iterations (a ``LambdaLR`` stepped per iteration)."""
+"""The optimisation recipes: AdamW with a backbone lr (optionally without weight decay on
+biases and normalisation weights, as RT-DETR), an lr schedule (``train.lr_schedule``:
+DETR's step decay, multi-step, or a flat start then a cosine decay as D-FINE / DEIM) and
+an optional linear warm-up in iterations, together one ``LambdaLR`` stepped per iteration."""
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch import nn
@@ -21,30 +24,62 @@ def _base_lrs(cfg: TrainConfig) -> dict[str, float]:
     return {"transformer_and_heads": cfg.lr, "backbone": cfg.lr_backbone}
 
 
+# Suffix of a group's name whose parameters do not decay (train.no_decay_norm_bias).
+NO_DECAY = "_no_decay"
+_NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+
+
+def no_decay_names(model: nn.Module) -> set[str]:
+    """Names of the parameters RT-DETR's recipe trains without weight decay: every bias
+    and every parameter of a normalisation layer (batch, group, layer norm; a module whose
+    class name ends in ``Norm`` or ``Norm2d``, such as a user's, too)."""
+    names = set()
+    for module_name, module in model.named_modules():
+        is_norm = isinstance(module, _NORM_LAYERS) or type(module).__name__.endswith(
+            ("Norm", "Norm2d"))
+        for param_name, _ in module.named_parameters(recurse=False):
+            if is_norm or param_name == "bias":
+                names.add(f"{module_name}.{param_name}" if module_name else param_name)
+    return names
+
+
+def _group_weight_decay(name: str, cfg: TrainConfig) -> float:
+    return 0.0 if name.endswith(NO_DECAY) else cfg.weight_decay
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW over two parameter groups: the backbone (``train.lr_backbone``) and the rest
     (``train.lr``), both with ``train.weight_decay``. Parameters whose name contains
     ``backbone`` form the second group; with ``lr_backbone == 0`` they are frozen instead.
-    Each group's ``initial_lr`` is the base lr that :func:`build_lr_scheduler` scales."""
-    backbone, rest = [], []
+    With ``train.no_decay_norm_bias`` the biases and normalisation weights
+    (:func:`no_decay_names`) of each form a group of their own (name suffix ``_no_decay``)
+    with weight decay 0. Each group's ``initial_lr`` is the base lr that
+    :func:`build_lr_scheduler` scales."""
+    no_decay = no_decay_names(model) if cfg.no_decay_norm_bias else set()
+    members: dict[str, list[nn.Parameter]] = {
+        "transformer_and_heads": [], "backbone": [],
+        "transformer_and_heads" + NO_DECAY: [], "backbone" + NO_DECAY: []}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if "backbone" in name:
-            if cfg.lr_backbone == 0:
-                param.requires_grad_(False)
-                continue
-            backbone.append(param)
-        else:
-            rest.append(param)
-    groups = [{"params": rest, "name": "transformer_and_heads"}]
-    if backbone:
-        groups.append({"params": backbone, "name": "backbone"})
+        if "backbone" in name and cfg.lr_backbone == 0:
+            param.requires_grad_(False)
+            continue
+        part = "backbone" if "backbone" in name else "transformer_and_heads"
+        members[part + (NO_DECAY if name in no_decay else "")].append(param)
+    # Without the option the groups (and so the optimizer state's layout) are today's.
+    groups = [{"params": params, "name": name} for name, params in members.items()
+              if params or name == "transformer_and_heads"]
     for group in groups:
-        group["lr"] = group["initial_lr"] = _base_lrs(cfg)[group["name"]]
+        group["lr"] = group["initial_lr"] = _base_lrs(cfg)[group["name"].removesuffix(NO_DECAY)]
+        group["weight_decay"] = _group_weight_decay(group["name"], cfg)
+    backbone = members["backbone"] + members["backbone" + NO_DECAY]
     logger.info(
-        "optimizer AdamW: %d tensors at lr %g, %d backbone tensors at lr %g, weight decay %g",
-        len(rest), cfg.lr, len(backbone), cfg.lr_backbone, cfg.weight_decay,
+        "optimizer AdamW: %d tensors at lr %g, %d backbone tensors at lr %g, weight decay %g%s",
+        sum(len(g["params"]) for g in groups) - len(backbone), cfg.lr, len(backbone),
+        cfg.lr_backbone, cfg.weight_decay,
+        f" (0 for {sum(len(g['params']) for g in groups if g['name'].endswith(NO_DECAY))} "
+        "bias and norm tensors)" if cfg.no_decay_norm_bias else "",
     )
     # The fused kernel updates every tensor in one pass: the same AdamW maths, several
     # times faster than the per-tensor loop on the CPU for a model with many small tensors.
@@ -63,7 +98,8 @@ def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainCon
     changed = []
     for group in optimizer.param_groups:
         name = group.get("name", "")
-        wanted = {"initial_lr": _base_lrs(cfg).get(name, cfg.lr), "weight_decay": cfg.weight_decay}
+        wanted = {"initial_lr": _base_lrs(cfg).get(name.removesuffix(NO_DECAY), cfg.lr),
+                  "weight_decay": _group_weight_decay(name, cfg)}
         for key, value in wanted.items():
             if group.get(key) != value:
                 changed.append(f"{name}.{key}: {group.get(key)!r} -> {value!r}")
@@ -74,13 +110,53 @@ def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainCon
 def lr_factor(epoch: int, iteration: int, lr_drop: int, warmup_iters: int = 0,
               gamma: float = LR_DROP_GAMMA) -> float:
     """The factor of every group's base lr at optimizer step ``iteration`` of epoch
-    ``epoch``: ``gamma ** (epoch // lr_drop)`` (the reference's ``StepLR`` stepped once per
-    epoch), times a linear warm-up ``(iteration + 1) / warmup_iters`` during the first
-    ``warmup_iters`` iterations."""
+    ``epoch`` under ``train.lr_schedule=step``: ``gamma ** (epoch // lr_drop)`` (the
+    reference's ``StepLR`` stepped once per epoch), times a linear warm-up
+    ``(iteration + 1) / warmup_iters`` during the first ``warmup_iters`` iterations."""
     factor = gamma ** (epoch // lr_drop) if lr_drop > 0 else 1.0
+    return factor * warmup_factor(iteration, warmup_iters)
+
+
+def warmup_factor(iteration: int, warmup_iters: int) -> float:
+    """The linear warm-up: ``(iteration + 1) / warmup_iters`` for the first
+    ``warmup_iters`` optimizer steps, then 1."""
     if warmup_iters > 0 and iteration < warmup_iters:
-        factor *= (iteration + 1) / warmup_iters
-    return factor
+        return (iteration + 1) / warmup_iters
+    return 1.0
+
+
+def schedule_factor(cfg: TrainConfig, epoch: int, batch_in_epoch: int, steps_per_epoch: int,
+                    iteration: int) -> float:
+    """The factor of every group's base lr at optimizer step ``iteration``, the
+    ``batch_in_epoch``-th step of epoch ``epoch`` (of ``steps_per_epoch``), under
+    ``train.lr_schedule``, times the warm-up (:func:`warmup_factor`):
+
+    - ``step``: ``lr_gamma ** (epoch // lr_drop)``;
+    - ``multistep``: ``lr_gamma ** (number of lr_milestones <= epoch)``;
+    - ``cosine``: at the run's position in epochs ``t = epoch + batch_in_epoch /
+      steps_per_epoch``, 1 while ``t < lr_flat_epochs``, then
+      ``r + (1 - r) * (1 + cos(pi * (t - flat) / (epochs - flat))) / 2`` with
+      ``r = lr_min_ratio``: a half cosine from 1 down to ``r`` at the end of the last epoch.
+
+    Step and multi-step change at epoch boundaries, the cosine at every step. Each is a
+    function of the position alone, so a resumed run continues it exactly.
+    """
+    if cfg.lr_schedule == "step":
+        factor = cfg.lr_gamma ** (epoch // cfg.lr_drop)
+    elif cfg.lr_schedule == "multistep":
+        factor = cfg.lr_gamma ** sum(1 for m in cfg.lr_milestones if m <= epoch)
+    elif cfg.lr_schedule == "cosine":
+        t = epoch + batch_in_epoch / steps_per_epoch
+        flat = cfg.lr_flat_epochs
+        if t < flat:
+            factor = 1.0
+        else:
+            progress = min((t - flat) / (cfg.epochs - flat), 1.0)
+            ratio = cfg.lr_min_ratio
+            factor = ratio + (1.0 - ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:  # the config refuses other names
+        raise ValueError(f"train.lr_schedule {cfg.lr_schedule!r}")
+    return factor * warmup_factor(iteration, cfg.warmup_iters)
 
 
 def build_lr_scheduler(
@@ -93,18 +169,18 @@ def build_lr_scheduler(
 ) -> LambdaLR:
     """``LambdaLR`` over the optimizer's base lrs (``initial_lr``), stepped once per
     optimizer step: its counter is the iteration, and the factor of iteration ``i`` is
-    :func:`lr_factor` of the epoch ``i`` belongs to.
+    :func:`schedule_factor` of the position ``i`` belongs to.
 
     The run starts (or resumes) at ``epoch``, ``batch_in_epoch``, ``iteration``; the
-    epoch of a later iteration is counted from there with this run's
-    ``steps_per_epoch``. So the drop depends on the epoch only and stays at the same
+    epoch (and step in it) of a later iteration is counted from there with this run's
+    ``steps_per_epoch``. So a drop depends on the epoch only and stays at the same
     epoch when a resumed run has another number of iterations per epoch (another
     process count or batch size), while the warm-up counts iterations.
     """
 
     def factor(i: int) -> float:
-        epoch_of_i = epoch + (batch_in_epoch + i - iteration) // steps_per_epoch
-        return lr_factor(epoch_of_i, i, cfg.lr_drop, cfg.warmup_iters)
+        epoch_of_i, batch_of_i = divmod(batch_in_epoch + i - iteration, steps_per_epoch)
+        return schedule_factor(cfg, epoch + epoch_of_i, batch_of_i, steps_per_epoch, i)
 
     # last_epoch: the scheduler's first step (in its constructor) sets the lr of
     # ``iteration``, the next step to take
@@ -113,8 +189,12 @@ def build_lr_scheduler(
 
 __all__ = [
     "LR_DROP_GAMMA",
+    "NO_DECAY",
     "apply_config_hyperparameters",
     "build_lr_scheduler",
     "build_optimizer",
     "lr_factor",
+    "no_decay_names",
+    "schedule_factor",
+    "warmup_factor",
 ]

@@ -31,6 +31,7 @@ from detr_irpe.checkpoint import FORMAT, check_state_fits, load_weights
 from detr_irpe.config import Config, ConfigError, save_config, upgrade_config_dict
 from detr_irpe.data import build_dataloader, build_dataset, epoch_batches
 from detr_irpe.data.coco import sparse_ids_warning
+from detr_irpe.data.loader import batch_scales_of
 from detr_irpe.engine.distributed import (
     DistInfo,
     cleanup_distributed,
@@ -38,6 +39,7 @@ from detr_irpe.engine.distributed import (
     lock_run_folder,
     lost_rank_as_error,
 )
+from detr_irpe.engine.ema import ModelEma
 from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
 from detr_irpe.engine.logger import (
     MetricTracker,
@@ -321,8 +323,9 @@ def _load_optimizer_state(parts: RunParts, state: Mapping[str, Any]) -> None:
     except ValueError as err:  # another set of parameter groups
         raise CheckpointError(
             f"the optimizer state of the resumed checkpoint does not fit this run ({err}); "
-            "train.lr_backbone switched between 0 (frozen backbone) and > 0? Keep it, or "
-            "start a new run with --finetune CHECKPOINT"
+            "train.lr_backbone switched between 0 (frozen backbone) and > 0, or "
+            "train.no_decay_norm_bias changed? Keep them, or start a new run with "
+            "--finetune CHECKPOINT"
         ) from None
     for line in apply_config_hyperparameters(parts.optimizer, parts.cfg.train):
         logger.info("optimizer setting from this run's config: %s", line)
@@ -376,6 +379,36 @@ class BestAP:
             return False
         self.ap, self.epoch = ap, epoch + 1  # the ``epoch`` of the checkpoint written after it
         return True
+
+
+def _new_ema(parts: RunParts) -> ModelEma | None:
+    """The moving average of ``train.ema`` (None when off), starting from the weights."""
+    cfg = parts.cfg.train.ema
+    if not cfg.enabled:
+        return None
+    logger.info("EMA of the weights: decay %g, warm-up %d updates; evaluation, the best "
+                "checkpoint and the tools use the averaged weights", cfg.decay, cfg.warmup)
+    return ModelEma.from_config(parts.model, cfg)
+
+
+def _resumed_ema(parts: RunParts, state: Mapping[str, Any], path: Path) -> ModelEma | None:
+    """The moving average of a resumed run: the checkpoint's, a new one when the run
+    turns ``train.ema`` on, or none."""
+    ema = _new_ema(parts)
+    saved = state.get("ema")
+    if ema is None:
+        if saved is not None:
+            logger.warning("%s holds an EMA of the weights, but train.ema.enabled is false: "
+                           "training continues without it", path)
+        return None
+    if saved is None:
+        logger.warning("%s holds no EMA of the weights: the average starts from the "
+                       "resumed weights", path)
+        return ema
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{path}: its 'ema' entry is a {type(saved).__name__}, not a dict")
+    ema.load_state_dict(saved, str(path))
+    return ema
 
 
 def _load_finetune_weights(model: nn.Module, path: Path) -> None:
@@ -433,7 +466,7 @@ class TrainingRun:
 
     def __init__(self, parts: RunParts, info: DistInfo, output_dir: Path, progress: bool,
                  position: TrainingPosition | None = None, best: BestAP | None = None,
-                 metrics: Mapping[str, Any] | None = None) -> None:
+                 metrics: Mapping[str, Any] | None = None, ema: ModelEma | None = None) -> None:
         self.parts = parts
         self.cfg = parts.cfg
         self.info = info
@@ -441,6 +474,9 @@ class TrainingRun:
         self.progress = progress
         self.position = position or TrainingPosition()
         self.best = best or BestAP()
+        # train.ema: the average of the weights, which evaluation, the best checkpoint and
+        # every tool reading the checkpoint use instead of the trained weights.
+        self.ema = ema
         # A resumed run follows its own config: the schedule is built, not restored.
         self.lr_scheduler = build_lr_scheduler(
             parts.optimizer, self.cfg.train, parts.steps_per_epoch, self.position.epoch,
@@ -467,14 +503,15 @@ class TrainingRun:
         if state is None:
             if start.finetune is not None:
                 _load_finetune_weights(parts.model, start.finetune)
-            return cls(parts, info, output_dir, progress)
+            return cls(parts, info, output_dir, progress, ema=_new_ema(parts))
         _load_model_state(parts.model, state, start.resume_path)
         _load_optimizer_state(parts, state)
         position = _resumed_position(state, parts, info)
         metrics = state.get("metrics") if position.batch_in_epoch else None
         _restore_rng(state, info)
+        ema = _resumed_ema(parts, state, start.resume_path)
         return cls(parts, info, output_dir, progress, position, BestAP.of_checkpoint(state),
-                   metrics)
+                   metrics, ema)
 
     def _new_tracker(self) -> MetricTracker:
         return MetricTracker(window=max(self.cfg.train.print_freq, 1))
@@ -484,6 +521,7 @@ class TrainingRun:
         """The checkpoint of the current position (a collective: every rank calls it)."""
         parts, position = self.parts, self.position
         rng = all_gather_object(get_rng_state())
+        ema = {"ema": self.ema.state_dict()} if self.ema is not None else {}
         return {
             "model": unwrap_model(self.model).state_dict(),
             "optimizer": parts.optimizer.state_dict(),
@@ -500,6 +538,7 @@ class TrainingRun:
             "batch_size": self.cfg.train.batch_size,
             "config": self.cfg.to_dict(),
             "category_names": parts.category_names,
+            **ema,
         }
 
     def save(self, is_best: bool = False) -> None:
@@ -511,6 +550,8 @@ class TrainingRun:
         """
         position = self.position
         bad = nonfinite_tensors(unwrap_model(self.model).state_dict())
+        if self.ema is not None:
+            bad += [f"ema.{k}" for k in nonfinite_tensors(self.ema.module.state_dict())]
         if bad:  # the same weights on every rank: every rank raises
             raise NonFiniteError(
                 f"the weights became NaN / inf at epoch {position.epoch}, iteration "
@@ -553,8 +594,10 @@ class TrainingRun:
         """``(losses, summary, evaluator)`` of the model on the val split."""
         parts = self.parts
         evaluator = CocoEvaluator(parts.val_dataset.coco)
+        # An EMA run is judged (and its best checkpoint chosen) by the averaged weights.
+        model = self.ema.module if self.ema is not None else self.model
         losses, summary = evaluate(
-            self.model, parts.criterion, parts.postprocessor, parts.val_loader, evaluator,
+            model, parts.criterion, parts.postprocessor, parts.val_loader, evaluator,
             self.info.device, amp=self.cfg.train.amp, progress=self.progress,
             print_freq=self.cfg.train.print_freq * 5,
         )
@@ -583,13 +626,15 @@ class TrainingRun:
                 self.save()
 
         micro_done = position.batch_in_epoch * cfg.train.accumulate_steps
+        batches = epoch_batches(parts.train_loader, position.epoch, micro_done,
+                                batch_scales_of(cfg.data, position.epoch))
         return train_one_epoch(
-            self.model, parts.criterion, epoch_batches(parts.train_loader, position.epoch, micro_done),
+            self.model, parts.criterion, batches,
             parts.optimizer, self.lr_scheduler, self.info.device, position,
             num_steps=parts.steps_per_epoch, settings=parts.settings,
             print_freq=cfg.train.print_freq, progress=self.progress,
             total_epochs=cfg.train.epochs, on_step=on_step, loggers=loggers,
-            tracker=self.tracker, run_clock=self.clock,
+            tracker=self.tracker, run_clock=self.clock, ema=self.ema,
         )
 
     def _evaluation_due(self, epoch: int) -> bool:
@@ -617,7 +662,9 @@ class TrainingRun:
                     eval_result = self.evaluate()
                     self.clock.evaluation_done(time.perf_counter() - eval_start)
                     _, summary, evaluator = eval_result
-                    logger.info("epoch %d evaluation:\n%s", epoch, format_summary(summary))
+                    logger.info("epoch %d evaluation%s:\n%s", epoch,
+                                " of the EMA weights" if self.ema is not None else "",
+                                format_summary(summary))
                     is_best = self.best.update(summary, epoch)
                     if self.info.is_main:
                         keep_pr_arrays(evaluator, self.output_dir / "eval", epoch)

@@ -518,6 +518,7 @@ def train_one_epoch(
     loggers: ScalarWriter | None = None,
     tracker: MetricTracker | None = None,
     run_clock: RunClock | None = None,
+    ema: Any = None,
 ) -> dict[str, float]:
     """Train over ``batches`` (the rest of epoch ``state.epoch``), one optimizer step per
     ``settings.accumulate_steps`` batches.
@@ -529,7 +530,9 @@ def train_one_epoch(
     scalars every ``print_freq`` steps.
 
     ``lr_scheduler`` is stepped after every optimizer step (its counter is the iteration:
-    :func:`~detr_irpe.engine.optim.build_lr_scheduler`); then ``state`` is advanced and
+    :func:`~detr_irpe.engine.optim.build_lr_scheduler`) and ``ema`` (a
+    :class:`~detr_irpe.engine.ema.ModelEma`, or None) takes the new weights; then ``state``
+    is advanced and
     ``on_step(state, read_losses)`` is called (the
     runner writes mid-epoch checkpoints there, calling ``read_losses()`` first: it
     reads the pending loss values, checking them for NaN / inf).
@@ -563,6 +566,8 @@ def train_one_epoch(
                 ) from None
             pending.add(state.epoch, state.iteration, optimizer.param_groups[0]["lr"], losses)
             lr_scheduler.step()
+            if ema is not None:
+                ema.update(model)
             state.iteration += 1
             state.batch_in_epoch += 1
             log.step_done(sum(len(t) for _, t in micro) * get_world_size(), data_time)

@@ -31,7 +31,7 @@ from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.config import Config
 from detr_irpe.data.categories import default_category_names
 from detr_irpe.data.images import to_uint8_image
-from detr_irpe.data.transforms import eval_input
+from detr_irpe.data.transforms import eval_image
 from detr_irpe.models import build_postprocessor, model_from_checkpoint
 from detr_irpe.utils.device import resolve_device
 
@@ -107,7 +107,7 @@ class Predictor:
 
     def preprocess(self, image: Tensor) -> Tensor:
         """``(3, H, W)`` uint8 -> the normalised, resized ``(3, h, w)`` float model input."""
-        return eval_input(image, self.cfg.data.val_size, self.cfg.data.max_size)
+        return eval_image(image, self.cfg.data)
 
     @torch.no_grad()
     def detect(self, images: Sequence[Tensor]) -> list[dict[str, Tensor]]:
