@@ -69,7 +69,7 @@ def test_infinite_loss_stops_before_the_first_step(tiny_dataset, tmp_path, capsy
         handle.remove()
     assert status == EXIT_NON_FINITE
     line = _last_line(capsys.readouterr().err)
-    assert line.startswith("error: epoch 0, iteration 0: non-finite loss: loss_bbox * 1e+300 = inf")
+    assert line.startswith("error: epoch 1/2, iteration 0: non-finite loss: loss_bbox * 1e+300 = inf")
     assert "before the optimizer step" in line and "loss.*_coef" in line
     assert steps == []  # no step was applied
 
