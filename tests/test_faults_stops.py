@@ -19,9 +19,9 @@ from helpers import ROOT, load_tiny_config
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detr_irpe.checkpoint import FORMAT, atomic_save
-from detr_irpe.cli import eval as eval_cli
 from detr_irpe.cli.eval import main as eval_main
 from detr_irpe.cli.train import main as train_main
+from detr_irpe.engine import checkpoint_eval as eval_cli
 from detr_irpe.engine.distributed import DistInfo, lost_rank_as_error
 from detr_irpe.engine.trainer import check_finite_loss
 from detr_irpe.errors import (

@@ -37,10 +37,10 @@ from detr_irpe.cli.common import (
     new_parser,
     run_main,
 )
-from detr_irpe.cli.eval import run_evaluation
 from detr_irpe.config import load_config
 from detr_irpe.data import build_dataset
 from detr_irpe.data.synthetic import generate_dataset
+from detr_irpe.engine.checkpoint_eval import run_evaluation
 from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import ConfigError
 from detr_irpe.evaluation import format_summary, load_pr_arrays
