@@ -11,22 +11,33 @@ The estimates are lower bounds (float32 parameters only, no gradients or optimiz
 state; only the tensors one forward pass must hold), so a refused size can never work
 here; one that passes may still not fit a GPU. The whole machine's memory, not what is
 free at the moment, is the limit: a check must not depend on what else runs.
+
+The test sizes of ``tools/eval.py --sizes`` and of a grid's ``eval_sizes`` are read here
+too (:func:`parse_eval_size`, without torch, so that a tool refuses a bad one at once):
+``S`` resizes the shorter side to ``S`` with the longer side capped at the config's
+``data.max_size`` scaled by ``S / data.val_size``; ``HxW`` resizes to exactly ``H`` x ``W``
+pixels (docs/evaluation.md, "Test sizes").
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "EVAL_SIDE_RANGE",
+    "EvalSize",
     "forward_bytes",
     "format_bytes",
     "largest_value_to_blame",
     "memory_limit",
     "model_parameter_bytes",
     "parameter_bytes",
+    "parse_eval_size",
 ]
 
 FLOAT32 = 4
@@ -123,3 +134,57 @@ def largest_value_to_blame(
         return estimate({**values, key: defaults[key]})
 
     return min(defaults, key=without)
+
+
+# A test size's sides, in pixels: below 16 a ResNet's stride-32 map has no cell to spare;
+# above 8192 a number is a typo (an extra digit), not a test size.
+EVAL_SIDE_RANGE = (16, 8192)
+_SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class EvalSize:
+    """One test size: ``short`` (the shorter side, longer side capped) or an exact
+    ``(height, width)`` shape; exactly one of the two is set."""
+
+    short: int | None = None
+    shape: tuple[int, int] | None = None
+
+    @property
+    def label(self) -> str:
+        """``"640"`` or ``"640x1280"`` (HEIGHTxWIDTH): the table's row and the folder's name."""
+        return str(self.short) if self.shape is None else f"{self.shape[0]}x{self.shape[1]}"
+
+    def capped(self, val_size: int, max_size: int) -> tuple[int, int]:
+        """``(shorter side, cap of the longer side)`` of a ``short`` size: the config's cap
+        ``max_size`` scaled by ``short / val_size`` (rounded), so that every size keeps
+        the config's bound on the aspect ratio (800 / 1333 -> 1024 / 1706)."""
+        if self.short is None:
+            raise ValueError(f"test size {self.label} is a fixed shape, not a shorter side")
+        return self.short, max(self.short, round(max_size * self.short / val_size))
+
+
+def _side(text: str, value: int, what: str) -> int:
+    low, high = EVAL_SIDE_RANGE
+    if not low <= value <= high:
+        raise ValueError(f"test size {text!r}: {what} {value} is outside {low}..{high} pixels")
+    return value
+
+
+def parse_eval_size(text: object) -> EvalSize:
+    """``"640"`` / ``640`` -> the shorter side 640; ``"640x1280"`` -> exactly 640 high and
+    1280 wide. Raises ``ValueError`` naming the value when it is neither, or a side is
+    outside :data:`EVAL_SIDE_RANGE`."""
+    if isinstance(text, bool):
+        raise ValueError(f"test size {text!r} is not a number of pixels or HEIGHTxWIDTH")
+    if isinstance(text, int):
+        return EvalSize(short=_side(str(text), text, "the shorter side"))
+    raw = str(text).strip()
+    shape = _SHAPE.match(raw)
+    if shape:
+        height, width = (int(g) for g in shape.groups())
+        return EvalSize(shape=(_side(raw, height, "the height"), _side(raw, width, "the width")))
+    if re.fullmatch(r"[+-]?\d+", raw):
+        return EvalSize(short=_side(raw, int(raw), "the shorter side"))
+    raise ValueError(f"test size {raw!r} is not a number of pixels (e.g. 640) or "
+                     "HEIGHTxWIDTH (e.g. 640x1280)")

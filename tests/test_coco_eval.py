@@ -179,7 +179,7 @@ def test_per_class_table() -> None:
     summary = evaluator.summarize()
     table = evaluator.format_per_class_table()
     lines = table.splitlines()
-    assert lines[0].startswith("| id | category | AP | AP50 |")
+    assert lines[0].startswith("| id | category | AP (%) | AP50 (%) |")
     assert any("| 3 | three |" in line for line in lines)
     mean_row = lines[-1]
     assert "mean" in mean_row and f"{100 * summary['AP']:.1f}" in mean_row

@@ -225,8 +225,11 @@ def test_first_signal_is_recorded_and_handlers_are_restored():
         assert stop.requested() == signal.SIGTERM
     assert agreed_stop(signal.SIGTERM) == signal.SIGTERM  # one process: as is
     assert agreed_stop(None) is None
-    assert interrupted_message(signal.SIGTERM, 3, 7) == (
-        "SIGTERM: interrupted at epoch 3 batch 7; run the same command to resume")
+    # the checkpoint's fields (epochs done, batches done in the next) shown from 1
+    assert interrupted_message(signal.SIGTERM, 3, 7, 5) == (
+        "SIGTERM: interrupted at epoch 4/5, batch 7; run the same command to resume")
+    assert interrupted_message(signal.SIGINT, 1, 0, 2) == (
+        "SIGINT: interrupted after epoch 1/2; run the same command to resume")
 
 
 def test_second_signal_exits_at_once_with_128_plus_signal(tmp_path):
@@ -390,7 +393,7 @@ def test_sigterm_during_a_save_stops_at_the_next_step_and_resumes_exactly(
     done = _stop_during_save(tiny_dataset, out, 1, signal.SIGTERM)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert "Traceback" not in done.stderr
-    line = "interrupted at epoch 0 batch 2; run the same command to resume"
+    line = "interrupted at epoch 1/2, batch 2; run the same command to resume"
     assert line in done.stderr.splitlines()[-1]
     saved = read_training_checkpoint(out / LAST)
     assert (saved["epoch"], saved["batch_in_epoch"], saved["iteration"]) == (0, 2, 2)
@@ -407,7 +410,7 @@ def test_sigint_at_the_end_of_an_epoch_stops_after_its_checkpoint(tiny_dataset, 
     done = _stop_during_save(tiny_dataset, out, 3, signal.SIGINT)
     assert done.returncode == 128 + signal.SIGINT, done.stderr
     assert "Traceback" not in done.stderr
-    assert "interrupted at epoch 1 batch 0; run the same command" in done.stderr.splitlines()[-1]
+    assert "interrupted after epoch 1/2; run the same command" in done.stderr.splitlines()[-1]
     saved = read_training_checkpoint(out / LAST)
     assert (saved["epoch"], saved["batch_in_epoch"]) == (1, 0)
     assert [r["epoch"] for r in _log(out)] == [0]
@@ -558,7 +561,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tiny_dataset, tmp_
     saved = read_training_checkpoint(out / LAST)
     assert (saved["epoch"], saved["batch_in_epoch"], saved["world_size"]) == (0, 2, 2)
     # Both ranks stopped there (rank 0 never got the signal), none hung or crashed.
-    assert output.count("error: SIGTERM: interrupted at epoch 0 batch 2; run the same") == 2
+    assert output.count("error: SIGTERM: interrupted at epoch 1/2, batch 2; run the") == 2
 
 
 def test_ranks_agree_on_a_stop_only_where_a_step_waits_anyway(tiny_dataset, tmp_path,
@@ -602,6 +605,6 @@ def test_weights_that_became_nan_are_never_saved(tiny_dataset, tmp_path, monkeyp
     monkeypatch.setattr(torch.optim.AdamW, "step", step_then_nan)
     assert _train(tiny_dataset, out) == 3
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "weights became NaN / inf at epoch 0, iteration 2" in last_line
+    assert "weights became NaN / inf at epoch 1/" in last_line
     saved = read_training_checkpoint(out / LAST)
     assert saved["iteration"] == 1 and nonfinite_tensors(saved["model"]) == []

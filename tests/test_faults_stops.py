@@ -19,9 +19,9 @@ from helpers import ROOT, load_tiny_config
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detr_irpe.checkpoint import FORMAT, atomic_save
-from detr_irpe.cli import eval as eval_cli
 from detr_irpe.cli.eval import main as eval_main
 from detr_irpe.cli.train import main as train_main
+from detr_irpe.engine import checkpoint_eval as eval_cli
 from detr_irpe.engine.distributed import DistInfo, lost_rank_as_error
 from detr_irpe.engine.trainer import check_finite_loss
 from detr_irpe.errors import (
@@ -69,7 +69,7 @@ def test_infinite_loss_stops_before_the_first_step(tiny_dataset, tmp_path, capsy
         handle.remove()
     assert status == EXIT_NON_FINITE
     line = _last_line(capsys.readouterr().err)
-    assert line.startswith("error: epoch 0, iteration 0: non-finite loss: loss_bbox * 1e+300 = inf")
+    assert line.startswith("error: epoch 1/2, iteration 0: non-finite loss: loss_bbox * 1e+300 = inf")
     assert "before the optimizer step" in line and "loss.*_coef" in line
     assert steps == []  # no step was applied
 

@@ -39,7 +39,7 @@ from detr_irpe.utils.memory import peak_memory_mb
 
 # The header row of the 12-number table (format_summary) and of the per-class table.
 SUMMARY_HEADER = "AP50   AP75"
-PER_CLASS_HEADER = "| id | category | AP | AP50 |"
+PER_CLASS_HEADER = "| id | category | AP (%) | AP50 (%) |"
 # What pycocotools prints in COCOeval.summarize().
 RAW_DUMP = "Average Precision  (AP) @["
 

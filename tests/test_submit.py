@@ -200,7 +200,7 @@ def _submit(out: Path, data: Path, *launcher: str) -> subprocess.Popen:
 
 def _saved_iterations(log: str) -> list[int]:
     return [int(n) for n in re.findall(r"INFO detr_irpe\.engine\.runner: saved \S+ "
-                                       r"\(epoch \d+, batch \d+, iteration (\d+)\)", log)]
+                                       r"\((?:at|after) epoch [^)]*, iteration (\d+)\)", log)]
 
 
 def _log(out: Path) -> list[dict]:
@@ -232,13 +232,14 @@ def test_preempted_local_job_is_requeued_and_resumes_where_it_stopped(tiny_datas
     job_id = re.search(r"submitted job (\d+)", stdout).group(1)
     assert f"job {job_id} done (training exit status 0)" in stdout
     log = (out / "submitit" / f"{job_id}_0_log.err").read_text()
-    stopped = re.search(r"SIGTERM: interrupted at epoch (\d+) batch (\d+)", log)
+    # "at epoch E/N, batch B": E counts from 1, B batches done in it
+    stopped = re.search(r"SIGTERM: interrupted at epoch (\d+)/\d+, batch (\d+)", log)
     assert stopped, log
     requeued = log.index(f"Requeued job {job_id}")
     assert stopped.start() < requeued < log.index(f"resuming from {out / run_checkpoints.LAST}")
     # every step saved once, in order: the requeued job went on from the saved step
     assert _saved_iterations(log) == list(range(1, 13))
-    assert _saved_iterations(log[:requeued])[-1] == 4 * int(stopped[1]) + int(stopped[2])
+    assert _saved_iterations(log[:requeued])[-1] == 4 * (int(stopped[1]) - 1) + int(stopped[2])
     # and ended where a run that was never stopped ends
     reference = tmp_path / "reference"
     assert train([*TRAIN, "--output-dir", str(reference), "--set",

@@ -71,8 +71,8 @@ def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(
     assert code == EXIT_NON_FINITE
     err = capsys.readouterr().err
     # Criterion calls: 2 training steps and 1 evaluation batch in epoch 0, then the
-    # first step of epoch 1: iteration 2 (both counted from 0).
-    assert "epoch 1, iteration 2: non-finite loss: loss_bbox = nan." in err
+    # first step of the second epoch: iteration 2 (counted from 0), epoch 2/3 as shown.
+    assert "epoch 2/3, iteration 2: non-finite loss: loss_bbox = nan." in err
     assert "before the optimizer step" in err and "loss_ce" not in err.splitlines()[-1]
     last = read_training_checkpoint(out / LAST)
     assert (last["epoch"], last["batch_in_epoch"], last["iteration"]) == (1, 0, 2)

@@ -328,7 +328,9 @@ def run_grid(
         prepare_data(grid)
     bar = None
     if progress and todo:
-        bar = tqdm(total=len(todo), desc=f"ablation {grid.name}", unit="run", dynamic_ncols=True)
+        # disable=None: no bar when stderr is not a terminal (a redirected log)
+        bar = tqdm(total=len(todo), desc=f"ablation {grid.name}", unit="run", dynamic_ncols=True,
+                   disable=None)
     try:
         for i, run in enumerate(todo, 1):
             lock = RunLock(run.output_dir, CLAIM_NAME)

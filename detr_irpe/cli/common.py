@@ -1,151 +1,58 @@
-"""What every command-line program shares: one way to name a config and override
-it, one device flag, and one mapping from errors to exit statuses.
-
-The override syntax, the same in every tool::
-
-    --config NAME|PATH --set train.lr=2e-4 model.rpe=rpe-2.0-product-ctx-1-k --set data.root=/x
-
-``--set`` takes one or more ``section.key=value`` items and may be repeated; later
-items win. Values are YAML scalars or lists (``data.train_scales=[480,512]``).
+"""What the command-line programs share once their arguments are parsed: the config of
+``--config`` / ``--set``, and the printed result of an evaluation. Everything a parser
+needs is in :mod:`detr_irpe.cli.args` (no torch), re-exported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
-import os
-import re
-import signal
-import sys
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from types import FrameType
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from detr_irpe import sizes
-from detr_irpe.config import load_config
-from detr_irpe.errors import (
-    EXIT_SIGINT,
-    EXIT_USER_ERROR,
-    ConfigError,
-    DetrIrpeError,
-    exit_status_for_signal,
+from detr_irpe.cli.args import (
+    Terminated,
+    add_config_arguments,
+    add_device_argument,
+    add_sizes_argument,
+    check_resize_flags,
+    checked_overrides,
+    device_override,
+    new_parser,
+    parse_device,
+    parse_sizes,
+    run_main,
+    setup_tool_logging,
+    sigterm_as_exception,
 )
+from detr_irpe.config import load_config
+from detr_irpe.engine.speed import format_speed
 from detr_irpe.evaluation import format_summary
-
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-
-def parse_device(text: str) -> str:
-    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; anything else is a usage error."""
-    value = text.strip().lower()
-    if not _DEVICE.match(value):
-        raise argparse.ArgumentTypeError(
-            f"device {text!r} is not one of auto, cpu, cuda, cuda:N (e.g. cuda:1)"
-        )
-    return value
-
-
-def new_parser(doc: str | None, prog: str | None = None) -> argparse.ArgumentParser:
-    """An argument parser whose help shows the module docstring as written."""
-    return argparse.ArgumentParser(
-        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-
-
-def add_config_arguments(
-    parser: argparse.ArgumentParser, *, required: bool = False, config_help: str | None = None
-) -> None:
-    """``--config NAME|PATH`` and ``--set KEY=VALUE [KEY=VALUE ...]`` (repeatable)."""
-    parser.add_argument(
-        "--config", "-c", required=required, metavar="NAME|PATH",
-        help=config_help or "config name (see configs/) or a YAML file",
-    )
-    parser.add_argument(
-        "--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-        help="config overrides, e.g. --set train.lr=2e-4 data.root=/data/coco (repeatable)",
-    )
-
-
-def add_device_argument(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
-    """``--device``. ``default=None`` (training and evaluation): when the flag is not
-    given the config's ``train.device`` decides, and each process takes the GPU of its
-    rank, so the help offers no ``cuda:N`` (:func:`device_override` refuses it)."""
-    if default is None:
-        parser.add_argument(
-            "--device", type=parse_device, default=None, metavar="auto|cpu|cuda",
-            help="where the model runs: auto (the GPU when there is one, else the CPU), cpu "
-                 "or cuda (default: the config's train.device)",
-        )
-        return
-    parser.add_argument(
-        "--device", type=parse_device, default=default, metavar="auto|cpu|cuda|cuda:N",
-        help="where the model runs (%(default)s: the GPU when there is one, else the CPU)",
-    )
-
-
-def device_override(device: str | None) -> list[str]:
-    """``--device`` of the training and evaluation tools as a ``train.device`` override
-    (``cuda:N`` is not a run setting); none when the flag was not given."""
-    if device is None:
-        return []
-    if ":" in device:
-        raise ConfigError(
-            f"--device {device}: training and evaluation take auto, cpu or cuda (each process "
-            "uses the GPU of its local rank); pick a GPU with CUDA_VISIBLE_DEVICES=N"
-        )
-    return [f"train.device={device}"]
+from detr_irpe.evaluation.size_table import format_size_table, size_rows
 
 
 def print_eval_result(result: Mapping[str, Any], *, tables: bool = True) -> None:
-    """The 12 COCO numbers, the per-class table and the output folder of a
-    ``run_training`` / ``run_evaluation`` result, on rank 0 only.
+    """The 12 COCO numbers, the per-class table, the speed and the output folder of a
+    ``run_training`` / ``run_evaluation`` result, on rank 0 only; with test sizes the
+    table of AP per size instead of the last size's tables.
 
     ``tables=False``: the folder only (a training run has logged the tables of its
     evaluations already; the console shows each table once)."""
     if result["rank"] != 0 or result["summary"] is None:
         return
-    if tables:
+    if tables and result.get("sizes"):
+        rows = size_rows([r["size"] for r in result["sizes"]],
+                         [r["summary"] for r in result["sizes"]])
+        print("COCO box AP at each test size, in %")
+        print(format_size_table(rows))
+        for row in result["sizes"]:
+            print(f"{row['size']}: {format_speed(row['speed'])}")
+    elif tables:
         print(format_summary(result["summary"]))
         if result["per_class_table"]:
             print(result["per_class_table"])
+        if result.get("speed"):
+            print(format_speed(result["speed"]))
     print(f"outputs in {result['output_dir']}")
-
-
-def checked_overrides(overrides: Iterable[str]) -> list[str]:
-    """The ``--set`` items, each checked to look like ``section.key=value``."""
-    out = []
-    for item in overrides:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ConfigError(
-                f"--set item {item!r} must look like section.key=value (e.g. train.lr=2e-4); "
-                "put positional arguments before --set"
-            )
-        out.append(item)
-    return out
-
-
-def check_resize_flags(size: int | None, max_size: int | None) -> None:
-    """``--size`` / ``--max-size`` of a tool that resizes one image: refused, before the
-    model is loaded, when the resized image could not be held in this machine's memory
-    (a longer side of ``max_size`` and a shorter one of ``min(size, max_size)`` at most;
-    :mod:`detr_irpe.sizes`). Without ``--max-size`` the config's ``data.max_size``,
-    checked with the config, caps the image."""
-    for flag, value in (("--size", size), ("--max-size", max_size)):
-        if value is not None and value <= 0:
-            raise ConfigError(f"{flag} must be a positive number of pixels, got {value}")
-    if max_size is None:
-        return
-    shorter = min(size or max_size, max_size)
-    limit, machine = sizes.memory_limit()
-    total = sizes.forward_bytes(batch=1, height=shorter, width=max_size)
-    if total > limit:
-        flags = f"--max-size {max_size}" + (f" --size {size}" if size else "")
-        raise ConfigError(
-            f"{flags}: an image resized to {shorter} x {max_size} pixels needs at least "
-            f"{sizes.format_bytes(total)} in one forward pass (the image and the first "
-            f"backbone activation), more than {machine}; lower --max-size")
 
 
 def load_config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Any:
@@ -157,76 +64,19 @@ def load_config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -
     return load_config(args.config, overrides)
 
 
-class Terminated(SystemExit):
-    """SIGTERM as an exception, as Ctrl-C is ``KeyboardInterrupt``: it unwinds through
-    ``finally`` blocks (temporary files removed, child processes stopped) and past
-    ``except Exception``. Its ``code`` is the exit status, 128 + 15."""
-
-    def __init__(self, signum: int = signal.SIGTERM) -> None:
-        super().__init__(exit_status_for_signal(signum))
-
-
-@contextlib.contextmanager
-def sigterm_as_exception() -> Iterator[None]:
-    """Within the block SIGTERM raises :class:`Terminated` in the main thread (a training
-    loop installs its own stop at the next step inside it). A forked child that inherited
-    the handler (a data-loader worker) ignores the signal and ends with its parent."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pid = os.getpid()
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        if os.getpid() == pid:
-            raise Terminated(signum)
-
-    previous = signal.signal(signal.SIGTERM, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def run_main(body: Callable[[], int | None], *, tool: str | None = None) -> int:
-    """Run a tool's body and turn errors into exit statuses.
-
-    A :class:`~detr_irpe.errors.DetrIrpeError` prints ``error: <message>`` (one line,
-    no traceback) and returns its ``exit_status`` (2 for user errors, 3 for NaN / inf,
-    128 + signal after an interruption that saved a checkpoint). Ctrl-C anywhere
-    else returns 130, SIGTERM 143, each with one line and no traceback. Any other
-    exception is a bug and propagates.
-    """
-    prefix = f"{tool}: " if tool else ""
-    try:
-        with sigterm_as_exception():
-            status = body()
-    except DetrIrpeError as err:
-        print(f"{prefix}error: {err}", file=sys.stderr)
-        return int(getattr(err, "exit_status", EXIT_USER_ERROR))
-    except KeyboardInterrupt:
-        print(f"{prefix}interrupted", file=sys.stderr)
-        return EXIT_SIGINT
-    except Terminated as stop:
-        print(f"{prefix}terminated (SIGTERM)", file=sys.stderr)
-        return int(stop.code)
-    return int(status or 0)
-
-
-def setup_tool_logging(level: int = logging.INFO) -> None:
-    """Plain ``LEVEL name: message`` lines on stderr for tools that do not set up a run folder."""
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-
 
 __all__ = [
     "Terminated",
     "add_config_arguments",
     "add_device_argument",
+    "add_sizes_argument",
     "check_resize_flags",
     "checked_overrides",
     "device_override",
     "load_config_from_args",
     "new_parser",
     "parse_device",
+    "parse_sizes",
     "print_eval_result",
     "run_main",
     "setup_tool_logging",

@@ -37,15 +37,16 @@ from detr_irpe.cli.common import (
     new_parser,
     run_main,
 )
-from detr_irpe.cli.eval import run_evaluation
 from detr_irpe.config import load_config
 from detr_irpe.data import build_dataset
 from detr_irpe.data.synthetic import generate_dataset
+from detr_irpe.engine.checkpoint_eval import run_evaluation
 from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import ConfigError
 from detr_irpe.evaluation import format_summary, load_pr_arrays
 from detr_irpe.inference import Predictor, predict_files
 from detr_irpe.utils.files import atomic_write_text
+from detr_irpe.utils.text import plural
 
 DATA_DIR = Path("datasets/synthetic")
 OUTPUT_DIR = Path("outputs/demo")
@@ -122,7 +123,7 @@ def demo_config(args) -> Any:
                 if f"train.{k}" not in user_keys]
     cfg = load_config(name, data + schedule + user)
     per_epoch = steps_per_epoch(num_train, cfg.train.batch_size, cfg.train.accumulate_steps)
-    print(f"[demo] training {cfg.train.epochs} epochs x {per_epoch} steps = "
+    print(f"[demo] training {plural(cfg.train.epochs, 'epoch')} x {per_epoch} steps = "
           f"{cfg.train.epochs * per_epoch} steps (lr / 10 after epoch {cfg.train.lr_drop}) on "
           f"the CPU into {cfg.train.output_dir}")
     return cfg

@@ -42,6 +42,7 @@ from typing import Any
 from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.cli import train
 from detr_irpe.cli.common import new_parser, run_main
+from detr_irpe.cli.programs.train import run_config
 from detr_irpe.cli.submit_job import TrainJob
 from detr_irpe.errors import ConfigError
 from detr_irpe.utils.files import ensure_writable_folder
@@ -129,7 +130,7 @@ def _check_training(train_argv: list[str]) -> Any:
     checkpoint names are downloaded here, where the network may be (compute nodes often
     have none), into the cache the tasks read."""
     args = train.build_parser().parse_args(train_argv)
-    cfg = train.run_config(args)
+    cfg = run_config(args)
     for spec in (args.finetune, args.resume):
         if spec is not None:
             resolve_checkpoint(spec, progress=not args.no_progress)

@@ -46,6 +46,18 @@ results in OUTPUT_DIR/eval)::
     python tools/train.py --config detr_r50_irpe --eval-only \\
         --resume outputs/detr_r50_irpe/checkpoint_best.pth
 
+Check a config before a long run: --print-config prints the resolved config (YAML, every
+key, --set applied) and exits; --dry-run builds the datasets, the model and the
+optimizer, checks the run folder, runs one forward / backward pass of one batch (no
+optimizer step) and prints the parameter count, memory and steps per epoch; nothing is
+trained or written::
+
+    python tools/train.py --config detr_r50_irpe --set data.root=/data/coco --dry-run
+
+--sizes S|HxW ... evaluates the final checkpoint at each test size when the training
+ends, or with --eval-only instead of the config's size (tools/eval.py --sizes; results
+in OUTPUT_DIR/eval_sizes, or OUTPUT_DIR/eval with --eval-only).
+
 Exit status: 0 done; 2 a user error (config, data, checkpoint, run folder), one line
 on stderr; 3 the loss became NaN / inf (the last checkpoint is intact); 143 / 130
 stopped by SIGTERM / Ctrl-C after a checkpoint at that step (the same command resumes).
@@ -54,23 +66,15 @@ stopped by SIGTERM / Ctrl-C after a checkpoint at that step (the same command re
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from detr_irpe.checkpoint.download import resolve_checkpoint
-from detr_irpe.cli.common import (
+from detr_irpe.cli.args import (
     add_config_arguments,
     add_device_argument,
-    device_override,
-    load_config_from_args,
+    add_sizes_argument,
     new_parser,
-    print_eval_result,
+    parse_sizes,
     run_main,
 )
-from detr_irpe.cli.eval import run_evaluation
-from detr_irpe.config import Config
-from detr_irpe.engine.runner import run_training
-from detr_irpe.errors import ConfigError
-from detr_irpe.run_folder.checkpoints import find_resume_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,61 +94,31 @@ def build_parser() -> argparse.ArgumentParser:
                              "downloaded once into torch.hub's cache); the class head is "
                              "re-initialised when the class count differs")
     parser.add_argument("--output-dir", metavar="DIR", help="run folder (train.output_dir)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (YAML) and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build and check the data, model and optimizer, run one forward / "
+                             "backward pass, print parameters, memory and steps per epoch; "
+                             "train nothing")
+    add_sizes_argument(parser, "after training (or with --eval-only), evaluate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
-
-
-def _local(spec: str | None, progress: bool) -> Path | None:
-    """A --resume / --finetune value as a local path (a published name or an address
-    downloaded into torch.hub's cache first)."""
-    return None if spec is None else resolve_checkpoint(spec, progress=progress).path
-
-
-def _eval_weights(args: argparse.Namespace, output_dir: Path) -> Path:
-    progress = not args.no_progress
-    if args.resume is not None:
-        return _local(args.resume, progress)
-    found = find_resume_checkpoint(output_dir)
-    if found is not None:
-        return Path(found[0])
-    if args.finetune is not None:
-        return _local(args.finetune, progress)
-    raise ConfigError(
-        f"--eval-only needs weights: --resume CHECKPOINT, a checkpoint_last.pth in "
-        f"{output_dir}, or --finetune CHECKPOINT"
-    )
-
-
-def run_config(args: argparse.Namespace) -> Config:
-    """The run's config: ``--config`` with ``--set``, ``--device`` and ``--output-dir``
-    applied (also what ``detr-irpe-submit`` checks before submitting)."""
-    extra = device_override(args.device)
-    if args.output_dir is not None:
-        extra.append(f"train.output_dir={args.output_dir}")
-    return load_config_from_args(args, extra)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        cfg = run_config(args)
-        if args.eval_only:
-            output_dir = Path(cfg.train.output_dir)
-            result = run_evaluation(cfg, _eval_weights(args, output_dir), output_dir / "eval",
-                                    progress=not args.no_progress)
-        else:
-            progress = not args.no_progress
-            result = run_training(cfg, resume=_local(args.resume, progress),
-                                  finetune=_local(args.finetune, progress), progress=progress)
-        # a training run logged the table of each evaluation (train.log and the console)
-        print_eval_result(result, tables=args.eval_only)
-        return 0
+        sizes = parse_sizes(args.sizes)
+        # after the arguments: --help and their errors come back without torch
+        from detr_irpe.cli.programs import train as program
+
+        return program.run(args, sizes)
 
     return run_main(body)
 
 
-__all__ = ["build_parser", "main", "run_config"]
+__all__ = ["build_parser", "main"]
 
 
 if __name__ == "__main__":  # python -m detr_irpe.cli.train (the ablation scheduler, torchrun -m)

@@ -39,6 +39,7 @@ from torchvision import tv_tensors
 
 from detr_irpe.config import DataConfig
 from detr_irpe.data.sampling import mix_seed
+from detr_irpe.sizes import EvalSize
 from detr_irpe.structures import ImageBatch
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -114,18 +115,38 @@ class RandomResize:
     def __call__(self, image: tv_tensors.Image, target: Target) -> tuple[tv_tensors.Image, Target]:
         size = self.sizes[_randint(0, len(self.sizes) - 1)] if len(self.sizes) > 1 else self.sizes[0]
         height, width = image.shape[-2:]
-        new_h, new_w = resized_hw(height, width, size, self.max_size)
-        if (new_h, new_w) == (height, width):
-            return image, target
-        image = F.resize(image, [new_h, new_w], antialias=True)
-        target = dict(target)
-        target["boxes"] = F.resize(target["boxes"], [new_h, new_w])
-        if "area" in target:
-            target["area"] = target["area"] * ((new_w / width) * (new_h / height))
-        return image, target
+        return _resize(image, target, *resized_hw(height, width, size, self.max_size))
 
     def __repr__(self) -> str:
         return f"RandomResize(sizes={self.sizes}, max_size={self.max_size})"
+
+
+def _resize(image: tv_tensors.Image, target: Target, new_h: int,
+            new_w: int) -> tuple[tv_tensors.Image, Target]:
+    """Image and boxes resized to ``new_h`` x ``new_w``; ``area`` scaled by both ratios."""
+    height, width = image.shape[-2:]
+    if (new_h, new_w) == (height, width):
+        return image, target
+    image = F.resize(image, [new_h, new_w], antialias=True)
+    target = dict(target)
+    target["boxes"] = F.resize(target["boxes"], [new_h, new_w])
+    if "area" in target:
+        target["area"] = target["area"] * ((new_w / width) * (new_h / height))
+    return image, target
+
+
+class FixedResize:
+    """Resize every image to exactly ``height`` x ``width`` (aspect ratio not kept): the
+    ``HxW`` test sizes of ``tools/eval.py --sizes``."""
+
+    def __init__(self, height: int, width: int) -> None:
+        self.height, self.width = int(height), int(width)
+
+    def __call__(self, image: tv_tensors.Image, target: Target) -> tuple[tv_tensors.Image, Target]:
+        return _resize(image, target, self.height, self.width)
+
+    def __repr__(self) -> str:
+        return f"FixedResize(height={self.height}, width={self.width})"
 
 
 class RandomSizeCrop:
@@ -382,6 +403,18 @@ def resize_batch(images: ImageBatch, targets: list[Target], size: int
     return ImageBatch(tensors, mask), [{**t, "size": square} for t in targets]
 
 
+def eval_size_transforms(cfg: DataConfig, size: EvalSize) -> Transform:
+    """The val transforms at one test size (docs/evaluation.md, "Test sizes"): ``S``
+    resizes the shorter side to ``S`` with the longer side capped at ``data.max_size *
+    S / data.val_size`` (``data.augmentation: rtdetr``, evaluated on squares: an ``S x S``
+    resize); ``HxW`` resizes to exactly that shape."""
+    if size.shape is not None:
+        return FixedResize(*size.shape)
+    if cfg.augmentation == "rtdetr":  # evaluated on squares: S means S x S
+        return FixedResize(size.short, size.short)
+    return val_transforms(*size.capped(cfg.val_size, cfg.max_size))
+
+
 def build_transforms(cfg: DataConfig, split: str) -> Transform:
     """The geometric transforms of ``split`` ("train" or "val") for a data config."""
     if split == "val":
@@ -415,6 +448,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "PER_BOX_KEYS",
+    "FixedResize",
     "RandomIoUCrop",
     "RandomPhotometricDistort",
     "RandomResize",
@@ -429,6 +463,7 @@ __all__ = [
     "drop_degenerate",
     "eval_image",
     "eval_input",
+    "eval_size_transforms",
     "filter_boxes",
     "resize_batch",
     "resized_hw",

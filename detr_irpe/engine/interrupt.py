@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from detr_irpe.errors import exit_status_for_signal
+from detr_irpe.run_folder.checkpoints import describe_position
 from detr_irpe.utils.dist import is_dist
 
 logger = logging.getLogger(__name__)
@@ -106,10 +107,12 @@ def agreed_stop(local: int | None, device: torch.device | str = "cpu") -> int | 
     return value or None
 
 
-def interrupted_message(signum: int, epoch: int, batch: int) -> str:
-    """The one line a stopped run logs and the tools print."""
+def interrupted_message(signum: int, epoch: int, batch: int,
+                        total_epochs: int | None = None) -> str:
+    """The one line a stopped run logs and the tools print; ``epoch`` / ``batch`` are the
+    saved checkpoint's position (:func:`describe_position`: epochs counted from 1)."""
     name = signal.Signals(signum).name
-    return (f"{name}: interrupted at epoch {epoch} batch {batch}; "
+    return (f"{name}: interrupted {describe_position(epoch, batch, total_epochs)}; "
             "run the same command to resume")
 
 

@@ -74,8 +74,11 @@ from detr_irpe.evaluation import (
     per_class_table,
     write_eval_outputs,
 )
+from detr_irpe.evaluation.report import format_ap
 from detr_irpe.models import build_model
 from detr_irpe.run_folder.checkpoints import (
+    describe_position,
+    epoch_label,
     find_resume_checkpoint,
     link_best,
     remove_stale_temp_files,
@@ -87,6 +90,7 @@ from detr_irpe.run_folder.lock import RunLock
 from detr_irpe.run_folder.log import JsonLinesLog
 from detr_irpe.utils.dist import all_gather_object, barrier, unwrap_model
 from detr_irpe.utils.memory import peak_memory_mb
+from detr_irpe.utils.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -554,8 +558,9 @@ class TrainingRun:
             bad += [f"ema.{k}" for k in nonfinite_tensors(self.ema.module.state_dict())]
         if bad:  # the same weights on every rank: every rank raises
             raise NonFiniteError(
-                f"the weights became NaN / inf at epoch {position.epoch}, iteration "
-                f"{position.iteration} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
+                f"the weights became NaN / inf "
+                f"{describe_position(position.epoch, position.batch_in_epoch, self.cfg.train.epochs)}"
+                f" (iteration {position.iteration}; {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
                 "training stopped without saving them, the last checkpoint is finite. Lower "
                 "train.lr or keep train.clip_max_norm > 0"
             )
@@ -565,8 +570,9 @@ class TrainingRun:
             if is_best:
                 link_best(self.output_dir)
             logger.info(
-                "saved %s (epoch %d, batch %d, iteration %d)%s",
-                path, position.epoch, position.batch_in_epoch, position.iteration,
+                "saved %s (%s, iteration %d)%s", path,
+                describe_position(position.epoch, position.batch_in_epoch, self.cfg.train.epochs),
+                position.iteration,
                 ", new best" if is_best else "",
             )
         barrier()
@@ -585,7 +591,8 @@ class TrainingRun:
 
     def interrupted(self, signum: int) -> Interrupted:
         """The error that ends a run stopped by ``signum`` after checkpointing here."""
-        message = interrupted_message(signum, self.position.epoch, self.position.batch_in_epoch)
+        message = interrupted_message(signum, self.position.epoch, self.position.batch_in_epoch,
+                                      self.cfg.train.epochs)
         logger.warning("%s", message)
         return Interrupted(message, signum)
 
@@ -662,7 +669,7 @@ class TrainingRun:
                     eval_result = self.evaluate()
                     self.clock.evaluation_done(time.perf_counter() - eval_start)
                     _, summary, evaluator = eval_result
-                    logger.info("epoch %d evaluation%s:\n%s", epoch,
+                    logger.info("%s evaluation%s:\n%s", epoch_label(epoch, cfg.train.epochs),
                                 " of the EMA weights" if self.ema is not None else "",
                                 format_summary(summary))
                     is_best = self.best.update(summary, epoch)
@@ -693,7 +700,8 @@ class TrainingRun:
             write_eval_outputs(evaluator, summary, {}, self.output_dir / "eval")
             if table:
                 logger.info("per-class AP:\n%s", table)
-        logger.info("training done in %.1f s; best AP %s", seconds, self.best.ap)
+        best = "" if self.best.epoch is None else f" ({describe_position(self.best.epoch, 0, self.cfg.train.epochs)})"
+        logger.info("training done in %.1f s; best AP %s%s", seconds, format_ap(self.best.ap), best)
         return {"summary": summary, "per_class_table": table, "best_ap": self.best.ap,
                 "epochs": self.position.epoch, "iterations": self.position.iteration,
                 "train_time": seconds, "output_dir": str(self.output_dir), "config": self.cfg,
@@ -768,12 +776,13 @@ def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
         repair_best(start.resume_path, start.resume_state)
     position = run.position
     logger.info(
-        "training %d epochs x %d steps (%d images per step: %d per process x %d process(es) "
-        "x %d micro-batches); starting at epoch %d, batch %d, iteration %d",
-        run.cfg.train.epochs, run.parts.steps_per_epoch,
+        "training %s x %d steps (%d images per step: %d per process x %d process(es) "
+        "x %d micro-batches); starting %s, iteration %d",
+        plural(run.cfg.train.epochs, "epoch"), run.parts.steps_per_epoch,
         run.cfg.train.batch_size * info.world_size * run.cfg.train.accumulate_steps,
         run.cfg.train.batch_size, info.world_size, run.cfg.train.accumulate_steps,
-        position.epoch, position.batch_in_epoch, position.iteration,
+        describe_position(position.epoch, position.batch_in_epoch, run.cfg.train.epochs),
+        position.iteration,
     )
     started = time.perf_counter()
     # SIGTERM / SIGINT from here on: stop at a step boundary with a checkpoint there.

@@ -36,7 +36,9 @@ from detr_irpe.engine.logger import (
     format_duration,
     timed,
 )
+from detr_irpe.engine.speed import ForwardTimer
 from detr_irpe.errors import NonFiniteError
+from detr_irpe.run_folder.checkpoints import epoch_label
 from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.dist import all_reduce_mean, get_world_size, is_main_process
 from detr_irpe.utils.memory import peak_memory_mb
@@ -61,7 +63,7 @@ class NonFiniteLossError(NonFiniteError):
         self.losses = dict(losses)
         terms = ", ".join(f"{k}={v:.6g}" for k, v in sorted(losses.items()))
         super().__init__(
-            f"non-finite loss at epoch {epoch}, iteration {iteration}: {terms}. "
+            f"non-finite loss in {epoch_label(epoch)}, iteration {iteration}: {terms}. "
             "Training stopped; the last checkpoint on disk is intact. Lower train.lr, "
             "keep train.clip_max_norm > 0 or use train.amp=bf16 instead of fp16."
         )
@@ -445,7 +447,7 @@ class _EpochLog:
             run_clock = RunClock(num_steps - state.batch_in_epoch + later)
         self.run_clock = run_clock
         self.clock = run_clock.clock
-        self.label = f"epoch {state.epoch}" + (f"/{total_epochs - 1}" if total_epochs else "")
+        self.label = epoch_label(state.epoch, total_epochs)
         self.first_batch = state.batch_in_epoch
         self.start = self.last_read = self.clock()
         run_clock.start_steps()
@@ -562,7 +564,8 @@ def train_one_epoch(
                                     clip_max_norm=settings.clip_max_norm)
             except NonFiniteError as err:
                 raise NonFiniteError(
-                    f"epoch {state.epoch}, iteration {state.iteration}: {err}"
+                    f"{epoch_label(state.epoch, total_epochs)}, iteration {state.iteration}: "
+                    f"{err}"
                 ) from None
             pending.add(state.epoch, state.iteration, optimizer.param_groups[0]["lr"], losses)
             lr_scheduler.step()
@@ -595,12 +598,15 @@ def evaluate(
     amp: str = "none",
     progress: bool = False,
     print_freq: int = 50,
+    timer: ForwardTimer | None = None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Losses and COCO bbox metrics on ``loader``.
 
     Args:
         evaluator: a fresh ``CocoEvaluator`` of the loader's dataset; results of
             all processes are gathered by its ``synchronize``.
+        timer: times the model's forward pass and the post-processing of each batch
+            (not the data loading, the losses or the scoring).
 
     Returns:
         ``(losses, summary)``: averages of every loss term over the processes,
@@ -619,10 +625,12 @@ def evaluate(
     for k, (images, targets) in enumerate(iterable):
         images = images.to(device, non_blocking=True)
         targets = targets_to(targets, device)
-        outputs = model_outputs(model, images, device, amp, targets)
-        pending.add(0, k, 0.0, criterion(outputs, targets))
         orig_sizes = torch.stack([t["orig_size"] for t in targets])
-        results = postprocessor(_outputs_in_float32(outputs), orig_sizes)
+        with timer.measure(len(targets)) if timer is not None else contextlib.nullcontext():
+            outputs = model_outputs(model, images, device, amp, targets)
+        pending.add(0, k, 0.0, criterion(outputs, targets))
+        with timer.measure(0) if timer is not None else contextlib.nullcontext():
+            results = postprocessor(_outputs_in_float32(outputs), orig_sizes)
         evaluator.update(
             {
                 int(t["image_id"]): {key: val.cpu() for key, val in r.items()}

@@ -221,9 +221,10 @@ class CocoEvaluator:
         return self._summary
 
     def format_per_class_table(self) -> str:
-        """A markdown table of AP and AP50 per category, with the mean over classes with ground truth."""
+        """A markdown table of AP and AP50 per category in percent, with the mean over
+        classes with ground truth."""
         rows = self.summarize()["per_class"]
-        lines = ["| id | category | AP | AP50 |", "|---:|---|---:|---:|"]
+        lines = ["| id | category | AP (%) | AP50 (%) |", "|---:|---|---:|---:|"]
         for row in rows:
             ap = "n/a" if row["AP"] < 0 else f"{100 * row['AP']:.1f}"
             ap50 = "n/a" if row["AP50"] < 0 else f"{100 * row['AP50']:.1f}"

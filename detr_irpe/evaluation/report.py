@@ -26,12 +26,19 @@ KEEP_PR_EVERY = 50
 
 
 def format_summary(summary: Mapping[str, Any] | None) -> str:
-    """The 12 COCOeval numbers of :meth:`CocoEvaluator.summarize` as a two-row table."""
+    """The 12 COCOeval numbers of :meth:`CocoEvaluator.summarize` as a two-row table in
+    percent, as every table the tools print (``metrics.json`` keeps COCOeval's fractions);
+    ``n/a`` where COCOeval has nothing to measure (-1)."""
     if not summary or "stats" not in summary:
         return "(no evaluation)"
     header = " ".join(f"{n:>6}" for n in COCO_STAT_NAMES)
-    values = " ".join(f"{v:6.3f}" for v in summary["stats"])
-    return f"{header}\n{values}"
+    values = " ".join(f"{100 * v:6.1f}" if v >= 0 else f"{'n/a':>6}" for v in summary["stats"])
+    return f"COCO box AP / AR in %\n{header}\n{values}"
+
+
+def format_ap(ap: float | None) -> str:
+    """An AP fraction (COCOeval's) as the tools print it: ``42.1 %``; ``-`` for none."""
+    return "-" if ap is None or ap < 0 else f"{100 * ap:.1f} %"
 
 
 def per_class_table(evaluator: CocoEvaluator) -> str:
@@ -83,6 +90,7 @@ def keep_pr_arrays(evaluator: CocoEvaluator, folder: Path, epoch: int) -> None:
 
 __all__ = [
     "KEEP_PR_EVERY",
+    "format_ap",
     "format_summary",
     "keep_pr_arrays",
     "per_class_table",

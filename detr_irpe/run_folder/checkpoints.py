@@ -248,11 +248,29 @@ def has_checkpoint(folder: str | Path) -> bool:
     return any((Path(folder) / name).exists() for name in (LAST, PREV, BEST))
 
 
+def describe_position(epoch: int, batch_in_epoch: int, total_epochs: int | None = None) -> str:
+    """Where training stands, as every message shows it (docs/training.md, "Epochs"):
+    epochs counted from 1, ``E/N``. ``epoch`` and ``batch_in_epoch`` are a checkpoint's
+    fields (epochs done, batches done in the next one): ``after epoch 2/3``, ``at epoch
+    3/3, batch 5`` (in the third epoch, 5 batches done), ``before epoch 1/3``."""
+    total = f"/{total_epochs}" if total_epochs else ""
+    if batch_in_epoch:
+        return f"at epoch {epoch + 1}{total}, batch {batch_in_epoch}"
+    return f"after epoch {epoch}{total}" if epoch else f"before epoch 1{total}"
+
+
+def epoch_label(index: int, total_epochs: int | None = None) -> str:
+    """``epoch E/N`` of the epoch with 0-based ``index`` (being trained or just done)."""
+    return f"epoch {index + 1}" + (f"/{total_epochs}" if total_epochs else "")
+
+
 __all__ = [
     "BEST",
     "LAST",
     "PREV",
     "VERSION",
+    "describe_position",
+    "epoch_label",
     "find_resume_checkpoint",
     "has_checkpoint",
     "is_best_checkpoint",

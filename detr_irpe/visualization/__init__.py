@@ -17,7 +17,8 @@ pyplot). Submodules are imported lazily, so ``import detr_irpe.visualization`` i
 - relative-position response (iRPE and RoPE side by side): :func:`position_responses`,
   :func:`plot_position_response`.
 - training: :func:`plot_training_curves` from DETR-format ``log.txt`` files.
-- evaluation: :func:`plot_pr_curves` from a ``precision.npz``.
+- evaluation: :func:`plot_pr_curves` from a ``precision.npz``; :func:`plot_ap_by_size`
+  (AP against the test size, ``tools/eval.py --sizes``).
 - into pixels: :func:`draw_detections` (labelled boxes drawn into an image tensor, for
   ``predict``), near-duplicates suppressed for drawing only.
 """
@@ -60,6 +61,7 @@ _LAZY = {
     "pr_curve_series": "pr_curves",
     "draw_detections": "draw",
     "suppress_duplicates": "draw",
+    "plot_ap_by_size": "sizes",
 }
 
 

@@ -75,8 +75,9 @@ def _series(records: list[dict[str, Any]], key: Any) -> tuple[list[float], list[
         value = _value(record, key)
         if value is None:
             continue
+        # log.txt counts epochs from 0 (as DETR's); the axis from 1, as every message
         epoch = record.get("epoch", i)
-        xs.append(float(epoch) if isinstance(epoch, (int, float)) else float(i))
+        xs.append((float(epoch) if isinstance(epoch, (int, float)) else float(i)) + 1)
         ys.append(value)
     return xs, ys
 

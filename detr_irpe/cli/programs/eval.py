@@ -1,0 +1,59 @@
+"""The program of ``detr-irpe-eval`` (:mod:`detr_irpe.cli.eval`) once its arguments are
+parsed: a checkpoint's evaluation (:func:`detr_irpe.engine.checkpoint_eval.run_evaluation`), at
+the config's size or at each test size of ``--sizes``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import detr_irpe.visualization as vis
+from detr_irpe.checkpoint.download import resolve_checkpoint
+from detr_irpe.cli.common import (
+    checked_overrides,
+    device_override,
+    load_config_from_args,
+    print_eval_result,
+)
+from detr_irpe.config import load_config
+from detr_irpe.engine.checkpoint_eval import run_evaluation
+from detr_irpe.evaluation.size_table import SIZES_FIGURE, size_rows
+from detr_irpe.sizes import EvalSize
+from detr_irpe.utils.files import ensure_writable_folder
+
+logger = logging.getLogger(__name__)
+
+
+def plot_size_figure(result: Mapping[str, Any]) -> Path:
+    """``sizes.png`` of a ``run_evaluation(..., sizes=...)`` result, in its folder."""
+    rows = size_rows([r["size"] for r in result["sizes"]], [r["summary"] for r in result["sizes"]])
+    out = Path(result["output_dir"]) / SIZES_FIGURE
+    vis.plot_ap_by_size(rows, out, title="COCO box AP against the test size")
+    return out
+
+
+def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = ()) -> int:
+    extra = device_override(args.device)
+    cfg = load_config_from_args(args, extra)
+    overrides = checked_overrides(args.overrides) + extra
+    source = resolve_checkpoint(args.checkpoint, progress=not args.no_progress)
+    if cfg is None and source.config is not None:  # a published file: its zoo config
+        cfg = load_config(source.config, overrides)
+    path = source.path
+    # a downloaded file's folder is torch.hub's cache: no place for results
+    default_dir = Path("outputs") if source.cached else path.parent
+    output_dir = args.output_dir or default_dir / f"eval_{path.stem}"
+    # before the data and the model are loaded
+    ensure_writable_folder(output_dir, "output folder", "choose another --output-dir")
+    result = run_evaluation(cfg, path, output_dir, overrides=overrides,
+                            progress=not args.no_progress, sizes=sizes)
+    if sizes and result["rank"] == 0:
+        plot_size_figure(result)
+    print_eval_result(result)
+    return 0
+
+
+__all__ = ["plot_size_figure", "run"]

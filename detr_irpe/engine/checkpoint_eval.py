@@ -1,0 +1,127 @@
+"""A checkpoint's evaluation on the val split, at the config's size or at several test
+sizes: the program of ``detr-irpe-eval``, ``detr-irpe-train --eval-only`` / ``--sizes``
+and the demo's re-evaluation.
+
+Each evaluation writes ``results.json``, ``metrics.json`` (the 12 COCOeval numbers as
+fractions, per-class AP, losses and ``speed``: :mod:`detr_irpe.engine.speed`) and
+``precision.npz`` into its folder. With test sizes each size has its folder
+``size_<label>/`` and the folder above gets ``sizes.json`` and ``sizes.md`` (AP / AP50 /
+AP75 / AP_S / AP_M / AP_L per size; the tools add ``sizes.png``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from detr_irpe.config import Config
+from detr_irpe.data import build_dataloader, build_dataset
+from detr_irpe.data.transforms import eval_size_transforms
+from detr_irpe.engine.distributed import (
+    DistInfo,
+    cleanup_distributed,
+    init_distributed,
+    lost_rank_as_error,
+)
+from detr_irpe.engine.logger import FILE_ONLY, setup_logging
+from detr_irpe.engine.runner import apply_process_settings
+from detr_irpe.engine.speed import ForwardTimer, format_speed, speed_record
+from detr_irpe.engine.trainer import evaluate
+from detr_irpe.evaluation import CocoEvaluator, format_summary, per_class_table, write_eval_outputs
+from detr_irpe.evaluation.size_table import size_rows, write_size_table
+from detr_irpe.models import LoadedModel, model_from_checkpoint
+from detr_irpe.sizes import EvalSize
+
+logger = logging.getLogger(__name__)
+
+def run_evaluation(
+    cfg: Config | None,
+    checkpoint: str | Path,
+    output_dir: str | Path,
+    *,
+    overrides: Sequence[str] = (),
+    progress: bool = True,
+    sizes: Sequence[EvalSize] = (),
+) -> dict[str, Any]:
+    """Evaluate a checkpoint (this project's or a public DETR / iRPE-DETR one) on the
+    val split of the config's data.
+
+    The model is :func:`~detr_irpe.models.model_from_checkpoint` of ``checkpoint`` with
+    ``cfg`` (``None``: the checkpoint's own config) and ``overrides``: its class count
+    comes from the checkpoint's head unless ``model.num_classes`` is among the
+    overrides. Without ``sizes`` one evaluation at ``data.val_size`` / ``data.max_size``
+    into ``output_dir``; with ``sizes`` one per test size (module docstring). Works under
+    ``torchrun`` (results gathered from all ranks).
+
+    Returns:
+        ``{"summary", "per_class_table", "losses", "speed", "output_dir", "config",
+        "rank"}`` of the evaluation at the config's size, or with ``sizes`` those of the
+        last size plus ``"sizes"``: one ``{"size", "summary", "speed", "output_dir"}``
+        per size.
+    """
+    checkpoint = Path(checkpoint)
+    loaded = model_from_checkpoint(checkpoint, cfg, overrides)
+    info = init_distributed(loaded.cfg.train.device)
+    try:
+        with lost_rank_as_error(info):
+            output_dir = Path(output_dir)
+            if info.is_main:
+                output_dir.mkdir(parents=True, exist_ok=True)
+            setup_logging(output_dir, info.rank, filename="eval.log")
+            run_cfg = apply_process_settings(loaded.cfg, info)
+            logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
+            if not sizes:
+                return _evaluate_at(loaded, run_cfg, checkpoint, output_dir, info, progress,
+                                    None)
+            rows = [_evaluate_at(loaded, run_cfg, checkpoint, output_dir / f"size_{s.label}",
+                                 info, progress, s) for s in sizes]
+            if info.is_main:
+                write_size_table(size_rows([s.label for s in sizes],
+                                           [r["summary"] for r in rows]), output_dir, checkpoint)
+            return {**rows[-1], "output_dir": str(output_dir), "sizes": [
+                {"size": s.label, "summary": r["summary"], "speed": r["speed"],
+                 "output_dir": r["output_dir"]} for s, r in zip(sizes, rows)]}
+    finally:
+        cleanup_distributed()
+
+
+def _evaluate_at(loaded: LoadedModel, cfg: Config, checkpoint: Path, output_dir: Path,
+                 info: DistInfo, progress: bool, size: EvalSize | None) -> dict[str, Any]:
+    """One evaluation, at the config's size (``size=None``) or at ``size``."""
+    if info.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    transforms = "default" if size is None else eval_size_transforms(cfg.data, size)
+    # labels as the model's class indices (remapped categories: model.category_ids)
+    val_ds = build_dataset(cfg.data, "val", transforms=transforms,
+                           category_ids=cfg.model.category_ids)
+    val_ds.check_num_classes(cfg.model.num_classes)
+    model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
+    loader = build_dataloader(
+        val_ds, cfg.train.batch_size, train=False, num_workers=cfg.data.num_workers,
+        distributed=info.distributed, seed=cfg.train.seed,
+    )
+    evaluator, timer = CocoEvaluator(val_ds.coco), ForwardTimer(info.device)
+    losses, summary = evaluate(
+        model, criterion, loaded.postprocessor, loader, evaluator, info.device,
+        amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5, timer=timer,
+    )
+    first = val_ds[0][0].to(info.device) if len(val_ds) else None
+    speed = speed_record(timer, model, first)
+    table = per_class_table(evaluator)
+    label = "" if size is None else f" at test size {size.label}"
+    if info.is_main:
+        # into eval.log only: the program prints the tables on stdout (print_eval_result)
+        logger.info("evaluation of %s%s:\n%s\n%s\n%s", checkpoint, label, format_summary(summary),
+                    table, format_speed(speed), extra=FILE_ONLY)
+        extra = {"checkpoint": str(checkpoint), "speed": speed}
+        if size is not None:
+            extra["test_size"] = size.label
+        write_eval_outputs(evaluator, summary, losses, output_dir, extra)
+        evaluator.save_pr_arrays(output_dir / "precision.npz")
+    return {"summary": summary, "per_class_table": table, "losses": losses, "speed": speed,
+            "output_dir": str(output_dir), "config": cfg, "rank": info.rank}
+
+
+__all__ = ["run_evaluation"]
