@@ -479,6 +479,33 @@ def _check_sizes(cfg: Config) -> None:
     _refuse_if_too_big(forward, values, data_defaults, shown,
                        "one forward pass of a padded batch (images, the first backbone "
                        "activation, iRPE ids and logits)")
+    check_denoising_size(m)
+
+
+def check_denoising_size(m: ModelConfig, objects_per_image: int = 1, where: str = "") -> None:
+    """Refuse denoising sizes whose decoder self-attention mask cannot be allocated here.
+
+    DN-DETR adds ``model.denoising.groups`` copies of each image's ground truth to the
+    ``model.num_queries`` matching queries, and the decoder's mask is square in their sum
+    (:func:`detr_irpe.sizes.denoising_mask_bytes`). The config alone gives one object per
+    image (a lower bound); the training run checks again with ``objects_per_image`` of
+    its data, ``where`` saying where they are (``"in FILE's fullest image"``).
+    """
+    if m.decoder != "dab" or not m.denoising.enabled:
+        return
+    values = {"model.denoising.groups": m.denoising.groups, "model.num_queries": m.num_queries}
+    defaults = {"model.denoising.groups": DenoisingConfig().groups,
+                "model.num_queries": ModelConfig().num_queries}
+
+    def mask(v: Mapping[str, int]) -> int:
+        return sizes.denoising_mask_bytes(
+            num_queries=v["model.num_queries"], groups=v["model.denoising.groups"],
+            objects_per_image=objects_per_image)
+
+    objects = f"{objects_per_image} object(s) {where or 'per image at least'}"
+    _refuse_if_too_big(mask, values, defaults, values,
+                       f"the denoising attention mask ((num_queries + groups x "
+                       f"{objects_per_image})^2 bools, {objects})")
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:

@@ -507,6 +507,16 @@ class CocoDetection(Dataset):
             return len(self.category_ids)
         return max(self.category_names) + 1
 
+    @property
+    def max_objects(self) -> int:
+        """The most objects of one image's target: non-crowd annotations with a box of
+        positive width and height (0 for a file without any)."""
+        def objects(image_id: int) -> int:
+            return sum(1 for a in self.coco.imgToAnns.get(image_id, [])
+                       if not a.get("iscrowd", 0) and a["bbox"][2] > 0 and a["bbox"][3] > 0)
+
+        return max((objects(i) for i in self.ids), default=0)
+
     def check_num_classes(self, num_classes: int) -> None:
         """Raise :class:`DatasetError` unless every label fits a head of ``num_classes``.
 

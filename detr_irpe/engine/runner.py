@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from detr_irpe.checkpoint import FORMAT, check_state_fits, load_weights
-from detr_irpe.config import Config, ConfigError, save_config
+from detr_irpe.config import Config, ConfigError, check_denoising_size, save_config
 from detr_irpe.data import build_dataloader, build_dataset, epoch_batches
 from detr_irpe.data.coco import sparse_ids_warning
 from detr_irpe.engine.distributed import (
@@ -235,6 +235,11 @@ def _settle_config(cfg: Config, start: StartState, info: DistInfo, datasets: lis
     """Fill in ``num_classes`` and the categories of remapped class indices, check a
     resumed run's config against this one (now resolved), log and write ``config.yaml``."""
     cfg = with_num_classes(cfg, resolve_num_classes(cfg, datasets), datasets[0].category_ids)
+    # The denoising queries grow with the objects of an image: the fullest training
+    # image reaches the model whole in some epoch (docs/training.md).
+    train = datasets[0]
+    check_denoising_size(cfg.model, max(getattr(train, "max_objects", 1), 1),
+                         f"in {getattr(train, 'ann_file', 'the training set')}'s fullest image")
     if info.is_main:
         warn_sparse_category_ids(datasets, cfg.model.num_classes)
     if start.saved_config is not None:
