@@ -81,3 +81,109 @@ def test_train_refuses_groups_for_the_fullest_image_before_building_the_model(
     assert len(errors) == 1 and errors[0].startswith("error: "), err
     assert f"model.denoising.groups={groups}: " in err and f"{objects} object(s)" in err, err
     assert "instances_train.json" in err, err
+
+
+# ------------------------------------------------------------------ 2: the weights cache
+@pytest.fixture()
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """torch.hub's folder in tmp_path; returns its ``checkpoints`` folder (created)."""
+    import torch
+
+    folder = tmp_path / "hub"
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(folder))
+    (folder / "checkpoints").mkdir(parents=True)
+    return folder / "checkpoints"
+
+
+def _dead_zoo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zoo's addresses on a loopback port nothing listens on: never the network."""
+    from detr_irpe.checkpoint import zoo
+
+    for name, entry in list(zoo.ZOO.items()):
+        url = f"http://127.0.0.1:9/{entry.file_name}"
+        monkeypatch.setitem(zoo.ZOO, name, zoo.ZooEntry(entry.config, url, entry.check_hash))
+
+
+def _foreign_file(path: Path) -> bytes:
+    """A real checkpoint (a random tiny model) that is not the published file."""
+    import hashlib
+
+    import torch
+
+    from detr_irpe.models import build_model
+
+    model, _, _ = build_model(load_tiny_config("model.num_classes=4"))
+    torch.save({"model": model.state_dict()}, path)
+    data = path.read_bytes()
+    assert not hashlib.sha256(data).hexdigest().startswith("e632da11")
+    return data
+
+
+def test_a_foreign_file_at_a_zoo_names_cache_path_is_refused(
+    hub_cache: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from detr_irpe.checkpoint import zoo
+    from detr_irpe.checkpoint.download import resolve_checkpoint
+    from detr_irpe.errors import CheckpointError
+
+    _dead_zoo(monkeypatch)
+    cached = hub_cache / "detr-r50-e632da11.pth"
+    _foreign_file(cached)
+    for spec in ("detr_r50", zoo.ZOO["detr_r50"].url):
+        with pytest.raises(CheckpointError) as info:
+            resolve_checkpoint(spec, progress=False)
+        message = str(info.value)
+        assert "\n" not in message and str(cached) in message, message
+        assert "e632da11" in message and "delete it" in message, message
+    assert cached.exists()  # the user's file is theirs to delete
+
+
+@pytest.mark.parametrize("tool", ["predict", "train"])
+def test_tools_refuse_a_foreign_cached_file_in_one_line(
+    hub_cache: Path, tiny_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], tool: str,
+) -> None:
+    _dead_zoo(monkeypatch)
+    cached = hub_cache / "detr-r50-e632da11.pth"
+    _foreign_file(cached)
+    out = str(tmp_path / "out")
+    image = str(next((tiny_dataset / "val").glob("*.jpg")))
+    argv = {"predict": ["detr_r50", image, "--output-dir", out],
+            "train": ["--config", "synthetic_tiny", "--finetune", "detr_r50", "--set",
+                      f"data.root={tiny_dataset}", f"train.output_dir={out}"]}[tool]
+    status = load_tool(tool).main(argv)
+    err = capsys.readouterr().err.strip()
+    errors = [line for line in err.splitlines() if "error: " in line]
+    assert status == 2, err
+    assert len(errors) == 1 and str(cached) in errors[0] and "SHA-256" in errors[0], err
+
+
+def test_a_changed_file_invalidates_its_stamp_and_a_checked_one_is_hashed_once(
+    hub_cache: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import hashlib
+
+    from detr_irpe.checkpoint import download
+    from detr_irpe.errors import CheckpointError
+
+    data = b"published weights" * 1000
+    digest = hashlib.sha256(data).hexdigest()
+    target = hub_cache / f"w-{digest[:8]}.pth"
+    target.write_bytes(data)
+    url = f"http://127.0.0.1:9/{target.name}"
+    hashed: list[Path] = []
+    real = download._sha256_of
+    monkeypatch.setattr(download, "_sha256_of", lambda p: hashed.append(p) or real(p))
+    assert download.fetch(url, target, sha256_prefix=digest[:8], progress=False) == target
+    assert download.fetch(url, target, sha256_prefix=digest[:8], progress=False) == target
+    assert hashed == [target]  # checked once, then the stamp vouches for it
+    # a file without a digest in its name, changed after it was checked
+    plain = hub_cache / "plain.pth"
+    plain.write_bytes(data)
+    download._write_stamp(plain, digest)
+    plain.write_bytes(data[:-1] + b"X")
+    with pytest.raises(CheckpointError, match=r"plain\.pth in torch.hub's cache .*delete it"):
+        download.fetch("http://127.0.0.1:9/plain.pth", plain, progress=False)
+    # the same bytes touched again (new time) still match the stamp's hash
+    plain.write_bytes(data)
+    assert download.fetch("http://127.0.0.1:9/plain.pth", plain, progress=False) == plain
