@@ -5,6 +5,7 @@ way, checkpoints that never import the modules they name, submit's ">= 0" messag
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,30 @@ def test_a_changed_file_invalidates_its_stamp_and_a_checked_one_is_hashed_once(
     # the same bytes touched again (new time) still match the stamp's hash
     plain.write_bytes(data)
     assert download.fetch("http://127.0.0.1:9/plain.pth", plain, progress=False) == plain
+
+
+# ------------------------------------------------------------------ 3: a plugin's import
+@pytest.mark.parametrize("body, said", [
+    ("import sys\nsys.exit(0)\n", "SystemExit: the module called sys.exit(0)"),
+    ("raise SystemExit('bye')\n", "SystemExit: the module called sys.exit('bye')"),
+    ("raise KeyboardInterrupt\n", "KeyboardInterrupt: interrupted"),
+    ("raise ValueError('bad plugin')\n", "ValueError: bad plugin"),
+    ("class E(BaseException):\n    pass\nraise E('odd')\n", "E: odd"),
+])
+def test_a_plugin_whose_import_ends_in_any_way_is_one_line_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    body: str, said: str,
+) -> None:
+    import sys
+
+    name = f"ending_plugin_{zlib.crc32(body.encode())}"
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status = load_tool("train").main([
+        "--config", "synthetic_tiny", "--set", f"model.import={name}",
+        f"data.root={tmp_path / 'no_data'}", f"train.output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert f"importing {name!r} failed at " in err and said in err, err
+    assert name not in sys.modules and not (tmp_path / "out").exists()
