@@ -215,3 +215,96 @@ def test_a_plugin_whose_import_ends_in_any_way_is_one_line_exit_2(
     assert len(err.splitlines()) == 1, err
     assert f"importing {name!r} failed at " in err and said in err, err
     assert name not in sys.modules and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ 4: a checkpoint's modules
+PLUGIN = """from pathlib import Path
+Path(__file__).with_name("MARKER").write_text("imported")
+"""
+
+
+def _checkpoint_naming_a_plugin(folder: Path, name: str) -> Path:
+    """A tiny model's checkpoint whose saved config has ``model.import: [name]``, with
+    ``name.py`` next to it: a module that leaves a marker file when imported."""
+    import torch
+
+    from detr_irpe.models import build_model
+
+    cfg = load_tiny_config("model.num_classes=4")
+    model, _, _ = build_model(cfg)
+    config = cfg.to_dict()
+    config["model"]["import"] = [name]
+    path = folder / "model.pth"
+    torch.save({"model": model.state_dict(), "config": config, "epoch": 1}, path)
+    (folder / f"{name}.py").write_text(PLUGIN)
+    return path
+
+
+@pytest.mark.parametrize("tool", ["eval", "predict", "export", "visualize",
+                                  "convert_checkpoint"])
+def test_a_checkpoint_never_imports_the_modules_it_names(
+    tmp_path: Path, tiny_dataset: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], tool: str,
+) -> None:
+    name = f"helper_plugin_{tool}"
+    path = _checkpoint_naming_a_plugin(tmp_path, name)
+    monkeypatch.chdir(tmp_path)  # the module is importable from here, as in the issue
+    monkeypatch.syspath_prepend(str(tmp_path))
+    image = str(next((tiny_dataset / "val").glob("*.jpg")))
+    argv = {
+        "eval": [str(path), "--output-dir", "ev", "--set", f"data.root={tiny_dataset}"],
+        "predict": [str(path), image, "--output-dir", "pred"],
+        "export": [str(path), "--output", "m.onnx", "--size", "64x64"],
+        "visualize": ["predictions", "--checkpoint", str(path), "--image", image,
+                      "--out", "p.png"],
+        "convert_checkpoint": [str(path), "out.pth"],
+    }[tool]
+    status = load_tool(tool).main(argv)
+    err = capsys.readouterr().err.strip()
+    errors = [line for line in err.splitlines() if "error: " in line]
+    assert status == 2, err
+    assert len(errors) == 1, err
+    assert f"model.import={name}" in errors[0] and "--trust-imports" in errors[0], err
+    assert f"--set model.import={name}" in errors[0], err
+    assert not (tmp_path / "MARKER").exists()
+
+
+def test_predictor_imports_a_checkpoints_modules_only_when_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from detr_irpe import Predictor
+    from detr_irpe.errors import CheckpointError
+
+    name = "helper_plugin_predictor"
+    path = _checkpoint_naming_a_plugin(tmp_path, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(CheckpointError, match=rf"trained with model\.import={name}, "):
+        Predictor.from_checkpoint(path, device="cpu")
+    assert not (tmp_path / "MARKER").exists() and name not in sys.modules
+    # the user's own list replaces the saved one (here: none)
+    Predictor.from_checkpoint(path, device="cpu", overrides=["model.import=[]"])
+    assert not (tmp_path / "MARKER").exists()
+    # an explicit trust flag imports what the checkpoint names
+    try:
+        predictor = Predictor.from_checkpoint(path, device="cpu", trust_imports=True)
+        assert (tmp_path / "MARKER").read_text() == "imported"
+        assert predictor.cfg.model.imports == [name]
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_training_with_model_import_in_the_users_own_config_still_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    name = "helper_plugin_own_config"
+    (tmp_path / f"{name}.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert load_tiny_config(f"model.import={name}").model.imports == [name]
+        assert (tmp_path / "MARKER").exists()
+    finally:
+        sys.modules.pop(name, None)

@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nheads", type=int, default=8, help="attention heads (default 8)")
     parser.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     add_config_arguments(parser, config_help="config of the model (default: the one saved "
-                                             "in INPUT); needed by --to hf for public files")
+                                             "in INPUT); needed by --to hf for public files",
+                         checkpoint=True)
     return parser
 
 
@@ -94,7 +95,8 @@ def _saved_config(path: Path, config: str | None, args: argparse.Namespace,
     implies; for a DAB-DETR / DN-DETR file: the one its layout and args imply), else None."""
     if config is None and not has_config(meta, state):
         return None
-    return resolve_config(path, config, args.overrides, meta, state).to_dict()
+    return resolve_config(path, config, args.overrides, meta, state,
+                          trust_imports=args.trust_imports).to_dict()
 
 
 def _updated_config(

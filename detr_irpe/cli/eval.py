@@ -68,6 +68,7 @@ def run_evaluation(
     *,
     overrides: Sequence[str] = (),
     progress: bool = True,
+    trust_imports: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (this project's or a public DETR / iRPE-DETR one) on the
     val split of the config's data: the program of this tool, of ``detr-irpe-train
@@ -84,7 +85,7 @@ def run_evaluation(
         ``{"summary", "per_class_table", "losses", "output_dir", "config", "rank"}``.
     """
     checkpoint = Path(checkpoint)
-    loaded = model_from_checkpoint(checkpoint, cfg, overrides)
+    loaded = model_from_checkpoint(checkpoint, cfg, overrides, trust_imports=trust_imports)
     info = init_distributed(loaded.cfg.train.device)
     try:
         with lost_rank_as_error(info):
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a .pth or .safetensors file, a Hugging Face save_pretrained "
                              "folder, a published name (detr_r50, ...) or an http(s) address")
     add_config_arguments(parser, config_help="config name or YAML path (default: the "
-                                             "checkpoint's own)")
+                                             "checkpoint's own)", checkpoint=True)
     add_device_argument(parser, default=None)
     parser.add_argument("--output-dir", type=Path,
                         help="where results.json, metrics.json, precision.npz and eval.log "
@@ -159,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         # before the data and the model are loaded
         ensure_writable_folder(output_dir, "output folder", "choose another --output-dir")
         result = run_evaluation(cfg, path, output_dir, overrides=overrides,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress,
+                                trust_imports=args.trust_imports)
         print_eval_result(result)
         return 0
 

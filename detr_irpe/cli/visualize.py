@@ -104,7 +104,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                              "name (detr_r50, ...) or an http(s) address (none: random "
                              "weights)")
     add_config_arguments(parser, config_help="config name or YAML path (default: the one "
-                                             "saved in the checkpoint; public weights need one)")
+                                             "saved in the checkpoint; public weights need one)",
+                         checkpoint=True)
     add_device_argument(parser)
 
 
@@ -220,7 +221,8 @@ def _load(args: argparse.Namespace) -> tuple[nn.Module, Config, dict[int, str] |
     if args.checkpoint is not None:
         source = resolve_checkpoint(args.checkpoint)
         config = args.config if args.config is not None else source.config
-        loaded = model_from_checkpoint(source.path, config, overrides, device)
+        loaded = model_from_checkpoint(source.path, config, overrides, device,
+                                       trust_imports=args.trust_imports)
         return loaded.model, loaded.cfg, loaded.category_names
     cfg = load_config(args.config, overrides)
     if cfg.model.num_classes is None:
