@@ -308,3 +308,28 @@ def test_training_with_model_import_in_the_users_own_config_still_imports(
         assert (tmp_path / "MARKER").exists()
     finally:
         sys.modules.pop(name, None)
+
+
+# ------------------------------------------------------------------ 5: submit's bounds
+@pytest.mark.parametrize("flag, value, said", [
+    ("--gpus-per-node", "-1", "must be >= 0, got -1"),
+    ("--max-requeues", "-1", "must be >= 0, got -1"),
+    ("--nodes", "0", "must be > 0, got 0"),
+    ("--timeout", "-5", "must be > 0, got -5"),
+])
+def test_submit_bounds_say_what_is_accepted(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, said: str,
+) -> None:
+    from detr_irpe.cli.submit import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_known_args([flag, value])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"argument {flag}: {said}" in err, err
+
+
+def test_submit_accepts_zero_where_it_says_so() -> None:
+    from detr_irpe.cli.submit import build_parser
+
+    args, _ = build_parser().parse_known_args(["--gpus-per-node", "0", "--max-requeues", "0"])
+    assert (args.gpus_per_node, args.max_requeues) == (0, 0)
