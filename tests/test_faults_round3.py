@@ -333,3 +333,55 @@ def test_submit_accepts_zero_where_it_says_so() -> None:
 
     args, _ = build_parser().parse_known_args(["--gpus-per-node", "0", "--max-requeues", "0"])
     assert (args.gpus_per_node, args.max_requeues) == (0, 0)
+
+
+# ------------------------------------------------------------------ issue 32, 1: --rpe none
+def _own_irpe_checkpoint(path: Path, *overrides: str):
+    """A tiny DETR-iRPE run's checkpoint (weights, saved config); returns the config."""
+    import torch
+
+    from detr_irpe.models import build_model
+
+    cfg = load_tiny_config("model.num_classes=4", *overrides)
+    model, _, _ = build_model(cfg)
+    torch.save({"model": model.state_dict(), "config": cfg.to_dict(), "epoch": 1}, path)
+    return cfg, model.state_dict()
+
+
+def test_convert_rpe_none_drops_the_tables_and_every_tool_loads_the_result(
+    tmp_path: Path, tiny_dataset: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torch
+
+    from detr_irpe.irpe.attention import is_rpe_key
+    from detr_irpe.models import model_from_checkpoint
+
+    source = tmp_path / "irpe.pth"
+    _, state = _own_irpe_checkpoint(source)
+    tables = [k for k in state if is_rpe_key(k)]
+    assert tables
+    out = tmp_path / "plain.pth"
+    assert load_tool("convert_checkpoint").main([str(source), str(out)] + ["--rpe", "none"]) == 0
+    assert "dropped the iRPE tables" in capsys.readouterr().out
+    loaded = model_from_checkpoint(out)
+    assert loaded.cfg.model.rpe == "none"
+    got = loaded.model.state_dict()
+    assert sorted(got) == sorted(k for k in state if k not in tables)
+    for key, value in got.items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0)
+    image = str(next((tiny_dataset / "val").glob("*.jpg")))
+    assert load_tool("predict").main([str(out), image, "--output-dir",
+                                      str(tmp_path / "pred"), "--no-draw"]) == 0
+
+
+def test_convert_to_hf_after_dropping_the_tables_says_nothing_about_irpe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    source = tmp_path / "irpe.pth"
+    _own_irpe_checkpoint(source, "model.backbone=resnet50", "model.backbone_stages=4")
+    status = load_tool("convert_checkpoint").main(
+        [str(source), str(tmp_path / "hf"), "--to", "hf", "--rpe", "none"])
+    err = capsys.readouterr().err
+    assert "iRPE" not in err and "rpe=none" not in err, err
+    assert status == 0, err
+    assert (tmp_path / "hf" / "config.json").is_file()

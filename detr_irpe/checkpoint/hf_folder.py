@@ -294,10 +294,17 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
 def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
     """Why transformers' DETR / DAB-DETR cannot hold this model, or None when it can."""
     model = cfg.model
-    if parse_rpe(model.rpe) is not None or any(is_rpe_key(k) for k in state):
+    if parse_rpe(model.rpe) is not None:
         return (
             f"an iRPE model (model.rpe={model.rpe}) cannot be written for Hugging Face: "
             "transformers' DETR and DAB-DETR have no relative position encodings"
+        )
+    tables = sorted(k for k in state if is_rpe_key(k))
+    if tables:
+        return (
+            f"the weights hold iRPE tables ({tables[0]}, {len(tables)} in all) although "
+            "model.rpe=none, and transformers' DETR and DAB-DETR have no relative position "
+            "encodings: convert with --rpe none to drop them"
         )
     if model.decoder == "dab" and (model.denoising.enabled or LABEL_KEY in state):
         return (

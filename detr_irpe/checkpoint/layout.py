@@ -349,6 +349,19 @@ def add_rpe_tables(
     return ordered, f"added {rpe_init} {rpe_cfg} tables ({names}) to {len(prefixes)} encoder layers"
 
 
+def drop_rpe_tables(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], str | None]:
+    """``state`` without its iRPE tables (a model with ``model.rpe=none`` has none) and a
+    note (None when there were none)."""
+    dropped = [k for k in state if is_rpe_key(k)]
+    if not dropped:
+        return state, None
+    layers = {k.rsplit(".self_attn.", 1)[0] for k in dropped}
+    names = sorted({k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1] for k in dropped})
+    kept = {k: v for k, v in state.items() if not is_rpe_key(k)}
+    return kept, (f"dropped the iRPE tables ({', '.join(names)}) of {len(layers)} encoder "
+                  "layer(s): the model is now model.rpe=none")
+
+
 def convert_state_dict(
     state: Mapping[str, Tensor],
     *,
@@ -363,7 +376,8 @@ def convert_state_dict(
         state: the checkpoint's state dict (not modified).
         num_classes: resize the class head (see :func:`resize_class_head`).
         rpe: add iRPE tables of this setting (see :func:`add_rpe_tables`);
-            ``None`` / ``"none"`` adds nothing.
+            ``"none"`` drops the tables there are (:func:`drop_rpe_tables`); ``None``
+            leaves them as they are.
         nheads: attention heads of the model (not stored in a state dict);
             needed for per-head / contextual table shapes.
         rpe_init: how added tables start: ``xavier`` or ``zero``.
@@ -375,7 +389,10 @@ def convert_state_dict(
     notes = []
     if num_classes is not None:
         notes.append(resize_class_head(out, num_classes))
-    if rpe is not None:
+    if rpe is not None and parse_rpe(rpe) is None:
+        out, note = drop_rpe_tables(out)
+        notes.append(note)
+    elif rpe is not None:
         out, note = add_rpe_tables(out, rpe, nheads=nheads, rpe_init=rpe_init)
         notes.append(note)
     return out, [n for n in notes if n]
@@ -390,6 +407,7 @@ __all__ = [
     "architecture",
     "convert_state_dict",
     "decoder_of",
+    "drop_rpe_tables",
     "explain_mismatch",
     "layout_of",
     "num_classes_of",

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "category id + 1; DETR's head has one output more, DN-DETR's "
                              "label_enc one row more)")
     parser.add_argument("--rpe", default=None,
-                        help="add iRPE tables of this setting, e.g. rpe-2.0-product-ctx-1-k")
+                        help="add iRPE tables of this setting, e.g. rpe-2.0-product-ctx-1-k; "
+                             "none drops the tables (an iRPE model -> plain DETR / DAB-DETR)")
     parser.add_argument("--rpe-init", choices=RPE_INIT_MODES, default="xavier",
                         help="how added tables start (default %(default)s, the reference "
                              "recipe; zero keeps the plain DETR's outputs)")
