@@ -385,3 +385,76 @@ def test_convert_to_hf_after_dropping_the_tables_says_nothing_about_irpe(
     assert "iRPE" not in err and "rpe=none" not in err, err
     assert status == 0, err
     assert (tmp_path / "hf" / "config.json").is_file()
+
+
+# ------------------------------------------------------------------ issue 32, 2: torch.hub
+def test_hub_entry_builds_a_runs_own_config_from_its_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    import torch
+    from helpers import ROOT
+
+    from detr_irpe.models import build_model
+
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))
+    # a tiny DN-DETR run without iRPE: another backbone, sizes, stages and head count
+    cfg = load_tiny_config("model.num_classes=4", "model.decoder=dab",
+                           "model.denoising.enabled=true", "model.rpe=none",
+                           "model.nheads=2")
+    run, _, _ = build_model(cfg)
+    path = tmp_path / "checkpoint_best.pth"
+    torch.save({"model": run.state_dict(), "config": cfg.to_dict(), "epoch": 3}, path)
+    with caplog.at_level(logging.INFO):
+        model = torch.hub.load(str(ROOT), "dn_detr_resnet50_irpe", source="local",
+                               checkpoint=str(path))
+    assert not model.training
+    expected = run.state_dict()
+    assert sorted(model.state_dict()) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(model.state_dict()[key], value), key
+    said = " ".join(r.getMessage() for r in caplog.records if "differs" in r.getMessage())
+    for key, recipe, ours in (("model.backbone", "'resnet50'", "'resnet18'"),
+                              ("model.nheads", "8", "2"),
+                              ("model.rpe", "'rpe-2.0-product-ctx-1-k'", "'none'")):
+        assert f"{key}: recipe {recipe}, checkpoint {ours}" in said, said
+    # an explicit argument goes on top of the saved config: another class count
+    other = torch.hub.load(str(ROOT), "dn_detr_resnet50", source="local",
+                           checkpoint=str(path), num_classes=7)
+    assert other.class_embed.out_features == 7
+
+
+def test_a_mismatch_lists_every_differing_key_with_a_value_to_set(tmp_path: Path) -> None:
+    import argparse
+
+    import torch
+    from helpers import ROOT
+
+    from detr_irpe.errors import CheckpointError
+    from detr_irpe.models import build_model
+
+    # an official-style file (no saved config): the entry builds its recipe and must
+    # name every key that differs, each with the value to set, in one error
+    cfg = load_tiny_config("model.num_classes=91", "model.decoder=dab",
+                           "model.denoising.enabled=true")
+    run, _, _ = build_model(cfg)
+    path = tmp_path / "checkpoint.pth"
+    torch.save({"model": run.state_dict(), "epoch": 1,
+                "args": argparse.Namespace(use_dn=True)}, path)
+    sizes = {"hidden_dim": 32, "dim_feedforward": 64, "enc_layers": 1, "dec_layers": 1,
+             "num_queries": 4, "backbone_weights": "none", "dropout": 0.0}
+    with pytest.raises(CheckpointError) as info:
+        torch.hub.load(str(ROOT), "dn_detr_resnet50_irpe", source="local",
+                       checkpoint=str(path), **sizes)
+    message = str(info.value)
+    assert "\n" not in message
+    for setting in ("model.backbone=resnet18", "model.backbone_stages=3", "model.nheads=4"):
+        assert setting in message, message
+    assert not message.rstrip(".").endswith(("model.nheads", "model.rpe")), message
+    # following the advice once is enough
+    model = torch.hub.load(str(ROOT), "dn_detr_resnet50_irpe", source="local",
+                           checkpoint=str(path), backbone="resnet18", backbone_stages=3,
+                           nheads=4, **sizes)
+    for key, value in run.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key

@@ -119,8 +119,16 @@ def _rpe_tables(state: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
     return tables[min(tables)] if tables else {}
 
 
+def _backbone_stages(state: Mapping[str, Tensor]) -> int | None:
+    """The ResNet stages a state dict holds (``layer2`` .. ``layer4``: 2, 3 or 4)."""
+    body = "backbone.0.body."
+    stages = [n for n in (4, 3, 2) if any(k.startswith(f"{body}layer{n}.") for k in state)]
+    return stages[0] if stages else None
+
+
 def _backbone_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    return {"model.backbone": _backbone_name(state)}
+    return {"model.backbone": _backbone_name(state),
+            "model.backbone_stages": _backbone_stages(state)}
 
 
 def _decoder_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
@@ -209,6 +217,18 @@ def _rpe_difference(saved: dict[str, tuple], model: dict[str, tuple]) -> str:
     return "model.nheads"  # same buckets, other per-head width or head count
 
 
+def _heads_of(tables: dict[str, tuple], hidden_dim: int | None) -> int | None:
+    """``model.nheads`` as per-head iRPE tables show it: a contextual table's per-head
+    width ``D = hidden_dim / nheads``, or a bias table's ``(nheads, K)`` rows."""
+    for name, shape in sorted(tables.items()):
+        if len(shape) == 3 and hidden_dim:
+            width = shape[2] if name.startswith("rpe_v") else shape[1]
+            return hidden_dim // width if width and hidden_dim % width == 0 else None
+        if len(shape) == 2 and shape[0] > 1:
+            return shape[0]
+    return None
+
+
 def _show(key: str, value: Any) -> str:
     if key == "model.rpe":
         return "; ".join(f"{k} {v}" for k, v in sorted(value.items())) or "no iRPE tables"
@@ -236,7 +256,13 @@ def explain_mismatch(
                 continue
             if a[key] and b[key]:
                 key_name = _rpe_difference(a[key], b[key])
-                out.append((key_name, _show("model.rpe", a[key]), _show("model.rpe", b[key])))
+                heads = (_heads_of(a[key], a.get("model.hidden_dim")),
+                         _heads_of(b[key], b.get("model.hidden_dim")))
+                if key_name == "model.nheads" and None not in heads:
+                    out.append((key_name, str(heads[0]), str(heads[1])))
+                else:
+                    out.append((key_name, _show("model.rpe", a[key]),
+                                _show("model.rpe", b[key])))
                 continue
         out.append((key, _show(key, a[key]), _show(key, b[key])))
     order = list(a)
