@@ -458,3 +458,35 @@ def test_a_mismatch_lists_every_differing_key_with_a_value_to_set(tmp_path: Path
                            nheads=4, **sizes)
     for key, value in run.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+# ------------------------------------------------------------------ issue 32, 4: sparse ids
+def test_sparse_ids_warning_of_a_focal_model_quotes_sigmoid_figures() -> None:
+    from detr_irpe.data.coco import sparse_ids_warning
+
+    text = sparse_ids_warning([0, 500, 1000], 1001, sigmoid=True)
+    assert "ln(" not in text, text
+    assert "1001 sigmoid outputs instead of 3" in text and f"{1001 / 3:.0f}x" in text, text
+    assert "998 of them" in text and "data.remap_categories=true" in text
+    assert "ln(1002) = 6.9 instead of ln(4) = 1.4" in sparse_ids_warning([0, 500, 1000], 1001)
+
+
+@pytest.mark.parametrize("decoder, sigmoid", [("detr", False), ("dab", True)])
+def test_a_run_warns_with_the_figures_of_its_head(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, decoder: str, sigmoid: bool,
+) -> None:
+    import logging
+    from types import SimpleNamespace
+
+    from detr_irpe.engine import runner
+
+    data = SimpleNamespace(num_classes=1001, category_ids=None, max_objects=1,
+                           ann_file="train.json",
+                           category_names={0: "a", 500: "b", 1000: "c"})
+    cfg = load_tiny_config(f"model.decoder={decoder}", f"train.output_dir={tmp_path}")
+    with caplog.at_level(logging.WARNING, logger="detr_irpe.engine.runner"):
+        runner._settle_config(cfg, runner.StartState(), SimpleNamespace(is_main=True),
+                              [data, data])
+    said = " ".join(r.getMessage() for r in caplog.records if "category ids" in r.getMessage())
+    assert "1001 outputs" in said, said
+    assert ("sigmoid outputs" in said) is sigmoid and ("ln(" in said) is not sigmoid, said

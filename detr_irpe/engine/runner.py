@@ -111,13 +111,14 @@ def with_num_classes(cfg: Config, num_classes: int,
     return dataclasses.replace(cfg, model=model)
 
 
-def warn_sparse_category_ids(datasets: list[Any], num_classes: int) -> None:
+def warn_sparse_category_ids(datasets: list[Any], num_classes: int,
+                             sigmoid: bool = False) -> None:
     """Log :func:`~detr_irpe.data.coco.sparse_ids_warning` for datasets trained on
     their category ids (not remapped) when most of the head's outputs are unused."""
     if any(d.category_ids is not None for d in datasets if d is not None):
         return
     ids = {int(i) for d in datasets if d is not None for i in d.category_names}
-    message = sparse_ids_warning(ids, num_classes)
+    message = sparse_ids_warning(ids, num_classes, sigmoid=sigmoid)
     if message:
         logger.warning("%s", message)
 
@@ -241,7 +242,9 @@ def _settle_config(cfg: Config, start: StartState, info: DistInfo, datasets: lis
     check_denoising_size(cfg.model, max(getattr(train, "max_objects", 1), 1),
                          f"in {getattr(train, 'ann_file', 'the training set')}'s fullest image")
     if info.is_main:
-        warn_sparse_category_ids(datasets, cfg.model.num_classes)
+        # the dab decoder's head is one sigmoid per class (focal loss)
+        warn_sparse_category_ids(datasets, cfg.model.num_classes,
+                                 sigmoid=cfg.model.decoder == "dab")
     if start.saved_config is not None:
         check_resume_config(start.saved_config, cfg, start)
         _log_resume_changes(start.saved_config, cfg)
