@@ -490,3 +490,26 @@ def test_a_run_warns_with_the_figures_of_its_head(
     said = " ".join(r.getMessage() for r in caplog.records if "category ids" in r.getMessage())
     assert "1001 outputs" in said, said
     assert ("sigmoid outputs" in said) is sigmoid and ("ln(" in said) is not sigmoid, said
+
+
+# ------------------------------------------------------------------ issue 32, 5: anchors
+@pytest.mark.parametrize("command, kept", [("anchors", 3), ("anchor-attention", 3),
+                                           ("predictions", 0)])
+def test_anchor_figures_keep_three_detections_by_default(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, command: str, kept: int,
+) -> None:
+    import logging
+
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path / "img.png"
+    Image.fromarray(np.full((64, 96, 3), 90, dtype=np.uint8)).save(path)
+    # a score no detection reaches: only the minimum is drawn
+    argv = [command, "--image", str(path), "--config", "synthetic_tiny", "--threshold", "1.01",
+            "--out", str(tmp_path / "f.png"), "--set", "model.num_classes=5",
+            "model.num_queries=6", "model.decoder=dab"]
+    with caplog.at_level(logging.INFO):
+        assert load_tool("visualize").main(argv) == 0
+    said = [r.getMessage() for r in caplog.records if "detections kept" in r.getMessage()]
+    assert said and said[0].startswith(f"{kept} detections kept"), said
