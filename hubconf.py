@@ -236,7 +236,9 @@ def _build_saved(
         logger.log(level, "%s: built from the config saved in %s, which differs from the "
                    "entry's recipe %s in %d key(s): %s", recipe, checkpoint, recipe,
                    len(differences), "; ".join(differences))
-    model, _, postprocessor = build_model(cfg, load_backbone_weights=False)
+    names = meta.get("category_names")  # the post-processing scores only these
+    model, _, postprocessor = build_model(cfg, load_backbone_weights=False,
+                                          categories=names if names else None)
     load_state(model, state, meta, strict_head=False)
     model.eval()
     return (model, postprocessor) if return_postprocessor else model

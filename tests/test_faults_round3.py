@@ -513,3 +513,79 @@ def test_anchor_figures_keep_three_detections_by_default(
         assert load_tool("visualize").main(argv) == 0
     said = [r.getMessage() for r in caplog.records if "detections kept" in r.getMessage()]
     assert said and said[0].startswith(f"{kept} detections kept"), said
+
+
+# ------------------------------------------------------------------ issue 32, 3: categories
+def _naive_topk(logits, boxes, categories, category_ids, k):
+    """Every (query, class) pair whose class is a category, by descending sigmoid score
+    (float64): ``[(score, category id, query)]`` of the first ``k``."""
+    import math
+
+    pairs = []
+    for q in range(logits.shape[0]):
+        for c in range(logits.shape[1]):
+            cid = c if category_ids is None else category_ids[c]
+            if cid in categories:
+                pairs.append((1 / (1 + math.exp(-float(logits[q, c]))), cid, q))
+    return sorted(pairs, reverse=True)[:k]
+
+
+@pytest.mark.parametrize("category_ids, categories", [
+    (None, {1, 2, 3}),           # ids from 1: output 0 is no category
+    (None, {1, 3, 5}),           # gaps, as COCO's
+    ([10, 20, 30, 40, 50, 60], {20, 40}),  # remapped outputs, some categories absent
+])
+def test_topk_scores_only_the_outputs_that_are_categories(category_ids, categories) -> None:
+    import torch
+
+    from detr_irpe.models.postprocess import TopKPostProcess
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)
+    boxes = torch.rand(2, 5, 4, generator=g, dtype=torch.float64) * 0.5 + 0.25
+    post = TopKPostProcess(num_select=7, category_ids=category_ids, categories=categories)
+    results = post({"pred_logits": logits, "pred_boxes": boxes},
+                   torch.tensor([[100, 200], [100, 200]]))
+    for b, result in enumerate(results):
+        expected = _naive_topk(logits[b], boxes[b], categories, category_ids, 7)
+        assert result["labels"].tolist() == [cid for _, cid, _ in expected]
+        torch.testing.assert_close(result["scores"].double(),
+                                   torch.tensor([s for s, _, _ in expected], dtype=torch.float64),
+                                   rtol=1e-6, atol=1e-7)
+        centres = (result["boxes"][:, :2] + result["boxes"][:, 2:]) / 2
+        want = torch.stack([boxes[b, q, :2] for _, _, q in expected]) * torch.tensor([200, 100])
+        torch.testing.assert_close(centres.double(), want, rtol=1e-5, atol=1e-4)
+    # fewer pairs than num_select: every category pair, none of the others
+    few = TopKPostProcess(num_select=1000, category_ids=category_ids, categories=categories)(
+        {"pred_logits": logits, "pred_boxes": boxes}, torch.tensor([[10, 10], [10, 10]]))
+    assert len(few[0]["labels"]) == len(_naive_topk(logits[0], boxes[0], categories,
+                                                    category_ids, 1000))
+
+
+def test_a_dab_run_and_its_checkpoint_output_only_categories(
+    tiny_dataset: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from detr_irpe import Predictor
+    from detr_irpe.engine.runner import run_training
+    from detr_irpe.run_folder.checkpoints import LAST
+
+    data = json.loads((tiny_dataset / "annotations" / "instances_val.json").read_text())
+    ids = {c["id"] for c in data["categories"]}
+    assert 0 not in ids  # ids from 1: class index 0 is no category
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={tmp_path / 'run'}",
+                           "train.epochs=1", "model.decoder=dab", "model.denoising.enabled=true",
+                           "model.num_select=50")
+    with caplog.at_level(logging.WARNING):
+        run_training(cfg, progress=False)
+    assert not [r for r in caplog.records if "not a category id" in r.getMessage()]
+    results = json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
+    assert results and {r["category_id"] for r in results} <= ids
+    predictor = Predictor.from_checkpoint(tmp_path / "run" / LAST, device="cpu",
+                                          score_threshold=0.0)
+    import torch
+
+    detections = predictor.detect([torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8)])[0]
+    assert len(detections["labels"]) == 4 * len(ids)  # 4 queries x the 3 categories
+    assert set(detections["labels"].tolist()) <= ids

@@ -55,7 +55,7 @@ from detr_irpe.engine.logger import FILE_ONLY, setup_logging
 from detr_irpe.engine.runner import apply_process_settings
 from detr_irpe.engine.trainer import evaluate
 from detr_irpe.evaluation import CocoEvaluator, format_summary, per_class_table, write_eval_outputs
-from detr_irpe.models import LoadedModel, model_from_checkpoint
+from detr_irpe.models import LoadedModel, build_postprocessor, model_from_checkpoint
 from detr_irpe.utils.files import ensure_writable_folder
 
 logger = logging.getLogger(__name__)
@@ -106,13 +106,15 @@ def _evaluate_on_this_rank(loaded: LoadedModel, checkpoint: Path, output_dir: Pa
     val_ds = build_dataset(cfg.data, "val", category_ids=cfg.model.category_ids)
     val_ds.check_num_classes(cfg.model.num_classes)
     model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
+    # scored: the outputs that are categories of the evaluated data
+    postprocessor = build_postprocessor(cfg, categories=val_ds.category_names)
     loader = build_dataloader(
         val_ds, cfg.train.batch_size, train=False, num_workers=cfg.data.num_workers,
         distributed=info.distributed, seed=cfg.train.seed,
     )
     evaluator = CocoEvaluator(val_ds.coco)
     losses, summary = evaluate(
-        model, criterion, loaded.postprocessor, loader, evaluator, info.device,
+        model, criterion, postprocessor, loader, evaluator, info.device,
         amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5,
     )
     table = per_class_table(evaluator)

@@ -286,7 +286,10 @@ def build_parts(cfg: Config, info: DistInfo, start: StartState) -> RunParts:
     seed_everything(cfg.train.seed)  # the same initial weights on every rank
     from_weights = start.resume_state is not None or start.finetune is not None
     # Weights from a checkpoint include the backbone: no ImageNet weights to load.
-    model, criterion, postprocessor = build_model(cfg, load_backbone_weights=not from_weights)
+    # the dab decoder's post-processing scores only the outputs that are categories
+    categories = set(train_ds.category_names) | set(val_ds.category_names)
+    model, criterion, postprocessor = build_model(cfg, load_backbone_weights=not from_weights,
+                                                  categories=categories)
     model.to(info.device)
     criterion.to(info.device)
     seed_everything(cfg.train.seed + info.rank)

@@ -101,8 +101,10 @@ class Predictor:
         loaded = model_from_checkpoint(source.path, config=config, overrides=overrides,
                                        device=target, trust_imports=trust_imports)
         names = loaded.category_names or default_category_names(loaded.cfg.model.num_classes)
-        return cls(loaded.model, loaded.cfg, names, target, score_threshold,
-                   loaded.postprocessor)
+        postprocessor = loaded.postprocessor
+        if not loaded.category_names and names:  # a COCO model: only COCO's 80 categories
+            postprocessor = build_postprocessor(loaded.cfg, categories=names)
+        return cls(loaded.model, loaded.cfg, names, target, score_threshold, postprocessor)
 
     def label(self, category_id: int) -> str:
         """The name of a category id (``class N`` when it has none)."""

@@ -5,6 +5,7 @@ backbone parameters train at which learning rate is the optimizer's business."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -128,12 +129,16 @@ def build_focal_criterion(
                              focal_alpha=loss.focal_alpha, focal_gamma=loss.focal_gamma)
 
 
-def build_postprocessor(cfg: Config | ModelConfig) -> nn.Module:
+def build_postprocessor(
+    cfg: Config | ModelConfig, categories: Iterable[int] | None = None,
+) -> nn.Module:
     """DETR's PostProcess (softmax, best class per query) or, for the dab decoder, the
-    top ``model.num_select`` (query, class) sigmoid scores."""
+    top ``model.num_select`` (query, class) sigmoid scores, of the outputs that are one of
+    ``categories`` (the category ids there are; None: every output)."""
     m, _ = _sections(cfg)
     if m.decoder == "dab":
-        return TopKPostProcess(num_select=m.num_select, category_ids=m.category_ids)
+        return TopKPostProcess(num_select=m.num_select, category_ids=m.category_ids,
+                               categories=categories)
     return PostProcess(m.category_ids)
 
 
@@ -196,6 +201,7 @@ def build_model(
     loss_cfg: LossConfig | None = None,
     *,
     load_backbone_weights: bool = True,
+    categories: Iterable[int] | None = None,
 ) -> tuple[nn.Module, nn.Module, nn.Module]:
     """Assemble the detector of ``model.decoder`` (+ iRPE encoder), its loss and its
     post-processor: DETR, SetCriterion, PostProcess; or DAB-DETR (DN-DETR with
@@ -207,6 +213,8 @@ def build_model(
         loss_cfg: the loss section when ``cfg`` is a ModelConfig.
         load_backbone_weights: False when the weights come from a checkpoint: the
             backbone's ``model.backbone_weights`` (ImageNet / a file) are then not loaded.
+        categories: the category ids there are, for the post-processor
+            (:func:`build_postprocessor`).
 
     Raises:
         ConfigError: ``model.num_classes`` is not set.
@@ -225,7 +233,7 @@ def build_model(
         counts["trainable"],
         counts["rpe"],
     )
-    return model, criterion, build_postprocessor(m)
+    return model, criterion, build_postprocessor(m, categories)
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

@@ -85,7 +85,10 @@ def model_from_checkpoint(
     state, meta = read_checkpoint(path)
     cfg = config_for_checkpoint(path, state, meta, config, overrides,
                                 trust_imports=trust_imports)
-    model, criterion, postprocessor = build_model(cfg, load_backbone_weights=False)
+    # the categories saved with the weights: the post-processing scores only those
+    names = meta.get("category_names")
+    model, criterion, postprocessor = build_model(cfg, load_backbone_weights=False,
+                                                  categories=names if names else None)
     meta["load"] = load_state(model, state, meta, strict_head=strict_head)
     model.to(device).eval()
     criterion.to(device)
