@@ -25,11 +25,22 @@ pass ``checkpoint="PATH/TO/file.pth"`` (any checkpoint the tools read), e.g.
 
     model = torch.hub.load("PATH/TO/detr_irpe", "dn_detr_resnet50", source="local",
                            checkpoint="checkpoint.pth")     # the DN-DETR-R50 file, 44.4 AP
+
+A ``checkpoint`` that carries its config (a run of this project) builds the model of
+that config, as ``Predictor.from_checkpoint`` does; keyword arguments given explicitly
+(``num_classes``, ``rpe``, ``model.*`` values) go on top of it. Where the saved config
+differs from the entry's recipe, every differing key is logged with both values. Modules
+the saved config names (``model.import``) are imported only with ``trust_imports=True``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Mapping
 from typing import Any
+
+logger = logging.getLogger("detr_irpe.hub")
 
 dependencies = ["torch", "torchvision"]
 
@@ -129,11 +140,13 @@ def _make_dab(
     config: str,
     pretrained: bool,
     checkpoint: str | None,
-    num_classes: int,
+    num_classes: int | None,
     return_postprocessor: bool,
     model_options: dict[str, Any],
+    trust_imports: bool = False,
 ):
-    """A ``dab`` decoder entry: the config's model, with ``checkpoint``'s weights when given.
+    """A ``dab`` decoder entry: the config's model, with ``checkpoint``'s weights when given
+    (a checkpoint with a saved config: that config's model, :func:`_build_saved`).
 
     ``pretrained=True`` without ``checkpoint`` raises a one-line CheckpointError naming the
     official file and the call that loads it (before anything is built)."""
@@ -153,15 +166,90 @@ def _make_dab(
             f"the official {name} weights have no stable download address (a Google Drive "
             f"link in the model zoo of {repository}): download the file once and load it "
             f"with torch.hub.load(REPO, {entry!r}, source='local', checkpoint='PATH')")
-    weights = read_checkpoint(checkpoint) if checkpoint is not None else None
-    return _build(config, weights, num_classes, return_postprocessor, model_options)
+    if checkpoint is None:
+        return _build(config, None, num_classes or 91, return_postprocessor, model_options)
+    weights = read_checkpoint(checkpoint)
+    if isinstance(weights[1].get("config"), Mapping):  # a run of this project
+        return _build_saved(config, checkpoint, weights, num_classes, return_postprocessor,
+                            model_options, trust_imports)
+    return _build(config, weights, num_classes or 91, return_postprocessor, model_options)
+
+
+def _overrides(options: Mapping[str, Any], prefix: str = "model") -> list[str]:
+    """``model.*`` keyword values as ``"model.key=value"`` overrides (values as JSON,
+    which YAML reads back as they were; sections such as ``denoising`` key by key)."""
+    out = []
+    for key, value in options.items():
+        if isinstance(value, Mapping):
+            out += _overrides(value, f"{prefix}.{key}")
+        else:
+            out.append(f"{prefix}.{key}={json.dumps(value)}")
+    return out
+
+
+def _flat(values: Mapping[str, Any], prefix: str = "model") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            out.update(_flat(value, f"{prefix}.{key}"))
+        else:
+            out[f"{prefix}.{key}"] = value
+    return out
+
+
+def _recipe_differences(recipe: str, cfg) -> list[str]:
+    """``"key: recipe A, checkpoint B"`` for every model key where ``cfg`` differs from
+    the entry's ``recipe`` config."""
+    from detr_irpe.config import load_config
+
+    ours = _flat(load_config(recipe).to_dict()["model"])
+    theirs = _flat(cfg.to_dict()["model"])
+    return [f"{key}: recipe {ours.get(key)!r}, checkpoint {theirs.get(key)!r}"
+            for key in theirs if ours.get(key) != theirs.get(key)]
+
+
+def _build_saved(
+    recipe: str,
+    checkpoint: str,
+    weights: tuple[dict, dict],
+    num_classes: int | None,
+    return_postprocessor: bool,
+    model_options: dict[str, Any],
+    trust_imports: bool,
+):
+    """The model of the config saved with ``weights`` (explicit ``num_classes`` and
+    ``model_options`` on top), its weights loaded, in eval mode."""
+    from detr_irpe.checkpoint import config_for_checkpoint, load_state
+    from detr_irpe.models import build_model
+
+    state, meta = weights
+    overrides = _overrides(model_options)
+    if num_classes is not None:
+        overrides.append(f"model.num_classes={num_classes}")
+    cfg = config_for_checkpoint(checkpoint, state, meta, None, overrides,
+                                trust_imports=trust_imports)
+    differences = _recipe_differences(recipe, cfg)
+    if differences:
+        family = {"model.family", "model.denoising.enabled", "model.rpe"}
+        level = logging.WARNING if any(d.split(":")[0] in family for d in differences) \
+            else logging.INFO
+        logger.log(level, "%s: built from the config saved in %s, which differs from the "
+                   "entry's recipe %s in %d key(s): %s", recipe, checkpoint, recipe,
+                   len(differences), "; ".join(differences))
+    names = meta.get("category_names")  # the post-processing scores only these
+    model, _, postprocessor = build_model(cfg, load_backbone_weights=False,
+                                          categories=names if names else None)
+    load_state(model, state, meta, strict_head=False)
+    model.eval()
+    return (model, postprocessor) if return_postprocessor else model
 
 
 def dab_detr_resnet50(
     pretrained: bool = False,
-    num_classes: int = 91,
+    num_classes: int | None = None,
     checkpoint: str | None = None,
     return_postprocessor: bool = False,
+    trust_imports: bool = False,
     **model_options: Any,
 ):
     """DAB-DETR-R50 (config ``dab_detr_r50``, 50-epoch recipe): anchor-box queries, sigmoid
@@ -172,29 +260,32 @@ def dab_detr_resnet50(
     ``pretrained=True`` alone says where it is).
     """
     return _make_dab("dab_detr_r50", pretrained, checkpoint, num_classes,
-                     return_postprocessor, model_options)
+                     return_postprocessor, model_options, trust_imports)
 
 
 def dab_detr_resnet50_irpe(
     pretrained: bool = False,
-    num_classes: int = 91,
-    rpe: str = "rpe-2.0-product-ctx-1-k",
+    num_classes: int | None = None,
+    rpe: str | None = None,
     checkpoint: str | None = None,
     return_postprocessor: bool = False,
+    trust_imports: bool = False,
     **model_options: Any,
 ):
     """DAB-DETR-R50 with iRPE ``rpe`` in every encoder self-attention (config
     ``dab_detr_r50_irpe``). No published weights: ``checkpoint`` loads a file, e.g. your
     own run, or the official DAB-DETR-R50 one (iRPE tables then start as ``rpe_init``)."""
-    return _make_dab("dab_detr_r50_irpe", pretrained, checkpoint, num_classes,
-                     return_postprocessor, {**model_options, "rpe": rpe})
+    return _make_dab("dab_detr_r50_irpe", pretrained, checkpoint, num_classes, return_postprocessor,
+                     model_options if rpe is None else {**model_options, "rpe": rpe},
+                     trust_imports)
 
 
 def dn_detr_resnet50(
     pretrained: bool = False,
-    num_classes: int = 91,
+    num_classes: int | None = None,
     checkpoint: str | None = None,
     return_postprocessor: bool = False,
+    trust_imports: bool = False,
     **model_options: Any,
 ):
     """DN-DETR-R50 (config ``dn_detr_r50``): DAB-DETR-R50 trained with denoising queries
@@ -204,19 +295,21 @@ def dn_detr_resnet50(
     ``pretrained=True`` alone says where it is).
     """
     return _make_dab("dn_detr_r50", pretrained, checkpoint, num_classes,
-                     return_postprocessor, model_options)
+                     return_postprocessor, model_options, trust_imports)
 
 
 def dn_detr_resnet50_irpe(
     pretrained: bool = False,
-    num_classes: int = 91,
-    rpe: str = "rpe-2.0-product-ctx-1-k",
+    num_classes: int | None = None,
+    rpe: str | None = None,
     checkpoint: str | None = None,
     return_postprocessor: bool = False,
+    trust_imports: bool = False,
     **model_options: Any,
 ):
     """DN-DETR-R50 with iRPE ``rpe`` in every encoder self-attention (config
     ``dn_detr_r50_irpe``). No published weights: ``checkpoint`` loads a file, e.g. your
     own run, or the official DN-DETR-R50 one (iRPE tables then start as ``rpe_init``)."""
-    return _make_dab("dn_detr_r50_irpe", pretrained, checkpoint, num_classes,
-                     return_postprocessor, {**model_options, "rpe": rpe})
+    return _make_dab("dn_detr_r50_irpe", pretrained, checkpoint, num_classes, return_postprocessor,
+                     model_options if rpe is None else {**model_options, "rpe": rpe},
+                     trust_imports)

@@ -125,11 +125,13 @@ class DetectorFamily:
             :class:`detr_irpe.config.ModelConfig`).
         loss_config: the dataclass of the ``loss`` section (a subclass of
             :class:`detr_irpe.config.LossConfig`).
-        build: ``(model section, loss section, load_backbone_weights) -> (model,
-            criterion, postprocessor)``.
+        build: ``(model section, loss section, load_backbone_weights, categories) ->
+            (model, criterion, postprocessor)``.
         build_detector: ``(model section, load_backbone_weights) -> model``.
-        build_postprocessor: ``model section -> post-processor`` (outputs -> per-image
-            ``scores``, ``labels`` (category ids), ``boxes`` (absolute xyxy)).
+        build_postprocessor: ``(model section, categories) -> post-processor`` (outputs ->
+            per-image ``scores``, ``labels`` (category ids), ``boxes`` (absolute xyxy));
+            ``categories``: the category ids there are (a sigmoid head scores only those),
+            or None.
         model_types: the ``nn.Module`` classes of its detectors (to tell a built model's
             family).
         describe: ``model section -> name`` of one configuration (``"DN-DAB-DETR"``);
@@ -139,6 +141,8 @@ class DetectorFamily:
         onnx_wrapper: ``model -> nn.Module`` mapping ``images (N, 3, H, W)`` to
             ``(pred_logits, pred_boxes)`` for export; None: the package's default (an
             all-False padding mask).
+        sigmoid_classes: its class head is one sigmoid per class (focal loss, no "no
+            object" output), not a softmax.
         figures: the extra figure kinds of ``visualize.py`` it offers (``"anchors"``).
         benchmark_targets: ``{row name: config name}`` of the benchmark's model rows
             (``{"DETR": "detr_r50"}``).
@@ -151,14 +155,15 @@ class DetectorFamily:
     title: str
     model_config: type
     loss_config: type
-    build: Callable[[Any, Any, bool], tuple[nn.Module, nn.Module, nn.Module]]
+    build: Callable[..., tuple[nn.Module, nn.Module, nn.Module]]
     build_detector: Callable[[Any, bool], nn.Module]
-    build_postprocessor: Callable[[Any], nn.Module]
+    build_postprocessor: Callable[..., nn.Module]
     model_types: tuple[type, ...] = ()
     describe: Callable[[Any], str] | None = None
     checkpoint: CheckpointSupport | None = None
     hf: HFSupport | None = None
     onnx_wrapper: Callable[[nn.Module], nn.Module] | None = None
+    sigmoid_classes: bool = False
     figures: tuple[str, ...] = ()
     benchmark_targets: Mapping[str, str] = field(default_factory=dict)
     aliases: Sequence[str] = ()

@@ -31,6 +31,7 @@ from pathlib import Path
 __all__ = [
     "EVAL_SIDE_RANGE",
     "EvalSize",
+    "denoising_mask_bytes",
     "forward_bytes",
     "format_bytes",
     "largest_value_to_blame",
@@ -122,6 +123,14 @@ def forward_bytes(
     if irpe:
         total += INT64 * tokens * tokens + FLOAT32 * batch * nheads * tokens * tokens
     return total
+
+
+def denoising_mask_bytes(*, num_queries: int, groups: int, objects_per_image: int = 1) -> int:
+    """Bytes of DN-DETR's decoder self-attention mask: one bool ``(P + Q, P + Q)`` tensor,
+    ``P = groups * S`` denoising queries for ``S`` objects in the fullest image of a batch
+    (one at least: a batch without objects has no denoising queries and needs no check)."""
+    side = num_queries + groups * objects_per_image
+    return side * side
 
 
 def largest_value_to_blame(

@@ -110,10 +110,11 @@ def dead_url() -> Iterator[str]:
 
 
 def _leftovers(folder: Path) -> list[str]:
-    """Files in the cache other than lock files: what a failed download must not leave."""
+    """Files in the cache other than lock files and stamps (hidden files): what a failed
+    download must not leave."""
     if not folder.exists():
         return []
-    return sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
 
 
 def _hashed_copy(data: bytes, folder: Path, stem: str, digest: str | None = None) -> str:

@@ -291,7 +291,9 @@ def test_mismatches_name_the_settings(dn_file, dab_file, detr_file) -> None:
     assert "Set model.family=detr" in text and "class head" not in text
     text = _message(dn_file, base=("model.rpe=none", f"model.num_classes={NUM_CLASSES}",
                                    "model.dec_layers=2"))
-    assert "Set model.family=dab, model.denoising.enabled=true." in text, text
+    # every difference at once, the backbone's stages too (a 4-stage file, a 3-stage model)
+    assert ("Set model.family=dab, model.denoising.enabled=true, "
+            "model.backbone_stages=4.") in text, text
     text = _message(dab_file, "model.num_queries=7")
     assert "model.num_queries: checkpoint 4, model 7" in text
     assert "Set model.num_queries=4." in text

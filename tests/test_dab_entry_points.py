@@ -152,14 +152,15 @@ def test_predictor_and_predict_tool(trained: Path, tmp_path: Path) -> None:
     assert isinstance(predictor.postprocessor, TopKPostProcess)
     images = _images(tmp_path / "in")
     direct = predictor(str(images / "img0.png"))
-    assert len(direct["scores"]) == 16  # every (query, class) pair of 4 queries x 4 classes
+    # every (query, class) pair of 4 queries x the 3 categories (ids 1-3: output 0 is none)
+    assert len(direct["scores"]) == 12
     out = tmp_path / "out"
     code = load_tool("predict").main([str(trained / LAST), str(images), "--output-dir",
                                       str(out), "--score-threshold", "0", "--device", "cpu",
                                       "--no-progress"])
     assert code == 0
     document = json.loads((out / "detections.json").read_text())
-    assert len(document["detections"]) == 2 * 16
+    assert len(document["detections"]) == 2 * 12
     first = [d for d in document["detections"] if d["image_id"] == 1]
     np.testing.assert_allclose([d["score"] for d in first], direct["scores"].numpy(), atol=1e-5)
     assert sorted(p.stem for p in out.glob("*.png")) == ["img0", "img1"]

@@ -143,8 +143,8 @@ def test_docs_plugin_in_a_tool_and_from_its_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_dataset: Path,
 ) -> None:
     """docs/model.md's example verbatim: tools/train.py in a fresh process imports the
-    plugin from the working directory; the checkpoint's saved config imports it again
-    where the model is rebuilt (here, in this process)."""
+    plugin from the working directory; the checkpoint's saved config names it, and it is
+    imported again where the model is rebuilt (here, in this process) once trusted."""
     code, command = _docs_plugin_and_command()
     (tmp_path / "my_plugin.py").write_text(code)
     assert command[:2] == ["python", "tools/train.py"] and "model.import=my_plugin" in command
@@ -159,7 +159,9 @@ def test_docs_plugin_in_a_tool_and_from_its_checkpoint(
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     monkeypatch.chdir(tmp_path)
-    loaded = model_from_checkpoint(out / "checkpoint_last.pth")
+    with pytest.raises(CheckpointError, match=r"model\.import=my_plugin.*--trust-imports"):
+        model_from_checkpoint(out / "checkpoint_last.pth")
+    loaded = model_from_checkpoint(out / "checkpoint_last.pth", trust_imports=True)
     assert loaded.cfg.model.imports == ["my_plugin"]
     assert loaded.model.backbone[0].num_channels == 64
     assert loaded.model.transformer.encoder.layers[0].self_attn.rpe.method.name == "chebyshev"

@@ -17,8 +17,15 @@ Checked: the length the server announced (``Content-Length``) and, when the file
 ends in ``-<hex digits>.<ext>`` (DETR's convention, which ``torch.hub``'s
 ``check_hash`` reads), that the file's SHA-256 starts with those digits. The iRPE
 model-zoo names carry no digest: for them only the length is checked, and reading the
-file (weights-only, layout and shape checks) catches a wrong one. A file found in the
-cache, or put there by hand, is used as it is.
+file (weights-only, layout and shape checks) catches a wrong one.
+
+A file found in the cache is checked as a download is before it is used: with a
+SHA-256 prefix in its name, its hash must start with it. Each checked file gets a stamp
+next to it (``.<name>.sha256``: its length, modification time and SHA-256), so the
+hash is computed once; a file changed since (another length or time) is hashed again
+and must match the stamp, or the prefix. A file put there by hand without a digest to
+check against is used as it is (reading it checks its layout and shapes). A mismatch
+is one :class:`~detr_irpe.errors.CheckpointError` naming the file and what to do.
 
 Concurrent processes (the ranks of one node) wait on a lock file next to the target:
 one downloads, the others then find the finished file. Any network failure is one
@@ -32,6 +39,7 @@ import contextlib
 import fcntl
 import hashlib
 import http.client
+import json
 import logging
 import os
 import re
@@ -47,7 +55,7 @@ import torch.hub
 from tqdm import tqdm
 
 from detr_irpe.checkpoint.zoo import ZOO, ZooEntry
-from detr_irpe.errors import CheckpointError
+from detr_irpe.errors import CheckpointError, DetrIrpeError
 from detr_irpe.utils.files import atomic_write, describe_os_error
 
 logger = logging.getLogger(__name__)
@@ -179,8 +187,9 @@ def _offline(url: str, target: Path, reason: object) -> CheckpointError:
 
 
 def _copy_checked(response: IO[bytes], out: IO[bytes], url: str, target: Path,
-                  sha256_prefix: str | None, progress: bool) -> None:
-    """Stream ``response`` into ``out``, then check its length and hash."""
+                  sha256_prefix: str | None, progress: bool) -> str:
+    """Stream ``response`` into ``out``, then check its length and hash; returns the
+    SHA-256 (hex)."""
     length = response.headers.get("Content-Length") if hasattr(response, "headers") else None
     total = int(length) if length and length.isdigit() else None
     digest = hashlib.sha256()
@@ -207,11 +216,84 @@ def _copy_checked(response: IO[bytes], out: IO[bytes], url: str, target: Path,
             f"says it starts with {sha256_prefix}: the download was damaged or the file "
             f"changed; nothing was saved at {target}. Run again to download it again"
         )
+    return actual
+
+
+def _stamp_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.sha256"
+
+
+def _file_key(target: Path) -> dict[str, int]:
+    stat = target.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _read_stamp(target: Path) -> dict | None:
+    """The stamp of ``target`` (``size``, ``mtime_ns``, ``sha256``), None when there is
+    none or it cannot be read."""
+    try:
+        stamp = json.loads(_stamp_path(target).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stamp, dict) or not isinstance(stamp.get("sha256"), str):
+        return None
+    return stamp
+
+
+def _write_stamp(target: Path, digest: str) -> None:
+    """Record that ``target`` (as it is now) has SHA-256 ``digest``; a cache folder that
+    cannot be written only means the file is hashed again next time."""
+    text = json.dumps({**_file_key(target), "sha256": digest})
+    try:
+        atomic_write(_stamp_path(target), lambda out: out.write(text.encode()), durable=False)
+    except (OSError, DetrIrpeError) as err:
+        logger.debug("cannot stamp %s: %s", target, err)
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_cached(url: str, target: Path, sha256_prefix: str | None) -> Path:
+    """``target``, found in the cache, once it is known to be the file of ``url``.
+
+    Raises:
+        CheckpointError: its SHA-256 does not start with ``sha256_prefix``, or the file
+            changed since it was downloaded or checked (its stamp).
+    """
+    stamp = _read_stamp(target)
+    if stamp is not None and {k: stamp.get(k) for k in ("size", "mtime_ns")} == _file_key(target):
+        digest = stamp["sha256"]
+        if sha256_prefix is None or digest.startswith(sha256_prefix):
+            return target
+    if sha256_prefix is None and stamp is None:
+        return target  # put there by hand with no digest to check: reading it checks it
+    logger.info("checking %s (SHA-256)", target)
+    try:
+        digest = _sha256_of(target)
+    except OSError as err:
+        raise CheckpointError(f"cannot read {target} ({describe_os_error(err)})") from None
+    expected = sha256_prefix or stamp["sha256"]
+    if not digest.startswith(expected):
+        said = (f"its name says it starts with {sha256_prefix}" if sha256_prefix else
+                f"it was {expected[:16]}... when downloaded")
+        raise CheckpointError(
+            f"{target} in torch.hub's cache is not the file of {url}: its SHA-256 is "
+            f"{digest[:16]}... but {said}; delete it to download it again (or put the "
+            "published file there)"
+        )
+    _write_stamp(target, digest)
+    return target
 
 
 def fetch(url: str, target: Path, *, sha256_prefix: str | None = None,
           progress: bool = True, timeout: float = TIMEOUT_S) -> Path:
-    """``target``, downloading ``url`` into it first when it does not exist.
+    """``target``, downloading ``url`` into it first when it does not exist, or checking
+    the file already there (:func:`_check_cached`).
 
     The bytes go to a temporary file in ``target``'s folder that replaces ``target``
     only once complete (length as announced) and, with ``sha256_prefix``, once its
@@ -219,23 +301,26 @@ def fetch(url: str, target: Path, *, sha256_prefix: str | None = None,
 
     Raises:
         CheckpointError: the download failed (offline, refused, HTTP error, cut short),
-            the hash differs, or the cache folder cannot be written.
+            the hash differs, or the cache folder cannot be written; or the file
+            already there is not the published one (its hash, or changed since).
     """
     target = Path(target)
     if target.is_file():
-        return target
+        return _check_cached(url, target, sha256_prefix)
     try:
         with _download_lock(target):
             if target.is_file():  # another process finished it while this one waited
-                return target
+                return _check_cached(url, target, sha256_prefix)
             logger.info("downloading %s to %s", url, target)
             try:
                 response = urllib.request.urlopen(url, timeout=timeout)  # noqa: S310
             except _NETWORK_ERRORS as err:
                 raise _offline(url, target, _reason(err)) from None
+            digests: list[str] = []
             with response:
-                atomic_write(target, lambda out: _copy_checked(
-                    response, out, url, target, sha256_prefix, progress))
+                atomic_write(target, lambda out: digests.append(_copy_checked(
+                    response, out, url, target, sha256_prefix, progress)))
+            _write_stamp(target, digests[0])
     except OSError as err:  # the cache folder, not the network (those became messages)
         raise CheckpointError(
             f"cannot write {target} ({describe_os_error(err)}): free space there, or point "

@@ -237,10 +237,17 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
 def _refusal(state: Mapping[str, Tensor], cfg: Any, family: DetectorFamily) -> str | None:
     """Why transformers cannot hold this model, or None when it can."""
     model = cfg.model
-    if parse_rpe(model.rpe) is not None or any(is_rpe_key(k) for k in state):
+    if parse_rpe(model.rpe) is not None:
         return (
             f"an iRPE model (model.rpe={model.rpe}) cannot be written for Hugging Face: "
             f"transformers' {family.title} has no relative position encodings"
+        )
+    tables = sorted(k for k in state if is_rpe_key(k))
+    if tables:
+        return (
+            f"the weights hold iRPE tables ({tables[0]}, {len(tables)} in all) although "
+            f"model.rpe=none, and transformers' {family.title} has no relative position "
+            "encodings: convert with --rpe none to drop them"
         )
     return family.hf.refusal(state, cfg)
 

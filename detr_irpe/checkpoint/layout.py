@@ -141,6 +141,18 @@ def _rpe_difference(saved: dict[str, tuple], model: dict[str, tuple]) -> str:
     return "model.nheads"  # same buckets, other per-head width or head count
 
 
+def _heads_of(tables: dict[str, tuple], hidden_dim: int | None) -> int | None:
+    """``model.nheads`` as per-head iRPE tables show it: a contextual table's per-head
+    width ``D = hidden_dim / nheads``, or a bias table's ``(nheads, K)`` rows."""
+    for name, shape in sorted(tables.items()):
+        if len(shape) == 3 and hidden_dim:
+            width = shape[2] if name.startswith("rpe_v") else shape[1]
+            return hidden_dim // width if width and hidden_dim % width == 0 else None
+        if len(shape) == 2 and shape[0] > 1:
+            return shape[0]
+    return None
+
+
 def _show(key: str, value: Any) -> str:
     if key == "model.rpe":
         return "; ".join(f"{k} {v}" for k, v in sorted(value.items())) or "no iRPE tables"
@@ -172,7 +184,13 @@ def explain_mismatch(
                 continue
             if a[key] and b[key]:
                 key_name = _rpe_difference(a[key], b[key])
-                out.append((key_name, _show("model.rpe", a[key]), _show("model.rpe", b[key])))
+                heads = (_heads_of(a[key], a.get("model.hidden_dim")),
+                         _heads_of(b[key], b.get("model.hidden_dim")))
+                if key_name == "model.nheads" and None not in heads:
+                    out.append((key_name, str(heads[0]), str(heads[1])))
+                else:
+                    out.append((key_name, _show("model.rpe", a[key]),
+                                _show("model.rpe", b[key])))
                 continue
         out.append((key, _show(key, a[key]), _show(key, b[key])))
     order = list(a)
@@ -291,6 +309,19 @@ def add_rpe_tables(
     return ordered, f"added {rpe_init} {rpe_cfg} tables ({names}) to {len(prefixes)} encoder layers"
 
 
+def drop_rpe_tables(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], str | None]:
+    """``state`` without its iRPE tables (a model with ``model.rpe=none`` has none) and a
+    note (None when there were none)."""
+    dropped = [k for k in state if is_rpe_key(k)]
+    if not dropped:
+        return state, None
+    layers = {k.rsplit(".self_attn.", 1)[0] for k in dropped}
+    names = sorted({k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1] for k in dropped})
+    kept = {k: v for k, v in state.items() if not is_rpe_key(k)}
+    return kept, (f"dropped the iRPE tables ({', '.join(names)}) of {len(layers)} encoder "
+                  "layer(s): the model is now model.rpe=none")
+
+
 def convert_state_dict(
     state: Mapping[str, Tensor],
     *,
@@ -305,7 +336,8 @@ def convert_state_dict(
         state: the checkpoint's state dict (not modified).
         num_classes: resize the class head (see :func:`resize_class_head`).
         rpe: add iRPE tables of this setting (see :func:`add_rpe_tables`);
-            ``None`` / ``"none"`` adds nothing.
+            ``"none"`` drops the tables there are (:func:`drop_rpe_tables`); ``None``
+            leaves them as they are.
         nheads: attention heads of the model (not stored in a state dict);
             needed for per-head / contextual table shapes.
         rpe_init: how added tables start: ``xavier`` or ``zero``.
@@ -317,7 +349,10 @@ def convert_state_dict(
     notes = []
     if num_classes is not None:
         notes.append(resize_class_head(out, num_classes))
-    if rpe is not None:
+    if rpe is not None and parse_rpe(rpe) is None:
+        out, note = drop_rpe_tables(out)
+        notes.append(note)
+    elif rpe is not None:
         out, note = add_rpe_tables(out, rpe, nheads=nheads, rpe_init=rpe_init)
         notes.append(note)
     return out, [n for n in notes if n]
@@ -330,6 +365,7 @@ __all__ = [
     "add_rpe_tables",
     "architecture",
     "convert_state_dict",
+    "drop_rpe_tables",
     "family_name_of_state",
     "first_shape",
     "layer_count",

@@ -11,6 +11,11 @@
 - **Number of classes**: the checkpoint's class head decides (DETR: its rows - 1, the
   "no object" output; DAB-DETR: its rows), unless ``model.num_classes`` is among the
   ``overrides``.
+- **Modules** (``model.import`` of a saved config): never imported because a checkpoint
+  names them, as importing runs their code. A checkpoint trained with modules that are
+  not imported yet is a :class:`CheckpointError` naming them and the two ways to allow
+  them: ``--set model.import=...`` (the user's own list, which replaces the saved one)
+  or ``trust_imports`` (``--trust-imports``: import what the checkpoint names).
 - **Categories of the class outputs** (``model.category_ids``, a run on remapped
   categories): the saved config's, also when another config is given, unless the given
   config sets them or the overrides set them or ``model.num_classes``.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,7 @@ from detr_irpe.config import (
     Config,
     ConfigError,
     config_from_dict,
+    import_names,
     load_config,
     merge_dicts,
     parse_override,
@@ -42,16 +49,59 @@ logger = logging.getLogger(__name__)
 
 
 
+def _format_imports(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"[{','.join(names)}]"
+
+
+def checked_imports(
+    path: str | Path, saved: Mapping[str, Any], overrides: Iterable[str],
+    trust_imports: bool = False,
+) -> Mapping[str, Any]:
+    """A checkpoint's saved config, safe to build: its ``model.import`` is dropped when
+    the overrides set their own, kept with ``trust_imports`` or when every module it
+    names is imported already (nothing runs), and refused otherwise.
+
+    Raises:
+        CheckpointError: the checkpoint names modules that are not imported, in one line
+            with the ways to allow them.
+    """
+    model = saved.get("model")
+    if not isinstance(model, Mapping) or trust_imports:
+        return saved
+    try:
+        names = import_names(model.get("import"))
+    except TypeError:
+        names = [repr(model.get("import"))]
+    if not names:
+        return saved
+    if "model.import" in _overridden_keys(overrides):
+        logger.info("%s was trained with model.import=%s; using the modules of --set "
+                    "model.import instead", path, _format_imports(names))
+        return {**saved, "model": {k: v for k, v in model.items() if k != "import"}}
+    if all(isinstance(n, str) and n in sys.modules for n in names):
+        return saved
+    listed = _format_imports([str(n) for n in names])
+    raise CheckpointError(
+        f"checkpoint {path} was trained with model.import={listed}, modules that run code "
+        "when imported; a checkpoint never imports what it names. If you trust them, "
+        f"allow them with --set model.import={listed} or --trust-imports (in Python: "
+        f"overrides=['model.import={listed}'] or trust_imports=True)"
+    )
+
+
 def resolve_config(
     path: str | Path,
     config: str | Path | Config | None,
     overrides: Iterable[str],
     meta: Mapping[str, Any],
     state: Mapping[str, Tensor] | None = None,
+    *,
+    trust_imports: bool = False,
 ) -> Config:
     """The config for a checkpoint: ``config`` if given, else the one saved in the file
-    (``meta`` of :func:`~detr_irpe.checkpoint.read_checkpoint`), else the one its
-    DAB-DETR / DN-DETR ``state`` implies, ``overrides`` on top."""
+    (``meta`` of :func:`~detr_irpe.checkpoint.read_checkpoint`; its ``model.import``
+    checked by :func:`checked_imports`), else the one its DAB-DETR / DN-DETR ``state``
+    implies, ``overrides`` on top."""
     overrides = list(overrides)
     if isinstance(config, Config):
         return config_from_dict(config.to_dict(), overrides) if overrides else config
@@ -60,7 +110,8 @@ def resolve_config(
     saved = meta.get("config")
     if isinstance(saved, Mapping):
         logger.info("using the config saved in %s", path)
-        return config_from_dict(saved, overrides)
+        return config_from_dict(checked_imports(path, saved, overrides, trust_imports),
+                                overrides)
     if meta.get("hf_model"):
         # a Hugging Face folder: its family's base recipe (plain DETR-R50, ...) with its
         # config.json's settings
@@ -109,12 +160,14 @@ def config_for_checkpoint(
     meta: Mapping[str, Any],
     config: str | Path | Config | None = None,
     overrides: Iterable[str] = (),
+    *,
+    trust_imports: bool = False,
 ) -> Config:
     """:func:`resolve_config`, with ``model.num_classes`` from the checkpoint's class
     head unless the overrides set it (then a head of another size is the loader's
     business: an error or, when fine-tuning, a re-initialised head)."""
     overrides = list(overrides)
-    cfg = resolve_config(path, config, overrides, meta, state)
+    cfg = resolve_config(path, config, overrides, meta, state, trust_imports=trust_imports)
     overridden = _overridden_keys(overrides)
     category_ids = cfg.model.category_ids
     if category_ids is None and not {"model.category_ids", "model.num_classes"} & overridden:
@@ -144,5 +197,4 @@ def _saved_category_ids(meta: Mapping[str, Any]) -> list[int] | None:
     return [int(i) for i in ids] if isinstance(ids, list) else None
 
 
-__all__ = ["config_for_checkpoint", "has_config",
-           "resolve_config"]
+__all__ = ["checked_imports", "config_for_checkpoint", "has_config", "resolve_config"]

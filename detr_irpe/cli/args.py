@@ -55,9 +55,11 @@ def new_parser(doc: str | None, prog: str | None = None) -> argparse.ArgumentPar
 
 
 def add_config_arguments(
-    parser: argparse.ArgumentParser, *, required: bool = False, config_help: str | None = None
+    parser: argparse.ArgumentParser, *, required: bool = False, config_help: str | None = None,
+    checkpoint: bool = False,
 ) -> None:
-    """``--config NAME|PATH`` and ``--set KEY=VALUE [KEY=VALUE ...]`` (repeatable)."""
+    """``--config NAME|PATH`` and ``--set KEY=VALUE [KEY=VALUE ...]`` (repeatable); for a
+    tool that reads a checkpoint (``checkpoint``) also ``--trust-imports``."""
     parser.add_argument(
         "--config", "-c", required=required, metavar="NAME|PATH",
         help=config_help or "config name (see configs/) or a YAML file",
@@ -66,6 +68,13 @@ def add_config_arguments(
         "--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
         help="config overrides, e.g. --set train.lr=2e-4 data.root=/data/coco (repeatable)",
     )
+    if checkpoint:
+        parser.add_argument(
+            "--trust-imports", action="store_true",
+            help="import the modules the checkpoint's saved config names (model.import; "
+                 "importing runs their code). Without it such a checkpoint is refused "
+                 "unless --set model.import=... names the modules to use",
+        )
 
 
 def add_device_argument(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:

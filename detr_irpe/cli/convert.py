@@ -67,14 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "category id + 1; DETR's head has one output more, DN-DETR's "
                              "label_enc one row more)")
     parser.add_argument("--rpe", default=None,
-                        help="add iRPE tables of this setting, e.g. rpe-2.0-product-ctx-1-k")
+                        help="add iRPE tables of this setting, e.g. rpe-2.0-product-ctx-1-k; "
+                             "none drops the tables (an iRPE model -> plain DETR / DAB-DETR)")
     parser.add_argument("--rpe-init", choices=RPE_INIT_MODES, default="xavier",
                         help="how added tables start (default %(default)s, the reference "
                              "recipe; zero keeps the plain DETR's outputs)")
     parser.add_argument("--nheads", type=int, default=8, help="attention heads (default 8)")
     parser.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     add_config_arguments(parser, config_help="config of the model (default: the one saved "
-                                             "in INPUT); needed by --to hf for public files")
+                                             "in INPUT); needed by --to hf for public files",
+                         checkpoint=True)
     return parser
 
 
@@ -94,7 +96,8 @@ def _saved_config(path: Path, config: str | None, args: argparse.Namespace,
     implies; for a DAB-DETR / DN-DETR file: the one its layout and args imply), else None."""
     if config is None and not has_config(meta, state):
         return None
-    return resolve_config(path, config, args.overrides, meta, state).to_dict()
+    return resolve_config(path, config, args.overrides, meta, state,
+                          trust_imports=args.trust_imports).to_dict()
 
 
 def _updated_config(

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a .pth or .safetensors file, a Hugging Face save_pretrained "
                              "folder, a published name (detr_r50, ...) or an http(s) address")
     add_config_arguments(parser, config_help="config name or YAML path (default: the "
-                                             "checkpoint's own)")
+                                             "checkpoint's own)", checkpoint=True)
     add_device_argument(parser, default=None)
     parser.add_argument("--output-dir", type=Path,
                         help="where results.json, metrics.json, precision.npz and eval.log "

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "with PyTorch")
     parser.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     add_config_arguments(parser, config_help="config of the model (default: the one saved "
-                                             "in CHECKPOINT)")
+                                             "in CHECKPOINT)", checkpoint=True)
     return parser
 
 
@@ -101,7 +101,8 @@ def export(args: argparse.Namespace) -> list[str]:
     ensure_writable_folder(args.output.parent, "output folder", "choose another --output")
     source = resolve_checkpoint(args.checkpoint)
     config = args.config if args.config is not None else source.config
-    loaded = model_from_checkpoint(source.path, config, args.overrides, device="cpu")
+    loaded = model_from_checkpoint(source.path, config, args.overrides, device="cpu",
+                                   trust_imports=args.trust_imports)
     opset = MIN_OPSET if args.opset is None else args.opset
     path = export_onnx(loaded.model, args.output, size, batch=args.batch, dynamic=args.dynamic,
                        opset=opset)

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="image files, folders or glob patterns; with --ann: the one "
                              "folder its file_name values are relative to")
     add_config_arguments(parser, config_help="config name or YAML path (default: the "
-                                             "checkpoint's own)")
+                                             "checkpoint's own)", checkpoint=True)
     add_device_argument(parser)
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/predictions"),
                         help="where the results and drawn images go (%(default)s)")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         sources = collect_images(args.inputs) if args.ann is None else []
         predictor = Predictor.from_checkpoint(
             args.checkpoint, device=args.device, score_threshold=threshold,
-            config=args.config, overrides=overrides,
+            config=args.config, overrides=overrides, trust_imports=args.trust_imports,
         )
         strict = args.strict or predictor.cfg.data.strict
         skipped: list = []

@@ -64,18 +64,23 @@ def _key_value(text: str) -> tuple[str, str]:
     return key.strip().replace("-", "_"), value.strip()
 
 
-def _positive(text: str) -> int:
+def _whole_number(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if value < minimum:
+        bound = "> 0" if minimum == 1 else f">= {minimum}"
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
     return value
 
 
+def _positive(text: str) -> int:
+    return _whole_number(text, 1)
+
+
 def _non_negative(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive(text)
+    return _whole_number(text, 0)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -98,13 +98,26 @@ def _cell(text: str) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- parser
 
 
+# Detections drawn at least by the anchor figures (as ``all`` draws them): a model early
+# in training scores below the threshold and would otherwise draw an empty figure.
+ANCHOR_MIN_DETECTIONS = 3
+
+
+def _min_detections(args: argparse.Namespace) -> int:
+    """``--min-detections``, or its default for the command."""
+    if args.min_detections is not None:
+        return args.min_detections
+    return ANCHOR_MIN_DETECTIONS if args.command in ("anchors", "anchor-attention") else 0
+
+
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None, metavar="PATH|NAME|URL",
                         help="own, public DETR or public iRPE-DETR checkpoint, a published "
                              "name (detr_r50, ...) or an http(s) address (none: random "
                              "weights)")
     add_config_arguments(parser, config_help="config name or YAML path (default: the one "
-                                             "saved in the checkpoint; public weights need one)")
+                                             "saved in the checkpoint; public weights need one)",
+                         checkpoint=True)
     add_device_argument(parser)
 
 
@@ -123,8 +136,11 @@ def _image_args(parser: argparse.ArgumentParser, detections: bool = True) -> Non
     if detections:
         parser.add_argument("--out", type=Path, default=None, help="PNG path")
         parser.add_argument("--max-detections", type=int, default=8)
-        parser.add_argument("--min-detections", type=int, default=0,
-                            help="keep at least this many, whatever their score")
+        parser.add_argument("--min-detections", type=int, default=None,
+                            help="keep at least this many, whatever their score (default: "
+                                 f"{ANCHOR_MIN_DETECTIONS} for anchors and anchor-attention, "
+                                 "as for all, so that an early model draws something; 0 "
+                                 "otherwise)")
 
 
 def _add_image_commands(sub, common: argparse.ArgumentParser) -> None:
@@ -220,7 +236,8 @@ def _load(args: argparse.Namespace) -> tuple[nn.Module, Config, dict[int, str] |
     if args.checkpoint is not None:
         source = resolve_checkpoint(args.checkpoint)
         config = args.config if args.config is not None else source.config
-        loaded = model_from_checkpoint(source.path, config, overrides, device)
+        loaded = model_from_checkpoint(source.path, config, overrides, device,
+                                       trust_imports=args.trust_imports)
         return loaded.model, loaded.cfg, loaded.category_names
     cfg = load_config(args.config, overrides)
     if cfg.model.num_classes is None:
@@ -286,7 +303,7 @@ def _image_figure(args: argparse.Namespace) -> list[Path]:
             outputs = record.outputs
     detections = vis.detections_from_outputs(
         outputs, image.original_size, threshold=args.threshold,
-        max_detections=args.max_detections, min_detections=args.min_detections,
+        max_detections=args.max_detections, min_detections=_min_detections(args),
         category_ids=category_ids)
     logger.info("%d detections kept (score >= %s)", len(detections),
                                      args.threshold)

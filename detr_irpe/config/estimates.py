@@ -2,7 +2,7 @@
 
 The closed-form estimates are :mod:`detr_irpe.sizes`'; which config keys feed the
 parameter estimate is the family's business (``ModelConfig.parameter_sizes``), as are the
-sizes bounded without an estimate (``ModelConfig.bounded_sizes``).
+sizes that grow with the data (``ModelConfig.check_data_sizes``).
 """
 
 from __future__ import annotations
@@ -43,19 +43,12 @@ def _check_parameters(m: Any) -> None:
                       "the model's parameters alone")
 
 
-def _check_bounded(m: Any) -> None:
-    for key, (value, largest) in m.bounded_sizes().items():
-        if value > largest:
-            raise ConfigError(f"{key}={value} is too large: at most {largest} (it sets the "
-                              f"size of tensors that grow with it); lower {key}")
-
-
 def check_sizes(cfg: Any) -> None:
     """Refuse sizes that cannot be allocated here, before anything is built (the limits
     and the estimates: :mod:`detr_irpe.sizes`)."""
     m, data, train = cfg.model, cfg.data, cfg.train
-    _check_bounded(m)
     _check_parameters(m)
+    m.check_data_sizes()
 
     # The largest padded batch: the longer side is at most data.max_size, and with two
     # images or more a portrait and a landscape one pad each other to a square.

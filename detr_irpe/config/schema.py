@@ -113,6 +113,11 @@ class ModelConfig:
         if self.category_ids is not None:
             check_category_ids(self.category_ids, self.num_classes)
 
+    def check_data_sizes(self, objects_per_image: int = 1, where: str = "") -> None:
+        """Refuse sizes that grow with the objects of an image (denoising queries) and
+        cannot be allocated here; the config alone checks one object per image, a
+        training run again with its data's fullest image (``where`` names it)."""
+
     def rpe_layer_count(self) -> int:
         """Attention layers that hold iRPE tables when ``rpe`` is set."""
         return 1
@@ -137,10 +142,6 @@ class ModelConfig:
         """Input pixels per token of the encoder's feature map (one side)."""
         return 32
 
-    def bounded_sizes(self) -> dict[str, tuple[int, int]]:
-        """``{config key: (value, largest allowed)}`` of sizes that grow memory without a
-        closed-form estimate (denoising groups, queries): checked with the others."""
-        return {}
 
 
 @dataclass

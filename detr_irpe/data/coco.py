@@ -401,20 +401,33 @@ def class_indices(category_ids: Sequence[int], categories: Mapping[int, Any],
     return index
 
 
-def sparse_ids_warning(category_ids: Iterable[int], num_classes: int) -> str | None:
+def sparse_ids_warning(
+    category_ids: Iterable[int], num_classes: int, *, sigmoid: bool = False,
+) -> str | None:
     """A warning when most outputs of a class head would never be a target: fewer
-    category ids than half of ``num_classes`` (largest id + 1); else None."""
+    category ids than half of ``num_classes`` (largest id + 1); else None.
+
+    ``sigmoid``: the head is one sigmoid per class, trained with the focal loss (the dab
+    decoder), not DETR's softmax over the classes and "no object"; the figures differ.
+    """
     ids = sorted(set(category_ids))
     if not ids or 2 * len(ids) >= num_classes:
         return None
     unused = num_classes - len(ids)
+    if sigmoid:
+        # every output is a binary classifier: an unused one is a negative for every query
+        cost = (f"every query scores {num_classes} sigmoid outputs instead of {len(ids)}, "
+                f"{num_classes / len(ids):.0f}x the work of the class head, the focal loss "
+                f"and the matching cost, and {unused} outputs learn only to say no")
+    else:
+        cost = (f"the classification loss starts near ln({num_classes + 1}) = "
+                f"{math.log(num_classes + 1):.1f} instead of ln({len(ids) + 1}) = "
+                f"{math.log(len(ids) + 1):.1f}")
     return (
         f"the annotations use {len(ids)} category ids ({_id_range(ids)}) but the class head "
         f"gets {num_classes} outputs (largest id + 1): {unused} of them "
         f"({100 * unused / num_classes:.0f}%) are never a target, which slows training "
-        f"(the classification loss starts near ln({num_classes + 1}) = "
-        f"{math.log(num_classes + 1):.1f} instead of ln({len(ids) + 1}) = "
-        f"{math.log(len(ids) + 1):.1f}); set data.remap_categories=true for a "
+        f"({cost}); set data.remap_categories=true for a "
         f"{len(ids)}-class head (outputs keep the original ids)"
     )
 
@@ -506,6 +519,16 @@ class CocoDetection(Dataset):
         if self.category_ids is not None:
             return len(self.category_ids)
         return max(self.category_names) + 1
+
+    @property
+    def max_objects(self) -> int:
+        """The most objects of one image's target: non-crowd annotations with a box of
+        positive width and height (0 for a file without any)."""
+        def objects(image_id: int) -> int:
+            return sum(1 for a in self.coco.imgToAnns.get(image_id, [])
+                       if not a.get("iscrowd", 0) and a["bbox"][2] > 0 and a["bbox"][3] > 0)
+
+        return max((objects(i) for i in self.ids), default=0)
 
     def check_num_classes(self, num_classes: int) -> None:
         """Raise :class:`DatasetError` unless every label fits a head of ``num_classes``.

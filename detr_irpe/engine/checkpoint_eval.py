@@ -31,7 +31,7 @@ from detr_irpe.engine.speed import ForwardTimer, format_speed, speed_record
 from detr_irpe.engine.trainer import evaluate
 from detr_irpe.evaluation import CocoEvaluator, format_summary, per_class_table, write_eval_outputs
 from detr_irpe.evaluation.size_table import size_rows, write_size_table
-from detr_irpe.models import LoadedModel, model_from_checkpoint
+from detr_irpe.models import LoadedModel, build_postprocessor, model_from_checkpoint
 from detr_irpe.sizes import EvalSize
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ def run_evaluation(
     overrides: Sequence[str] = (),
     progress: bool = True,
     sizes: Sequence[EvalSize] = (),
+    trust_imports: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (this project's or a public DETR / iRPE-DETR one) on the
     val split of the config's data.
@@ -62,7 +63,7 @@ def run_evaluation(
         per size.
     """
     checkpoint = Path(checkpoint)
-    loaded = model_from_checkpoint(checkpoint, cfg, overrides)
+    loaded = model_from_checkpoint(checkpoint, cfg, overrides, trust_imports=trust_imports)
     info = init_distributed(loaded.cfg.train.device)
     try:
         with lost_rank_as_error(info):
@@ -98,13 +99,15 @@ def _evaluate_at(loaded: LoadedModel, cfg: Config, checkpoint: Path, output_dir:
                            category_ids=cfg.model.category_ids)
     val_ds.check_num_classes(cfg.model.num_classes)
     model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
+    # scored: the outputs that are categories of the evaluated data
+    postprocessor = build_postprocessor(cfg, categories=val_ds.category_names)
     loader = build_dataloader(
         val_ds, cfg.train.batch_size, train=False, num_workers=cfg.data.num_workers,
         distributed=info.distributed, seed=cfg.train.seed,
     )
     evaluator, timer = CocoEvaluator(val_ds.coco), ForwardTimer(info.device)
     losses, summary = evaluate(
-        model, criterion, loaded.postprocessor, loader, evaluator, info.device,
+        model, criterion, postprocessor, loader, evaluator, info.device,
         amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5, timer=timer,
     )
     first = val_ds[0][0].to(info.device) if len(val_ds) else None

@@ -75,6 +75,7 @@ from detr_irpe.evaluation import (
     write_eval_outputs,
 )
 from detr_irpe.evaluation.report import format_ap
+from detr_irpe.family import get_family
 from detr_irpe.models import build_model
 from detr_irpe.run_folder.checkpoints import (
     describe_position,
@@ -117,13 +118,14 @@ def with_num_classes(cfg: Config, num_classes: int,
     return dataclasses.replace(cfg, model=model)
 
 
-def warn_sparse_category_ids(datasets: list[Any], num_classes: int) -> None:
+def warn_sparse_category_ids(datasets: list[Any], num_classes: int,
+                             sigmoid: bool = False) -> None:
     """Log :func:`~detr_irpe.data.coco.sparse_ids_warning` for datasets trained on
     their category ids (not remapped) when most of the head's outputs are unused."""
     if any(d.category_ids is not None for d in datasets if d is not None):
         return
     ids = {int(i) for d in datasets if d is not None for i in d.category_names}
-    message = sparse_ids_warning(ids, num_classes)
+    message = sparse_ids_warning(ids, num_classes, sigmoid=sigmoid)
     if message:
         logger.warning("%s", message)
 
@@ -241,8 +243,15 @@ def _settle_config(cfg: Config, start: StartState, info: DistInfo, datasets: lis
     """Fill in ``num_classes`` and the categories of remapped class indices, check a
     resumed run's config against this one (now resolved), log and write ``config.yaml``."""
     cfg = with_num_classes(cfg, resolve_num_classes(cfg, datasets), datasets[0].category_ids)
+    # The denoising queries grow with the objects of an image: the fullest training
+    # image reaches the model whole in some epoch (docs/training.md).
+    train = datasets[0]
+    cfg.model.check_data_sizes(max(getattr(train, "max_objects", 1), 1),
+                               f"in {getattr(train, 'ann_file', 'the training set')}'s fullest image")
     if info.is_main:
-        warn_sparse_category_ids(datasets, cfg.model.num_classes)
+        # a sigmoid head (focal loss) has no "no object" output
+        warn_sparse_category_ids(datasets, cfg.model.num_classes,
+                                 sigmoid=get_family(cfg.model.family).sigmoid_classes)
     if start.saved_config is not None:
         check_resume_config(start.saved_config, cfg, start)
         _log_resume_changes(start.saved_config, cfg)
@@ -284,7 +293,10 @@ def build_parts(cfg: Config, info: DistInfo, start: StartState) -> RunParts:
     seed_everything(cfg.train.seed)  # the same initial weights on every rank
     from_weights = start.resume_state is not None or start.finetune is not None
     # Weights from a checkpoint include the backbone: no ImageNet weights to load.
-    model, criterion, postprocessor = build_model(cfg, load_backbone_weights=not from_weights)
+    # the dab decoder's post-processing scores only the outputs that are categories
+    categories = set(train_ds.category_names) | set(val_ds.category_names)
+    model, criterion, postprocessor = build_model(cfg, load_backbone_weights=not from_weights,
+                                                  categories=categories)
     model.to(info.device)
     criterion.to(info.device)
     seed_everything(cfg.train.seed + info.rank)

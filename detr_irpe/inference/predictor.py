@@ -81,6 +81,7 @@ class Predictor:
         score_threshold: float = 0.7,
         config: str | Path | Config | None = None,
         overrides: Sequence[str] = (),
+        trust_imports: bool = False,
     ) -> Predictor:
         """Load any checkpoint :func:`detr_irpe.models.model_from_checkpoint` reads, or a
         published one by name (``"detr_r50"``, docs/checkpoints.md) or http(s) address,
@@ -89,17 +90,21 @@ class Predictor:
         The config saved in the file is used unless ``config`` is given (public
         DETR / iRPE-DETR files need one, e.g. ``config="detr_r50"``; a published name
         brings its own); ``overrides`` are ``"section.key=value"`` strings. Category
-        names come from the file, else COCO's for a 91-class model.
+        names come from the file, else COCO's for a 91-class model. Modules the saved
+        config names (``model.import``) are imported only with ``trust_imports`` (or when
+        ``overrides`` set ``model.import``): loading a checkpoint runs no code it names.
         """
         target = resolve_device(device)
         source = resolve_checkpoint(path)
         if config is None:
             config = source.config
         loaded = model_from_checkpoint(source.path, config=config, overrides=overrides,
-                                       device=target)
+                                       device=target, trust_imports=trust_imports)
         names = loaded.category_names or default_category_names(loaded.cfg.model.num_classes)
-        return cls(loaded.model, loaded.cfg, names, target, score_threshold,
-                   loaded.postprocessor)
+        postprocessor = loaded.postprocessor
+        if not loaded.category_names and names:  # a COCO model: only COCO's 80 categories
+            postprocessor = build_postprocessor(loaded.cfg, categories=names)
+        return cls(loaded.model, loaded.cfg, names, target, score_threshold, postprocessor)
 
     def label(self, category_id: int) -> str:
         """The name of a category id (``class N`` when it has none)."""

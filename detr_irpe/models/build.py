@@ -6,6 +6,7 @@ which learning rate is the optimizer's business."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -33,10 +34,14 @@ def build_detector(cfg: Config | ModelConfig, *, load_backbone_weights: bool = T
     return get_family(m.family).build_detector(m, load_backbone_weights)
 
 
-def build_postprocessor(cfg: Config | ModelConfig) -> nn.Module:
-    """The post-processor of ``model.family`` (outputs -> per-image detections)."""
+def build_postprocessor(
+    cfg: Config | ModelConfig, categories: Iterable[int] | None = None,
+) -> nn.Module:
+    """The post-processor of ``model.family`` (outputs -> per-image detections), scoring
+    the outputs that are one of ``categories`` (the category ids there are; None: every
+    output) where the family's head has outputs that are no category."""
     m, _ = _sections(cfg, None)
-    return get_family(m.family).build_postprocessor(m)
+    return get_family(m.family).build_postprocessor(m, categories)
 
 
 def build_model(
@@ -44,6 +49,7 @@ def build_model(
     loss_cfg: LossConfig | None = None,
     *,
     load_backbone_weights: bool = True,
+    categories: Iterable[int] | None = None,
 ) -> tuple[nn.Module, nn.Module, nn.Module]:
     """Assemble the detector of ``model.family``, its loss and its post-processor.
 
@@ -53,13 +59,15 @@ def build_model(
         loss_cfg: the loss section when ``cfg`` is a model section.
         load_backbone_weights: False when the weights come from a checkpoint: the
             backbone's ``model.backbone_weights`` (ImageNet / a file) are then not loaded.
+        categories: the category ids there are, for the post-processor
+            (:func:`build_postprocessor`).
 
     Raises:
         ConfigError: ``model.num_classes`` is not set, or the family refuses a setting.
     """
     m, loss = _sections(cfg, loss_cfg)
     family = get_family(m.family)
-    model, criterion, postprocessor = family.build(m, loss, load_backbone_weights)
+    model, criterion, postprocessor = family.build(m, loss, load_backbone_weights, categories)
     counts = count_parameters(model)
     logger.info(
         "%s (%s, rpe=%s): %d parameters, %d trainable, %d in iRPE tables",

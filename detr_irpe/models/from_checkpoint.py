@@ -57,6 +57,7 @@ def model_from_checkpoint(
     device: str | torch.device = "cpu",
     *,
     strict_head: bool = True,
+    trust_imports: bool = False,
 ) -> LoadedModel:
     """Build the model a checkpoint holds and load its weights (rules: module docstring).
 
@@ -69,15 +70,23 @@ def model_from_checkpoint(
         device: where the model and the criterion go.
         strict_head: a class head that does not match an explicit ``model.num_classes``
             is an error (True) or re-initialised for fine-tuning (False).
+        trust_imports: import the modules the checkpoint's saved config names
+            (``model.import``); without it they are a :class:`CheckpointError` unless
+            ``overrides`` set ``model.import`` or they are imported already.
 
     Raises:
-        CheckpointError: unreadable file, no config for a public DETR file, or weights
-            that do not fit the config (the message names the differing config keys).
+        CheckpointError: unreadable file, no config for a public DETR file, modules the
+            checkpoint names (untrusted), or weights that do not fit the config (the
+            message names the differing config keys).
         ConfigError: a bad config or override.
     """
     state, meta = read_checkpoint(path)
-    cfg = config_for_checkpoint(path, state, meta, config, overrides)
-    model, criterion, postprocessor = build_model(cfg, load_backbone_weights=False)
+    cfg = config_for_checkpoint(path, state, meta, config, overrides,
+                                trust_imports=trust_imports)
+    # the categories saved with the weights: the post-processing scores only those
+    names = meta.get("category_names")
+    model, criterion, postprocessor = build_model(cfg, load_backbone_weights=False,
+                                                  categories=names if names else None)
     meta["load"] = load_state(model, state, meta, strict_head=strict_head)
     model.to(device).eval()
     criterion.to(device)

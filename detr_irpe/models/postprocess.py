@@ -7,12 +7,15 @@
 
 Both return category ids: a model trained on remapped categories
 (``data.remap_categories``) gives them its ``model.category_ids``, and class index
-``k`` comes out as category ``category_ids[k]``.
+``k`` comes out as category ``category_ids[k]``. :class:`TopKPostProcess` scores only
+the classes that are categories when it is told which exist (``categories``): a head of
+``largest id + 1`` outputs on ids starting at 1 has an output 0 that is no category, and
+COCO's 91 outputs hold 11 ids that are none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -82,13 +85,24 @@ class TopKPostProcess(_CategoryIds):
         num_select: detections kept per image (DAB-DETR / DN-DETR: 300); fewer when
             the model has fewer than ``num_select`` (query, class) pairs.
         category_ids: as for :class:`PostProcess`.
+        categories: the category ids that exist (a dataset's, a checkpoint's); only the
+            class outputs that are one of them are scored. None: every output.
     """
 
-    def __init__(self, num_select: int = 300, category_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, num_select: int = 300, category_ids: Sequence[int] | None = None,
+                 categories: Iterable[int] | None = None) -> None:
         super().__init__(category_ids)
         if num_select < 1:
             raise ValueError(f"num_select must be at least 1, got {num_select}")
         self.num_select = num_select
+        classes = None
+        if categories is not None:
+            known = {int(c) for c in categories}
+            ids = range(max(known, default=-1) + 1) if category_ids is None else category_ids
+            classes = torch.tensor([k for k, c in enumerate(ids) if int(c) in known],
+                                   dtype=torch.int64)
+        # the class indices scored (not saved: the categories are the data's, not weights)
+        self.register_buffer("classes", classes, persistent=False)
 
     @torch.no_grad()
     def forward(self, outputs: dict, target_sizes: Tensor) -> list[dict[str, Tensor]]:
@@ -101,16 +115,22 @@ class TopKPostProcess(_CategoryIds):
         Returns:
             B dicts, highest score first: ``scores`` ``(K,)`` float32, ``labels`` ``(K,)``
             int64 category ids, ``boxes`` ``(K, 4)`` absolute (x1, y1, x2, y2) float32, with
-            ``K = min(num_select, Q * C)``. Pair ``i * C + c`` is query ``i``, class ``c``.
+            ``K = min(num_select, Q * C)``, ``C`` the classes scored. Pair ``i * C + c`` is
+            query ``i``, scored class ``c``.
         """
         xyxy = _absolute_xyxy(outputs, target_sizes)  # (B, Q, 4)
         logits = outputs["pred_logits"]
+        classes = self.classes
+        if classes is not None:  # the outputs that are categories, C of them
+            classes = classes[classes < logits.shape[-1]].to(logits.device)
+            logits = logits.index_select(-1, classes)
         batch, num_queries, num_classes = logits.shape
         # Explicit sizes: reshape cannot infer a -1 when B = 0.
         prob = logits.float().sigmoid().reshape(batch, num_queries * num_classes)
         scores, pairs = prob.topk(min(self.num_select, prob.shape[1]), dim=1)
         # max(C, 1): with C = 0 there is no pair, but the division is still traced.
         queries = torch.div(pairs, max(num_classes, 1), rounding_mode="floor")
-        labels = self.category_of(pairs - queries * num_classes)
+        index = pairs - queries * num_classes
+        labels = self.category_of(index if classes is None else classes[index])
         boxes = xyxy.gather(1, queries[..., None].expand(-1, -1, 4))
         return [{"scores": s, "labels": lab, "boxes": b} for s, lab, b in zip(scores, labels, boxes)]

@@ -69,11 +69,12 @@ def build_detector(m: ToyModelConfig, load_backbone_weights: bool = True) -> Toy
     return ToyDetector(m.num_classes, m.hidden_dim, m.grid)
 
 
-def build_postprocessor(m: ToyModelConfig) -> PostProcess:
+def build_postprocessor(m: ToyModelConfig, categories=None) -> PostProcess:
     return PostProcess(m.category_ids)
 
 
-def build(m: ToyModelConfig, loss: ToyLossConfig, load_backbone_weights: bool = True):
+def build(m: ToyModelConfig, loss: ToyLossConfig, load_backbone_weights: bool = True,
+          categories=None):
     # DETR's set loss reads dec_layers / aux_loss: one output, no auxiliary terms
     criterion = build_criterion(_OneLayer(m.num_classes), loss)
     return build_detector(m), criterion, build_postprocessor(m)

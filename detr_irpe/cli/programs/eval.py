@@ -49,7 +49,8 @@ def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = ()) -> int:
     # before the data and the model are loaded
     ensure_writable_folder(output_dir, "output folder", "choose another --output-dir")
     result = run_evaluation(cfg, path, output_dir, overrides=overrides,
-                            progress=not args.no_progress, sizes=sizes)
+                            progress=not args.no_progress, sizes=sizes,
+                            trust_imports=args.trust_imports)
     if sizes and result["rank"] == 0:
         plot_size_figure(result)
     print_eval_result(result)

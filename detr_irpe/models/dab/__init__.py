@@ -30,6 +30,7 @@ FAMILY = register_family(DetectorFamily(
     describe=describe,
     checkpoint=CHECKPOINT,
     hf=HF,
+    sigmoid_classes=True,
     figures=("anchors", "anchor-attention"),
     benchmark_targets={"DAB-DETR": "dab_detr_r50", "DN-DETR": "dn_detr_r50"},
 ))

@@ -3,6 +3,8 @@ the only reader of the DAB-DETR family's config sections."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import nn
 
 from detr_irpe.models.dab.config import DABLossConfig, DABModelConfig
@@ -58,16 +60,19 @@ def build_detector(m: DABModelConfig, load_backbone_weights: bool = True) -> DAB
     )
 
 
-def build_postprocessor(m: DABModelConfig) -> TopKPostProcess:
-    """The top ``model.num_select`` (query, class) sigmoid scores of each image."""
-    return TopKPostProcess(num_select=m.num_select, category_ids=m.category_ids)
+def build_postprocessor(m: DABModelConfig, categories: Iterable[int] | None = None
+                        ) -> TopKPostProcess:
+    """The top ``model.num_select`` (query, class) sigmoid scores of each image, of the
+    outputs that are one of ``categories`` (None: every output)."""
+    return TopKPostProcess(num_select=m.num_select, category_ids=m.category_ids,
+                           categories=categories)
 
 
-def build(m: DABModelConfig, loss: DABLossConfig, load_backbone_weights: bool = True
-          ) -> tuple[nn.Module, nn.Module, nn.Module]:
+def build(m: DABModelConfig, loss: DABLossConfig, load_backbone_weights: bool = True,
+          categories: Iterable[int] | None = None) -> tuple[nn.Module, nn.Module, nn.Module]:
     """DAB-DETR, FocalSetCriterion, the top ``model.num_select`` (query, class) scores."""
     model = build_detector(m, load_backbone_weights)
-    return model, build_criterion(m, loss), build_postprocessor(m)
+    return model, build_criterion(m, loss), build_postprocessor(m, categories)
 
 
 def describe(m: DABModelConfig) -> str:

@@ -3,21 +3,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from detr_irpe import sizes
 from detr_irpe.config.checks import at_least, positive
+from detr_irpe.config.estimates import refuse_if_too_big
 from detr_irpe.errors import ConfigError
 from detr_irpe.models.detr.config import SetLossConfig, TransformerDetectorConfig
 
-__all__ = ["MAX_DENOISING_QUERIES", "DABLossConfig", "DABModelConfig", "DenoisingConfig"]
-
-# Denoising queries per image at most (groups x objects of the most crowded image): the
-# (queries + denoising queries)^2 attention mask of every decoder layer grows with it.
-# COCO's most crowded image has 93 objects; DN-DETR uses 5 groups (465 queries).
-MAX_DENOISING_QUERIES = 100_000
-# Objects per image the bound above assumes (COCO's most crowded training image: 93).
-_OBJECTS_PER_IMAGE = 100
+__all__ = ["DABLossConfig", "DABModelConfig", "DenoisingConfig"]
 
 
 @dataclass
@@ -65,11 +61,31 @@ class DABModelConfig(TransformerDetectorConfig):
                 f"model.family=dab needs model.hidden_dim divisible by 4, got {self.hidden_dim}"
             )
 
-    def bounded_sizes(self) -> dict[str, tuple[int, int]]:
+    def check_data_sizes(self, objects_per_image: int = 1, where: str = "") -> None:
+        """Refuse denoising sizes whose decoder self-attention mask cannot be allocated.
+
+        DN-DETR adds ``denoising.groups`` copies of each image's ground truth to the
+        ``num_queries`` matching queries, and the decoder's mask is square in their sum
+        (:func:`detr_irpe.sizes.denoising_mask_bytes`). The config alone gives one object
+        per image (a lower bound); the training run checks again with
+        ``objects_per_image`` of its data, ``where`` saying where they are.
+        """
         if not self.denoising.enabled:
-            return {}
-        return {"model.denoising.groups": (
-            self.denoising.groups, MAX_DENOISING_QUERIES // _OBJECTS_PER_IMAGE)}
+            return
+        values = {"model.denoising.groups": self.denoising.groups,
+                  "model.num_queries": self.num_queries}
+        defaults = {"model.denoising.groups": DenoisingConfig().groups,
+                    "model.num_queries": DABModelConfig.num_queries}
+
+        def mask(v: Mapping[str, int]) -> int:
+            return sizes.denoising_mask_bytes(
+                num_queries=v["model.num_queries"], groups=v["model.denoising.groups"],
+                objects_per_image=objects_per_image)
+
+        objects = f"{objects_per_image} object(s) {where or 'per image at least'}"
+        refuse_if_too_big(mask, values, defaults, values,
+                          f"the denoising attention mask ((num_queries + groups x "
+                          f"{objects_per_image})^2 bools, {objects})")
 
 
 @dataclass

@@ -4,6 +4,8 @@ serve the families built on DETR's parts (DAB-DETR) too."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import nn
 
 from detr_irpe.errors import ConfigError
@@ -112,13 +114,15 @@ def build_detector(m: DETRModelConfig, load_backbone_weights: bool = True) -> DE
     )
 
 
-def build_postprocessor(m: DETRModelConfig) -> PostProcess:
-    """Softmax scores, the best class of each query."""
+def build_postprocessor(m: DETRModelConfig, categories: Iterable[int] | None = None
+                        ) -> PostProcess:
+    """Softmax scores, the best class of each query (``categories`` is not needed: the
+    "no object" output takes what no category has)."""
     return PostProcess(m.category_ids)
 
 
-def build(m: DETRModelConfig, loss: DETRLossConfig, load_backbone_weights: bool = True
-          ) -> tuple[nn.Module, nn.Module, nn.Module]:
+def build(m: DETRModelConfig, loss: DETRLossConfig, load_backbone_weights: bool = True,
+          categories: Iterable[int] | None = None) -> tuple[nn.Module, nn.Module, nn.Module]:
     """DETR, SetCriterion, PostProcess (softmax, best class per query)."""
     model = build_detector(m, load_backbone_weights)
     return model, build_criterion(m, loss), build_postprocessor(m)

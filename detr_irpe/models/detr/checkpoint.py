@@ -38,8 +38,16 @@ def _backbone_name(state: Mapping[str, Tensor]) -> str | None:
     return _RESNETS.get((block, depth), f"a {block}-block ResNet with {depth} layer3 blocks")
 
 
+def _backbone_stages(state: Mapping[str, Tensor]) -> int | None:
+    """The ResNet stages a state dict holds (``layer2`` .. ``layer4``: 2, 3 or 4)."""
+    body = "backbone.0.body."
+    stages = [n for n in (4, 3, 2) if any(k.startswith(f"{body}layer{n}.") for k in state)]
+    return stages[0] if stages else None
+
+
 def backbone_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    return {"model.backbone": _backbone_name(state)}
+    return {"model.backbone": _backbone_name(state),
+            "model.backbone_stages": _backbone_stages(state)}
 
 
 def transformer_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
