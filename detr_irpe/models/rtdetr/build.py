@@ -1,0 +1,91 @@
+"""Model, criterion and post-processor of RT-DETR from its config; the only reader of
+:class:`~.config.RTDETRModelConfig` / :class:`~.config.RTDETRLossConfig`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from torch import nn
+
+from detr_irpe.checkpoint import CheckpointError
+from detr_irpe.checkpoint.safe import safe_load
+from detr_irpe.models.matcher import FocalHungarianMatcher
+from detr_irpe.models.postprocess import TopKPostProcess
+from detr_irpe.models.rtdetr.config import RTDETRLossConfig, RTDETRModelConfig
+from detr_irpe.models.rtdetr.criterion import RTDETRCriterion, rtdetr_weight_dict
+from detr_irpe.models.rtdetr.decoder import RTDETRDecoder
+from detr_irpe.models.rtdetr.hybrid_encoder import HybridEncoder
+from detr_irpe.models.rtdetr.model import RTDETR
+from detr_irpe.models.rtdetr.presnet import PResNet
+
+logger = logging.getLogger(__name__)
+
+
+def build_rtdetr(cfg: RTDETRModelConfig, *, load_weights: bool = True) -> RTDETR:
+    """The model of ``cfg`` (checked); with ``load_weights``, ``cfg.backbone_weights``
+    (a PResNet state-dict file, e.g. the published ImageNet ResNet-vd) goes into the backbone."""
+    cfg.check()
+    backbone = PResNet(cfg.depth, cfg.variant, 4, (1, 2, 3), cfg.freeze_at, cfg.freeze_norm)
+    if load_weights and cfg.backbone_weights:
+        load_backbone_weights(backbone, cfg.backbone_weights)
+    encoder = HybridEncoder(
+        tuple(backbone.out_channels), cfg.enc_hidden_dim, cfg.nheads, cfg.enc_dim_feedforward,
+        cfg.dropout, "gelu", (2,), cfg.enc_layers, cfg.pe_temperature, cfg.expansion,
+        cfg.depth_mult, "silu", cfg.rpe, cfg.rpe_init,
+    )
+    decoder = RTDETRDecoder(
+        num_classes=cfg.num_classes, hidden_dim=cfg.hidden_dim, num_queries=cfg.num_queries,
+        feat_channels=(cfg.enc_hidden_dim,) * 3, num_levels=cfg.num_levels,
+        num_points=cfg.num_points, nhead=cfg.nheads, num_layers=cfg.dec_layers,
+        dim_feedforward=cfg.dim_feedforward, dropout=cfg.dropout,
+        num_denoising=cfg.num_denoising, label_noise=cfg.label_noise,
+        box_noise=cfg.box_noise, eval_idx=cfg.eval_idx, aux_loss=cfg.aux_loss,
+    )
+    return RTDETR(backbone, encoder, decoder)
+
+
+def load_backbone_weights(backbone: nn.Module, path: str) -> None:
+    """Load a PResNet state dict (``torch.load(weights_only=True)``) strictly.
+
+    Raises:
+        CheckpointError: naming the file, when it is unreadable or its keys / shapes differ.
+    """
+    state = safe_load(path)
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict):
+        raise CheckpointError(f"backbone weights {path!r}: no state dict in the file")
+    try:
+        backbone.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0:2]
+        raise CheckpointError(f"backbone weights {path!r} do not fit a "
+                              f"{type(backbone).__name__}: {' '.join(first)}") from None
+    logger.info("backbone weights loaded from %s", path)
+
+
+def build_rtdetr_criterion(model_cfg: RTDETRModelConfig, loss_cfg: RTDETRLossConfig
+                           ) -> RTDETRCriterion:
+    """The criterion of ``loss_cfg`` for a model of ``model_cfg`` (terms of every layer,
+    of the proposals and, with denoising, of the denoising queries)."""
+    loss_cfg.check()
+    matcher = FocalHungarianMatcher(loss_cfg.cost_class, loss_cfg.cost_bbox, loss_cfg.cost_giou,
+                                    loss_cfg.focal_alpha, loss_cfg.focal_gamma)
+    num_aux = model_cfg.dec_layers if model_cfg.aux_loss else 0  # layers but the last + proposals
+    num_dn = model_cfg.dec_layers if model_cfg.aux_loss and model_cfg.num_denoising > 0 else 0
+    weights = rtdetr_weight_dict(loss_cfg.vfl_weight, loss_cfg.bbox_weight,
+                                 loss_cfg.giou_weight, num_aux, num_dn)
+    return RTDETRCriterion(model_cfg.num_classes, matcher, weights, loss_cfg.vfl_alpha,
+                           loss_cfg.vfl_gamma)
+
+
+def build(model_cfg: RTDETRModelConfig, loss_cfg: RTDETRLossConfig, *,
+          load_weights: bool = True, category_ids: Sequence[int] | None = None
+          ) -> tuple[RTDETR, RTDETRCriterion, TopKPostProcess]:
+    """``(model, criterion, postprocessor)``; the post-processor keeps the
+    ``model_cfg.num_select`` best (query, class) sigmoid scores of each image (what the
+    published ``RTDETRPostProcessor`` does) and maps class indices to ``category_ids``."""
+    model = build_rtdetr(model_cfg, load_weights=load_weights)
+    criterion = build_rtdetr_criterion(model_cfg, loss_cfg)
+    return model, criterion, TopKPostProcess(model_cfg.num_select, category_ids)

@@ -1,0 +1,187 @@
+"""The settings of an RT-DETR model and its loss (defaults: the published R50-vd recipe,
+``configs/rtdetr/rtdetr_r50vd_6x_coco.yml``).
+
+:meth:`RTDETRModelConfig.for_depth` gives the published recipe of each backbone depth
+(R18: no frozen norm, CSP expansion 0.5, 3 decoder layers; R34: the same with 4 layers;
+R50 / R101: frozen BatchNorm, frozen stem, expansion 1.0, 6 layers; R101 also an encoder
+width of 384 and an AIFI feed-forward width of 2048). ``check()`` raises
+a :class:`~detr_irpe.errors.ConfigError` naming the key (``<prefix>.<field>``) and the
+value; sizes that grow memory are bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from detr_irpe.errors import ConfigError
+from detr_irpe.irpe.config import parse_rpe
+from detr_irpe.irpe.encodings import RPE_INIT_MODES
+from detr_irpe.models.rtdetr.presnet import DEPTHS, VARIANTS
+
+# Upper bounds of the sizes that grow memory or time (far above every published model).
+MAX_QUERIES = 10_000
+MAX_DENOISING = 10_000
+MAX_LAYERS = 64
+MAX_WIDTH = 16_384
+MAX_CLASSES = 100_000
+MAX_POINTS = 64
+MAX_LEVELS = 8
+
+
+def _fail(key: str, value, what: str) -> None:
+    raise ConfigError(f"{key} {what}, got {value!r}")
+
+
+def _int_in(key: str, value, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        _fail(key, value, f"must be an integer in [{low}, {high}]")
+
+
+def _float_in(key: str, value, low: float, high: float, *, open_high: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or value > high or (open_high and value == high):
+        _fail(key, value, f"must be a number in [{low}, {high}{')' if open_high else ']'}")
+
+
+@dataclass
+class RTDETRModelConfig:
+    """Architecture of an RT-DETR model (see :mod:`detr_irpe.models.rtdetr`)."""
+
+    # backbone: ResNet-vd
+    depth: int = 50
+    variant: str = "d"
+    freeze_norm: bool = True
+    freeze_at: int = 0  # -1: nothing frozen; 0: the stem; k: the stem and k stages
+    # hybrid encoder (R101: width 384, AIFI feed-forward 2048)
+    enc_hidden_dim: int = 256
+    enc_dim_feedforward: int = 1024
+    nheads: int = 8  # of the AIFI layer and of the decoder's attentions
+    enc_layers: int = 1  # AIFI layers on the stride-32 map
+    expansion: float = 1.0  # CSP blocks' hidden width ratio
+    depth_mult: float = 1.0  # RepVGG blocks per CSP block: round(3 * depth_mult)
+    pe_temperature: float = 10000.0
+    rpe: str = "none"  # iRPE of the AIFI self-attention: "none" or a model-zoo string
+    rpe_init: str = "zero"  # "zero": an iRPE model starts as the model without iRPE
+    # decoder
+    hidden_dim: int = 256
+    dim_feedforward: int = 1024
+    dec_layers: int = 6
+    num_queries: int = 300
+    num_levels: int = 3
+    num_points: int = 4
+    num_classes: int = 80
+    dropout: float = 0.0
+    eval_idx: int = -1
+    aux_loss: bool = True
+    # contrastive denoising (0 queries: off)
+    num_denoising: int = 100
+    label_noise: float = 0.5
+    box_noise: float = 1.0
+    # post-processing: detections kept per image
+    num_select: int = 300
+    # ImageNet weights of the backbone (a PResNet state-dict file), loaded by the builder
+    backbone_weights: str | None = None
+
+    @classmethod
+    def for_depth(cls, depth: int, **overrides) -> RTDETRModelConfig:
+        """The published recipe of a ResNet-vd ``depth`` (18, 34, 50, 101), then ``overrides``."""
+        if depth not in DEPTHS:
+            _fail("depth", depth, f"must be one of {', '.join(map(str, DEPTHS))}")
+        small = depth < 50
+        recipe = {"depth": depth, "freeze_norm": not small, "freeze_at": -1 if small else 0,
+                  "expansion": 0.5 if small else 1.0,
+                  "dec_layers": {18: 3, 34: 4}.get(depth, 6)}
+        if depth == 101:
+            recipe.update(enc_hidden_dim=384, enc_dim_feedforward=2048)
+        return cls(**{**recipe, **overrides})
+
+    def check(self, prefix: str = "model") -> RTDETRModelConfig:
+        """Raise :class:`ConfigError` naming ``<prefix>.<key>`` for a bad value; return self."""
+        def key(name: str) -> str:
+            return f"{prefix}.{name}" if prefix else name
+
+        if self.depth not in DEPTHS:
+            _fail(key("depth"), self.depth, f"must be one of {', '.join(map(str, DEPTHS))}")
+        if self.variant not in VARIANTS:
+            _fail(key("variant"), self.variant, f"must be one of {', '.join(VARIANTS)}")
+        for name in ("freeze_norm", "aux_loss"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(key(name), getattr(self, name), "must be true or false")
+        _int_in(key("freeze_at"), self.freeze_at, -1, 4)
+        _int_in(key("nheads"), self.nheads, 1, MAX_WIDTH)
+        for name in ("enc_hidden_dim", "hidden_dim"):
+            width = getattr(self, name)
+            _int_in(key(name), width, 4, MAX_WIDTH)
+            if width % self.nheads:
+                _fail(key(name), width, f"must be divisible by {key('nheads')} ({self.nheads})")
+        if self.enc_hidden_dim % 4:
+            _fail(key("enc_hidden_dim"), self.enc_hidden_dim,
+                  "must be divisible by 4 (the 2D sin-cos encoding)")
+        for name in ("enc_dim_feedforward", "dim_feedforward"):
+            _int_in(key(name), getattr(self, name), 1, 4 * MAX_WIDTH)
+        _int_in(key("enc_layers"), self.enc_layers, 0, MAX_LAYERS)
+        _float_in(key("expansion"), self.expansion, 1 / 256, 16.0)
+        if int(self.enc_hidden_dim * self.expansion) < 1:
+            _fail(key("expansion"), self.expansion, f"leaves no channel of {self.enc_hidden_dim}")
+        _float_in(key("depth_mult"), self.depth_mult, 0.0, 16.0)
+        _float_in(key("pe_temperature"), self.pe_temperature, 1e-6, 1e12)
+        try:
+            rpe = parse_rpe(self.rpe)
+        except ValueError as err:
+            raise ConfigError(f"{key('rpe')}: {err}") from None
+        if rpe is not None and rpe.skip:
+            _fail(key("rpe"), self.rpe, "must have skip 0 (AIFI has no extra tokens)")
+        if self.rpe_init not in RPE_INIT_MODES:
+            _fail(key("rpe_init"), self.rpe_init, f"must be one of {', '.join(RPE_INIT_MODES)}")
+        _int_in(key("dec_layers"), self.dec_layers, 1, MAX_LAYERS)
+        _int_in(key("num_queries"), self.num_queries, 1, MAX_QUERIES)
+        _int_in(key("num_levels"), self.num_levels, 3, MAX_LEVELS)
+        _int_in(key("num_points"), self.num_points, 1, MAX_POINTS)
+        _int_in(key("num_classes"), self.num_classes, 1, MAX_CLASSES)
+        _float_in(key("dropout"), self.dropout, 0.0, 1.0, open_high=True)
+        _int_in(key("eval_idx"), self.eval_idx, -self.dec_layers, self.dec_layers - 1)
+        _int_in(key("num_denoising"), self.num_denoising, 0, MAX_DENOISING)
+        _float_in(key("label_noise"), self.label_noise, 0.0, 1.0)
+        _float_in(key("box_noise"), self.box_noise, 0.0, 100.0)
+        _int_in(key("num_select"), self.num_select, 1, MAX_QUERIES * MAX_CLASSES)
+        if self.backbone_weights is not None and not isinstance(self.backbone_weights, str):
+            _fail(key("backbone_weights"), self.backbone_weights, "must be a path or null")
+        return self
+
+    def replace(self, **changes) -> RTDETRModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class RTDETRLossConfig:
+    """Loss and matcher of RT-DETR (published: VFL 1, L1 5, GIoU 2; costs 2 / 5 / 2)."""
+
+    vfl_weight: float = 1.0
+    bbox_weight: float = 5.0
+    giou_weight: float = 2.0
+    vfl_alpha: float = 0.75
+    vfl_gamma: float = 2.0
+    cost_class: float = 2.0
+    cost_bbox: float = 5.0
+    cost_giou: float = 2.0
+    focal_alpha: float = 0.25  # of the matcher's class cost
+    focal_gamma: float = 2.0
+
+    def check(self, prefix: str = "loss") -> RTDETRLossConfig:
+        """Raise :class:`ConfigError` naming ``<prefix>.<key>`` for a bad value; return self."""
+        def key(name: str) -> str:
+            return f"{prefix}.{name}" if prefix else name
+
+        for name in ("vfl_weight", "bbox_weight", "giou_weight", "cost_class", "cost_bbox",
+                     "cost_giou"):
+            _float_in(key(name), getattr(self, name), 0.0, 1e6)
+        for name in ("vfl_alpha", "focal_alpha"):
+            _float_in(key(name), getattr(self, name), 0.0, 1.0)
+        for name in ("vfl_gamma", "focal_gamma"):
+            _float_in(key(name), getattr(self, name), 0.0, 100.0)
+        if self.cost_class == self.cost_bbox == self.cost_giou == 0:
+            raise ConfigError(f"{key('cost_class')}, {key('cost_bbox')} and {key('cost_giou')} "
+                              "are all 0: the matching would be arbitrary")
+        return self

@@ -1,0 +1,236 @@
+"""RT-DETR's hybrid encoder (Zhao et al., "DETRs Beat YOLOs on Real-time Object
+Detection", CVPR 2024, Sec. 4.2): AIFI + CCFM.
+
+- input projections: a 1x1 conv + BatchNorm per backbone level, to ``hidden_dim``;
+- AIFI (attention-based intra-scale feature interaction): a post-norm transformer
+  encoder layer (GELU feed-forward) on the stride-32 map only. Its self-attention is an
+  :class:`~detr_irpe.irpe.IRPEMultiheadAttention`: with ``rpe`` set, iRPE (Wu et al.,
+  ICCV 2021) on the ``H x W`` token grid comes on top of the absolute 2D sin-cos
+  encoding added to queries and keys (:func:`sincos_position_embedding`);
+- CCFM (CNN-based cross-scale feature fusion): a top-down pass (1x1 lateral conv,
+  nearest 2x upsampling, concatenation, CSP block) and a bottom-up pass (3x3 / 2 conv,
+  concatenation, CSP block), PANet-style. A CSP block (:class:`CSPRepLayer`) splits into
+  two 1x1 conv branches, one of which runs through RepVGG blocks (3x3 + 1x1 convs,
+  summed, SiLU), then adds them (and a 1x1 conv when ``expansion`` != 1).
+
+Module names follow the published ``HybridEncoder`` (version v1), so its state-dict keys
+(``encoder.input_proj.0.0.weight``, ``encoder.encoder.0.layers.0.self_attn.in_proj_weight``,
+``encoder.fpn_blocks.0.bottlenecks.2.conv1.conv.weight``, ...) load unchanged.
+
+Positions are computed for the actual feature size at every call (the published code
+caches them for 640 x 640 in eval mode, which equals this at that size and fails at
+any other). The RepVGG blocks are kept as two branches (no re-parameterisation for
+deployment).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table
+from detr_irpe.irpe.config import RPEConfig
+from detr_irpe.irpe.dropout import Dropout
+from detr_irpe.models.rtdetr.layers import ConvNormLayer, activation_fn
+
+
+def sincos_position_embedding(
+    height: int, width: int, dim: int = 256, temperature: float = 10000.0,
+    dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+) -> Tensor:
+    """The 2D sin-cos encoding of the ``height * width`` tokens (row-major), ``(1, L, dim)``.
+
+    With ``D = dim / 4`` frequencies ``w_k = temperature ** (-k / D)``, token ``t`` gets
+    ``[sin(a w), cos(a w), sin(b w), cos(b w)]`` where ``a = t // height`` and
+    ``b = t % height``. For a square map ``a`` is the token's row and ``b`` its column.
+    For a non-square map this is what the published code computes (it enumerates a
+    ``width x height`` grid in the other order than the tokens), kept so that the
+    released weights see the positions they were trained with.
+    """
+    if dim % 4:
+        raise ValueError(f"the 2D sin-cos encoding needs a width divisible by 4, got {dim}")
+    quarter = dim // 4
+    omega = 1.0 / temperature ** (torch.arange(quarter, dtype=torch.float32) / quarter)
+    t = torch.arange(height * width)
+    a = torch.div(t, height, rounding_mode="floor").float()[:, None] * omega
+    b = (t % height).float()[:, None] * omega
+    pos = torch.cat([a.sin(), a.cos(), b.sin(), b.cos()], dim=1)
+    return pos[None].to(dtype=dtype, device=device)
+
+
+class RepVggBlock(nn.Module):
+    """``act(BN(conv3x3(x)) + BN(conv1x1(x)))`` (keys ``conv1``, ``conv2``)."""
+
+    def __init__(self, channels: int, act: str = "silu") -> None:
+        super().__init__()
+        self.conv1 = ConvNormLayer(channels, channels, 3, 1)
+        self.conv2 = ConvNormLayer(channels, channels, 1, 1)
+        self._act = activation_fn(act)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._act(self.conv1(x) + self.conv2(x))
+
+
+class CSPRepLayer(nn.Module):
+    """CSP block: ``conv3(bottlenecks(conv1(x)) + conv2(x))``, ``hidden = out * expansion``
+    channels inside; ``conv3`` is the identity when ``hidden == out``."""
+
+    def __init__(self, ch_in: int, ch_out: int, num_blocks: int = 3, expansion: float = 1.0,
+                 act: str = "silu") -> None:
+        super().__init__()
+        hidden = int(ch_out * expansion)
+        self.conv1 = ConvNormLayer(ch_in, hidden, 1, 1, act=act)
+        self.conv2 = ConvNormLayer(ch_in, hidden, 1, 1, act=act)
+        self.bottlenecks = nn.Sequential(*[RepVggBlock(hidden, act) for _ in range(num_blocks)])
+        self.conv3 = (ConvNormLayer(hidden, ch_out, 1, 1, act=act) if hidden != ch_out
+                      else nn.Identity())
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``(B, ch_in, H, W)`` -> ``(B, ch_out, H, W)``."""
+        return self.conv3(self.bottlenecks(self.conv1(x)) + self.conv2(x))
+
+
+class AIFILayer(nn.Module):
+    """Post-norm transformer encoder layer; positions added to queries and keys.
+
+    ``x = norm1(x + attn(x + pos, x + pos, x))``, ``x = norm2(x + linear2(act(linear1(x))))``.
+    Keys as the published layer (and torch's MHA): ``self_attn.in_proj_weight``,
+    ``self_attn.out_proj``, ``linear1``, ``linear2``, ``norm1``, ``norm2`` (+ iRPE tables
+    ``self_attn.rpe_k.*`` etc. with ``rpe``).
+    """
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int, dropout: float,
+                 activation: str = "gelu", rpe: RPEConfig | str | None = None) -> None:
+        super().__init__()
+        self.self_attn = IRPEMultiheadAttention(d_model, nhead, dropout=dropout, rpe=rpe)
+        self.linear1 = nn.Linear(d_model, dim_feedforward)
+        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.dropout = Dropout(dropout)
+        self.dropout1 = Dropout(dropout)
+        self.dropout2 = Dropout(dropout)
+        self._act = activation_fn(activation)
+
+    def forward(self, x: Tensor, hw: tuple[int, int], pos: Tensor | None = None) -> Tensor:
+        """``x`` ``(B, L, C)`` row-major over the ``hw`` grid, ``pos`` ``(1 or B, L, C)``."""
+        qk = x if pos is None else x + pos
+        x = self.norm1(x + self.dropout1(self.self_attn(qk, qk, x, hw)[0]))
+        ffn = self.linear2(self.dropout(self._act(self.linear1(x))))
+        return self.norm2(x + self.dropout2(ffn))
+
+
+class AIFIEncoder(nn.Module):
+    """A stack of :class:`AIFILayer` (key ``layers.{i}``)."""
+
+    def __init__(self, layers: list[AIFILayer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: Tensor, hw: tuple[int, int], pos: Tensor | None = None) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, hw, pos)
+        return x
+
+
+class HybridEncoder(nn.Module):
+    """AIFI on the levels ``use_encoder_idx`` + CCFM fusion of all levels.
+
+    Args:
+        in_channels: channels of the backbone maps, finest first (R50: 512, 1024, 2048).
+        hidden_dim: C of every output map (256).
+        nhead, dim_feedforward, dropout, enc_act: the AIFI layers (8, 1024, 0, GELU).
+        use_encoder_idx: levels that get AIFI layers (RT-DETR: the coarsest, ``(2,)``).
+        num_encoder_layers: AIFI layers per such level (1; 0: no AIFI).
+        pe_temperature: of the sin-cos encoding (10000).
+        expansion: hidden width ratio of the CSP blocks (R50: 1.0, R18 / R34: 0.5).
+        depth_mult: RepVGG blocks per CSP block = ``round(3 * depth_mult)``.
+        act: activation of the CCFM convs (SiLU).
+        rpe: iRPE of the AIFI self-attention (model-zoo string, RPEConfig or None).
+        rpe_init: how the iRPE tables start (``xavier`` or ``zero``: same function as without).
+    """
+
+    def __init__(
+        self,
+        in_channels: tuple[int, ...] = (512, 1024, 2048),
+        hidden_dim: int = 256,
+        nhead: int = 8,
+        dim_feedforward: int = 1024,
+        dropout: float = 0.0,
+        enc_act: str = "gelu",
+        use_encoder_idx: tuple[int, ...] = (2,),
+        num_encoder_layers: int = 1,
+        pe_temperature: float = 10000.0,
+        expansion: float = 1.0,
+        depth_mult: float = 1.0,
+        act: str = "silu",
+        rpe: RPEConfig | str | None = None,
+        rpe_init: str = "zero",
+    ) -> None:
+        super().__init__()
+        levels = len(in_channels)
+        if any(not 0 <= i < levels for i in use_encoder_idx):
+            raise ValueError(f"use_encoder_idx {tuple(use_encoder_idx)} must index the "
+                             f"{levels} input levels")
+        self.hidden_dim = hidden_dim
+        self.use_encoder_idx = tuple(use_encoder_idx)
+        self.num_encoder_layers = num_encoder_layers
+        self.pe_temperature = pe_temperature
+        self.input_proj = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c, hidden_dim, 1, bias=False), nn.BatchNorm2d(hidden_dim))
+            for c in in_channels
+        )
+        self.encoder = nn.ModuleList(
+            AIFIEncoder([AIFILayer(hidden_dim, nhead, dim_feedforward, dropout, enc_act, rpe)
+                         for _ in range(num_encoder_layers)])
+            for _ in self.use_encoder_idx
+        )
+        blocks = round(3 * depth_mult)
+        self.lateral_convs = nn.ModuleList(
+            ConvNormLayer(hidden_dim, hidden_dim, 1, 1, act=act) for _ in range(levels - 1))
+        self.fpn_blocks = nn.ModuleList(
+            CSPRepLayer(2 * hidden_dim, hidden_dim, blocks, expansion, act)
+            for _ in range(levels - 1))
+        self.downsample_convs = nn.ModuleList(
+            ConvNormLayer(hidden_dim, hidden_dim, 3, 2, act=act) for _ in range(levels - 1))
+        self.pan_blocks = nn.ModuleList(
+            CSPRepLayer(2 * hidden_dim, hidden_dim, blocks, expansion, act)
+            for _ in range(levels - 1))
+        for name, param in self.encoder.named_parameters():
+            if "lookup_table" in name:
+                init_rpe_table(param, rpe_init)
+
+    def forward(self, feats: list[Tensor]) -> list[Tensor]:
+        """Backbone maps ``(B, in_channels[i], H_i, W_i)``, finest first (each level half the
+        size of the previous) -> as many ``(B, hidden_dim, H_i, W_i)`` maps."""
+        if len(feats) != len(self.input_proj):
+            raise ValueError(f"{len(feats)} feature maps for an encoder of "
+                             f"{len(self.input_proj)} levels")
+        maps = [proj(f) for proj, f in zip(self.input_proj, feats)]
+        if self.num_encoder_layers > 0:
+            for encoder, level in zip(self.encoder, self.use_encoder_idx):
+                x = maps[level]
+                batch, channels, height, width = x.shape
+                tokens = x.flatten(2).transpose(1, 2)  # (B, H W, C) row-major
+                pos = sincos_position_embedding(height, width, self.hidden_dim,
+                                                self.pe_temperature, x.dtype, x.device)
+                out = encoder(tokens, (height, width), pos)
+                maps[level] = out.transpose(1, 2).reshape(batch, channels, height, width)
+
+        # top-down: from the coarsest map, each lateral output is upsampled and fused
+        # with the next finer map
+        levels = len(maps)
+        top_down = [maps[-1]]
+        for k in range(levels - 1):
+            coarse = self.lateral_convs[k](top_down[0])
+            top_down[0] = coarse
+            fine = maps[levels - 2 - k]
+            up = F.interpolate(coarse, scale_factor=2.0, mode="nearest")
+            top_down.insert(0, self.fpn_blocks[k](torch.cat([up, fine], dim=1)))
+        # bottom-up: from the finest fused map, downsample and fuse with the next coarser
+        outs = [top_down[0]]
+        for k in range(levels - 1):
+            down = self.downsample_convs[k](outs[-1])
+            outs.append(self.pan_blocks[k](torch.cat([down, top_down[k + 1]], dim=1)))
+        return outs

@@ -1,0 +1,70 @@
+"""Small building blocks shared by RT-DETR's backbone and encoder.
+
+:class:`ConvNormLayer` is the conv + BatchNorm (+ activation) unit that both the
+ResNet-vd backbone and the hybrid encoder are made of; its submodule names (``conv``,
+``norm``) are those of the published RT-DETR state dicts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ACTIVATIONS = ("relu", "silu", "gelu")
+
+
+def activation_fn(name: str | None):
+    """``None`` (identity) or one of :data:`ACTIVATIONS` as a function."""
+    if name is None:
+        return _identity
+    table = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu}
+    if name not in table:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {name!r}")
+    return table[name]
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+class ConvNormLayer(nn.Module):
+    """``act(norm(conv(x)))``: a bias-free ``k x k`` conv with "same" padding
+    (``(k - 1) // 2``), a BatchNorm and an optional activation.
+
+    Args:
+        ch_in, ch_out: channels.
+        kernel_size, stride: of the conv.
+        act: ``None``, ``"relu"``, ``"silu"`` or ``"gelu"``.
+        norm_layer: the norm's class (``nn.BatchNorm2d`` or a frozen one).
+    """
+
+    def __init__(
+        self,
+        ch_in: int,
+        ch_out: int,
+        kernel_size: int,
+        stride: int = 1,
+        act: str | None = None,
+        norm_layer: type[nn.Module] = nn.BatchNorm2d,
+    ) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch_in, ch_out, kernel_size, stride,
+                              padding=(kernel_size - 1) // 2, bias=False)
+        self.norm = norm_layer(ch_out)
+        self.act_name = act
+        self._act = activation_fn(act)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``(B, ch_in, H, W)`` -> ``(B, ch_out, H', W')``."""
+        return self._act(self.norm(self.conv(x)))
+
+    def extra_repr(self) -> str:
+        return f"act={self.act_name}"
+
+
+def inverse_sigmoid(x: Tensor, eps: float = 1e-5) -> Tensor:
+    """``log(x / (1 - x))`` of ``x`` clamped to [0, 1], both ratio terms at least ``eps``
+    (the published code's clamping, so that boxes touching the image border stay finite)."""
+    x = x.clamp(0.0, 1.0)
+    return torch.log(x.clamp(min=eps) / (1 - x).clamp(min=eps))
