@@ -46,6 +46,7 @@ __all__ = [
 BUILTIN_FAMILIES: dict[str, str] = {
     "detr": "detr_irpe.models.detr",
     "dab": "detr_irpe.models.dab",
+    "rtdetr": "detr_irpe.models.rtdetr",
 }
 # The family of a config that names none (every config written before model.family).
 DEFAULT_FAMILY = "detr"
@@ -99,6 +100,11 @@ class CheckpointSupport:
             tensor in place (None: the head needs no resizing, or the sizes agree).
         sigmoid_head: the class head has one sigmoid per class (a new row starts at the
             focal prior), not softmax rows.
+        class_keys: ``state ->`` the weights (``.weight`` / ``.bias`` of linear heads,
+            embeddings) whose rows follow the classes: re-initialised together when fine-tuning to another
+            class count; the first is the one compared.
+        kept_last_row: those of ``class_keys`` whose last row is no class and is kept
+            (DN-DETR's matching-query content).
         encoder_attention_prefix: the key prefix of the encoder layers whose
             self-attention takes iRPE tables (``transformer.encoder.layers.``).
     """
@@ -111,6 +117,9 @@ class CheckpointSupport:
                              tuple[str, dict[str, Any]] | None] | None = None
     resize_class_head: Callable[[dict[str, Any], int], str | None] | None = None
     sigmoid_head: bool = False
+    class_keys: Callable[[Mapping[str, Any]], tuple[str, ...]] = (
+        lambda state: ("class_embed.weight", "class_embed.bias"))
+    kept_last_row: tuple[str, ...] = ()
     encoder_attention_prefix: str = "transformer.encoder.layers."
 
 

@@ -153,11 +153,11 @@ def test_curves_read_detr_log(tmp_path):
     out = tmp_path / "curves.png"
     fig = plot_training_curves([log_a, tmp_path / "run_b"], out=out)
     assert_png(out)
-    # the mAP panel holds AP (x100) of both runs against epochs
+    # the mAP panel holds AP (x100) of both runs against epochs (counted from 1, as shown)
     map_axis = next(ax for ax in fig.axes if ax.get_title().startswith("COCO mAP"))
     ap_lines = [line for line in map_axis.lines if line.get_linestyle() == "-"]
     assert len(ap_lines) == 2
-    np.testing.assert_allclose(ap_lines[0].get_xdata(), [0, 1, 2])
+    np.testing.assert_allclose(ap_lines[0].get_xdata(), [1, 2, 3])
     np.testing.assert_allclose(ap_lines[0].get_ydata(), [1.0, 2.0, 3.0])
     legend_texts = {t.get_text() for legend in fig.legends for t in legend.get_texts()}
     assert {"run_a", "run_b"} <= legend_texts

@@ -31,8 +31,6 @@ from torch import Tensor, nn
 from detr_irpe.checkpoint.files import read_checkpoint
 from detr_irpe.checkpoint.layout import (
     FOCAL_PRIOR_BIAS,
-    HEAD_KEYS,
-    LABEL_KEY,
     explain_mismatch,
     num_classes_of,
 )
@@ -80,10 +78,22 @@ def _missing_rpe_tables(
     return model_rpe
 
 
+def _class_keys(state: Mapping[str, Tensor]) -> tuple[str, ...]:
+    """The keys of ``state``'s family whose rows follow the classes (``class_embed``: its
+    family's ``CheckpointSupport.class_keys``)."""
+    family = family_of_state(state)
+    if family is None or family.checkpoint is None:
+        return ()
+    return family.checkpoint.class_keys(state)
+
+
 def _class_head_differs(state: Mapping[str, Tensor], target: Mapping[str, Tensor]) -> bool:
-    """Only the number of classes differs: same decoder, same input width, other row count."""
-    weight = HEAD_KEYS[0]
-    if weight not in state or weight not in target or family_of_state(state) is not family_of_state(target):
+    """Only the number of classes differs: same family, same input width, other row count."""
+    keys = _class_keys(target)
+    if not keys or family_of_state(state) is not family_of_state(target):
+        return False
+    weight = keys[0]
+    if weight not in state or weight not in target:
         return False
     saved, model = state[weight].shape, target[weight].shape
     return saved != model and saved[1:] == model[1:]
@@ -91,21 +101,22 @@ def _class_head_differs(state: Mapping[str, Tensor], target: Mapping[str, Tensor
 
 def _head_size(state: Mapping[str, Tensor]) -> str:
     """``"92 outputs (91 classes)"``: the class head's rows and the class count they mean."""
-    return f"{state[HEAD_KEYS[0]].shape[0]} outputs ({num_classes_of(state)} classes)"
+    return f"{state[_class_keys(state)[0]].shape[0]} outputs ({num_classes_of(state)} classes)"
 
 
 def _take_off_class_head(
     state: dict[str, Tensor], target: Mapping[str, Tensor], path: Any, strict_head: bool
-) -> tuple[list[str], Tensor | None]:
-    """Remove a class head of another size (and DN-DETR's label_enc, whose rows follow the
-    classes) from ``state``, to be re-initialised, or refuse.
+) -> tuple[list[str], dict[str, Tensor]]:
+    """Remove a class head of another size (with every weight whose rows follow the
+    classes: DN-DETR's label_enc, RT-DETR's per-layer heads) from ``state``, to be
+    re-initialised, or refuse.
 
     Returns:
-        the model keys to re-initialise, and label_enc's last row (the matching queries'
-        content, kept) or None.
+        the model keys to re-initialise, and ``{key: last row}`` of the weights whose last
+        row is no class (kept: DN-DETR's matching-query content).
     """
     if not _class_head_differs(state, target):
-        return [], None
+        return [], {}
     saved, model = num_classes_of(state), num_classes_of(target)
     message = (
         f"checkpoint {path}: class head has {_head_size(state)}, the model {_head_size(target)}"
@@ -117,16 +128,19 @@ def _take_off_class_head(
         )
     logger.warning("%s: re-initialising the class head (fine-tuning; %d -> %d classes)",
                    message, saved, model)
-    for key in HEAD_KEYS:
-        state.pop(key, None)
-    keys = [k for k in HEAD_KEYS if k in target]
-    matching_row = None
-    if LABEL_KEY in state and LABEL_KEY in target:
-        matching_row = state.pop(LABEL_KEY)[-1]
-        keys.append(LABEL_KEY)
-        logger.warning("checkpoint %s: label_enc re-initialised for %d classes but its last "
-                       "row, the matching queries' content, which is loaded", path, model)
-    return keys, matching_row
+    family = family_of_state(target)
+    kept_rows = family.checkpoint.kept_last_row if family and family.checkpoint else ()
+    keys, last_rows = [], {}
+    for key in _class_keys(target):
+        value = state.pop(key, None)
+        if key not in target:
+            continue
+        keys.append(key)
+        if key in kept_rows and value is not None:
+            last_rows[key] = value[-1]
+            logger.warning("checkpoint %s: %s re-initialised for %d classes but its last row "
+                           "(no class), which is loaded", path, key, model)
+    return keys, last_rows
 
 
 def key_problems(
@@ -211,20 +225,22 @@ def check_state_fits(model: nn.Module, state: Mapping[str, Tensor], meta: Mappin
 
 def _apply(
     model: nn.Module, state: Mapping[str, Tensor], reinitialized: list[str],
-    matching_row: Tensor | None, sigmoid_head: bool,
+    last_rows: Mapping[str, Tensor], sigmoid_head: bool,
 ) -> None:
     model.load_state_dict(state, strict=False)
     if not reinitialized:
         return
     with torch.no_grad():
-        head = model.get_submodule(HEAD_KEYS[0].rsplit(".", 1)[0])
-        head.reset_parameters()
-        if sigmoid_head:  # DAB-DETR's head starts every class at the prior probability
-            nn.init.constant_(head.bias, FOCAL_PRIOR_BIAS)
-        if matching_row is not None:
-            labels = model.get_submodule(LABEL_KEY.rsplit(".", 1)[0])
-            labels.reset_parameters()
-            labels.weight[-1].copy_(matching_row)
+        modules = dict.fromkeys(key.rsplit(".", 1)[0] for key in reinitialized)
+        for name in modules:
+            module = model.get_submodule(name)
+            module.reset_parameters()
+            bias = getattr(module, "bias", None)
+            if sigmoid_head and isinstance(bias, Tensor):
+                # a sigmoid head starts every class at the focal prior probability
+                nn.init.constant_(bias, FOCAL_PRIOR_BIAS)
+        for key, row in last_rows.items():
+            model.get_parameter(key)[-1].copy_(row)
 
 
 def load_state(
@@ -252,13 +268,13 @@ def load_state(
     state = dict(state)
     dropped = _drop_bn_counters(state, target)
     missing_rpe = _missing_rpe_tables(state, target, path)
-    reinitialized, matching_row = _take_off_class_head(state, target, path, strict_head)
+    reinitialized, last_rows = _take_off_class_head(state, target, path, strict_head)
     problems = key_problems(state, target, set(missing_rpe) | set(reinitialized))
     if problems:
         raise _mismatch_error(path, meta, state, target, problems)
     family = family_of_state(target)
     sigmoid_head = bool(family and family.checkpoint and family.checkpoint.sigmoid_head)
-    _apply(model, state, reinitialized, matching_row, sigmoid_head)
+    _apply(model, state, reinitialized, last_rows, sigmoid_head)
     logger.info("loaded %d tensors from %s (%s)", len(state), path, meta.get("format"))
     return {
         "path": str(path),

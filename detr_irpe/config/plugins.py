@@ -25,8 +25,8 @@ def import_modules(names: Iterable[str]) -> None:
     importing, as ``python -m`` would have it).
 
     Raises:
-        ConfigError: a module that is missing or fails while importing, named with the
-            place of the failure.
+        ConfigError: a module that is missing or whose import ends in any way (an
+            exception, ``SystemExit``, ``KeyboardInterrupt``), named with the place.
     """
     names = list(names)
     if not names:
@@ -58,7 +58,8 @@ def _import_one(name: Any) -> None:
                 f"{os.getcwd()}); install the package or add its folder to PYTHONPATH"
             ) from None
         raise _import_failure(name, err) from err
-    except Exception as err:  # the user's module raised: name where, in one line
+    except BaseException as err:  # noqa: BLE001 - the user's module ended its import
+        # in any way (an exception, sys.exit(), Ctrl-C): name where, in one line
         raise _import_failure(name, err) from err
     logger.info("model.import: imported %s", name)
 
@@ -67,5 +68,9 @@ def _import_failure(name: str, err: BaseException) -> ConfigError:
     frames = traceback.extract_tb(err.__traceback__)
     place = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
     first = next(iter(str(err).splitlines()), "")
+    if isinstance(err, SystemExit):
+        first = f"the module called sys.exit({err.code!r}) while it was imported"
+    elif isinstance(err, KeyboardInterrupt):
+        first = "interrupted while it was imported"
     return ConfigError(f"model.import: importing {name!r} failed{place}: "
                        f"{type(err).__name__}: {first}")

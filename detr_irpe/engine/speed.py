@@ -56,13 +56,22 @@ def count_parameters(model: nn.Module) -> int:
 
 @torch.no_grad()
 def count_flops(model: nn.Module, image: torch.Tensor) -> int:
-    """FLOPs of one forward pass of ``model`` (in eval mode) on one ``(3, H, W)`` image."""
+    """FLOPs of one forward pass of ``model`` (in eval mode) on one ``(3, H, W)`` image.
+
+    The parameters stop requiring gradients meanwhile: the counter's module tracker hooks
+    the autograd graph of every input that requires them, and a parameter handed to a
+    sub-module as an input (DAB-DETR's anchors) has none under ``no_grad``."""
     was_training = model.training
+    trained = [p for p in model.parameters() if p.requires_grad]
     model.eval()
+    for p in trained:
+        p.requires_grad_(False)
     try:
         with FlopCounterMode(display=False) as counter:
             model([image])
     finally:
+        for p in trained:
+            p.requires_grad_(True)
         model.train(was_training)
     return int(counter.get_total_flops())
 

@@ -62,4 +62,6 @@ CHECKPOINT = CheckpointSupport(
     implied_config=implied_config,
     resize_class_head=_resize,
     sigmoid_head=True,
+    class_keys=lambda state: (*HEAD_KEYS, LABEL_KEY),
+    kept_last_row=(LABEL_KEY,),
 )

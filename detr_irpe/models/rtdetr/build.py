@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
 from detr_irpe.checkpoint import CheckpointError
 from detr_irpe.checkpoint.safe import safe_load
+from detr_irpe.errors import ConfigError
 from detr_irpe.models.matcher import FocalHungarianMatcher
 from detr_irpe.models.postprocess import TopKPostProcess
 from detr_irpe.models.rtdetr.config import RTDETRLossConfig, RTDETRModelConfig
@@ -80,12 +81,32 @@ def build_rtdetr_criterion(model_cfg: RTDETRModelConfig, loss_cfg: RTDETRLossCon
                            loss_cfg.vfl_gamma)
 
 
-def build(model_cfg: RTDETRModelConfig, loss_cfg: RTDETRLossConfig, *,
-          load_weights: bool = True, category_ids: Sequence[int] | None = None
+def build_postprocessor(model_cfg: RTDETRModelConfig, categories: Iterable[int] | None = None,
+                        category_ids: Sequence[int] | None = None) -> TopKPostProcess:
+    """The ``model_cfg.num_select`` best (query, class) sigmoid scores of each image (what
+    the published ``RTDETRPostProcessor`` does), of the outputs that are one of
+    ``categories`` (None: every output), class indices mapped to ``category_ids`` (default:
+    ``model.category_ids``)."""
+    ids = model_cfg.category_ids if category_ids is None else category_ids
+    return TopKPostProcess(model_cfg.num_select, ids, categories=categories)
+
+
+def build_detector(model_cfg: RTDETRModelConfig, load_backbone_weights: bool = True) -> RTDETR:
+    """The model alone (the family registry's ``build_detector``)."""
+    if model_cfg.num_classes is None:
+        raise ConfigError(
+            "model.num_classes is not set: set it to the number of categories (80 for COCO "
+            "with data.remap_categories=true), e.g. model.num_classes=80; the training tools "
+            "fill it in from the dataset")
+    return build_rtdetr(model_cfg, load_weights=load_backbone_weights)
+
+
+def build(model_cfg: RTDETRModelConfig, loss_cfg: RTDETRLossConfig,
+          load_backbone_weights: bool = True, categories: Iterable[int] | None = None, *,
+          load_weights: bool | None = None, category_ids: Sequence[int] | None = None
           ) -> tuple[RTDETR, RTDETRCriterion, TopKPostProcess]:
-    """``(model, criterion, postprocessor)``; the post-processor keeps the
-    ``model_cfg.num_select`` best (query, class) sigmoid scores of each image (what the
-    published ``RTDETRPostProcessor`` does) and maps class indices to ``category_ids``."""
-    model = build_rtdetr(model_cfg, load_weights=load_weights)
+    """``(model, criterion, postprocessor)`` (:func:`build_postprocessor`)."""
+    load = load_backbone_weights if load_weights is None else load_weights
+    model = build_detector(model_cfg, load)
     criterion = build_rtdetr_criterion(model_cfg, loss_cfg)
-    return model, criterion, TopKPostProcess(model_cfg.num_select, category_ids)
+    return model, criterion, build_postprocessor(model_cfg, categories, category_ids)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
+from detr_irpe.config.schema import LossConfig, ModelConfig
 from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
@@ -46,43 +48,77 @@ def _float_in(key: str, value, low: float, high: float, *, open_high: bool = Fal
 
 
 @dataclass
-class RTDETRModelConfig:
-    """Architecture of an RT-DETR model (see :mod:`detr_irpe.models.rtdetr`)."""
+class RTDETRModelConfig(ModelConfig):
+    """Architecture of an RT-DETR model (see :mod:`detr_irpe.models.rtdetr`):
+    ``model.family: rtdetr``."""
 
-    # backbone: ResNet-vd
-    depth: int = 50
-    variant: str = "d"
-    freeze_norm: bool = True
-    freeze_at: int = 0  # -1: nothing frozen; 0: the stem; k: the stem and k stages
-    # hybrid encoder (R101: width 384, AIFI feed-forward 2048)
-    enc_hidden_dim: int = 256
-    enc_dim_feedforward: int = 1024
-    nheads: int = 8  # of the AIFI layer and of the decoder's attentions
-    enc_layers: int = 1  # AIFI layers on the stride-32 map
-    expansion: float = 1.0  # CSP blocks' hidden width ratio
-    depth_mult: float = 1.0  # RepVGG blocks per CSP block: round(3 * depth_mult)
-    pe_temperature: float = 10000.0
-    rpe: str = "none"  # iRPE of the AIFI self-attention: "none" or a model-zoo string
-    rpe_init: str = "zero"  # "zero": an iRPE model starts as the model without iRPE
-    # decoder
+    FAMILY: ClassVar[str] = "rtdetr"
+
+    family: str = "rtdetr"
+    # iRPE of the AIFI self-attention, together with the 2D sin-cos encoding: "none" (the
+    # published model) or a model-zoo string.
+    rpe: str = "none"
+    # How added iRPE tables start: "zero" (an iRPE model starts as the model without iRPE,
+    # for fine-tuning public weights) or "xavier".
+    rpe_init: str = "zero"
+    # Width of the decoder (queries, deformable attention, heads).
     hidden_dim: int = 256
+    # Attention heads of the AIFI layer and of the decoder's attentions.
+    nheads: int = 8
+    # ResNet-vd depth of the backbone: 18, 34, 50 or 101.
+    depth: int = 50
+    # ResNet variant: "d" (vd: deep stem, avg-pool shortcut; the published) or "a" / "b".
+    variant: str = "d"
+    # BatchNorm of the backbone with fixed statistics (R50 / R101) or trained (R18 / R34).
+    freeze_norm: bool = True
+    # Frozen backbone parts: -1 nothing, 0 the stem, k the stem and k stages.
+    freeze_at: int = 0
+    # Width of the hybrid encoder (R101: 384).
+    enc_hidden_dim: int = 256
+    # Feed-forward width of the AIFI layer (R101: 2048).
+    enc_dim_feedforward: int = 1024
+    # AIFI transformer layers on the stride-32 map.
+    enc_layers: int = 1
+    # Hidden width ratio of the CSP blocks (R18 / R34: 0.5).
+    expansion: float = 1.0
+    # RepVGG blocks per CSP block: round(3 * depth_mult).
+    depth_mult: float = 1.0
+    # Temperature of the AIFI layer's 2D sin-cos encoding.
+    pe_temperature: float = 10000.0
+    # Feed-forward width of the decoder layers.
     dim_feedforward: int = 1024
+    # Decoder layers (R18: 3, R34: 4, R50 / R101: 6).
     dec_layers: int = 6
+    # Queries selected from the encoder's proposals (top-k class score).
     num_queries: int = 300
+    # Feature levels of the deformable cross-attention.
     num_levels: int = 3
+    # Sampling points per head and level.
     num_points: int = 4
-    num_classes: int = 80
+    # Dropout of the decoder layers (0 in the published recipe).
     dropout: float = 0.0
+    # The decoder layer whose output is the prediction at evaluation (-1: the last).
     eval_idx: int = -1
+    # Losses on every decoder layer and on the encoder's proposals, not only the last.
     aux_loss: bool = True
-    # contrastive denoising (0 queries: off)
+    # Contrastive denoising queries in training (0: off).
     num_denoising: int = 100
+    # Probability that a denoising query's label is flipped.
     label_noise: float = 0.5
+    # Box noise of the denoising queries (relative to the box size).
     box_noise: float = 1.0
-    # post-processing: detections kept per image
+    # Detections kept per image by the post-processing: top (query, class) scores.
     num_select: int = 300
-    # ImageNet weights of the backbone (a PResNet state-dict file), loaded by the builder
+    # ImageNet weights of the backbone: a PResNet state-dict file (null: random; a
+    # checkpoint loaded over the model brings its own).
     backbone_weights: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check()
+
+    def rpe_layer_count(self) -> int:
+        return self.enc_layers
 
     @classmethod
     def for_depth(cls, depth: int, **overrides) -> RTDETRModelConfig:
@@ -90,7 +126,8 @@ class RTDETRModelConfig:
         if depth not in DEPTHS:
             _fail("depth", depth, f"must be one of {', '.join(map(str, DEPTHS))}")
         small = depth < 50
-        recipe = {"depth": depth, "freeze_norm": not small, "freeze_at": -1 if small else 0,
+        recipe = {"depth": depth, "num_classes": 80,
+                  "freeze_norm": not small, "freeze_at": -1 if small else 0,
                   "expansion": 0.5 if small else 1.0,
                   "dec_layers": {18: 3, 34: 4}.get(depth, 6)}
         if depth == 101:
@@ -139,7 +176,8 @@ class RTDETRModelConfig:
         _int_in(key("num_queries"), self.num_queries, 1, MAX_QUERIES)
         _int_in(key("num_levels"), self.num_levels, 3, MAX_LEVELS)
         _int_in(key("num_points"), self.num_points, 1, MAX_POINTS)
-        _int_in(key("num_classes"), self.num_classes, 1, MAX_CLASSES)
+        if self.num_classes is not None:  # null: the training tools fill it in from the data
+            _int_in(key("num_classes"), self.num_classes, 1, MAX_CLASSES)
         _float_in(key("dropout"), self.dropout, 0.0, 1.0, open_high=True)
         _int_in(key("eval_idx"), self.eval_idx, -self.dec_layers, self.dec_layers - 1)
         _int_in(key("num_denoising"), self.num_denoising, 0, MAX_DENOISING)
@@ -155,19 +193,34 @@ class RTDETRModelConfig:
 
 
 @dataclass
-class RTDETRLossConfig:
+class RTDETRLossConfig(LossConfig):
     """Loss and matcher of RT-DETR (published: VFL 1, L1 5, GIoU 2; costs 2 / 5 / 2)."""
 
+    FAMILY: ClassVar[str] = "rtdetr"
+
+    # Weight of the varifocal classification loss.
     vfl_weight: float = 1.0
+    # Weight of the L1 box loss.
     bbox_weight: float = 5.0
+    # Weight of the generalised-IoU loss.
     giou_weight: float = 2.0
+    # Varifocal loss: weight of the negatives (alpha).
     vfl_alpha: float = 0.75
+    # Varifocal loss: focusing exponent (gamma).
     vfl_gamma: float = 2.0
+    # Matching cost of the class score (focal).
     cost_class: float = 2.0
+    # Matching cost of the L1 box distance.
     cost_bbox: float = 5.0
+    # Matching cost of the negated generalised IoU.
     cost_giou: float = 2.0
-    focal_alpha: float = 0.25  # of the matcher's class cost
+    # Focal alpha of the matcher's class cost.
+    focal_alpha: float = 0.25
+    # Focal gamma of the matcher's class cost.
     focal_gamma: float = 2.0
+
+    def __post_init__(self) -> None:
+        self.check()
 
     def check(self, prefix: str = "loss") -> RTDETRLossConfig:
         """Raise :class:`ConfigError` naming ``<prefix>.<key>`` for a bad value; return self."""

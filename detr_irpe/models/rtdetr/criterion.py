@@ -13,7 +13,7 @@ gamma 2; costs class 2 / L1 5 / GIoU 2):
   binary cross-entropy with logits, averaged over the queries, summed over images and
   classes, and divided by ``num_boxes`` (``sum_{b,q,c} bce / num_boxes`` exactly);
 - ``loss_bbox``, ``loss_giou``: DETR's box terms of the matched pairs / ``num_boxes``
-  (:func:`detr_irpe.models.criterion.matched_box_losses`, float32).
+  (:func:`detr_irpe.models.detr.criterion.matched_box_losses`, float32).
 
 The terms are returned unweighted, with the weights in :attr:`RTDETRCriterion.weight_dict`
 (the published criterion returns them multiplied by their weights; the trainer here
@@ -24,7 +24,7 @@ queries of layer ``i``, whose targets are known (the positive query of target ``
 group ``g``, no matching) and whose normaliser is ``num_boxes * G``.
 
 ``num_boxes``: the target boxes of the whole step, summed over the processes, divided by
-the world size, at least 1 (:func:`~detr_irpe.models.criterion.num_boxes_normalizer`).
+the world size, at least 1 (:func:`~detr_irpe.models.detr.criterion.num_boxes_normalizer`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from detr_irpe.models.box_ops import box_cxcywh_to_xyxy, box_iou
-from detr_irpe.models.criterion import (
+from detr_irpe.models.detr.criterion import (
     batch_query_index,
     match_stages,
     matched_box_losses,
@@ -77,7 +77,7 @@ def varifocal_loss(logits: Tensor, target_score: Tensor, onehot: Tensor, alpha: 
 
 class RTDETRCriterion(nn.Module):
     """RT-DETR's loss (see the module docstring); interface of
-    :class:`~detr_irpe.models.focal_criterion.FocalSetCriterion`.
+    :class:`~detr_irpe.models.dab.criterion.FocalSetCriterion`.
 
     Args:
         num_classes: C.

@@ -105,7 +105,7 @@ def test_training_step_runs_through_criterion() -> None:
 
 
 def test_frozen_norm_and_stem_of_r50() -> None:
-    model = build_rtdetr(RTDETRModelConfig())
+    model = build_rtdetr(RTDETRModelConfig(num_classes=80))
     assert not any(p.requires_grad for p in model.backbone.conv1.parameters())
     assert all(p.requires_grad for p in model.backbone.res_layers[0].parameters())
     assert not any(k.startswith("backbone.") and "num_batches_tracked" in k
