@@ -8,6 +8,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# The normalisation of every model input this package makes (torchvision's ImageNet
+# statistics, DETR's recipe): (pixels in [0, 1] - mean) / std, per channel.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
 
 @dataclass
 class ImageBatch:

@@ -40,10 +40,7 @@ from torchvision import tv_tensors
 from detr_irpe.config import DataConfig
 from detr_irpe.data.sampling import mix_seed
 from detr_irpe.sizes import EvalSize
-from detr_irpe.structures import ImageBatch
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from detr_irpe.structures import IMAGENET_MEAN, IMAGENET_STD, ImageBatch
 
 # Target fields with one entry per box; filtered together when boxes are dropped.
 PER_BOX_KEYS = ("boxes", "labels", "area", "iscrowd")

@@ -19,6 +19,7 @@ from detr_irpe.models.rtdetr.decoder import RTDETRDecoder
 from detr_irpe.models.rtdetr.hybrid_encoder import HybridEncoder
 from detr_irpe.models.rtdetr.model import RTDETR
 from detr_irpe.models.rtdetr.presnet import PResNet
+from detr_irpe.structures import IMAGENET_MEAN, IMAGENET_STD
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ def build_rtdetr(cfg: RTDETRModelConfig, *, load_weights: bool = True) -> RTDETR
         num_denoising=cfg.num_denoising, label_noise=cfg.label_noise,
         box_noise=cfg.box_noise, eval_idx=cfg.eval_idx, aux_loss=cfg.aux_loss,
     )
+    if cfg.input_normalization == "imagenet":
+        return RTDETR(backbone, encoder, decoder, IMAGENET_MEAN, IMAGENET_STD)
     return RTDETR(backbone, encoder, decoder)
 
 

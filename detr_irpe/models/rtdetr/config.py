@@ -22,6 +22,8 @@ from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
 from detr_irpe.models.rtdetr.presnet import DEPTHS, VARIANTS
 
+# What the model's input images are: normalised as ImageNet's (this package's data) or not.
+INPUT_NORMALIZATIONS = ("imagenet", "none")
 # Upper bounds of the sizes that grow memory or time (far above every published model).
 MAX_QUERIES = 10_000
 MAX_DENOISING = 10_000
@@ -109,6 +111,10 @@ class RTDETRModelConfig(ModelConfig):
     box_noise: float = 1.0
     # Detections kept per image by the post-processing: top (query, class) scores.
     num_select: int = 300
+    # The normalisation of the images the model is given: "imagenet" (ImageNet's mean and
+    # std, as this package's data pipeline gives them; the model maps them back to [0, 1],
+    # the published model's input) or "none" ([0, 1] pixels).
+    input_normalization: str = "imagenet"
     # ImageNet weights of the backbone: a PResNet state-dict file (null: random; a
     # checkpoint loaded over the model brings its own).
     backbone_weights: str | None = None
@@ -184,6 +190,9 @@ class RTDETRModelConfig(ModelConfig):
         _float_in(key("label_noise"), self.label_noise, 0.0, 1.0)
         _float_in(key("box_noise"), self.box_noise, 0.0, 100.0)
         _int_in(key("num_select"), self.num_select, 1, MAX_QUERIES * MAX_CLASSES)
+        if self.input_normalization not in INPUT_NORMALIZATIONS:
+            _fail(key("input_normalization"), self.input_normalization,
+                  f"must be one of {', '.join(INPUT_NORMALIZATIONS)}")
         if self.backbone_weights is not None and not isinstance(self.backbone_weights, str):
             _fail(key("backbone_weights"), self.backbone_weights, "must be a path or null")
         return self

@@ -7,7 +7,10 @@ so a released file's state dict loads with ``strict=True``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from detr_irpe.models.rtdetr.decoder import RTDETRDecoder
@@ -23,13 +26,28 @@ class RTDETR(nn.Module):
         backbone: images ``(B, 3, H, W)`` -> feature maps, finest first.
         encoder: those maps -> fused maps of ``hidden_dim`` channels.
         decoder: fused maps (+ targets in training) -> predictions.
+        input_mean, input_std: the normalisation of the images it is given (this package's
+            data pipeline: ImageNet's); they are mapped back to [0, 1] pixels, the published
+            model's input. None: the images are [0, 1] pixels already.
     """
 
-    def __init__(self, backbone: PResNet, encoder: HybridEncoder, decoder: RTDETRDecoder) -> None:
+    # the stride of the coarsest map, twice upsampled by the encoder: sides must divide
+    STRIDE = 32
+
+    def __init__(self, backbone: PResNet, encoder: HybridEncoder, decoder: RTDETRDecoder,
+                 input_mean: Sequence[float] | None = None,
+                 input_std: Sequence[float] | None = None) -> None:
         super().__init__()
         self.backbone = backbone
         self.encoder = encoder
         self.decoder = decoder
+        if (input_mean is None) != (input_std is None):
+            raise ValueError("input_mean and input_std go together")
+        mean = None if input_mean is None else torch.tensor(input_mean).view(1, 3, 1, 1)
+        std = None if input_std is None else torch.tensor(input_std).view(1, 3, 1, 1)
+        # not saved: a property of the input pipeline, not a weight
+        self.register_buffer("input_mean", mean, persistent=False)
+        self.register_buffer("input_std", std, persistent=False)
 
     def forward(
         self,
@@ -40,9 +58,13 @@ class RTDETR(nn.Module):
         """Predict boxes for a batch of images.
 
         RT-DETR is trained and evaluated on images resized to one square size without
-        padding, and, as in the published model, nothing here reads a padding mask: an
-        :class:`ImageBatch`'s ``mask`` is ignored (padded pixels count as image). Height and
-        width must be multiples of 32 (the encoder doubles the coarsest map's size twice).
+        padding, and, as in the published model, the network reads no padding mask (padded
+        pixels count as image). Sides that are no multiple of 32 (the encoder doubles the
+        coarsest map's size twice) are padded at the bottom / right; the boxes of an image
+        smaller than the batch (an :class:`ImageBatch` of several sizes, or that padding)
+        are then rescaled to be normalised by its own size, as every family's are. Training
+        expects unpadded batches (``data.augmentation: rtdetr``): the denoising queries are
+        built in the batch's frame.
 
         Args:
             images: an :class:`ImageBatch` (its ``tensors``), a ``(B, 3, H, W)`` tensor, or
@@ -57,13 +79,48 @@ class RTDETR(nn.Module):
             cxcywh in [0, 1]; in training also ``aux_outputs``, ``dn_aux_outputs`` and
             ``dn_meta`` (:meth:`RTDETRDecoder.forward`).
         """
+        mask = None
         if isinstance(images, ImageBatch):
-            x = images.tensors
+            x, mask = images.tensors, images.mask
         elif isinstance(images, (list, tuple)):
             x = torch.stack(list(images))
         else:
             x = images
-        if x.dim() != 4 or x.shape[1] != 3 or x.shape[2] % 32 or x.shape[3] % 32:
-            raise ValueError(f"RT-DETR takes (B, 3, H, W) images with H and W multiples of 32, "
-                             f"got {tuple(x.shape)}")
-        return self.decoder(self.encoder(self.backbone(x)), targets, generator)
+        if x.dim() != 4 or x.shape[1] != 3:
+            raise ValueError(f"RT-DETR takes (B, 3, H, W) images, got {tuple(x.shape)}")
+        if self.input_mean is not None:
+            x = x * self.input_std.to(x.dtype) + self.input_mean.to(x.dtype)
+        height, width = x.shape[-2:]
+        pad_h, pad_w = -height % self.STRIDE, -width % self.STRIDE
+        if pad_h or pad_w:
+            x = F.pad(x, (0, pad_w, 0, pad_h))
+        out = self.decoder(self.encoder(self.backbone(x)), targets, generator)
+        scale = _box_scale(mask, x.shape[0], (height, width), x.shape[-2:], x.device)
+        return out if scale is None else _rescaled(out, scale)
+
+
+def _box_scale(mask: Tensor | None, batch: int, size: tuple[int, int],
+               padded: tuple[int, int], device: torch.device) -> Tensor | None:
+    """``(B, 1, 4)`` factors from boxes normalised by the padded tensor to boxes normalised
+    by each image's own size (from the padding ``mask``), None when they are all 1."""
+    if mask is not None and bool(mask.any()):
+        heights = (~mask).any(dim=2).sum(dim=1)
+        widths = (~mask).any(dim=1).sum(dim=1)
+    elif tuple(padded) != tuple(size):
+        heights = torch.full((batch,), size[0], device=device)
+        widths = torch.full((batch,), size[1], device=device)
+    else:
+        return None
+    sx = padded[1] / widths.clamp(min=1).to(torch.float64)
+    sy = padded[0] / heights.clamp(min=1).to(torch.float64)
+    return torch.stack([sx, sy, sx, sy], dim=-1)[:, None, :]
+
+
+def _rescaled(out: dict, scale: Tensor) -> dict:
+    """``out`` with every ``pred_boxes`` (nested outputs too) multiplied by ``scale``."""
+    if isinstance(out, dict):
+        return {k: (v * scale.to(v.dtype) if k == "pred_boxes" else _rescaled(v, scale))
+                for k, v in out.items()}
+    if isinstance(out, list):
+        return [_rescaled(v, scale) for v in out]
+    return out

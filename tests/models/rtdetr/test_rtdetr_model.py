@@ -52,15 +52,49 @@ def test_loss_config_check_names_the_key() -> None:
         RTDETRLossConfig(cost_class=0, cost_bbox=0, cost_giou=0).check()
 
 
-def test_model_takes_an_image_batch_and_rejects_bad_sizes() -> None:
+def test_model_takes_an_image_batch_pads_to_32_and_normalises_boxes_per_image() -> None:
     model = build_rtdetr(RTDETRModelConfig.for_depth(18, **SMALL)).eval()
-    x = torch.randn(1, 3, 64, 64)
+    x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
-        a = model(ImageBatch(x, torch.zeros(1, 64, 64, dtype=torch.bool)))
+        a = model(ImageBatch(x, torch.zeros(2, 64, 64, dtype=torch.bool)))
         b = model(x)
-    assert a["pred_logits"].shape == (1, 20, 3) and torch.equal(a["pred_boxes"], b["pred_boxes"])
-    with pytest.raises(ValueError, match="multiples of 32"):
-        model(torch.randn(1, 3, 64, 48))
+    assert a["pred_logits"].shape == (2, 20, 3) and torch.equal(a["pred_boxes"], b["pred_boxes"])
+    # image 1 is 48 x 40 inside the 64 x 64 batch: the network sees the same pixels, its
+    # boxes come out normalised by 48 x 40 instead of 64 x 64
+    mask = torch.zeros(2, 64, 64, dtype=torch.bool)
+    mask[1, 48:, :] = True
+    mask[1, :, 40:] = True
+    with torch.no_grad():
+        c = model(ImageBatch(x, mask))
+    assert torch.equal(c["pred_logits"], b["pred_logits"])
+    assert torch.equal(c["pred_boxes"][0], b["pred_boxes"][0])
+    expected = b["pred_boxes"][1] * torch.tensor([64 / 40, 64 / 48, 64 / 40, 64 / 48])
+    torch.testing.assert_close(c["pred_boxes"][1], expected)
+    # sides that are no multiple of 32: padded at the bottom / right with black pixels,
+    # boxes normalised by the image
+    unit = build_rtdetr(RTDETRModelConfig.for_depth(18, input_normalization="none", **SMALL))
+    unit.eval()
+    odd = torch.rand(1, 3, 50, 70)
+    padded = torch.nn.functional.pad(odd, (0, 26, 0, 14))  # 64 x 96
+    with torch.no_grad():
+        d, e = unit(odd), unit(padded)
+    torch.testing.assert_close(d["pred_boxes"], e["pred_boxes"] * torch.tensor(
+        [96 / 70, 64 / 50, 96 / 70, 64 / 50]))
+
+
+def test_imagenet_inputs_are_mapped_back_to_unit_pixels() -> None:
+    torch.manual_seed(0)
+    unit = build_rtdetr(RTDETRModelConfig.for_depth(
+        18, input_normalization="none", **SMALL)).double().eval()
+    normalised = build_rtdetr(RTDETRModelConfig.for_depth(18, **SMALL)).double().eval()
+    normalised.load_state_dict(unit.state_dict())
+    pixels = torch.rand(1, 3, 64, 64, dtype=torch.float64)
+    mean = torch.tensor([0.485, 0.456, 0.406], dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225], dtype=torch.float64).view(1, 3, 1, 1)
+    with torch.no_grad():
+        a, b = unit(pixels), normalised((pixels - mean) / std)
+    torch.testing.assert_close(a["pred_logits"], b["pred_logits"])
+    torch.testing.assert_close(a["pred_boxes"], b["pred_boxes"])
 
 
 def test_irpe_with_zero_tables_computes_the_plain_model() -> None:

@@ -30,7 +30,8 @@ def _load(name: str) -> dict:
 
 
 def _model(depth: int, num_classes: int, train: bool = False):
-    model, criterion, _ = build(RTDETRModelConfig.for_depth(depth, num_classes=num_classes),
+    model, criterion, _ = build(RTDETRModelConfig.for_depth(depth, num_classes=num_classes,
+                                                         input_normalization="none"),
                                 RTDETRLossConfig())
     model.load_state_dict(synthetic_state_dict(model.state_dict()), strict=True)
     return model.double().train(train), criterion
@@ -43,7 +44,8 @@ def _images(shape) -> torch.Tensor:
 @pytest.mark.parametrize("depth", [18, 50])
 def test_state_dict_keys_and_shapes_are_the_published_ones(depth: int) -> None:
     official = json.loads((DATA / "rtdetr_official_keys.json").read_text())[f"r{depth}"]
-    model, _, _ = build(RTDETRModelConfig.for_depth(depth), RTDETRLossConfig())
+    model, _, _ = build(RTDETRModelConfig.for_depth(depth, input_normalization="none"),
+                        RTDETRLossConfig())
     ours = [[k, list(v.shape)] for k, v in model.state_dict().items()]
     assert sorted(ours) == sorted(official)
     assert len(ours) == {18: 533, 50: 736}[depth]
