@@ -313,3 +313,27 @@ def dn_detr_resnet50_irpe(
     return _make_dab("dn_detr_r50_irpe", pretrained, checkpoint, num_classes, return_postprocessor,
                      model_options if rpe is None else {**model_options, "rpe": rpe},
                      trust_imports)
+
+
+def from_checkpoint(
+    checkpoint: str,
+    return_postprocessor: bool = False,
+    trust_imports: bool = False,
+    device: str = "cpu",
+    **model_options: Any,
+):
+    """The model of any checkpoint the tools read, of any registered family (a run of this
+    project, a public file, a zoo name or a Hugging Face folder), built from the config it
+    carries (or implies), weights loaded, in eval mode, as ``Predictor.from_checkpoint``
+    builds it. A family registered by a plugin works too: the module the checkpoint names
+    (``model.import``) is imported only with ``trust_imports=True`` (or when it is imported
+    already). Keyword arguments are ``model.*`` values on top of the saved config.
+
+        model = torch.hub.load("PATH/TO/detr_irpe", "from_checkpoint", source="local",
+                               checkpoint="outputs/run/checkpoint_best.pth")
+    """
+    from detr_irpe.models import model_from_checkpoint
+
+    loaded = model_from_checkpoint(checkpoint, None, _overrides(model_options), device,
+                                   trust_imports=trust_imports)
+    return (loaded.model, loaded.postprocessor) if return_postprocessor else loaded.model

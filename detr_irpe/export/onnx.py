@@ -100,7 +100,9 @@ def check_input_size(
     if model is not None:
         attention = next((m for m in model.modules() if isinstance(m, IRPEMultiheadAttention)),
                          None)
-        extra = {"stride": model.backbone[0].stride,
+        backbone = getattr(model, "backbone", None)  # DETR-like: a Joiner whose body says it
+        stride = getattr(backbone[0], "stride", 32) if isinstance(backbone, nn.Sequential) else 32
+        extra = {"stride": stride,
                  "nheads": getattr(attention, "num_heads", 1),
                  "irpe": getattr(attention, "rpe", None) is not None}
     limit, machine = sizes.memory_limit()

@@ -58,8 +58,10 @@ class ToyDetector(nn.Module):
         self.class_embed = nn.Linear(width, num_classes + 1)
         self.bbox_embed = nn.Linear(width, 4)
 
-    def forward(self, images: ImageBatch | torch.Tensor, targets=None) -> dict:
-        x = images.tensors if isinstance(images, ImageBatch) else images
+    def forward(self, images: ImageBatch | list[torch.Tensor], targets=None) -> dict:
+        if not isinstance(images, ImageBatch):  # a list of (3, H, W) images
+            images = ImageBatch.from_images(images)
+        x = images.tensors
         cells = self.pool(self.body(x)).flatten(2).transpose(1, 2)  # (B, Q, C)
         return {"pred_logits": self.class_embed(cells),
                 "pred_boxes": self.bbox_embed(cells).sigmoid()}
