@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from detr_irpe.models.box_ops import box_cxcywh_to_xyxy, box_iou
-from detr_irpe.models.criterion import (
+from detr_irpe.models.detr.criterion import (
     batch_query_index,
     match_stages,
     matched_box_losses,
