@@ -11,6 +11,7 @@ from detr_irpe.family import DetectorFamily, register_family
 from detr_irpe.models.rtdetr.build import build, build_detector, build_postprocessor
 from detr_irpe.models.rtdetr.checkpoint import CHECKPOINT
 from detr_irpe.models.rtdetr.config import RTDETRLossConfig, RTDETRModelConfig
+from detr_irpe.models.rtdetr.hf import HF
 from detr_irpe.models.rtdetr.model import RTDETR
 
 FAMILY = register_family(DetectorFamily(
@@ -24,6 +25,7 @@ FAMILY = register_family(DetectorFamily(
     model_types=(RTDETR,),
     describe=lambda m: f"RT-DETR-R{m.depth}",
     checkpoint=CHECKPOINT,
+    hf=HF,
     sigmoid_classes=True,
     benchmark_targets={"RT-DETR": "rtdetr_r50"},
 ))

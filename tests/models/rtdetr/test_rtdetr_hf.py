@@ -119,7 +119,9 @@ def assert_same_outputs(ours: torch.nn.Module, theirs: RTDetrForObjectDetection,
 
 def project_r18() -> tuple[torch.nn.Module, SimpleNamespace]:
     model_cfg = RTDETRModelConfig.for_depth(18, num_classes=NUM_LABELS)
-    model = build_rtdetr(model_cfg)
+    # fed [0, 1] pixels here, as transformers' model is (this package's data pipeline
+    # normalises, and the default input_normalization maps that back)
+    model = build_rtdetr(model_cfg.replace(input_normalization="none"))
     model.load_state_dict(synthetic_state_dict(model.state_dict()), strict=True)
     return model.double().eval(), SimpleNamespace(model=model_cfg, loss=RTDETRLossConfig())
 
@@ -164,7 +166,7 @@ def test_transformers_model_converted_gives_its_outputs(tmp_path):
     settings = HF.model_settings(json.loads((tmp_path / "hf" / "config.json").read_text()))
     model_cfg = RTDETRModelConfig(**settings)
     assert model_cfg == RTDETRModelConfig.for_depth(18, num_classes=NUM_LABELS)
-    model = build_rtdetr(model_cfg)
+    model = build_rtdetr(model_cfg.replace(input_normalization="none"))  # [0, 1] pixels
     model.load_state_dict(state, strict=True)
     assert_same_outputs(model.double().eval(), hf.double(), images())
 
