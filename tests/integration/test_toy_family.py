@@ -144,3 +144,12 @@ def test_the_ablation_runner_trains_a_grid_of_the_toy(tiny_dataset: Path, tmp_pa
     finally:
         os.chdir(cwd)
     assert (tmp_path / "runs" / "results.md").is_file()
+
+
+def test_the_docs_show_the_toy_family_verbatim() -> None:
+    text = (ROOT / "docs" / "model.md").read_text()
+    start = text.index("## A detector family of your own")
+    block = text[text.index("```python\n", start) + len("```python\n"):]
+    block = block[:block.index("```")]
+    assert block == (PLUGINS / "toy_family.py").read_text()
+    assert "model.import=toy_family model.family=toy" in text[start:]
