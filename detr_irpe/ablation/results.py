@@ -161,7 +161,9 @@ def summarize(grid: Grid, results: Sequence[RunResult] | None = None) -> list[Va
         steps = [1000.0 * r.step_time_s for r in done if r.step_time_s is not None]
         params = [r.n_parameters for r in runs if r.n_parameters]
         rows.append(VariantRow(
-            variant=variant, rpe=cfg.model.rpe, position_embedding=cfg.model.position_embedding,
+            variant=variant, rpe=cfg.model.rpe,
+            # "-": a family without the key (RT-DETR: a fixed 2D sin-cos encoding)
+            position_embedding=getattr(cfg.model, "position_embedding", "-"),
             rpe_parameters=rpe_parameter_count(cfg), runs=runs, stats=stats,
             step_time_ms=aggregate(steps), n_parameters=params[0] if params else None,
             is_baseline=variant.name == grid.baseline,

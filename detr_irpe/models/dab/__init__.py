@@ -33,8 +33,7 @@ FAMILY = register_family(DetectorFamily(
     hf=HF,
     sigmoid_classes=True,
     figures=("anchors", "anchor-attention"),
-    benchmark_targets={"DAB-DETR": "dab_detr_r50", "DAB-DETR-iRPE": "dab_detr_r50_irpe",
-                       "DN-DETR": "dn_detr_r50", "DN-DETR-iRPE": "dn_detr_r50_irpe"},
+    benchmark_targets={"DAB-DETR": "dab_detr_r50", "DN-DETR": "dn_detr_r50"},
     attention=AttentionSupport(encoder=encoder_attention, decoder=decoder_attention),
 ))
 

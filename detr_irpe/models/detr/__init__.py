@@ -31,7 +31,7 @@ FAMILY = register_family(DetectorFamily(
     model_types=(DETR,),
     checkpoint=CHECKPOINT,
     hf=HF,
-    benchmark_targets={"DETR": "detr_r50", "DETR-iRPE": "detr_r50_irpe"},
+    benchmark_targets={"DETR": "detr_r50"},
     attention=AttentionSupport(encoder=encoder_attention, decoder=decoder_attention),
 ))
 

@@ -28,7 +28,7 @@ FAMILY = register_family(DetectorFamily(
     onnx_wrapper=onnx_wrapper,
     sigmoid_classes=True,
     figures=("selected-queries",),
-    benchmark_targets={"RT-DETR": "rtdetr_r50", "RT-DETR-iRPE": "rtdetr_r50_irpe"},
+    benchmark_targets={"RT-DETR": "rtdetr_r50"},
     attention=AttentionSupport(
         encoder=encoder_attention, grid_stride=RTDETR.STRIDE,
         no_decoder_figure="RT-DETR's decoder cross-attention is deformable (a few sampled "
