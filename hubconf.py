@@ -1,5 +1,5 @@
-"""torch.hub entry points: DETR-R50, DAB-DETR-R50 and DN-DETR-R50, each with and without
-iRPE in the encoder.
+"""torch.hub entry points: DETR-R50, DAB-DETR-R50, DN-DETR-R50 and RT-DETR-R18 / R50, each
+with and without iRPE in the encoder.
 
     import torch
     model = torch.hub.load("PATH/TO/detr_irpe", "detr_resnet50_irpe", source="local",
@@ -25,6 +25,16 @@ pass ``checkpoint="PATH/TO/file.pth"`` (any checkpoint the tools read), e.g.
 
     model = torch.hub.load("PATH/TO/detr_irpe", "dn_detr_resnet50", source="local",
                            checkpoint="checkpoint.pth")     # the DN-DETR-R50 file, 44.4 AP
+
+RT-DETR (``rtdetr_r18[_irpe]``, ``rtdetr_r50[_irpe]``; 80 COCO classes, remapped):
+``pretrained=True`` downloads the official 72-epoch file of the zoo names ``rtdetr_r18`` /
+``rtdetr_r50``; the ``_irpe`` entries load it into the model with iRPE in the AIFI layer,
+whose tables start at zero (``rpe_init``), so the model starts as the published one.
+``checkpoint="PATH"`` loads any file the tools read instead (an official release, or a run
+of this project with its saved config).
+
+    model = torch.hub.load("PATH/TO/detr_irpe", "rtdetr_r50_irpe", source="local",
+                           pretrained=True)            # fine-tune from the public weights
 
 A ``checkpoint`` that carries its config (a run of this project) builds the model of
 that config, as ``Predictor.from_checkpoint`` does; keyword arguments given explicitly
@@ -150,7 +160,6 @@ def _make_dab(
 
     ``pretrained=True`` without ``checkpoint`` raises a one-line CheckpointError naming the
     official file and the call that loads it (before anything is built)."""
-    from detr_irpe.checkpoint import read_checkpoint
     from detr_irpe.errors import CheckpointError
 
     if pretrained and checkpoint is None:
@@ -168,11 +177,29 @@ def _make_dab(
             f"with torch.hub.load(REPO, {entry!r}, source='local', checkpoint='PATH')")
     if checkpoint is None:
         return _build(config, None, num_classes or 91, return_postprocessor, model_options)
+    return _build_file(config, checkpoint, num_classes, 91, return_postprocessor,
+                       model_options, trust_imports)
+
+
+def _build_file(
+    config: str,
+    checkpoint: str,
+    num_classes: int | None,
+    default_classes: int,
+    return_postprocessor: bool,
+    model_options: dict[str, Any],
+    trust_imports: bool,
+):
+    """``checkpoint``'s model: the config saved in it (a run of this project,
+    :func:`_build_saved`), or the entry's ``config`` with its weights loaded."""
+    from detr_irpe.checkpoint import read_checkpoint
+
     weights = read_checkpoint(checkpoint)
     if isinstance(weights[1].get("config"), Mapping):  # a run of this project
         return _build_saved(config, checkpoint, weights, num_classes, return_postprocessor,
                             model_options, trust_imports)
-    return _build(config, weights, num_classes or 91, return_postprocessor, model_options)
+    return _build(config, weights, num_classes or default_classes, return_postprocessor,
+                  model_options)
 
 
 def _overrides(options: Mapping[str, Any], prefix: str = "model") -> list[str]:
@@ -313,6 +340,109 @@ def dn_detr_resnet50_irpe(
     return _make_dab("dn_detr_r50_irpe", pretrained, checkpoint, num_classes, return_postprocessor,
                      model_options if rpe is None else {**model_options, "rpe": rpe},
                      trust_imports)
+
+
+# RT-DETR: 80 classes (COCO's categories remapped to 0..79), as the official files
+_RTDETR_CLASSES = 80
+
+
+def _make_rtdetr(
+    config: str,
+    zoo_name: str,
+    pretrained: bool,
+    checkpoint: str | None,
+    num_classes: int | None,
+    return_postprocessor: bool,
+    model_options: dict[str, Any],
+    trust_imports: bool,
+):
+    """An RT-DETR entry: ``checkpoint``'s model when given, else the config's model with,
+    when ``pretrained``, the official weights of zoo name ``zoo_name`` (an ``_irpe``
+    config's tables start as ``rpe_init``)."""
+    from detr_irpe.checkpoint.zoo import zoo_entry
+    from detr_irpe.errors import CheckpointError
+
+    if checkpoint is not None:
+        if pretrained:
+            raise CheckpointError(f"{config}: pass pretrained=True (the {zoo_name} file) or "
+                                  "checkpoint='PATH', not both")
+        return _build_file(config, checkpoint, num_classes, _RTDETR_CLASSES,
+                           return_postprocessor, model_options, trust_imports)
+    weights = None
+    if pretrained:
+        try:
+            entry = zoo_entry(zoo_name)
+        except KeyError:
+            raise CheckpointError(
+                f"no published checkpoint {zoo_name!r} in this package's zoo "
+                "(detr_irpe/checkpoint/zoo.py); download the official file and pass "
+                "checkpoint='PATH'") from None
+        weights = _download(entry)
+    return _build(config, weights, num_classes or _RTDETR_CLASSES, return_postprocessor,
+                  model_options)
+
+
+def rtdetr_r18(
+    pretrained: bool = False,
+    num_classes: int | None = None,
+    checkpoint: str | None = None,
+    return_postprocessor: bool = False,
+    trust_imports: bool = False,
+    **model_options: Any,
+):
+    """RT-DETR-R18 (config ``rtdetr_r18``, 72-epoch recipe, 46.5 AP published): sigmoid
+    classes; the postprocessor keeps the top 300 (query, class) scores.
+    ``pretrained=True``: the official file (zoo name ``rtdetr_r18``)."""
+    return _make_rtdetr("rtdetr_r18", "rtdetr_r18", pretrained, checkpoint, num_classes,
+                        return_postprocessor, model_options, trust_imports)
+
+
+def rtdetr_r18_irpe(
+    pretrained: bool = False,
+    num_classes: int | None = None,
+    rpe: str | None = None,
+    checkpoint: str | None = None,
+    return_postprocessor: bool = False,
+    trust_imports: bool = False,
+    **model_options: Any,
+):
+    """RT-DETR-R18 with iRPE ``rpe`` in the AIFI layer (config ``rtdetr_r18_irpe``).
+    ``pretrained=True``: the official RT-DETR-R18 file, iRPE tables starting at zero."""
+    return _make_rtdetr("rtdetr_r18_irpe", "rtdetr_r18", pretrained, checkpoint, num_classes,
+                        return_postprocessor,
+                        model_options if rpe is None else {**model_options, "rpe": rpe},
+                        trust_imports)
+
+
+def rtdetr_r50(
+    pretrained: bool = False,
+    num_classes: int | None = None,
+    checkpoint: str | None = None,
+    return_postprocessor: bool = False,
+    trust_imports: bool = False,
+    **model_options: Any,
+):
+    """RT-DETR-R50 (config ``rtdetr_r50``, 72-epoch recipe, 53.1 AP published).
+    ``pretrained=True``: the official file (zoo name ``rtdetr_r50``)."""
+    return _make_rtdetr("rtdetr_r50", "rtdetr_r50", pretrained, checkpoint, num_classes,
+                        return_postprocessor, model_options, trust_imports)
+
+
+def rtdetr_r50_irpe(
+    pretrained: bool = False,
+    num_classes: int | None = None,
+    rpe: str | None = None,
+    checkpoint: str | None = None,
+    return_postprocessor: bool = False,
+    trust_imports: bool = False,
+    **model_options: Any,
+):
+    """RT-DETR-R50 with iRPE ``rpe`` in the AIFI layer (config ``rtdetr_r50_irpe``).
+    ``pretrained=True``: the official RT-DETR-R50 file, iRPE tables starting at zero."""
+    return _make_rtdetr("rtdetr_r50_irpe", "rtdetr_r50", pretrained, checkpoint, num_classes,
+                        return_postprocessor,
+                        model_options if rpe is None else {**model_options, "rpe": rpe},
+                        trust_imports)
 
 
 def from_checkpoint(

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
 __all__ = [
+    "AttentionSupport",
     "BUILTIN_FAMILIES",
     "DEFAULT_FAMILY",
     "CheckpointSupport",
@@ -124,6 +125,31 @@ class CheckpointSupport:
 
 
 @dataclass(frozen=True)
+class AttentionSupport:
+    """Where the attention figures (``visualize.py``) find a family's attention modules.
+
+    Attributes:
+        encoder: ``model ->`` the encoder self-attention modules, in layer order: each an
+            :class:`~detr_irpe.irpe.IRPEMultiheadAttention` called with ``(query, key,
+            value, hw, ...)`` on one ``H x W`` token grid (row-major), whose maps the
+            encoder and iRPE-contribution figures draw ([]: no encoder figures).
+        decoder: ``model ->`` the decoder cross-attention modules with dense weights
+            ``(B, heads, Q, L)`` over the encoder grid (``nn.MultiheadAttention``, or a
+            module with ``attention_weights(q, k, key_padding_mask, attn_mask)``); []: none.
+        no_decoder_figure: why there is no decoder-attention figure when ``decoder`` is
+            empty (``visualize all`` shows it; an explicit request is refused with it).
+        grid_stride: input pixels per grid cell when the model pads its input itself to a
+            multiple of it (RT-DETR: 32), so that the grid covers ``H * stride x W *
+            stride`` pixels; None: the grid covers the padded batch evenly (DETR).
+    """
+
+    encoder: Callable[[nn.Module], list[nn.Module]]
+    decoder: Callable[[nn.Module], list[nn.Module]] = lambda model: []
+    no_decoder_figure: str = "the model has no dense decoder cross-attention"
+    grid_stride: int | None = None
+
+
+@dataclass(frozen=True)
 class DetectorFamily:
     """Everything the package needs of one detector family.
 
@@ -158,6 +184,8 @@ class DetectorFamily:
         demo_config: a small config of this family that trains in seconds on the
             synthetic data (the toy family tests and docs use it).
         aliases: older spellings of the name (``model.decoder`` values).
+        attention: where the attention figures find its attention modules (None: it has
+            no attention figures; ``visualize all`` skips them).
     """
 
     name: str
@@ -176,6 +204,7 @@ class DetectorFamily:
     figures: tuple[str, ...] = ()
     benchmark_targets: Mapping[str, str] = field(default_factory=dict)
     aliases: Sequence[str] = ()
+    attention: AttentionSupport | None = None
 
     def name_of(self, model_cfg: Any) -> str:
         """The name of one configuration of this family (``DN-DAB-DETR``)."""

@@ -13,6 +13,9 @@ A grid file (``configs/ablations/*.yaml``)::
     variants:                           # ... and/or an explicit list (times the axes)
       - name: product-ctx
         overrides: [model.rpe=rpe-2.0-product-ctx-1-k]
+      - name: rtdetr                    # a variant on its own base config (another
+        base: rtdetr_r50                # detector family's published recipe)
+        overrides: []
     seeds: [1, 2, 3]                    # sets train.seed; one run per seed
     baseline: product-ctx               # the row the delta AP is taken against
     launcher: local                     # local (python tools/train.py) | torchrun
@@ -24,7 +27,7 @@ A grid file (``configs/ablations/*.yaml``)::
                                         # like a config's _base_ (mappings such as axes
                                         # merge key by key; lists and scalars replace)
 
-Every run is ``base`` + ``overrides`` + the variant's overrides + ``train.seed``
+Every run is ``base`` (the variant's own, else the grid's) + ``overrides`` + the variant's overrides + ``train.seed``
 + ``train.output_dir=<output_dir>/<variant>/seed<k>``. :func:`load_grid` builds
 and validates the config of every run before anything starts, so a typo in an
 override fails at once, naming the grid file, the variant and the key.
@@ -59,7 +62,7 @@ GRID_KEYS = (
 LAUNCHERS = ("local", "torchrun")
 # The grids shipped with the package (demo_* on synthetic data, the rest on COCO).
 GRID_DIR = CONFIG_DIR / "ablations"
-VARIANT_KEYS = ("name", "overrides")
+VARIANT_KEYS = ("name", "overrides", "base")
 SYNTHETIC_KEYS = ("num_train", "num_val", "seed")
 # Keys the grid sets itself for every run.
 _RESERVED = ("train.output_dir",)
@@ -72,10 +75,12 @@ class GridError(ConfigError):
 
 @dataclass(frozen=True)
 class Variant:
-    """One row of the table: a name and the overrides that make it."""
+    """One row of the table: a name and the overrides that make it, on the grid's base
+    config or on its own ``base`` (a family with its own published config: RT-DETR)."""
 
     name: str
     overrides: tuple[str, ...]
+    base: Path | None = None
 
     @property
     def slug(self) -> str:
@@ -93,6 +98,8 @@ class RunSpec:
     output_dir: Path
     # Validated; ``model.num_classes`` may still be None. Not part of equality/hash.
     config: Config = field(compare=False, hash=False)
+    # the config the overrides go on (the variant's own base, else the grid's)
+    base: Path | None = None
 
     @property
     def key(self) -> str:
@@ -221,7 +228,11 @@ def _listed_variants(where: str, items: Any) -> list[Variant]:
         name = item.get("name")
         if not isinstance(name, str) or not name.strip():
             raise GridError(f"{at}: needs a non-empty string name")
-        variants.append(Variant(name.strip(), _string_list(f"{at} ({name})", item.get("overrides"))))
+        base = item.get("base")
+        if base is not None:
+            base = _resolve_base(Path(where), base)
+        variants.append(Variant(name.strip(), _string_list(f"{at} ({name})",
+                                                           item.get("overrides")), base))
     return variants
 
 
@@ -234,7 +245,7 @@ def _combine(listed: list[Variant], axis: list[Variant]) -> list[Variant]:
         return ",".join(f"{o.split('=', 1)[0].split('.')[-1]}={o.split('=', 1)[1]}"
                         for o in v.overrides)
 
-    return [Variant(f"{a.name},{label(b)}", a.overrides + b.overrides)
+    return [Variant(f"{a.name},{label(b)}", a.overrides + b.overrides, a.base)
             for a in listed for b in axis]
 
 
@@ -383,11 +394,12 @@ def _expand_runs(grid: Grid) -> list[RunSpec]:
             out = grid.output_dir / variant.slug / f"seed{seed}"
             overrides = (*grid.overrides, *variant.overrides, f"train.seed={seed}",
                          f"train.output_dir={out}")
+            base = variant.base or grid.base
             try:
-                cfg = load_config(grid.base, overrides)
+                cfg = load_config(base, overrides)
             except ConfigError as err:
                 raise GridError(f"{grid.path}: variant {variant.name!r}: {err}") from None
-            runs.append(RunSpec(variant, seed, overrides, out, cfg))
+            runs.append(RunSpec(variant, seed, overrides, out, cfg, base))
     return runs
 
 

@@ -162,7 +162,7 @@ def summarize(grid: Grid, results: Sequence[RunResult] | None = None) -> list[Va
         params = [r.n_parameters for r in runs if r.n_parameters]
         rows.append(VariantRow(
             variant=variant, rpe=cfg.model.rpe,
-            # "-": a family without an absolute-encoding key
+            # "-": a family without the key (RT-DETR: a fixed 2D sin-cos encoding)
             position_embedding=getattr(cfg.model, "position_embedding", "-"),
             rpe_parameters=rpe_parameter_count(cfg), runs=runs, stats=stats,
             step_time_ms=aggregate(steps), n_parameters=params[0] if params else None,

@@ -75,9 +75,11 @@ class GridReport:
 
 def launch_command(grid: Grid, run: RunSpec) -> list[str]:
     """The command line that trains ``run`` (run from the current working directory):
-    ``python -m detr_irpe.cli.train --config BASE --set OVERRIDES... --no-progress``, under
+    ``python -m detr_irpe.cli.train --config BASE --set OVERRIDES... --no-progress`` (BASE:
+    the variant's own base config, else the grid's), under
     ``torch.distributed.run`` for ``launcher: torchrun``."""
-    args = ["-m", TRAIN_MODULE, "--config", str(grid.base), "--set", *run.overrides, "--no-progress"]
+    base = run.base or grid.base
+    args = ["-m", TRAIN_MODULE, "--config", str(base), "--set", *run.overrides, "--no-progress"]
     if grid.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={grid.nproc_per_node}", *args]

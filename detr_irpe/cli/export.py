@@ -30,9 +30,9 @@ from detr_irpe.cli.common import add_config_arguments, new_parser, run_main, set
 from detr_irpe.errors import ExportError
 from detr_irpe.export import (
     MIN_OPSET,
-    ImagesToPredictions,
     check_input_size,
     export_onnx,
+    onnx_wrapper,
     parse_size,
     run_onnx,
 )
@@ -76,7 +76,7 @@ def _check_against_pytorch(model, path: Path, size: tuple[int, int], batch: int)
     """Run ``path`` with onnxruntime and PyTorch on the same random images."""
     images = torch.randn(batch, 3, *size)
     with torch.no_grad():
-        expected = ImagesToPredictions(model).eval()(images)
+        expected = onnx_wrapper(model).eval()(images)
     got = run_onnx(path, images)
     diffs = [float((a - b).abs().max()) for a, b in zip(got, expected)]
     if max(diffs) > CHECK_TOLERANCE:

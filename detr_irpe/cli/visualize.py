@@ -15,6 +15,15 @@ writes both figures for them)::
     detr-irpe-visualize anchor-attention --checkpoint CKPT.pth --image img.jpg --layer -1
     detr-irpe-visualize anchors --checkpoint CKPT.pth --image img.jpg
 
+RT-DETR models (``model.family=rtdetr``) show the encoder proposals that query selection
+picked (``all`` writes it too; their decoder cross-attention is deformable, with no dense
+map, so there is no decoder-attention figure for them)::
+
+    detr-irpe-visualize selected-queries --checkpoint CKPT.pth --image img.jpg
+
+A figure the model's family does not offer is refused with one line (exit status 2);
+``all`` skips it with one line saying why.
+
 Public iRPE-DETR weights carry no config: name it, and override what differs::
 
     detr-irpe-visualize rpe-tables --checkpoint rpe-2.0-product-ctx-1-k.pth \\
@@ -66,7 +75,9 @@ from detr_irpe.data.inputs import InputImage, prepare_image
 from detr_irpe.errors import ConfigError
 from detr_irpe.evaluation import load_pr_arrays
 from detr_irpe.evaluation.pr_arrays import find_pr_arrays
+from detr_irpe.family import families, family_of_model
 from detr_irpe.models import build_model, model_from_checkpoint
+from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.device import resolve_device
 from detr_irpe.utils.files import ensure_writable_folder
 from detr_irpe.visualization.attention import model_device
@@ -76,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = Path("outputs/visualize")
 IMAGE_FIGURES = ("predictions", "encoder-attention", "decoder-attention", "anchor-attention",
-                 "anchors")
+                 "anchors", "selected-queries")
 
 
 def _point(text: str) -> tuple[float, float]:
@@ -171,6 +182,12 @@ def _add_image_commands(sub, common: argparse.ArgumentParser) -> None:
                        help="DAB-DETR / DN-DETR: the anchor boxes of every kept detection "
                             "through the decoder layers (box refinement)")
     _image_args(p)
+    p = sub.add_parser("selected-queries", parents=[common],
+                       help="RT-DETR: the encoder proposals that query selection picked "
+                            "(the decoder's starting boxes), coloured by score")
+    _image_args(p)
+    p.add_argument("--max-queries", type=int, default=None,
+                   help="draw only this many, the best-scoring (default: all)")
     p = sub.add_parser("all", parents=[common],
                        help="predictions, encoder (+ iRPE split) and decoder figures")
     _image_args(p, detections=False)
@@ -281,6 +298,39 @@ def _pr_curves(args: argparse.Namespace) -> list[Path]:
     return [out]
 
 
+def available_figures(model: nn.Module) -> list[str]:
+    """The image figures ``model`` offers: predictions, the attention figures of the
+    modules its family names, and the family's own (``DetectorFamily.figures``)."""
+    family = family_of_model(model)
+    kinds = ["predictions"]
+    if family is not None and family.attention is not None:
+        unwrapped = getattr(model, "module", model)
+        if family.attention.encoder(unwrapped):
+            kinds.append("encoder-attention")
+        if family.attention.decoder(unwrapped):
+            kinds.append("decoder-attention")
+    return kinds + list(family.figures if family is not None else ())
+
+
+def _check_figure(model: nn.Module, figure: str) -> None:
+    """Refuse, in one line, a figure the model's family does not offer."""
+    kinds = available_figures(model)
+    if figure in kinds:
+        return
+    family = family_of_model(model)
+    who = (f"{family.title} (model.family={family.name})" if family is not None
+           else type(model).__name__)
+    why = ""
+    if figure == "decoder-attention" and family is not None and family.attention is not None:
+        why = f" ({family.attention.no_decoder_figure})"
+    offered_by = [f"{other.title}, model.family={other.name}" for other in families()
+                  if figure in other.figures]
+    if offered_by:
+        why += f" (a figure of {'; '.join(offered_by)})"
+    raise ConfigError(f"{figure}: {who} has no such figure{why}; its figures: "
+                      f"{', '.join(kinds)}")
+
+
 def _image_figure(args: argparse.Namespace) -> list[Path]:
     """predictions, encoder-attention (+ iRPE split), decoder-attention, or the dab
     decoder's anchor-attention / anchors of one image."""
@@ -288,11 +338,13 @@ def _image_figure(args: argparse.Namespace) -> list[Path]:
         # before the model is loaded
         ensure_writable_folder(args.out.parent, "output folder", "choose another --out")
     model, image, names, category_ids = _image_run(args)
+    _check_figure(model, args.command)
+    family = family_of_model(model)
     inputs = [image.tensor.to(model_device(model))]
     record = None
     with torch.no_grad():
-        if args.command in ("predictions", "anchors"):
-            outputs = model(inputs)
+        if args.command in ("predictions", "anchors", "selected-queries"):
+            outputs = model(ImageBatch.from_images(inputs))
         else:
             encoder = args.command == "encoder-attention"
             record = vis.capture_attention(
@@ -304,7 +356,7 @@ def _image_figure(args: argparse.Namespace) -> list[Path]:
     detections = vis.detections_from_outputs(
         outputs, image.original_size, threshold=args.threshold,
         max_detections=args.max_detections, min_detections=_min_detections(args),
-        category_ids=category_ids)
+        category_ids=category_ids, sigmoid=family.sigmoid_classes if family else None)
     logger.info("%d detections kept (score >= %s)", len(detections),
                                      args.threshold)
     out = args.out or DEFAULT_DIR / f"{image.name}_{args.command.replace('-', '_')}.png"
@@ -319,6 +371,9 @@ def _image_figure(args: argparse.Namespace) -> list[Path]:
         return [out]
     if args.command == "anchors":
         vis.plot_anchor_refinement(image, outputs, detections, names, out=out)
+        return [out]
+    if args.command == "selected-queries":
+        vis.plot_selected_queries(image, outputs, out=out, max_queries=args.max_queries)
         return [out]
     points = args.points or distinct_points(detections.centres(), image, record,
                                             limit=args.num_points)
@@ -373,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(body, tool="detr-irpe-visualize")
 
 
-__all__ = ["build_parser", "main", "run"]
+__all__ = ["available_figures", "build_parser", "main", "run"]
 
 
 if __name__ == "__main__":  # python -m detr_irpe.cli.visualize

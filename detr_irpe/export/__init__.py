@@ -1,4 +1,4 @@
-"""Export a trained DETR for deployment: :mod:`.onnx` (images in, class logits and boxes out)."""
+"""Export a trained detector (any family) for deployment: :mod:`.onnx` (images in, class logits and boxes out)."""
 
 from detr_irpe.export.onnx import (
     IMAGE_INPUT,
@@ -7,6 +7,7 @@ from detr_irpe.export.onnx import (
     ImagesToPredictions,
     check_input_size,
     export_onnx,
+    onnx_wrapper,
     parse_size,
     run_onnx,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "ImagesToPredictions",
     "check_input_size",
     "export_onnx",
+    "onnx_wrapper",
     "parse_size",
     "run_onnx",
 ]

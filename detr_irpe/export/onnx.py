@@ -1,11 +1,12 @@
-"""ONNX export of a DETR / DETR-iRPE or DAB-DETR / DN-DETR model (``torch.onnx.export``
-with ``dynamo=True``).
+"""ONNX export of a detector of any registered family: DETR / DETR-iRPE, DAB-DETR /
+DN-DETR, RT-DETR (``torch.onnx.export`` with ``dynamo=True``).
 
-The exported graph is :class:`ImagesToPredictions`: one input ``images`` ``(N, 3, H, W)``
-(normalised as at evaluation, every pixel valid: no padding mask) and two outputs,
-``pred_logits`` and ``pred_boxes`` ``(N, Q, 4)`` (cx, cy, w, h relative to the image).
-DETR's logits are ``(N, Q, num_classes + 1)`` (softmax, the last column "no object"); the
-``dab`` decoder's are ``(N, Q, num_classes)`` (one sigmoid per class). The graph is the
+The exported graph is the family's ``onnx_wrapper`` (:mod:`detr_irpe.family`; default
+:class:`ImagesToPredictions`): one input ``images`` ``(N, 3, H, W)`` (normalised as at
+evaluation, every pixel valid: no padding mask) and two outputs, ``pred_logits`` and
+``pred_boxes`` ``(N, Q, 4)`` (cx, cy, w, h relative to the image). DETR's logits are
+``(N, Q, num_classes + 1)`` (softmax, the last column "no object"); those of the
+families with sigmoid classes (DAB-DETR, RT-DETR) ``(N, Q, num_classes)``. The graph is the
 inference one: DN-DETR's denoising queries exist only in training, so a DN model exports
 as its DAB-DETR graph. Post-processing (softmax and dropping the no-object class, or
 sigmoid and the top-k (query, class) pairs; box conversion) stays outside the graph;
@@ -31,9 +32,8 @@ from torch import Tensor, nn
 
 from detr_irpe import sizes
 from detr_irpe.errors import ExportError
+from detr_irpe.family import family_of_model
 from detr_irpe.irpe import IRPEMultiheadAttention
-from detr_irpe.models.dab.model import DABDETR
-from detr_irpe.models.detr.model import DETR
 from detr_irpe.models.position_encoding import PositionEmbeddingLearned
 from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.files import atomic_write
@@ -49,12 +49,18 @@ _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 EXPORT_STAGES = ("trace", "translate", "write")
 # the traced batch of a dynamic export: torch.export specialises a size-1 dimension
 _DYNAMIC_TRACE_BATCH = 2
-# the detectors export_onnx takes: DETR, or the dab decoder's (DAB-DETR / DN-DETR)
-Detector = DETR | DABDETR
+# the detectors export_onnx takes: any registered family's
+Detector = nn.Module
 
 
 class ImagesToPredictions(nn.Module):
-    """A detector as ``images -> (pred_logits, pred_boxes)`` with an all-False padding mask.
+    """A detector as ``images -> (pred_logits, pred_boxes)`` with an all-False padding mask:
+    the wrapper of the families that name none (DETR, DAB-DETR / DN-DETR).
+
+    A family's own wrapper (``DetectorFamily.onnx_wrapper``) has the same interface: the
+    forward, ``stride`` (the coarsest feature stride), ``check_size(size, dynamic)``
+    (raises :class:`ExportError` for a size its graph cannot take) and
+    ``dynamic_shapes(input_name)`` (the symbolic dimensions of ``torch.export``).
 
     Args:
         model: a DETR or DAB-DETR (its ``aux_outputs`` and the DAB ``anchors`` are not
@@ -65,6 +71,43 @@ class ImagesToPredictions(nn.Module):
         super().__init__()
         self.model = model
 
+    @property
+    def stride(self) -> int:
+        """The backbone's output stride (32, or 16 with DC5)."""
+        return self.model.backbone[0].stride
+
+    def check_size(self, size: tuple[int, int], dynamic: bool) -> None:
+        """Refuse a size the graph cannot represent (a dynamic side of one cell, a map
+        larger than a learned position embedding)."""
+        stride = self.stride
+        if dynamic and min(size) <= stride:
+            raise ExportError(
+                f"--dynamic traces the model at --size {size[0]}x{size[1]}, which gives a "
+                f"feature map side of 1 at stride {stride}; pass a size above {stride} pixels "
+                "per side (a size-1 dimension cannot stay symbolic)")
+        position = self.model.backbone[1]
+        cells = [-(-side // stride) for side in size]
+        if isinstance(position, PositionEmbeddingLearned) and max(cells) > position.max_size:
+            raise ExportError(
+                f"--size {size[0]}x{size[1]} gives a {cells[0]}x{cells[1]} feature map, "
+                f"larger than the learned position embedding's "
+                f"{position.max_size}x{position.max_size}; export at most "
+                f"{position.max_size * stride} pixels per side")
+
+    def dynamic_shapes(self, input_name: str) -> dict[str, dict[int, torch.export.Dim]]:
+        """Symbolic batch, height and width of ``images``, in the ranges the model supports."""
+        stride = self.stride
+        position = self.model.backbone[1]
+        side_max = (position.max_size * stride if isinstance(position, PositionEmbeddingLearned)
+                    else None)
+        dims = {"min": stride + 1} if side_max is None else {"min": stride + 1,
+                                                             "max": side_max}
+        return {input_name: {
+            0: torch.export.Dim("batch", min=1),
+            2: torch.export.Dim("height", **dims),
+            3: torch.export.Dim("width", **dims),
+        }}
+
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """``(N, 3, H, W)`` -> ``(N, Q, num_classes + 1)`` logits (``num_classes`` for the
         dab decoder), ``(N, Q, 4)`` boxes."""
@@ -72,6 +115,15 @@ class ImagesToPredictions(nn.Module):
         mask = torch.zeros((batch, height, width), dtype=torch.bool, device=images.device)
         out = self.model(ImageBatch(images, mask))
         return out["pred_logits"], out["pred_boxes"]
+
+
+def onnx_wrapper(model: Detector) -> nn.Module:
+    """``model`` as ``images -> (pred_logits, pred_boxes)``: its family's ``onnx_wrapper``,
+    or :class:`ImagesToPredictions` (the model itself is wrapped, not copied)."""
+    family = family_of_model(model)
+    if family is not None and family.onnx_wrapper is not None:
+        return family.onnx_wrapper(model)
+    return ImagesToPredictions(model)
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -100,9 +152,7 @@ def check_input_size(
     if model is not None:
         attention = next((m for m in model.modules() if isinstance(m, IRPEMultiheadAttention)),
                          None)
-        backbone = getattr(model, "backbone", None)  # DETR-like: a Joiner whose body says it
-        stride = getattr(backbone[0], "stride", 32) if isinstance(backbone, nn.Sequential) else 32
-        extra = {"stride": stride,
+        extra = {"stride": onnx_wrapper(model).stride,
                  "nheads": getattr(attention, "num_heads", 1),
                  "irpe": getattr(attention, "rpe", None) is not None}
     limit, machine = sizes.memory_limit()
@@ -135,37 +185,11 @@ def _check_settings(
     if batch <= 0:
         raise ExportError(f"batch size must be positive, got {batch}")
     check_input_size(size, batch, dynamic=dynamic, model=model)
-    stride = model.backbone[0].stride
-    if dynamic and min(size) <= stride:
-        raise ExportError(
-            f"--dynamic traces the model at --size {size[0]}x{size[1]}, which gives a feature "
-            f"map side of 1 at stride {stride}; pass a size above {stride} pixels per side "
-            "(a size-1 dimension cannot stay symbolic)")
-    position = model.backbone[1]
-    cells = [-(-side // stride) for side in size]
-    if isinstance(position, PositionEmbeddingLearned) and max(cells) > position.max_size:
-        raise ExportError(
-            f"--size {size[0]}x{size[1]} gives a {cells[0]}x{cells[1]} feature map, larger "
-            f"than the learned position embedding's {position.max_size}x{position.max_size}; "
-            f"export at most {position.max_size * stride} pixels per side")
-
-
-def _dynamic_shapes(model: Detector) -> dict[str, dict[int, torch.export.Dim]]:
-    """Symbolic batch, height and width of ``images``, in the ranges the model supports."""
-    stride = model.backbone[0].stride
-    position = model.backbone[1]
-    side_max = (position.max_size * stride if isinstance(position, PositionEmbeddingLearned)
-                else None)
-    dims = {"min": stride + 1} if side_max is None else {"min": stride + 1, "max": side_max}
-    return {IMAGE_INPUT: {
-        0: torch.export.Dim("batch", min=1),
-        2: torch.export.Dim("height", **dims),
-        3: torch.export.Dim("width", **dims),
-    }}
+    onnx_wrapper(model).check_size(size, dynamic)
 
 
 def _to_onnx_bytes(
-    wrapper: ImagesToPredictions, images: Tensor, dynamic_shapes: dict | None, opset: int
+    wrapper: nn.Module, images: Tensor, dynamic_shapes: dict | None, opset: int
 ) -> bytes:
     """The serialised ONNX model; exporter failures become one-line :class:`ExportError` s.
 
@@ -217,7 +241,8 @@ def export_onnx(
     """Write ``model`` as an ONNX file (atomically: a temporary file, then a rename).
 
     Args:
-        model: a DETR or DAB-DETR / DN-DETR (any iRPE setting); a copy of it is exported
+        model: a detector of any registered family (any iRPE setting); a copy of it,
+            wrapped by its family's ``onnx_wrapper``, is exported
             in eval mode on the CPU in float32, the model itself is left as it is.
         path: the ``.onnx`` file to write (a single self-contained file).
         size: ``(H, W)`` of the input images in pixels.
@@ -236,13 +261,14 @@ def export_onnx(
     _require_exporter()
     _check_settings(model, size, batch, dynamic, opset)
     # a CPU float32 copy in eval mode: the caller's model keeps its device, dtype and mode
-    wrapper = ImagesToPredictions(copy.deepcopy(model)).to("cpu", torch.float32).eval()
+    wrapper = onnx_wrapper(copy.deepcopy(model)).to("cpu", torch.float32).eval()
     trace_batch = _DYNAMIC_TRACE_BATCH if dynamic else batch
     images = torch.randn(trace_batch, 3, *size)
     logger.info("exporting to ONNX (opset %d, %s input %s)", opset,
                 "dynamic" if dynamic else "static", "N x 3 x H x W" if dynamic
                 else f"{batch} x 3 x {size[0]} x {size[1]}")
-    data = _to_onnx_bytes(wrapper, images, _dynamic_shapes(model) if dynamic else None, opset)
+    data = _to_onnx_bytes(wrapper, images,
+                          wrapper.dynamic_shapes(IMAGE_INPUT) if dynamic else None, opset)
     started = _stage_start(3, f"write {path}")
     path = atomic_write(path, lambda f: f.write(data))
     _stage_done(3, started)

@@ -13,6 +13,8 @@ pyplot). Submodules are imported lazily, so ``import detr_irpe.visualization`` i
 - DAB-DETR / DN-DETR anchors: :func:`plot_anchor_attention` (a query's cross-attention
   with the anchor box its layer started from), :func:`plot_anchor_refinement` (the
   anchors through the decoder layers); :func:`anchor_boxes`.
+- RT-DETR's query selection: :func:`plot_selected_queries` (the encoder proposals the
+  decoder started from, coloured by score).
 - iRPE: :func:`plot_bucket_layout`, :func:`plot_rpe_tables`.
 - relative-position response (iRPE and RoPE side by side): :func:`position_responses`,
   :func:`plot_position_response`.
@@ -45,6 +47,10 @@ _LAZY = {
     "has_anchors": "anchors",
     "plot_anchor_attention": "anchors",
     "plot_anchor_refinement": "anchors",
+    "has_selected_queries": "queries",
+    "plot_selected_queries": "queries",
+    "selected_queries": "queries",
+    "attention_support": "attention",
     "bucket_layout": "irpe_plots",
     "plot_bucket_layout": "irpe_plots",
     "rpe_table_maps": "irpe_plots",

@@ -1,8 +1,11 @@
 """Capture the attention weights of a DETR forward pass without touching the model's code.
 
-:func:`capture_attention` registers forward pre-hooks (``with_kwargs=True``) on the encoder
-layers' ``self_attn`` and the decoder layers' ``multihead_attn`` (DETR) or ``cross_attn``
-(DAB-DETR / DN-DETR: weights from its ``attention_weights``). The hooks only record the
+:func:`capture_attention` registers forward pre-hooks (``with_kwargs=True``) on the
+attention modules the model's family names (:class:`detr_irpe.family.AttentionSupport`):
+the encoder layers' self-attention (DETR's encoder, RT-DETR's AIFI layer) and the decoder
+layers' dense cross-attention (DETR's ``multihead_attn``; DAB-DETR / DN-DETR's
+``cross_attn``, weights from its ``attention_weights``; RT-DETR's deformable
+cross-attention has no dense map and is not captured). The hooks only record the
 inputs of each call during one ``torch.no_grad()`` forward; afterwards the weights are
 recomputed from those inputs (``need_weights=True``; ``attention_logits`` for the split of
 the encoder logits into content and iRPE terms). The hooks are removed when the capture
@@ -26,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from detr_irpe.errors import ConfigError
+from detr_irpe.family import AttentionSupport, family_of_model
 from detr_irpe.structures import ImageBatch
 
 logger = logging.getLogger(__name__)
@@ -38,6 +42,7 @@ __all__ = [
     "record_attention_inputs",
     "pixel_to_token",
     "token_to_cell",
+    "attention_support",
     "encoder_attention_modules",
     "decoder_attention_modules",
 ]
@@ -87,32 +92,32 @@ def token_to_cell(token: int, grid_size: tuple[int, int]) -> tuple[int, int]:
 # --------------------------------------------------------------------------- modules
 
 
+def attention_support(model: nn.Module) -> AttentionSupport:
+    """Where the attention modules of ``model`` are (its family's ``attention``).
+
+    Raises:
+        ConfigError: the model's family registers none (or the model is of no family).
+    """
+    family = family_of_model(model)
+    if family is None or family.attention is None:
+        who = (f"{family.title} (model.family={family.name})" if family is not None
+               else type(getattr(model, "module", model)).__name__)
+        raise ConfigError(f"{who} has no attention figures: its family registers no "
+                          "attention modules (DetectorFamily.attention)")
+    return family.attention
+
+
 def encoder_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """``model.transformer.encoder.layers[i].self_attn`` for every encoder layer."""
-    try:
-        return [layer.self_attn for layer in model.transformer.encoder.layers]
-    except AttributeError:
-        raise ValueError(
-            "model has no transformer.encoder.layers[i].self_attn; expected a DETR "
-            "built by detr_irpe.build_model"
-        ) from None
-
-
-def _cross_attention(layer: nn.Module) -> nn.Module:
-    attention = getattr(layer, "multihead_attn", None)
-    return attention if attention is not None else layer.cross_attn
+    """The encoder self-attention modules of ``model``, in layer order (DETR's encoder
+    layers' ``self_attn``, RT-DETR's AIFI layer)."""
+    return list(attention_support(model).encoder(getattr(model, "module", model)))
 
 
 def decoder_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The cross-attention of every decoder layer: ``multihead_attn`` (DETR) or
-    ``cross_attn`` (the dab decoder's conditional cross-attention, DAB-DETR / DN-DETR)."""
-    try:
-        return [_cross_attention(layer) for layer in model.transformer.decoder.layers]
-    except AttributeError:
-        raise ValueError(
-            "model has no transformer.decoder.layers[i].multihead_attn (or cross_attn); "
-            "expected a DETR or DAB-DETR built by detr_irpe.build_model"
-        ) from None
+    """The dense cross-attention of every decoder layer: ``multihead_attn`` (DETR) or
+    ``cross_attn`` (the dab decoder's conditional cross-attention, DAB-DETR / DN-DETR);
+    [] for a decoder without dense maps (RT-DETR's deformable attention)."""
+    return list(attention_support(model).decoder(getattr(model, "module", model)))
 
 
 def _select(count: int, layers: Iterable[int] | str | None) -> list[int]:
@@ -363,14 +368,16 @@ def capture_attention(
     with _eval_mode(model), record_attention_inputs(model, encoder_layers,
                                                     decoder_layers) as recorder:
         outputs = model(batch)
-    record = _recompute(recorder.calls, outputs, batch, rpe_split)
+    record = _recompute(recorder.calls, outputs, batch, rpe_split,
+                        attention_support(model).grid_stride)
     record.num_encoder_layers = len(encoder_attention_modules(model))
     record.num_decoder_layers = len(decoder_attention_modules(model))
     return record
 
 
 def _recompute(calls: dict[str, tuple[nn.Module, dict[str, Any]]], outputs: dict[str, Any],
-               batch: ImageBatch, rpe_split: bool) -> AttentionRecord:
+               batch: ImageBatch, rpe_split: bool, grid_stride: int | None = None
+               ) -> AttentionRecord:
     hw = None
     padding_flat = None
     encoder, content, rpe, decoder = {}, {}, {}, {}
@@ -406,6 +413,9 @@ def _recompute(calls: dict[str, tuple[nn.Module, dict[str, Any]]], outputs: dict
                 padding_flat = arguments.get("key_padding_mask")
             decoder[layer] = _decoder_weights(module, arguments).float().cpu()
     input_size = tuple(int(v) for v in batch.tensors.shape[-2:])
+    if grid_stride is not None and hw is not None:
+        # the model padded its input to the grid's stride itself: the grid covers that
+        input_size = (hw[0] * grid_stride, hw[1] * grid_stride)
     b = batch.tensors.shape[0]
     if grid_mask is not None and grid_mask.dim() == 3:
         hw = hw or (int(grid_mask.shape[1]), int(grid_mask.shape[2]))

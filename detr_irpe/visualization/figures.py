@@ -99,6 +99,7 @@ def detections_from_outputs(
     min_detections: int = 0,
     batch_index: int = 0,
     category_ids: Sequence[int] | None = None,
+    sigmoid: bool | None = None,
 ) -> Detections:
     """Post-processing of one image, one detection per query, keeping queries with
     score >= ``threshold``.
@@ -115,12 +116,17 @@ def detections_from_outputs(
             untrained model, whose scores are all low).
         category_ids: the model's ``model.category_ids`` (remapped categories): labels
             come out as those category ids; None: the class indices are the ids.
+        sigmoid: the logits are one sigmoid per class, no "no object" column (the
+            family's ``sigmoid_classes``: DAB-DETR, RT-DETR); None: when the outputs
+            carry ``anchors`` (the dab decoder's).
     """
     single = {key: outputs[key][batch_index:batch_index + 1].detach().float().cpu()
               for key in ("pred_logits", "pred_boxes")}
     postprocess = PostProcess(category_ids)
     result = postprocess(single, torch.tensor([list(original_size)]))[0]
-    if "anchors" in outputs:  # sigmoid classes, no "no object" column (PostProcess: boxes)
+    if sigmoid is None:
+        sigmoid = "anchors" in outputs
+    if sigmoid:  # sigmoid classes, no "no object" column (PostProcess: boxes)
         scores, labels = single["pred_logits"][0].sigmoid().max(-1)
         result["scores"], result["labels"] = scores, postprocess.category_of(labels)
     scores = result["scores"]

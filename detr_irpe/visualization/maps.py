@@ -1,4 +1,7 @@
-"""One call that writes the standard figures of a model on one image (used by ``make demo``)."""
+"""One call that writes the standard figures of a model on one image (used by ``make demo``
+and ``visualize all``): the figures every family has, then those of its own
+(``DetectorFamily.figures``); a figure the family lacks is skipped with one logged line
+that says why."""
 
 from __future__ import annotations
 
@@ -7,13 +10,23 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import Tensor, nn
 
 from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS
 from detr_irpe.data.inputs import InputImage, prepare_image
+from detr_irpe.errors import ConfigError
+from detr_irpe.family import family_of_model
+from detr_irpe.structures import ImageBatch
 
 from .anchors import has_anchors, plot_anchor_attention, plot_anchor_refinement
-from .attention import AttentionRecord, capture_attention, model_device
+from .attention import (
+    AttentionRecord,
+    capture_attention,
+    decoder_attention_modules,
+    encoder_attention_modules,
+    model_device,
+)
 from .figures import (
     detections_from_outputs,
     plot_decoder_attention,
@@ -21,6 +34,7 @@ from .figures import (
     plot_predictions,
     plot_rpe_contribution,
 )
+from .queries import has_selected_queries, plot_selected_queries
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +44,30 @@ __all__ = ["save_attention_maps", "has_irpe", "distinct_points"]
 def has_irpe(model: nn.Module) -> bool:
     """True when some encoder self-attention carries iRPE logits terms (q or k tables)."""
     try:
-        layers = model.transformer.encoder.layers
-    except AttributeError:
+        modules = encoder_attention_modules(model)
+    except ConfigError:  # a family without attention figures
         return False
-    return any(getattr(layer.self_attn, "rpe_k", None) is not None
-               or getattr(layer.self_attn, "rpe_q", None) is not None for layer in layers)
+    return any(getattr(attention, "rpe_k", None) is not None
+               or getattr(attention, "rpe_q", None) is not None for attention in modules)
+
+
+def _attention_layers(model: nn.Module) -> tuple[bool, bool]:
+    """Whether the model has encoder / dense decoder attention the figures can read."""
+    try:
+        return bool(encoder_attention_modules(model)), bool(decoder_attention_modules(model))
+    except ConfigError:
+        return False, False
+
+
+@torch.no_grad()
+def _eval_outputs(model: nn.Module, inputs: list[Tensor]) -> dict:
+    """The model's eval-mode outputs (its mode restored afterwards)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return model(ImageBatch.from_images(inputs))
+    finally:
+        model.train(was_training)
 
 
 def save_attention_maps(
@@ -81,21 +114,35 @@ def save_attention_maps(
 
     Returns:
         ``{"predictions", "encoder_attention", "rpe_contribution" (when written),
-        "decoder_attention", and for a dab-decoder model (DAB-DETR / DN-DETR)
-        "anchor_attention" and "anchor_refinement"}`` -> PNG path.
+        "decoder_attention" (a family with dense decoder cross-attention), and the
+        family's own figures: for a dab-decoder model (DAB-DETR / DN-DETR)
+        "anchor_attention" and "anchor_refinement", for RT-DETR "selected_queries"}`` ->
+        PNG path. A figure the model lacks is skipped with one logged warning saying why.
     """
     out_dir = Path(out_dir)
     prepared = image if isinstance(image, InputImage) else prepare_image(
         image, size=size, max_size=max_size, normalized=normalized, max_pixels=max_pixels)
+    family = family_of_model(model)
+    who = family.title if family is not None else type(model).__name__
+    inputs = [prepared.tensor.to(model_device(model))]
+    has_encoder, has_decoder = _attention_layers(model)
     split = rpe_contribution and has_irpe(model)
-    record = capture_attention(model, [prepared.tensor.to(model_device(model))],
-                               encoder_layers=[layer] if _has_encoder(model) else "none",
-                               decoder_layers=[-1], rpe_split=split)
-    detections = detections_from_outputs(record.outputs, prepared.original_size,
-                                         threshold=threshold, max_detections=max_detections,
-                                         min_detections=min_detections,
-                                         category_ids=category_ids)
-    if points is None:
+    record = None
+    if has_encoder or has_decoder:
+        record = capture_attention(model, inputs,
+                                   encoder_layers=[layer] if has_encoder else "none",
+                                   decoder_layers=[-1] if has_decoder else "none",
+                                   rpe_split=split)
+        outputs = record.outputs
+    else:
+        logger.warning("encoder-attention, decoder-attention skipped: %s registers no "
+                       "attention modules", who)
+        outputs = _eval_outputs(model, inputs)
+    detections = detections_from_outputs(
+        outputs, prepared.original_size, threshold=threshold, max_detections=max_detections,
+        min_detections=min_detections, category_ids=category_ids,
+        sigmoid=family.sigmoid_classes if family is not None else None)
+    if record is not None and points is None:
         points = distinct_points(detections.centres(), prepared, record, limit=4)
         if not points:
             h0, w0 = prepared.original_size
@@ -103,7 +150,7 @@ def save_attention_maps(
     written: dict[str, Path] = {}
     written["predictions"] = out_dir / f"{prefix}predictions.png"
     plot_predictions(prepared, detections, category_names, out=written["predictions"])
-    if record.encoder:
+    if record is not None and record.encoder:
         written["encoder_attention"] = out_dir / f"{prefix}encoder_attention.png"
         plot_encoder_attention(prepared, record, points, layer=layer,
                                out=written["encoder_attention"])
@@ -111,11 +158,18 @@ def save_attention_maps(
             written["rpe_contribution"] = out_dir / f"{prefix}rpe_contribution.png"
             plot_rpe_contribution(prepared, record, points, layer=layer,
                                   out=written["rpe_contribution"])
-    written["decoder_attention"] = out_dir / f"{prefix}decoder_attention.png"
-    plot_decoder_attention(prepared, record, detections, category_names,
-                           out=written["decoder_attention"])
-    written.update(_anchor_figures(prepared, record, detections, category_names, out_dir,
-                                   prefix))
+    if record is not None and record.decoder:
+        written["decoder_attention"] = out_dir / f"{prefix}decoder_attention.png"
+        plot_decoder_attention(prepared, record, detections, category_names,
+                               out=written["decoder_attention"])
+    elif record is not None:
+        logger.warning("decoder-attention skipped: %s", family.attention.no_decoder_figure)
+    if record is not None:
+        written.update(_anchor_figures(prepared, record, detections, category_names,
+                                       out_dir, prefix))
+    if has_selected_queries(outputs):
+        written["selected_queries"] = out_dir / f"{prefix}selected_queries.png"
+        plot_selected_queries(prepared, outputs, out=written["selected_queries"])
     logger.info("attention maps of %s written to %s", prepared.name, out_dir)
     return written
 
@@ -151,9 +205,3 @@ def distinct_points(points: Sequence[tuple[float, float]], image: InputImage,
             kept.append((x, y))
     return kept[:limit]
 
-
-def _has_encoder(model: nn.Module) -> bool:
-    try:
-        return len(model.transformer.encoder.layers) > 0
-    except AttributeError:
-        return False

@@ -11,12 +11,13 @@ encoder layers (:mod:`detr_irpe.models.detr`).
 Importing this package registers the family (:mod:`detr_irpe.family`).
 """
 
-from detr_irpe.family import DetectorFamily, register_family
+from detr_irpe.family import AttentionSupport, DetectorFamily, register_family
 from detr_irpe.models.dab.build import build, build_detector, build_postprocessor, describe
 from detr_irpe.models.dab.checkpoint import CHECKPOINT
 from detr_irpe.models.dab.config import DABLossConfig, DABModelConfig, DenoisingConfig
 from detr_irpe.models.dab.hf import HF
-from detr_irpe.models.dab.model import DABDETR
+from detr_irpe.models.dab.model import DABDETR, decoder_attention
+from detr_irpe.models.detr.model import encoder_attention
 
 FAMILY = register_family(DetectorFamily(
     name="dab",
@@ -33,6 +34,7 @@ FAMILY = register_family(DetectorFamily(
     sigmoid_classes=True,
     figures=("anchors", "anchor-attention"),
     benchmark_targets={"DAB-DETR": "dab_detr_r50", "DN-DETR": "dn_detr_r50"},
+    attention=AttentionSupport(encoder=encoder_attention, decoder=decoder_attention),
 ))
 
 __all__ = ["DABDETR", "FAMILY", "DABLossConfig", "DABModelConfig", "DenoisingConfig"]

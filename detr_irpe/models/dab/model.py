@@ -133,3 +133,10 @@ class DABDETR(nn.Module):
                                              self.aux_loss)
             out["dn_meta"] = {"groups": dn.groups, "pad": dn.pad}
         return out
+
+
+def decoder_attention(model: DABDETR) -> list[nn.Module]:
+    """The decoder layers' conditional cross-attention (its ``attention_weights`` give the
+    dense maps), for the attention figures (the family's ``attention.decoder``); the
+    encoder's are DETR's (:func:`detr_irpe.models.detr.model.encoder_attention`)."""
+    return [layer.cross_attn for layer in model.transformer.decoder.layers]

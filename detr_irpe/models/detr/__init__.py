@@ -11,13 +11,13 @@
 Importing this package registers the family (:mod:`detr_irpe.family`).
 """
 
-from detr_irpe.family import DetectorFamily, register_family
+from detr_irpe.family import AttentionSupport, DetectorFamily, register_family
 from detr_irpe.models.detr.build import build, build_detector, build_postprocessor
 from detr_irpe.models.detr.checkpoint import CHECKPOINT
 from detr_irpe.models.detr.config import DETRLossConfig, DETRModelConfig
 from detr_irpe.models.detr.criterion import SetCriterion
 from detr_irpe.models.detr.hf import HF
-from detr_irpe.models.detr.model import DETR
+from detr_irpe.models.detr.model import DETR, decoder_attention, encoder_attention
 from detr_irpe.models.detr.transformer import Transformer
 
 FAMILY = register_family(DetectorFamily(
@@ -32,6 +32,7 @@ FAMILY = register_family(DetectorFamily(
     checkpoint=CHECKPOINT,
     hf=HF,
     benchmark_targets={"DETR": "detr_r50"},
+    attention=AttentionSupport(encoder=encoder_attention, decoder=decoder_attention),
 ))
 
 __all__ = ["DETR", "FAMILY", "DETRLossConfig", "DETRModelConfig", "SetCriterion", "Transformer"]

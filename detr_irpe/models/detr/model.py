@@ -84,3 +84,14 @@ class DETR(nn.Module):
         hs, _ = self.transformer(self.input_proj(features), mask, self.query_embed.weight, pos)
         logits = self.class_embed(hs)  # (layers, B, Q, C + 1)
         return predictions(logits, self.bbox_embed(hs).sigmoid(), self.aux_loss)
+
+
+def encoder_attention(model: DETR) -> list[nn.Module]:
+    """The encoder layers' self-attention (:class:`~detr_irpe.irpe.IRPEMultiheadAttention`),
+    for the attention figures (the family's ``attention.encoder``)."""
+    return [layer.self_attn for layer in model.transformer.encoder.layers]
+
+
+def decoder_attention(model: DETR) -> list[nn.Module]:
+    """The decoder layers' cross-attention (``nn.MultiheadAttention`` over the memory)."""
+    return [layer.multihead_attn for layer in model.transformer.decoder.layers]

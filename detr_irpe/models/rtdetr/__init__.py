@@ -7,12 +7,13 @@ denoising (:mod:`.denoising`), the VFL criterion (:mod:`.criterion`), the config
 (:mod:`.config`), the builder (:mod:`.build`) and the published files' keys (:mod:`.keys`).
 """
 
-from detr_irpe.family import DetectorFamily, register_family
+from detr_irpe.family import AttentionSupport, DetectorFamily, register_family
 from detr_irpe.models.rtdetr.build import build, build_detector, build_postprocessor
 from detr_irpe.models.rtdetr.checkpoint import CHECKPOINT
 from detr_irpe.models.rtdetr.config import RTDETRLossConfig, RTDETRModelConfig
+from detr_irpe.models.rtdetr.export import onnx_wrapper
 from detr_irpe.models.rtdetr.hf import HF
-from detr_irpe.models.rtdetr.model import RTDETR
+from detr_irpe.models.rtdetr.model import RTDETR, encoder_attention
 
 FAMILY = register_family(DetectorFamily(
     name="rtdetr",
@@ -26,8 +27,14 @@ FAMILY = register_family(DetectorFamily(
     describe=lambda m: f"RT-DETR-R{m.depth}",
     checkpoint=CHECKPOINT,
     hf=HF,
+    onnx_wrapper=onnx_wrapper,
     sigmoid_classes=True,
+    figures=("selected-queries",),
     benchmark_targets={"RT-DETR": "rtdetr_r50"},
+    attention=AttentionSupport(
+        encoder=encoder_attention, grid_stride=RTDETR.STRIDE,
+        no_decoder_figure="RT-DETR's decoder cross-attention is deformable (a few sampled "
+                          "points per query and level), it has no dense map"),
 ))
 
 __all__ = ["FAMILY", "RTDETR", "RTDETRLossConfig", "RTDETRModelConfig"]

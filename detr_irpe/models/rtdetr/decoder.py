@@ -285,7 +285,10 @@ class RTDETRDecoder(nn.Module):
             training (``aux_loss``) also ``aux_outputs`` (every layer but the last, then the
             selected proposals: ``num_layers`` dicts), and with denoising
             ``dn_aux_outputs`` (every layer's denoising queries) and ``dn_meta``
-            (:func:`~.denoising.contrastive_denoising`).
+            (:func:`~.denoising.contrastive_denoising`); in eval mode also the selected
+            proposals the decoder started from (the ``selected-queries`` figure):
+            ``enc_topk_boxes`` ``(B, Q, 4)`` cxcywh in [0, 1] and ``enc_topk_logits``
+            ``(B, Q, C)``, in the order of the queries.
         """
         memory, shapes = self._memory(feats)
         dn_meta = None
@@ -308,6 +311,8 @@ class RTDETRDecoder(nn.Module):
             boxes = [b[:, num_dn:] for b in boxes]
             logits = [lg[:, num_dn:] for lg in logits]
         out = {"pred_logits": logits[-1], "pred_boxes": boxes[-1]}
+        if not self.training:
+            out["enc_topk_boxes"], out["enc_topk_logits"] = enc_boxes, enc_logits
         if self.training and self.aux_loss:
             out["aux_outputs"] = [{"pred_logits": lg, "pred_boxes": b}
                                   for lg, b in zip(logits[:-1], boxes[:-1])]

@@ -52,9 +52,12 @@ def sincos_position_embedding(
         raise ValueError(f"the 2D sin-cos encoding needs a width divisible by 4, got {dim}")
     quarter = dim // 4
     omega = 1.0 / temperature ** (torch.arange(quarter, dtype=torch.float32) / quarter)
-    t = torch.arange(height * width)
-    a = torch.div(t, height, rounding_mode="floor").float()[:, None] * omega
-    b = (t % height).float()[:, None] * omega
+    # token t = a * height + b of the (width x height) enumeration: a = t // height,
+    # b = t % height, built from two aranges (no division: ONNX export with symbolic sizes)
+    a = torch.arange(width, dtype=torch.float32)[:, None].expand(width, height).reshape(-1)
+    b = torch.arange(height, dtype=torch.float32)[None, :].expand(width, height).reshape(-1)
+    a = a[:, None] * omega
+    b = b[:, None] * omega
     pos = torch.cat([a.sin(), a.cos(), b.sin(), b.cos()], dim=1)
     return pos[None].to(dtype=dtype, device=device)
 

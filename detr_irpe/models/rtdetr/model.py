@@ -77,7 +77,8 @@ class RTDETR(nn.Module):
         Returns:
             ``pred_logits`` ``(B, Q, C)`` sigmoid logits and ``pred_boxes`` ``(B, Q, 4)``
             cxcywh in [0, 1]; in training also ``aux_outputs``, ``dn_aux_outputs`` and
-            ``dn_meta`` (:meth:`RTDETRDecoder.forward`).
+            ``dn_meta``, in eval mode ``enc_topk_boxes`` and ``enc_topk_logits`` (the
+            selected proposals; :meth:`RTDETRDecoder.forward`).
         """
         mask = None
         if isinstance(images, ImageBatch):
@@ -116,11 +117,21 @@ def _box_scale(mask: Tensor | None, batch: int, size: tuple[int, int],
     return torch.stack([sx, sy, sx, sy], dim=-1)[:, None, :]
 
 
+# the outputs that hold boxes normalised by the padded tensor
+_BOX_KEYS = ("pred_boxes", "enc_topk_boxes")
+
+
 def _rescaled(out: dict, scale: Tensor) -> dict:
-    """``out`` with every ``pred_boxes`` (nested outputs too) multiplied by ``scale``."""
+    """``out`` with every box output (nested outputs too) multiplied by ``scale``."""
     if isinstance(out, dict):
-        return {k: (v * scale.to(v.dtype) if k == "pred_boxes" else _rescaled(v, scale))
+        return {k: (v * scale.to(v.dtype) if k in _BOX_KEYS else _rescaled(v, scale))
                 for k, v in out.items()}
     if isinstance(out, list):
         return [_rescaled(v, scale) for v in out]
     return out
+
+
+def encoder_attention(model: RTDETR) -> list[nn.Module]:
+    """The AIFI layers' self-attention (:class:`~detr_irpe.irpe.IRPEMultiheadAttention` on
+    the stride-32 map), for the attention figures (the family's ``attention.encoder``)."""
+    return [layer.self_attn for stack in model.encoder.encoder for layer in stack.layers]
