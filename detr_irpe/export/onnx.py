@@ -71,10 +71,24 @@ class ImagesToPredictions(nn.Module):
         super().__init__()
         self.model = model
 
+    # the stride assumed for a model without the package's backbone (a plugin family's)
+    DEFAULT_STRIDE = 32
+
     @property
     def stride(self) -> int:
-        """The backbone's output stride (32, or 16 with DC5)."""
-        return self.model.backbone[0].stride
+        """The backbone's output stride (32, or 16 with DC5), for a model built on the
+        package's ``Joiner`` backbone; :data:`DEFAULT_STRIDE` otherwise."""
+        backbone = self._backbone()
+        return backbone[0].stride if backbone is not None else self.DEFAULT_STRIDE
+
+    def _backbone(self) -> nn.Module | None:
+        backbone = getattr(self.model, "backbone", None)
+        return backbone if isinstance(backbone, nn.Sequential) and len(backbone) == 2 else None
+
+    def _learned_position(self) -> PositionEmbeddingLearned | None:
+        backbone = self._backbone()
+        position = backbone[1] if backbone is not None else None
+        return position if isinstance(position, PositionEmbeddingLearned) else None
 
     def check_size(self, size: tuple[int, int], dynamic: bool) -> None:
         """Refuse a size the graph cannot represent (a dynamic side of one cell, a map
@@ -85,9 +99,9 @@ class ImagesToPredictions(nn.Module):
                 f"--dynamic traces the model at --size {size[0]}x{size[1]}, which gives a "
                 f"feature map side of 1 at stride {stride}; pass a size above {stride} pixels "
                 "per side (a size-1 dimension cannot stay symbolic)")
-        position = self.model.backbone[1]
+        position = self._learned_position()
         cells = [-(-side // stride) for side in size]
-        if isinstance(position, PositionEmbeddingLearned) and max(cells) > position.max_size:
+        if position is not None and max(cells) > position.max_size:
             raise ExportError(
                 f"--size {size[0]}x{size[1]} gives a {cells[0]}x{cells[1]} feature map, "
                 f"larger than the learned position embedding's "
@@ -97,9 +111,8 @@ class ImagesToPredictions(nn.Module):
     def dynamic_shapes(self, input_name: str) -> dict[str, dict[int, torch.export.Dim]]:
         """Symbolic batch, height and width of ``images``, in the ranges the model supports."""
         stride = self.stride
-        position = self.model.backbone[1]
-        side_max = (position.max_size * stride if isinstance(position, PositionEmbeddingLearned)
-                    else None)
+        position = self._learned_position()
+        side_max = position.max_size * stride if position is not None else None
         dims = {"min": stride + 1} if side_max is None else {"min": stride + 1,
                                                              "max": side_max}
         return {input_name: {

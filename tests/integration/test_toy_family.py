@@ -85,7 +85,6 @@ def test_train_eval_predict_export_visualize(toy_run: Path, tiny_dataset: Path, 
     assert status == 0 and figure.is_file()
 
 
-@pytest.mark.xfail(strict=True, reason="export still reads DETR's parts (model.backbone)")
 def test_export(toy_run: Path, plugin_path, tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime")
     onnx = tmp_path / "toy.onnx"
