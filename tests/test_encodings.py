@@ -413,3 +413,36 @@ def test_gelu_reference_is_torchs() -> None:
     """The naive layer's GELU is the exact (erf) one that the AIFI layer uses."""
     x = torch.linspace(-4, 4, 101, dtype=torch.float64)
     assert_close(_gelu(x), F.gelu(x))
+
+
+def test_eval_tool_refuses_another_weightless_encoding_in_one_line(tiny_dataset, tmp_path,
+                                                                    capsys) -> None:
+    """``tools/eval.py CKPT --config X`` with a checkpoint trained with RoPE-Axial and a
+    config without it: exit status 2, one line naming the key and both values."""
+    from detr_irpe.checkpoint import atomic_save
+    from detr_irpe.cli import eval as eval_tool
+
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", "model.num_classes=4",
+                           "model.rope=rope-axial")
+    model = build_model(cfg, load_backbone_weights=False)[0]
+    path = tmp_path / "axial.pth"
+    atomic_save({"format": "detr_irpe", "model": model.state_dict(), "config": cfg.to_dict()},
+                path)
+    rc = eval_tool.main([str(path), "--config", "synthetic_tiny", "--device", "cpu",
+                         "--no-progress", "--output-dir", str(tmp_path / "eval"),
+                         "--set", f"data.root={tiny_dataset}"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and "Traceback" not in err
+    assert "model.rope: checkpoint rope-axial, model none" in lines[0]
+
+
+def test_rope_mixed_frequencies_show_the_head_count() -> None:
+    """RoPE-Mixed's ``(2, nheads, D / 2)`` frequencies name model.nheads when a checkpoint
+    of another head count does not fit."""
+    saved, _ = _state("detr", "model.rope=rope-mixed", "model.nheads=2")
+    model, _ = _state("detr", "model.rope=rope-mixed")
+    assert architecture(saved.state_dict())["model.nheads"] == 2
+    with pytest.raises(CheckpointError, match="model.nheads: checkpoint 2, model 4"):
+        load_state(model, saved.state_dict(), {"path": "two_heads.pth", "format": "detr_irpe"})

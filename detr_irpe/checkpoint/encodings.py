@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from detr_irpe.family import DEFAULT_FAMILY
 from detr_irpe.rope import ROPE_VARIANTS, RoPEConfig, RotaryEncoding, parse_rope
 
 logger = logging.getLogger(__name__)
@@ -96,11 +97,15 @@ def encoding_differences(meta: Mapping[str, Any], model_cfg: Any
                          ) -> list[tuple[str, str, str]]:
     """``[(key, saved value, config value)]`` of the weightless encodings where a model
     section (a config dataclass) differs from the checkpoint's saved config; empty without
-    a saved config or for a family without the key."""
+    a saved config, for a saved config of another family, or for a family without the
+    key."""
+    section = saved_model_section(meta)
+    if section is None or section.get("family", DEFAULT_FAMILY) != getattr(model_cfg, "family", None):
+        return []  # another family: the weights tell that better
     out = []
     for key in WEIGHTLESS_ENCODING_KEYS:
         name = key.removeprefix("model.")
-        if saved_model_section(meta) is None or not hasattr(model_cfg, name):
+        if not hasattr(model_cfg, name):
             continue
         saved, current = saved_setting(meta, key), getattr(model_cfg, name)
         if not same_setting(key, saved, current):

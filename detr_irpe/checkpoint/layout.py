@@ -103,10 +103,14 @@ def _irpe_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
 
 
 def _rope_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    """RoPE-Mixed's learned frequencies (``...self_attn.rope.freqs``) or none; RoPE-Axial
-    has no weights, so a state dict without frequencies may be either."""
-    mixed = any(is_rope_key(k) for k in state)
-    return {"model.rope": ROPE_MIXED_SHOWN if mixed else NO_ROPE_FREQUENCIES}
+    """RoPE-Mixed's learned frequencies (``...self_attn.rope.freqs``, ``(2, nheads, D / 2)``:
+    they show the head count too) or none; RoPE-Axial has no weights, so a state dict
+    without frequencies may be either."""
+    freqs = [v for k, v in state.items() if is_rope_key(k) and k.endswith(".freqs")]
+    if not freqs:
+        return {"model.rope": NO_ROPE_FREQUENCIES}
+    heads = int(freqs[0].shape[1]) if len(freqs[0].shape) == 3 else None
+    return {"model.rope": ROPE_MIXED_SHOWN, "model.nheads": heads}
 
 
 def _family_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
@@ -197,6 +201,8 @@ def explain_mismatch(
                 key_name = _rpe_difference(a[key], b[key])
                 heads = (_heads_of(a[key], a.get("model.hidden_dim")),
                          _heads_of(b[key], b.get("model.hidden_dim")))
+                if key_name == "model.nheads" and "model.nheads" in a and "model.nheads" in b:
+                    continue  # the head count is a fact of its own (RoPE-Mixed's shape)
                 if key_name == "model.nheads" and None not in heads:
                     out.append((key_name, str(heads[0]), str(heads[1])))
                 else:
