@@ -446,3 +446,16 @@ def test_rope_mixed_frequencies_show_the_head_count() -> None:
     assert architecture(saved.state_dict())["model.nheads"] == 2
     with pytest.raises(CheckpointError, match="model.nheads: checkpoint 2, model 4"):
         load_state(model, saved.state_dict(), {"path": "two_heads.pth", "format": "detr_irpe"})
+
+
+@pytest.mark.parametrize("family", ["detr", "dab"])
+def test_rope_models_are_not_written_for_hugging_face(family: str, tmp_path) -> None:
+    """transformers' DETR and DAB-DETR have no rotary encoding: RoPE-Axial (no weights)
+    would otherwise be dropped without a word."""
+    from detr_irpe.checkpoint.hf_folder import write_hf_folder
+
+    plain_dab = ("model.denoising.enabled=false",) if family == "dab" else ()
+    model, cfg = _state(family, "model.rope=rope-axial", "model.rpe=none", *plain_dab)
+    with pytest.raises(CheckpointError, match=r"model\.rope=rope-axial") as err:
+        write_hf_folder(model.state_dict(), cfg, tmp_path / "hf")
+    assert "\n" not in str(err.value)
