@@ -37,6 +37,11 @@ ENCODINGS = {
     "rope-axial": ("model.position_embedding=none", "model.rpe=none", "model.rope=rope-axial"),
     "rope-mixed": ("model.position_embedding=none", "model.rpe=none", "model.rope=rope-mixed"),
 }
+# Combinations beyond the six: everything at once (RoPE composes with iRPE and sine).
+COMBINED = {
+    "irpe+rope-mixed+sine": ("model.position_embedding=sine", f"model.rpe={IRPE}",
+                             "model.rope=rope-mixed"),
+}
 NUM_CLASSES = 3
 # Each family at test size: 2 encoder layers of 4 heads of width 4 (RoPE needs D % 4 == 0).
 FAMILIES = {
@@ -79,25 +84,26 @@ def _self_attentions(model):
 
 
 # ----------------------------------------------------------------- every family, every encoding
-@pytest.mark.parametrize("encoding", list(ENCODINGS))
+@pytest.mark.parametrize("encoding", [*ENCODINGS, *COMBINED])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_family_trains_a_step_with_each_encoding(family: str, encoding: str) -> None:
     """Built as the config says (rotary modules, iRPE tables, absolute encoding), one
     forward and backward in float64: a finite loss whose gradient reaches the encoder
     attention, and RoPE-Mixed's frequencies."""
-    cfg = _config(family, *ENCODINGS[encoding])
+    cfg = _config(family, *{**ENCODINGS, **COMBINED}[encoding])
     torch.manual_seed(0)
     model, criterion, _ = build_model(cfg, load_backbone_weights=False)
     model.double().train()
     attentions = _self_attentions(model)
     assert len(attentions) == 2
-    rope_type = {"rope-axial": RoPEAxial, "rope-mixed": RoPEMixed}.get(encoding, type(None))
+    rope = "rope-axial" if "rope-axial" in encoding else "rope-mixed" if "rope-mixed" in encoding else None
+    rope_type = {"rope-axial": RoPEAxial, "rope-mixed": RoPEMixed}.get(rope, type(None))
     assert all(type(a.rope) is rope_type for a in attentions)
     names = [n for n, _ in model.named_parameters()]
     assert any(map(is_rpe_key, names)) == encoding.startswith("irpe")
-    assert sum(map(is_rope_key, names)) == (2 if encoding == "rope-mixed" else 0)
+    assert sum(map(is_rope_key, names)) == (2 if rope == "rope-mixed" else 0)
     if family == "rtdetr":
-        assert model.encoder.position_embedding == cfg.model.position_embedding
+        assert model.encoder.position_embedding == ("sine" if "sine" in encoding else "none")
     else:
         kind = type(model.backbone[1]).__name__
         assert kind == ("PositionEmbeddingSine" if "sine" in encoding else "PositionEmbeddingNone")
@@ -111,7 +117,7 @@ def test_every_family_trains_a_step_with_each_encoding(family: str, encoding: st
     for attention in attentions:
         grad = attention.in_proj_weight.grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
-        if encoding == "rope-mixed":
+        if rope == "rope-mixed":
             assert attention.rope.freqs.grad.abs().sum() > 0
 
 
