@@ -396,7 +396,7 @@ def test_shipped_grids_load() -> None:
     files = sorted(GRID_DIR.glob("*.yaml"))
     names = {f.stem for f in files}
     for question in ("methods", "modes", "placement", "ratio", "absolute", "shared_head",
-                     "decoders"):
+                     "decoders", "encodings"):
         assert question in names and f"demo_{question}" in names
     for path in files:
         grid = load_grid(path)
@@ -406,7 +406,8 @@ def test_shipped_grids_load() -> None:
             # the dataset tools/demo.py generates (README: 1600 + 200 images, seed 0)
             assert grid.synthetic_data == {"num_train": 1600, "num_val": 200, "seed": 0}
         else:
-            assert grid.base.name == "detr_r50.yaml" and grid.launcher == "torchrun"
+            published = "rtdetr_r50.yaml" if path.stem == "encodings_rtdetr" else "detr_r50.yaml"
+            assert grid.base.name == published and grid.launcher == "torchrun"
     ratio = load_grid("ratio")  # a shipped grid by name, from any folder
     # Product buckets per ratio (irpe.md): 49, 81, 121, 169; D = 32, shared, 6 layers.
     assert [rpe_parameter_count(r.config) for r in ratio.runs] == [
@@ -459,6 +460,43 @@ def test_demo_decoders_grid_changes_only_the_decoder() -> None:
             f"loss.set_cost_class={cost[decoder]}", f"train.seed={run.seed}",
             f"train.output_dir={run.output_dir}"])
         assert run.config.to_dict() == expected.to_dict(), run.variant.name
+
+
+# The six encodings of the encoder attention (encodings.yaml and its RT-DETR and demo
+# versions): the keys each row sets.
+ENCODING_ROWS = {
+    "none": ("none", "none", "none"), "sine": ("sine", "none", "none"),
+    "irpe": ("none", IRPE, "none"), "irpe+sine": ("sine", IRPE, "none"),
+    "rope-axial": ("none", "none", "rope-axial"), "rope-mixed": ("none", "none", "rope-mixed"),
+}
+ENCODING_KEYS = ("model.position_embedding", "model.rpe", "model.rope")
+
+
+@pytest.mark.parametrize(("name", "base", "seeds"), [
+    ("encodings", "detr_r50", [42]), ("encodings_rtdetr", "rtdetr_r50", [42]),
+    ("demo_encodings", "synthetic_demo", [42, 7, 1]),
+])
+def test_encodings_grids_change_only_the_encoding(name: str, base: str, seeds: list[int]) -> None:
+    """Each row is its base config (the published recipe, or the demo's) with the three
+    encoding keys of its encoding, nothing else: the six rows differ only there."""
+    grid = load_grid(name)
+    assert [v.name for v in grid.variants] == list(ENCODING_ROWS) and grid.seeds == seeds
+    assert grid.baseline == "sine"
+    for run in grid.runs:
+        values = ENCODING_ROWS[run.variant.name]
+        model = run.config.model
+        assert (model.position_embedding, model.rpe, model.rope) == values
+        expected = load_config(base, [
+            *grid.overrides, *(f"{k}={v}" for k, v in zip(ENCODING_KEYS, values)),
+            f"train.seed={run.seed}", f"train.output_dir={run.output_dir}"])
+        assert run.config.to_dict() == expected.to_dict(), run.variant.name
+    # the published iRPE model is the iRPE + sine row
+    irpe = {"detr_r50": "detr_r50_irpe", "rtdetr_r50": "rtdetr_r50_irpe"}.get(base)
+    if irpe is not None:
+        (run,) = [r for r in grid.runs if r.variant.name == "irpe+sine"]
+        published = load_config(irpe, [f"train.seed={run.seed}",
+                                       f"train.output_dir={run.output_dir}"])
+        assert run.config.to_dict() == published.to_dict()
 
 
 def test_variants_times_one_axis_names(tmp_path, tiny_dataset) -> None:
@@ -527,17 +565,19 @@ def test_shipped_grid_by_name_and_base_from_the_command_line(tmp_path, monkeypat
 
 # ----------------------------------------------------------------------------- shipped grids
 # The demo grids' runs at test size: the tiny dataset, a small model, one step of one
-# epoch. The precision stays as shipped (train.amp: auto, from synthetic_demo).
+# epoch. The precision stays as shipped (train.amp: auto, from synthetic_demo). Four heads
+# of 4 channels: RoPE pairs a head's channels, half of them per axis (D % 4 == 0).
 _DEMO_GRID_TEST_SIZE = (
     "train.epochs=1", "train.eval_every=1", "train.batch_size=8", "train.num_threads=1",
-    "model.hidden_dim=16", "model.dim_feedforward=32", "model.enc_layers=1",
+    "model.hidden_dim=16", "model.nheads=4", "model.dim_feedforward=32", "model.enc_layers=1",
     "model.dec_layers=1", "model.num_queries=4",
     "data.train_scales=[64]", "data.val_size=64", "data.max_size=64",
 )
 
 
 # A run costs about a second (model build, one step, evaluation, checkpoint): the
-# four-run demo grid runs in the default suite, the other 33 runs with -m slow (CI).
+# four-run demo grid runs in the default suite, the other 57 runs with -m slow (CI;
+# demo_encodings: 18 runs, about 11 s on a shared 2-core "AMD EPYC", family 26 model 2).
 @pytest.mark.parametrize("name", [
     name if name == "demo" else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(p.stem for p in GRID_DIR.glob("demo*.yaml"))

@@ -27,6 +27,7 @@ from detr_irpe.checkpoint.safe import format_keys, load_safetensors, safe_load, 
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import DetectorFamily, families, get_family
 from detr_irpe.irpe import is_rpe_key, parse_rpe
+from detr_irpe.rope import parse_rope
 from detr_irpe.utils.files import fsync_dir, os_error_behind, write_error
 
 logger = logging.getLogger(__name__)
@@ -241,6 +242,11 @@ def _refusal(state: Mapping[str, Tensor], cfg: Any, family: DetectorFamily) -> s
         return (
             f"an iRPE model (model.rpe={model.rpe}) cannot be written for Hugging Face: "
             f"transformers' {family.title} has no relative position encodings"
+        )
+    if parse_rope(getattr(model, "rope", "none")) is not None:
+        return (
+            f"a RoPE model (model.rope={model.rope}) cannot be written for Hugging Face: "
+            f"transformers' {family.title} has no rotary position encodings"
         )
     tables = sorted(k for k in state if is_rpe_key(k))
     if tables:

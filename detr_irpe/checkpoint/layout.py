@@ -29,8 +29,12 @@ from torch import Tensor, nn
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import family_of_state
 from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table, is_rpe_key, parse_rpe
+from detr_irpe.rope import is_rope_key
 
 HEAD_KEYS = ("class_embed.weight", "class_embed.bias")
+# ``model.rope`` as a state dict shows it: RoPE-Mixed has frequencies, RoPE-Axial nothing.
+ROPE_MIXED_SHOWN = "rope-mixed"
+NO_ROPE_FREQUENCIES = "none or rope-axial"
 # DN-DETR's label embedding: a row per class, then the matching queries' content.
 LABEL_KEY = "label_enc.weight"
 # The bias a new sigmoid class head starts with: every class at probability 0.01
@@ -98,6 +102,17 @@ def _irpe_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
     return {"model.rpe": _rpe_tables(state)}
 
 
+def _rope_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
+    """RoPE-Mixed's learned frequencies (``...self_attn.rope.freqs``, ``(2, nheads, D / 2)``:
+    they show the head count too) or none; RoPE-Axial has no weights, so a state dict
+    without frequencies may be either."""
+    freqs = [v for k, v in state.items() if is_rope_key(k) and k.endswith(".freqs")]
+    if not freqs:
+        return {"model.rope": NO_ROPE_FREQUENCIES}
+    heads = int(freqs[0].shape[1]) if len(freqs[0].shape) == 3 else None
+    return {"model.rope": ROPE_MIXED_SHOWN, "model.nheads": heads}
+
+
 def _family_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
     return {"model.family": family_name_of_state(state)}
 
@@ -108,8 +123,8 @@ def _head_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
 
 def architecture(state: Mapping[str, Tensor]) -> dict[str, Any]:
     """The model settings a state dict implies, keyed by their config names: its family,
-    then what its family's ``architecture_readers`` read, its iRPE tables and its class
-    count.
+    then what its family's ``architecture_readers`` read, its iRPE tables, its rotary
+    encoding (``rope-mixed`` or ``none or rope-axial``) and its class count.
 
     Settings a state dict does not show (``model.nheads`` without per-head tables,
     ``model.dilation``) are absent; ``model.rpe`` is the ``{table: shape}`` dict of
@@ -118,7 +133,7 @@ def architecture(state: Mapping[str, Tensor]) -> dict[str, Any]:
     family = family_of_state(state)
     readers = family.checkpoint.architecture_readers if family and family.checkpoint else ()
     facts: dict[str, Any] = {}
-    for reader in (_family_facts, *readers, _irpe_facts, _head_facts):
+    for reader in (_family_facts, *readers, _irpe_facts, _rope_facts, _head_facts):
         facts.update(reader(state))
     return {k: v for k, v in facts.items() if v is not None}
 
@@ -186,6 +201,8 @@ def explain_mismatch(
                 key_name = _rpe_difference(a[key], b[key])
                 heads = (_heads_of(a[key], a.get("model.hidden_dim")),
                          _heads_of(b[key], b.get("model.hidden_dim")))
+                if key_name == "model.nheads" and "model.nheads" in a and "model.nheads" in b:
+                    continue  # the head count is a fact of its own (RoPE-Mixed's shape)
                 if key_name == "model.nheads" and None not in heads:
                     out.append((key_name, str(heads[0]), str(heads[1])))
                 else:
@@ -362,6 +379,8 @@ __all__ = [
     "FOCAL_PRIOR_BIAS",
     "HEAD_KEYS",
     "LABEL_KEY",
+    "NO_ROPE_FREQUENCIES",
+    "ROPE_MIXED_SHOWN",
     "add_rpe_tables",
     "architecture",
     "convert_state_dict",

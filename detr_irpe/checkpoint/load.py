@@ -12,6 +12,13 @@ Rules (:func:`load_state`):
   model was built (``model.rpe_init``: xavier like the reference recipe, or zero, in
   which case the model computes exactly the plain DETR), logged;
 - iRPE tables that differ from the model's, or tables the model does not have: error;
+- RoPE-Mixed's frequencies (``...self_attn.rope.freqs``) the model does not have: error
+  (``model.rope: checkpoint rope-mixed, model none``); a checkpoint without rotary
+  frequencies into a RoPE-Mixed model (fine-tuning a model trained without them): the
+  model's frequencies keep their start, logged;
+- a rotary encoding (or absolute one) other than the one the saved config names: logged
+  (RoPE-Axial and the sine encoding have no weights; the tools that build a model from a
+  checkpoint refuse the difference, :mod:`~detr_irpe.checkpoint.saved_config`);
 - ``num_batches_tracked`` of a trainable-BN checkpoint: dropped;
 - any other missing, unexpected or mis-shaped key: error. Every error names the file,
   the first keys of each kind and the config keys that explain the difference
@@ -28,9 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from detr_irpe.checkpoint.encodings import describe_rope, model_rope, saved_rope
 from detr_irpe.checkpoint.files import read_checkpoint
 from detr_irpe.checkpoint.layout import (
     FOCAL_PRIOR_BIAS,
+    ROPE_MIXED_SHOWN,
     explain_mismatch,
     num_classes_of,
 )
@@ -38,6 +47,7 @@ from detr_irpe.checkpoint.safe import format_keys
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import family_of_state
 from detr_irpe.irpe import is_rpe_key
+from detr_irpe.rope import is_rope_key
 from detr_irpe.utils.dist import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -76,6 +86,50 @@ def _missing_rpe_tables(
         len(model_rpe),
     )
     return model_rpe
+
+
+def _missing_rope_frequencies(
+    state: Mapping[str, Tensor], target: Mapping[str, Tensor], path: Any
+) -> list[str]:
+    """The model's RoPE-Mixed frequencies a checkpoint without any lacks (they keep their
+    start: a model trained without them, fine-tuned with them)."""
+    model_keys = [k for k in target if is_rope_key(k)]
+    if not model_keys or any(is_rope_key(k) for k in state):
+        return []
+    logger.info(
+        "checkpoint %s has no rotary frequencies (trained without RoPE-Mixed): the %d "
+        "frequency tensors of this model keep their start", path, len(model_keys))
+    return model_keys
+
+
+def _log_rope_difference(model: nn.Module, meta: Mapping[str, Any], path: Any) -> None:
+    """Log a rotary encoding other than the saved config's (fine-tuning may change it)."""
+    saved = saved_rope(meta)
+    try:
+        built = model_rope(model)
+    except ValueError:
+        return
+    if saved != "unknown" and saved != built:
+        logger.warning("checkpoint %s was trained with model.rope=%s; this model has "
+                       "model.rope=%s", path, describe_rope(saved), describe_rope(built))
+
+
+def _rope_values(
+    model: nn.Module | None, meta: Mapping[str, Any], shown: tuple[str, str]
+) -> tuple[str, str]:
+    """``model.rope`` of a checkpoint and of a model as exactly as they are known: the
+    saved config's (when it agrees with the weights) and the built model's."""
+    checkpoint, built = shown
+    saved = saved_rope(meta)
+    if saved != "unknown" and (checkpoint == ROPE_MIXED_SHOWN) == (
+            saved is not None and saved.variant == "mixed"):
+        checkpoint = describe_rope(saved)
+    if model is not None:
+        try:
+            built = describe_rope(model_rope(model))
+        except ValueError:
+            pass
+    return checkpoint, built
 
 
 def _class_keys(state: Mapping[str, Tensor]) -> tuple[str, ...]:
@@ -185,9 +239,13 @@ def _mismatch_error(
     state: Mapping[str, Tensor],
     target: Mapping[str, Tensor],
     problems: list[str],
+    model: nn.Module | None = None,
 ) -> CheckpointError:
-    """One error naming the file, the keys, and the config keys that explain them."""
-    differences = explain_mismatch(state, target)
+    """One error naming the file, the keys, and the config keys that explain them
+    (``model``: the model, for its exact rotary encoding)."""
+    differences = [
+        (key, *_rope_values(model, meta, (a, b))) if key == "model.rope" else (key, a, b)
+        for key, a, b in explain_mismatch(state, target)]
     names = [key for key, _, _ in differences]
     if names == ["model.rpe"]:
         saved = _saved_rpe(meta)
@@ -217,10 +275,11 @@ def check_state_fits(model: nn.Module, state: Mapping[str, Tensor], meta: Mappin
         CheckpointError: one line naming the file, the first keys that do not fit and the
             config keys that explain them (``model.hidden_dim: checkpoint 256, model 128``).
     """
-    target = unwrap_model(model).state_dict()
+    model = unwrap_model(model)
+    target = model.state_dict()
     problems = key_problems(state, target, set())
     if problems:
-        raise _mismatch_error(meta.get("path"), meta, state, target, problems)
+        raise _mismatch_error(meta.get("path"), meta, state, target, problems, model)
 
 
 def _apply(
@@ -256,8 +315,8 @@ def load_state(
     Returns:
         info dict: ``path``, ``format``, ``reinitialized`` (class-head keys, and
         ``label_enc.weight`` whose last row was loaded),
-        ``missing_rpe`` (table keys left as built), ``dropped`` (ignored keys),
-        ``loaded`` (number of tensors).
+        ``missing_rpe`` (table keys left as built), ``missing_rope`` (rotary frequencies
+        left as built), ``dropped`` (ignored keys), ``loaded`` (number of tensors).
 
     Raises:
         CheckpointError: naming the file, the keys and the differing config keys.
@@ -268,10 +327,13 @@ def load_state(
     state = dict(state)
     dropped = _drop_bn_counters(state, target)
     missing_rpe = _missing_rpe_tables(state, target, path)
+    missing_rope = _missing_rope_frequencies(state, target, path)
     reinitialized, last_rows = _take_off_class_head(state, target, path, strict_head)
-    problems = key_problems(state, target, set(missing_rpe) | set(reinitialized))
+    problems = key_problems(state, target,
+                            set(missing_rpe) | set(missing_rope) | set(reinitialized))
     if problems:
-        raise _mismatch_error(path, meta, state, target, problems)
+        raise _mismatch_error(path, meta, state, target, problems, model)
+    _log_rope_difference(model, meta, path)
     family = family_of_state(target)
     sigmoid_head = bool(family and family.checkpoint and family.checkpoint.sigmoid_head)
     _apply(model, state, reinitialized, last_rows, sigmoid_head)
@@ -281,6 +343,7 @@ def load_state(
         "format": meta.get("format"),
         "reinitialized": reinitialized,
         "missing_rpe": missing_rpe,
+        "missing_rope": missing_rope,
         "dropped": dropped,
         "loaded": len(state),
     }

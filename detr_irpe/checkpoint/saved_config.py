@@ -16,6 +16,11 @@
   not imported yet is a :class:`CheckpointError` naming them and the two ways to allow
   them: ``--set model.import=...`` (the user's own list, which replaces the saved one)
   or ``trust_imports`` (``--trust-imports``: import what the checkpoint names).
+- **Encodings without weights** (``model.rope``: RoPE-Axial; ``model.position_embedding``:
+  the sine encoding): a given config that differs from the checkpoint's saved config in
+  one of them is a :class:`CheckpointError` naming the key and both values (the weights
+  would load, into a model that is not the one trained); an override that sets the key
+  is the user's choice and only logged.
 - **Categories of the class outputs** (``model.category_ids``, a run on remapped
   categories): the saved config's, also when another config is given, unless the given
   config sets them or the overrides set them or ``model.num_classes``.
@@ -32,6 +37,7 @@ from typing import Any
 
 from torch import Tensor
 
+from detr_irpe.checkpoint.encodings import encoding_differences
 from detr_irpe.checkpoint.layout import num_classes_of
 from detr_irpe.config import (
     Config,
@@ -169,6 +175,7 @@ def config_for_checkpoint(
     overrides = list(overrides)
     cfg = resolve_config(path, config, overrides, meta, state, trust_imports=trust_imports)
     overridden = _overridden_keys(overrides)
+    _check_encodings(path, meta, cfg, overridden)
     category_ids = cfg.model.category_ids
     if category_ids is None and not {"model.category_ids", "model.num_classes"} & overridden:
         category_ids = _saved_category_ids(meta)
@@ -187,6 +194,25 @@ def config_for_checkpoint(
     except ConfigError as err:
         raise CheckpointError(f"checkpoint {path}: {err}") from None
     return dataclasses.replace(cfg, model=model)
+
+
+def _check_encodings(path: Any, meta: Mapping[str, Any], cfg: Config,
+                     overridden: set[str]) -> None:
+    """Refuse a config whose weightless encodings differ from the saved config's (an
+    override of the key is logged instead).
+
+    Raises:
+        CheckpointError: one line naming the key, both values and the fix.
+    """
+    for key, saved, current in encoding_differences(meta, cfg.model):
+        if key in overridden:
+            logger.warning("checkpoint %s was trained with %s=%s; evaluating it with %s=%s "
+                           "as the overrides say", path, key, saved, key, current)
+            continue
+        raise CheckpointError(
+            f"checkpoint {path} was trained with another encoding than this config's: "
+            f"{key}: checkpoint {saved}, model {current}. Leave out --config to use the "
+            f"config saved in the checkpoint, or set {key}={saved}")
 
 
 def _saved_category_ids(meta: Mapping[str, Any]) -> list[int] | None:

@@ -126,16 +126,15 @@ def _table(rows: list[tuple[str, str, str, str, str]]) -> list[str]:
 
 
 def _family_rows(section: str, fams: list[DetectorFamily]) -> list[tuple[str, ...]]:
-    """The keys of ``section`` over all families: one row per key and default, naming the
-    families that have it with that default."""
-    merged: dict[tuple[str, str, str], tuple[str, list[str]]] = {}
+    """The keys of ``section`` over all families: one row per key, default and comment,
+    naming the families that have it with that default and comment."""
+    merged: dict[tuple[str, str, str, str], list[str]] = {}
     for family in fams:
         cls = family.model_config if section == "model" else family.loss_config
         for key, kind, default, comment in _rows(cls, f"{section}."):
-            slot = merged.setdefault((key, kind, default), (comment, []))
-            slot[1].append(family.name)
+            merged.setdefault((key, kind, default, comment), []).append(family.name)
     rows = []
-    for (key, kind, default), (comment, names) in merged.items():
+    for (key, kind, default, comment), names in merged.items():
         rows.append((key, kind, default, ", ".join(names), comment))
     return sorted(rows, key=lambda r: (r[0], r[3]))
 

@@ -26,6 +26,7 @@ from detr_irpe.errors import ConfigError
 from detr_irpe.family import DEFAULT_FAMILY, get_family
 from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
+from detr_irpe.rope import parse_rope
 
 __all__ = [
     "AMP_MODES",
@@ -79,6 +80,11 @@ class ModelConfig:
     # How the iRPE tables start: "xavier" (DETR's reset of every matrix, the published
     # recipe) or "zero" (a fresh model then equals the model without iRPE).
     rpe_init: str = "xavier"
+    # Rotary encoding of the encoder's self-attention (q and k turned by their token's
+    # position; docs/position_encodings.md): "none", "rope-axial" or "rope-mixed",
+    # optionally with the frequency base ("rope-axial-100", "rope-mixed-10"). Composes
+    # with the absolute encoding and with iRPE.
+    rope: str = "none"
     # Width of the transformer (channels of every token).
     hidden_dim: int = 256
     # Attention heads of every attention layer (hidden_dim must be divisible by it).
@@ -101,6 +107,10 @@ class ModelConfig:
         except ValueError as err:
             raise ConfigError(f"model.rpe: {err}") from None
         choice("model.rpe_init", self.rpe_init, RPE_INIT_MODES)
+        try:
+            parse_rope(self.rope)
+        except ValueError as err:
+            raise ConfigError(f"model.rope: {err}") from None
         for key in ("hidden_dim", "nheads"):
             positive(f"model.{key}", getattr(self, key))
         if self.hidden_dim % self.nheads:
@@ -121,6 +131,22 @@ class ModelConfig:
     def rpe_layer_count(self) -> int:
         """Attention layers that hold iRPE tables when ``rpe`` is set."""
         return 1
+
+    def check_rope_head_dim(self, width: int, width_name: str = "hidden_dim",
+                            prefix: str = "model") -> None:
+        """Refuse ``rope`` when the encoder's head width (``width / nheads``, ``width`` the
+        value of ``<prefix>.<width_name>``) is not a multiple of 4: each head's channels
+        are pairs, half of them per axis."""
+        if parse_rope(self.rope) is None or (width // self.nheads) % 4 == 0:
+            return
+
+        def key(name: str) -> str:
+            return f"{prefix}.{name}" if prefix else name
+
+        raise ConfigError(
+            f"{key('rope')}={self.rope} needs a head width ({key(width_name)} / "
+            f"{key('nheads')} = {width} / {self.nheads}) divisible by 4; change "
+            f"{key('nheads')} or {key(width_name)}, or set {key('rope')}=none")
 
     # ------------------------------------------------------------ size estimates
     def parameter_sizes(self) -> dict[str, int]:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from detr_irpe.config import TrainConfig
+from detr_irpe.rope import is_rope_key
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,13 @@ def no_decay_names(model: nn.Module) -> set[str]:
     return names
 
 
+def always_no_decay_names(model: nn.Module) -> set[str]:
+    """Names of the parameters that never decay, whatever ``train.no_decay_norm_bias``
+    says: RoPE-Mixed's frequencies (the official rope-vit code lists ``freqs`` among its
+    no-weight-decay parameters; decay would pull every rotation towards angle 0)."""
+    return {name for name, _ in model.named_parameters() if is_rope_key(name)}
+
+
 def _group_weight_decay(name: str, cfg: TrainConfig) -> float:
     return 0.0 if name.endswith(NO_DECAY) else cfg.weight_decay
 
@@ -53,9 +61,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     ``backbone`` form the second group; with ``lr_backbone == 0`` they are frozen instead.
     With ``train.no_decay_norm_bias`` the biases and normalisation weights
     (:func:`no_decay_names`) of each form a group of their own (name suffix ``_no_decay``)
-    with weight decay 0. Each group's ``initial_lr`` is the base lr that
+    with weight decay 0; RoPE-Mixed's frequencies (:func:`always_no_decay_names`) are in
+    that group with or without the option. Each group's ``initial_lr`` is the base lr that
     :func:`build_lr_scheduler` scales."""
     no_decay = no_decay_names(model) if cfg.no_decay_norm_bias else set()
+    no_decay |= always_no_decay_names(model)
     members: dict[str, list[nn.Parameter]] = {
         "transformer_and_heads": [], "backbone": [],
         "transformer_and_heads" + NO_DECAY: [], "backbone" + NO_DECAY: []}
@@ -79,7 +89,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         sum(len(g["params"]) for g in groups) - len(backbone), cfg.lr, len(backbone),
         cfg.lr_backbone, cfg.weight_decay,
         f" (0 for {sum(len(g['params']) for g in groups if g['name'].endswith(NO_DECAY))} "
-        "bias and norm tensors)" if cfg.no_decay_norm_bias else "",
+        "bias, norm and rotary-frequency tensors)" if no_decay else "",
     )
     # The fused kernel updates every tensor in one pass: the same AdamW maths, several
     # times faster than the per-tensor loop on the CPU for a model with many small tensors.
@@ -190,6 +200,7 @@ def build_lr_scheduler(
 __all__ = [
     "LR_DROP_GAMMA",
     "NO_DECAY",
+    "always_no_decay_names",
     "apply_config_hyperparameters",
     "build_lr_scheduler",
     "build_optimizer",

@@ -70,8 +70,9 @@ def build_model(
     model, criterion, postprocessor = family.build(m, loss, load_backbone_weights, categories)
     counts = count_parameters(model)
     logger.info(
-        "%s (%s, rpe=%s): %d parameters, %d trainable, %d in iRPE tables",
+        "%s (%s, rpe=%s, rope=%s): %d parameters, %d trainable, %d in iRPE tables",
         family.name_of(m), getattr(m, "backbone", type(model).__name__), m.rpe,
+        getattr(m, "rope", "none"),
         counts["total"], counts["trainable"], counts["rpe"],
     )
     return model, criterion, postprocessor

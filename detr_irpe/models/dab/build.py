@@ -21,7 +21,8 @@ __all__ = ["build", "build_criterion", "build_dab_transformer", "build_denoising
 
 
 def build_dab_transformer(m: DABModelConfig) -> DABTransformer:
-    """DAB-DETR's encoder-decoder (PReLU layers, iRPE in the encoder as ``model.rpe``)."""
+    """DAB-DETR's encoder-decoder (PReLU layers; iRPE and RoPE in the encoder as
+    ``model.rpe`` and ``model.rope`` say)."""
     return DABTransformer(**transformer_args(m), activation="prelu")
 
 

@@ -42,6 +42,7 @@ from detr_irpe.models.detr.transformer import (
 )
 from detr_irpe.models.mlp import MLP
 from detr_irpe.models.position_encoding import sine_features
+from detr_irpe.rope import RoPEConfig
 
 # Box coordinates are clamped this far from 0 and 1 before the logit (the official value).
 INVERSE_SIGMOID_EPS = 1e-3
@@ -321,6 +322,7 @@ class DABTransformer(nn.Module):
         rpe: iRPE of the encoder self-attention (model-zoo string, RPEConfig or None).
         rpe_init: how the iRPE tables start (``xavier`` or ``zero``, as in DETR).
         activation: FFN activation of every layer (DAB-DETR: ``prelu``).
+        rope: rotary encoding of the encoder self-attention (as DETR's).
     """
 
     def __init__(
@@ -334,6 +336,7 @@ class DABTransformer(nn.Module):
         rpe: RPEConfig | str | None = None,
         rpe_init: str = "xavier",
         activation: str = "prelu",
+        rope: RoPEConfig | str | None = None,
     ) -> None:
         super().__init__()
         if d_model % 4:
@@ -341,7 +344,7 @@ class DABTransformer(nn.Module):
         self.encoder = TransformerEncoder(
             [
                 TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, False, rpe,
-                                        activation)
+                                        activation, rope)
                 for _ in range(num_encoder_layers)
             ],
             None,

@@ -18,6 +18,7 @@ from detr_irpe.models.detr.transformer import Transformer
 from detr_irpe.models.matcher import HungarianMatcher
 from detr_irpe.models.position_encoding import build_position_encoding
 from detr_irpe.models.postprocess import PostProcess
+from detr_irpe.rope import parse_rope
 
 __all__ = [
     "aux_weights",
@@ -66,6 +67,7 @@ def transformer_args(m: TransformerDetectorConfig) -> dict:
         "dropout": m.dropout,
         "rpe": parse_rpe(m.rpe),
         "rpe_init": m.rpe_init,
+        "rope": parse_rope(m.rope),
     }
 
 

@@ -54,7 +54,8 @@ class TransformerDetectorConfig(ModelConfig):
     # BN (slower in NHWC on CPU and less precise in float32: docs/benchmarks.md). A speed
     # setting, not part of the model: checkpoints load either way.
     channels_last: bool | str = "auto"
-    # The absolute encoding added to the encoder's queries and keys: sine, learned, none.
+    # The absolute encoding added to the encoder's queries and keys (and to the keys of
+    # the decoder's cross-attention): sine, learned, none.
     position_embedding: str = "sine"
     rpe: str = "rpe-2.0-product-ctx-1-k"
     # Transformer encoder layers (0: none).
@@ -80,6 +81,7 @@ class TransformerDetectorConfig(ModelConfig):
             raise ConfigError(f"model.backbone: {err}") from None
         super().__post_init__()
         choice("model.position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
+        self.check_rope_head_dim(self.hidden_dim)
         if isinstance(self.channels_last, str) and self.channels_last != "auto":
             raise ConfigError(
                 f"model.channels_last must be true, false or auto, got {self.channels_last!r}"

@@ -20,6 +20,7 @@ from detr_irpe.config.schema import LossConfig, ModelConfig
 from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
+from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
 from detr_irpe.models.rtdetr.presnet import DEPTHS, VARIANTS
 
 # What the model's input images are: normalised as ImageNet's (this package's data) or not.
@@ -85,6 +86,9 @@ class RTDETRModelConfig(ModelConfig):
     expansion: float = 1.0
     # RepVGG blocks per CSP block: round(3 * depth_mult).
     depth_mult: float = 1.0
+    # The absolute encoding added to the AIFI layer's queries and keys: "sine" (the 2D
+    # sin-cos encoding, the published model) or "none" (iRPE or RoPE alone, or nothing).
+    position_embedding: str = "sine"
     # Temperature of the AIFI layer's 2D sin-cos encoding.
     pe_temperature: float = 10000.0
     # Feed-forward width of the decoder layers.
@@ -176,6 +180,10 @@ class RTDETRModelConfig(ModelConfig):
             raise ConfigError(f"{key('rpe')}: {err}") from None
         if rpe is not None and rpe.skip:
             _fail(key("rpe"), self.rpe, "must have skip 0 (AIFI has no extra tokens)")
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            _fail(key("position_embedding"), self.position_embedding,
+                  f"must be one of {', '.join(POSITION_EMBEDDINGS)}")
+        self.check_rope_head_dim(self.enc_hidden_dim, "enc_hidden_dim", prefix)
         if self.rpe_init not in RPE_INIT_MODES:
             _fail(key("rpe_init"), self.rpe_init, f"must be one of {', '.join(RPE_INIT_MODES)}")
         _int_in(key("dec_layers"), self.dec_layers, 1, MAX_LAYERS)

@@ -6,7 +6,9 @@ Detection", CVPR 2024, Sec. 4.2): AIFI + CCFM.
   encoder layer (GELU feed-forward) on the stride-32 map only. Its self-attention is an
   :class:`~detr_irpe.irpe.IRPEMultiheadAttention`: with ``rpe`` set, iRPE (Wu et al.,
   ICCV 2021) on the ``H x W`` token grid comes on top of the absolute 2D sin-cos
-  encoding added to queries and keys (:func:`sincos_position_embedding`);
+  encoding added to queries and keys (:func:`sincos_position_embedding`; off with
+  ``position_embedding="none"``); with ``rope`` set, q and k are also rotated by their
+  token's position (RoPE-Axial / RoPE-Mixed, :mod:`detr_irpe.rope`);
 - CCFM (CNN-based cross-scale feature fusion): a top-down pass (1x1 lateral conv,
   nearest 2x upsampling, concatenation, CSP block) and a bottom-up pass (3x3 / 2 conv,
   concatenation, CSP block), PANet-style. A CSP block (:class:`CSPRepLayer`) splits into
@@ -33,6 +35,10 @@ from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table
 from detr_irpe.irpe.config import RPEConfig
 from detr_irpe.irpe.dropout import Dropout
 from detr_irpe.models.rtdetr.layers import ConvNormLayer, activation_fn
+from detr_irpe.rope import RoPEConfig, build_rope
+
+# The absolute encodings of the AIFI layer: the 2D sin-cos encoding (published) or none.
+POSITION_EMBEDDINGS = ("sine", "none")
 
 
 def sincos_position_embedding(
@@ -100,13 +106,16 @@ class AIFILayer(nn.Module):
     ``x = norm1(x + attn(x + pos, x + pos, x))``, ``x = norm2(x + linear2(act(linear1(x))))``.
     Keys as the published layer (and torch's MHA): ``self_attn.in_proj_weight``,
     ``self_attn.out_proj``, ``linear1``, ``linear2``, ``norm1``, ``norm2`` (+ iRPE tables
-    ``self_attn.rpe_k.*`` etc. with ``rpe``).
+    ``self_attn.rpe_k.*`` etc. with ``rpe``, + ``self_attn.rope.freqs`` with RoPE-Mixed).
     """
 
     def __init__(self, d_model: int, nhead: int, dim_feedforward: int, dropout: float,
-                 activation: str = "gelu", rpe: RPEConfig | str | None = None) -> None:
+                 activation: str = "gelu", rpe: RPEConfig | str | None = None,
+                 rope: RoPEConfig | str | None = None) -> None:
         super().__init__()
-        self.self_attn = IRPEMultiheadAttention(d_model, nhead, dropout=dropout, rpe=rpe)
+        self.self_attn = IRPEMultiheadAttention(
+            d_model, nhead, dropout=dropout, rpe=rpe,
+            rope=build_rope(rope, d_model // nhead, nhead))
         self.linear1 = nn.Linear(d_model, dim_feedforward)
         self.linear2 = nn.Linear(dim_feedforward, d_model)
         self.norm1 = nn.LayerNorm(d_model)
@@ -152,6 +161,10 @@ class HybridEncoder(nn.Module):
         act: activation of the CCFM convs (SiLU).
         rpe: iRPE of the AIFI self-attention (model-zoo string, RPEConfig or None).
         rpe_init: how the iRPE tables start (``xavier`` or ``zero``: same function as without).
+        rope: rotary encoding of the AIFI self-attention (``"rope-axial"``,
+            ``"rope-mixed"``, a RoPEConfig or None).
+        position_embedding: ``"sine"``: the 2D sin-cos encoding added to the AIFI layer's
+            queries and keys (published); ``"none"``: no absolute encoding.
     """
 
     def __init__(
@@ -170,8 +183,13 @@ class HybridEncoder(nn.Module):
         act: str = "silu",
         rpe: RPEConfig | str | None = None,
         rpe_init: str = "zero",
+        rope: RoPEConfig | str | None = None,
+        position_embedding: str = "sine",
     ) -> None:
         super().__init__()
+        if position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(f"position_embedding must be one of {', '.join(POSITION_EMBEDDINGS)}"
+                             f", got {position_embedding!r}")
         levels = len(in_channels)
         if any(not 0 <= i < levels for i in use_encoder_idx):
             raise ValueError(f"use_encoder_idx {tuple(use_encoder_idx)} must index the "
@@ -180,12 +198,14 @@ class HybridEncoder(nn.Module):
         self.use_encoder_idx = tuple(use_encoder_idx)
         self.num_encoder_layers = num_encoder_layers
         self.pe_temperature = pe_temperature
+        self.position_embedding = position_embedding
         self.input_proj = nn.ModuleList(
             nn.Sequential(nn.Conv2d(c, hidden_dim, 1, bias=False), nn.BatchNorm2d(hidden_dim))
             for c in in_channels
         )
         self.encoder = nn.ModuleList(
-            AIFIEncoder([AIFILayer(hidden_dim, nhead, dim_feedforward, dropout, enc_act, rpe)
+            AIFIEncoder([AIFILayer(hidden_dim, nhead, dim_feedforward, dropout, enc_act, rpe,
+                                   rope)
                          for _ in range(num_encoder_layers)])
             for _ in self.use_encoder_idx
         )
@@ -216,8 +236,10 @@ class HybridEncoder(nn.Module):
                 x = maps[level]
                 batch, channels, height, width = x.shape
                 tokens = x.flatten(2).transpose(1, 2)  # (B, H W, C) row-major
-                pos = sincos_position_embedding(height, width, self.hidden_dim,
-                                                self.pe_temperature, x.dtype, x.device)
+                pos = None
+                if self.position_embedding == "sine":
+                    pos = sincos_position_embedding(height, width, self.hidden_dim,
+                                                    self.pe_temperature, x.dtype, x.device)
                 out = encoder(tokens, (height, width), pos)
                 maps[level] = out.transpose(1, 2).reshape(batch, channels, height, width)
 
