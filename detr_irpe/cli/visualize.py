@@ -273,9 +273,11 @@ def _image_run(args: argparse.Namespace
     (``model.category_ids``: None when the class indices are the ids)."""
     check_resize_flags(args.size, args.max_size)  # before the model is loaded
     model, cfg, stored_names = _load(args)
+    # square evaluation inputs (data.augmentation: rtdetr) unless --size asks otherwise
+    square = cfg.data.eval_size if cfg.data.augmentation == "rtdetr" and not args.size else None
     image = prepare_image(args.image, size=args.size or cfg.data.val_size,
                           max_size=args.max_size or cfg.data.max_size,
-                          max_pixels=cfg.data.max_image_pixels)
+                          max_pixels=cfg.data.max_image_pixels, square=square)
     names = resolve_category_names(cfg, stored_names, args.names)
     return model, image, names, cfg.model.category_ids
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
+from torchvision.transforms.v2 import functional as F
 
 from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS, to_uint8_image
 from detr_irpe.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_input
@@ -61,6 +62,7 @@ def prepare_image(
     normalized: bool = False,
     name: str | None = None,
     max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+    square: int | None = None,
 ) -> InputImage:
     """Turn an image into the model's eval-time input.
 
@@ -74,6 +76,8 @@ def prepare_image(
         name: title / file-name stem (default: the file stem or ``"image"``).
         max_pixels: a file declaring more pixels is refused before decoding
             (``cfg.data.max_image_pixels``; None: no limit).
+        square: resize to ``square x square`` instead (``data.augmentation: rtdetr``
+            evaluates on ``data.eval_size`` squares); ``size`` / ``max_size`` then unused.
     """
     if isinstance(image, (str, Path)):
         name = name or Path(image).stem
@@ -81,5 +85,9 @@ def prepare_image(
         # Back to [0, 1] pixels; to_uint8_image's rounding then recovers the 8-bit image.
         image = _denormalise(image.detach().cpu().float()).clamp(0.0, 1.0)
     pixels = to_uint8_image(image, max_pixels=max_pixels)
-    return InputImage(display=pixels.permute(1, 2, 0).numpy().copy(),
-                      tensor=eval_input(pixels, size, max_size), name=name or "image")
+    if square is not None:
+        tensor = eval_input(F.resize(pixels, [square, square], antialias=True), None)
+    else:
+        tensor = eval_input(pixels, size, max_size)
+    return InputImage(display=pixels.permute(1, 2, 0).numpy().copy(), tensor=tensor,
+                      name=name or "image")
