@@ -36,7 +36,6 @@ __all__ = [
     "format_bytes",
     "largest_value_to_blame",
     "memory_limit",
-    "model_parameter_bytes",
     "parameter_bytes",
     "parse_eval_size",
 ]
@@ -94,17 +93,6 @@ def parameter_bytes(
     decoder = dec_layers * (8 * h * h + 2 * h * ff)  # self- and cross-attention + FFN
     heads = h * ((num_classes or 0) + 1) + 2 * h * h + 4 * h  # class and box heads
     return FLOAT32 * (encoder + decoder + heads + num_queries * h + _BACKBONE_CHANNELS * h)
-
-
-def model_parameter_bytes(model: object) -> int:
-    """:func:`parameter_bytes` of a ``ModelConfig`` (read attribute by attribute)."""
-    return parameter_bytes(**_model_sizes(model))
-
-
-def _model_sizes(model: object) -> dict[str, int]:
-    return {key: getattr(model, key) for key in (
-        "hidden_dim", "enc_layers", "dec_layers", "dim_feedforward", "num_queries",
-        "num_classes")}
 
 
 def forward_bytes(

@@ -46,6 +46,19 @@ register_bucket_method(CHEBYSHEV, chessboard_buckets,
                        num_buckets=lambda ratio: math.floor(2 * ratio) + 1)
 
 
+def axis_step_buckets(dr: torch.Tensor, dc: torch.Tensor, ratio: float) -> torch.Tensor:
+    """A registered two-table method for the tests (a rows and a columns table, like
+    ``cross``): ``min(|dr|, floor(2 ratio))`` and ``min(|dc|, floor(2 ratio))``."""
+    cap = math.floor(2 * ratio)
+    return torch.stack([dr.abs().clamp(max=cap), dc.abs().clamp(max=cap)]).long()
+
+
+# tests/irpe_reference.py holds its python-loop reference under the same name.
+AXIS_STEPS = "axis_steps"
+register_bucket_method(AXIS_STEPS, axis_step_buckets, tables=2,
+                       num_buckets=lambda ratio: math.floor(2 * ratio) + 1)
+
+
 def load_tiny_config(*overrides: str) -> Config:
     """The tiny config with ``section.key=value`` overrides applied."""
     return load_config(TINY_CONFIG, overrides)

@@ -10,6 +10,9 @@ import math
 
 import torch
 
+# Methods with a rows table and a columns table (rp_rows / rp_cols), whose ids are (2, L, L).
+TWO_TABLE_METHODS = ("cross", "axis_steps")
+
 
 def ref_g(x: float, ratio: float) -> int:
     """docs/irpe.md section 2 (paper Eq. 18), with python's round (half to even)."""
@@ -24,13 +27,16 @@ def ref_g(x: float, ratio: float) -> int:
 def ref_bucket_ids(method: str, height: int, width: int, ratio: float, skip: int = 0):
     """docs/irpe.md section 3 with python loops: returns (ids as nested lists, K).
 
-    ``chessboard`` is the test's registered method: bucket ``min(max(|dr|, |dc|), beta_int)``.
+    ``chessboard`` and ``axis_steps`` are the tests' registered methods (tests/helpers.py):
+    bucket ``min(max(|dr|, |dc|), beta_int)``, and two tables (as cross) with buckets
+    ``min(|dr|, beta_int)`` and ``min(|dc|, beta_int)``.
     """
     beta_int = math.floor(2.0 * ratio)
     side = 2 * beta_int + 1
     k = side * side if method == "product" else side
-    if method == "chessboard":  # the registered method of tests/helpers.py: max(|dr|, |dc|)
+    if method in ("chessboard", "axis_steps"):  # the registered methods of tests/helpers.py
         k = beta_int + 1
+    two_tables = method in TWO_TABLE_METHODS
     n = skip + height * width
     extra = k  # the skip bucket
 
@@ -48,19 +54,21 @@ def ref_bucket_ids(method: str, height: int, width: int, ratio: float, skip: int
             return (ref_g(dr, ratio) + beta_int) * side + ref_g(dc, ratio) + beta_int
         if method == "chessboard":
             return min(max(abs(dr), abs(dc)), beta_int)
+        if method == "axis_steps":
+            return (min(abs(dr), beta_int), min(abs(dc), beta_int))
         raise ValueError(method)
 
-    if method == "cross":
+    if two_tables:
         ids = [[[0] * n for _ in range(n)] for _ in range(2)]
     else:
         ids = [[0] * n for _ in range(n)]
     for i in range(n):
         for j in range(n):
             if i < skip or j < skip:
-                value = (extra, extra) if method == "cross" else extra
+                value = (extra, extra) if two_tables else extra
             else:
                 value = spatial(i - skip, j - skip)
-            if method == "cross":
+            if two_tables:
                 ids[0][i][j], ids[1][i][j] = value
             else:
                 ids[i][j] = value
@@ -93,7 +101,7 @@ def ref_attention(
     """Dense docs/irpe.md section 4 attention (dropout off): returns (out (B, L, C), weights (B, h, L, L)).
 
     ``params`` are the module's state-dict tensors (may require grad); ``ids`` is the
-    bucket-id tensor of the reference ((L, L), or (2, L, L) for cross).
+    bucket-id tensor of the reference ((L, L), or (2, L, L) for cross and axis_steps).
     """
     b, n, c = query.shape
     d = c // num_heads
@@ -108,7 +116,7 @@ def ref_attention(
     q = heads(torch.nn.functional.linear(query, wq, bq))
     k = heads(torch.nn.functional.linear(key, wk, bk))
     v = heads(torch.nn.functional.linear(value, wv, bv))
-    cross = method == "cross"
+    cross = method in TWO_TABLE_METHODS
     id_maps = [ids[0], ids[1]] if cross else [ids]
 
     logits = s * torch.einsum("bhid,bhjd->bhij", q, k)

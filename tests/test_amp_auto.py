@@ -12,7 +12,7 @@ import yaml
 from helpers import load_tiny_config
 
 from detr_irpe.config import load_config
-from detr_irpe.engine import trainer
+from detr_irpe.engine import precision
 from detr_irpe.engine.runner import run_training
 
 FLAGS = "fpu vme sse sse2 avx avx2 avx512f"
@@ -29,25 +29,25 @@ def _cpuinfo(tmp_path: Path, extra: str) -> str:
                                                 ("amx_bf16 amx_tile", True),
                                                 ("avx512bw", False)])
 def test_native_bf16_from_cpu_flags(tmp_path, extra, native) -> None:
-    assert trainer.native_bf16_cpu(_cpuinfo(tmp_path, extra)) is native
+    assert precision.native_bf16_cpu(_cpuinfo(tmp_path, extra)) is native
 
 
 def test_missing_cpuinfo_means_no_native_bf16(tmp_path) -> None:
-    assert trainer.native_bf16_cpu(str(tmp_path / "absent")) is False
+    assert precision.native_bf16_cpu(str(tmp_path / "absent")) is False
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_resolves_per_device(monkeypatch, native) -> None:
-    monkeypatch.setattr(trainer, "native_bf16_cpu", lambda: native)
-    assert trainer.resolve_amp("auto", torch.device("cpu")) == ("bf16" if native else "none")
-    assert trainer.resolve_amp("auto", torch.device("cuda", 0)) == "none"
-    assert trainer.resolve_amp("fp16", torch.device("cpu")) == "fp16"  # explicit stays
+    monkeypatch.setattr(precision, "native_bf16_cpu", lambda: native)
+    assert precision.resolve_amp("auto", torch.device("cpu")) == ("bf16" if native else "none")
+    assert precision.resolve_amp("auto", torch.device("cuda", 0)) == "none"
+    assert precision.resolve_amp("fp16", torch.device("cpu")) == "fp16"  # explicit stays
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_run_with_auto_logs_and_records_the_choice(monkeypatch, tiny_dataset, tmp_path, caplog,
                                                   native):
-    monkeypatch.setattr(trainer, "native_bf16_cpu", lambda: native)
+    monkeypatch.setattr(precision, "native_bf16_cpu", lambda: native)
     cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={tmp_path / 'run'}",
                            "train.epochs=1", "train.amp=auto", "train.device=cpu")
     with caplog.at_level(logging.INFO):
@@ -68,8 +68,8 @@ def test_autocast_context_resolves_auto_and_refuses_unknown_values() -> None:
     from detr_irpe.errors import ConfigError
 
     cpu = torch.device("cpu")
-    with trainer.autocast_context(cpu, "auto"):
+    with precision.autocast_context(cpu, "auto"):
         y = torch.ones(2, 2) @ torch.ones(2, 2)
-    assert y.dtype == (torch.bfloat16 if trainer.native_bf16_cpu() else torch.float32)
+    assert y.dtype == (torch.bfloat16 if precision.native_bf16_cpu() else torch.float32)
     with pytest.raises(ConfigError, match="train.amp='fp8'"):
-        trainer.autocast_context(cpu, "fp8")
+        precision.autocast_context(cpu, "fp8")

@@ -146,7 +146,8 @@ def test_limit_is_this_machines_memory_and_named(monkeypatch: pytest.MonkeyPatch
     from detr_irpe import sizes
 
     # a model of 32 MB of parameters fits 1 GiB and is refused under a 16 MiB limit
-    assert sizes.model_parameter_bytes(load_tiny_config().model) < 2**20
+    tiny = load_tiny_config().model
+    assert tiny.parameter_bytes(tiny.parameter_sizes()) < 2**20
     big = "model.num_queries=250000"
     load_tiny_config(big)
     monkeypatch.setattr(sizes, "memory_limit", lambda: (16 * 2**20, "a test's 16 MiB"))

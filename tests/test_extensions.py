@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CHEBYSHEV, ROOT, load_tiny_config
+from helpers import AXIS_STEPS, CHEBYSHEV, ROOT, load_tiny_config
 from irpe_reference import ref_attention, ref_bucket_ids
 
 from detr_irpe import registry
@@ -199,6 +199,10 @@ def test_rpe_string_of_a_registered_method_round_trips() -> None:
     (f"rpe-1.9-{CHEBYSHEV}-ctx-1-qkv", "blocked"),
     (f"rpe-2.5-{CHEBYSHEV}-bias-0-qk", "blocked"),
     (f"rpe-2.5-{CHEBYSHEV}-bias-1-k", "sdpa"),
+    # a registered method with two tables (rows and columns, as cross)
+    (f"rpe-1.9-{AXIS_STEPS}-ctx-0-qkv", "explicit"),
+    (f"rpe-2.0-{AXIS_STEPS}-ctx-1-qkv", "blocked"),
+    (f"rpe-2.5-{AXIS_STEPS}-bias-0-qk", "sdpa"),
 ])
 def test_attention_with_a_registered_method_matches_the_dense_reference(
     rpe: str, impl: str,
@@ -210,11 +214,15 @@ def test_attention_with_a_registered_method_matches_the_dense_reference(
             if "lookup_table" in name:
                 p.normal_(0.0, 0.5)
     cfg, hw = module.rpe, (3, 4)
-    ids = torch.tensor(ref_bucket_ids(CHEBYSHEV, *hw, cfg.ratio)[0])
+    method = cfg.method.name
+    if method == AXIS_STEPS:  # the state-dict keys of a two-table method are cross's
+        assert {k.split(".")[1] for k in module.state_dict() if "lookup_table" in k} == {
+            "rp_rows", "rp_cols"}
+    ids = torch.tensor(ref_bucket_ids(method, *hw, cfg.ratio)[0])
     query = torch.randn(2, 12, 16, dtype=torch.float64, requires_grad=True)
     value = torch.randn(2, 12, 16, dtype=torch.float64, requires_grad=True)
     params = {k: v.detach().clone().requires_grad_(True) for k, v in module.state_dict().items()}
-    ref_out, _ = ref_attention(params, 2, cfg.rpe_on, CHEBYSHEV, ids, query, query, value)
+    ref_out, _ = ref_attention(params, 2, cfg.rpe_on, method, ids, query, query, value)
     out, _ = module(query, query, value, hw, need_weights=False)
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-7)
     grad = torch.randn_like(out)

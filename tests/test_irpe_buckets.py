@@ -6,13 +6,25 @@ import itertools
 
 import pytest
 import torch
-from helpers import CHEBYSHEV
-from irpe_reference import ref_bucket_ids, ref_g
+from helpers import AXIS_STEPS, CHEBYSHEV
+from irpe_reference import TWO_TABLE_METHODS, ref_bucket_ids, ref_g
 
-from detr_irpe.irpe import Method, bucket_ids, num_buckets, piecewise_index, register_bucket_method
+from detr_irpe.irpe import (
+    BUILT_IN_METHODS,
+    IRPEMultiheadAttention,
+    RPEConfig,
+    bucket_ids,
+    is_rpe_key,
+    num_buckets,
+    piecewise_index,
+    register_bucket_method,
+    table_parameter_count,
+)
+from detr_irpe.irpe.methods import get_bucket_method
 
-# the four built-in methods and one registered through register_bucket_method
-METHODS = ["euc", "quant", "cross", "product", CHEBYSHEV]
+# the four built-in methods and two registered through register_bucket_method (one table,
+# and two tables like cross)
+METHODS = ["euc", "quant", "cross", "product", CHEBYSHEV, AXIS_STEPS]
 RATIOS = [1.9, 2.0, 2.5, 3.0]
 GRIDS = [(1, 1), (3, 5), (7, 7), (13, 20)]
 
@@ -25,7 +37,7 @@ def test_bucket_ids_match_reference(method: str, ratio: float) -> None:
         ref, ref_k = ref_bucket_ids(method, height, width, ratio, skip)
         n = skip + height * width
         assert ids.dtype == torch.int64
-        assert ids.shape == ((2, n, n) if method == "cross" else (n, n))
+        assert ids.shape == ((2, n, n) if method in TWO_TABLE_METHODS else (n, n))
         assert k == ref_k == num_buckets(method, ratio, skip)
         assert torch.equal(ids, torch.tensor(ref)), (method, ratio, height, width, skip)
         assert int(ids.min()) >= 0 and int(ids.max()) < k
@@ -34,7 +46,7 @@ def test_bucket_ids_match_reference(method: str, ratio: float) -> None:
 @pytest.mark.parametrize("ratio,expected", [(1.9, 49), (2.0, 81), (2.5, 121), (3.0, 169)])
 def test_product_bucket_counts(ratio: float, expected: int) -> None:
     assert num_buckets("product", ratio) == expected
-    assert num_buckets(Method.PRODUCT, ratio, skip=1) == expected + 1
+    assert num_buckets(get_bucket_method("product"), ratio, skip=1) == expected + 1
     # a large map reaches every bucket
     ids, k = bucket_ids("product", 40, 40, ratio)
     assert k == expected and ids.unique().numel() == expected
@@ -115,3 +127,38 @@ def test_register_bucket_method_refuses_bad_names_and_clashes() -> None:
         register_bucket_method("zero_buckets", ids, num_buckets=0)
     with pytest.raises(ValueError, match="already registered"):
         register_bucket_method(CHEBYSHEV, ids, num_buckets=5)
+    with pytest.raises(ValueError, match="tables must be 1 or 2"):
+        register_bucket_method("three_tables", ids, num_buckets=5, tables=3)
+
+
+def test_two_table_method_ids_are_checked() -> None:
+    register_bucket_method("one_map_only", lambda dr, dc, ratio: dr.abs().long(),
+                           num_buckets=5, tables=2, overwrite=True)
+    with pytest.raises(ValueError, match=r"returned \(6, 6\); expected a tensor of shape "
+                                         r"\(2, 6, 6\) \(one id per query, key pair per table"):
+        bucket_ids("one_map_only", 2, 3, 2.0)
+
+
+def test_built_in_methods_are_entries_of_the_registry() -> None:
+    """One lookup path: the paper's four methods are found where a user's are."""
+    assert BUILT_IN_METHODS == ("euc", "quant", "cross", "product")
+    for name in BUILT_IN_METHODS:
+        method = get_bucket_method(name)
+        assert method is not None and method.name == name
+        assert RPEConfig(method=name).method is method
+        assert method.tables == (2 if name == "cross" else 1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode, rpe_on", [("ctx", "qkv"), ("ctx", "k"), ("bias", "qk")])
+@pytest.mark.parametrize("shared_head", [True, False])
+def test_table_parameter_count_counts_the_tables_a_module_creates(
+    method: str, mode: str, rpe_on: str, shared_head: bool,
+) -> None:
+    """``table_parameter_count`` (config estimates, results tables) against the entries of
+    the tables an attention module actually holds."""
+    rpe = RPEConfig(ratio=1.9, method=method, mode=mode, shared_head=shared_head, rpe_on=rpe_on)
+    module = IRPEMultiheadAttention(24, 3, rpe=rpe)
+    tables = {k: v for k, v in module.state_dict().items() if is_rpe_key(k)}
+    assert len(tables) == len(rpe_on) * (2 if method in TWO_TABLE_METHODS else 1)
+    assert table_parameter_count(rpe, 3, 24) == sum(t.numel() for t in tables.values())

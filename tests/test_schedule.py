@@ -16,7 +16,7 @@ from detr_irpe.engine.optim import (
     apply_config_hyperparameters,
     build_lr_scheduler,
     build_optimizer,
-    lr_factor,
+    schedule_factor,
 )
 
 
@@ -51,7 +51,9 @@ def _lrs(optimizer, scheduler, steps: int) -> list[dict[str, float]]:
 
 def test_epoch_factors_equal_torch_step_lr() -> None:
     expected = reference_step_lr(1.0, 3, 10)  # drops at 3, 6 and 9
-    assert [lr_factor(epoch, 1000, lr_drop=3) for epoch in range(10)] == pytest.approx(expected)
+    step = TrainConfig(lr_drop=3)
+    assert [schedule_factor(step, epoch, 0, 4, 1000) for epoch in range(10)] == pytest.approx(
+        expected)
     # Stepped per iteration, 4 iterations per epoch: each epoch's steps have its factor.
     optimizer, cfg = _two_groups(lr_drop=3)
     lrs = _lrs(optimizer, build_lr_scheduler(optimizer, cfg, steps_per_epoch=4), 40)
@@ -60,10 +62,11 @@ def test_epoch_factors_equal_torch_step_lr() -> None:
 
 
 def test_warmup_in_iterations() -> None:
-    assert [lr_factor(0, i, lr_drop=2, warmup_iters=4) for i in range(5)] == pytest.approx(
+    cfg = TrainConfig(lr_drop=2, warmup_iters=4)
+    assert [schedule_factor(cfg, 0, i, 10, i) for i in range(5)] == pytest.approx(
         [0.25, 0.5, 0.75, 1, 1])
     # Warm-up and drop multiply (a warm-up that runs past lr_drop epochs).
-    assert lr_factor(2, 1, lr_drop=2, warmup_iters=4) == pytest.approx(0.1 * 0.5)
+    assert schedule_factor(cfg, 2, 1, 10, 1) == pytest.approx(0.1 * 0.5)
 
 
 def test_each_group_follows_its_base_lr() -> None:
@@ -80,9 +83,9 @@ def test_a_resumed_schedule_continues_where_the_run_stopped() -> None:
     scheduler = build_lr_scheduler(optimizer, cfg, steps_per_epoch=3, epoch=1,
                                    batch_in_epoch=2, iteration=5)
     got = [lr["transformer_and_heads"] for lr in _lrs(optimizer, scheduler, 5)]
-    # iterations 5..9 are in epochs 1, 2, 2, 2, 3 (the rest of epoch 1 is one step)
-    assert got == pytest.approx([1e-4 * lr_factor(e, i, 2, 7)
-                                 for e, i in zip((1, 2, 2, 2, 3), range(5, 10))])
+    # iterations 5..9 are in epochs 1, 2, 2, 2, 3 (the rest of epoch 1 is one step): the
+    # drop (lr / 10 from epoch 2) times the warm-up ((i + 1) / 7 while i < 7)
+    assert got == pytest.approx([1e-4 * f for f in (6 / 7, 0.1 * 7 / 7, 0.1, 0.1, 0.1)])
 
 
 def test_restored_optimizer_takes_the_config_lr_and_weight_decay() -> None:

@@ -124,9 +124,6 @@ class Grid:
     synthetic_data: dict[str, Any] | None = None
     runs: list[RunSpec] = field(default_factory=list)
 
-    def runs_of(self, variant: Variant) -> list[RunSpec]:
-        return [r for r in self.runs if r.variant == variant]
-
 
 # ----------------------------------------------------------------------------- reading
 def resolve_grid_path(name_or_path: str | Path) -> Path:

@@ -4,6 +4,7 @@
   evaluation program of a checkpoint is ``detr_irpe.cli.eval.run_evaluation``).
 - :func:`train_step` / :func:`train_one_epoch` / :func:`evaluate` (``trainer``): the loops.
 - ``optim``: AdamW groups and the lr schedule (StepLR in epochs, warm-up in iterations).
+- ``precision``: ``train.amp`` (autocast, GradScaler; ``auto``: bf16 on a CPU with native bf16).
 - ``rng``: seeding, and the RNG states a checkpoint keeps.
 - ``interrupt``: SIGTERM / SIGINT become a stop at the next step boundary.
 - ``distributed``: process groups for one process, ``torchrun`` and SLURM.

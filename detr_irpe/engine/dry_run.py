@@ -22,6 +22,7 @@ from detr_irpe.data import build_dataloader, build_dataset
 from detr_irpe.engine.distributed import DistInfo
 from detr_irpe.engine.logger import check_loggers
 from detr_irpe.engine.optim import build_optimizer
+from detr_irpe.engine.precision import check_amp_device
 from detr_irpe.engine.runner import (
     apply_process_settings,
     check_resume_config,
@@ -30,7 +31,7 @@ from detr_irpe.engine.runner import (
     with_num_classes,
 )
 from detr_irpe.engine.speed import count_parameters
-from detr_irpe.engine.trainer import check_amp_device, model_outputs, targets_to, weighted_loss
+from detr_irpe.engine.trainer import model_outputs, targets_to, weighted_loss
 from detr_irpe.models import build_model
 from detr_irpe.utils.device import resolve_device
 from detr_irpe.utils.memory import peak_memory_mb

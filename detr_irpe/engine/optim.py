@@ -17,9 +17,6 @@ from detr_irpe.rope import is_rope_key
 
 logger = logging.getLogger(__name__)
 
-# The reference recipe's StepLR factor: lr / 10 every ``lr_drop`` epochs.
-LR_DROP_GAMMA = 0.1
-
 
 def _base_lrs(cfg: TrainConfig) -> dict[str, float]:
     return {"transformer_and_heads": cfg.lr, "backbone": cfg.lr_backbone}
@@ -117,16 +114,6 @@ def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainCon
     return changed
 
 
-def lr_factor(epoch: int, iteration: int, lr_drop: int, warmup_iters: int = 0,
-              gamma: float = LR_DROP_GAMMA) -> float:
-    """The factor of every group's base lr at optimizer step ``iteration`` of epoch
-    ``epoch`` under ``train.lr_schedule=step``: ``gamma ** (epoch // lr_drop)`` (the
-    reference's ``StepLR`` stepped once per epoch), times a linear warm-up
-    ``(iteration + 1) / warmup_iters`` during the first ``warmup_iters`` iterations."""
-    factor = gamma ** (epoch // lr_drop) if lr_drop > 0 else 1.0
-    return factor * warmup_factor(iteration, warmup_iters)
-
-
 def warmup_factor(iteration: int, warmup_iters: int) -> float:
     """The linear warm-up: ``(iteration + 1) / warmup_iters`` for the first
     ``warmup_iters`` optimizer steps, then 1."""
@@ -198,13 +185,11 @@ def build_lr_scheduler(
 
 
 __all__ = [
-    "LR_DROP_GAMMA",
     "NO_DECAY",
     "always_no_decay_names",
     "apply_config_hyperparameters",
     "build_lr_scheduler",
     "build_optimizer",
-    "lr_factor",
     "no_decay_names",
     "schedule_factor",
     "warmup_factor",

@@ -54,15 +54,13 @@ from detr_irpe.engine.optim import (
     build_lr_scheduler,
     build_optimizer,
 )
+from detr_irpe.engine.precision import build_grad_scaler, check_amp_device, resolve_amp
 from detr_irpe.engine.rng import get_rng_state, seed_everything, set_rng_state
 from detr_irpe.engine.trainer import (
     TrainingPosition,
     UpdateSettings,
-    build_grad_scaler,
-    check_amp_device,
     evaluate,
     nonfinite_tensors,
-    resolve_amp,
     train_one_epoch,
 )
 from detr_irpe.errors import CheckpointError, Interrupted, NonFiniteError, RunFolderError

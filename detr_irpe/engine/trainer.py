@@ -15,7 +15,6 @@ are read, averaged over the processes and checked for NaN / inf every
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import time
@@ -28,7 +27,6 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
 
-from detr_irpe.config import ConfigError
 from detr_irpe.engine.logger import (
     MetricTracker,
     RunClock,
@@ -36,6 +34,7 @@ from detr_irpe.engine.logger import (
     format_duration,
     timed,
 )
+from detr_irpe.engine.precision import autocast_context
 from detr_irpe.engine.speed import ForwardTimer
 from detr_irpe.errors import NonFiniteError
 from detr_irpe.run_folder.checkpoints import epoch_label
@@ -67,64 +66,6 @@ class NonFiniteLossError(NonFiniteError):
             "Training stopped; the last checkpoint on disk is intact. Lower train.lr, "
             "keep train.clip_max_norm > 0 or use train.amp=bf16 instead of fp16."
         )
-
-
-# ----------------------------------------------------------------------------- precision
-@functools.lru_cache(maxsize=4)
-def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX-BF16).
-
-    Elsewhere bf16 autocast on the CPU is emulated and slower than float32.
-    Read from the kernel's CPU flags (``cpuinfo``); ``False`` where they cannot be read.
-    """
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
-
-
-def resolve_amp(amp: str, device: torch.device) -> str:
-    """``train.amp`` with ``auto`` resolved: bf16 on a CPU with native bf16, else
-    ``none`` (float32; also on GPUs, where the published recipe is float32)."""
-    if amp != "auto":
-        return amp
-    return "bf16" if device.type == "cpu" and native_bf16_cpu() else "none"
-
-
-def check_amp_device(amp: str, device: torch.device) -> None:
-    """Refuse ``train.amp=fp16`` off CUDA (the runner calls it before building anything).
-
-    Raises:
-        ConfigError: fp16 on a device other than a CUDA GPU.
-    """
-    if amp == "fp16" and device.type != "cuda":
-        raise ConfigError(
-            "train.amp=fp16 needs a CUDA device (float16 autocast is not supported for "
-            "training on the CPU); use train.amp=bf16 or train.amp=none"
-        )
-
-
-def autocast_context(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
-    """Autocast for ``train.amp`` (``none`` | ``bf16`` | ``fp16`` | ``auto``) on ``device``."""
-    amp = resolve_amp(amp, device)
-    if amp == "none":
-        return contextlib.nullcontext()
-    if amp not in ("bf16", "fp16"):
-        raise ConfigError(f"train.amp={amp!r}: choose none, bf16, fp16 or auto")
-    check_amp_device(amp, device)
-    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def build_grad_scaler(device: torch.device, amp: str) -> torch.amp.GradScaler | None:
-    """A GradScaler for fp16 on GPUs; bf16 and fp32 need none."""
-    check_amp_device(amp, device)
-    return torch.amp.GradScaler("cuda") if amp == "fp16" else None
 
 
 # ----------------------------------------------------------------------------- loss terms
@@ -665,18 +606,13 @@ __all__ = [
     "PendingLosses",
     "TrainingPosition",
     "UpdateSettings",
-    "autocast_context",
-    "check_amp_device",
     "check_finite_loss",
     "check_finite_outputs",
-    "build_grad_scaler",
     "evaluate",
     "loss_and_backward",
     "loss_record",
     "model_outputs",
-    "native_bf16_cpu",
     "nonfinite_tensors",
-    "resolve_amp",
     "train_one_epoch",
     "train_step",
     "weighted_loss",

@@ -44,21 +44,12 @@ def write_size_table(rows: Sequence[dict[str, Any]], folder: Path, checkpoint: P
                       f"\"Test sizes\"), in %:\n\n{format_size_table(rows)}\n")
 
 
-def read_size_table(folder: Path) -> list[dict[str, Any]] | None:
-    """The rows of ``folder/sizes.json``, or None when it is missing or unreadable."""
-    try:
-        return list(json.loads((Path(folder) / SIZES_JSON).read_text())["sizes"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 __all__ = [
     "SIZES_FIGURE",
     "SIZES_JSON",
     "SIZES_MARKDOWN",
     "SIZE_STATS",
     "format_size_table",
-    "read_size_table",
     "size_rows",
     "write_size_table",
 ]

@@ -11,7 +11,7 @@
 
 from .attention import IRPEMultiheadAttention, choose_impl, is_rpe_key
 from .buckets import bucket_ids, num_buckets, piecewise_index
-from .config import Method, Mode, RPEConfig, parse_rpe
+from .config import Mode, RPEConfig, parse_rpe
 from .encodings import RPE_INIT_MODES, init_rpe_table, table_parameter_count
 from .functional import (
     attend_values,
@@ -20,13 +20,13 @@ from .functional import (
     gather_buckets_transposed,
     scatter_buckets,
 )
-from .methods import BucketMethod, register_bucket_method
+from .methods import BUILT_IN_METHODS, BucketMethod, register_bucket_method
 
 __all__ = [
+    "BUILT_IN_METHODS",
     "BucketMethod",
     "RPE_INIT_MODES",
     "IRPEMultiheadAttention",
-    "Method",
     "Mode",
     "RPEConfig",
     "attend_values",

@@ -1,9 +1,9 @@
 """Bucket ids of the 2D relative positions of an ``H x W`` feature map (docs/irpe.md sections 1-3).
 
-Implements the piecewise index function ``g`` (paper Eq. 18) and the four bucket methods
-(euc, quant, cross, product), and calls registered ones (:mod:`.methods`). Everything is a
-pure function of ``(method, height, width, ratio, skip)``; results are cached with a
-bounded LRU cache.
+The offsets of every (query, key) pair go through the method's function (:mod:`.methods`:
+the four methods of the paper and a user's, one registry); the skip bucket is added here.
+Everything is a pure function of ``(method, height, width, ratio, skip)``; results are
+cached with a bounded LRU cache.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import Method, resolve_method
-from .methods import BucketMethod
+from .methods import BucketMethod, piecewise_index, resolve_method
 
 __all__ = [
     "bucket_ids",
@@ -34,42 +33,9 @@ def _device(device: torch.device | str | None) -> torch.device:
     return device
 
 
-def _beta_int(ratio: float) -> int:
-    return int(math.floor(2.0 * ratio))
-
-
-def piecewise_index(x: torch.Tensor, ratio: float) -> torch.Tensor:
-    """Paper Eq. 18: the integer bucket of a real relative position ``x``.
-
-    ``alpha = ratio, beta = 2 ratio, gamma = 8 ratio``; exact for ``|x| <= alpha``
-    (``round``, half to even), logarithmic beyond and clipped at ``beta_int = floor(beta)``.
-
-    Args:
-        x: any shape, any float dtype (computed in float64).
-        ratio: the iRPE ratio.
-
-    Returns:
-        int64 tensor of the same shape, values in ``[-beta_int, beta_int]``.
-    """
-    alpha, beta, gamma = 1.0 * ratio, 2.0 * ratio, 8.0 * ratio
-    x = x.to(torch.float64)
-    ax = x.abs()
-    near = torch.round(x)
-    # clamp_min keeps log() finite where the "far" branch is not selected anyway
-    far = alpha + torch.log(ax.clamp_min(alpha) / alpha) / math.log(gamma / alpha) * (beta - alpha)
-    far = torch.round(far).clamp(max=_beta_int(ratio)) * torch.sign(x)
-    return torch.where(ax <= alpha, near, far).to(torch.int64)
-
-
-def num_buckets(method: Method | BucketMethod | str, ratio: float, skip: int = 0) -> int:
+def num_buckets(method: BucketMethod | str, ratio: float, skip: int = 0) -> int:
     """Number of table rows K (per table for ``cross``), including the skip bucket."""
-    method = resolve_method(method)
-    if isinstance(method, BucketMethod):
-        k = method.count(ratio)
-    else:
-        side = 2 * _beta_int(ratio) + 1
-        k = side * side if method is Method.PRODUCT else side
-    return k + (1 if skip > 0 else 0)
+    return resolve_method(method).count(ratio) + (1 if skip > 0 else 0)
 
 
 def _check_args(height: int, width: int, ratio: float, skip: int) -> None:
@@ -81,19 +47,21 @@ def _check_args(height: int, width: int, ratio: float, skip: int) -> None:
         raise ValueError(f"skip must be a non-negative integer, got {skip!r}")
 
 
-def _registered_ids(
+def _method_ids(
     method: BucketMethod, dr: torch.Tensor, dc: torch.Tensor, ratio: float
 ) -> torch.Tensor:
-    """A registered method's ids ``(L, L)`` int64, checked unless exporting (the checks read
-    values, which a traced graph cannot)."""
+    """The method's ids ``(L, L)`` (``(2, L, L)`` for two tables) int64, checked unless
+    exporting (the checks read values, which a traced graph cannot)."""
     ids = method.ids(dr, dc, ratio)
     if torch.compiler.is_exporting():
         return ids.to(torch.int64)
     where = f"bucket method {method.name!r} ({method.origin})"
-    if not isinstance(ids, torch.Tensor) or ids.shape != dr.shape:
-        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise ValueError(f"{where} returned {shape}; expected a tensor of shape "
-                         f"{tuple(dr.shape)} (one id per query, key pair)")
+    shape = dr.shape if method.tables == 1 else (method.tables, *dr.shape)
+    if not isinstance(ids, torch.Tensor) or ids.shape != shape:
+        got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        per_table = "" if method.tables == 1 else f" per table, {method.tables} tables"
+        raise ValueError(f"{where} returned {got}; expected a tensor of shape "
+                         f"{tuple(shape)} (one id per query, key pair{per_table})")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"{where} returned {ids.dtype} ids; expected integers")
     k = method.count(ratio)
@@ -104,7 +72,7 @@ def _registered_ids(
 
 
 def _compute_ids(
-    method: Method | BucketMethod, height: int, width: int, ratio: float, skip: int,
+    method: BucketMethod, height: int, width: int, ratio: float, skip: int,
     device: torch.device,
 ) -> torch.Tensor:
     """Bucket ids ``(L, L)`` (``(2, L, L)`` cross), uncached. Only tensor ops on the sizes,
@@ -118,18 +86,7 @@ def _compute_ids(
     rows, cols = rows.reshape(-1), cols.reshape(-1)
     dr = rows[:, None] - rows[None, :]  # query minus key
     dc = cols[:, None] - cols[None, :]
-    beta_int = _beta_int(ratio)
-    if isinstance(method, BucketMethod):
-        ids = _registered_ids(method, dr, dc, ratio)
-    elif method is Method.EUC:
-        ids = piecewise_index(torch.round(torch.sqrt(dr * dr + dc * dc)), ratio) + beta_int
-    elif method is Method.QUANT:
-        ids = piecewise_index(dr * dr + dc * dc, ratio) + beta_int
-    elif method is Method.CROSS:
-        ids = torch.stack([piecewise_index(dr, ratio), piecewise_index(dc, ratio)]) + beta_int
-    else:
-        side = 2 * beta_int + 1
-        ids = (piecewise_index(dr, ratio) + beta_int) * side + piecewise_index(dc, ratio) + beta_int
+    ids = _method_ids(method, dr, dc, ratio)
     if skip > 0:  # pairs with an extra token: the last bucket
         extra = num_buckets(method, ratio, skip) - 1
         ids = F.pad(ids, (skip, 0, skip, 0), value=extra)
@@ -143,7 +100,7 @@ _spatial_ids = functools.lru_cache(maxsize=8)(_compute_ids)
 
 @functools.lru_cache(maxsize=8)
 def _transposed_flat_on(
-    method: Method | BucketMethod, height: int, width: int, ratio: float, skip: int, device: torch.device
+    method: BucketMethod, height: int, width: int, ratio: float, skip: int, device: torch.device
 ) -> torch.Tensor:
     ids = _spatial_ids(method, height, width, ratio, skip, device)
     return transposed_flat_ids(ids, num_buckets(method, ratio, skip))
@@ -168,7 +125,7 @@ def transposed_flat_ids(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
 
 
 def cached_transposed_flat_ids(
-    method: Method | BucketMethod | str, height: int, width: int, ratio: float, skip: int = 0,
+    method: BucketMethod | str, height: int, width: int, ratio: float, skip: int = 0,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Cached :func:`transposed_flat_ids` of :func:`bucket_ids` (do not modify in place).
@@ -183,7 +140,7 @@ def cached_transposed_flat_ids(
 
 
 def cached_bucket_ids(
-    method: Method | BucketMethod | str,
+    method: BucketMethod | str,
     height: int,
     width: int,
     ratio: float,
@@ -207,7 +164,7 @@ def cached_bucket_ids(
 
 
 def bucket_ids(
-    method: Method | BucketMethod | str, height: int, width: int, ratio: float, skip: int = 0
+    method: BucketMethod | str, height: int, width: int, ratio: float, skip: int = 0
 ) -> tuple[torch.Tensor, int]:
     """Bucket id of every (query, key) pair of an ``H x W`` map (docs/irpe.md section 3).
 
@@ -215,8 +172,9 @@ def bucket_ids(
     of a pair is query minus key. Pairs that involve an extra token get bucket ``K - 1``.
 
     Args:
-        method: ``euc | quant | cross | product`` (str or :class:`Method`), or the name
-            of a registered method (:func:`~detr_irpe.irpe.methods.register_bucket_method`).
+        method: ``euc | quant | cross | product``, or the name of a method a user
+            registered (:func:`~detr_irpe.irpe.methods.register_bucket_method`), or the
+            :class:`~detr_irpe.irpe.methods.BucketMethod` itself.
         height, width: feature-map size H, W.
         ratio: the iRPE ratio (alpha = ratio, beta = 2 ratio, gamma = 8 ratio).
         skip: number of leading non-spatial tokens.

@@ -10,39 +10,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .methods import BucketMethod, bucket_method_names, get_bucket_method
-
-
-class Method(str, enum.Enum):
-    """How a 2D offset is turned into a bucket id (docs/irpe.md section 3)."""
-
-    EUC = "euc"
-    QUANT = "quant"
-    CROSS = "cross"
-    PRODUCT = "product"
-
-
-def resolve_method(method: Method | BucketMethod | str) -> Method | BucketMethod:
-    """A built-in :class:`Method`, or the :class:`~detr_irpe.irpe.methods.BucketMethod`
-    registered under that name.
-
-    Raises:
-        ValueError: neither, naming the built-in and the registered methods.
-    """
-    if isinstance(method, (Method, BucketMethod)):
-        return method
-    try:
-        return Method(method)
-    except ValueError:
-        pass
-    registered = get_bucket_method(method) if isinstance(method, str) else None
-    if registered is None:
-        names = [m.value for m in Method] + bucket_method_names()
-        raise ValueError(
-            f"unknown iRPE method {method!r}; allowed: {', '.join(names)} (register another "
-            "with detr_irpe.irpe.register_bucket_method, imported through model.import)"
-        )
-    return registered
+from .methods import BucketMethod, resolve_method
 
 
 class Mode(str, enum.Enum):
@@ -72,8 +40,9 @@ class RPEConfig:
 
     Attributes:
         ratio: sets alpha = ratio, beta = 2 ratio, gamma = 8 ratio of the index function.
-        method: bucket method, see :class:`Method`, or a registered one
-            (:func:`~detr_irpe.irpe.methods.register_bucket_method`; given by name).
+        method: the bucket method (:mod:`~detr_irpe.irpe.methods`: ``euc``, ``quant``,
+            ``cross``, ``product`` or one a user registered), given by name; the
+            resolved :class:`~detr_irpe.irpe.methods.BucketMethod` after construction.
         mode: ``bias`` (scalar per bucket) or ``ctx`` (a D-vector per bucket).
         shared_head: one table for all heads (True) or one per head.
         rpe_on: where encodings attach, an ordered subset of ``"qkv"``.
@@ -81,7 +50,7 @@ class RPEConfig:
     """
 
     ratio: float = 2.0
-    method: Method | BucketMethod = Method.PRODUCT
+    method: BucketMethod | str = "product"
     mode: Mode = Mode.CTX
     shared_head: bool = True
     rpe_on: str = "k"
@@ -139,7 +108,7 @@ class RPEConfig:
         """The model-zoo form; ``from_string(c.to_string()) == c`` when ``skip == 0``."""
         ratio = repr(self.ratio)  # 2.0 -> "2.0", 1.9 -> "1.9"
         return (
-            f"rpe-{ratio}-{self.method.value}-{self.mode.value}-"
+            f"rpe-{ratio}-{self.method.name}-{self.mode.value}-"
             f"{int(self.shared_head)}-{self.rpe_on}"
         )
 

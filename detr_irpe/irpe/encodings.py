@@ -2,7 +2,8 @@
 
 Parameter names follow the public checkpoints: ``lookup_table_weight`` (contextual mode;
 ``(Hh, D, K)`` for q/k, ``(Hh, K, D)`` for v) or ``lookup_table_bias`` (bias mode;
-``(Hh, K)``); the cross method holds two such tables in ``rp_rows`` and ``rp_cols``.
+``(Hh, K)``); a two-table method (``cross``) holds two such tables in ``rp_rows`` and
+``rp_cols``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from .buckets import num_buckets
-from .config import Method, Mode, RPEConfig
+from .config import Mode, RPEConfig
 from .functional import gather_buckets, gather_buckets_add_, gather_buckets_transposed
 from .methods import BucketMethod
 
@@ -51,7 +52,8 @@ def _lookup(
 
 
 class RPEEncoding(nn.Module):
-    """One lookup table (euc / quant / product, or one axis of cross).
+    """One lookup table (of a one-table method such as euc / quant / product, or one axis of
+    a two-table method such as cross).
 
     Args:
         mode: bias or ctx.
@@ -147,7 +149,7 @@ class RPEEncoding(nn.Module):
 
 
 class CrossRPEEncoding(nn.Module):
-    """Cross method: a rows table and a columns table whose terms add up."""
+    """A two-table method (``cross``): a rows table and a columns table whose terms add up."""
 
     def __init__(
         self,
@@ -189,12 +191,11 @@ class CrossRPEEncoding(nn.Module):
 
 
 def build_encoding(
-    method: Method | BucketMethod, mode: Mode, target: str, num_heads: int, head_dim: int,
+    method: BucketMethod, mode: Mode, target: str, num_heads: int, head_dim: int,
     num_buckets: int, shared_head: bool,
 ) -> RPEEncoding | CrossRPEEncoding:
-    """The table module of one target for the given method."""
-    # a registered method (BucketMethod) has one table, like product
-    cls = CrossRPEEncoding if method == Method.CROSS else RPEEncoding
+    """The table module of one target for the given method (its ``tables``: 1 or 2)."""
+    cls = CrossRPEEncoding if method.tables == 2 else RPEEncoding
     return cls(mode, target, num_heads, head_dim, num_buckets, shared_head)
 
 
@@ -206,5 +207,4 @@ def table_parameter_count(rpe: RPEConfig | None, num_heads: int, embed_dim: int)
     buckets = num_buckets(rpe.method, rpe.ratio)
     tables = 1 if rpe.shared_head else num_heads
     width = 1 if rpe.mode is Mode.BIAS else embed_dim // num_heads
-    axes = 2 if rpe.method == Method.CROSS else 1
-    return len(rpe.rpe_on) * axes * tables * buckets * width
+    return len(rpe.rpe_on) * rpe.method.tables * tables * buckets * width

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .attention import IRPEMultiheadAttention
 from .buckets import cached_bucket_ids
-from .config import Method, Mode
+from .config import Mode
 
 __all__ = ["naive_irpe_attention"]
 
@@ -22,7 +22,7 @@ def _tables(module: IRPEMultiheadAttention, target: str) -> list:
     enc = getattr(module, f"rpe_{target}")
     if enc is None:
         return []
-    return [enc.rp_rows, enc.rp_cols] if module.rpe.method is Method.CROSS else [enc]
+    return [enc.rp_rows, enc.rp_cols] if module.rpe.method.tables == 2 else [enc]
 
 
 def naive_irpe_attention(

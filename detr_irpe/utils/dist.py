@@ -55,18 +55,6 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def reduce_dict(values: dict[str, torch.Tensor], average: bool = True) -> dict[str, torch.Tensor]:
-    """All-reduce a dict of scalar tensors with the same keys on every process."""
-    if not is_dist():
-        return values
-    names = sorted(values)
-    stacked = torch.stack([values[k].detach().float() for k in names])
-    dist.all_reduce(stacked)
-    if average:
-        stacked /= get_world_size()
-    return dict(zip(names, stacked))
-
-
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside a ``DistributedDataParallel`` / ``DataParallel`` wrapper (the
     one whose state dict has no ``module.`` prefix), or ``model`` itself."""
@@ -83,6 +71,5 @@ __all__ = [
     "get_world_size",
     "is_dist",
     "is_main_process",
-    "reduce_dict",
     "unwrap_model",
 ]

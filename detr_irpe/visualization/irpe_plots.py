@@ -30,7 +30,8 @@ from torch import nn
 
 from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.buckets import bucket_ids
-from detr_irpe.irpe.config import Method, RPEConfig, parse_rpe
+from detr_irpe.irpe.config import RPEConfig, parse_rpe
+from detr_irpe.irpe.methods import BUILT_IN_METHODS, BucketMethod, resolve_method
 
 from ._mpl import fit_suptitle, new_figure, save_figure
 from .attention import encoder_attention_modules
@@ -46,14 +47,14 @@ __all__ = [
     "default_offset_extent",
 ]
 
-METHODS = tuple(m.value for m in Method)
+METHODS = BUILT_IN_METHODS
 
 
 # --------------------------------------------------------------------------- bucket layout
 
 
 def bucket_layout(
-    method: Method | str, ratio: float, grid: tuple[int, int], point: tuple[int, int]
+    method: BucketMethod | str, ratio: float, grid: tuple[int, int], point: tuple[int, int]
 ) -> np.ndarray:
     """Bucket id of every key cell for the query cell ``point = (row, col)``.
 
@@ -123,7 +124,8 @@ def plot_bucket_layout(
         ratio: the iRPE ratio.
         grid: ``(H, W)`` of the feature map.
         point: the query cell ``(row, col)``; default the centre.
-        methods: any of ``euc, quant, cross, product``; cross gets two panels (rows, cols).
+        methods: bucket method names (``euc, quant, cross, product`` or registered ones);
+            a two-table method (cross) gets two panels (rows, cols).
         out: PNG path, or None to only return the figure.
         annotate: write the id in every cell (default: when the grid is at most 25 wide).
 
@@ -135,13 +137,15 @@ def plot_bucket_layout(
         point = (height // 2, width // 2)
     if annotate is None:
         annotate = max(height, width) <= 25
-    layouts = {str(Method(m).value): bucket_layout(m, ratio, grid, point) for m in methods}
+    resolved = [resolve_method(m) for m in methods]
+    layouts = {m.name: bucket_layout(m, ratio, grid, point) for m in resolved}
+    tables = {m.name: m.tables for m in resolved}
     panels = []
     for method, ids in layouts.items():
         k = int(ids.max()) + 1
-        if method == Method.CROSS.value:
-            panels.append((ids[0], "cross: rows (dr)"))
-            panels.append((ids[1], "cross: cols (dc)"))
+        if tables[method] == 2:
+            panels.append((ids[0], f"{method}: rows (dr)"))
+            panels.append((ids[1], f"{method}: cols (dc)"))
         else:
             distinct = len(np.unique(ids))
             panels.append((ids, f"{method}: {distinct} ids used (max id {k - 1})"))
@@ -217,7 +221,7 @@ def rpe_table_maps(
             continue
         # query at the centre, key j: bucket(centre, j) for k / v, bucket(j, centre) for q
         grid_ids = ids[..., :, centre] if target == "q" else ids[..., centre, :]
-        if rpe.method is Method.CROSS:
+        if rpe.method.tables == 2:
             parts = [("rows", module.rp_rows, grid_ids[0]), ("cols", module.rp_cols, grid_ids[1])]
         else:
             parts = [("", module, grid_ids)]

@@ -27,7 +27,7 @@ from torch import nn
 
 from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.buckets import bucket_ids
-from detr_irpe.irpe.config import Method, Mode
+from detr_irpe.irpe.config import Mode
 from detr_irpe.rope import RotaryEncoding
 
 from ._mpl import fit_suptitle, new_figure, save_figure
@@ -101,7 +101,7 @@ def irpe_response(attn: nn.Module, extent: int | None = None,
         # RPE-K looks up bucket(query, key), RPE-Q bucket(key, query)
         grid_ids = ids[..., :, centre] if target == "q" else ids[..., centre, :]
         parts = ([(module.rp_rows, grid_ids[0]), (module.rp_cols, grid_ids[1])]
-                 if rpe.method is Method.CROSS else [(module, grid_ids)])
+                 if rpe.method.tables == 2 else [(module, grid_ids)])
         for table, part_ids in parts:
             total += _table_term(table, part_ids, vectors[target], scale)
     return total.reshape(heads, side, side).numpy()
