@@ -36,7 +36,7 @@ DEFAULT_CONFIG = "synthetic_demo_dn"
 DEFAULT_STEPS = 3000
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = new_parser(__doc__, prog="demo")
     add_config_arguments(parser, config_help=f"config (default: {DEFAULT_CONFIG})")
     parser.set_defaults(config=DEFAULT_CONFIG)
@@ -53,7 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-images", type=int, default=6,
                         help="val images to draw predictions on (%(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def check_steps(steps: int) -> None:
@@ -75,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(body, tool="demo")
 
 
-__all__ = ["DATA_DIR", "DEFAULT_CONFIG", "DEFAULT_STEPS", "OUTPUT_DIR", "check_steps", "main",
-           "parse_args"]
+__all__ = ["DATA_DIR", "DEFAULT_CONFIG", "DEFAULT_STEPS", "OUTPUT_DIR", "build_parser", "check_steps",
+           "main", "parse_args"]
 
 
 if __name__ == "__main__":  # python -m detr_irpe.cli.demo
