@@ -38,7 +38,8 @@ def test_bad_step_budget_is_one_line(tiny_dataset: Path, tmp_path: Path, capsys)
     assert err == ["demo: error: --steps must be positive, got 0"]
 
 
-@pytest.mark.parametrize("steps", [3, 4])
+@pytest.mark.parametrize("steps", [
+    3, pytest.param(4, marks=pytest.mark.slow)])  # slow: a second tiny demo run
 def test_the_budget_is_the_number_of_steps_trained(tiny_dataset: Path, tmp_path: Path,
                                                    steps: int) -> None:
     """--steps N trains exactly N optimizer steps: 8 images in batches of 4 are 2 steps an
