@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-import detr_irpe.cli.export
+import detr_irpe.cli.programs.export
 from detr_irpe.config import Config, DataConfig, load_config
 from detr_irpe.data.synthetic import SyntheticSpec
 from detr_irpe.irpe import register_bucket_method
@@ -246,7 +246,7 @@ def record_exported_model(monkeypatch: Any) -> dict[str, Any]:
     """Replace the export tool's ``export_onnx`` by a stand-in that writes a dummy file and
     records the state dict of the model it is given (``["state"]`` of the returned dict):
     which weights the export tool hands over, without the ONNX conversion itself. (The
-    tool's own name is replaced: it imported the function before any test ran.)"""
+    name in the tool's program is replaced: it imported the function at its top.)"""
     received: dict[str, Any] = {}
 
     def export_onnx(model: torch.nn.Module, path: str | Path, size: Any, **kwargs: Any) -> Path:
@@ -254,6 +254,6 @@ def record_exported_model(monkeypatch: Any) -> dict[str, Any]:
         Path(path).write_bytes(b"onnx")
         return Path(path)
 
-    monkeypatch.setattr(detr_irpe.cli.export, "export_onnx", export_onnx)
+    monkeypatch.setattr(detr_irpe.cli.programs.export, "export_onnx", export_onnx)
     return received
 

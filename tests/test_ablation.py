@@ -20,6 +20,7 @@ import yaml
 from detr_irpe.ablation import (
     GridError,
     collect_and_write,
+    format_markdown,
     load_grid,
     prepare_data,
     rpe_parameter_count,
@@ -202,6 +203,35 @@ def test_mean_std_over_seeds_and_delta(tmp_path, tiny_dataset) -> None:
     assert "12.0 ± 2.8" in md and "+11.0" in md and "n/a" in md
     csv_rows = _read_csv(paths["csv"])
     assert csv_rows[1]["AP_mean"] == "23.00" and csv_rows[1]["delta_AP"] == "11.00"
+
+
+def test_results_md_says_what_ran_when_the_command_line_changed_the_grid(
+        tmp_path, tiny_dataset) -> None:
+    """A grid's description is the file's text ("... 20 steps"); --set changed the epochs and
+    the batch: results.md names the change and says what ran, from the runs' configs and
+    log.txt (3 epochs of 4 steps: 12 steps per run)."""
+    grid_file = _fake_grid(tmp_path, tiny_dataset,
+                           description="Tiny grid: 2 epochs, 20 steps per run.")
+    shipped = load_grid(grid_file)
+    grid = load_grid(grid_file, ["train.epochs=3", "train.batch_size=2"])
+    for run in grid.runs:
+        _fake_log(run, [None, None, [0.1] * 12], iters=4)
+    rows, paths = collect_and_write(grid)
+    assert [r.status for r in rows] == ["done", "done"]
+    md = paths["markdown"].read_text()
+    assert "Tiny grid: 2 epochs, 20 steps per run." in md
+    assert ("Changed on the command line: `train.epochs=3 train.batch_size=2` (the "
+            "description above is the grid file's") in md
+    cfg = grid.runs[0].config
+    assert (f"As run: 3 epochs, 2 images per step, training at "
+            f"{min(cfg.data.train_scales)}") in md
+    assert f"evaluation at {cfg.data.val_size} px; 12 optimizer steps per finished run." in md
+    # the grid as the file says: no change named, and nothing finished in its folder yet
+    plain = format_markdown(shipped, [])
+    assert "Changed on the command line" not in plain
+    batch = shipped.runs[0].config.train.batch_size
+    assert f"As run: 2 epochs, {batch} images per step" in plain
+    assert "no run finished yet" in plain
 
 
 def test_step_time_is_the_median_over_epochs() -> None:

@@ -178,7 +178,7 @@ def test_export_refuses_sizes_that_cannot_be_allocated_before_loading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: tuple[str, ...], named: str,
 ) -> None:
     import detr_irpe.models.from_checkpoint as from_checkpoint
-    from detr_irpe.cli import export as cli_export
+    from detr_irpe.cli.programs import export as cli_export
 
     def never(*args, **kwargs):
         raise AssertionError("the model must not be loaded for a size that cannot work")

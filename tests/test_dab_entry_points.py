@@ -184,7 +184,7 @@ def test_visualize_and_the_demo_figure_step(trained: Path, tmp_path: Path, capsy
     (draw_figures: Predictor.from_checkpoint, predictions, save_attention_maps) writes the
     anchor figures next to DETR's ones (visualize all: the same maps). The training and PR
     curves of the step read the run folder, not the model: not asked for here."""
-    from detr_irpe.cli.demo import draw_figures
+    from detr_irpe.cli.programs.demo import draw_figures
 
     image = _images(tmp_path / "in", count=1) / "img0.png"
     out = tmp_path / "anchors.png"

@@ -8,24 +8,26 @@ from pathlib import Path
 import pytest
 
 from detr_irpe.cli import demo
+from detr_irpe.cli.programs import demo as program
 
 
 @pytest.mark.parametrize(("num_train", "batch", "steps", "expected"), [
     (1600, 8, 3000, (15, 13)),   # the demo: 200 steps per epoch
     (1600, 8, 3600, (18, 15)),
     (1600, 8, 4800, (24, 20)),   # the DETR-iRPE demo's budget (--config synthetic_demo)
-    (1600, 8, 100, (1, 1)),      # fewer steps than an epoch still trains one epoch
+    (1600, 8, 100, (1, 1)),      # fewer steps than an epoch: one epoch, cut short
+    (1600, 8, 250, (2, 2)),      # 1.25 epochs: two, the last one cut to 50 steps
     (10, 4, 20, (10, 9)),        # the lr drop sits at ~85 % of the epochs
 ])
 def test_step_budget_sets_epochs_and_drop(num_train, batch, steps, expected) -> None:
-    epochs, drop = demo.schedule_for(num_train, batch, steps)
+    epochs, drop = program.schedule_for(num_train, batch, steps)
     assert (epochs, drop) == expected
     assert 1 <= drop <= epochs
 
 
 def test_step_budget_counts_optimizer_steps_with_accumulation() -> None:
     # 1600 images, batch 8, 2 micro-batches per step: 100 optimizer steps per epoch
-    assert demo.schedule_for(1600, 8, 4800, accumulate_steps=2) == (48, 41)
+    assert program.schedule_for(1600, 8, 4800, accumulate_steps=2) == (48, 41)
 
 
 def test_bad_step_budget_is_one_line(tiny_dataset: Path, tmp_path: Path, capsys) -> None:
@@ -34,6 +36,28 @@ def test_bad_step_budget_is_one_line(tiny_dataset: Path, tmp_path: Path, capsys)
     assert status == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["demo: error: --steps must be positive, got 0"]
+
+
+@pytest.mark.parametrize("steps", [
+    3, pytest.param(4, marks=pytest.mark.slow)])  # slow: a second tiny demo run
+def test_the_budget_is_the_number_of_steps_trained(tiny_dataset: Path, tmp_path: Path,
+                                                   steps: int) -> None:
+    """--steps N trains exactly N optimizer steps: 8 images in batches of 4 are 2 steps an
+    epoch, so 3 steps are two epochs with the last cut to one step (whole epochs made it
+    4), and 4 are two whole ones; the cut run is finished, as a whole one is."""
+    from detr_irpe.config import load_config
+    from detr_irpe.run_folder.log import read_log
+    from detr_irpe.run_folder.status import RunState, run_state
+
+    out = tmp_path / "demo"
+    status = demo.main(["--config", "synthetic_tiny", "--data", str(tiny_dataset),
+                        "--output-dir", str(out), "--steps", str(steps), "--num-images", "1",
+                        "--no-progress", "--set", "train.amp=none"])
+    assert status == 0
+    results = json.loads((out / "demo_results.json").read_text())
+    assert (results["steps"], results["epochs"]) == (steps, 2)
+    assert [r["iteration"] for r in read_log(out / "log.txt")] == [2, steps]
+    assert run_state(out, load_config(out / "config.yaml")) is RunState.FINISHED
 
 
 def test_fresh_clears_the_run_folder_in_use_and_nothing_else(tiny_dataset: Path,
@@ -61,8 +85,8 @@ def test_the_default_config_holds_the_default_budgets_schedule() -> None:
     from detr_irpe.config import load_config
 
     cfg = load_config(demo.DEFAULT_CONFIG)
-    assert (cfg.train.epochs, cfg.train.lr_drop) == demo.schedule_for(
-        demo.NUM_TRAIN, cfg.train.batch_size, demo.DEFAULT_STEPS, cfg.train.accumulate_steps)
+    assert (cfg.train.epochs, cfg.train.lr_drop) == program.schedule_for(
+        program.NUM_TRAIN, cfg.train.batch_size, demo.DEFAULT_STEPS, cfg.train.accumulate_steps)
 
 
 # The shipped demo config at test size: only the sizes shrink; the decoder, the loss, the

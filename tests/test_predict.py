@@ -100,10 +100,66 @@ def test_boxes_are_in_the_pixels_of_the_input(predictor: Predictor) -> None:
     with torch.no_grad():
         raw = predictor.model([predictor.preprocess(to_uint8_image(small))])
     cx, cy, w, h = raw["pred_boxes"][0].unbind(-1)
-    expected = torch.stack([(cx - w / 2) * 150, (cy - h / 2) * 100, (cx + w / 2) * 150,
-                            (cy + h / 2) * 100], -1)
+    expected = torch.stack([((cx - w / 2) * 150).clamp(0, 150), ((cy - h / 2) * 100).clamp(0, 100),
+                            ((cx + w / 2) * 150).clamp(0, 150), ((cy + h / 2) * 100).clamp(0, 100)],
+                           -1)
     order = raw["pred_logits"][0].softmax(-1)[:, :-1].max(-1).values.argsort(descending=True)
     torch.testing.assert_close(boxes, expected[order], rtol=1e-5, atol=1e-3)
+
+
+class _FixedBoxes(torch.nn.Module):
+    """A stand-in detector: the same class scores and boxes for every image."""
+
+    def __init__(self, logits: torch.Tensor, boxes: torch.Tensor) -> None:
+        super().__init__()
+        self.logits, self.boxes = logits, boxes
+
+    def forward(self, images: list) -> dict[str, torch.Tensor]:
+        n = len(images)
+        return {"pred_logits": self.logits.expand(n, -1, -1),
+                "pred_boxes": self.boxes.expand(n, -1, -1)}
+
+
+# cxcywh in [0, 1]: one box over the top-left corner, one over the bottom-right, one inside
+_OUTSIDE = [(0.05, 0.1, 0.3, 0.5), (0.9, 0.95, 0.4, 0.2), (0.5, 0.5, 0.2, 0.2)]
+
+
+def _clipped(box: tuple[float, ...], height: int, width: int) -> list[float]:
+    """The naive reference: xyxy in pixels, each edge moved into the image."""
+    cx, cy, w, h = box
+    x1, y1, x2, y2 = (cx - w / 2) * width, (cy - h / 2) * height, (cx + w / 2) * width, (
+        cy + h / 2) * height
+    return [min(max(x1, 0.0), width), min(max(y1, 0.0), height),
+            min(max(x2, 0.0), width), min(max(y2, 0.0), height)]
+
+
+def test_boxes_reaching_outside_the_image_are_cut_to_it(tmp_path: Path) -> None:
+    """The model may put a box edge outside the image ([-8.4, -13.9, ..., 132.9] on a
+    128 px image): the Predictor, predict's JSON and the figures' detections cut it."""
+    from detr_irpe.inference import predict_files
+    from detr_irpe.visualization import detections_from_outputs
+
+    cfg = load_tiny_config("model.num_classes=4")
+    logits = torch.tensor([[[4.0, 0.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0, 0.0],
+                            [0.0, 0.0, 2.0, 0.0, 0.0]]], dtype=torch.float64)
+    boxes = torch.tensor([_OUTSIDE], dtype=torch.float64)
+    predictor = Predictor(_FixedBoxes(logits.float(), boxes.float()), cfg, NAMES,
+                          device="cpu", score_threshold=0.0)
+    height, width = 100, 200
+    expected = torch.tensor([_clipped(b, height, width) for b in _OUTSIDE], dtype=torch.float64)
+    got = predictor(np.zeros((height, width, 3), np.uint8))["boxes"]  # best first: 0, 1, 2
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-4)
+    # the middle box was inside already: untouched
+    report = predict_files(predictor, [_save(tmp_path / "a.png", np.zeros((height, width, 3),
+                                                                          np.uint8))],
+                           tmp_path / "out", score_threshold=0.0, draw=False)
+    for det in report.detections:
+        x, y, w, h = det["bbox"]
+        assert 0 <= x and 0 <= y and x + w <= width + 1e-3 and y + h <= height + 1e-3, det
+    shown = detections_from_outputs({"pred_logits": logits.float(), "pred_boxes": boxes.float()},
+                                    (height, width), threshold=0.0)
+    torch.testing.assert_close(torch.from_numpy(shown.boxes).double(), expected,
+                               rtol=0, atol=1e-4)
 
 
 def test_threshold_and_bad_inputs(predictor: Predictor) -> None:

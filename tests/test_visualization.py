@@ -208,15 +208,17 @@ def test_detections_from_outputs_equal_naive_postprocessing():
     outputs = {"pred_logits": logits, "pred_boxes": boxes}
     detections = detections_from_outputs(outputs, (30, 50), threshold=0.4, max_detections=4,
                                          batch_index=1)
-    # by hand: softmax over classes + "no object", best real class, boxes to pixels
+    # by hand: softmax over classes + "no object", best real class, boxes to pixels (cut
+    # to the 30 x 50 image)
     prob = torch.exp(logits[1]) / torch.exp(logits[1]).sum(-1, keepdim=True)
     scores, labels = prob[:, :-1].max(-1)
     ranked = [q for q in sorted(range(7), key=lambda q: -float(scores[q])) if scores[q] >= 0.4]
     ranked = ranked[:4]
     assert detections.queries.tolist() == ranked and len(ranked) > 0
     cx, cy, w, h = boxes[1, ranked].unbind(-1)
-    expected = torch.stack([(cx - w / 2) * 50, (cy - h / 2) * 30, (cx + w / 2) * 50,
-                            (cy + h / 2) * 30], dim=-1)
+    expected = torch.stack([((cx - w / 2) * 50).clamp(0, 50), ((cy - h / 2) * 30).clamp(0, 30),
+                            ((cx + w / 2) * 50).clamp(0, 50), ((cy + h / 2) * 30).clamp(0, 30)],
+                           dim=-1)
     torch.testing.assert_close(torch.from_numpy(detections.boxes), expected)
     torch.testing.assert_close(torch.from_numpy(detections.scores), scores[ranked])
     assert detections.labels.tolist() == labels[ranked].tolist()

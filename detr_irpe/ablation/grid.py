@@ -123,6 +123,9 @@ class Grid:
     nproc_per_node: int = 1
     synthetic_data: dict[str, Any] | None = None
     runs: list[RunSpec] = field(default_factory=list)
+    # What the command line changed in the grid file (its --config, its --set items):
+    # the file's free-text description was written without them.
+    command_line: tuple[str, ...] = ()
 
 
 # ----------------------------------------------------------------------------- reading
@@ -314,6 +317,7 @@ def load_grid(
     """
     path = resolve_grid_path(path)
     data = _read_grid_yaml(path)
+    command_line = ((f"--config {base}",) if base is not None else ()) + tuple(extra_overrides)
     if base is not None:
         data["base"] = str(base)
     where = str(path)
@@ -373,6 +377,7 @@ def load_grid(
         output_dir=Path(out), overrides=common, variants=variants, seeds=seeds or [],
         baseline=baseline, launcher=launcher, nproc_per_node=nproc,
         synthetic_data=_synthetic(where, data.get("synthetic_data")),
+        command_line=command_line,
     )
     grid.runs = _expand_runs(grid)
     return grid

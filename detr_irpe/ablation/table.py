@@ -55,8 +55,33 @@ def _display_path(path: Path) -> str:
     return str(path)
 
 
+def _values(values: Sequence[object]) -> str:
+    """One value, or the different ones (in order of appearance) joined by `` / ``."""
+    return " / ".join(dict.fromkeys(str(v) for v in values))
+
+
+def as_run(grid: Grid, rows: Sequence[VariantRow]) -> str:
+    """What the runs did, read off their configs and folders: the epochs, the images per
+    step, the input sizes and the optimizer steps each finished run took. (A grid's
+    description is free text written for the grid file; overrides change what ran.)"""
+    configs = [run.config for run in grid.runs]
+    per_step = [c.train.batch_size * grid.nproc_per_node * c.train.accumulate_steps
+                for c in configs]
+    train_px = [c.data.train_size if c.data.augmentation == "rtdetr"
+                else "-".join(map(str, sorted({min(c.data.train_scales),
+                                               max(c.data.train_scales)}))) for c in configs]
+    eval_px = [c.data.eval_size if c.data.augmentation == "rtdetr" else c.data.val_size
+               for c in configs]
+    steps = [r.iterations for row in rows for r in row.runs if r.state.value == "finished"]
+    done = (f"{_values(steps)} optimizer steps per finished run" if steps
+            else "no run finished yet")
+    return (f"As run: {_values([c.train.epochs for c in configs])} epochs, "
+            f"{_values(per_step)} images per step, training at {_values(train_px)} px, "
+            f"evaluation at {_values(eval_px)} px; {done}.")
+
+
 def format_markdown(grid: Grid, rows: Sequence[VariantRow]) -> str:
-    """The table with a short header saying what the numbers are."""
+    """The table with a short header saying what the numbers are and what ran."""
     lines = [f"# Ablation: {grid.name}", ""]
     if grid.description:
         lines += [grid.description, ""]
@@ -66,6 +91,10 @@ def format_markdown(grid: Grid, rows: Sequence[VariantRow]) -> str:
         f"seeds {seeds}."
         + (f" Common overrides: `{' '.join(grid.overrides)}`." if grid.overrides else "")
     )
+    if grid.command_line and grid.description:
+        lines.append(f"Changed on the command line: `{' '.join(grid.command_line)}` (the "
+                     "description above is the grid file's, written without them).")
+    lines.append(as_run(grid, rows))
     lines.append(
         "COCO box AP / AP50 / AP75 / APs / APm / APl in % of the last epoch's evaluation, "
         "mean ± sample std over the finished seeds; step = median training iteration time; "

@@ -30,28 +30,15 @@ for a bad input or option.
 from __future__ import annotations
 
 import argparse
-import copy
 from pathlib import Path
-from typing import Any
 
-from detr_irpe.checkpoint import (
-    FORMAT,
-    atomic_save,
-    convert_state_dict,
-    has_config,
-    read_checkpoint,
-    resolve_config,
-    save_safetensors,
-)
-from detr_irpe.checkpoint.download import resolve_checkpoint
-from detr_irpe.checkpoint.hf_folder import write_hf_folder
-from detr_irpe.cli.common import add_config_arguments, new_parser, run_main
-from detr_irpe.config import config_from_dict
-from detr_irpe.errors import CheckpointError, ConfigError
-from detr_irpe.irpe import RPE_INIT_MODES
-from detr_irpe.utils.files import ensure_writable_folder
+from detr_irpe.cli.args import add_config_arguments, new_parser, run_main
+from detr_irpe.errors import ConfigError
 
 TARGETS = ("pth", "safetensors", "hf")
+# detr_irpe.irpe.RPE_INIT_MODES, named here without importing torch; a test keeps the
+# two equal
+RPE_INIT_MODES = ("xavier", "zero")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,81 +76,23 @@ def _check_options(args: argparse.Namespace) -> str:
     return target
 
 
-def _saved_config(path: Path, config: str | None, args: argparse.Namespace,
-                  meta: dict[str, Any], state: dict) -> dict[str, Any] | None:
-    """The model's config as a dict: ``config`` (--config, or a published name's) with
-    --set, else the one in the file (for a Hugging Face folder: the one its config.json
-    implies; for a DAB-DETR / DN-DETR file: the one its layout and args imply), else None."""
-    if config is None and not has_config(meta, state):
-        return None
-    return resolve_config(path, config, args.overrides, meta, state,
-                          trust_imports=args.trust_imports).to_dict()
-
-
-def _updated_config(
-    config: dict[str, Any] | None, args: argparse.Namespace
-) -> dict[str, Any] | None:
-    """The config with what the conversion changed (class count, iRPE setting)."""
-    if config is None:
-        return None
-    config = copy.deepcopy(config)
-    if args.num_classes is not None:
-        config["model"]["num_classes"] = args.num_classes
-        # a resized head is for other data: its outputs have no categories yet
-        config["model"]["category_ids"] = None
-    if args.rpe is not None:
-        config["model"].update(rpe=args.rpe, rpe_init=args.rpe_init)
-    return config
-
-
-def _write_hf(state: dict, config: dict[str, Any] | None, meta: dict, out: Path) -> None:
-    if config is None:
-        raise CheckpointError(f"--to hf needs the model's config: {meta['path']} carries none; "
-                              "pass --config, e.g. --config detr_r50 or dab_detr_r50")
-    write_hf_folder(state, config_from_dict(config), out,
-                    category_names=meta.get("category_names"))
-
-
-def convert(args: argparse.Namespace) -> list[str]:
-    """Read, convert and write as the arguments say; returns the notes to show."""
-    target = _check_options(args)
-    # before the checkpoint is read
-    ensure_writable_folder(args.output.parent, "output folder", "choose another OUTPUT")
-    source = resolve_checkpoint(args.input)
-    original, meta = read_checkpoint(source.path)
-    state, notes = convert_state_dict(
-        original,
-        num_classes=args.num_classes, rpe=args.rpe, nheads=args.nheads,
-        rpe_init=args.rpe_init,
-    )
-    config = args.config if args.config is not None else source.config
-    # the config of the file as read (before the conversion changed its class count)
-    config = _updated_config(_saved_config(source.path, config, args, meta, original), args)
-    names = meta.get("category_names")
-    if target == "hf":
-        _write_hf(state, config, meta, args.output)
-    elif target == "safetensors":
-        save_safetensors(state, args.output, config=config, category_names=names,
-                         epoch=meta.get("epoch"))
-    else:
-        atomic_save({"format": FORMAT, "model": state, "config": config,
-                     "category_names": names, "epoch": meta.get("epoch"),
-                     "converted_from": str(args.input), "source_format": meta["format"],
-                     "notes": notes}, args.output)
-    return [f"{args.input} ({meta['format']}, {len(state)} tensors) -> {args.output} "
-            f"({target})"] + [f"  {note}" for note in notes]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        for line in convert(args):
+        target = _check_options(args)
+        # after the arguments: --help and their errors come back without torch
+        from detr_irpe.cli.programs import convert as program
+
+        for line in program.convert(args, target):
             print(line)
         return 0
 
     return run_main(body)
 
 
-if __name__ == "__main__":
+__all__ = ["RPE_INIT_MODES", "TARGETS", "build_parser", "main"]
+
+
+if __name__ == "__main__":  # python -m detr_irpe.cli.convert
     raise SystemExit(main())

@@ -23,27 +23,13 @@ import argparse
 import logging
 from pathlib import Path
 
-import torch
-
-from detr_irpe.checkpoint.download import resolve_checkpoint
-from detr_irpe.cli.common import add_config_arguments, new_parser, run_main, setup_tool_logging
+from detr_irpe.cli.args import add_config_arguments, new_parser, run_main, setup_tool_logging
 from detr_irpe.errors import ExportError
-from detr_irpe.export import (
-    MIN_OPSET,
-    check_input_size,
-    export_onnx,
-    onnx_wrapper,
-    parse_size,
-    run_onnx,
-)
-from detr_irpe.models.from_checkpoint import model_from_checkpoint
-from detr_irpe.utils.files import ensure_writable_folder
 
 FORMATS = ("onnx",)
-# float32 outputs of ONNX Runtime and PyTorch agree to this on the tiny test models
-CHECK_TOLERANCE = 1e-4
-
-logger = logging.getLogger(__name__)
+# detr_irpe.export.MIN_OPSET, named here without importing the exporter (and torch); a
+# test keeps the two equal
+MIN_OPSET = 18
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1,
                         help="batch size of a static export (default %(default)s)")
     parser.add_argument("--opset", type=int, default=None,
-                        help="ONNX opset version (default: the lowest supported, 18)")
+                        help="ONNX opset version (default: the lowest supported, "
+                             f"{MIN_OPSET})")
     parser.add_argument("--check", action="store_true",
                         help="run the file with onnxruntime on random images and compare "
                              "with PyTorch")
@@ -72,53 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_against_pytorch(model, path: Path, size: tuple[int, int], batch: int) -> str:
-    """Run ``path`` with onnxruntime and PyTorch on the same random images."""
-    images = torch.randn(batch, 3, *size)
-    with torch.no_grad():
-        expected = onnx_wrapper(model).eval()(images)
-    got = run_onnx(path, images)
-    diffs = [float((a - b).abs().max()) for a, b in zip(got, expected)]
-    if max(diffs) > CHECK_TOLERANCE:
-        raise ExportError(f"{path}: onnxruntime and PyTorch differ by up to {max(diffs):.2e} "
-                          f"(tolerance {CHECK_TOLERANCE:.0e}); the file may be wrong")
-    return (f"check: onnxruntime vs PyTorch, max |difference| {diffs[0]:.1e} (pred_logits), "
-            f"{diffs[1]:.1e} (pred_boxes)")
-
-
-def export(args: argparse.Namespace) -> list[str]:
-    """Load, export (and check) as the arguments say; returns the lines to show."""
-    if args.format not in FORMATS:
-        raise ExportError(f"--format {args.format!r} is not supported; supported: "
-                          f"{', '.join(FORMATS)}")
-    size = parse_size(args.size)
-    if args.batch <= 0:
-        raise ExportError(f"--batch must be a positive number of images, got {args.batch}")
-    check_input_size(size, args.batch, dynamic=args.dynamic)  # before the model is loaded
-    if args.output.exists() and not args.force:
-        raise ExportError(f"{args.output} exists; pass --force to overwrite")
-    # before the model is loaded
-    ensure_writable_folder(args.output.parent, "output folder", "choose another --output")
-    source = resolve_checkpoint(args.checkpoint)
-    config = args.config if args.config is not None else source.config
-    loaded = model_from_checkpoint(source.path, config, args.overrides, device="cpu",
-                                   trust_imports=args.trust_imports)
-    opset = MIN_OPSET if args.opset is None else args.opset
-    path = export_onnx(loaded.model, args.output, size, batch=args.batch, dynamic=args.dynamic,
-                       opset=opset)
-    shape = "N x 3 x H x W" if args.dynamic else f"{args.batch} x 3 x {size[0]} x {size[1]}"
-    lines = [f"{args.checkpoint} (rpe={loaded.cfg.model.rpe}) -> {path} "
-             f"(onnx opset {opset}, images {shape})"]
-    if args.check:
-        logger.info("check: running %s with onnxruntime and PyTorch on random images ...", path)
-        lines.append(_check_against_pytorch(loaded.model, path, size, args.batch))
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
+        if args.format not in FORMATS:
+            raise ExportError(f"--format {args.format!r} is not supported; supported: "
+                              f"{', '.join(FORMATS)}")
         # this package's progress lines (load, "ONNX export i/3: ..." as each step starts
         # and ends, check); the exporter's own notes about its graph optimisations (not
         # about the model) stay hidden
@@ -126,12 +73,18 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("detr_irpe").setLevel(logging.INFO)
         for name in ("onnxscript", "onnx_ir"):
             logging.getLogger(name).setLevel(logging.ERROR)
-        for line in export(args):
+        # after the arguments: --help and their errors come back without torch
+        from detr_irpe.cli.programs import export as program
+
+        for line in program.export(args):
             print(line)
         return 0
 
     return run_main(body)
 
 
-if __name__ == "__main__":
+__all__ = ["FORMATS", "build_parser", "main"]
+
+
+if __name__ == "__main__":  # python -m detr_irpe.cli.export
     raise SystemExit(main())

@@ -38,7 +38,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from detr_irpe.cli.common import (
+from detr_irpe.cli.args import (
     add_config_arguments,
     add_device_argument,
     checked_overrides,
@@ -47,13 +47,6 @@ from detr_irpe.cli.common import (
     setup_tool_logging,
 )
 from detr_irpe.errors import ConfigError
-from detr_irpe.inference import (
-    Predictor,
-    collect_images,
-    images_from_annotations,
-    predict_files,
-)
-from detr_irpe.utils.files import ensure_writable_folder
 
 DEFAULT_SCORE_THRESHOLD = 0.5
 
@@ -111,26 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         threshold = _check_args(args)
         overrides = checked_overrides(args.overrides)
-        # before the model is loaded
-        ensure_writable_folder(args.output_dir, "output folder", "choose another --output-dir")
-        # Inputs first: a typo in a path is reported before the model is loaded.
-        sources = collect_images(args.inputs) if args.ann is None else []
-        predictor = Predictor.from_checkpoint(
-            args.checkpoint, device=args.device, score_threshold=threshold,
-            config=args.config, overrides=overrides, trust_imports=args.trust_imports,
-        )
-        strict = args.strict or predictor.cfg.data.strict
-        skipped: list = []
-        if args.ann is not None:
-            sources, skipped = images_from_annotations(args.ann, args.inputs[0], strict=strict)
-        report = predict_files(
-            predictor, sources, args.output_dir, score_threshold=threshold,
-            batch_size=args.batch_size, draw=not args.no_draw, format_only=args.format_only,
-            strict=strict, skipped=skipped, progress=not args.no_progress,
-        )
-        print(f"{len(report.images)} images, {len(report.detections)} detections, "
-              f"{len(report.skipped)} skipped -> {report.json}")
-        return 0
+        # after the arguments: --help and their errors come back without torch
+        from detr_irpe.cli.programs import predict as program
+
+        return program.run(args, threshold, overrides)
 
     return run_main(body, tool="detr-irpe-predict")
 

@@ -15,6 +15,7 @@ checkpoints it keeps are :mod:`detr_irpe.run_folder`'s.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -502,11 +503,35 @@ class TrainingRun:
             self.tracker.load_state_dict(metrics)
         self.model: nn.Module = _wrap_ddp(parts.model, info)  # after the weights are loaded
         self.stop: StopOnSignal | None = None  # set while run_epochs listens for signals
-        # The whole run's ETA: the steps and evaluations from this position on.
+        # Optimizer steps of the last epoch (fewer than steps_per_epoch: cut_last_epoch).
+        self.last_epoch_steps = parts.steps_per_epoch
+        self.clock = self._new_clock()
+
+    def _new_clock(self) -> RunClock:
+        """The whole run's ETA: the steps and evaluations from this position on."""
         epochs = range(self.position.epoch, self.cfg.train.epochs)
-        self.clock = RunClock(
-            len(epochs) * parts.steps_per_epoch - self.position.batch_in_epoch,
+        return RunClock(
+            sum(self.epoch_steps(epoch) for epoch in epochs) - self.position.batch_in_epoch,
             sum(self._evaluation_due(epoch) for epoch in epochs))
+
+    def epoch_steps(self, epoch: int) -> int:
+        """Optimizer steps of ``epoch`` (0-based)."""
+        last = epoch == self.cfg.train.epochs - 1
+        return self.last_epoch_steps if last else self.parts.steps_per_epoch
+
+    def cut_last_epoch(self, max_steps: int) -> None:
+        """End the run after ``max_steps`` optimizer steps in all: its last epoch is cut
+        short (evaluated and checkpointed as a whole one). ``max_steps`` must fall in
+        the last epoch (a step budget turned into ``train.epochs``, as tools/demo.py does)."""
+        per_epoch, epochs = self.parts.steps_per_epoch, self.cfg.train.epochs
+        if not (epochs - 1) * per_epoch < max_steps <= epochs * per_epoch:
+            raise ConfigError(
+                f"a budget of {plural(max_steps, 'step')} does not end in the last of "
+                f"train.epochs={epochs} epochs of {per_epoch} steps (steps "
+                f"{(epochs - 1) * per_epoch + 1}-{epochs * per_epoch}); set train.epochs="
+                f"{max(1, math.ceil(max_steps / per_epoch))}")
+        self.last_epoch_steps = max_steps - (epochs - 1) * per_epoch
+        self.clock = self._new_clock()
 
     @classmethod
     def start(cls, parts: RunParts, info: DistInfo, output_dir: Path, progress: bool,
@@ -625,8 +650,10 @@ class TrainingRun:
         ``train.checkpoint_every`` steps and stopping at a step when a signal asks."""
         parts, cfg, position = self.parts, self.cfg, self.position
 
+        num_steps = self.epoch_steps(position.epoch)
+
         def on_step(state: TrainingPosition, read_losses) -> None:
-            if state.batch_in_epoch >= parts.steps_per_epoch:
+            if state.batch_in_epoch >= num_steps:
                 return  # the epoch's end: run_epochs evaluates, saves, then looks for a stop
             every = cfg.train.checkpoint_every
             checkpoint_due = every > 0 and state.iteration % every == 0
@@ -645,10 +672,13 @@ class TrainingRun:
         micro_done = position.batch_in_epoch * cfg.train.accumulate_steps
         batches = epoch_batches(parts.train_loader, position.epoch, micro_done,
                                 batch_scales_of(cfg.data, position.epoch))
+        if num_steps < parts.steps_per_epoch:  # a cut last epoch: its first num_steps steps
+            left = max(num_steps - position.batch_in_epoch, 0)
+            batches = itertools.islice(batches, left * cfg.train.accumulate_steps)
         return train_one_epoch(
             self.model, parts.criterion, batches,
             parts.optimizer, self.lr_scheduler, self.info.device, position,
-            num_steps=parts.steps_per_epoch, settings=parts.settings,
+            num_steps=num_steps, settings=parts.settings,
             print_freq=cfg.train.print_freq, progress=self.progress,
             total_epochs=cfg.train.epochs, on_step=on_step, loggers=loggers,
             tracker=self.tracker, run_clock=self.clock, ema=self.ema,
@@ -725,6 +755,7 @@ def run_training(
     resume: str | Path | None = None,
     finetune: str | Path | None = None,
     progress: bool = True,
+    max_steps: int | None = None,
 ) -> dict[str, Any]:
     """Train as described by ``cfg``.
 
@@ -732,7 +763,8 @@ def run_training(
     ``_prev`` when ``last`` is damaged); ``resume`` names another checkpoint.
     ``finetune`` initialises the weights from a checkpoint (any format; the
     class head is swapped when the class counts differ) when there is nothing
-    to resume.
+    to resume. ``max_steps`` ends the run after that many optimizer steps in all, cutting
+    its last epoch short (:meth:`TrainingRun.cut_last_epoch`: a step budget, the demo's).
 
     Returns:
         ``{"summary": last COCO summary or None, "per_class_table": str,
@@ -748,7 +780,7 @@ def run_training(
         # One run per folder, and a writable one: checked before anything is built.
         lock = lock_run_folder(cfg.train.output_dir, info.is_main)
         with lost_rank_as_error(info):
-            return _run_training(cfg, info, resume, finetune, progress, lock)
+            return _run_training(cfg, info, resume, finetune, progress, lock, max_steps)
     finally:
         if lock is not None:
             lock.release()
@@ -766,7 +798,7 @@ def _prepare_output_dir(output_dir: Path, info: DistInfo, lock: RunLock | None) 
 
 def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
                   finetune: str | Path | None, progress: bool,
-                  lock: RunLock | None) -> dict[str, Any]:
+                  lock: RunLock | None, max_steps: int | None = None) -> dict[str, Any]:
     output_dir = Path(cfg.train.output_dir)
     setup_logging(None, info.rank)  # the console only, until the folder is known to be ours
     check_amp_device(cfg.train.amp, info.device)  # before the data and the model are built
@@ -780,15 +812,19 @@ def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
         logger.info("resuming from %s", start.resume_path)
     cfg = apply_process_settings(cfg, info)
     run = TrainingRun.start(build_parts(cfg, info, start), info, output_dir, progress, start)
+    if max_steps is not None:
+        run.cut_last_epoch(max_steps)
     if lock is not None and start.resume_path is not None and (
         start.resume_path.resolve().parent == output_dir.resolve()
     ):
         repair_best(start.resume_path, start.resume_state)
     position = run.position
+    cut = run.last_epoch_steps < run.parts.steps_per_epoch
     logger.info(
-        "training %s x %d steps (%d images per step: %d per process x %d process(es) "
+        "training %s x %d steps%s (%d images per step: %d per process x %d process(es) "
         "x %d micro-batches); starting %s, iteration %d",
         plural(run.cfg.train.epochs, "epoch"), run.parts.steps_per_epoch,
+        f", the last cut to {plural(run.last_epoch_steps, 'step')}" if cut else "",
         run.cfg.train.batch_size * info.world_size * run.cfg.train.accumulate_steps,
         run.cfg.train.batch_size, info.world_size, run.cfg.train.accumulate_steps,
         describe_position(position.epoch, position.batch_in_epoch, run.cfg.train.epochs),

@@ -12,7 +12,7 @@
 Images are resized as at evaluation (shorter side ``data.val_size``, longer side
 about ``data.max_size``, the resize rule of :mod:`detr_irpe.data.transforms`) and
 normalised with the ImageNet mean / std; boxes come back in the pixels of the
-image that was passed in.
+image that was passed in, cut to it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from detr_irpe.data.categories import default_category_names
 from detr_irpe.data.images import to_uint8_image
 from detr_irpe.data.transforms import eval_image
 from detr_irpe.models import build_postprocessor, model_from_checkpoint
+from detr_irpe.models.box_ops import clip_boxes_to_image
 from detr_irpe.utils.device import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,8 @@ class Predictor:
         decoder).
 
         Returns per image ``{"scores" (K,), "labels" (K,) int64, "boxes" (K, 4)}`` on
-        the CPU, boxes xyxy in that image's pixels.
+        the CPU, boxes xyxy in that image's pixels, cut to the image (the model may
+        place a box edge outside it).
         """
         if not images:
             return []
@@ -129,9 +131,11 @@ class Predictor:
         outputs = self.model(inputs)
         sizes = torch.tensor([list(image.shape[-2:]) for image in images], device=self.device)
         results = []
-        for result in self.postprocessor(outputs, sizes):
+        for image, result in zip(images, self.postprocessor(outputs, sizes)):
             order = result["scores"].argsort(descending=True)
-            results.append({key: value[order].cpu() for key, value in result.items()})
+            result = {key: value[order].cpu() for key, value in result.items()}
+            result["boxes"] = clip_boxes_to_image(result["boxes"], *image.shape[-2:])
+            results.append(result)
         return results
 
     def _kept(self, detections: Mapping[str, Tensor], threshold: float) -> dict[str, Any]:

@@ -50,6 +50,16 @@ def box_xyxy_to_cxcywh(boxes: Tensor) -> Tensor:
     return box_convert(boxes, "xyxy", "cxcywh")
 
 
+def clip_boxes_to_image(boxes: Tensor, height: float, width: float) -> Tensor:
+    """``(..., 4)`` xyxy pixel boxes cut to the ``height x width`` image: x in
+    ``[0, width]``, y in ``[0, height]`` (a box wholly outside becomes an empty one on the
+    border). For the detections a user gets (predict, the Predictor, the figures); the loss
+    and the COCO evaluation take the model's boxes as they are."""
+    x = boxes[..., 0::2].clamp(0, float(width))
+    y = boxes[..., 1::2].clamp(0, float(height))
+    return torch.stack((x[..., 0], y[..., 0], x[..., 1], y[..., 1]), dim=-1)
+
+
 def box_area(boxes: Tensor) -> Tensor:
     """``(..., 4)`` xyxy -> ``(...)`` area; inverted boxes count as empty."""
     return (boxes[..., 2] - boxes[..., 0]).clamp(min=0) * (boxes[..., 3] - boxes[..., 1]).clamp(

@@ -29,6 +29,7 @@ from matplotlib.patches import Rectangle
 from torch import Tensor
 
 from detr_irpe.data.inputs import InputImage
+from detr_irpe.models.box_ops import clip_boxes_to_image
 from detr_irpe.models.postprocess import PostProcess
 
 from ._mpl import fit_suptitle, hide_ticks, new_figure, save_figure
@@ -109,7 +110,7 @@ def detections_from_outputs(
             of the un-padded image. The dab decoder's outputs (DAB-DETR / DN-DETR: they
             carry ``anchors``) have ``C`` sigmoid logits: a query's score is then its best
             class's sigmoid.
-        original_size: ``(h0, w0)`` to scale boxes to.
+        original_size: ``(h0, w0)`` to scale boxes to (and cut them to).
         threshold: minimum score (max class probability, "no object" excluded).
         max_detections: keep at most this many (best first).
         min_detections: keep at least this many even below the threshold (useful for an
@@ -137,7 +138,8 @@ def detections_from_outputs(
     if max_detections is not None:
         keep = keep[:max_detections]
     idx = torch.tensor(keep, dtype=torch.long)
-    return Detections(boxes=result["boxes"][idx].numpy().reshape(-1, 4),
+    boxes = clip_boxes_to_image(result["boxes"][idx], *original_size)
+    return Detections(boxes=boxes.numpy().reshape(-1, 4),
                       scores=scores[idx].numpy(), labels=result["labels"][idx].numpy(),
                       queries=idx.numpy())
 

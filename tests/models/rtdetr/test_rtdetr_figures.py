@@ -14,7 +14,7 @@ from helpers import ROOT, randomise
 from matplotlib import colormaps
 from PIL import Image
 
-from detr_irpe.cli.visualize import available_figures
+from detr_irpe.cli.programs.visualize import available_figures
 from detr_irpe.cli.visualize import main as visualize_main
 from detr_irpe.config import load_config
 from detr_irpe.data.inputs import prepare_image

@@ -1,0 +1,78 @@
+"""The program of ``detr-irpe-ablate`` (:mod:`detr_irpe.cli.ablate`) once its arguments are
+parsed: a grid's runs listed, trained (each through the training tool) and tabulated."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from detr_irpe.ablation import collect_and_write, format_markdown, load_grid, run_grid
+from detr_irpe.ablation.schedule import format_command, launch_command
+from detr_irpe.cli.args import Terminated
+from detr_irpe.errors import EXIT_FAILURE, EXIT_SIGINT
+from detr_irpe.run_folder.status import RunState, run_state
+from detr_irpe.utils.files import ensure_writable_folder
+
+
+def _list_runs(grid, print_commands: bool) -> None:
+    for run in grid.runs:
+        state = run_state(run.output_dir, run.config)
+        if not print_commands:
+            print(f"{state.value:>9}  {run.key:<40} {run.output_dir}")
+        elif state is not RunState.FINISHED:
+            print(format_command(launch_command(grid, run)))
+    if not print_commands:
+        print(f"{len(grid.runs)} runs ({len(grid.variants)} variants x {len(grid.seeds)} "
+              f"seeds); baseline {grid.baseline}; launcher {grid.launcher}")
+
+
+def _train(grid, args: argparse.Namespace):
+    """Train the grid's unfinished runs; the tables are rewritten after each run. SIGTERM
+    (a batch system's stop) is :class:`~detr_irpe.cli.args.Terminated` here (run_main):
+    it stops the running child on its way out."""
+    with logging_redirect_tqdm():  # log lines above the bar, not through it
+        return run_grid(grid, max_runs=args.max_runs, retry_failed=args.retry_failed,
+                        show_output=args.show_output, progress=not args.no_progress,
+                        after_run=lambda run, finished: collect_and_write(grid))
+
+
+def _summary(grid, report, seconds: float) -> int:
+    rows, paths = collect_and_write(grid)
+    print(format_markdown(grid, rows))
+    print(f"tables: {paths['markdown']}  {paths['csv']}  {paths['runs']}")
+    if report is not None:  # runs were trained now (not --table-only)
+        print(f"{len(report.done)} run(s) trained in {seconds:.0f} s; "
+              f"{len(report.skipped_finished)} already finished")
+        if report.failed or report.not_started or report.busy or report.skipped_failed:
+            print(f"{len(report.done)} runs trained now, {len(report.failed)} failed, "
+                  f"{len(report.skipped_failed)} failed before, {len(report.not_started)} left, "
+                  f"{len(report.busy)} running elsewhere", file=sys.stderr)
+            return EXIT_FAILURE
+    return 0 if all(row.status == "done" for row in rows) else EXIT_FAILURE
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Dry-run, list, train or tabulate the grid as the arguments say (``overrides``: the
+    checked ``--set`` items); the exit status."""
+    grid = load_grid(args.grid, overrides, args.output_dir, args.seeds, base=args.config)
+    if args.dry_run or args.print_commands:
+        _list_runs(grid, args.print_commands)
+        return 0
+    # before any run starts: the tables and every run folder go there
+    ensure_writable_folder(grid.output_dir, "grid output folder", "choose another --output-dir")
+    report, start = None, time.perf_counter()
+    if not args.table_only:
+        try:
+            report = _train(grid, args)
+        except (KeyboardInterrupt, Terminated) as stop:
+            print("interrupted; run the same command again to continue the grid",
+                  file=sys.stderr)
+            collect_and_write(grid)
+            return stop.code if isinstance(stop, Terminated) else EXIT_SIGINT
+    return _summary(grid, report, time.perf_counter() - start)
+
+
+__all__ = ["run"]
