@@ -64,8 +64,6 @@ from detr_irpe.cli.args import (
 )
 
 DEFAULT_DIR = Path("outputs/visualize")
-IMAGE_FIGURES = ("predictions", "encoder-attention", "decoder-attention", "anchor-attention",
-                 "anchors", "selected-queries")
 
 
 def _point(text: str) -> tuple[float, float]:
