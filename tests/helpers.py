@@ -3,6 +3,7 @@ Test modules import from here, never from each other."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -16,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -257,3 +259,20 @@ def record_exported_model(monkeypatch: Any) -> dict[str, Any]:
     monkeypatch.setattr(detr_irpe.cli.programs.export, "export_onnx", export_onnx)
     return received
 
+
+# Tensor methods that read a value back to the host (a device synchronisation on CUDA).
+READ_BACKS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_read_back(monkeypatch: pytest.MonkeyPatch):
+    """Every tensor -> host read raises inside the block."""
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise AssertionError(f"host read-back Tensor.{name} inside a sync-free region")
+        return method
+
+    with monkeypatch.context() as patch:
+        for name in READ_BACKS:
+            patch.setattr(torch.Tensor, name, refuse(name))
+        yield

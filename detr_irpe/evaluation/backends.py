@@ -5,7 +5,7 @@ thresholds, 101-point interpolated precision, the small / medium / large area
 ranges, 1 / 10 / 100 detections) and produce the same ``eval`` dict layout and the
 same 12 summary numbers; faster-coco-eval does the per-image matching and the
 accumulation in C++ (the eval level of ``tools/benchmark.py`` times the two).
-``tests/test_eval_backends.py`` checks that they agree.
+``tests/evaluation/test_eval_backends.py`` checks that they agree.
 
 ``backend="auto"`` (the default everywhere) picks faster-coco-eval when it can be
 imported (``pip install -e '.[fast-eval]'``) and pycocotools otherwise; the choice

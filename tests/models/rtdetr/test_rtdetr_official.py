@@ -21,7 +21,7 @@ from detr_irpe.models.postprocess import TopKPostProcess
 from detr_irpe.models.rtdetr.build import build
 from detr_irpe.models.rtdetr.config import RTDETRLossConfig, RTDETRModelConfig
 
-DATA = Path(__file__).resolve().parents[2] / "data"
+DATA = Path(__file__).resolve().parents[2] / "reference_data"
 F64 = torch.float64
 
 

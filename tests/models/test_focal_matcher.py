@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_matcher import assert_optimal, naive_giou_cxcywh, random_problem
+from matching_reference import assert_optimal, naive_giou_cxcywh, random_problem
 from torch.testing import assert_close
 
 from detr_irpe.models.matcher import FocalHungarianMatcher, HungarianMatcher, assign

@@ -3,38 +3,19 @@ deliberate read: whether the summed loss is finite, right after the matcher (so 
 infinite loss stops the run before the optimizer step). Forward, loss and backward
 queue work without waiting. On the CPU this is checked by making every read-back
 (``.item()``, ``bool()``, ``int()``, ``float()``, ``.tolist()``, ``.numpy()``) raise
-inside those regions, or counting them; ``tests/test_train_gpu.py`` checks the same
+inside those regions, or counting them; ``tests/engine/test_train_gpu.py`` checks the same
 regions on a GPU with ``torch.cuda.set_sync_debug_mode("error")``."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from helpers import load_tiny_config
+from helpers import READ_BACKS, load_tiny_config, no_read_back
 
 from detr_irpe.benchmark.model import synthetic_batch
 from detr_irpe.engine.trainer import loss_and_backward, model_outputs, targets_to
 from detr_irpe.models import build_model
 from detr_irpe.models.dab.denoising import Denoising, build_denoising_queries
-
-READ_BACKS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
-@contextlib.contextmanager
-def no_read_back(monkeypatch: pytest.MonkeyPatch):
-    """Every tensor -> host read raises inside the block."""
-    def refuse(name):
-        def method(self, *args, **kwargs):
-            raise AssertionError(f"host read-back Tensor.{name} inside a sync-free region")
-        return method
-
-    with monkeypatch.context() as patch:
-        for name in READ_BACKS:
-            patch.setattr(torch.Tensor, name, refuse(name))
-        yield
-
 
 # The DETR decoder, DAB-DETR's and DN-DETR's (whose denoising queries come from the targets).
 DECODERS = {

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from test_matcher import naive_giou_cxcywh
-from test_train_sync import no_read_back
+from helpers import no_read_back
+from matching_reference import naive_giou_cxcywh
 from torch import Tensor
 from torch.testing import assert_close
 

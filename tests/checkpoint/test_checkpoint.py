@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_tiny_config
+from helpers import ROOT, load_tiny_config
 from torch.testing import assert_close
 
 from detr_irpe.checkpoint import atomic_save, load_weights, read_checkpoint
@@ -22,7 +22,7 @@ from detr_irpe.errors import CheckpointError
 from detr_irpe.models import build_model, model_from_checkpoint
 
 # The public iRPE-DETR key / shape list (section 1), kept with the tests.
-REFERENCE = Path(__file__).resolve().parent / "data" / "official_state_dict_keys.md"
+REFERENCE = ROOT / "tests" / "reference_data" / "official_state_dict_keys.md"
 
 R50 = ["model.num_classes=91", "model.backbone_weights=none"]
 # On top of the tiny config: two encoder layers, so that the iRPE tables of one layer can

@@ -1,5 +1,5 @@
 """DN-DETR's denoising queries: the attention mask rules, the noise and the layout of the
-queries (tests/test_train_sync.py checks that building them reads nothing back)."""
+queries (tests/engine/test_train_sync.py checks that building them reads nothing back)."""
 
 from __future__ import annotations
 

@@ -5,12 +5,11 @@ iRPE composing with it, the position-encoding temperature, and the config keys."
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 from dab_reference import dab_detr, sine
-from helpers import load_tiny_config
+from helpers import ROOT, load_tiny_config
 from torch.testing import assert_close
 
 from detr_irpe.config import ConfigError, load_config
@@ -20,7 +19,7 @@ from detr_irpe.models.dab.denoising import DenoisingNoise
 from detr_irpe.models.dab.model import DABDETR
 from detr_irpe.structures import ImageBatch
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = ROOT / "tests" / "reference_data"
 DAB_TABLE = DATA / "dn_dab_detr_state_dict_keys.md"
 DETR_TABLE = DATA / "official_state_dict_keys.md"
 
@@ -202,7 +201,7 @@ def test_dab_content_queries_start_at_zero_and_dn_at_the_label_row() -> None:
 
 
 def public_table() -> list[tuple[str, tuple[int, ...]]]:
-    """tests/data/dn_dab_detr_state_dict_keys.md expanded over its layer ranges, plus the
+    """tests/reference_data/dn_dab_detr_state_dict_keys.md expanded over its layer ranges, plus the
     DETR ResNet-50 backbone keys (section 1 of official_state_dict_keys.md)."""
     rows = []
     for line in DAB_TABLE.read_text().splitlines():

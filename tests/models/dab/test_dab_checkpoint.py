@@ -4,7 +4,7 @@ The files are synthetic: a tiny DAB / DN model of this project saved the way the
 official ``main.py`` of IDEA-Research/DAB-DETR and DN-DETR saves
 (``{"model", "optimizer", "lr_scheduler", "epoch", "args"}``, ``args`` an
 ``argparse.Namespace`` with the official defaults), which is the public files' layout
-(their key table: tests/data/dn_dab_detr_state_dict_keys.md, checked by test_dab_model.py).
+(their key table: tests/reference_data/dn_dab_detr_state_dict_keys.md, checked by test_dab_model.py).
 Checked: the layout is recognised (format, class count of a head without "no object",
 the config implied without --config), loads strictly into load_weights,
 model_from_checkpoint and every tool, fine-tunes to another class count (head and
@@ -333,7 +333,7 @@ def test_predictor_visualize_and_export(dn_file, dn_source, tiny_dataset, tmp_pa
     assert _run("visualize", "predictions", "--checkpoint", str(dn_file), "--image", str(image),
                 "--device", "cpu", "--out", str(out)) == 0
     assert out.stat().st_size > 0
-    # the ONNX graph itself is tests/test_export.py's: here the model the exporter gets
+    # the ONNX graph itself is tests/export/test_export.py's: here the model the exporter gets
     received = record_exported_model(monkeypatch)
     assert _run("export", str(dn_file), "--format", "onnx", "--size", "64x64",
                 "--output", str(tmp_path / "dn.onnx")) == 0

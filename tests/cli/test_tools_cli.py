@@ -1,5 +1,5 @@
 """The command-line tools end to end on a tiny dataset: train (non-finite stop, AMP
-checks, eval-only) and eval (predict: tests/test_predict.py)."""
+checks, eval-only) and eval (predict: tests/inference/test_predict.py)."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def test_eval_tool_uses_checkpoint_config(trained, tmp_path, capsys):
 
 
 def test_eval_help_names_every_checkpoint_kind():
-    """.pth, .safetensors and Hugging Face folders all load (tests/test_hf_checkpoint.py)."""
+    """.pth, .safetensors and Hugging Face folders all load (tests/checkpoint/test_hf_checkpoint.py)."""
     from detr_irpe.cli.eval import build_parser
 
     parser = build_parser()

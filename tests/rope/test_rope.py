@@ -1,4 +1,4 @@
-"""2D RoPE (detr_irpe.rope): equal to the official rope-vit functions (tests/data), to the
+"""2D RoPE (detr_irpe.rope): equal to the official rope-vit functions (tests/reference_data), to the
 paper's formulas (forward and gradients, float64), relative in the 2D offset; inside
 IRPEMultiheadAttention on every computation path, with and without iRPE; ONNX export with
 a dynamic grid."""
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 from rope_reference import axial_angle_fn, mixed_angle_fn, naive_rope, naive_rope_attention
 
 from detr_irpe.irpe import IRPEMultiheadAttention
@@ -24,7 +25,7 @@ from detr_irpe.rope import (
     parse_rope,
 )
 
-DATA = Path(__file__).parent / "data" / "rope_official.pt"
+DATA = ROOT / "tests" / "reference_data" / "rope_official.pt"
 OFFICIAL = torch.load(DATA, weights_only=True)
 
 

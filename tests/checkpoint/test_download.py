@@ -358,7 +358,7 @@ def test_train_finetunes_and_resumes_from_names(tiny_zoo, published, tiny_datase
 
 
 def test_export_takes_a_name(tiny_zoo, published, tmp_path, monkeypatch):
-    # The ONNX conversion itself (about 20 s) is tests/test_export.py's; here the model the
+    # The ONNX conversion itself (about 20 s) is tests/export/test_export.py's; here the model the
     # exporter receives must be the named checkpoint's.
     received = record_exported_model(monkeypatch)
     out = tmp_path / "tiny.onnx"
