@@ -10,7 +10,7 @@ import pytest
 from helpers import ROOT
 
 # Each console script's module (setup.cfg) and the demo's.
-SPLIT = ["train", "eval"]
+SPLIT = ["train", "eval", "benchmark"]
 NOT_YET = ["predict", "visualize", "export", "convert", "ablate", "submit", "demo"]
 
 _PROBE = """
