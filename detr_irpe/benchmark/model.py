@@ -1,20 +1,24 @@
-"""Model level: training-step time and inference images/s of each decoder, plain vs iRPE
-encoder.
+"""Model level: training-step time and inference images/s of every benchmark target of the
+family registry, plain vs iRPE encoder.
 
-The training step is the engine's own :func:`~detr_irpe.engine.trainer.train_step`
-(forward, Hungarian matcher, set loss, backward, gradient clipping, AdamW step) run over
-a fixed synthetic batch, in float32 and / or under bf16 autocast. Models are built by
-:func:`~detr_irpe.models.build_model` from each decoder's published config
-(:data:`DECODER_CONFIGS`: ``detr_r50``, ``dab_detr_r50``, ``dn_detr_r50``) with random
-weights (``model.backbone_weights=none``), so nothing is downloaded; within a decoder the
-only difference between the models is ``model.rpe``.
+The rows come from the registry (:mod:`detr_irpe.family`): each family's
+``benchmark_targets`` names its rows and the published config each is built from (DETR:
+``{"DETR": "detr_r50"}``; DAB: ``DAB-DETR``, ``DN-DETR``; RT-DETR: ``{"RT-DETR":
+"rtdetr_r50"}``; a user's family adds its own). The training step is the engine's own
+:func:`~detr_irpe.engine.trainer.train_step` (forward, the family's matcher and loss with
+its denoising queries, backward, gradient clipping, AdamW step) run over a fixed synthetic
+batch, in float32 and / or under bf16 autocast. Models are built by
+:func:`~detr_irpe.models.build_model` with random weights (no backbone weights loaded), so
+nothing is downloaded; within a target the only difference between the models is
+``model.rpe``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -27,31 +31,89 @@ from detr_irpe.data.categories import COCO_NUM_CLASSES
 from detr_irpe.engine.optim import build_optimizer
 from detr_irpe.engine.trainer import autocast_context, train_step, weighted_loss
 from detr_irpe.errors import ConfigError
+from detr_irpe.family import DEFAULT_FAMILY, families
 from detr_irpe.models import build_model
 from detr_irpe.structures import ImageBatch
 
 __all__ = [
-    "DECODER_CONFIGS", "DEFAULT_DECODERS", "DEFAULT_MODELS", "StepRunner",
-    "build_benchmark_model", "decoder_name", "interleave", "model_table",
-    "run_model_benchmark", "synthetic_batch", "training_state_bytes",
+    "DEFAULT_MODELS", "QUICK_MODEL", "StepRunner", "benchmark_targets",
+    "build_benchmark_model", "interleave", "model_table", "quick_overrides", "row_name",
+    "run_model_benchmark", "select_targets", "synthetic_batch", "target_of",
+    "training_state_bytes",
 ]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODELS = ("none", "rpe-2.0-product-ctx-1-k")
-# Each decoder of the model rows and the published config its models are built from:
-# DETR, DAB-DETR, and DAB-DETR trained with DN-DETR's denoising queries (their training
-# step includes them: 5 groups of the batch's ground truth).
-DECODER_CONFIGS = {"detr": "detr_r50", "dab": "dab_detr_r50", "dn": "dn_detr_r50"}
-DEFAULT_DECODERS = tuple(DECODER_CONFIGS)
-_DECODER_NAMES = {"detr": "DETR-R50", "dab": "DAB-DETR-R50", "dn": "DN-DETR-R50"}
+# Smoke-test sizes (--quick): each setting applies to the targets whose model section has
+# the key (a ResNet-18 for DETR / DAB-DETR, an R18-vd for RT-DETR; narrow layers, few
+# queries), so every family's row runs in a fraction of a second.
+QUICK_MODEL: dict[str, Any] = {
+    "backbone": "resnet18", "depth": 18, "hidden_dim": 32, "enc_hidden_dim": 32, "nheads": 4,
+    "enc_layers": 1, "dec_layers": 1, "dim_feedforward": 64, "enc_dim_feedforward": 64,
+    "num_queries": 5, "num_select": 5, "num_denoising": 10,
+}
 
 
-def decoder_name(row: dict[str, Any]) -> str:
-    """``DETR-R50`` / ``DAB-DETR-R50`` / ``DN-DETR-R50`` (+ ``-iRPE <rpe>``) of a model row
-    (rows without ``decoder``, from before the decoders were measured, are DETR's)."""
-    name = _DECODER_NAMES[row.get("decoder", "detr")]
+def benchmark_targets() -> dict[str, str]:
+    """``{row name: config name}`` of every registered family's ``benchmark_targets``, the
+    default family's first (its rows are the baseline of the ``x`` column), then the others
+    in name order.
+
+    Raises:
+        ConfigError: two families name the same row.
+    """
+    out: dict[str, str] = {}
+    for family in sorted(families(), key=lambda f: f.name != DEFAULT_FAMILY):
+        for name, config in family.benchmark_targets.items():
+            if name in out:
+                raise ConfigError(f"benchmark target {name!r} of model.family={family.name} "
+                                  "is another family's row name; rename one")
+            out[name] = config
+    return out
+
+
+def select_targets(names: Sequence[str] | None = None, flag: str = "--targets"
+                   ) -> dict[str, str]:
+    """The registry's targets named by ``names`` (row names, in the given order), or all.
+
+    Raises:
+        ConfigError: an unknown name, or none given; naming the known ones.
+    """
+    known = benchmark_targets()
+    if names is None:
+        return known
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise ConfigError(f"{flag}: {bad or 'none given'} not allowed; choose from "
+                          f"{', '.join(known)}")
+    return {n: known[n] for n in names}
+
+
+def quick_overrides(config: str) -> list[str]:
+    """The :data:`QUICK_MODEL` settings that ``config``'s model section has, as overrides."""
+    keys = {f.name for f in dataclasses.fields(load_config(config).model)}
+    return [f"model.{k}={v}" for k, v in QUICK_MODEL.items() if k in keys]
+
+
+def row_name(row: Mapping[str, Any]) -> str:
+    """``DETR`` / ``RT-DETR`` / ... (+ ``-iRPE <rpe>``) of a model row (rows written before
+    the registry named their targets carry ``decoder``; before that, only DETR's)."""
+    name = target_of(row)
     return name if row["rpe"] == "none" else f"{name}-iRPE {row['rpe']}"
+
+
+# results.json files written before the registry named the targets: their rows' decoder
+# key and the row name it stands for (rows without it, older still, are DETR's)
+_LEGACY_DECODERS = {"detr": "DETR", "dab": "DAB-DETR", "dn": "DN-DETR"}
+
+
+def target_of(row: Mapping[str, Any]) -> str:
+    """The target (row name) of a model row, also of one in an older ``results.json``."""
+    if row.get("target"):
+        return row["target"]
+    decoder = row.get("decoder", "detr")
+    return _LEGACY_DECODERS.get(decoder, decoder)
 
 
 def synthetic_batch(
@@ -86,18 +148,17 @@ def synthetic_batch(
 
 
 def build_benchmark_model(rpe: str, device: torch.device, overrides: Sequence[str] = (),
-                          decoder: str = "detr"):
-    """``(cfg, model, criterion, postprocessor)`` of the ``decoder``'s config
-    (:data:`DECODER_CONFIGS`, default ``configs/detr_r50.yaml``) with ``model.rpe=rpe``,
-    random weights (seed 0) and the COCO class count."""
-    if decoder not in DECODER_CONFIGS:
-        raise ConfigError(f"unknown decoder {decoder!r}; choose from {', '.join(DECODER_CONFIGS)}")
-    cfg = load_config(DECODER_CONFIGS[decoder], [
-        f"model.rpe={rpe}", "model.backbone_weights=none", f"model.num_classes={COCO_NUM_CLASSES}",
-        *overrides,
-    ])
+                          config: str | None = None):
+    """``(cfg, model, criterion, postprocessor)`` of ``config`` (default: the first
+    benchmark target's, ``detr_r50``) with ``model.rpe=rpe``, random weights (seed 0) and
+    the COCO class count; nothing is read or downloaded."""
+    if config is None:
+        config = next(iter(benchmark_targets().values()))
+    cfg = load_config(config, [f"model.rpe={rpe}", f"model.num_classes={COCO_NUM_CLASSES}",
+                               *overrides])
     torch.manual_seed(0)
-    model, criterion, postprocessor = build_model(cfg)
+    # random weights: the backbone's model.backbone_weights (ImageNet, a file) are not read
+    model, criterion, postprocessor = build_model(cfg, load_backbone_weights=False)
     return cfg, model.to(device), criterion.to(device), postprocessor
 
 
@@ -196,10 +257,11 @@ def run_model_benchmark(
     overrides: Sequence[str] = (),
     progress: Callable[[str], None] | None = None,
     extra_runners: Sequence[StepRunner] = (),
-    decoders: Sequence[str] = ("detr",),
+    targets: Mapping[str, str] | None = None,
+    quick: bool = False,
 ) -> list[dict[str, Any]]:
     """Training-step seconds, inference images/s and the loss after the timed steps, for
-    each decoder, each ``model.rpe`` value and each precision.
+    each benchmark target, each ``model.rpe`` value and each precision.
 
     All models are built first and their steps interleaved (:func:`interleave`), together
     with ``extra_runners`` (e.g. the reference code's, see
@@ -207,58 +269,64 @@ def run_model_benchmark(
 
     Every (model, precision) pair starts from the same weights (seed 0) and trains on the
     same batch, so ``loss_after`` of a bf16 row minus the fp32 row's is the precision's
-    effect on the optimisation after ``train_warmup + train_repeats`` steps.
+    effect on the optimisation after ``train_warmup + train_repeats`` steps. Every target
+    reads the same batch (RT-DETR, which reads no padding mask, takes the padded pixels
+    of the narrower image as image, as the published model would).
 
     Args:
-        models: ``model.rpe`` values (``"none"`` = plain DETR).
+        models: ``model.rpe`` values (``"none"`` = the published model).
         batch, height, width: images per step and their padded size.
         device: ``cpu`` or ``cuda[:N]``.
         train_repeats, train_warmup: timed / untimed optimizer steps.
         infer_repeats, infer_warmup: timed / untimed inference batches.
         amp: one ``train.amp`` value or several (``none``, ``bf16``, ``fp16``).
-        overrides: extra config overrides (e.g. smaller models for tests).
-        decoders: keys of :data:`DECODER_CONFIGS` (``detr``, ``dab``, ``dn``); every
-            (decoder, rpe, amp) model is stepped in the one interleaved run.
+        overrides: extra config overrides of every target (keys all their families have).
+        targets: ``{row name: config name}`` (default: :func:`benchmark_targets`, every
+            family's); every (target, rpe, amp) model is stepped in the one interleaved run.
+        quick: smoke-test sizes (:func:`quick_overrides` of each target's config).
 
     Returns:
-        one dict per (decoder, model, amp): ``decoder``, ``rpe``, ``amp``, ``train_step_s`` (median),
-        ``train_step_s_all``, ``train_cpu_s`` (median process CPU time),
-        ``train_images_per_s``, ``infer_batch_s``, ``infer_images_per_s``,
-        ``loss_after``, ``peak_train_mib`` (CUDA only: the model's training state plus
-        the largest allocation above it during one of its steps after the first, i.e.
-        its peak had it run alone, without the input batch, which all rows share),
-        ``encoder_tokens``.
+        one dict per (target, model, amp): ``target``, ``config``, ``family``, ``rpe``,
+        ``amp``, ``train_step_s`` (median), ``train_step_s_all``, ``train_cpu_s`` (median
+        process CPU time), ``train_images_per_s``, ``infer_batch_s``,
+        ``infer_images_per_s``, ``loss_after``, ``peak_train_mib`` (CUDA only: the
+        model's training state plus the largest allocation above it during one of its
+        steps after the first, i.e. its peak had it run alone, without the input batch,
+        which all rows share), ``encoder_tokens``.
     """
     dev = torch.device(device)
     amps = [amp] if isinstance(amp, str) else list(amp)
-    images, targets = synthetic_batch(batch, height, width)
+    targets = benchmark_targets() if targets is None else dict(targets)
+    images, batch_targets = synthetic_batch(batch, height, width)
     images = images.to(dev)
-    targets = [{k: v.to(dev) for k, v in t.items()} for t in targets]
+    batch_targets = [{k: v.to(dev) for k, v in t.items()} for t in batch_targets]
     built, runners = [], []
-    for decoder, rpe in [(d, r) for d in decoders for r in models]:
+    for (name, config), rpe in [(t, r) for t in targets.items() for r in models]:
+        extra = [*(quick_overrides(config) if quick else ()), *overrides]
         for precision in amps:
             if progress is not None:
-                progress(f"building {decoder_name({'decoder': decoder, 'rpe': rpe})} "
+                progress(f"building {row_name({'target': name, 'rpe': rpe})} ({config}) "
                          f"amp={precision} at {batch} x {height}x{width}")
-            cfg, model, criterion, postprocessor = build_benchmark_model(rpe, dev, overrides,
-                                                                         decoder)
+            cfg, model, criterion, postprocessor = build_benchmark_model(rpe, dev, extra, config)
             optimizer = build_optimizer(model, cfg.train)
             model.train()
 
             def step(model=model, criterion=criterion, optimizer=optimizer, precision=precision,
                      clip=cfg.train.clip_max_norm) -> float:
-                terms = train_step(model, criterion, [(images, targets)], optimizer, dev,
+                terms = train_step(model, criterion, [(images, batch_targets)], optimizer, dev,
                                    amp=precision, clip_max_norm=clip)
                 return float(weighted_loss(terms, criterion.weight_dict))
 
             built.append((model, postprocessor))
-            runners.append(StepRunner({"decoder": decoder, "rpe": rpe, "amp": precision}, step,
-                                      resident=partial(training_state_bytes, model, optimizer)))
+            runners.append(StepRunner(
+                {"target": name, "config": config, "family": cfg.model.family, "rpe": rpe,
+                 "amp": precision},
+                step, resident=partial(training_state_bytes, model, optimizer)))
     interleave([*runners, *extra_runners], train_warmup + train_repeats, dev, progress)
     results = []
     for runner, (model, postprocessor) in zip(runners, built):
         precision = runner.row["amp"]
-        infer = _time_inference(model, postprocessor, images, targets, dev, precision,
+        infer = _time_inference(model, postprocessor, images, batch_targets, dev, precision,
                                 infer_warmup, infer_repeats)
         timing = runner.timing(train_warmup)
         results.append({
@@ -275,27 +343,30 @@ def run_model_benchmark(
 
 
 def model_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown. ``x plain`` compares with the ``rpe=none`` row of the same decoder and
-    precision (the iRPE overhead on that decoder), ``x DETR`` with the DETR row of the same
-    ``rpe`` and precision (the decoder's cost), ``x fp32`` with the same model in float32;
-    ``loss diff`` is ``loss_after`` minus the float32 row's (same start, same batch, same
-    number of steps)."""
-    def find(decoder: str, rpe: str, amp: str) -> dict[str, Any] | None:
-        return next((r for r in rows if r.get("decoder", "detr") == decoder and r["rpe"] == rpe
+    """Markdown. ``x plain`` compares with the ``rpe=none`` row of the same target and
+    precision (the iRPE overhead on that detector), ``x <first>`` with the first target's
+    row of the same ``rpe`` and precision (the detector's cost against the baseline, DETR
+    in a default run), ``x fp32`` with the same model in float32; ``loss diff`` is
+    ``loss_after`` minus the float32 row's (same start, same batch, same number of
+    steps)."""
+    def find(target: str, rpe: str, amp: str) -> dict[str, Any] | None:
+        return next((r for r in rows if target_of(r) == target and r["rpe"] == rpe
                      and r.get("amp", "none") == amp), None)
 
     def ratio(r: dict[str, Any], base: dict[str, Any] | None) -> str:
         return "n/a" if base is None else f"{r['train_step_s'] / base['train_step_s']:.3f}"
 
+    first = target_of(rows[0]) if rows else "DETR"
     lines = [
-        "| model | amp | images | train step s | x plain | x DETR | x fp32 | train CPU s "
-        "| train img/s | infer img/s | loss after N | loss diff vs fp32 | peak train MiB |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| model | config | amp | images | train step s | x plain | x {first} | x fp32 "
+        "| train CPU s | train img/s | infer img/s | loss after N | loss diff vs fp32 "
+        "| peak train MiB |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        amp, decoder = r.get("amp", "none"), r.get("decoder", "detr")
-        fp32 = find(decoder, r["rpe"], "none")
-        x_plain, x_detr = ratio(r, find(decoder, "none", amp)), ratio(r, find("detr", r["rpe"], amp))
+        amp, target = r.get("amp", "none"), target_of(r)
+        fp32 = find(target, r["rpe"], "none")
+        x_plain, x_first = ratio(r, find(target, "none", amp)), ratio(r, find(first, r["rpe"], amp))
         x_fp32 = ratio(r, fp32)
         loss = r.get("loss_after")
         loss_cell = "n/a" if loss is None else f"{loss:.4f} (N={r.get('loss_steps')})"
@@ -303,10 +374,10 @@ def model_table(rows: Sequence[dict[str, Any]]) -> str:
                 else f"{loss - fp32['loss_after']:+.4f}")
         peak = "n/a (CPU)" if r["peak_train_mib"] is None else f"{r['peak_train_mib']:.0f}"
         lines.append(
-            f"| {decoder_name(r)} | {'fp32' if amp == 'none' else amp} | {r['batch']} x "
-            f"{r['image_hw'][0]}x{r['image_hw'][1]} (L={r['encoder_tokens']}) | "
-            f"{r['train_step_s']:.3f} | {x_plain} | {x_detr} | {x_fp32} | {r['train_cpu_s']:.3f} | "
-            f"{r['train_images_per_s']:.2f} | {r['infer_images_per_s']:.2f} | {loss_cell} | "
-            f"{diff} | {peak} |"
+            f"| {row_name(r)} | {r.get('config', 'n/a')} | {'fp32' if amp == 'none' else amp} | "
+            f"{r['batch']} x {r['image_hw'][0]}x{r['image_hw'][1]} (L={r['encoder_tokens']}) | "
+            f"{r['train_step_s']:.3f} | {x_plain} | {x_first} | {x_fp32} | "
+            f"{r['train_cpu_s']:.3f} | {r['train_images_per_s']:.2f} | "
+            f"{r['infer_images_per_s']:.2f} | {loss_cell} | {diff} | {peak} |"
         )
     return "\n".join(lines)

@@ -39,11 +39,17 @@ from torch import nn
 from detr_irpe.benchmark.model import StepRunner, interleave, training_state_bytes
 from detr_irpe.engine.trainer import autocast_context
 from detr_irpe.errors import ConfigError
+from detr_irpe.family import get_family
 
 __all__ = [
-    "check_reference_dir", "compare_outputs", "outputs_table", "reference_args",
-    "reference_code", "reference_table", "rows_of", "run_reference_benchmark", "step_runners",
+    "FAMILY", "check_reference_dir", "compare_outputs", "outputs_table", "reference_args",
+    "reference_code", "reference_table", "reference_targets", "rows_of",
+    "run_reference_benchmark", "step_runners",
 ]
+
+# The family whose published code this module times: the model rows of its benchmark
+# targets are the ones compared with the reference.
+FAMILY = "detr"
 
 # What a DETR-with-iRPE checkout must hold: (file, a text it contains, what it is)
 _REQUIRED = (
@@ -54,6 +60,12 @@ _REQUIRED = (
 )
 # the reference's top-level package names, imported from the checkout
 _PACKAGES = ("models", "util")
+
+
+def reference_targets() -> dict[str, str]:
+    """``{row name: config name}`` of the model rows the reference code is compared with:
+    the benchmark targets of :data:`FAMILY` in the registry (``{"DETR": "detr_r50"}``)."""
+    return dict(get_family(FAMILY).benchmark_targets)
 
 
 def check_reference_dir(path: str | Path) -> Path:

@@ -1,4 +1,6 @@
-"""The whole benchmark of ``tools/benchmark.py``: op, model, data and eval levels.
+"""The whole benchmark of ``detr-irpe-benchmark`` (``tools/benchmark.py``): op, model
+(every benchmark target of the family registry), CPU inference of the exported model,
+profile, data and eval levels.
 
 :func:`run_suite` measures the requested sections, checks the CPU targets of the project
 (docs/benchmarks.md; full-size CPU runs only, never ``--quick``) and returns one JSON-able
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from detr_irpe.benchmark import data as data_bench
+from detr_irpe.benchmark import deploy as deploy_bench
 from detr_irpe.benchmark import evaluation as eval_bench
 from detr_irpe.benchmark import model as model_bench
 from detr_irpe.benchmark import op as op_bench
@@ -33,7 +36,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("op", "model", "profile", "data", "eval")
+SECTIONS = ("op", "model", "onnx", "profile", "data", "eval")
 PRECISIONS = ("none", "bf16", "fp16")
 # CPU targets (docs/benchmarks.md): iRPE-DETR step / plain DETR step, ctx-product-k layer / plain MHA,
 # qkv layer time and activation memory / plain MHA
@@ -45,12 +48,8 @@ REFERENCE_TARGETS = {"none": 0.90, "bf16": 0.60}
 # what every quick-mode table says instead of verdicts
 QUICK_NOTE = ("QUICK MODE: smoke-test sizes, the numbers are meaningless; the CPU targets are "
               "judged only at full size (run without --quick)")
-# tiny sizes for smoke tests (--quick)
-_QUICK_MODEL = [
-    "model.backbone=resnet18", "model.hidden_dim=32", "model.nheads=4", "model.enc_layers=1",
-    "model.dec_layers=1", "model.dim_feedforward=64", "model.num_queries=5",
-]
-# the same tiny model in the reference code's argument names
+# tiny sizes for smoke tests (--quick): the models' in model_bench.QUICK_MODEL; the same
+# tiny DETR in the reference code's argument names
 _QUICK_REFERENCE = {"backbone": "resnet18", "hidden_dim": 32, "nheads": 4, "enc_layers": 1,
                     "dec_layers": 1, "dim_feedforward": 64, "num_queries": 5}
 _QUICK_DATA = ["data.train_scales=[64]", "data.crop_resize_scales=[48]",
@@ -84,8 +83,17 @@ class SuiteOptions:
     # model-level precisions: float32 and bf16 autocast rows (with the loss difference)
     amp: Sequence[str] = ("none", "bf16")
     models: Sequence[str] = model_bench.DEFAULT_MODELS
-    # the decoders of the model rows (detr, dab, dn), each with every model.rpe value
-    decoders: Sequence[str] = model_bench.DEFAULT_DECODERS
+    # the benchmark targets (row names of the family registry: DETR, DAB-DETR, DN-DETR,
+    # RT-DETR, ...) of the model rows, each with every model.rpe value; None: all of them
+    targets: Sequence[str] | None = None
+    # CPU inference of the exported model (onnx section): the targets, the input, the
+    # timed / untimed calls, a dynamic graph
+    onnx_targets: Sequence[str] = deploy_bench.DEFAULT_TARGETS
+    onnx_batch: int = 1
+    onnx_hw: tuple[int, int] = (640, 640)
+    onnx_repeats: int = 5
+    onnx_warmup: int = 1
+    onnx_dynamic: bool = True
     # the DETR-with-iRPE folder of a microsoft/Cream checkout: its step is measured in the
     # same run (precisions: reference_amp) and its outputs compared with this project's
     reference_code: str | None = None
@@ -107,19 +115,18 @@ class SuiteOptions:
             quick=True, op_batch=1, op_hw=(4, 5), op_dim=32, op_heads=4, op_repeats=1,
             sweep_grids=((4, 4), (4, 8), (8, 8)), naive_max_length=32, model_batch=1,
             model_hw=(64, 64), model_repeats=1, model_warmup=0, data_batches=2, eval_repeats=1,
+            onnx_hw=(64, 64), onnx_repeats=1, onnx_warmup=0,
         )
         base.update(kwargs)
         return cls(**base)
 
 
-# the decoder in a target's name (the DETR one's name is the one the docs have always used)
-_TARGET_NAMES = {"detr": "DETR", "dab": "DAB-DETR", "dn": "DN-DETR"}
-
-
-def _detr_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The DETR decoder's model rows: the ones the reference DETR-with-iRPE code compares
-    with (rows without ``decoder`` are DETR's)."""
-    return [r for r in rows if r.get("decoder", "detr") == "detr"]
+def _reference_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The model rows the reference DETR-with-iRPE code is compared with: those of its
+    family's benchmark targets (rows written before the registry named targets, without
+    ``target``, see :func:`~detr_irpe.benchmark.model.target_of`)."""
+    names = set(reference_bench.reference_targets())
+    return [r for r in rows if model_bench.target_of(r) in names]
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -174,24 +181,24 @@ def target_ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
                         "ratio_wall": op[key]["median_ms"] / plain["median_ms"],
                         "met": ratio <= limit})
     model_rows = results.get("model", {}).get("rows", [])
-    groups = dict.fromkeys((r.get("decoder", "detr"), r.get("amp", "none")) for r in model_rows)
-    for decoder, amp in groups:
+    groups = dict.fromkeys((model_bench.target_of(r), r.get("amp", "none")) for r in model_rows)
+    for target, amp in groups:
         rows = {r["rpe"]: r for r in model_rows
-                if (r.get("decoder", "detr"), r.get("amp", "none")) == (decoder, amp)}
+                if (model_bench.target_of(r), r.get("amp", "none")) == (target, amp)}
         if "none" not in rows:
             continue
         for rpe, r in rows.items():
             if rpe != "none":
                 ratio = r["train_cpu_s"] / rows["none"]["train_cpu_s"]
                 precision = "fp32" if amp == "none" else amp
-                out.append({"target": f"{_TARGET_NAMES[decoder]} training step ({precision}), "
+                out.append({"target": f"{target} training step ({precision}), "
                                       f"{rpe} vs rpe=none",
                             "limit": TARGETS["model_train_step"], "ratio": ratio,
                             "ratio_wall": r["train_step_s"] / rows["none"]["train_step_s"],
                             "met": ratio <= TARGETS["model_train_step"]})
     reference = {r["rpe"]: r for r in results.get("model", {}).get("reference_rows", [])
                  if r.get("amp", "none") == "none"}
-    for r in _detr_rows(model_rows):
+    for r in _reference_rows(model_rows):
         base, amp = reference.get(r["rpe"]), r.get("amp", "none")
         if base is None or r["rpe"] == "none" or amp not in REFERENCE_TARGETS:
             continue
@@ -220,10 +227,8 @@ def run_suite(
     bad_amp = [a for a in options.reference_amp if a not in ("none", "bf16")]
     if bad_amp:
         raise ConfigError(f"--reference-amp: {bad_amp} not allowed; choose from none, bf16")
-    bad = [d for d in options.decoders if d not in model_bench.DECODER_CONFIGS]
-    if bad or not options.decoders:
-        raise ConfigError(f"--decoders: {bad or 'none given'} not allowed; choose from "
-                          f"{', '.join(model_bench.DECODER_CONFIGS)}")
+    model_bench.select_targets(options.targets)
+    onnx_targets = model_bench.select_targets(options.onnx_targets, "--onnx-targets")
     if options.reference_code:
         reference_bench.check_reference_dir(options.reference_code)
     dev = torch.device(options.device)
@@ -256,6 +261,11 @@ def run_suite(
         results["op"] = section
     if "model" in options.sections:
         results["model"] = _model_level(options, progress)
+    if "onnx" in options.sections:
+        results["onnx"] = deploy_bench.run_deploy_benchmark(
+            onnx_targets, options.models, options.onnx_batch, *options.onnx_hw,
+            threads=options.threads, repeats=options.onnx_repeats, warmup=options.onnx_warmup,
+            dynamic=options.onnx_dynamic, quick=options.quick, progress=progress)
     if {"data", "eval", "profile"} & set(options.sections):
         root = Path(options.data_root)
         if options.quick and options.data_root == SuiteOptions.data_root:
@@ -285,8 +295,8 @@ def _model_level(options: SuiteOptions, progress: Callable[[str], None] | None) 
             options.models, options.model_batch, options.model_hw[0], options.model_hw[1],
             options.device, options.model_repeats, options.model_warmup,
             max(options.model_repeats, 1), 1 if options.model_warmup else 0, options.amp,
-            _QUICK_MODEL if options.quick else (), progress, extra_runners,
-            decoders=options.decoders,
+            (), progress, extra_runners, targets=model_bench.select_targets(options.targets),
+            quick=options.quick,
         )
 
     if not options.reference_code:
@@ -302,11 +312,13 @@ def _model_level(options: SuiteOptions, progress: Callable[[str], None] | None) 
             options.reference_amp, changes, progress)
         rows = ours(runners)
     checks = []
+    config = next(iter(reference_bench.reference_targets().values()))
     for rpe in options.models:
         if progress is not None:
             progress(f"outputs of this project vs the reference code, rpe={rpe}")
         _, model, _, _ = model_bench.build_benchmark_model(
-            rpe, torch.device(options.device), _QUICK_MODEL if options.quick else ())
+            rpe, torch.device(options.device),
+            model_bench.quick_overrides(config) if options.quick else (), config)
         checks.append({"rpe": rpe, **reference_bench.compare_outputs(
             options.reference_code, model, rpe, images, options.device, changes)})
     return {"rows": rows,
@@ -317,7 +329,8 @@ def _model_level(options: SuiteOptions, progress: Callable[[str], None] | None) 
 def _profile(options: SuiteOptions, root: Path, progress: Callable[[str], None] | None) -> dict:
     overrides = data_bench.dataset_overrides(root)
     if options.quick:
-        overrides += [*_QUICK_MODEL, *_QUICK_DATA, "train.batch_size=2"]
+        overrides += [*model_bench.quick_overrides(options.profile_config), *_QUICK_DATA,
+                      "train.batch_size=2"]
     rows = []
     for amp in options.amp:
         if progress is not None:
@@ -356,14 +369,21 @@ def suite_markdown(results: dict[str, Any]) -> str:
             if sweep["skipped"]:
                 parts.append("\n" + "\n".join(f"- {note}" for note in sweep["skipped"]))
     if "model" in results:
-        parts += ["\n### Model level: training step and inference of each decoder (one "
-                  "interleaved run)\n",
+        parts += ["\n### Model level: training step and inference of each benchmark target "
+                  "of the family registry (one interleaved run)\n",
                   model_bench.model_table(results["model"]["rows"])]
         if results["model"].get("reference_rows"):
             parts += ["\n### Model level: the reference DETR-with-iRPE code, same batch, same "
-                      "run\n", reference_bench.reference_table(_detr_rows(results["model"]["rows"]),
+                      "run\n", reference_bench.reference_table(_reference_rows(results["model"]["rows"]),
                                                                results["model"]["reference_rows"]),
                       "\n" + reference_bench.outputs_table(results["model"]["reference_outputs"])]
+    if "onnx" in results:
+        section = results["onnx"]
+        parts += [f"\n### CPU inference: the exported model in ONNX Runtime vs PyTorch and "
+                  f"transformers ({section['threads']} threads, "
+                  f"{'dynamic' if section['dynamic'] else 'static'} ONNX graph, "
+                  "no post-processing, one interleaved run)\n",
+                  deploy_bench.deploy_table(section)]
     if "profile" in results:
         rows = results["profile"]["rows"]
         parts += [f"\n### Where a training iteration's time goes: {rows[0]['config']}, batch "

@@ -1,4 +1,5 @@
-"""Smoke tests of the benchmarks at tiny sizes: table structure, JSON, plot; no timings."""
+"""Smoke tests of the benchmarks at tiny sizes: table structure, JSON, plot; no timings.
+The model rows come from the family registry (every family's benchmark_targets)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,27 @@ import pytest
 import torch
 from helpers import load_tool
 
-from detr_irpe.benchmark import SuiteOptions, run_suite, suite_markdown, write_results
+from detr_irpe.benchmark import SECTIONS, SuiteOptions, run_suite, suite_markdown, write_results
 from detr_irpe.benchmark import op as op_bench
 from detr_irpe.benchmark import profile as profile_bench
 from detr_irpe.benchmark.suite import QUICK_NOTE, target_ratios
+
+# the built-in families' rows, in the registry's order (the default family's first)
+BUILTIN_TARGETS = ("DETR", "DAB-DETR", "DN-DETR", "RT-DETR")
+IRPE = "rpe-2.0-product-ctx-1-k"
 
 
 @pytest.fixture(scope="module")
 def quick_results(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("bench")
-    results = run_suite(SuiteOptions.quick_options(threads=1), out)
+    # the onnx section (two ONNX exports) has its own test below
+    results = run_suite(SuiteOptions.quick_options(
+        threads=1, sections=[s for s in SECTIONS if s != "onnx"]), out)
     write_results(results, out)
     return results, out
 
 
-@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~6 s, shared by the module)
+@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~8 s, shared by the module)
 def test_quick_suite_structure(quick_results) -> None:
     results, out = quick_results
     assert set(results) >= {"environment", "options", "op", "model", "data", "eval", "targets"}
@@ -42,10 +49,13 @@ def test_quick_suite_structure(quick_results) -> None:
     assert sweep["skipped"] and "naive_product_qkv at L=64" in sweep["skipped"][0]
     assert Path(results["op"]["plot"]).is_file()
     rows = results["model"]["rows"]
-    # every decoder with and without iRPE, each in both precisions, in one run
-    assert [(r["decoder"], r["rpe"], r["amp"]) for r in rows] == [
-        (decoder, rpe, amp) for decoder in ("detr", "dab", "dn")
-        for rpe in ("none", "rpe-2.0-product-ctx-1-k") for amp in ("none", "bf16")]
+    # every family's targets with and without iRPE, each in both precisions, in one run
+    assert [(r["target"], r["rpe"], r["amp"]) for r in rows] == [
+        (target, rpe, amp) for target in BUILTIN_TARGETS
+        for rpe in ("none", IRPE) for amp in ("none", "bf16")]
+    assert [r["family"] for r in rows[::4]] == ["detr", "dab", "dab", "rtdetr"]
+    assert [r["config"] for r in rows[::4]] == ["detr_r50", "dab_detr_r50", "dn_detr_r50",
+                                                "rtdetr_r50"]
     for row in rows:
         assert row["train_step_s"] > 0 and row["infer_images_per_s"] > 0
         assert len(row["train_step_s_all"]) == 1
@@ -53,11 +63,12 @@ def test_quick_suite_structure(quick_results) -> None:
     # same start, same batch: the first step's loss differs only by the precision
     fp32, bf16 = rows[2]["loss_after"], rows[3]["loss_after"]
     assert fp32 != bf16 and abs(fp32 - bf16) < 0.1 * fp32
-    # the dn rows' step has the denoising terms on top of the same DAB model's loss
+    # the DN-DETR rows' step has the denoising terms on top of the same DAB model's loss
     # (same seed, same batch): its loss is the larger
-    by_key = {(r["decoder"], r["rpe"], r["amp"]): r for r in rows}
-    for rpe in ("none", "rpe-2.0-product-ctx-1-k"):
-        assert by_key["dn", rpe, "none"]["loss_after"] > by_key["dab", rpe, "none"]["loss_after"]
+    by_key = {(r["target"], r["rpe"], r["amp"]): r for r in rows}
+    for rpe in ("none", IRPE):
+        assert by_key["DN-DETR", rpe, "none"]["loss_after"] \
+            > by_key["DAB-DETR", rpe, "none"]["loss_after"]
     profile = results["profile"]["rows"]
     assert [r["amp"] for r in profile] == ["none", "bf16"]
     for row in profile:
@@ -71,12 +82,12 @@ def test_quick_suite_structure(quick_results) -> None:
     targets = {t["target"] for t in target_ratios(results)}
     assert "DETR training step (fp32), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
     assert "DETR training step (bf16), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
-    for name in ("DAB-DETR", "DN-DETR"):  # the iRPE overhead on each decoder
+    for name in ("DAB-DETR", "DN-DETR", "RT-DETR"):  # the iRPE overhead on each detector
         assert f"{name} training step (fp32), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
     assert any("SDPA" in t for t in targets) and any("DETR MHA" in t for t in targets)
 
 
-@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~6 s, shared by the module)
+@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~8 s, shared by the module)
 def test_results_written(quick_results) -> None:
     results, out = quick_results
     loaded = json.loads((out / "results.json").read_text())
@@ -87,13 +98,14 @@ def test_results_written(quick_results) -> None:
                   "COCO evaluation", "CPU targets"):
         assert title in md
     assert "| variant | wall ms | x DETR MHA | x SDPA MHA |" in md
-    for name in ("| DETR-R50 |", "| DAB-DETR-R50 |", "| DN-DETR-R50 |",
-                 "| DAB-DETR-R50-iRPE rpe-2.0-product-ctx-1-k |",
-                 "| DN-DETR-R50-iRPE rpe-2.0-product-ctx-1-k |"):
+    assert "| x DETR |" in md  # each row against the first target's
+    for name in ("| DETR | detr_r50 |", "| DAB-DETR | dab_detr_r50 |", "| DN-DETR | dn_detr_r50 |",
+                 "| RT-DETR | rtdetr_r50 |", f"| DAB-DETR-iRPE {IRPE} | dab_detr_r50 |",
+                 f"| DN-DETR-iRPE {IRPE} | dn_detr_r50 |", f"| RT-DETR-iRPE {IRPE} | rtdetr_r50 |"):
         assert md.count(name) == 2, name  # fp32 and bf16 rows
 
 
-@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~6 s, shared by the module)
+@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~8 s, shared by the module)
 def test_quick_mode_gives_no_verdicts(quick_results) -> None:
     """Smoke-test sizes say nothing about the targets: no met / NO column, a note instead."""
     results, out = quick_results
@@ -128,12 +140,16 @@ def test_tool_cli_quick_op_only(tmp_path: Path, capsys) -> None:
     # "auto" is a training setting, not a precision a benchmark row can name
     assert tool.main(["--quick", "--only", "model", "--amp", "auto",
                       "--output-dir", str(tmp_path)]) == 2
-    assert tool.main(["--quick", "--only", "model", "--decoders", "detr,deformable",
+    assert tool.main(["--quick", "--only", "model", "--targets", "DETR,Deformable-DETR",
                       "--output-dir", str(tmp_path)]) == 2
-    assert "--decoders" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--targets: ['Deformable-DETR'] not allowed" in err and "RT-DETR" in err
+    assert tool.main(["--quick", "--only", "onnx", "--onnx-targets", "detr",
+                      "--output-dir", str(tmp_path)]) == 2
+    assert "--onnx-targets: ['detr'] not allowed" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~6 s, shared by the module)
+@pytest.mark.slow  # the whole quick suite at smoke-test sizes (~8 s, shared by the module)
 def test_render_from_json(quick_results) -> None:
     tool = load_tool("benchmark")
     _, out = quick_results
@@ -170,3 +186,143 @@ def test_interleave_is_round_robin_and_medians_skip_the_warmup() -> None:
     timing = a.timing(warmup=1)
     assert timing["train_step_s_all"] == a.walls[1:] and timing["loss_after"] == 5.0
     assert timing["loss_steps"] == 3 and timing["peak_train_mib"] is None  # CPU
+
+
+# ------------------------------------------------------------- the registry's targets
+def test_targets_are_every_family_s_benchmark_targets(monkeypatch) -> None:
+    from dataclasses import replace
+
+    from detr_irpe import family as registry
+    from detr_irpe.benchmark.model import benchmark_targets, select_targets
+    from detr_irpe.errors import ConfigError
+
+    targets = benchmark_targets()
+    assert tuple(targets) == BUILTIN_TARGETS
+    assert targets["RT-DETR"] == "rtdetr_r50" and targets["DN-DETR"] == "dn_detr_r50"
+    assert select_targets(["RT-DETR", "DETR"]) == {"RT-DETR": "rtdetr_r50", "DETR": "detr_r50"}
+    with pytest.raises(ConfigError, match=r"--targets: \['detr'\] not allowed; choose from "
+                                          r"DETR, DAB-DETR, DN-DETR, RT-DETR"):
+        select_targets(["detr"])
+    # a family registered later brings its rows; a row name taken twice is refused
+    extra = replace(registry.get_family("rtdetr"), name="zz", benchmark_targets={
+        "RT-DETR-R18": "rtdetr_r18"})
+    monkeypatch.setitem(registry._REGISTRY, "zz", extra)
+    assert benchmark_targets()["RT-DETR-R18"] == "rtdetr_r18"
+    monkeypatch.setitem(registry._REGISTRY, "zz", replace(extra, benchmark_targets={
+        "DETR": "rtdetr_r18"}))
+    with pytest.raises(ConfigError, match="benchmark target 'DETR' of model.family=zz"):
+        benchmark_targets()
+
+
+def test_quick_sizes_use_each_family_s_own_keys() -> None:
+    from detr_irpe.benchmark.model import quick_overrides
+
+    detr, rtdetr = quick_overrides("detr_r50"), quick_overrides("rtdetr_r50")
+    assert "model.backbone=resnet18" in detr and not any("depth" in o for o in detr)
+    assert "model.depth=18" in rtdetr and not any("backbone" in o for o in rtdetr)
+    assert "model.enc_hidden_dim=32" in rtdetr and "model.num_denoising=10" in rtdetr
+
+
+def test_rows_of_older_results_keep_their_names() -> None:
+    """results.json of earlier versions: rows named by ``decoder``, or by nothing (DETR)."""
+    from detr_irpe.benchmark.model import row_name, target_of
+    from detr_irpe.benchmark.suite import _reference_rows
+
+    old = [{"rpe": "none"}, {"decoder": "dab", "rpe": IRPE}, {"decoder": "dn", "rpe": "none"},
+           {"decoder": "detr", "rpe": IRPE}, {"target": "RT-DETR", "rpe": "none"}]
+    assert [target_of(r) for r in old] == ["DETR", "DAB-DETR", "DN-DETR", "DETR", "RT-DETR"]
+    assert row_name(old[1]) == f"DAB-DETR-iRPE {IRPE}"
+    # the reference code's rows: the DETR family's targets, whatever the rows' vintage
+    assert _reference_rows(old) == [old[0], old[3]]
+
+
+def test_a_plugin_family_s_targets_are_measured(monkeypatch, tmp_path: Path) -> None:
+    """A family a module registers (tests/plugins/toy_family.py) gets model rows from
+    its benchmark_targets, with and without iRPE, through the same interleaved run."""
+    from dataclasses import replace
+
+    from helpers import ROOT
+
+    from detr_irpe import family as registry
+    from detr_irpe.benchmark.model import run_model_benchmark, select_targets
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "plugins"))
+    import toy_family
+
+    config = tmp_path / "toy.yaml"
+    config.write_text("model:\n  import: [toy_family]\n  family: toy\n  grid: 2\n")
+    monkeypatch.setitem(registry._REGISTRY, "toy", replace(
+        toy_family.FAMILY, benchmark_targets={"Toy": str(config)}))
+    targets = select_targets(["Toy", "DETR"])
+    rows = run_model_benchmark(["none"], batch=1, height=64, width=64, train_repeats=1,
+                               train_warmup=0, infer_repeats=1, infer_warmup=0,
+                               targets=targets, quick=True)
+    assert [(r["target"], r["family"], r["config"]) for r in rows] == [
+        ("Toy", "toy", str(config)), ("DETR", "detr", "detr_r50")]
+    assert all(math.isfinite(r["loss_after"]) and r["train_step_s"] > 0 for r in rows)
+
+
+# ------------------------------------------------------------------ the console script
+def test_console_script_help_and_its_sections(capsys) -> None:
+    from detr_irpe.cli import benchmark as cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: detr-irpe-benchmark") and "--targets" in text
+    assert "--onnx-targets" in text and "--decoders" not in text
+    assert cli.SECTIONS == SECTIONS  # named without importing the suite (torch)
+    assert "detr-irpe-benchmark = detr_irpe.cli.benchmark:main" in (
+        Path(__file__).resolve().parent.parent / "setup.cfg").read_text()
+
+
+def test_console_script_runs_the_quick_model_rows(tmp_path: Path, capsys) -> None:
+    from detr_irpe.cli.benchmark import main
+
+    assert main(["--quick", "--only", "model", "--targets", "RT-DETR,DETR", "--amp", "none",
+                 "--threads", "1", "--output-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads((tmp_path / "results.json").read_text())["model"]["rows"]
+    # the order of --targets; the x column compares with the first one named
+    assert [(r["target"], r["rpe"]) for r in rows] == [
+        ("RT-DETR", "none"), ("RT-DETR", IRPE), ("DETR", "none"), ("DETR", IRPE)]
+    assert "| x RT-DETR |" in printed and f"| RT-DETR-iRPE {IRPE} | rtdetr_r50 | fp32 |" in printed
+    assert main(["--quick", "--threads", "0", "--output-dir", str(tmp_path)]) == 2
+
+
+# ----------------------------------------------------------------- the onnx section
+def test_deploy_rows_without_the_optional_packages_are_notes(monkeypatch) -> None:
+    from detr_irpe.benchmark import deploy
+
+    monkeypatch.setattr(deploy, "_missing", lambda *modules: list(modules))
+    section = deploy.run_deploy_benchmark({"RT-DETR": "rtdetr_r50"}, ["none"], height=64,
+                                          width=64, threads=1, repeats=1, warmup=0, quick=True)
+    assert [r["runtime"] for r in section["rows"]] == ["PyTorch"]
+    assert section["rows"][0]["max_diff_logits"] == 0.0
+    notes = " ".join(section["notes"])
+    assert "ONNX Runtime rows left out: onnx, onnxscript, onnxruntime not installed" in notes
+    assert "transformers rows left out: transformers, safetensors not installed" in notes
+    table = deploy.deploy_table(section)
+    assert "| RT-DETR | rtdetr_r50 | PyTorch | 1 x 64x64 |" in table and "- ONNX Runtime" in table
+
+
+@pytest.mark.slow  # two ONNX exports of a tiny RT-DETR (~40 s)
+def test_onnx_section_three_runtimes_same_outputs(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    pytest.importorskip("transformers")
+    results = run_suite(SuiteOptions.quick_options(threads=1, sections=["onnx"]), tmp_path)
+    section = results["onnx"]
+    assert [(r["rpe"], r["runtime"]) for r in section["rows"]] == [
+        ("none", "PyTorch"), ("none", "ONNX Runtime"), ("none", "transformers"),
+        (IRPE, "PyTorch"), (IRPE, "ONNX Runtime")]  # transformers has no iRPE
+    assert section["notes"] == [] and section["dynamic"] and section["threads"] == 1
+    for row in section["rows"]:
+        assert row["latency_s"] > 0 and row["image_hw"] == [64, 64]
+        # the same weights in each runtime: float32 rounding apart (a wrong weight or
+        # a missed encoding moves them by 1e-2 or more)
+        assert row["max_diff_logits"] < 1e-4 and row["max_diff_boxes"] < 1e-4
+    text = suite_markdown(results)
+    assert "CPU inference: the exported model in ONNX Runtime" in text
+    assert "| RT-DETR | rtdetr_r50 | transformers | 1 x 64x64 |" in text

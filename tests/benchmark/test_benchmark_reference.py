@@ -154,7 +154,7 @@ def test_other_code_is_refused(checkout: Path) -> None:
         ref.check_reference_dir(checkout)
 
 
-@pytest.mark.slow  # the model section with every decoder and the stand-in reference (~6 s)
+@pytest.mark.slow  # the model section with every target and the stand-in reference (~8 s)
 def test_suite_reference_rows_targets_and_tables(checkout: Path, tmp_path: Path) -> None:
     options = SuiteOptions.quick_options(threads=1, sections=["model"],
                                          reference_code=str(checkout), amp=["none", "bf16"])
@@ -171,9 +171,9 @@ def test_suite_reference_rows_targets_and_tables(checkout: Path, tmp_path: Path)
     bf16 = targets["DETR training step, rpe-2.0-product-ctx-1-k: this project in bf16 vs the "
                    "reference code in fp32"]
     assert (fp32["limit"], bf16["limit"]) == (0.90, 0.60)
-    # the DAB / DN rows are in the same run; the reference code is DETR's only
-    assert {r["decoder"] for r in model["rows"]} == {"detr", "dab", "dn"}
-    ours = {(r["rpe"], r["amp"]): r for r in model["rows"] if r["decoder"] == "detr"}
+    # every family's rows are in the same run; the reference code is DETR's only
+    assert {r["target"] for r in model["rows"]} == {"DETR", "DAB-DETR", "DN-DETR", "RT-DETR"}
+    ours = {(r["rpe"], r["amp"]): r for r in model["rows"] if r["target"] == "DETR"}
     base = model["reference_rows"][1]
     assert fp32["ratio"] == pytest.approx(
         ours[("rpe-2.0-product-ctx-1-k", "none")]["train_cpu_s"] / base["train_cpu_s"])
@@ -182,6 +182,7 @@ def test_suite_reference_rows_targets_and_tables(checkout: Path, tmp_path: Path)
     assert "| reference | DETR-R50-iRPE rpe-2.0-product-ctx-1-k | fp32 |" in text
     reference_table = text.split("the reference DETR-with-iRPE code")[1].split("###")[0]
     assert "DAB-DETR" not in reference_table and "DN-DETR" not in reference_table
+    assert "RT-DETR" not in reference_table
     assert "Same weights in both models" in text
 
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 from helpers import ROOT
 
-# Each console script's module (setup.cfg) and the demo's (benchmark: not split yet).
+# Each console script's module (setup.cfg) and the demo's.
 SPLIT = ["train", "eval", "predict", "visualize", "export", "convert", "ablate", "submit",
-         "demo"]
+         "demo", "benchmark"]
 
 _PROBE = """
 import sys

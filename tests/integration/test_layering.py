@@ -44,9 +44,9 @@ ALLOWED: dict[str, set[str]] = {
                            "visualization"},
     "ablation": CONFIG | {"checkpoint", "data", "errors", "evaluation", "irpe", "models",
                           "rope", "run_folder", "utils"},
-    "benchmark": CONFIG | {"checkpoint", "data", "engine", "errors", "evaluation", "irpe",
-                           "models", "rope", "structures", "utils"},
-    "cli": CONFIG | {"ablation", "checkpoint", "data", "engine", "errors", "evaluation",
+    "benchmark": CONFIG | {"checkpoint", "data", "engine", "errors", "evaluation", "export",
+                           "irpe", "models", "rope", "structures", "utils"},
+    "cli": CONFIG | {"ablation", "benchmark", "checkpoint", "data", "engine", "errors", "evaluation",
                      "export", "inference", "irpe", "models", "rope", "run_folder",
                      "structures", "utils", "visualization"},
 }
@@ -60,7 +60,8 @@ LEAVES = {
 # that may be missing, and the user's reference checkout (benchmark/reference.py), which is
 # importable only while it is on sys.path.
 OPTIONAL = {"safetensors", "torch.utils.tensorboard", "faster_coco_eval", "onnxruntime",
-            "timm", "torchvision.io", "models", "util.misc", "submitit", "wandb"}
+            "timm", "torchvision.io", "models", "util.misc", "submitit", "wandb",
+            "transformers"}
 # A tool's module (detr_irpe/cli/<tool>.py) imports its program (detr_irpe/cli/programs/)
 # inside main, after parsing: --help and argument errors need no torch (docs/architecture.md).
 PROGRAMS = "detr_irpe.cli.programs"

@@ -1,0 +1,237 @@
+"""CPU inference of an exported detector against transformers' model of the same family.
+
+For each chosen benchmark target (default: RT-DETR) and ``model.rpe`` value, three
+runtimes read the same input tensor on the CPU with the same number of threads, their
+calls interleaved round-robin (:func:`~detr_irpe.benchmark.model.interleave`):
+
+- ``PyTorch``: this project's model, eval mode, ``no_grad``, as its family's
+  ``onnx_wrapper`` (``images -> (pred_logits, pred_boxes)``: the graph that is exported);
+- ``ONNX Runtime``: that model exported by :func:`detr_irpe.export.export_onnx` (a dynamic
+  graph by default: any size, encodings and anchors computed inside it) and run by
+  ``onnxruntime`` (``CPUExecutionProvider``, ``intra_op_num_threads`` = the threads);
+- ``transformers``: the family's Hugging Face model (``RTDetrForObjectDetection``) with the
+  same config and the same weights, written by
+  :func:`detr_irpe.checkpoint.hf_folder.write_hf_folder` and read back by transformers'
+  ``AutoModelForObjectDetection.from_pretrained`` (plain models only: transformers has no
+  iRPE), eval mode, ``no_grad``.
+
+Post-processing is left out of all three (it is outside the exported graph). The models
+have random weights (no backbone weights are loaded); a model section with an
+``input_normalization`` key gets ``none``, so that this project's model and transformers'
+read the same ``[0, 1]`` pixels. Each row also gives the largest difference of its
+outputs from the PyTorch row's (the same weights: a sanity check of the export and the
+conversion). onnx / onnxscript / onnxruntime (the ``onnx`` extra) and transformers are
+optional: without them their rows are left out with a note.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detr_irpe.benchmark.common import median
+from detr_irpe.benchmark.model import (
+    DEFAULT_MODELS,
+    StepRunner,
+    build_benchmark_model,
+    interleave,
+    quick_overrides,
+    row_name,
+)
+from detr_irpe.checkpoint.hf_folder import write_hf_folder
+from detr_irpe.config import load_config
+from detr_irpe.errors import DetrIrpeError
+from detr_irpe.export import IMAGE_INPUT, OUTPUTS, export_onnx, onnx_wrapper
+from detr_irpe.family import get_family
+
+__all__ = ["DEFAULT_TARGETS", "RUNTIMES", "deploy_table", "run_deploy_benchmark"]
+
+logger = logging.getLogger(__name__)
+
+# the rows of a default run: the real-time detector, the one deployed on CPUs
+DEFAULT_TARGETS = ("RT-DETR",)
+RUNTIMES = ("PyTorch", "ONNX Runtime", "transformers")
+
+
+def _missing(*modules: str) -> list[str]:
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
+def _onnx_session(path: Path, threads: int) -> Callable[[torch.Tensor], tuple]:
+    import onnxruntime  # optional (the onnx extra): checked by the caller
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = onnxruntime.InferenceSession(str(path), options,
+                                           providers=["CPUExecutionProvider"])
+
+    def run(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, boxes = session.run(list(OUTPUTS), {IMAGE_INPUT: images.numpy()})
+        return torch.from_numpy(logits), torch.from_numpy(boxes)
+
+    return run
+
+
+def _transformers_model(model: torch.nn.Module, cfg: Any, folder: Path) -> torch.nn.Module:
+    import transformers  # optional (the test extra): checked by the caller
+
+    write_hf_folder(model.state_dict(), cfg, folder)
+    return transformers.AutoModelForObjectDetection.from_pretrained(folder).eval()
+
+
+def _overrides(config: str, quick: bool) -> list[str]:
+    keys = {f.name for f in dataclasses.fields(load_config(config).model)}
+    extra = quick_overrides(config) if quick else []
+    return extra + (["model.input_normalization=none"] if "input_normalization" in keys else [])
+
+
+def _diff(ours: tuple[torch.Tensor, torch.Tensor], theirs: tuple[torch.Tensor, torch.Tensor]
+          ) -> tuple[float, float]:
+    return tuple(float((a.float() - b.float()).abs().max()) for a, b in zip(ours, theirs))
+
+
+def run_deploy_benchmark(
+    targets: Mapping[str, str],
+    models: Sequence[str] = DEFAULT_MODELS,
+    batch: int = 1,
+    height: int = 640,
+    width: int = 640,
+    threads: int = 2,
+    repeats: int = 5,
+    warmup: int = 1,
+    dynamic: bool = True,
+    quick: bool = False,
+    work_dir: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Inference latency of each target in each runtime (see the module docstring).
+
+    Args:
+        targets: ``{row name: config name}`` (benchmark targets of the registry).
+        models: ``model.rpe`` values; transformers' rows only for ``none``.
+        batch, height, width: the input ``(batch, 3, height, width)``, a fixed random
+            tensor (seed 0).
+        threads: torch's and ONNX Runtime's intra-op threads.
+        repeats, warmup: timed / untimed calls of each runtime.
+        dynamic: export a dynamic graph (any batch and size) instead of a static one.
+        quick: smoke-test sizes (:func:`~detr_irpe.benchmark.model.quick_overrides`).
+        work_dir: where the ``.onnx`` files and the transformers folders go (default: a
+            temporary folder, removed afterwards).
+
+    Returns:
+        ``{"rows": [...], "notes": [...]}``: one row per (target, rpe, runtime) with
+        ``target``, ``config``, ``rpe``, ``runtime``, ``batch``, ``image_hw``,
+        ``latency_s`` (median wall seconds per call), ``latency_s_all``, ``cpu_s`` (median
+        process CPU seconds), ``images_per_s``, ``max_diff_logits`` / ``max_diff_boxes``
+        (against the PyTorch row; 0 for it); ``notes``: the rows left out and why.
+    """
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    notes: list[str] = []
+    missing_onnx = _missing("onnx", "onnxscript", "onnxruntime")
+    if missing_onnx:
+        notes.append(f"ONNX Runtime rows left out: {', '.join(missing_onnx)} not installed "
+                     "(pip install 'detr_irpe[onnx]')")
+    missing_hf = _missing("transformers", "safetensors")
+    if missing_hf:
+        notes.append(f"transformers rows left out: {', '.join(missing_hf)} not installed")
+    images = torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(0))
+    runners: list[StepRunner] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="detr_irpe_deploy_") as tmp:
+            folder = Path(work_dir) if work_dir is not None else Path(tmp)
+            folder.mkdir(parents=True, exist_ok=True)
+            for (name, config), rpe in [(t, r) for t in targets.items() for r in models]:
+                label = row_name({"target": name, "rpe": rpe})
+                if progress is not None:
+                    progress(f"building {label} ({config}) for CPU inference at "
+                             f"{batch} x {height}x{width}")
+                cfg, model, _, _ = build_benchmark_model(rpe, torch.device("cpu"),
+                                                         _overrides(config, quick), config)
+                wrapper = onnx_wrapper(model.eval())
+                calls: dict[str, Callable[[torch.Tensor], tuple]] = {"PyTorch": wrapper}
+                stem = f"{config}_{rpe}".replace("/", "_")
+                if not missing_onnx:
+                    if progress is not None:
+                        progress(f"exporting {label} to ONNX")
+                    try:
+                        path = export_onnx(model, folder / f"{stem}.onnx", (height, width),
+                                           batch=batch, dynamic=dynamic)
+                        calls["ONNX Runtime"] = _onnx_session(path, threads)
+                    except DetrIrpeError as err:
+                        notes.append(f"{label}: no ONNX Runtime row ({err})")
+                family = get_family(cfg.model.family)
+                if not missing_hf and rpe == "none" and family.hf is not None:
+                    try:
+                        calls["transformers"] = _hf_call(
+                            _transformers_model(model, cfg, folder / f"{stem}_hf"))
+                    except (DetrIrpeError, OSError, ValueError) as err:
+                        notes.append(f"{label}: no transformers row ({type(err).__name__}: "
+                                     f"{str(err).splitlines()[0] if str(err) else ''})")
+                elif not missing_hf and rpe == "none":
+                    notes.append(f"{label}: model.family={family.name} has no Hugging Face "
+                                 "model")
+                with torch.no_grad():
+                    reference = tuple(t.clone() for t in wrapper(images))
+                    for runtime, call in calls.items():
+                        logits, boxes = _diff(reference, call(images))
+                        runners.append(StepRunner(
+                            {"target": name, "config": config, "rpe": rpe, "runtime": runtime,
+                             "batch": batch, "image_hw": [height, width],
+                             "max_diff_logits": logits, "max_diff_boxes": boxes},
+                            _timed_call(call, images)))
+            interleave(runners, warmup + repeats, torch.device("cpu"), progress)
+    finally:
+        torch.set_num_threads(previous_threads)
+    rows = []
+    for runner in runners:
+        walls, cpus = runner.walls[warmup:], runner.cpus[warmup:]
+        rows.append({**runner.row, "latency_s": median(walls), "latency_s_all": walls,
+                     "cpu_s": median(cpus), "images_per_s": batch / median(walls)})
+    return {"rows": rows, "notes": notes, "threads": threads, "dynamic": dynamic}
+
+
+def _hf_call(model: torch.nn.Module) -> Callable[[torch.Tensor], tuple]:
+    def run(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(pixel_values=images)
+        return out.logits, out.pred_boxes
+
+    return run
+
+
+def _timed_call(call: Callable[[torch.Tensor], tuple], images: torch.Tensor
+                ) -> Callable[[], float]:
+    def step() -> float:
+        with torch.no_grad():
+            call(images)
+        return 0.0
+
+    return step
+
+
+def deploy_table(section: Mapping[str, Any]) -> str:
+    """Markdown: one row per (target, rpe, runtime); ``x PyTorch`` is the latency against
+    this project's PyTorch row of the same model."""
+    rows = section["rows"]
+    lines = ["| model | config | runtime | images | latency ms | CPU ms | img/s | x PyTorch "
+             "| max abs diff logits | max abs diff boxes |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        base = next((b for b in rows if (b["target"], b["rpe"], b["runtime"])
+                     == (r["target"], r["rpe"], "PyTorch")), None)
+        x = "n/a" if base is None else f"{r['latency_s'] / base['latency_s']:.3f}"
+        lines.append(
+            f"| {row_name(r)} | {r['config']} | {r['runtime']} | {r['batch']} x "
+            f"{r['image_hw'][0]}x{r['image_hw'][1]} | {1000 * r['latency_s']:.1f} | "
+            f"{1000 * r['cpu_s']:.1f} | {r['images_per_s']:.2f} | {x} | "
+            f"{r['max_diff_logits']:.1e} | {r['max_diff_boxes']:.1e} |")
+    notes = [f"- {n}" for n in section.get("notes", [])]
+    return "\n".join(lines + ([""] + notes if notes else []))
