@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_tool
+from helpers import ROOT, load_tool
 
 from detr_irpe.benchmark import SECTIONS, SuiteOptions, run_suite, suite_markdown, write_results
 from detr_irpe.benchmark import op as op_bench
@@ -274,7 +274,7 @@ def test_console_script_help_and_its_sections(capsys) -> None:
     assert "--onnx-targets" in text and "--decoders" not in text
     assert cli.SECTIONS == SECTIONS  # named without importing the suite (torch)
     assert "detr-irpe-benchmark = detr_irpe.cli.benchmark:main" in (
-        Path(__file__).resolve().parent.parent / "setup.cfg").read_text()
+        ROOT / "setup.cfg").read_text()
 
 
 def test_console_script_runs_the_quick_model_rows(tmp_path: Path, capsys) -> None:
