@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from detr_irpe.cli import demo
+from detr_irpe.cli.programs import demo as demo_program
 from detr_irpe.config import load_config
 
 CONFIG = "synthetic_demo_rtdetr"
@@ -19,8 +20,9 @@ def test_the_rtdetr_demo_config_holds_its_default_budgets_schedule() -> None:
     cfg = load_config(CONFIG)
     assert cfg.model.family == "rtdetr"
     assert cfg.train.lr_schedule == "step"
-    assert (cfg.train.epochs, cfg.train.lr_drop) == demo.schedule_for(
-        demo.NUM_TRAIN, cfg.train.batch_size, demo.DEFAULT_STEPS, cfg.train.accumulate_steps)
+    assert (cfg.train.epochs, cfg.train.lr_drop) == demo_program.schedule_for(
+        demo_program.NUM_TRAIN, cfg.train.batch_size, demo.DEFAULT_STEPS,
+        cfg.train.accumulate_steps)
     # RT-DETR's stride-32 level: square sides that are multiples of 32
     for side in (cfg.data.train_size, cfg.data.eval_size, *cfg.data.batch_scales):
         assert side % 32 == 0, side

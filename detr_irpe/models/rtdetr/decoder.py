@@ -234,6 +234,12 @@ class RTDETRDecoder(nn.Module):
         features = self.enc_output(valid.to(memory.dtype) * memory)
         logits = self.enc_score_head(features)
         boxes_unact = self.enc_bbox_head(features) + anchors
+        if memory.shape[1] < self.num_queries and not torch.compiler.is_exporting():
+            sides = " + ".join(f"{h}x{w}" for h, w in shapes)
+            raise ValueError(
+                f"model.num_queries={self.num_queries} is more than the {memory.shape[1]} "
+                f"proposals of this input's feature maps ({sides}): give a larger image or "
+                "fewer queries")
         top = logits.max(-1).values.topk(self.num_queries, dim=1).indices  # (B, Q)
 
         def pick(x: Tensor) -> Tensor:
