@@ -1,7 +1,10 @@
-"""Benchmarks behind ``tools/benchmark.py`` (see docs/benchmarks.md).
+"""Benchmarks behind ``detr-irpe-benchmark`` / ``tools/benchmark.py`` (see docs/benchmarks.md).
 
 - :mod:`.op`: one attention layer, iRPE vs ``nn.MultiheadAttention``, and its L sweep + plot;
-- :mod:`.model`: DETR-R50 (plain / iRPE) training step and inference images/s;
+- :mod:`.model`: training step and inference images/s of every family's benchmark targets
+  (DETR, DAB-DETR, DN-DETR, RT-DETR; plain / iRPE);
+- :mod:`.deploy`: CPU inference of the exported model in ONNX Runtime vs PyTorch and
+  transformers;
 - :mod:`.data`: training data-loader images/s with the DETR augmentation;
 - :mod:`.evaluation`: COCO evaluation time;
 - :mod:`.suite`: all of them, the targets check, ``results.json`` / ``results.md``.
