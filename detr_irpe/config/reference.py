@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from detr_irpe.config.schema import Config
-from detr_irpe.family import DetectorFamily, families
+from detr_irpe.family import BUILTIN_FAMILIES, DetectorFamily, families
 
 __all__ = ["field_comments", "reference_markdown"]
 
@@ -142,7 +142,9 @@ def _family_rows(section: str, fams: list[DetectorFamily]) -> list[tuple[str, ..
 def reference_markdown() -> str:
     """docs/config.md: one table per section; ``model`` and ``loss`` over every
     registered family."""
-    fams = list(families())
+    # the families shipped with the package (a plugin's, registered in this process, is
+    # its own documentation's business)
+    fams = [f for f in families() if f.name in BUILTIN_FAMILIES]
     names = ", ".join(f"`{f.name}` ({f.title})" for f in fams)
     lines = [_HEADER, f"Families: {names}.", ""]
     for section in ("model", "loss"):

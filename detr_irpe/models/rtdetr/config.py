@@ -125,6 +125,15 @@ class RTDETRModelConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # "none" means random, as model.backbone_weights does for the other families
+        if isinstance(self.backbone_weights, str) and self.backbone_weights.strip().lower() in (
+                "", "none"):
+            self.backbone_weights = None
+        if self.backbone_weights == "imagenet":
+            raise ConfigError(
+                "model.backbone_weights=imagenet: the published ImageNet ResNet-vd is a file of "
+                "the RT-DETR repository, not downloaded here; give the path of its PResNet "
+                "state dict, or none")
         self.check()
 
     def rpe_layer_count(self) -> int:

@@ -58,3 +58,12 @@ def test_more_queries_than_proposals_is_one_clear_error() -> None:
                               load_backbone_weights=False)
     with pytest.raises(ValueError, match=r"model\.num_queries=300 is more than the 84 "):
         model.eval()(torch.randn(1, 3, 64, 64))
+
+
+def test_backbone_weights_none_is_random_and_imagenet_asks_for_a_file() -> None:
+    assert load_config("rtdetr_tiny", ["model.backbone_weights=none"]).model.backbone_weights \
+        is None
+    from detr_irpe.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model\.backbone_weights=imagenet: .* give the path"):
+        load_config("rtdetr_tiny", ["model.backbone_weights=imagenet"])
