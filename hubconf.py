@@ -390,7 +390,7 @@ def rtdetr_r18(
     trust_imports: bool = False,
     **model_options: Any,
 ):
-    """RT-DETR-R18 (config ``rtdetr_r18``, 72-epoch recipe, 46.5 AP published): sigmoid
+    """RT-DETR-R18 (config ``rtdetr_r18``, 72-epoch recipe, 46.4 AP published): sigmoid
     classes; the postprocessor keeps the top 300 (query, class) scores.
     ``pretrained=True``: the official file (zoo name ``rtdetr_r18``)."""
     return _make_rtdetr("rtdetr_r18", "rtdetr_r18", pretrained, checkpoint, num_classes,
