@@ -68,7 +68,8 @@ class HFSupport:
             layout name)``).
         refusal: ``(state, cfg) -> why this model cannot be written for transformers``
             or None.
-        config_json: ``(cfg, labels) -> config.json`` mapping of a model to write.
+        config_json: ``cfg -> config.json`` mapping of a model to write (the labels are added
+            by the generic writer).
         to_hf_keys: this family's state dict -> Hugging Face's.
         recognizes_hf_keys: whether a Hugging Face state dict is this family's.
     """
@@ -79,7 +80,7 @@ class HFSupport:
     from_hf_keys: Callable[[Mapping[str, Tensor]], tuple[dict[str, Tensor], str]]
     recognizes_hf_keys: Callable[[Mapping[str, Any]], bool]
     refusal: Callable[[Mapping[str, Tensor], Any], str | None]
-    config_json: Callable[[Any, dict[int, str]], dict[str, Any]]
+    config_json: Callable[[Any], dict[str, Any]]
     to_hf_keys: Callable[[Mapping[str, Tensor]], dict[str, Tensor]]
 
 
@@ -181,8 +182,6 @@ class DetectorFamily:
         figures: the extra figure kinds of ``visualize.py`` it offers (``"anchors"``).
         benchmark_targets: ``{row name: config name}`` of the benchmark's model rows
             (``{"DETR": "detr_r50"}``).
-        demo_config: a small config of this family that trains in seconds on the
-            synthetic data (the toy family tests and docs use it).
         aliases: older spellings of the name (``model.decoder`` values).
         attention: where the attention figures find its attention modules (None: it has
             no attention figures; ``visualize all`` skips them).
