@@ -8,7 +8,7 @@ from typing import Any
 
 from detr_irpe.errors import ConfigError
 
-__all__ = ["at_least", "check_category_ids", "choice", "pixel_sizes", "positive", "at_most"]
+__all__ = ["at_least", "check_category_ids", "choice", "pixel_sizes", "positive"]
 
 
 def choice(key: str, value: Any, allowed: Iterable[str]) -> None:
@@ -21,12 +21,6 @@ def at_least(key: str, value: float, minimum: float) -> None:
     """``value >= minimum`` and finite (NaN compares False to everything, so test it first)."""
     if not math.isfinite(value) or value < minimum:
         raise ConfigError(f"{key} must be a finite number >= {minimum}, got {value!r}")
-
-
-def at_most(key: str, value: float, maximum: float, why: str = "") -> None:
-    """``value <= maximum`` (a size bound that holds on any machine)."""
-    if value > maximum:
-        raise ConfigError(f"{key} must be <= {maximum}{why}, got {value!r}")
 
 
 def positive(key: str, value: float) -> None:

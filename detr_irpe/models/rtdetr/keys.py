@@ -1,11 +1,6 @@
-"""The published RT-DETR files: recognising their state dicts, taking the state dict out
-of a training file, and the model config a bare state dict implies.
-
-A file the published solver writes is ``{"model": sd, "ema": {"module": sd, "updates": n},
-"optimizer": ..., ...}``; the model-zoo releases are such files. The EMA weights are the
-ones evaluated and released, so they are preferred, as the published code does when it
-loads a file for tuning.
-"""
+"""The published RT-DETR state dicts: recognising them and the model config a bare one
+implies. (A file of the published solver, ``{"model": sd, "ema": {"module": sd}, ...}``,
+is read by :func:`detr_irpe.checkpoint.read_checkpoint`, the EMA weights first.)"""
 
 from __future__ import annotations
 
@@ -31,28 +26,6 @@ SIGNATURE_KEYS = (
 def is_rtdetr_state_dict(state: Mapping[str, object]) -> bool:
     """Whether ``state`` has RT-DETR's key layout (:data:`SIGNATURE_KEYS`)."""
     return all(k in state for k in SIGNATURE_KEYS)
-
-
-def extract_state_dict(obj: object, source: str = "checkpoint") -> dict[str, Tensor]:
-    """The model state dict of a published RT-DETR file's contents ``obj``:
-    ``obj["ema"]["module"]`` when present, else ``obj["model"]``, else ``obj`` itself.
-
-    Raises:
-        CheckpointError: naming ``source``, when no RT-DETR state dict is found.
-    """
-    candidates = []
-    if isinstance(obj, Mapping):
-        ema = obj.get("ema")
-        if isinstance(ema, Mapping) and isinstance(ema.get("module"), Mapping):
-            candidates.append(ema["module"])
-        if isinstance(obj.get("model"), Mapping):
-            candidates.append(obj["model"])
-        candidates.append(obj)
-    for state in candidates:
-        if is_rtdetr_state_dict(state):
-            return dict(state)
-    raise CheckpointError(f"{source}: no RT-DETR state dict (looked in ema.module, model and the "
-                          f"top level for {SIGNATURE_KEYS[0]!r} and {SIGNATURE_KEYS[1]!r})")
 
 
 def _count(state: Mapping[str, object], pattern: str) -> int:
