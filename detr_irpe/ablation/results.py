@@ -134,9 +134,10 @@ def collect_run(run: RunSpec) -> RunResult:
 
 def rpe_parameter_count(cfg: Config) -> int:
     """Parameters of the iRPE tables of the model ``cfg`` describes (0 without RPE): one
-    table set per attention layer with iRPE (the family's ``rpe_layer_count``)."""
+    table set per attention layer with iRPE (the family's ``rpe_layer_count``), each as wide
+    as the encoder's tokens (``encoder_width``: RT-DETR's ``enc_hidden_dim``)."""
     m = cfg.model
-    per_layer = table_parameter_count(parse_rpe(m.rpe), m.nheads, m.hidden_dim)
+    per_layer = table_parameter_count(parse_rpe(m.rpe), m.nheads, m.encoder_width())
     return per_layer * m.rpe_layer_count()
 
 

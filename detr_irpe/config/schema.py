@@ -132,6 +132,11 @@ class ModelConfig:
         """Attention layers that hold iRPE tables when ``rpe`` is set."""
         return 1
 
+    def encoder_width(self) -> int:
+        """Channels of the tokens the encoder attention (the one ``rpe`` / ``rope`` change)
+        works on."""
+        return self.hidden_dim
+
     def check_rope_head_dim(self, width: int, width_name: str = "hidden_dim",
                             prefix: str = "model") -> None:
         """Refuse ``rope`` when the encoder's head width (``width / nheads``, ``width`` the

@@ -432,7 +432,8 @@ def test_shipped_grids_load() -> None:
         grid = load_grid(path)
         assert grid.runs, path
         if path.stem.startswith("demo"):
-            assert grid.base.name == "synthetic_demo.yaml" and grid.launcher == "local"
+            assert grid.base.name in ("synthetic_demo.yaml", "synthetic_demo_rtdetr.yaml")
+            assert grid.launcher == "local"
             # the dataset tools/demo.py generates (README: 1600 + 200 images, seed 0)
             assert grid.synthetic_data == {"num_train": 1600, "num_val": 200, "seed": 0}
         else:
@@ -627,3 +628,22 @@ def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -
     rows, _ = collect_and_write(grid)
     assert [row.status for row in rows] == ["done"] * len(grid.variants)
     assert all(row.stats["AP"] is not None for row in rows)
+
+
+@pytest.mark.parametrize(("name", "overrides"), [
+    ("detr_irpe_tiny", []),
+    ("dab_detr_irpe_tiny", []),
+    # the AIFI layer is enc_hidden_dim wide, the decoder hidden_dim: the tables follow AIFI
+    ("rtdetr_tiny", [f"model.rpe={IRPE}", "model.enc_hidden_dim=48", "model.hidden_dim=32",
+                     "model.nheads=4"]),
+])
+def test_rpe_parameter_count_is_the_built_models(name: str, overrides: list[str]) -> None:
+    """The table's "RPE params" column equals the iRPE table parameters of the model the
+    config builds (counted off the built module's parameter names)."""
+    from detr_irpe.models import build_model
+
+    cfg = load_config(name, ["model.backbone_weights=none", "model.num_classes=3", *overrides])
+    model = build_model(cfg, load_backbone_weights=False)[0]
+    built = sum(p.numel() for n, p in model.named_parameters() if "lookup_table" in n)
+    assert built > 0
+    assert rpe_parameter_count(cfg) == built

@@ -139,6 +139,9 @@ class RTDETRModelConfig(ModelConfig):
     def rpe_layer_count(self) -> int:
         return self.enc_layers
 
+    def encoder_width(self) -> int:
+        return self.enc_hidden_dim
+
     @classmethod
     def for_depth(cls, depth: int, **overrides) -> RTDETRModelConfig:
         """The published recipe of a ResNet-vd ``depth`` (18, 34, 50, 101), then ``overrides``."""
