@@ -15,7 +15,9 @@ the model in eval mode. Offline, a ``CheckpointError`` names the address and the
 put the file at. Other keyword arguments are ``model.*`` config values,
 e.g. ``backbone_weights="none"`` (no ImageNet download for an untrained model) or
 ``rpe_init="zero"``. With ``num_classes`` other than 91 the published class head is
-replaced by a fresh one (fine-tuning), with a warning.
+replaced by a fresh one (fine-tuning), with a warning. ``checkpoint="PATH"`` loads a file
+instead of the published one: an official DETR / iRPE-DETR file into the entry's
+recipe, or a run of this project built from its saved config (below).
 
 DAB-DETR and DN-DETR (``dab_detr_resnet50[_irpe]``, ``dn_detr_resnet50[_irpe]``): the
 official weights are shared through Google Drive folders, which have no stable download
@@ -39,8 +41,10 @@ of this project with its saved config).
 A ``checkpoint`` that carries its config (a run of this project) builds the model of
 that config, as ``Predictor.from_checkpoint`` does; keyword arguments given explicitly
 (``num_classes``, ``rpe``, ``model.*`` values) go on top of it. Where the saved config
-differs from the entry's recipe, every differing key is logged with both values. Modules
-the saved config names (``model.import``) are imported only with ``trust_imports=True``.
+differs from the entry's recipe, every differing key is logged with both values, and so
+is every key the keyword arguments change; when the weights do not fit what they change,
+one ``CheckpointError`` lists all those keys with both values. Modules the saved config
+names (``model.import``) are imported only with ``trust_imports=True``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ from typing import Any
 logger = logging.getLogger("detr_irpe.hub")
 
 dependencies = ["torch", "torchvision"]
+
+# The iRPE setting of configs/detr_r50_irpe.yaml: its 150-epoch file is the zoo's default.
+_PUBLISHED_RPE = "rpe-2.0-product-ctx-1-k"
 
 
 def _config(name: str, num_classes: int, model_options: dict[str, Any]):
@@ -77,15 +84,34 @@ def _make(
     config: str,
     zoo_name: str,
     pretrained: bool,
-    num_classes: int,
+    checkpoint: str | None,
+    num_classes: int | None,
     return_postprocessor: bool,
     model_options: dict[str, Any],
+    trust_imports: bool,
 ):
+    """A DETR entry: ``checkpoint``'s model when given (:func:`_build_file`), else the
+    config's model with, when ``pretrained``, the published file of zoo name ``zoo_name``
+    (91 classes unless ``num_classes`` says otherwise)."""
     from detr_irpe.checkpoint.zoo import zoo_entry
 
+    if checkpoint is not None:
+        _refuse_both(config, zoo_name, pretrained)
+        return _build_file(config, checkpoint, num_classes, 91, return_postprocessor,
+                           model_options, trust_imports)
     # an unpublished name, or no way to download the file, fails before the model is built
     weights = _download(zoo_entry(zoo_name)) if pretrained else None
-    return _build(config, weights, num_classes, return_postprocessor, model_options)
+    return _build(config, weights, num_classes or 91, return_postprocessor, model_options)
+
+
+def _refuse_both(config: str, zoo_name: str, pretrained: bool) -> None:
+    """An entry with a published file takes ``pretrained=True`` or ``checkpoint``, not both
+    (a one-line CheckpointError)."""
+    from detr_irpe.errors import CheckpointError
+
+    if pretrained:
+        raise CheckpointError(f"{config}: pass pretrained=True (the {zoo_name} file) or "
+                              "checkpoint='PATH', not both")
 
 
 def _build(
@@ -111,29 +137,41 @@ def _build(
 
 def detr_resnet50_irpe(
     pretrained: bool = False,
-    num_classes: int = 91,
-    rpe: str = "rpe-2.0-product-ctx-1-k",
+    num_classes: int | None = None,
+    rpe: str | None = None,
+    checkpoint: str | None = None,
     return_postprocessor: bool = False,
+    trust_imports: bool = False,
     **model_options: Any,
 ):
-    """DETR-R50 with iRPE ``rpe`` in every encoder self-attention (config ``detr_r50_irpe``).
+    """DETR-R50 with iRPE ``rpe`` in every encoder self-attention (config ``detr_r50_irpe``;
+    ``rpe=None``: the recipe's ``rpe-2.0-product-ctx-1-k``, or a run's own).
 
     Published weights exist for ``rpe-2.0-product-ctx-1-k`` (150 epochs) and
     ``rpe-1.9-product-ctx-1-k``; another ``rpe`` with ``pretrained=True`` is an error.
+    ``checkpoint``: a file to load instead (an official iRPE-DETR file, or a run of this
+    project, built from its saved config).
     """
-    return _make("detr_r50_irpe", f"detr_r50_irpe/{rpe}", pretrained, num_classes,
-                 return_postprocessor, {**model_options, "rpe": rpe})
+    zoo_name = f"detr_r50_irpe/{rpe or _PUBLISHED_RPE}"
+    return _make("detr_r50_irpe", zoo_name, pretrained, checkpoint, num_classes,
+                 return_postprocessor,
+                 model_options if rpe is None else {**model_options, "rpe": rpe},
+                 trust_imports)
 
 
 def detr_resnet50(
     pretrained: bool = False,
-    num_classes: int = 91,
+    num_classes: int | None = None,
+    checkpoint: str | None = None,
     return_postprocessor: bool = False,
+    trust_imports: bool = False,
     **model_options: Any,
 ):
-    """Plain DETR-R50 (config ``detr_r50``); ``pretrained=True``: the DETR model zoo's file."""
-    return _make("detr_r50", "detr_r50", pretrained, num_classes, return_postprocessor,
-                 model_options)
+    """Plain DETR-R50 (config ``detr_r50``); ``pretrained=True``: the DETR model zoo's file.
+    ``checkpoint``: a file to load instead (an official DETR file, or a run of this
+    project, built from its saved config)."""
+    return _make("detr_r50", "detr_r50", pretrained, checkpoint, num_classes,
+                 return_postprocessor, model_options, trust_imports)
 
 
 # The official DAB-DETR / DN-DETR model zoos (their repositories' READMEs link each file
@@ -235,6 +273,19 @@ def _recipe_differences(recipe: str, cfg) -> list[str]:
             for key in theirs if ours.get(key) != theirs.get(key)]
 
 
+def _saved_differences(saved: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
+    """``"key: checkpoint A, given B"`` for every ``model.*`` keyword value in ``given``
+    that differs from the saved config ``saved`` (values compared as JSON has them)."""
+    section = saved.get("model")
+    theirs = _flat(section) if isinstance(section, Mapping) else {}
+    out = []
+    for key, value in _flat(given).items():
+        value = json.loads(json.dumps(value))
+        if theirs.get(key) != value:
+            out.append(f"{key}: checkpoint {theirs.get(key)!r}, given {value!r}")
+    return out
+
+
 def _build_saved(
     recipe: str,
     checkpoint: str,
@@ -245,17 +296,25 @@ def _build_saved(
     trust_imports: bool,
 ):
     """The model of the config saved with ``weights`` (explicit ``num_classes`` and
-    ``model_options`` on top), its weights loaded, in eval mode."""
+    ``model_options`` on top), its weights loaded, in eval mode.
+
+    Every key where the saved config differs from ``recipe`` is logged with both values,
+    and every key an explicit argument changes, apart. When the weights do not fit the
+    changed config, one CheckpointError lists the keys the weights show and every key the
+    arguments changed, each with both values."""
     from detr_irpe.checkpoint import config_for_checkpoint, load_state
+    from detr_irpe.errors import CheckpointError
     from detr_irpe.models import build_model
 
     state, meta = weights
-    overrides = _overrides(model_options)
-    if num_classes is not None:
-        overrides.append(f"model.num_classes={num_classes}")
-    cfg = config_for_checkpoint(checkpoint, state, meta, None, overrides,
+    given = dict(model_options) if num_classes is None else \
+        {**model_options, "num_classes": num_classes}
+    changed = _saved_differences(meta["config"], given)
+    cfg = config_for_checkpoint(checkpoint, state, meta, None, _overrides(given),
                                 trust_imports=trust_imports)
-    differences = _recipe_differences(recipe, cfg)
+    explicit = set(_flat(given))
+    differences = [d for d in _recipe_differences(recipe, cfg)
+                   if d.split(":")[0] not in explicit]
     if differences:
         family = {"model.family", "model.denoising.enabled", "model.rpe"}
         level = logging.WARNING if any(d.split(":")[0] in family for d in differences) \
@@ -266,7 +325,18 @@ def _build_saved(
     names = meta.get("category_names")  # the post-processing scores only these
     model, _, postprocessor = build_model(cfg, load_backbone_weights=False,
                                           categories=names if names else None)
-    load_state(model, state, meta, strict_head=False)
+    try:
+        load_state(model, state, meta, strict_head=False)
+    except CheckpointError as err:
+        if not changed:
+            raise
+        raise CheckpointError(
+            f"{err} The keyword arguments contradict the config saved in {checkpoint} in "
+            f"{len(changed)} key(s): {'; '.join(changed)}; leave them out to build the run "
+            "as it was saved") from None
+    if changed:
+        logger.warning("%s: keyword arguments change the config saved in %s in %d key(s): %s",
+                       recipe, checkpoint, len(changed), "; ".join(changed))
     model.eval()
     return (model, postprocessor) if return_postprocessor else model
 
@@ -363,9 +433,7 @@ def _make_rtdetr(
     from detr_irpe.errors import CheckpointError
 
     if checkpoint is not None:
-        if pretrained:
-            raise CheckpointError(f"{config}: pass pretrained=True (the {zoo_name} file) or "
-                                  "checkpoint='PATH', not both")
+        _refuse_both(config, zoo_name, pretrained)
         return _build_file(config, checkpoint, num_classes, _RTDETR_CLASSES,
                            return_postprocessor, model_options, trust_imports)
     weights = None

@@ -31,7 +31,7 @@ from detr_irpe.errors import ConfigError
 
 DATA_DIR = Path("datasets/synthetic")
 OUTPUT_DIR = Path("outputs/demo")
-# DN-DETR-iRPE at 64 px: AP50 0.70 / AP 0.45 within 3000 cheap steps (docs/training.md)
+# DN-DETR-iRPE at 64 px: AP50 0.70 / AP 0.45 within 3000 cheap steps (docs/results/demo_tuning.md)
 DEFAULT_CONFIG = "synthetic_demo_dn"
 DEFAULT_STEPS = 3000
 

@@ -1,5 +1,6 @@
 """The RT-DETR-iRPE demo config (``tools/demo.py --config synthetic_demo_rtdetr``): what it
-ships and a run of it end to end at test size (docs/training.md, "RT-DETR at demo scale")."""
+ships and a run of it end to end at test size (docs/training.md, "RT-DETR at demo scale";
+the runs: docs/results/rtdetr_demo.md)."""
 
 from __future__ import annotations
 

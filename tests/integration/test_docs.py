@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+# README.md and every page under docs/, results/ (the experiment logs) included
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 # Top-level entries a path in the docs may start with; other words in backticks
 # (`model.rpe`, `log.txt`, `irpe/config.py` inside the package ...) are not checked.
 REPO_DIRS = ("detr_irpe", "tools", "tests", "docs", "configs", "datasets", ".ci")
@@ -179,3 +180,35 @@ def test_every_console_script_also_runs_as_python_dash_m(
             runpy.run_module(module, run_name="__main__", alter_sys=False)
     assert stop.value.code == 0
     assert capsys.readouterr().out.startswith("usage: ")
+
+
+def _section(text: str, heading: str) -> str:
+    """The text of the Markdown section ``## heading`` (up to the next ``## ``)."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"no section '## {heading}'"
+    return match.group(1)
+
+
+def test_every_doc_is_in_the_readme_index() -> None:
+    """The README's "Docs" table names every page under docs/ (a newcomer finds each)."""
+    table = _section((ROOT / "README.md").read_text(), "Docs")
+    named = set(re.findall(r"`(docs/[^`]+\.md)`", table))
+    pages = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert not pages - named, f"docs missing from README.md's Docs table: {sorted(pages - named)}"
+    assert not named - pages, f"README.md's Docs table names missing docs: {sorted(named - pages)}"
+
+
+@pytest.mark.parametrize("doc, heading", [("README.md", "Install"), ("docs/install.md", None)])
+def test_the_install_lists_name_every_console_script(doc: str, heading: str | None) -> None:
+    text = (ROOT / doc).read_text()
+    if heading is not None:
+        text = _section(text, heading)
+    named = set(re.findall(r"`(detr-irpe-[a-z-]+)`", text))
+    missing = sorted(set(_console_scripts()) - named)
+    assert not missing, f"{doc} does not name the console scripts {missing} (setup.cfg)"
+
+
+def test_the_section_reader() -> None:
+    text = "# T\n## A\nx `docs/a.md`\n### sub\ny\n## B\nz\n"
+    assert _section(text, "A") == "x `docs/a.md`\n### sub\ny\n"
+    assert _section(text, "B") == "z\n"

@@ -184,3 +184,113 @@ def test_dn_checkpoint_loads_through_the_entry(tmp_path: Path, hub_dir: Path) ->
     assert any(".rpe_k.lookup_table" in name for name in loaded)
     for name, value in published.state_dict().items():
         assert torch.equal(loaded[name], value), name
+
+
+# ----------------------------------------------------------- DETR entries: checkpoint=PATH
+def _saved_run(path: Path, *overrides: str) -> tuple[torch.nn.Module, Path]:
+    """A tiny run of this project saved with its config (the tiny config: another
+    backbone, sizes and stages than the R50 recipes), every tensor randomised."""
+    from helpers import randomise
+
+    from detr_irpe.checkpoint import FORMAT, atomic_save
+    from detr_irpe.models import build_model
+
+    cfg = load_tiny_config("model.num_classes=5", *overrides)
+    run, _, _ = build_model(cfg)
+    randomise(run, seed=3)
+    atomic_save({"format": FORMAT, "model": run.state_dict(), "config": cfg.to_dict(),
+                 "epoch": 2}, path)
+    return run.eval(), path
+
+
+def _same_model(model: torch.nn.Module, expected: torch.nn.Module) -> None:
+    """Same keys, same tensors, same outputs on random images of two sizes."""
+    assert not model.training
+    assert sorted(model.state_dict()) == sorted(expected.state_dict())
+    for name, value in expected.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    images = [torch.randn(3, 64, 80, generator=torch.Generator().manual_seed(0)),
+              torch.randn(3, 48, 64, generator=torch.Generator().manual_seed(1))]
+    with torch.no_grad():
+        want, got = expected(images), model(images)
+    for key in ("pred_logits", "pred_boxes"):
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("entry", ["detr_resnet50", "detr_resnet50_irpe"])
+def test_detr_entry_builds_a_run_from_its_saved_config(
+    tmp_path: Path, hub_dir: Path, caplog: pytest.LogCaptureFixture, entry: str,
+) -> None:
+    import logging
+
+    run, path = _saved_run(tmp_path / "checkpoint_best.pth")
+    with caplog.at_level(logging.INFO, logger="detr_irpe.hub"):
+        model = torch.hub.load(str(ROOT), entry, source="local", checkpoint=str(path))
+    _same_model(model, run)
+    assert model.class_embed.out_features == 6  # the run's 5 classes + "no object"
+    said = [r for r in caplog.records if "differs from the entry's recipe" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]  # every key at once
+    message = said[0].getMessage()
+    # the recipes (configs/detr_r50[_irpe].yaml) against configs/synthetic_tiny.yaml
+    for key, recipe, saved in (("model.backbone", "'resnet50'", "'resnet18'"),
+                               ("model.backbone_stages", "4", "3"),
+                               ("model.hidden_dim", "256", "32"),
+                               ("model.nheads", "8", "4"),
+                               ("model.enc_layers", "6", "1"),
+                               ("model.dim_feedforward", "2048", "64"),
+                               ("model.num_queries", "100", "4")):
+        assert f"{key}: recipe {recipe}, checkpoint {saved};" in message + ";", message
+    # the plain recipe and an iRPE run: the model changes kind, a warning says so
+    plain = entry == "detr_resnet50"
+    assert ("model.rpe: recipe 'none'" in message) == plain, message
+    assert said[0].levelno == (logging.WARNING if plain else logging.INFO)
+
+
+def test_detr_entry_explicit_arguments_on_a_saved_run(tmp_path: Path, hub_dir: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Explicit arguments go on top of the saved config: another class count is a new head
+    (the rest loaded, the change logged with both values); arguments the weights do not
+    fit are one error that lists every key they change, each with both values."""
+    import logging
+
+    from detr_irpe.errors import CheckpointError
+
+    run, path = _saved_run(tmp_path / "run.pth", "model.rpe=none")
+    with caplog.at_level(logging.WARNING, logger="detr_irpe.hub"):
+        model = torch.hub.load(str(ROOT), "detr_resnet50_irpe", source="local",
+                               checkpoint=str(path), num_classes=3)
+    assert model.class_embed.out_features == 4
+    assert not any(".rpe_" in name for name in model.state_dict())  # the run's rpe=none
+    for name, value in run.state_dict().items():
+        if not name.startswith("class_embed."):
+            assert torch.equal(model.state_dict()[name], value), name
+    assert any("model.num_classes: checkpoint 5, given 3" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    # hidden_dim and enc_layers show in the weights' shapes, nheads (no iRPE) does not
+    with pytest.raises(CheckpointError) as caught:
+        torch.hub.load(str(ROOT), "detr_resnet50", source="local", checkpoint=str(path),
+                       hidden_dim=64, enc_layers=2, nheads=2)
+    message = str(caught.value)
+    assert "\n" not in message
+    for given in ("model.hidden_dim: checkpoint 32, given 64",
+                  "model.enc_layers: checkpoint 1, given 2",
+                  "model.nheads: checkpoint 4, given 2"):
+        assert given in message, message
+
+
+def test_detr_entry_loads_an_official_file(tmp_path: Path, hub_dir: Path) -> None:
+    """An official iRPE-DETR file (no saved config): the entry's recipe with the keyword
+    sizes, the file's weights, the same outputs; with pretrained=True too, an error."""
+    from helpers import randomise
+
+    from detr_irpe.errors import CheckpointError
+
+    published = torch.hub.load(str(ROOT), "detr_resnet50_irpe", source="local", **SMALL)
+    randomise(published, seed=4)
+    path, _ = publish(published, tmp_path, "irpe")
+    model = torch.hub.load(str(ROOT), "detr_resnet50_irpe", source="local",
+                           checkpoint=str(path), **SMALL)
+    _same_model(model, published.eval())
+    with pytest.raises(CheckpointError, match="not both"):
+        torch.hub.load(str(ROOT), "detr_resnet50_irpe", source="local", pretrained=True,
+                       checkpoint=str(path), **SMALL)
