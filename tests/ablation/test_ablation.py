@@ -620,7 +620,8 @@ _DEMO_GRID_TEST_SIZE = (
 # four-run demo grid runs in the default suite, the other runs with -m slow (CI;
 # demo_encodings: 18 runs, about 11 s on a shared 2-core "AMD EPYC", family 26 model 2).
 # A grid with eval_sizes also evaluates the runs of its first seed at its shipped test
-# sizes through the scheduler (one evaluation process per run, about 5 s each there).
+# sizes through the scheduler (one evaluation process per run): demo_encodings 80 s and
+# demo_encodings_rtdetr 107 s in all, measured there with the machine shared (load ~5).
 @pytest.mark.parametrize("name", [
     name if name == "demo" else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(p.stem for p in GRID_DIR.glob("demo*.yaml"))

@@ -269,6 +269,12 @@ def test_a_failed_size_evaluation_is_recorded_and_not_fatal(tmp_path, tiny_datas
     assert ablate.main([str(grid_file), "--no-progress"]) == 1
     assert fake.commands == []
     assert "size evaluation: 0 failed now, 2 failed before" in capsys.readouterr().err
+    # listed as due (as failed runs are), each with its command
+    assert ablate.main([str(grid_file), "--dry-run"]) == 0
+    assert capsys.readouterr().out.count("  sizes: failed") == 2
+    assert ablate.main([str(grid_file), "--print-commands"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        schedule.format_command(schedule.sizes_command(grid, r)) for r in grid.runs]
     fake.eval_rc = 0
     assert ablate.main([str(grid_file), "--no-progress", "--retry-failed"]) == 0
     assert len(fake.commands) == 2
@@ -344,20 +350,25 @@ def test_without_eval_sizes_the_tables_are_as_before(tmp_path, tiny_dataset) -> 
 
 
 # ----------------------------------------------------------------------------- real runs
-@pytest.mark.slow  # two tiny trainings and two evaluation processes
-def test_real_finished_runs_are_evaluated_by_the_scheduler(tmp_path, tiny_dataset) -> None:
-    """Two tiny runs trained without sizes (as before the grid had the key), then the
-    scheduler's evaluation through the eval tool: each run's sizes.json holds every size,
-    and the table's mean and std are those of the two sizes.json files."""
+@pytest.mark.slow  # two tiny trainings, a training process and an evaluation process
+def test_real_runs_are_evaluated_at_the_sizes(tmp_path, tiny_dataset) -> None:
+    """Seed 1 trained without sizes (as before the grid had the key), seed 2 left to the
+    scheduler: the scheduler trains seed 2 (its training tool evaluates the sizes at the
+    end) and evaluates seed 1 through the eval tool; each run's sizes.json holds every
+    size, and the table's mean and std are those of the two sizes.json files."""
     from detr_irpe.engine.runner import run_training
 
     grid = load_grid(_grid_file(tmp_path, tiny_dataset, axes={"model.rpe": ["none"]},
                                 overrides=[f"data.root={tiny_dataset}", "train.epochs=1",
                                            "train.amp=none"]))
-    for run in grid.runs:
-        run_training(run.config, progress=False)
+    old, fresh = grid.runs
+    run_training(old.config, progress=False)
     report = run_grid(grid)
-    assert report.done == [] and report.sizes_done == grid.runs, report
+    assert report.done == [fresh] and report.sizes_done == [old], report
+    assert not report.failed and not report.sizes_failed
+    logs = [(r.output_dir / "ablation_output.log").read_text() for r in grid.runs]
+    assert "-m detr_irpe.cli.eval" in logs[0] and "-m detr_irpe.cli.train" not in logs[0]
+    assert "-m detr_irpe.cli.train" in logs[1] and "-m detr_irpe.cli.eval" not in logs[1]
     per_run = []
     for run in grid.runs:
         data = json.loads((run.output_dir / "eval_sizes" / "sizes.json").read_text())

@@ -23,14 +23,14 @@ from detr_irpe.run_folder.status import RunState, run_state
 from detr_irpe.utils.files import ensure_writable_folder
 
 
-def _list_runs(grid, print_commands: bool, retry_failed: bool = False) -> None:
+def _list_runs(grid, print_commands: bool) -> None:
     """Each run's state (with ``eval_sizes``: where its size evaluation stands), or the
     commands still to run: the training of each unfinished run, the size evaluation of
-    each finished run that needs one."""
+    each finished run that lacks its numbers (failed ones included, as failed runs)."""
     sizes_todo = 0
     for run in grid.runs:
         state = run_state(run.output_dir, run.config)
-        todo = needs_sizes(grid, run, state, retry_failed)
+        todo = needs_sizes(grid, run, state, retry_failed=True)
         sizes_todo += todo
         if not print_commands:
             sizes = ""
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     checked ``--set`` items); the exit status."""
     grid = load_grid(args.grid, overrides, args.output_dir, args.seeds, base=args.config)
     if args.dry_run or args.print_commands:
-        _list_runs(grid, args.print_commands, args.retry_failed)
+        _list_runs(grid, args.print_commands)
         return 0
     # before any run starts: the tables and every run folder go there
     ensure_writable_folder(grid.output_dir, "grid output folder", "choose another --output-dir")
