@@ -58,6 +58,7 @@ class RunResult:
     error: str = ""
     # {test size label: {"AP": ..., "APl": ...}} (fractions, NaN: n/a) of eval_sizes/sizes.json
     size_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    sizes_error: str = ""  # how the scheduler's last size evaluation failed (ablation_status)
 
 
 @dataclass
@@ -169,6 +170,9 @@ def collect_run(run: RunSpec) -> RunResult:
             for name, v in zip(COCO_STAT_NAMES, values)
         }
         result.size_stats = run_size_table(run.output_dir)
+        record = status.get("eval_sizes")
+        if isinstance(record, dict) and record.get("status") == "failed":
+            result.sizes_error = str(record.get("error") or "failed")
     return result
 
 

@@ -164,6 +164,10 @@ def format_size_markdown(grid: Grid, rows: Sequence[VariantRow]) -> list[str]:
                  else f"{row.size_seeds}/{len(row.runs)}")
         name = f"**{row.variant.name}**" if row.is_baseline else row.variant.name
         lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
+    failed = [r for row in rows for r in row.runs if r.sizes_error]
+    if failed:
+        lines += ["", "Failed size evaluations (`--retry-failed` tries again):", ""]
+        lines += [f"- {r.run.key}: {r.sizes_error} (`{r.run.output_dir}`)" for r in failed]
     return lines
 
 
@@ -216,6 +220,8 @@ def format_runs_csv(results: Sequence[RunResult], sizes: Sequence[str] = ()) -> 
     header = ["variant", "seed", "state", "output_dir", "epochs_done", "iterations",
               "step_time_ms", "wall_time_s", *COCO_STAT_NAMES, "error"]
     header += [f"{name}@{label}" for label in sizes for name in SIZE_CSV_STATS]
+    if sizes:
+        header.append("sizes_error")
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
@@ -226,6 +232,7 @@ def format_runs_csv(results: Sequence[RunResult], sizes: Sequence[str] = ()) -> 
             _num(r.wall_time_s, 1), *(_num(r.stats.get(n)) for n in COCO_STAT_NAMES), r.error,
             *(_num(r.size_stats.get(label, {}).get(n)) for label in sizes
               for n in SIZE_CSV_STATS),
+            *([r.sizes_error] if sizes else []),
         ])
     return buf.getvalue()
 

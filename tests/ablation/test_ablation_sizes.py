@@ -264,6 +264,13 @@ def test_a_failed_size_evaluation_is_recorded_and_not_fatal(tmp_path, tiny_datas
     assert status["eval_sizes"]["error"] == "user error (config, data, checkpoint)"
     assert [run_state(r.output_dir, r.config) for r in grid.runs] == [RunState.FINISHED] * 2
     assert [schedule.sizes_state(grid, r) for r in grid.runs] == ["failed"] * 2
+    _, paths = collect_and_write(grid)
+    md = paths["markdown"].read_text()
+    assert "Failed size evaluations" in md
+    assert f"- none / seed 1: user error (config, data, checkpoint) (`{grid.runs[0].output_dir}`)" \
+        in md
+    assert [r["sizes_error"] for r in _read_csv(paths["runs"])] == [
+        "user error (config, data, checkpoint)"] * 2
     # the tool: not retried, and the exit status says so; --retry-failed tries again
     fake.commands.clear()
     assert ablate.main([str(grid_file), "--no-progress"]) == 1
