@@ -3,10 +3,12 @@ by run through the normal training code, resumable, summarised as a paper-style 
 
     grid.py      the grid file: validation and expansion into runs
     schedule.py  launching the runs (python -m detr_irpe.cli.train, or under torchrun),
-                 one after another
+                 one after another; with eval_sizes, the evaluation of finished runs at
+                 the test sizes (python -m detr_irpe.cli.eval --sizes)
     (where a run stands, its lock and what makes it the grid's run: detr_irpe.run_folder)
-    results.py   numbers of each run (log.txt) and one row per variant (mean ± std)
-    table.py     results.md, results.csv, runs.csv
+    results.py   numbers of each run (log.txt, eval_sizes/sizes.json) and one row per
+                 variant (mean ± std)
+    table.py     results.md (and "AP (%) at test sizes"), results.csv, runs.csv
 
 See docs/ablations.md and ``detr_irpe.cli.ablate`` (the ``detr-irpe-ablate`` command).
 """
@@ -20,7 +22,13 @@ from detr_irpe.ablation.results import (
     step_time,
     summarize,
 )
-from detr_irpe.ablation.schedule import GridReport, launch_command, prepare_data, run_grid
+from detr_irpe.ablation.schedule import (
+    GridReport,
+    evaluate_grid_sizes,
+    launch_command,
+    prepare_data,
+    run_grid,
+)
 from detr_irpe.ablation.table import format_markdown, write_tables
 
 
@@ -41,6 +49,7 @@ __all__ = [
     "VariantRow",
     "collect_and_write",
     "collect_run",
+    "evaluate_grid_sizes",
     "format_markdown",
     "launch_command",
     "load_grid",

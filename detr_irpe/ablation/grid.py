@@ -23,6 +23,9 @@ A grid file (``configs/ablations/*.yaml``)::
     synthetic_data:                     # generate data.root with the synthetic generator
       num_train: 2000                   # when its annotation files are missing
       num_val: 200
+    eval_sizes: [480, 640, 800, 640x1280]  # evaluate each run's last checkpoint at these
+                                        # test sizes (as --sizes takes them: S or HxW);
+                                        # results.md gets an "AP (%) at test sizes" table
     _base_: other_grid.yaml             # optional: start from another grid file, merged
                                         # like a config's _base_ (mappings such as axes
                                         # merge key by key; lists and scalars replace)
@@ -54,10 +57,11 @@ from detr_irpe.config import (
     resolve_config_path,
 )
 from detr_irpe.data.synthetic import SyntheticSpec
+from detr_irpe.sizes import EvalSize, parse_eval_size
 
 GRID_KEYS = (
     "name", "description", "base", "output_dir", "overrides", "axes", "variants", "seeds",
-    "baseline", "launcher", "nproc_per_node", "synthetic_data",
+    "baseline", "launcher", "nproc_per_node", "synthetic_data", "eval_sizes",
 )
 LAUNCHERS = ("local", "torchrun")
 # The grids shipped with the package (demo_* on synthetic data, the rest on COCO).
@@ -122,6 +126,8 @@ class Grid:
     launcher: str = "local"
     nproc_per_node: int = 1
     synthetic_data: dict[str, Any] | None = None
+    # the test sizes each run's last checkpoint is evaluated at (none: no size evaluation)
+    eval_sizes: tuple[EvalSize, ...] = ()
     runs: list[RunSpec] = field(default_factory=list)
     # What the command line changed in the grid file (its --config, its --set items):
     # the file's free-text description was written without them.
@@ -282,6 +288,27 @@ def _synthetic(where: str, value: Any) -> dict[str, Any] | None:
     return dict(value)
 
 
+def _eval_sizes(where: str, value: Any) -> tuple[EvalSize, ...]:
+    """``eval_sizes``: a list of test sizes as ``--sizes`` takes them (``640`` or
+    ``"640x1280"``); null or ``[]`` (e.g. in a grid whose ``_base_`` has sizes): none."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise GridError(f"{where}: eval_sizes must be a list of test sizes (a number of pixels "
+                        f"S or HEIGHTxWIDTH, e.g. [480, 640, 640x1280]), got {value!r}")
+    sizes = []
+    for item in value:
+        try:
+            sizes.append(parse_eval_size(item))
+        except ValueError as err:
+            raise GridError(f"{where}: eval_sizes: {err}") from None
+    labels = [s.label for s in sizes]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise GridError(f"{where}: eval_sizes lists {', '.join(twice)} more than once")
+    return tuple(sizes)
+
+
 def _resolve_base(grid_path: Path, base: Any) -> Path:
     if not isinstance(base, str) or not base:
         raise GridError(f"{grid_path}: base must name a config (e.g. detr_r50_irpe or a path)")
@@ -377,6 +404,7 @@ def load_grid(
         output_dir=Path(out), overrides=common, variants=variants, seeds=seeds or [],
         baseline=baseline, launcher=launcher, nproc_per_node=nproc,
         synthetic_data=_synthetic(where, data.get("synthetic_data")),
+        eval_sizes=_eval_sizes(where, data.get("eval_sizes")),
         command_line=command_line,
     )
     grid.runs = _expand_runs(grid)

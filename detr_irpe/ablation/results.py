@@ -10,9 +10,15 @@ Per run (from ``log.txt`` of the engine):
   to an epoch cut short by a resume). It covers the data loading, forward,
   backward and optimizer step of one iteration, not the evaluation.
 
+With the grid's ``eval_sizes``, also the COCO numbers at each test size of the run's last
+checkpoint (``<run>/eval_sizes/sizes.json``, written by ``detr-irpe-train --sizes`` or the
+scheduler's own evaluation; one older than ``checkpoint_last.pth`` is ignored: it belongs
+to an earlier checkpoint).
+
 Per variant: parameters added by RPE (the ``rpe_*`` tables of the encoder; counted
 on a transformer built from the run's config, so it needs no training), and mean
-and sample standard deviation over the finished seeds.
+and sample standard deviation over the finished seeds (at a test size: over the seeds
+that have that size's numbers).
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from detr_irpe.ablation.grid import Grid, RunSpec, Variant
 from detr_irpe.config import Config
 from detr_irpe.evaluation import COCO_STAT_NAMES
+from detr_irpe.evaluation.size_table import EVAL_SIZES_DIR, SIZE_STATS, SIZES_JSON, read_size_table
 from detr_irpe.irpe import parse_rpe, table_parameter_count
+from detr_irpe.run_folder.checkpoints import LAST
 from detr_irpe.run_folder.log import read_log
 from detr_irpe.run_folder.status import RunState, final_evaluation, read_status, run_state
 
@@ -47,6 +56,9 @@ class RunResult:
     n_parameters: int | None = None
     wall_time_s: float | None = None
     error: str = ""
+    # {test size label: {"AP": ..., "APl": ...}} (fractions, NaN: n/a) of eval_sizes/sizes.json
+    size_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    sizes_error: str = ""  # how the scheduler's last size evaluation failed (ablation_status)
 
 
 @dataclass
@@ -72,6 +84,9 @@ class VariantRow:
     n_parameters: int | None
     delta_ap: float | None = None  # points (AP in %) vs the baseline row
     is_baseline: bool = False
+    # with eval_sizes: {size label: {stat: mean ± std in % over the seeds that have it}}
+    size_stats: dict[str, dict[str, Aggregate | None]] = field(default_factory=dict)
+    size_seeds: int = 0  # finished runs with the numbers of at least one of the test sizes
 
     @property
     def finished(self) -> int:
@@ -109,6 +124,31 @@ def step_time(records: Sequence[Mapping[str, Any]]) -> float | None:
     return statistics.median(times) if times else None
 
 
+def run_size_table(folder: str | Path) -> dict[str, dict[str, float]]:
+    """The test-size numbers of the run in ``folder`` (``eval_sizes/sizes.json``, see
+    :func:`~detr_irpe.evaluation.size_table.read_size_table`); ``{}`` when there are none or
+    they are older than the run's ``checkpoint_last.pth`` (an earlier checkpoint's)."""
+    folder = Path(folder)
+    table = read_size_table(folder / EVAL_SIZES_DIR)
+    if not table:
+        return {}
+    try:
+        if (folder / EVAL_SIZES_DIR / SIZES_JSON).stat().st_mtime_ns < (
+                folder / LAST).stat().st_mtime_ns:
+            return {}
+    except OSError:  # no checkpoint_last.pth (deleted to save space): the numbers stand
+        pass
+    return table
+
+
+def config_size_label(cfg: Config) -> str:
+    """The label of the config's own test size (the size a run evaluates at while it
+    trains): ``data.eval_size`` (a square) with ``data.augmentation: rtdetr``, else the
+    shorter side ``data.val_size``."""
+    data = cfg.data
+    return str(data.eval_size if data.augmentation == "rtdetr" else data.val_size)
+
+
 def collect_run(run: RunSpec) -> RunResult:
     state = run_state(run.output_dir, run.config)
     records = read_log(run.output_dir)
@@ -129,6 +169,10 @@ def collect_run(run: RunSpec) -> RunResult:
             name: (float(v) if v is not None and float(v) >= 0 else math.nan)
             for name, v in zip(COCO_STAT_NAMES, values)
         }
+        result.size_stats = run_size_table(run.output_dir)
+        record = status.get("eval_sizes")
+        if isinstance(record, dict) and record.get("status") == "failed":
+            result.sizes_error = str(record.get("error") or "failed")
     return result
 
 
@@ -168,6 +212,13 @@ def summarize(grid: Grid, results: Sequence[RunResult] | None = None) -> list[Va
             rpe_parameters=rpe_parameter_count(cfg), runs=runs, stats=stats,
             step_time_ms=aggregate(steps), n_parameters=params[0] if params else None,
             is_baseline=variant.name == grid.baseline,
+            size_stats={size.label: {name: aggregate([100.0 * r.size_stats[size.label][name]
+                                                      for r in done
+                                                      if size.label in r.size_stats])
+                                     for name in SIZE_STATS}
+                        for size in grid.eval_sizes},
+            size_seeds=sum(any(size.label in r.size_stats for size in grid.eval_sizes)
+                           for r in done),
         ))
     baseline = next(r for r in rows if r.is_baseline)
     base_ap = baseline.stats["AP"]
@@ -184,7 +235,9 @@ __all__ = [
     "VariantRow",
     "aggregate",
     "collect_run",
+    "config_size_label",
     "rpe_parameter_count",
+    "run_size_table",
     "step_time",
     "summarize",
 ]

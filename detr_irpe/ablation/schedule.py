@@ -13,6 +13,16 @@ resume from their checkpoint, failed ones are recorded and skipped on later
 invocations unless ``retry_failed``. A scheduler claims each run folder while it
 trains it (the lock of :mod:`detr_irpe.run_folder.lock`), so several schedulers may
 share one grid (e.g. one per GPU node).
+
+With the grid's ``eval_sizes`` each training command carries ``--sizes ...``: the run
+evaluates its last checkpoint at the test sizes into ``<run>/eval_sizes`` when it ends.
+A finished run without those numbers (trained before the grid had the key, with another
+size list, or retrained since) is evaluated by the scheduler after the training:
+``python -m detr_irpe.cli.eval <run>/checkpoint_last.pth --config BASE --set OVERRIDES...
+--sizes ... --output-dir <run>/eval_sizes --no-progress`` (under ``torch.distributed.run``
+for ``launcher: torchrun``), in its own process, under the run folder's claim, its output
+appended to ``ablation_output.log``; the outcome goes to ``ablation_status.json`` (key
+``eval_sizes``). A failed size evaluation is not retried unless ``retry_failed``.
 """
 
 from __future__ import annotations
@@ -24,16 +34,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from detr_irpe.ablation.grid import Grid, GridError, RunSpec
+from detr_irpe.ablation.results import run_size_table
 from detr_irpe.data.synthetic import GeneratedDataset, SyntheticSpec, generate_dataset
 from detr_irpe.errors import EXIT_NON_FINITE, EXIT_USER_ERROR, RunFolderError
-from detr_irpe.run_folder.lock import CLAIM_NAME, RunLock
+from detr_irpe.evaluation.size_table import EVAL_SIZES_DIR
+from detr_irpe.run_folder.checkpoints import LAST
+from detr_irpe.run_folder.lock import CLAIM_NAME, LOCK_NAME, RunLock, lock_holder
 from detr_irpe.run_folder.log import read_log
 from detr_irpe.run_folder.status import (
     OUTPUT_NAME,
@@ -50,6 +63,8 @@ logger = logging.getLogger(__name__)
 # The module that trains one run: the package's training tool, found by import, not by a
 # path into a source tree (an installed package has none).
 TRAIN_MODULE = "detr_irpe.cli.train"
+# The module that evaluates a finished run at the grid's eval_sizes: the evaluation tool.
+EVAL_MODULE = "detr_irpe.cli.eval"
 # Exit codes of the training tool (detr_irpe.errors).
 EXIT_MEANINGS = {
     EXIT_USER_ERROR: "user error (config, data, checkpoint)",
@@ -71,19 +86,65 @@ class GridReport:
     skipped_failed: list[RunSpec] = field(default_factory=list)  # failed before; not retried
     busy: list[RunSpec] = field(default_factory=list)  # locked by another scheduler
     not_started: list[RunSpec] = field(default_factory=list)  # left for later (max_runs)
+    # eval_sizes: finished runs evaluated at the test sizes now, and those that failed
+    # (now, in their training command or in the scheduler's evaluation) or failed before
+    sizes_done: list[RunSpec] = field(default_factory=list)
+    sizes_failed: list[RunSpec] = field(default_factory=list)
+    sizes_skipped_failed: list[RunSpec] = field(default_factory=list)
 
 
-def launch_command(grid: Grid, run: RunSpec) -> list[str]:
-    """The command line that trains ``run`` (run from the current working directory):
-    ``python -m detr_irpe.cli.train --config BASE --set OVERRIDES... --no-progress`` (BASE:
-    the variant's own base config, else the grid's), under
-    ``torch.distributed.run`` for ``launcher: torchrun``."""
-    base = run.base or grid.base
-    args = ["-m", TRAIN_MODULE, "--config", str(base), "--set", *run.overrides, "--no-progress"]
+def _python(grid: Grid, args: list[str]) -> list[str]:
+    """``python ARGS``, under ``torch.distributed.run`` for ``launcher: torchrun``."""
     if grid.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={grid.nproc_per_node}", *args]
     return [sys.executable, *args]
+
+
+def _size_labels(grid: Grid) -> list[str]:
+    return [size.label for size in grid.eval_sizes]
+
+
+def launch_command(grid: Grid, run: RunSpec) -> list[str]:
+    """The command line that trains ``run`` (run from the current working directory):
+    ``python -m detr_irpe.cli.train --config BASE --set OVERRIDES... [--sizes ...]
+    --no-progress`` (BASE: the variant's own base config, else the grid's; ``--sizes``: the
+    grid's ``eval_sizes``), under ``torch.distributed.run`` for ``launcher: torchrun``."""
+    base = run.base or grid.base
+    sizes = ["--sizes", *_size_labels(grid)] if grid.eval_sizes else []
+    return _python(grid, ["-m", TRAIN_MODULE, "--config", str(base), "--set", *run.overrides,
+                          *sizes, "--no-progress"])
+
+
+def sizes_command(grid: Grid, run: RunSpec) -> list[str]:
+    """The command line that evaluates the finished ``run``'s last checkpoint at the grid's
+    ``eval_sizes`` into ``<run>/eval_sizes`` (its config as the grid describes it: the same
+    ``--config`` / ``--set`` as its training), under ``torch.distributed.run`` for
+    ``launcher: torchrun``."""
+    base = run.base or grid.base
+    return _python(grid, ["-m", EVAL_MODULE, str(run.output_dir / LAST), "--config", str(base),
+                          "--set", *run.overrides, "--sizes", *_size_labels(grid),
+                          "--output-dir", str(run.output_dir / EVAL_SIZES_DIR),
+                          "--no-progress"])
+
+
+def sizes_state(grid: Grid, run: RunSpec) -> str | None:
+    """Where the size evaluation of the finished ``run`` stands: ``"done"`` (its
+    ``eval_sizes/sizes.json`` has every size of the grid and is not older than
+    ``checkpoint_last.pth``), ``"failed"`` (the scheduler's last evaluation at this size
+    list failed), ``"stale"`` (a ``sizes.json`` of other sizes or of an earlier
+    checkpoint) or ``"missing"``; None for a grid without ``eval_sizes``."""
+    if not grid.eval_sizes:
+        return None
+    labels = _size_labels(grid)
+    table = run_size_table(run.output_dir)
+    if all(label in table for label in labels):
+        return "done"
+    record = read_status(run.output_dir).get("eval_sizes")
+    if isinstance(record, dict) and record.get("status") == "failed" and \
+            record.get("sizes") == labels:
+        return "failed"
+    return "stale" if (run.output_dir / EVAL_SIZES_DIR).exists() else "missing"
 
 
 def format_command(command: list[str]) -> str:
@@ -223,6 +284,9 @@ def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
     command = launch_command(grid, run)
     previous = read_status(folder)
     total_before = float(previous.get("wall_time_total", 0.0))
+    if grid.eval_sizes:
+        logger.info("  %s: then its evaluation at the test sizes %s", run.key,
+                    " ".join(_size_labels(grid)))
     output = None if show_output else folder / OUTPUT_NAME
     if output is not None:
         with open(output, "a") as f:
@@ -236,7 +300,11 @@ def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
                      wall_time_total=total_before + time.perf_counter() - start)
         raise
     wall = time.perf_counter() - start
-    finished = returncode == 0 and is_finished(folder, run.config.train.epochs)
+    trained = is_finished(folder, run.config.train.epochs)
+    # With eval_sizes the training tool evaluates the test sizes after the last epoch: a
+    # failure there leaves a finished training, and a failed size evaluation.
+    sizes_failed = bool(grid.eval_sizes) and trained and returncode != 0
+    finished = trained and (returncode == 0 or sizes_failed)
     status = {
         "status": "finished" if finished else "failed",
         "returncode": returncode,
@@ -244,21 +312,141 @@ def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
         "wall_time_total": total_before + wall,
         "command": command,
     }
+    error = _exit_error(returncode)
     if returncode == 0 and not finished:
         status["error"] = "exited 0 but log.txt lacks the last epoch's evaluation"
-    elif returncode < 0:
-        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else ""
-        status["error"] = f"killed by signal {-returncode} {name}".rstrip() + (
-            " (out of memory?)" if returncode == -signal.SIGKILL else "")
+    elif sizes_failed:
+        status["eval_sizes"] = _sizes_record(grid, "failed", returncode, error, command)
     elif returncode != 0:
-        status["error"] = EXIT_MEANINGS.get(returncode, f"exit status {returncode}")
+        status["error"] = error
     write_status(folder, **status)
+    where = output if output is not None else folder / "train.log"
     if not finished:
-        where = output if output is not None else folder / "train.log"
         tail = _tail(where)
         logger.error("run %s failed (%s) after %.0f s; see %s%s", run.key, status["error"], wall,
                      where, f":\n{tail}" if tail else "")
+    elif sizes_failed:
+        tail = _tail(where)
+        logger.error("run %s: trained, but its evaluation at the test sizes failed (%s); see "
+                     "%s%s", run.key, error, where, f":\n{tail}" if tail else "")
     return finished
+
+
+def _exit_error(returncode: int) -> str:
+    """What a child's exit status says went wrong ("" for 0)."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else ""
+        return f"killed by signal {-returncode} {name}".rstrip() + (
+            " (out of memory?)" if returncode == -signal.SIGKILL else "")
+    if returncode != 0:
+        return EXIT_MEANINGS.get(returncode, f"exit status {returncode}")
+    return ""
+
+
+def _sizes_record(grid: Grid, status: str, returncode: int, error: str,
+                  command: list[str], wall: float | None = None) -> dict:
+    """The ``eval_sizes`` entry of ``ablation_status.json``: how the last size evaluation
+    of the run ended, and at which sizes."""
+    record = {"status": status, "sizes": _size_labels(grid), "returncode": returncode,
+              "command": command, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if error:
+        record["error"] = error
+    if wall is not None:
+        record["wall_time"] = wall
+    return record
+
+
+def evaluate_sizes(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
+    """Evaluate the finished ``run``'s last checkpoint at the grid's ``eval_sizes``
+    (:func:`sizes_command`, its output appended to ``ablation_output.log``) and record the
+    outcome in its ``ablation_status.json`` (key ``eval_sizes``; the rest is kept). The
+    caller holds the run folder's claim. Returns True when the sizes are all there."""
+    folder = run.output_dir
+    command = sizes_command(grid, run)
+    output = None if show_output else folder / OUTPUT_NAME
+    if output is not None:
+        with open(output, "a") as f:
+            f.write(f"\n$ {format_command(command)}\n")
+    start = time.perf_counter()
+    returncode = launch(command, output)
+    wall = time.perf_counter() - start
+    done = returncode == 0 and sizes_state(grid, run) == "done"
+    error = _exit_error(returncode) if returncode != 0 else (
+        "" if done else "exited 0 but eval_sizes/sizes.json lacks sizes")
+    status = read_status(folder)
+    status.pop("time", None)
+    status["eval_sizes"] = _sizes_record(grid, "finished" if done else "failed", returncode,
+                                         error, command, wall)
+    write_status(folder, **status)
+    if not done:
+        where = output if output is not None else folder / EVAL_SIZES_DIR / "eval.log"
+        tail = _tail(where)
+        logger.error("evaluation of %s at the test sizes failed (%s) after %.0f s; see %s%s",
+                     run.key, error, wall, where, f":\n{tail}" if tail else "")
+    return done
+
+
+def needs_sizes(grid: Grid, run: RunSpec, state: RunState, retry_failed: bool = False) -> bool:
+    """Whether the scheduler evaluates ``run`` (in ``state``) at the grid's test sizes:
+    finished, and its numbers missing or stale (or failed, with ``retry_failed``)."""
+    if state is not RunState.FINISHED or not grid.eval_sizes:
+        return False
+    return sizes_state(grid, run) in (("missing", "stale", "failed") if retry_failed
+                                      else ("missing", "stale"))
+
+
+def evaluate_grid_sizes(
+    grid: Grid,
+    *,
+    retry_failed: bool = False,
+    show_output: bool = False,
+    after_run: Callable[[RunSpec, bool], None] | None = None,
+    report: GridReport | None = None,
+    skip: Sequence[RunSpec] = (),
+) -> GridReport:
+    """Evaluate every finished run of ``grid`` whose test-size numbers are missing or stale
+    (:func:`needs_sizes`), one after another, each under its run folder's claim (a run
+    another scheduler holds is left: ``busy``). A failure is logged and recorded, and the
+    next run goes on. ``skip``: runs not to evaluate now (their training command's size
+    evaluation failed in this invocation). Returns ``report`` (a new one without)."""
+    report = report if report is not None else GridReport()
+    if not grid.eval_sizes:
+        return report
+    todo = []
+    for run in grid.runs:
+        if run in skip:
+            continue
+        state = run_state(run.output_dir, run.config)
+        if state is RunState.FINISHED and sizes_state(grid, run) == "failed" and not retry_failed:
+            report.sizes_skipped_failed.append(run)
+        elif needs_sizes(grid, run, state, retry_failed):
+            todo.append(run)
+    if todo:
+        logger.info("grid %s: %d finished run(s) to evaluate at the test sizes %s", grid.name,
+                    len(todo), " ".join(_size_labels(grid)))
+    for i, run in enumerate(todo, 1):
+        lock = RunLock(run.output_dir, CLAIM_NAME)
+        try:
+            lock.acquire()
+        except RunFolderError as err:
+            logger.info("run %s: %s; skipping its size evaluation", run.key, err)
+            report.busy.append(run)
+            continue
+        try:
+            if lock_holder(run.output_dir, LOCK_NAME) is not None:  # a training by hand
+                report.busy.append(run)
+                continue
+            if sizes_state(grid, run) == "done":  # by another scheduler meanwhile
+                continue
+            logger.info("size evaluation %d/%d: %s -> %s", i, len(todo), run.key,
+                        run.output_dir / EVAL_SIZES_DIR)
+            done = evaluate_sizes(grid, run, show_output=show_output)
+        finally:
+            lock.release()
+        (report.sizes_done if done else report.sizes_failed).append(run)
+        if after_run is not None:
+            after_run(run, done)
+    return report
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -291,15 +479,19 @@ def run_grid(
     progress: bool = False,
     after_run: Callable[[RunSpec, bool], None] | None = None,
 ) -> GridReport:
-    """Train every run of ``grid`` that is not finished, one after another.
+    """Train every run of ``grid`` that is not finished, one after another; then, with
+    ``eval_sizes``, evaluate the finished runs that lack their test-size numbers
+    (:func:`evaluate_grid_sizes`).
 
     Args:
-        max_runs: launch at most this many runs now (the rest stay pending).
-        retry_failed: also relaunch runs whose last launch failed.
+        max_runs: launch at most this many runs now (the rest stay pending; size
+            evaluations are not counted).
+        retry_failed: also relaunch runs (and size evaluations) whose last launch failed.
         show_output: let the runs print to this console instead of their output file.
         progress: a tqdm bar over the runs.
-        after_run: called with ``(run, finished)`` after each launched run (the tool
-            rewrites the tables there, so partial results are visible early).
+        after_run: called with ``(run, finished)`` after each launched run and with
+            ``(run, evaluated)`` after each size evaluation (the tool rewrites the
+            tables there, so partial results are visible early).
 
     Raises:
         GridError: mismatched run folders or missing data, before anything starts.
@@ -326,7 +518,8 @@ def run_grid(
     if max_runs is not None and max_runs < len(todo):
         report.not_started = todo[max_runs:]
         todo = todo[:max_runs]
-    if todo:
+    if todo or any(needs_sizes(grid, run, state, retry_failed)
+                   for run, state in grid_states(grid)):
         prepare_data(grid)
     bar = None
     if progress and todo:
@@ -354,6 +547,8 @@ def run_grid(
             (report.done if finished else report.failed).append(run)
             if finished:
                 logger.info("run %s finished in %.0f s", run.key, time.perf_counter() - start)
+                if grid.eval_sizes and sizes_state(grid, run) != "done":
+                    report.sizes_failed.append(run)
             if after_run is not None:
                 after_run(run, finished)
             if bar is not None:
@@ -361,17 +556,25 @@ def run_grid(
     finally:
         if bar is not None:
             bar.close()
-    return report
+    return evaluate_grid_sizes(grid, retry_failed=retry_failed, show_output=show_output,
+                               after_run=after_run, report=report, skip=report.sizes_failed)
 
 
 __all__ = [
+    "EVAL_MODULE",
+    "TRAIN_MODULE",
     "GridReport",
     "check_mismatches",
+    "evaluate_grid_sizes",
+    "evaluate_sizes",
     "execute_run",
     "format_command",
     "grid_states",
     "launch",
     "launch_command",
+    "needs_sizes",
     "prepare_data",
     "run_grid",
+    "sizes_command",
+    "sizes_state",
 ]

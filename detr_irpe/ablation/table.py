@@ -1,5 +1,7 @@
 """The paper-style ablation table: ``results.md`` and ``results.csv`` (one row per
-variant) and ``runs.csv`` (one row per run) in the grid's output folder."""
+variant) and ``runs.csv`` (one row per run) in the grid's output folder. A grid with
+``eval_sizes`` adds a second table to ``results.md``, "AP (%) at test sizes", and the
+numbers at each size to both CSV files; without it the files are as before."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from detr_irpe.ablation.results import (
     Aggregate,
     RunResult,
     VariantRow,
+    config_size_label,
 )
 from detr_irpe.config import CONFIG_DIR
 from detr_irpe.evaluation import COCO_STAT_NAMES
@@ -23,6 +26,8 @@ from detr_irpe.utils.files import atomic_write_text
 RESULTS_MD = "results.md"
 RESULTS_CSV = "results.csv"
 RUNS_CSV = "runs.csv"
+# The numbers of each test size in the CSV files (AP50 / AP75 stay in sizes.json).
+SIZE_CSV_STATS = ("AP", "APs", "APm", "APl")
 
 
 def _pm(value: Aggregate | None, digits: int = 1) -> str:
@@ -118,11 +123,52 @@ def format_markdown(grid: Grid, rows: Sequence[VariantRow]) -> str:
         if show_status:
             cells.append(row.status)
         lines.append("| " + " | ".join(cells) + " |")
+    if grid.eval_sizes:
+        lines += ["", *format_size_markdown(grid, rows)]
     failed = [r for row in rows for r in row.runs if r.error and r.state.value == "failed"]
     if failed:
         lines += ["", "Failed runs:", ""]
         lines += [f"- {r.run.key}: {r.error} (`{r.run.output_dir}`)" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def format_size_markdown(grid: Grid, rows: Sequence[VariantRow]) -> list[str]:
+    """The lines of the table "AP (%) at test sizes": one row per variant, one column per
+    size of ``eval_sizes``; the config's own test size (the one it trained with) marked."""
+    own = {row.variant.name: {config_size_label(r.run.config) for r in row.runs} for row in rows}
+    kinds = {frozenset(labels) for labels in own.values()}
+    shared = set(next(iter(kinds))) if len(kinds) == 1 else set()  # one mark for every row
+
+    def head(label: str) -> str:
+        return f"{label}*" if label in shared else label
+
+    lines = [
+        "## AP (%) at test sizes", "",
+        "COCO box AP in % of each run's last checkpoint (`checkpoint_last.pth`, evaluated into "
+        "`<run>/eval_sizes/`) at each test size of `eval_sizes`, mean ± sample std over the "
+        "seeds that have it (seeds: how many); S = the shorter side resized to S, HxW = "
+        "exactly H x W pixels (docs/evaluation.md, \"Test sizes\"); * = the config's own test "
+        "size, the one the runs trained and were evaluated at (data.val_size; RT-DETR: "
+        "data.eval_size).", "",
+        "| variant | seeds | " + " | ".join(head(s.label) for s in grid.eval_sizes) + " |",
+        "|---|--:|" + "--:|" * len(grid.eval_sizes),
+    ]
+    for row in rows:
+        cells = []
+        for size in grid.eval_sizes:
+            text = _pm(row.size_stats[size.label]["AP"])
+            if not shared and size.label in own[row.variant.name]:
+                text += "*"  # the variants differ in their own size: marked per row
+            cells.append(text)
+        seeds = (str(row.size_seeds) if row.size_seeds == len(row.runs)
+                 else f"{row.size_seeds}/{len(row.runs)}")
+        name = f"**{row.variant.name}**" if row.is_baseline else row.variant.name
+        lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
+    failed = [r for row in rows for r in row.runs if r.sizes_error]
+    if failed:
+        lines += ["", "Failed size evaluations (`--retry-failed` tries again):", ""]
+        lines += [f"- {r.run.key}: {r.sizes_error} (`{r.run.output_dir}`)" for r in failed]
+    return lines
 
 
 def _num(value: float | None, digits: int = 4) -> str:
@@ -131,13 +177,19 @@ def _num(value: float | None, digits: int = 4) -> str:
     return f"{value:.{digits}f}"
 
 
-def format_results_csv(rows: Sequence[VariantRow]) -> str:
+def format_results_csv(rows: Sequence[VariantRow], sizes: Sequence[str] = ()) -> str:
+    """One line per variant; with test size labels ``sizes`` (a grid's ``eval_sizes``) also
+    ``AP@<size>_mean`` / ``_std`` (and APs / APm / APl) per size and ``seeds_sizes``."""
     header = ["variant", "rpe", "position_embedding", "is_baseline", "status", "seeds_finished",
               "seeds_total", "rpe_parameters", "n_parameters", "step_time_ms_mean",
               "step_time_ms_std"]
     for name in TABLE_STATS:
         header += [f"{name}_mean", f"{name}_std"]
     header.append("delta_AP")
+    if sizes:
+        header.append("seeds_sizes")
+        header += [f"{name}@{label}_{part}" for label in sizes for name in SIZE_CSV_STATS
+                   for part in ("mean", "std")]
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
@@ -151,13 +203,25 @@ def format_results_csv(rows: Sequence[VariantRow]) -> str:
             agg = row.stats[name]
             values += [_num(agg.mean if agg else None, 2), _num(agg.std if agg else None, 2)]
         values.append(_num(row.delta_ap, 2))
+        if sizes:
+            values.append(row.size_seeds)
+            for label in sizes:
+                for name in SIZE_CSV_STATS:
+                    agg = row.size_stats[label][name]
+                    values += [_num(agg.mean if agg else None, 2),
+                               _num(agg.std if agg else None, 2)]
         writer.writerow(values)
     return buf.getvalue()
 
 
-def format_runs_csv(results: Sequence[RunResult]) -> str:
+def format_runs_csv(results: Sequence[RunResult], sizes: Sequence[str] = ()) -> str:
+    """One line per run (fractions, as COCOeval); with test size labels ``sizes`` also
+    ``AP@<size>`` (and APs / APm / APl) per size, from the run's ``sizes.json``."""
     header = ["variant", "seed", "state", "output_dir", "epochs_done", "iterations",
               "step_time_ms", "wall_time_s", *COCO_STAT_NAMES, "error"]
+    header += [f"{name}@{label}" for label in sizes for name in SIZE_CSV_STATS]
+    if sizes:
+        header.append("sizes_error")
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
@@ -166,6 +230,9 @@ def format_runs_csv(results: Sequence[RunResult]) -> str:
             r.run.variant.name, r.run.seed, r.state.value, str(r.run.output_dir), r.epochs_done,
             r.iterations, _num(1000 * r.step_time_s if r.step_time_s is not None else None, 2),
             _num(r.wall_time_s, 1), *(_num(r.stats.get(n)) for n in COCO_STAT_NAMES), r.error,
+            *(_num(r.size_stats.get(label, {}).get(n)) for label in sizes
+              for n in SIZE_CSV_STATS),
+            *([r.sizes_error] if sizes else []),
         ])
     return buf.getvalue()
 
@@ -180,8 +247,9 @@ def write_tables(grid: Grid, rows: Sequence[VariantRow],
         "runs": grid.output_dir / RUNS_CSV,
     }
     atomic_write_text(paths["markdown"], format_markdown(grid, rows))
-    atomic_write_text(paths["csv"], format_results_csv(rows))
-    atomic_write_text(paths["runs"], format_runs_csv(results))
+    sizes = [size.label for size in grid.eval_sizes]
+    atomic_write_text(paths["csv"], format_results_csv(rows, sizes))
+    atomic_write_text(paths["runs"], format_runs_csv(results, sizes))
     return paths
 
 
@@ -192,5 +260,6 @@ __all__ = [
     "format_markdown",
     "format_results_csv",
     "format_runs_csv",
+    "format_size_markdown",
     "write_tables",
 ]

@@ -17,8 +17,14 @@ resume, so the same command continues a grid::
 With ``launcher: torchrun`` and ``nproc_per_node: 8`` in the grid each run uses 8 GPUs.
 Several invocations may share one grid (each run folder is locked while it trains).
 
-Exit status: 0 every run finished; 1 some runs failed or are left; 2 a bad grid;
-130 / 143 interrupted (the tables hold what finished).
+A grid with ``eval_sizes: [480, 640, 640x1280]`` evaluates each run's last checkpoint at
+those test sizes (the training command carries ``--sizes``; a finished run without the
+numbers is evaluated through detr_irpe.cli.eval after the training) and results.md gets
+the table "AP (%) at test sizes"; --dry-run and --print-commands show the size
+evaluations still due, --table-only evaluates nothing.
+
+Exit status: 0 every run finished; 1 some runs (or size evaluations) failed or are left;
+2 a bad grid; 130 / 143 interrupted (the tables hold what finished).
 """
 
 from __future__ import annotations
@@ -39,15 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, nargs="+", metavar="K",
                         help="replace the grid's seeds, e.g. --seeds 1 2 3")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate the grid, list its runs and their state; train nothing")
+                        help="validate the grid, list its runs and their state (with "
+                             "eval_sizes: their size evaluation's); train nothing")
     parser.add_argument("--print-commands", action="store_true",
-                        help="print the command line of every unfinished run and exit")
+                        help="print the command line of every unfinished run (and of every "
+                             "size evaluation still due) and exit")
     parser.add_argument("--table-only", action="store_true",
-                        help="only (re)write the table from the run folders")
+                        help="only (re)write the table from the run folders (trains and "
+                             "evaluates nothing)")
     parser.add_argument("--max-runs", type=_non_negative, metavar="N",
                         help="launch at most N runs now (the grid resumes later)")
     parser.add_argument("--retry-failed", action="store_true",
-                        help="also relaunch runs whose last launch failed")
+                        help="also relaunch runs (and size evaluations) whose last launch "
+                             "failed")
     parser.add_argument("--show-output", action="store_true",
                         help="show the runs' training output here (default: in each run "
                              "folder's ablation_output.log)")

@@ -10,7 +10,10 @@
 3. evaluates on the val split and prints the COCO numbers and AP per class;
 4. draws predictions on a few val images (outputs/demo/predictions/), attention maps
    (with the anchor boxes of a DAB / DN model), training curves and precision-recall
-   curves (outputs/demo/figures/).
+   curves (outputs/demo/figures/);
+5. with ``--sizes S|HxW ...``, evaluates the last checkpoint at each test size
+   (docs/evaluation.md, "Test sizes") into outputs/demo/eval_sizes/ (sizes.md, sizes.json,
+   sizes.png), as ``tools/train.py --sizes`` does.
 
 The schedule is a step budget (``--steps``), not a time budget: the same seed gives the
 same result on any machine of one kind, whatever its speed. Run it again and it resumes
@@ -19,6 +22,7 @@ same result on any machine of one kind, whatever its speed. Run it again and it 
     python tools/demo.py
     python tools/demo.py --fresh --steps 1500 --set train.lr=2e-4 train.amp=none
     python tools/demo.py --fresh --config synthetic_demo --steps 4800
+    python tools/demo.py --sizes 32 48 64 96 128 64x128
 """
 
 from __future__ import annotations
@@ -26,7 +30,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from detr_irpe.cli.args import add_config_arguments, new_parser, run_main
+from detr_irpe.cli.args import (
+    add_config_arguments,
+    add_sizes_argument,
+    new_parser,
+    parse_sizes,
+    run_main,
+)
 from detr_irpe.errors import ConfigError
 
 DATA_DIR = Path("datasets/synthetic")
@@ -52,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="delete the output folder first instead of resuming it")
     parser.add_argument("--num-images", type=int, default=6,
                         help="val images to draw predictions on (%(default)s)")
+    add_sizes_argument(parser, "after training and the evaluation, evaluate the last "
+                               "checkpoint (into OUTPUT_DIR/eval_sizes)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -71,10 +83,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         check_steps(args.steps)
+        sizes = parse_sizes(args.sizes)
         # after the arguments: --help and their errors come back without torch
         from detr_irpe.cli.programs import demo as program
 
-        return program.run(args)
+        return program.run(args, sizes)
 
     return run_main(body, tool="demo")
 

@@ -5,6 +5,7 @@ read back by the ablation tables."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,9 @@ from detr_irpe.utils.files import atomic_write_text
 # The columns of the table, COCOeval's names.
 SIZE_STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 SIZES_JSON, SIZES_MARKDOWN, SIZES_FIGURE = "sizes.json", "sizes.md", "sizes.png"
+# The folder of a run folder that ``detr-irpe-train --sizes`` (and a grid's ``eval_sizes``)
+# evaluates the run's last checkpoint into.
+EVAL_SIZES_DIR = "eval_sizes"
 
 
 def size_rows(labels: Sequence[str], summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -44,12 +48,30 @@ def write_size_table(rows: Sequence[dict[str, Any]], folder: Path, checkpoint: P
                       f"\"Test sizes\"), in %:\n\n{format_size_table(rows)}\n")
 
 
+def read_size_table(folder: Path) -> dict[str, dict[str, float]]:
+    """``{size label: {"AP": ..., ..., "APl": ...}}`` (fractions; COCOeval's -1, a size
+    range without objects, as NaN) of the ``sizes.json`` in ``folder``; ``{}`` when it is
+    missing or not one that :func:`write_size_table` wrote."""
+    try:
+        data = json.loads((Path(folder) / SIZES_JSON).read_text())
+        rows = data["sizes"]
+        table = {}
+        for row in rows:
+            values = {k: float(row[k]) for k in SIZE_STATS}
+            table[str(row["size"])] = {k: (v if v >= 0 else math.nan) for k, v in values.items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return table
+
+
 __all__ = [
+    "EVAL_SIZES_DIR",
     "SIZES_FIGURE",
     "SIZES_JSON",
     "SIZES_MARKDOWN",
     "SIZE_STATS",
     "format_size_table",
+    "read_size_table",
     "size_rows",
     "write_size_table",
 ]

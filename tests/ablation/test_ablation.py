@@ -432,8 +432,9 @@ def test_shipped_grids_load() -> None:
         grid = load_grid(path)
         assert grid.runs, path
         if path.stem.startswith("demo"):
-            assert grid.base.name in ("synthetic_demo.yaml", "synthetic_demo_rtdetr.yaml")
-            assert grid.launcher == "local"
+            demo_base = ("synthetic_demo_rtdetr.yaml" if path.stem.endswith("_rtdetr")
+                         else "synthetic_demo.yaml")
+            assert grid.base.name == demo_base and grid.launcher == "local"
             # the dataset tools/demo.py generates (README: 1600 + 200 images, seed 0)
             assert grid.synthetic_data == {"num_train": 1600, "num_val": 200, "seed": 0}
         else:
@@ -503,16 +504,25 @@ ENCODING_ROWS = {
 ENCODING_KEYS = ("model.position_embedding", "model.rpe", "model.rope")
 
 
-@pytest.mark.parametrize(("name", "base", "seeds"), [
-    ("encodings", "detr_r50", [42]), ("encodings_rtdetr", "rtdetr_r50", [42]),
-    ("demo_encodings", "synthetic_demo", [42, 7, 1]),
+@pytest.mark.parametrize(("name", "base", "seeds", "sizes"), [
+    ("encodings", "detr_r50", [42], ["480", "640", "800", "1024", "1280", "640x1280"]),
+    ("encodings_rtdetr", "rtdetr_r50", [42], ["320", "480", "640", "960", "1280", "640x1280"]),
+    ("demo_encodings", "synthetic_demo", [42, 7, 1], ["48", "64", "96", "128", "192", "96x192"]),
+    ("demo_encodings_rtdetr", "synthetic_demo_rtdetr", [42, 7, 1],
+     ["32", "48", "64", "96", "128", "64x128"]),
 ])
-def test_encodings_grids_change_only_the_encoding(name: str, base: str, seeds: list[int]) -> None:
+def test_encodings_grids_change_only_the_encoding(name: str, base: str, seeds: list[int],
+                                                  sizes: list[str]) -> None:
     """Each row is its base config (the published recipe, or the demo's) with the three
-    encoding keys of its encoding, nothing else: the six rows differ only there."""
+    encoding keys of its encoding, nothing else: the six rows differ only there. Each grid
+    evaluates its runs at its own test sizes, the config's own size among them."""
     grid = load_grid(name)
     assert [v.name for v in grid.variants] == list(ENCODING_ROWS) and grid.seeds == seeds
     assert grid.baseline == "sine"
+    assert [s.label for s in grid.eval_sizes] == sizes
+    data = grid.runs[0].config.data
+    own = data.eval_size if data.augmentation == "rtdetr" else data.val_size
+    assert str(own) in sizes
     for run in grid.runs:
         values = ENCODING_ROWS[run.variant.name]
         model = run.config.model
@@ -607,8 +617,11 @@ _DEMO_GRID_TEST_SIZE = (
 
 
 # A run costs about a second (model build, one step, evaluation, checkpoint): the
-# four-run demo grid runs in the default suite, the other 57 runs with -m slow (CI;
+# four-run demo grid runs in the default suite, the other runs with -m slow (CI;
 # demo_encodings: 18 runs, about 11 s on a shared 2-core "AMD EPYC", family 26 model 2).
+# A grid with eval_sizes also evaluates the runs of its first seed at its shipped test
+# sizes through the scheduler (one evaluation process per run): demo_encodings 80 s and
+# demo_encodings_rtdetr 107 s in all, measured there with the machine shared (load ~5).
 @pytest.mark.parametrize("name", [
     name if name == "demo" else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(p.stem for p in GRID_DIR.glob("demo*.yaml"))
@@ -616,18 +629,27 @@ _DEMO_GRID_TEST_SIZE = (
 def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -> None:
     """Each run of the grid trained as its scheduler trains it (the config the grid
     describes for it, at test size), then collected: every run counts as finished and
-    every row of the table has its numbers. No shipped grid can come back empty."""
+    every row of the table has its numbers. No shipped grid can come back empty. A grid
+    with eval_sizes: the scheduler's size evaluation of the first seed's runs at the
+    shipped sizes fills every cell of the table "AP (%) at test sizes"."""
     from detr_irpe.engine.runner import run_training
 
-    grid = load_grid(name, [f"data.root={tiny_dataset}", *_DEMO_GRID_TEST_SIZE],
-                     str(tmp_path / name))
+    args = ([f"data.root={tiny_dataset}", *_DEMO_GRID_TEST_SIZE], str(tmp_path / name))
+    grid = load_grid(name, *args)
     assert {run.config.train.amp for run in grid.runs} == {"auto"}  # as shipped
     for run in grid.runs:
         run_training(run.config, progress=False)
     assert [_state(run) for run in grid.runs] == [RunState.FINISHED] * len(grid.runs)
+    if grid.eval_sizes:
+        first = load_grid(name, *args, seeds=grid.seeds[:1])
+        report = schedule.evaluate_grid_sizes(first)
+        assert report.sizes_done == first.runs and not report.sizes_failed
     rows, _ = collect_and_write(grid)
     assert [row.status for row in rows] == ["done"] * len(grid.variants)
     assert all(row.stats["AP"] is not None for row in rows)
+    for row in rows:
+        assert row.size_seeds == (1 if grid.eval_sizes else 0)
+        assert all(row.size_stats[s.label]["AP"] is not None for s in grid.eval_sizes)
 
 
 @pytest.mark.parametrize(("name", "overrides"), [

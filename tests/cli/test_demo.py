@@ -125,3 +125,38 @@ def test_the_shipped_demo_config_runs_end_to_end(tiny_dataset: Path, tmp_path: P
     assert (out / "figures" / "pr_curves.png").is_file()
     if shipped["model"]["family"] == "dab":
         assert len(list((out / "figures").glob("*_anchor_refinement.png"))) == 1
+
+
+def test_sizes_evaluates_the_last_checkpoint_at_each_test_size(tiny_dataset: Path,
+                                                               tmp_path: Path, capsys) -> None:
+    """``--sizes`` after the demo's training: the last checkpoint at each size into
+    OUTPUT_DIR/eval_sizes (sizes.json / .md / .png, one folder per size), the table printed
+    with the folder. At the config's own size (64: data.val_size = data.max_size) the
+    number is the demo's own evaluation of the same weights."""
+    out = tmp_path / "demo"
+    status = demo.main(["--config", "synthetic_tiny", "--data", str(tiny_dataset),
+                        "--output-dir", str(out), "--steps", "2", "--num-images", "1",
+                        "--no-progress", "--set", "train.amp=none", "--sizes", "64", "32x96"])
+    assert status == 0
+    folder = out / "eval_sizes"
+    data = json.loads((folder / "sizes.json").read_text())
+    assert data["checkpoint"] == str(out / "checkpoint_last.pth")
+    assert [row["size"] for row in data["sizes"]] == ["64", "32x96"]
+    for row in data["sizes"]:
+        metrics = json.loads((folder / f"size_{row['size']}" / "metrics.json").read_text())
+        assert metrics["test_size"] == row["size"]
+    assert (folder / "sizes.md").is_file() and (folder / "sizes.png").is_file()
+    printed = capsys.readouterr().out
+    assert f"{folder / 'sizes.md'}" in printed and "| test size |" in printed
+    results = json.loads((out / "demo_results.json").read_text())
+    assert data["sizes"][0]["AP"] == pytest.approx(results["AP"], abs=1e-12)
+
+
+def test_bad_sizes_are_one_line_before_training(tiny_dataset: Path, tmp_path: Path,
+                                                capsys) -> None:
+    status = demo.main(["--config", "synthetic_tiny", "--data", str(tiny_dataset),
+                        "--output-dir", str(tmp_path / "d"), "--sizes", "64", "64x"])
+    assert status == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sizes: test size '64x'" in err[0], err
+    assert not (tmp_path / "d").exists()

@@ -10,7 +10,13 @@ import time
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from detr_irpe.ablation import collect_and_write, format_markdown, load_grid, run_grid
-from detr_irpe.ablation.schedule import format_command, launch_command
+from detr_irpe.ablation.schedule import (
+    format_command,
+    launch_command,
+    needs_sizes,
+    sizes_command,
+    sizes_state,
+)
 from detr_irpe.cli.args import Terminated
 from detr_irpe.errors import EXIT_FAILURE, EXIT_SIGINT
 from detr_irpe.run_folder.status import RunState, run_state
@@ -18,15 +24,30 @@ from detr_irpe.utils.files import ensure_writable_folder
 
 
 def _list_runs(grid, print_commands: bool) -> None:
+    """Each run's state (with ``eval_sizes``: where its size evaluation stands), or the
+    commands still to run: the training of each unfinished run, the size evaluation of
+    each finished run that lacks its numbers (failed ones included, as failed runs)."""
+    sizes_todo = 0
     for run in grid.runs:
         state = run_state(run.output_dir, run.config)
+        todo = needs_sizes(grid, run, state, retry_failed=True)
+        sizes_todo += todo
         if not print_commands:
-            print(f"{state.value:>9}  {run.key:<40} {run.output_dir}")
+            sizes = ""
+            if grid.eval_sizes:
+                sizes = ("  sizes: " + sizes_state(grid, run) if state is RunState.FINISHED
+                         else "  sizes: after training")
+            print(f"{state.value:>9}  {run.key:<40} {run.output_dir}{sizes}")
         elif state is not RunState.FINISHED:
             print(format_command(launch_command(grid, run)))
+        elif todo:
+            print(format_command(sizes_command(grid, run)))
     if not print_commands:
         print(f"{len(grid.runs)} runs ({len(grid.variants)} variants x {len(grid.seeds)} "
               f"seeds); baseline {grid.baseline}; launcher {grid.launcher}")
+        if grid.eval_sizes:
+            print(f"test sizes (eval_sizes): {' '.join(s.label for s in grid.eval_sizes)}; "
+                  f"{sizes_todo} finished run(s) still need their size evaluation")
 
 
 def _train(grid, args: argparse.Namespace):
@@ -46,10 +67,17 @@ def _summary(grid, report, seconds: float) -> int:
     if report is not None:  # runs were trained now (not --table-only)
         print(f"{len(report.done)} run(s) trained in {seconds:.0f} s; "
               f"{len(report.skipped_finished)} already finished")
+        if grid.eval_sizes:
+            print(f"{len(report.sizes_done)} run(s) evaluated at the test sizes now")
         if report.failed or report.not_started or report.busy or report.skipped_failed:
             print(f"{len(report.done)} runs trained now, {len(report.failed)} failed, "
                   f"{len(report.skipped_failed)} failed before, {len(report.not_started)} left, "
                   f"{len(report.busy)} running elsewhere", file=sys.stderr)
+            return EXIT_FAILURE
+        if report.sizes_failed or report.sizes_skipped_failed:
+            print(f"size evaluation: {len(report.sizes_failed)} failed now, "
+                  f"{len(report.sizes_skipped_failed)} failed before (--retry-failed); see "
+                  "each run's ablation_output.log", file=sys.stderr)
             return EXIT_FAILURE
     return 0 if all(row.status == "done" for row in rows) else EXIT_FAILURE
 

@@ -1,5 +1,6 @@
 """The program of the CPU demo (:mod:`detr_irpe.cli.demo`, ``make demo``) once its
-arguments are parsed: the synthetic data, the training, its evaluation and figures."""
+arguments are parsed: the synthetic data, the training, its evaluation and figures, and
+with ``--sizes`` the evaluation at test sizes."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import detr_irpe.visualization as vis
 from detr_irpe.cli.args import checked_overrides
+from detr_irpe.cli.programs.eval import evaluate_run_at_sizes
 from detr_irpe.config import load_config
 from detr_irpe.data import build_dataset
 from detr_irpe.data.synthetic import generate_dataset
@@ -20,7 +23,15 @@ from detr_irpe.engine.checkpoint_eval import run_evaluation
 from detr_irpe.engine.runner import run_training
 from detr_irpe.evaluation import format_summary, load_pr_arrays
 from detr_irpe.evaluation.report import format_ap
+from detr_irpe.evaluation.size_table import (
+    SIZES_FIGURE,
+    SIZES_JSON,
+    SIZES_MARKDOWN,
+    format_size_table,
+    size_rows,
+)
 from detr_irpe.inference import Predictor, predict_files
+from detr_irpe.sizes import EvalSize
 from detr_irpe.utils.files import atomic_write_text
 from detr_irpe.utils.text import plural
 
@@ -128,8 +139,21 @@ def draw_figures(checkpoint: Path, val_images: list[Path], run_dir: Path) -> Non
     _figure("precision-recall curves", pr_curves)
 
 
+def evaluate_sizes(cfg: Any, out: Path, sizes: Sequence[EvalSize], progress: bool) -> Path:
+    """The last checkpoint at each test size (as ``tools/train.py --sizes``): the table
+    printed, sizes.md / sizes.json / sizes.png in ``out/eval_sizes``; returns that folder."""
+    result = evaluate_run_at_sizes(cfg, out, sizes, progress)
+    folder = Path(result["output_dir"])
+    print("\n[demo] COCO box AP at the test sizes (docs/evaluation.md, \"Test sizes\"), in %")
+    print(format_size_table(size_rows([r["size"] for r in result["sizes"]],
+                                      [r["summary"] for r in result["sizes"]])))
+    print(f"[demo] test sizes -> {folder / SIZES_MARKDOWN}, {folder / SIZES_JSON}, "
+          f"{folder / SIZES_FIGURE}")
+    return folder
+
+
 def _report(summary: dict, table: str, result: dict, train_seconds: float, total: float,
-            out: Path) -> None:
+            out: Path, sizes: bool = False) -> None:
     print("\n[demo] COCO box metrics on the synthetic val split")
     print(format_summary(summary))
     if table:
@@ -147,11 +171,12 @@ def _report(summary: dict, table: str, result: dict, train_seconds: float, total
     print(f"| {ap} | {result['iterations']} | {train_seconds / 60:.1f} min | "
           f"{total / 60:.1f} min |")
     print(f"\n[demo] outputs in {out}: log.txt, train.log, checkpoint_*.pth, eval/, "
-          "predictions/, figures/")
+          "predictions/, figures/" + (", eval_sizes/" if sizes else ""))
 
 
-def run(args: argparse.Namespace) -> int:
-    """The demo as the arguments say: data, training, evaluation, figures, the table."""
+def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = ()) -> int:
+    """The demo as the arguments say: data, training, evaluation, figures, the test
+    ``sizes`` (none: no evaluation at test sizes), the table."""
     start = time.perf_counter()
     ensure_dataset(args.data)
     cfg, max_steps = demo_config(args)
@@ -169,8 +194,11 @@ def run(args: argparse.Namespace) -> int:
     images_dir = Path(cfg.data.root) / cfg.data.val_images
     val_images = [images_dir / val.coco.imgs[i]["file_name"] for i in val.ids[:args.num_images]]
     draw_figures(last, val_images, out)
-    _report(summary, table, result, result["train_time"], time.perf_counter() - start, out)
+    if sizes:
+        evaluate_sizes(cfg, out, sizes, progress=not args.no_progress)
+    _report(summary, table, result, result["train_time"], time.perf_counter() - start, out,
+            sizes=bool(sizes))
     return 0
 
 
-__all__ = ["demo_config", "draw_figures", "ensure_dataset", "run"]
+__all__ = ["demo_config", "draw_figures", "ensure_dataset", "evaluate_sizes", "run"]

@@ -18,9 +18,10 @@ from detr_irpe.cli.common import (
     load_config_from_args,
     print_eval_result,
 )
-from detr_irpe.config import load_config
+from detr_irpe.config import Config, load_config
 from detr_irpe.engine.checkpoint_eval import run_evaluation
-from detr_irpe.evaluation.size_table import SIZES_FIGURE, size_rows
+from detr_irpe.evaluation.size_table import EVAL_SIZES_DIR, SIZES_FIGURE, size_rows
+from detr_irpe.run_folder.checkpoints import LAST
 from detr_irpe.sizes import EvalSize
 from detr_irpe.utils.files import ensure_writable_folder
 
@@ -33,6 +34,18 @@ def plot_size_figure(result: Mapping[str, Any]) -> Path:
     out = Path(result["output_dir"]) / SIZES_FIGURE
     vis.plot_ap_by_size(rows, out, title="COCO box AP against the test size")
     return out
+
+
+def evaluate_run_at_sizes(cfg: Config, run_dir: Path, sizes: Sequence[EvalSize],
+                          progress: bool = True) -> dict[str, Any]:
+    """A run's last checkpoint (``RUN_DIR/checkpoint_last.pth``) evaluated at each test size
+    into ``RUN_DIR/eval_sizes`` (sizes.json, sizes.md and sizes.png there): what
+    ``detr-irpe-train --sizes`` and ``tools/demo.py --sizes`` do after the training."""
+    result = run_evaluation(cfg, run_dir / LAST, run_dir / EVAL_SIZES_DIR, progress=progress,
+                            sizes=sizes)
+    if result["rank"] == 0:
+        plot_size_figure(result)
+    return result
 
 
 def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = ()) -> int:
@@ -57,4 +70,4 @@ def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = ()) -> int:
     return 0
 
 
-__all__ = ["plot_size_figure", "run"]
+__all__ = ["evaluate_run_at_sizes", "plot_size_figure", "run"]

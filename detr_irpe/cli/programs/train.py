@@ -11,13 +11,13 @@ from typing import Any
 
 from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.cli.common import device_override, load_config_from_args, print_eval_result
-from detr_irpe.cli.programs.eval import plot_size_figure
+from detr_irpe.cli.programs.eval import evaluate_run_at_sizes, plot_size_figure
 from detr_irpe.config import Config
 from detr_irpe.engine.checkpoint_eval import run_evaluation
 from detr_irpe.engine.dry_run import dry_run
 from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import ConfigError
-from detr_irpe.run_folder.checkpoints import LAST, find_resume_checkpoint
+from detr_irpe.run_folder.checkpoints import find_resume_checkpoint
 from detr_irpe.sizes import EvalSize, format_bytes
 from detr_irpe.utils.text import plural
 
@@ -91,8 +91,8 @@ def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = ()) -> int:
         print_eval_result(result, tables=False)
         if not sizes:
             return 0
-        result = run_evaluation(cfg, output_dir / LAST, output_dir / "eval_sizes",
-                                progress=progress, sizes=sizes)
+        print_eval_result(evaluate_run_at_sizes(cfg, output_dir, sizes, progress))
+        return 0
     if sizes and result["rank"] == 0:
         plot_size_figure(result)
     print_eval_result(result)
