@@ -6,11 +6,12 @@ hook ends training with an error."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_tiny_config
+from helpers import ROOT, load_tiny_config
 
 from detr_irpe.benchmark.model import synthetic_batch
 from detr_irpe.engine.optim import build_lr_scheduler, build_optimizer
@@ -79,13 +80,26 @@ def expected_calls(epochs: int, steps: int, name: str = "") -> list[tuple]:
     return calls + [(name, "after_train", epochs, 0, epochs * steps)]
 
 
+def docs_example_hook() -> type:
+    """The hook class of docs/training.md's example (its code up to the run)."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    blocks = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+              if "class EpochRows(TrainHook)" in b]
+    assert len(blocks) == 1
+    code, run = blocks[0].split("\nrows = EpochRows()\n")
+    assert "hooks=[rows]" in run
+    namespace: dict = {}
+    exec(compile(code, "docs/training.md", "exec"), namespace)
+    return namespace["EpochRows"]
+
+
 def test_a_user_hook_sees_every_step_and_epoch_in_order(tiny_dataset, tmp_path) -> None:
     # 8 training images at batch 4: 2 steps per epoch; a checkpoint after every step
     out = tmp_path / "run"
     cfg = load_tiny_config(f"data.root={tiny_dataset}", f"train.output_dir={out}",
                            "train.epochs=2", "train.checkpoint_every=1", "train.loggers=[]")
-    hook = Recorder(out)
-    result = run_training(cfg, progress=False, hooks=[hook])
+    hook, rows = Recorder(out), docs_example_hook()()
+    result = run_training(cfg, progress=False, hooks=[hook, rows])
     assert result["iterations"] == 4
     assert hook.calls == expected_calls(epochs=2, steps=2)
     # every step's losses reached the hook exactly once, as floats after a read
@@ -98,6 +112,8 @@ def test_a_user_hook_sees_every_step_and_epoch_in_order(tiny_dataset, tmp_path) 
     assert hook.log_lines == [1, 2]
     logged = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     assert hook.evaluations == [r["test_coco_eval_bbox"][0] for r in logged]
+    assert rows.rows == [(r["epoch"] + 1, r["train_loss"], r["test_coco_eval_bbox"][0])
+                         for r in logged]
 
 
 class Batches:

@@ -20,6 +20,7 @@ from helpers import load_tiny_config, load_tool
 
 from detr_irpe.benchmark.model import synthetic_batch
 from detr_irpe.config import ConfigError
+from detr_irpe.engine.hooks import StepLogger
 from detr_irpe.engine.logger import (
     RunClock,
     TensorBoardWriter,
@@ -29,7 +30,6 @@ from detr_irpe.engine.logger import (
     timed,
 )
 from detr_irpe.engine.optim import build_lr_scheduler, build_optimizer
-from detr_irpe.engine.hooks import StepLogger
 from detr_irpe.engine.trainer import LoopState, train_one_epoch
 from detr_irpe.engine.wandb_logger import WandbWriter, wandb_mode
 from detr_irpe.models import build_model
