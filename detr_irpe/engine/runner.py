@@ -3,10 +3,11 @@ process, or one of many under ``torchrun``.
 
 A run is four named steps: :func:`resolve_start` (a run to resume, weights to fine-tune
 from, or scratch), :func:`build_parts` (data, model, optimizer, schedule),
-:meth:`TrainingRun.run_epochs` (train, evaluate, checkpoint) and
-:meth:`TrainingRun.finish` (the final evaluation outputs). A :class:`TrainingRun` holds
-what the steps change (where training stands, the best AP, the epoch's running sums);
-only its own methods change them.
+:meth:`TrainingRun.run_epochs` (the training loop of :mod:`~detr_irpe.engine.trainer`
+with the run's hooks: EMA, logs, evaluation, checkpoints, the signal stop, and a user's)
+and :meth:`TrainingRun.finish` (the final evaluation outputs). A :class:`TrainingRun`
+holds what the steps change (its loop state: where training stands, the epoch's running
+sums; the best AP); only the loop, its own methods and its hooks change them.
 
 The run folder (``train.output_dir``), its lock, which experiment it holds and which
 checkpoints it keeps are :mod:`detr_irpe.run_folder`'s.
@@ -19,7 +20,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from detr_irpe.engine.distributed import (
     lost_rank_as_error,
 )
 from detr_irpe.engine.ema import ModelEma
+from detr_irpe.engine.hooks import EmaUpdate, StepLogger
 from detr_irpe.engine.interrupt import StopOnSignal, agreed_stop, interrupted_message
 from detr_irpe.engine.logger import (
     MetricTracker,
@@ -58,11 +60,13 @@ from detr_irpe.engine.optim import (
 from detr_irpe.engine.precision import build_grad_scaler, check_amp_device, resolve_amp
 from detr_irpe.engine.rng import get_rng_state, seed_everything, set_rng_state
 from detr_irpe.engine.trainer import (
+    LoopState,
+    TrainHook,
     TrainingPosition,
     UpdateSettings,
     evaluate,
     nonfinite_tensors,
-    train_one_epoch,
+    train,
 )
 from detr_irpe.errors import CheckpointError, Interrupted, NonFiniteError, RunFolderError
 from detr_irpe.evaluation import (
@@ -441,15 +445,14 @@ def _wrap_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
 
 # ----------------------------------------------------------------------------- the epochs
 def _epoch_record(epoch: int, train_stats: Mapping[str, float],
-                  eval_result: tuple | None, extra: Mapping[str, Any]) -> dict[str, Any]:
+                  evaluation: EpochEvaluation | None, extra: Mapping[str, Any]) -> dict[str, Any]:
     """The ``log.txt`` record of an epoch."""
     record: dict[str, Any] = {"epoch": epoch}
     record.update({f"train_{k}": v for k, v in train_stats.items()})
-    if eval_result is not None:
-        losses, summary, _ = eval_result
-        record.update({f"test_{k}": v for k, v in losses.items()})
-        if summary is not None:
-            record["test_coco_eval_bbox"] = [float(v) for v in summary["stats"]]
+    if evaluation is not None:
+        record.update({f"test_{k}": v for k, v in evaluation.losses.items()})
+        if evaluation.summary is not None:
+            record["test_coco_eval_bbox"] = [float(v) for v in evaluation.summary["stats"]]
     record.update(extra)
     return record
 
@@ -473,8 +476,9 @@ def _finite_or_none(value: float) -> float | None:
 
 
 class TrainingRun:
-    """One training run: its parts, where it stands (:attr:`position`), the best AP so
-    far and the epoch's running sums; the steps that change them are its methods.
+    """One training run: its parts, its loop (:attr:`loop`: where it stands, the epoch's
+    running sums, the lr schedule, the EMA) and the best AP so far; the steps that
+    change them are its methods and its hooks'.
 
     Start one with :meth:`start` (scratch, fine-tuning or a resume).
     """
@@ -487,32 +491,47 @@ class TrainingRun:
         self.info = info
         self.output_dir = output_dir
         self.progress = progress
-        self.position = position or TrainingPosition()
+        position = position or TrainingPosition()
         self.best = best or BestAP()
-        # train.ema: the average of the weights, which evaluation, the best checkpoint and
-        # every tool reading the checkpoint use instead of the trained weights.
-        self.ema = ema
         # A resumed run follows its own config: the schedule is built, not restored.
-        self.lr_scheduler = build_lr_scheduler(
-            parts.optimizer, self.cfg.train, parts.steps_per_epoch, self.position.epoch,
-            self.position.batch_in_epoch, self.position.iteration)
+        lr_scheduler = build_lr_scheduler(
+            parts.optimizer, self.cfg.train, parts.steps_per_epoch, position.epoch,
+            position.batch_in_epoch, position.iteration)
         # Running sums of the epoch in progress; saved with mid-epoch checkpoints so that
         # a resumed epoch's log.txt averages cover all of its steps.
-        self.tracker = self._new_tracker()
+        tracker = MetricTracker(window=max(self.cfg.train.print_freq, 1))
         if metrics:
-            self.tracker.load_state_dict(metrics)
-        self.model: nn.Module = _wrap_ddp(parts.model, info)  # after the weights are loaded
-        self.stop: StopOnSignal | None = None  # set while run_epochs listens for signals
+            tracker.load_state_dict(metrics)
+        # train.ema: the average of the weights, which evaluation, the best checkpoint and
+        # every tool reading the checkpoint use instead of the trained weights.
+        self.loop = LoopState(
+            model=_wrap_ddp(parts.model, info),  # after the weights are loaded
+            criterion=parts.criterion, optimizer=parts.optimizer, lr_scheduler=lr_scheduler,
+            device=info.device, settings=parts.settings, position=position,
+            total_epochs=self.cfg.train.epochs, ema=ema, tracker=tracker)
         # Optimizer steps of the last epoch (fewer than steps_per_epoch: cut_last_epoch).
         self.last_epoch_steps = parts.steps_per_epoch
-        self.clock = self._new_clock()
+        self.loop.run_clock = self._new_clock()
+
+    @property
+    def position(self) -> TrainingPosition:
+        return self.loop.position
+
+    @property
+    def model(self) -> nn.Module:
+        """The trained model (wrapped in ``DistributedDataParallel`` under torchrun)."""
+        return self.loop.model
+
+    @property
+    def ema(self) -> ModelEma | None:
+        return self.loop.ema
 
     def _new_clock(self) -> RunClock:
         """The whole run's ETA: the steps and evaluations from this position on."""
         epochs = range(self.position.epoch, self.cfg.train.epochs)
         return RunClock(
             sum(self.epoch_steps(epoch) for epoch in epochs) - self.position.batch_in_epoch,
-            sum(self._evaluation_due(epoch) for epoch in epochs))
+            sum(self.evaluation_due(epoch) for epoch in epochs))
 
     def epoch_steps(self, epoch: int) -> int:
         """Optimizer steps of ``epoch`` (0-based)."""
@@ -531,7 +550,7 @@ class TrainingRun:
                 f"{(epochs - 1) * per_epoch + 1}-{epochs * per_epoch}); set train.epochs="
                 f"{max(1, math.ceil(max_steps / per_epoch))}")
         self.last_epoch_steps = max_steps - (epochs - 1) * per_epoch
-        self.clock = self._new_clock()
+        self.loop.run_clock = self._new_clock()
 
     @classmethod
     def start(cls, parts: RunParts, info: DistInfo, output_dir: Path, progress: bool,
@@ -552,9 +571,6 @@ class TrainingRun:
         return cls(parts, info, output_dir, progress, position, BestAP.of_checkpoint(state),
                    metrics, ema)
 
-    def _new_tracker(self) -> MetricTracker:
-        return MetricTracker(window=max(self.cfg.train.print_freq, 1))
-
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> dict:
         """The checkpoint of the current position (a collective: every rank calls it)."""
@@ -564,14 +580,14 @@ class TrainingRun:
         return {
             "model": unwrap_model(self.model).state_dict(),
             "optimizer": parts.optimizer.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "lr_scheduler": self.loop.lr_scheduler.state_dict(),
             "scaler": parts.settings.scaler.state_dict() if parts.settings.scaler else None,
             "epoch": position.epoch,
             "batch_in_epoch": position.batch_in_epoch,
             "iteration": position.iteration,
             "best_ap": self.best.ap,
             "best_epoch": self.best.epoch,
-            "metrics": self.tracker.state_dict() if position.batch_in_epoch else {},
+            "metrics": self.loop.tracker.state_dict() if position.batch_in_epoch else {},
             "rng": rng,
             "world_size": self.info.world_size,
             "batch_size": self.cfg.train.batch_size,
@@ -612,25 +628,6 @@ class TrainingRun:
             )
         barrier()
 
-    # ------------------------------------------------------------------ stops
-    def stop_requested(self, agree: bool = True) -> int | None:
-        """The signal that stops every rank now, or None.
-
-        With several processes the ranks agree in a collective that waits for the
-        device; ``agree=False`` skips it (None), so that a step that would not wait
-        otherwise does not wait for it either.
-        """
-        if self.stop is None or (not agree and self.info.world_size > 1):
-            return None
-        return agreed_stop(self.stop.requested(), self.info.device)
-
-    def interrupted(self, signum: int) -> Interrupted:
-        """The error that ends a run stopped by ``signum`` after checkpointing here."""
-        message = interrupted_message(signum, self.position.epoch, self.position.batch_in_epoch,
-                                      self.cfg.train.epochs)
-        logger.warning("%s", message)
-        return Interrupted(message, signum)
-
     # ------------------------------------------------------------------ epochs
     def evaluate(self) -> tuple[dict[str, float], dict[str, Any], CocoEvaluator]:
         """``(losses, summary, evaluator)`` of the model on the val split."""
@@ -645,92 +642,49 @@ class TrainingRun:
         )
         return losses, summary, evaluator
 
-    def train_epoch(self, loggers: ScalarWriter) -> dict[str, float]:
-        """Train the rest of the current epoch, checkpointing every
-        ``train.checkpoint_every`` steps and stopping at a step when a signal asks."""
-        parts, cfg, position = self.parts, self.cfg, self.position
-
-        num_steps = self.epoch_steps(position.epoch)
-
-        def on_step(state: TrainingPosition, read_losses) -> None:
-            if state.batch_in_epoch >= num_steps:
-                return  # the epoch's end: run_epochs evaluates, saves, then looks for a stop
-            every = cfg.train.checkpoint_every
-            checkpoint_due = every > 0 and state.iteration % every == 0
-            # Under torchrun the stop is agreed on at the steps that wait for the device
-            # anyway: the losses are read every print_freq steps, and before a checkpoint.
-            agree = checkpoint_due or state.batch_in_epoch % max(cfg.train.print_freq, 1) == 0
-            signum = self.stop_requested(agree)
-            if signum is not None:
-                read_losses()
-                self.save()
-                raise self.interrupted(signum)
-            if checkpoint_due:
-                read_losses()  # never checkpoint weights after a NaN / inf loss
-                self.save()
-
-        micro_done = position.batch_in_epoch * cfg.train.accumulate_steps
-        batches = epoch_batches(parts.train_loader, position.epoch, micro_done,
-                                batch_scales_of(cfg.data, position.epoch))
-        if num_steps < parts.steps_per_epoch:  # a cut last epoch: its first num_steps steps
-            left = max(num_steps - position.batch_in_epoch, 0)
-            batches = itertools.islice(batches, left * cfg.train.accumulate_steps)
-        return train_one_epoch(
-            self.model, parts.criterion, batches,
-            parts.optimizer, self.lr_scheduler, self.info.device, position,
-            num_steps=num_steps, settings=parts.settings,
-            print_freq=cfg.train.print_freq, progress=self.progress,
-            total_epochs=cfg.train.epochs, on_step=on_step, loggers=loggers,
-            tracker=self.tracker, run_clock=self.clock, ema=self.ema,
-        )
-
-    def _evaluation_due(self, epoch: int) -> bool:
+    def evaluation_due(self, epoch: int) -> bool:
+        """Whether ``epoch`` (0-based) ends with an evaluation: every
+        ``train.eval_every`` epochs, and the last one."""
         return (epoch + 1) % self.cfg.train.eval_every == 0 or epoch + 1 == self.cfg.train.epochs
 
-    def run_epochs(self) -> tuple[dict[str, Any] | None, CocoEvaluator | None]:
-        """Train to the last epoch, evaluating every ``eval_every`` epochs and
-        checkpointing after each one. Returns the last ``(summary, evaluator)``."""
-        cfg, position = self.cfg, self.position
-        log = JsonLinesLog(self.output_dir / "log.txt")
-        loggers = build_scalar_loggers(cfg.train.loggers, self.output_dir, cfg.to_dict(),
-                                       self.info.is_main)
-        if self.info.is_main:
-            log.truncate_to(position.epoch)  # drop records of epochs about to be redone
-        summary = evaluator = None
+    def epoch_batches(self, position: TrainingPosition) -> tuple[Iterable[Any], int]:
+        """The batches of the rest of epoch ``position.epoch`` and its optimizer steps
+        (:class:`~detr_irpe.engine.trainer.EpochSource`)."""
+        cfg, num_steps = self.cfg, self.epoch_steps(position.epoch)
+        micro_done = position.batch_in_epoch * cfg.train.accumulate_steps
+        batches = epoch_batches(self.parts.train_loader, position.epoch, micro_done,
+                                batch_scales_of(cfg.data, position.epoch))
+        if num_steps < self.parts.steps_per_epoch:  # a cut last epoch: its first num_steps steps
+            left = max(num_steps - position.batch_in_epoch, 0)
+            batches = itertools.islice(batches, left * cfg.train.accumulate_steps)
+        return batches, num_steps
+
+    def hooks(self, writer: ScalarWriter, stop: StopOnSignal | None,
+              user_hooks: Sequence[TrainHook] = ()) -> tuple[list[TrainHook], Evaluation]:
+        """The run's hooks in the order they are called (:class:`TrainHook`), and its
+        evaluation hook: the EMA update (``train.ema``), the step logger, the evaluation
+        (every ``train.eval_every`` epochs), ``log.txt``, the user's hooks, then the
+        checkpoints (every ``train.checkpoint_every`` steps and each epoch) with the
+        signal stop (while ``stop`` listens)."""
+        evaluation = Evaluation(self)
+        hooks: list[TrainHook] = [EmaUpdate()] if self.ema is not None else []
+        hooks += [StepLogger(self.cfg.train.print_freq, self.progress, writer), evaluation,
+                  EpochLog(self, writer), *user_hooks, Checkpointing(self, stop)]
+        return hooks, evaluation
+
+    def run_epochs(self, stop: StopOnSignal | None = None, hooks: Sequence[TrainHook] = ()
+                   ) -> tuple[dict[str, Any] | None, CocoEvaluator | None]:
+        """Train to the last epoch with the run's hooks (:meth:`hooks`; ``hooks``: the
+        user's). Returns the last evaluation's ``(summary, evaluator)``."""
+        writer = build_scalar_loggers(self.cfg.train.loggers, self.output_dir,
+                                      self.cfg.to_dict(), self.info.is_main)
         try:
-            while position.epoch < cfg.train.epochs:
-                epoch, epoch_start = position.epoch, time.perf_counter()
-                train_stats = self.train_epoch(loggers)
-                train_time = time.perf_counter() - epoch_start
-                eval_result = None
-                is_best = False
-                if self._evaluation_due(epoch):
-                    eval_start = time.perf_counter()
-                    eval_result = self.evaluate()
-                    self.clock.evaluation_done(time.perf_counter() - eval_start)
-                    _, summary, evaluator = eval_result
-                    logger.info("%s evaluation%s:\n%s", epoch_label(epoch, cfg.train.epochs),
-                                " of the EMA weights" if self.ema is not None else "",
-                                format_summary(summary))
-                    is_best = self.best.update(summary, epoch)
-                    if self.info.is_main:
-                        keep_pr_arrays(evaluator, self.output_dir / "eval", epoch)
-                record = _epoch_record(epoch, train_stats, eval_result, {
-                    "n_parameters": self.parts.n_parameters, "iteration": position.iteration,
-                    "epoch_time": time.perf_counter() - epoch_start, "train_time": train_time,
-                    "max_mem_mb": peak_memory_mb(self.info.device),
-                    "eta_seconds": _finite_or_none(self.clock.eta())})
-                if self.info.is_main:
-                    _log_epoch(record, log, loggers)
-                position.epoch, position.batch_in_epoch = epoch + 1, 0
-                self.tracker = self._new_tracker()
-                self.save(is_best=is_best)
-                signum = self.stop_requested()
-                if signum is not None and position.epoch < cfg.train.epochs:
-                    raise self.interrupted(signum)
+            self.loop.hooks, evaluation = self.hooks(writer, stop, hooks)
+            train(self.loop, self)
         finally:
-            loggers.close()
-        return summary, evaluator
+            writer.close()
+        last = evaluation.last
+        return (last.summary, last.evaluator) if last is not None else (None, None)
 
     def finish(self, summary: Mapping[str, Any] | None, evaluator: CocoEvaluator | None,
                seconds: float) -> dict[str, Any]:
@@ -748,6 +702,131 @@ class TrainingRun:
                 "rank": self.info.rank}
 
 
+# ----------------------------------------------------------------------------- the run's hooks
+@dataclass
+class EpochEvaluation:
+    """The evaluation at the end of an epoch (``loop.evaluation`` in ``after_epoch``):
+    the averaged loss terms on the val split, COCO's summary (``stats``, ``AP``, ...),
+    the evaluator, and whether its AP is the best so far."""
+
+    losses: dict[str, float]
+    summary: dict[str, Any]
+    evaluator: CocoEvaluator
+    is_best: bool
+
+
+class Evaluation(TrainHook):
+    """The val split every ``train.eval_every`` epochs and after the last one (the EMA
+    weights when there are some): the summary logged, the best AP, ``eval/``'s PR arrays
+    (rank 0); ``loop.evaluation`` for the hooks after it, :attr:`last` for the run."""
+
+    def __init__(self, run: TrainingRun) -> None:
+        self.run = run
+        self.last: EpochEvaluation | None = None
+
+    def after_epoch(self, loop: LoopState) -> None:
+        run, epoch = self.run, loop.position.epoch - 1  # the epoch just trained
+        if not run.evaluation_due(epoch):
+            return
+        start = time.perf_counter()
+        losses, summary, evaluator = run.evaluate()
+        loop.run_clock.evaluation_done(time.perf_counter() - start)
+        logger.info("%s evaluation%s:\n%s", epoch_label(epoch, run.cfg.train.epochs),
+                    " of the EMA weights" if run.ema is not None else "",
+                    format_summary(summary))
+        is_best = run.best.update(summary, epoch)
+        if run.info.is_main:
+            keep_pr_arrays(evaluator, run.output_dir / "eval", epoch)
+        loop.evaluation = self.last = EpochEvaluation(losses, summary, evaluator, is_best)
+
+
+class EpochLog(TrainHook):
+    """``log.txt``, one record per epoch (its averages, the evaluation, times, memory),
+    and the epoch's scalars (``epoch/``, ``test/``, ``coco/``) to ``writer``: rank 0.
+    Records of the epochs about to be trained again are dropped first."""
+
+    def __init__(self, run: TrainingRun, writer: ScalarWriter) -> None:
+        self.run = run
+        self.writer = writer
+        self.log = JsonLinesLog(run.output_dir / "log.txt")
+        self.start = time.perf_counter()
+
+    def before_train(self, loop: LoopState) -> None:
+        if self.run.info.is_main:
+            self.log.truncate_to(loop.position.epoch)
+
+    def before_epoch(self, loop: LoopState) -> None:
+        self.start = time.perf_counter()
+
+    def after_epoch(self, loop: LoopState) -> None:
+        record = _epoch_record(loop.position.epoch - 1, loop.epoch_stats, loop.evaluation, {
+            "n_parameters": self.run.parts.n_parameters, "iteration": loop.position.iteration,
+            "epoch_time": time.perf_counter() - self.start, "train_time": loop.train_seconds,
+            "max_mem_mb": peak_memory_mb(loop.device),
+            "eta_seconds": _finite_or_none(loop.run_clock.eta())})
+        if self.run.info.is_main:
+            _log_epoch(record, self.log, self.writer)
+
+
+class Checkpointing(TrainHook):
+    """Checkpoints, and the signal stop: one hook, since a stop is a checkpoint and an exit.
+
+    A checkpoint every ``train.checkpoint_every`` optimizer steps inside an epoch (after
+    reading the losses: never weights after a NaN / inf loss) and after every epoch
+    (``checkpoint_best.pth`` linked to it after a new best AP); atomic, with the previous
+    one kept (:func:`~detr_irpe.run_folder.checkpoints.save_training_checkpoint`).
+
+    While ``stop`` listens, a SIGTERM / SIGINT ends the run at the next step boundary
+    with a checkpoint there and :class:`~detr_irpe.errors.Interrupted`: inside an epoch
+    the stop is looked for before the step's periodic checkpoint (a signal that arrives
+    during a save is acted on after the next step), after an epoch once its checkpoint
+    is written; after the last epoch the run just ends. Under torchrun every rank stops
+    together (:func:`~detr_irpe.engine.interrupt.agreed_stop`, a collective); inside an
+    epoch the ranks agree only at the steps that wait for the device anyway (the losses
+    read every ``train.print_freq`` steps, a checkpoint).
+    """
+
+    def __init__(self, run: TrainingRun, stop: StopOnSignal | None = None) -> None:
+        self.run = run
+        self.stop = stop
+
+    def after_step(self, loop: LoopState) -> None:
+        if loop.epoch_done:
+            return  # the epoch's end: after_epoch, once it is evaluated
+        train_cfg, position = self.run.cfg.train, loop.position
+        every = train_cfg.checkpoint_every
+        checkpoint_due = every > 0 and position.iteration % every == 0
+        print_step = position.batch_in_epoch % max(train_cfg.print_freq, 1) == 0
+        signum = self._stop_requested(agree=checkpoint_due or print_step)
+        if signum is not None:
+            loop.read_losses()
+            self.run.save()
+            self._interrupt(loop, signum)
+        if checkpoint_due:
+            loop.read_losses()  # never checkpoint weights after a NaN / inf loss
+            self.run.save()
+
+    def after_epoch(self, loop: LoopState) -> None:
+        self.run.save(is_best=loop.evaluation is not None and loop.evaluation.is_best)
+        signum = self._stop_requested(agree=True)
+        if signum is not None and loop.position.epoch < loop.total_epochs:
+            self._interrupt(loop, signum)
+
+    def _stop_requested(self, agree: bool) -> int | None:
+        """The signal that stops every rank now, or None; ``agree=False`` skips the
+        ranks' collective (None) under torchrun."""
+        if self.stop is None or (not agree and self.run.info.world_size > 1):
+            return None
+        return agreed_stop(self.stop.requested(), self.run.info.device)
+
+    def _interrupt(self, loop: LoopState, signum: int) -> None:
+        position = loop.position
+        message = interrupted_message(signum, position.epoch, position.batch_in_epoch,
+                                      loop.total_epochs)
+        logger.warning("%s", message)
+        raise Interrupted(message, signum)
+
+
 # ----------------------------------------------------------------------------- the run
 def run_training(
     cfg: Config,
@@ -756,6 +835,7 @@ def run_training(
     finetune: str | Path | None = None,
     progress: bool = True,
     max_steps: int | None = None,
+    hooks: Sequence[TrainHook] = (),
 ) -> dict[str, Any]:
     """Train as described by ``cfg``.
 
@@ -765,6 +845,9 @@ def run_training(
     class head is swapped when the class counts differ) when there is nothing
     to resume. ``max_steps`` ends the run after that many optimizer steps in all, cutting
     its last epoch short (:meth:`TrainingRun.cut_last_epoch`: a step budget, the demo's).
+    ``hooks``: the user's :class:`~detr_irpe.engine.trainer.TrainHook` objects, called
+    (on every process) after the run's own hooks that log and evaluate and before those
+    that checkpoint and stop on a signal (:meth:`TrainingRun.hooks`; docs/training.md).
 
     Returns:
         ``{"summary": last COCO summary or None, "per_class_table": str,
@@ -780,7 +863,8 @@ def run_training(
         # One run per folder, and a writable one: checked before anything is built.
         lock = lock_run_folder(cfg.train.output_dir, info.is_main)
         with lost_rank_as_error(info):
-            return _run_training(cfg, info, resume, finetune, progress, lock, max_steps)
+            return _run_training(cfg, info, resume, finetune, progress, lock, max_steps,
+                                 hooks)
     finally:
         if lock is not None:
             lock.release()
@@ -798,7 +882,8 @@ def _prepare_output_dir(output_dir: Path, info: DistInfo, lock: RunLock | None) 
 
 def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
                   finetune: str | Path | None, progress: bool,
-                  lock: RunLock | None, max_steps: int | None = None) -> dict[str, Any]:
+                  lock: RunLock | None, max_steps: int | None = None,
+                  hooks: Sequence[TrainHook] = ()) -> dict[str, Any]:
     output_dir = Path(cfg.train.output_dir)
     setup_logging(None, info.rank)  # the console only, until the folder is known to be ours
     check_amp_device(cfg.train.amp, info.device)  # before the data and the model are built
@@ -832,13 +917,17 @@ def _run_training(cfg: Config, info: DistInfo, resume: str | Path | None,
     )
     started = time.perf_counter()
     # SIGTERM / SIGINT from here on: stop at a step boundary with a checkpoint there.
-    with StopOnSignal() as run.stop:
-        summary, evaluator = run.run_epochs()
+    with StopOnSignal() as stop:
+        summary, evaluator = run.run_epochs(stop, hooks)
     return run.finish(summary, evaluator, time.perf_counter() - started)
 
 
 __all__ = [
     "BestAP",
+    "Checkpointing",
+    "EpochEvaluation",
+    "EpochLog",
+    "Evaluation",
     "RunParts",
     "StartState",
     "TrainingRun",

@@ -1,15 +1,20 @@
-"""One training step, one training epoch and one evaluation pass (DDP, AMP, gradient
-accumulation, non-finite guard, progress).
+"""One training step, the training loop with its hooks and one evaluation pass (DDP,
+AMP, gradient accumulation, non-finite guard, progress).
 
 The loops work on the model, criterion and post-processor of ``build_model`` and
-batches ``(ImageBatch, list[target])`` of the data loaders;
-:mod:`detr_irpe.engine.runner` strings them together into a run.
+batches ``(ImageBatch, list[target])`` of the data loaders. The training loop
+(:func:`train`, :func:`train_one_epoch`) does the optimizer steps and the lr schedule
+and keeps the position and the running sums in a :class:`LoopState`; everything else
+(logging, EMA, evaluation, checkpoints, the signal stop, a user's own) is a
+:class:`TrainHook` it calls at fixed points: :mod:`detr_irpe.engine.hooks` holds the
+generic ones, :mod:`detr_irpe.engine.runner` those of a run and strings them together.
 
 A training step does not wait for the device except where the matcher needs it
 (scipy solves the assignment on the host: the cost matrices are copied once per
 decoder output). Loss values stay on the device in :class:`PendingLosses`; they
-are read, averaged over the processes and checked for NaN / inf every
-``print_freq`` steps, before each checkpoint and at the end of an epoch.
+are read, averaged over the processes and checked for NaN / inf when a hook asks (the
+step logger every ``print_freq`` steps, before each checkpoint) and at the end of an
+epoch.
 """
 
 from __future__ import annotations
@@ -20,32 +25,23 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
 
-from detr_irpe.engine.logger import (
-    MetricTracker,
-    RunClock,
-    ScalarWriter,
-    format_duration,
-    timed,
-)
+from detr_irpe.engine.logger import MetricTracker, RunClock, timed
 from detr_irpe.engine.precision import autocast_context
 from detr_irpe.engine.speed import ForwardTimer
 from detr_irpe.errors import NonFiniteError
 from detr_irpe.run_folder.checkpoints import epoch_label
 from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.dist import all_reduce_mean, get_world_size, is_main_process
-from detr_irpe.utils.memory import peak_memory_mb
 
 logger = logging.getLogger(__name__)
 
-# Terms shown on the progress bar and in the periodic log lines.
-_SHOWN = ("loss", "loss_ce", "loss_bbox", "loss_giou", "class_error", "lr")
 # Logged, not trained: averaged (not summed) over the micro-batches of a step.
 _METRICS = ("class_error", "cardinality_error")
 
@@ -369,161 +365,216 @@ def group_micro_batches(batches: Iterable[T], size: int) -> Iterator[list[T]]:
             group = []
 
 
-class _EpochLog:
-    """Progress bar, periodic log lines and per-iteration scalars of an epoch, and the
-    run's clock (``data_time``: seconds a step waited for its batches; ``step_time``:
-    seconds per step, end to end)."""
+class TrainHook:
+    """Work done at fixed points of the training loop (checkpoints, logs, evaluation, a
+    user's own); every method is optional and does nothing here. detectron2's
+    ``HookBase`` is the model.
 
-    def __init__(self, state: TrainingPosition, num_steps: int, print_freq: int, progress: bool,
-                 total_epochs: int | None, loggers: ScalarWriter | None,
-                 tracker: MetricTracker | None, run_clock: RunClock | None,
-                 device: torch.device) -> None:
-        self.num_steps = num_steps
-        self.print_freq = print_freq
-        self.loggers = loggers
-        self.device = device
-        self.tracker = tracker if tracker is not None else MetricTracker(window=max(print_freq, 1))
-        if run_clock is None:  # the steps of this epoch and of the epochs after it
-            later = (total_epochs - state.epoch - 1) * num_steps if total_epochs else 0
-            run_clock = RunClock(num_steps - state.batch_in_epoch + later)
-        self.run_clock = run_clock
-        self.clock = run_clock.clock
-        self.label = epoch_label(state.epoch, total_epochs)
-        self.first_batch = state.batch_in_epoch
-        self.start = self.last_read = self.clock()
-        run_clock.start_steps()
-        self.images_since_read = 0
-        self.bar = None
-        if progress and is_main_process():
-            # disable=None: tqdm turns itself off when stderr is not a terminal.
-            self.bar = tqdm(total=num_steps, initial=state.batch_in_epoch, desc=self.label,
-                            dynamic_ncols=True, disable=None, leave=False)
+    The loop (:func:`train`, :func:`train_one_epoch`) calls the method of every hook of
+    ``loop.hooks``, in that list's order, at these points:
 
-    def due(self, state: TrainingPosition) -> bool:
-        return self.print_freq > 0 and (
-            state.batch_in_epoch % self.print_freq == 0 or state.batch_in_epoch == self.num_steps
-        )
+    1. ``before_train(loop)``: once, before the first epoch that :func:`train` runs.
+    2. ``before_epoch(loop)``: before the first step of each epoch (of its rest, when the
+       run resumed in its middle).
+    3. After each optimizer step: the step (forward, backward, clipping, optimizer step),
+       its loss terms kept on the device (``loop.losses``), the lr schedule's step and
+       ``loop.position`` advanced, then ``after_step(loop)``.
+    4. ``after_read(loop, records)``: whenever the loss values were read from the device
+       (:meth:`LoopState.read_losses`: a hook asked for them, and at the end of each
+       epoch), one float record per step since the read before (never empty).
+    5. At the end of an epoch: the last losses read, ``loop.epoch_stats`` (the epoch's
+       averages) set, ``loop.position`` moved to the start of the next epoch and
+       ``loop.evaluation`` cleared, then ``after_epoch(loop)``.
+    6. ``after_train(loop)``: once, when :func:`train` ends, also when it ends with an
+       error (a NaN loss, a hook's :class:`~detr_irpe.errors.Interrupted`).
 
-    def max_mem_mb(self) -> float:
-        return peak_memory_mb(self.device)
+    A hook may raise to end training (the signal stop raises ``Interrupted``); the hooks
+    after it in the list are then not called for that point.
+    """
 
-    def records(self, records: list[dict[str, float]], state: TrainingPosition) -> None:
-        """Take the records of :meth:`PendingLosses.read` (up to ``state``)."""
+    def before_train(self, loop: LoopState) -> None:
+        pass
+
+    def before_epoch(self, loop: LoopState) -> None:
+        pass
+
+    def after_step(self, loop: LoopState) -> None:
+        pass
+
+    def after_read(self, loop: LoopState, records: list[dict[str, float]]) -> None:
+        pass
+
+    def after_epoch(self, loop: LoopState) -> None:
+        pass
+
+    def after_train(self, loop: LoopState) -> None:
+        pass
+
+
+@dataclass(eq=False, repr=False)
+class LoopState:
+    """What the training loop works on and where it stands; every hook is handed it.
+
+    The caller sets the parts (the first fields); :func:`train_one_epoch` advances
+    ``position`` and sets the fields after ``hooks``.
+
+    Attributes:
+        model: the trained model (wrapped in ``DistributedDataParallel`` under torchrun).
+        ema: the moving average of the weights (a
+            :class:`~detr_irpe.engine.ema.ModelEma`), or None; the loop does not update
+            it (:class:`~detr_irpe.engine.hooks.EmaUpdate` does).
+        total_epochs: :func:`train` trains until ``position.epoch`` reaches it.
+        hooks: called in this order (:class:`TrainHook`).
+        tracker: the running sums of the epoch in progress (loss terms, ``lr``,
+            ``data_time``, ``step_time``): a resumed epoch's from its checkpoint; a new
+            one (same window) at the end of each epoch.
+        run_clock: times the steps for the whole run's ETA; None: one for the steps of
+            this epoch and the epochs after it.
+        num_steps: optimizer steps of the epoch in progress.
+        losses: the last step's loss terms of this process, detached, on the device
+            (:func:`train_step`); reading one waits for the step.
+        step_images: images of the last step, over all processes.
+        pending: the loss values not read yet (:meth:`read_losses`).
+        epoch_stats: at ``after_epoch``, the averages the last epoch returned.
+        train_seconds: at ``after_epoch``, the seconds the last epoch's steps took.
+        evaluation: at ``after_epoch``, the evaluation of the last epoch, set by a hook
+            that evaluates (the runner's: :class:`~detr_irpe.engine.runner.EpochEvaluation`);
+            None when it was not evaluated.
+    """
+
+    model: nn.Module
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: LRScheduler
+    device: torch.device
+    settings: UpdateSettings = field(default_factory=UpdateSettings)
+    position: TrainingPosition = field(default_factory=TrainingPosition)
+    total_epochs: int = 1
+    ema: Any = None
+    hooks: list[TrainHook] = field(default_factory=list)
+    tracker: MetricTracker = field(default_factory=MetricTracker)
+    run_clock: RunClock | None = None
+    num_steps: int = 0
+    losses: dict[str, Tensor] = field(default_factory=dict)
+    step_images: int = 0
+    pending: PendingLosses | None = None
+    epoch_stats: dict[str, float] = field(default_factory=dict)
+    train_seconds: float = 0.0
+    evaluation: Any = None
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler of fp16 training (``settings.scaler``), or None."""
+        return self.settings.scaler
+
+    @property
+    def epoch_done(self) -> bool:
+        """Whether the epoch's last step was taken (at its last ``after_step``)."""
+        return self.position.batch_in_epoch >= self.num_steps
+
+    def call_hooks(self, point: str, *args: Any) -> None:
+        """``hook.<point>(self, *args)`` for every hook, in order."""
+        for hook in self.hooks:
+            getattr(hook, point)(self, *args)
+
+    def read_losses(self) -> list[dict[str, float]]:
+        """Read the pending loss values (a collective under torchrun: every process
+        reads at the same steps), add them to :attr:`tracker` and hand them to the
+        hooks' ``after_read``; returns them (one record per step).
+
+        Raises:
+            NonFiniteLossError: naming the first step whose loss is NaN / inf.
+        """
+        records = self.pending.read() if self.pending is not None else []
         for record in records:
             self.tracker.update(**record)
-        now = self.clock()
-        if records and self.loggers is not None:
-            images_per_s = self.images_since_read / max(now - self.last_read, 1e-9)
-            recent = self.tracker.recent()
-            self.loggers.scalars({**recent, "images_per_s": images_per_s,
-                                  "max_mem_mb": self.max_mem_mb()}, state.iteration, "train/")
-        self.last_read, self.images_since_read = now, 0
-
-    def step_done(self, images: int, data_time: float) -> None:
-        step_time = self.run_clock.step_done()
-        self.tracker.update(data_time=data_time, step_time=step_time)
-        self.images_since_read += images
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def line(self, state: TrainingPosition) -> None:
-        done = max(state.batch_in_epoch - self.first_batch, 1)
-        elapsed = self.clock() - self.start
-        eta = elapsed / done * (self.num_steps - state.batch_in_epoch)
-        if self.bar is not None:
-            self.bar.set_postfix({k: f"{v:.4g}" for k, v in self.tracker.recent(list(_SHOWN)).items()})
-        data = self.tracker.recent(["data_time"]).get("data_time", 0.0)
-        logger.info("%s [%d/%d] it %d  eta %s (run %s)  %s  %.3f s/it (data %.3f)  "
-                    "max mem %.0f MB", self.label, state.batch_in_epoch, self.num_steps,
-                    state.iteration, format_duration(eta), format_duration(self.run_clock.eta()),
-                    self.tracker.format(list(_SHOWN)), elapsed / done, data, self.max_mem_mb())
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        if records:
+            self.call_hooks("after_read", records)
+        return records
 
 
-def train_one_epoch(
-    model: nn.Module,
-    criterion: nn.Module,
-    batches: Iterable[Batch],
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: LRScheduler,
-    device: torch.device,
-    state: TrainingPosition,
-    *,
-    num_steps: int,
-    settings: UpdateSettings | None = None,
-    print_freq: int = 10,
-    progress: bool = False,
-    total_epochs: int | None = None,
-    on_step: Callable[[TrainingPosition, Callable[[], None]], None] | None = None,
-    loggers: ScalarWriter | None = None,
-    tracker: MetricTracker | None = None,
-    run_clock: RunClock | None = None,
-    ema: Any = None,
-) -> dict[str, float]:
-    """Train over ``batches`` (the rest of epoch ``state.epoch``), one optimizer step per
-    ``settings.accumulate_steps`` batches.
+class EpochSource(Protocol):
+    """The batches of each epoch (the runner's :class:`~detr_irpe.engine.runner.TrainingRun`)."""
 
-    ``tracker`` holds the epoch's running sums so far (a resumed epoch's, from its
-    checkpoint); the returned averages cover those steps too. Default: a new one.
-    ``run_clock`` times the steps for the whole run's ETA (default: one for the steps
-    left in this epoch and the ``total_epochs`` after it); ``loggers`` take the
-    scalars every ``print_freq`` steps.
+    def epoch_batches(self, position: TrainingPosition) -> tuple[Iterable[Batch], int]:
+        """The batches of the rest of epoch ``position.epoch`` (from step
+        ``position.batch_in_epoch`` on) and the epoch's number of optimizer steps."""
 
-    ``lr_scheduler`` is stepped after every optimizer step (its counter is the iteration:
-    :func:`~detr_irpe.engine.optim.build_lr_scheduler`) and ``ema`` (a
-    :class:`~detr_irpe.engine.ema.ModelEma`, or None) takes the new weights; then ``state``
-    is advanced and
-    ``on_step(state, read_losses)`` is called (the
-    runner writes mid-epoch checkpoints there, calling ``read_losses()`` first: it
-    reads the pending loss values, checking them for NaN / inf).
+
+def train_one_epoch(loop: LoopState, batches: Iterable[Batch], num_steps: int) -> dict[str, float]:
+    """Train over ``batches`` (the rest of epoch ``loop.position.epoch``, of ``num_steps``
+    optimizer steps), one optimizer step per ``loop.settings.accumulate_steps`` batches,
+    calling ``loop.hooks`` as :class:`TrainHook` says.
+
+    Each step: :func:`train_step`; its losses kept on the device; ``lr_scheduler`` stepped
+    (its counter is the iteration: :func:`~detr_irpe.engine.optim.build_lr_scheduler`);
+    ``position`` advanced; ``data_time`` (seconds the step waited for its batches) and
+    ``step_time`` (seconds per step, end to end) into the tracker; the hooks'
+    ``after_step``. Loss values are read only when a hook asks and at the epoch's end.
 
     Returns:
-        Averages over the processes and the epoch's steps of every loss term
-        (weighted total ``loss``, the weighted terms, the unscaled terms with
-        suffix ``_unscaled``, ``class_error``, ``cardinality_error``), ``lr``, and
-        this process's ``data_time`` and ``step_time`` (seconds per step).
+        ``loop.epoch_stats``: averages over the processes and the epoch's steps (those
+        before a resume included) of every loss term (weighted total ``loss``, the
+        weighted terms, the unscaled terms with suffix ``_unscaled``, ``class_error``,
+        ``cardinality_error``), ``lr``, and this process's ``data_time`` and
+        ``step_time``.
 
     Raises:
         NonFiniteLossError: naming the epoch, iteration and every loss term.
         NonFiniteError: the model outputs became NaN / inf (naming epoch and iteration).
     """
-    settings = settings or UpdateSettings()
-    model.train()
-    criterion.train()
-    pending = PendingLosses(criterion.weight_dict)
-    log = _EpochLog(state, num_steps, print_freq, progress, total_epochs, loggers, tracker,
-                    run_clock, device)
+    position, settings = loop.position, loop.settings
+    loop.model.train()
+    loop.criterion.train()
+    loop.num_steps = num_steps
+    loop.pending = PendingLosses(loop.criterion.weight_dict)
+    if loop.run_clock is None:  # the steps of this epoch and of the epochs after it
+        later = (loop.total_epochs - position.epoch - 1) * num_steps
+        loop.run_clock = RunClock(num_steps - position.batch_in_epoch + later)
+    clock = loop.run_clock.clock
+    start = clock()
+    loop.call_hooks("before_epoch")
+    loop.run_clock.start_steps()
+    for micro, data_time in timed(group_micro_batches(batches, settings.accumulate_steps), clock):
+        try:
+            losses = train_step(loop.model, loop.criterion, micro, loop.optimizer, loop.device,
+                                amp=settings.amp, scaler=settings.scaler,
+                                clip_max_norm=settings.clip_max_norm)
+        except NonFiniteError as err:
+            raise NonFiniteError(
+                f"{epoch_label(position.epoch, loop.total_epochs)}, iteration "
+                f"{position.iteration}: {err}"
+            ) from None
+        loop.pending.add(position.epoch, position.iteration,
+                         loop.optimizer.param_groups[0]["lr"], losses)
+        loop.lr_scheduler.step()
+        position.iteration += 1
+        position.batch_in_epoch += 1
+        loop.losses = losses
+        loop.step_images = sum(len(t) for _, t in micro) * get_world_size()
+        loop.tracker.update(data_time=data_time, step_time=loop.run_clock.step_done())
+        loop.call_hooks("after_step")
+    loop.read_losses()
+    loop.train_seconds = clock() - start
+    loop.epoch_stats = loop.tracker.averages()
+    position.epoch, position.batch_in_epoch = position.epoch + 1, 0
+    loop.tracker = MetricTracker(window=loop.tracker.window)
+    loop.evaluation = None
+    loop.call_hooks("after_epoch")
+    return loop.epoch_stats
+
+
+def train(loop: LoopState, source: EpochSource) -> None:
+    """Train from ``loop.position`` to the end of epoch ``loop.total_epochs``, the
+    batches of each epoch from ``source``, calling ``loop.hooks``
+    (``before_train``, each epoch's, then ``after_train``, also after an error)."""
     try:
-        for micro, data_time in timed(group_micro_batches(batches, settings.accumulate_steps),
-                                      log.clock):
-            try:
-                losses = train_step(model, criterion, micro, optimizer, device,
-                                    amp=settings.amp, scaler=settings.scaler,
-                                    clip_max_norm=settings.clip_max_norm)
-            except NonFiniteError as err:
-                raise NonFiniteError(
-                    f"{epoch_label(state.epoch, total_epochs)}, iteration {state.iteration}: "
-                    f"{err}"
-                ) from None
-            pending.add(state.epoch, state.iteration, optimizer.param_groups[0]["lr"], losses)
-            lr_scheduler.step()
-            if ema is not None:
-                ema.update(model)
-            state.iteration += 1
-            state.batch_in_epoch += 1
-            log.step_done(sum(len(t) for _, t in micro) * get_world_size(), data_time)
-            if log.due(state):
-                log.records(pending.read(), state)
-                log.line(state)
-            if on_step is not None:
-                on_step(state, lambda: log.records(pending.read(), state))
-        log.records(pending.read(), state)
+        loop.call_hooks("before_train")
+        while loop.position.epoch < loop.total_epochs:
+            batches, num_steps = source.epoch_batches(loop.position)
+            train_one_epoch(loop, batches, num_steps)
     finally:
-        log.close()
-    return log.tracker.averages()
+        loop.call_hooks("after_train")
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -602,8 +653,11 @@ def _outputs_in_float32(outputs: Any) -> Any:
 
 
 __all__ = [
+    "EpochSource",
+    "LoopState",
     "NonFiniteLossError",
     "PendingLosses",
+    "TrainHook",
     "TrainingPosition",
     "UpdateSettings",
     "check_finite_loss",
@@ -613,6 +667,7 @@ __all__ = [
     "loss_record",
     "model_outputs",
     "nonfinite_tensors",
+    "train",
     "train_one_epoch",
     "train_step",
     "weighted_loss",

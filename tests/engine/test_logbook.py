@@ -20,6 +20,7 @@ from helpers import load_tiny_config, load_tool
 
 from detr_irpe.benchmark.model import synthetic_batch
 from detr_irpe.config import ConfigError
+from detr_irpe.engine.hooks import StepLogger
 from detr_irpe.engine.logger import (
     RunClock,
     TensorBoardWriter,
@@ -29,7 +30,7 @@ from detr_irpe.engine.logger import (
     timed,
 )
 from detr_irpe.engine.optim import build_lr_scheduler, build_optimizer
-from detr_irpe.engine.trainer import TrainingPosition, train_one_epoch
+from detr_irpe.engine.trainer import LoopState, train_one_epoch
 from detr_irpe.engine.wandb_logger import WandbWriter, wandb_mode
 from detr_irpe.models import build_model
 from detr_irpe.run_folder.checkpoints import LAST
@@ -108,10 +109,10 @@ def test_epoch_measures_data_time_and_logs_both_etas(caplog) -> None:
     # 2 steps in this epoch, 4 in the epochs after it; 1 evaluation of 10 s already timed
     run_clock = RunClock(steps_left=6, evaluations_left=2, clock=clock)
     run_clock.evaluation_done(10.0)
-    with caplog.at_level(logging.INFO, logger="detr_irpe.engine.trainer"):
-        stats = train_one_epoch(model, criterion, SlowLoader(batches, clock, 5.0), optimizer,
-                                scheduler, torch.device("cpu"), TrainingPosition(), num_steps=2,
-                                print_freq=1, total_epochs=3, run_clock=run_clock)
+    loop = LoopState(model, criterion, optimizer, scheduler, torch.device("cpu"),
+                     total_epochs=3, run_clock=run_clock, hooks=[StepLogger(print_freq=1)])
+    with caplog.at_level(logging.INFO, logger="detr_irpe.engine.hooks"):
+        stats = train_one_epoch(loop, SlowLoader(batches, clock, 5.0), num_steps=2)
     assert stats["data_time"] == pytest.approx(5.0) and stats["step_time"] == pytest.approx(5.0)
     lines = [r.getMessage() for r in caplog.records if "it 1 " in r.getMessage()]
     assert len(lines) == 1
