@@ -3,6 +3,8 @@
 - :mod:`.op`: one attention layer, iRPE vs ``nn.MultiheadAttention``, and its L sweep + plot;
 - :mod:`.model`: training step and inference images/s of every family's benchmark targets
   (DETR, DAB-DETR, DN-DETR, RT-DETR; plain / iRPE);
+- :mod:`.encoding_steps`: a detector's training step with each position encoding of its
+  encoder (none, sine, iRPE, RoPE-Axial, RoPE-Mixed), one interleaved run;
 - :mod:`.deploy`: CPU inference of the exported model in ONNX Runtime vs PyTorch and
   transformers;
 - :mod:`.data`: training data-loader images/s with the DETR augmentation;

@@ -39,7 +39,7 @@ __all__ = [
     "DEFAULT_MODELS", "QUICK_MODEL", "StepRunner", "benchmark_targets",
     "build_benchmark_model", "interleave", "model_table", "quick_overrides", "row_name",
     "run_model_benchmark", "select_targets", "synthetic_batch", "target_of",
-    "training_state_bytes",
+    "training_runner", "training_state_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -228,6 +228,24 @@ def interleave(runners: Sequence[StepRunner], steps: int, device: torch.device,
                 runner.step_peaks.append(torch.cuda.max_memory_allocated(device) - before)
 
 
+def training_runner(row: dict[str, Any], cfg, model: torch.nn.Module,
+                    criterion: torch.nn.Module, batch: tuple[ImageBatch, list[dict[str, Any]]],
+                    device: torch.device) -> StepRunner:
+    """A :class:`StepRunner` of ``model``: the engine's :func:`train_step` on ``batch``
+    (forward, loss, backward, clipping at ``cfg.train.clip_max_norm``, the AdamW of
+    ``cfg.train``) in the precision ``row["amp"]``; puts the model in training mode."""
+    optimizer = build_optimizer(model, cfg.train)
+    model.train()
+    precision, clip = row["amp"], cfg.train.clip_max_norm
+
+    def step() -> float:
+        terms = train_step(model, criterion, [batch], optimizer, device, amp=precision,
+                           clip_max_norm=clip)
+        return float(weighted_loss(terms, criterion.weight_dict))
+
+    return StepRunner(row, step, resident=partial(training_state_bytes, model, optimizer))
+
+
 def _time_inference(model, postprocessor, images, targets, dev, amp, warmup, repeats) -> list[float]:
     model.eval()
     out = []
@@ -308,20 +326,11 @@ def run_model_benchmark(
                 progress(f"building {row_name({'target': name, 'rpe': rpe})} ({config}) "
                          f"amp={precision} at {batch} x {height}x{width}")
             cfg, model, criterion, postprocessor = build_benchmark_model(rpe, dev, extra, config)
-            optimizer = build_optimizer(model, cfg.train)
-            model.train()
-
-            def step(model=model, criterion=criterion, optimizer=optimizer, precision=precision,
-                     clip=cfg.train.clip_max_norm) -> float:
-                terms = train_step(model, criterion, [(images, batch_targets)], optimizer, dev,
-                                   amp=precision, clip_max_norm=clip)
-                return float(weighted_loss(terms, criterion.weight_dict))
-
             built.append((model, postprocessor))
-            runners.append(StepRunner(
+            runners.append(training_runner(
                 {"target": name, "config": config, "family": cfg.model.family, "rpe": rpe,
                  "amp": precision},
-                step, resident=partial(training_state_bytes, model, optimizer)))
+                cfg, model, criterion, (images, batch_targets), dev))
     interleave([*runners, *extra_runners], train_warmup + train_repeats, dev, progress)
     results = []
     for runner, (model, postprocessor) in zip(runners, built):

@@ -1,6 +1,6 @@
 """The whole benchmark of ``detr-irpe-benchmark`` (``tools/benchmark.py``): op, model
-(every benchmark target of the family registry), CPU inference of the exported model,
-profile, data and eval levels.
+(every benchmark target of the family registry), encodings (a detector's step with each
+position encoding), CPU inference of the exported model, profile, data and eval levels.
 
 :func:`run_suite` measures the requested sections, checks the CPU targets of the project
 (docs/benchmarks.md; full-size CPU runs only, never ``--quick``) and returns one JSON-able
@@ -20,6 +20,7 @@ import torch
 
 from detr_irpe.benchmark import data as data_bench
 from detr_irpe.benchmark import deploy as deploy_bench
+from detr_irpe.benchmark import encoding_steps as encoding_bench
 from detr_irpe.benchmark import evaluation as eval_bench
 from detr_irpe.benchmark import model as model_bench
 from detr_irpe.benchmark import op as op_bench
@@ -36,7 +37,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("op", "model", "onnx", "profile", "data", "eval")
+SECTIONS = ("op", "model", "encodings", "onnx", "profile", "data", "eval")
 PRECISIONS = ("none", "bf16", "fp16")
 # CPU targets (docs/benchmarks.md): iRPE-DETR step / plain DETR step, ctx-product-k layer / plain MHA,
 # qkv layer time and activation memory / plain MHA
@@ -86,6 +87,17 @@ class SuiteOptions:
     # the benchmark targets (row names of the family registry: DETR, DAB-DETR, DN-DETR,
     # RT-DETR, ...) of the model rows, each with every model.rpe value; None: all of them
     targets: Sequence[str] | None = None
+    # encodings section: the step of each detector (encoding_targets: row names of the
+    # registry, None = encoding_bench.DEFAULT_ENCODING_TARGETS) with each position encoding,
+    # the tiny model unless encoding_full (the published config), in one interleaved run
+    encodings: Sequence[str] = encoding_bench.DEFAULT_ENCODINGS
+    encoding_targets: Sequence[str] | None = None
+    encoding_batch: int = 2
+    encoding_hw: tuple[int, int] = (128, 160)
+    encoding_repeats: int = 3
+    encoding_warmup: int = 1
+    encoding_amp: Sequence[str] = ("none",)
+    encoding_full: bool = False
     # CPU inference of the exported model (onnx section): the targets, the input, the
     # timed / untimed calls, a dynamic graph
     onnx_targets: Sequence[str] = deploy_bench.DEFAULT_TARGETS
@@ -115,7 +127,8 @@ class SuiteOptions:
             quick=True, op_batch=1, op_hw=(4, 5), op_dim=32, op_heads=4, op_repeats=1,
             sweep_grids=((4, 4), (4, 8), (8, 8)), naive_max_length=32, model_batch=1,
             model_hw=(64, 64), model_repeats=1, model_warmup=0, data_batches=2, eval_repeats=1,
-            onnx_hw=(64, 64), onnx_repeats=1, onnx_warmup=0,
+            onnx_hw=(64, 64), onnx_repeats=1, onnx_warmup=0, encoding_batch=1,
+            encoding_hw=(64, 64), encoding_repeats=1, encoding_warmup=0,
         )
         base.update(kwargs)
         return cls(**base)
@@ -220,14 +233,19 @@ def run_suite(
     if unknown:
         raise ConfigError(f"unknown benchmark section(s) {unknown}; choose from {list(SECTIONS)}")
     # each row names one precision; "auto" would hide which one was measured
-    bad_amp = [a for a in options.amp if a not in PRECISIONS]
-    if bad_amp:
-        raise ConfigError(f"--amp: {bad_amp} not allowed; choose from {list(PRECISIONS)}")
+    for flag, values in (("--amp", options.amp), ("--encoding-amp", options.encoding_amp)):
+        bad_amp = [a for a in values if a not in PRECISIONS]
+        if bad_amp:
+            raise ConfigError(f"{flag}: {bad_amp} not allowed; choose from {list(PRECISIONS)}")
     # the reference code has no GradScaler, so float16 autocast is not offered for it
     bad_amp = [a for a in options.reference_amp if a not in ("none", "bf16")]
     if bad_amp:
         raise ConfigError(f"--reference-amp: {bad_amp} not allowed; choose from none, bf16")
     model_bench.select_targets(options.targets)
+    if "encodings" in options.sections:
+        encoding_targets = encoding_bench.encoding_targets(options.encoding_targets)
+        for name in options.encodings:
+            encoding_bench.encoding_overrides(name)
     onnx_targets = model_bench.select_targets(options.onnx_targets, "--onnx-targets")
     if options.reference_code:
         reference_bench.check_reference_dir(options.reference_code)
@@ -261,6 +279,12 @@ def run_suite(
         results["op"] = section
     if "model" in options.sections:
         results["model"] = _model_level(options, progress)
+    if "encodings" in options.sections:
+        results["encodings"] = {"rows": encoding_bench.run_encoding_step_benchmark(
+            options.encodings, encoding_targets, options.encoding_batch, *options.encoding_hw,
+            device=options.device, repeats=options.encoding_repeats,
+            warmup=options.encoding_warmup, amp=options.encoding_amp,
+            full=options.encoding_full, progress=progress)}
     if "onnx" in options.sections:
         results["onnx"] = deploy_bench.run_deploy_benchmark(
             onnx_targets, options.models, options.onnx_batch, *options.onnx_hw,
@@ -377,6 +401,14 @@ def suite_markdown(results: dict[str, Any]) -> str:
                       "run\n", reference_bench.reference_table(_reference_rows(results["model"]["rows"]),
                                                                results["model"]["reference_rows"]),
                       "\n" + reference_bench.outputs_table(results["model"]["reference_outputs"])]
+    if "encodings" in results:
+        rows = results["encodings"]["rows"]
+        model = ("the published configs (R50)" if opts.get("encoding_full")
+                 else "the tiny model (ResNet-18 / R18-vd, 32 channels)")
+        parts += [f"\n### Model level, position encodings: the training step of each detector "
+                  f"with each encoding of its encoder, {model}, median of "
+                  f"{opts.get('encoding_repeats')} steps after {opts.get('encoding_warmup')} "
+                  "(one interleaved run)\n", encoding_bench.encoding_step_table(rows)]
     if "onnx" in results:
         section = results["onnx"]
         parts += [f"\n### CPU inference: the exported model in ONNX Runtime vs PyTorch and "

@@ -1,4 +1,5 @@
-"""Benchmark iRPE at the op, model (every detector family's rows, plain vs iRPE), onnx (CPU
+"""Benchmark iRPE at the op, model (every detector family's rows, plain vs iRPE), encodings
+(a detector's training step with each position encoding: none, sine, iRPE, RoPE), onnx (CPU
 inference of the exported model against transformers'), profile (training-step phases),
 data and eval levels; prints markdown tables::
 
@@ -6,6 +7,9 @@ data and eval levels; prints markdown tables::
     detr-irpe-benchmark --threads 1 --only op               # one attention layer + L sweep
     detr-irpe-benchmark --only model --model-repeats 5
     detr-irpe-benchmark --only model --targets DETR,RT-DETR # two detectors' rows only
+    detr-irpe-benchmark --only encodings                    # none / sine / iRPE / RoPE steps
+    detr-irpe-benchmark --only encodings --encoding-full --encoding-size 512x640
+    detr-irpe-benchmark --import my_family --only model --targets MyRow   # a plugin's rows
     detr-irpe-benchmark --only onnx --onnx-size 640x640     # ONNX Runtime vs transformers
     detr-irpe-benchmark --device cuda --model-size 800x1216 --op-repeats 20
     detr-irpe-benchmark --quick --output-dir /tmp/bench     # smoke test: tiny sizes, no verdicts
@@ -13,8 +17,8 @@ data and eval levels; prints markdown tables::
     detr-irpe-benchmark --only model --reference-code PATH/TO/Cream/iRPE/DETR-with-iRPE
 
 The model rows are the benchmark targets of the family registry (DETR, DAB-DETR, DN-DETR,
-RT-DETR and those of a family a module registers), each with every --models value, in one
-interleaved run. Writes results.json, results.md and op_sweep.png under --output-dir.
+RT-DETR and those of a family a module registers: --import names the module), each with
+every --models value, in one interleaved run. Writes results.json, results.md and op_sweep.png under --output-dir.
 What is measured and the published numbers: docs/benchmarks.md. Exit status 2 on a bad
 section, target or precision, CUDA asked for but absent, or nothing to --render (one
 line on stderr).
@@ -29,7 +33,9 @@ from detr_irpe.cli.args import new_parser, run_main, setup_tool_logging
 from detr_irpe.errors import ConfigError
 
 # the sections of the suite (detr_irpe.benchmark.SECTIONS, named here without importing torch)
-SECTIONS = ("op", "model", "onnx", "profile", "data", "eval")
+SECTIONS = ("op", "model", "encodings", "onnx", "profile", "data", "eval")
+# the encodings of the encodings section (detr_irpe.benchmark.encoding_steps.ENCODINGS)
+ENCODINGS = ("none", "sine", "irpe", "irpe+sine", "rope-axial", "rope-mixed")
 
 
 def _hw(text: str) -> tuple[int, int]:
@@ -53,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes: a smoke test of every path; the CPU targets are not judged")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU (%(default)s)")
+    p.add_argument("--import", dest="imports", default=None, metavar="MODULE[,MODULE]",
+                   help="modules imported first, as model.import would (a plugin family "
+                        "registers its benchmark targets this way)")
     p.add_argument("--render", action="store_true",
                    help="measure nothing: rebuild results.md, targets and plot from the "
                         "results.json in --output-dir")
@@ -90,6 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reference-amp", default="none",
                    help="comma-separated precisions of the reference rows out of none, bf16 "
                         "(%(default)s: its own float32; bf16 wraps its forward in autocast)")
+    g = p.add_argument_group("encodings level (a detector's step with each position encoding)")
+    g.add_argument("--encodings", default=None,
+                   help=f"comma-separated encodings out of {','.join(ENCODINGS)} "
+                        "(none,sine,irpe,rope-axial,rope-mixed)")
+    g.add_argument("--encoding-targets", default=None,
+                   help="comma-separated benchmark targets whose encoder takes the choice "
+                        "(model.position_embedding, model.rpe, model.rope): DETR, DAB-DETR, "
+                        "DN-DETR, RT-DETR (DETR,RT-DETR)")
+    g.add_argument("--encoding-full", action="store_true",
+                   help="the targets' published configs (R50) instead of the tiny model "
+                        "(ResNet-18 / R18-vd, 32 channels)")
+    g.add_argument("--encoding-size", type=_hw, default=None,
+                   help="padded image size HxW (128x160; with --encoding-full e.g. 512x640)")
+    g.add_argument("--encoding-batch", type=int, default=None, help="images per step (2)")
+    g.add_argument("--encoding-repeats", type=int, default=None, help="timed steps (3)")
+    g.add_argument("--encoding-warmup", type=int, default=None, help="untimed steps (1)")
+    g.add_argument("--encoding-amp", default="none",
+                   help="comma-separated precisions out of none (fp32), bf16, fp16 "
+                        "(%(default)s)")
     g = p.add_argument_group("onnx level (CPU inference of the exported model)")
     g.add_argument("--onnx-targets", default=None,
                    help="comma-separated benchmark targets exported and run in ONNX Runtime, "
@@ -122,17 +150,21 @@ def suite_settings(args: argparse.Namespace) -> dict:
         "op_dtype": args.dtype, "amp": _names(args.amp), "data_workers": args.workers,
         "sweep": not args.no_sweep, "reference_code": args.reference_code,
         "reference_amp": _names(args.reference_amp), "onnx_dynamic": not args.onnx_static,
+        "encoding_amp": _names(args.encoding_amp), "encoding_full": args.encoding_full,
     }
     for flag, key in (("op_size", "op_hw"), ("op_batch", "op_batch"), ("op_repeats", "op_repeats"),
                       ("sweep_repeats", "sweep_repeats"), ("naive_max_length", "naive_max_length"),
                       ("model_size", "model_hw"), ("model_batch", "model_batch"),
                       ("model_repeats", "model_repeats"), ("model_warmup", "model_warmup"),
                       ("onnx_size", "onnx_hw"), ("onnx_batch", "onnx_batch"),
-                      ("onnx_repeats", "onnx_repeats"),
+                      ("onnx_repeats", "onnx_repeats"), ("encoding_size", "encoding_hw"),
+                      ("encoding_batch", "encoding_batch"),
+                      ("encoding_repeats", "encoding_repeats"),
+                      ("encoding_warmup", "encoding_warmup"),
                       ("data", "data_root"), ("data_batches", "data_batches")):
         if getattr(args, flag) is not None:
             chosen[key] = getattr(args, flag)
-    for flag in ("models", "targets", "onnx_targets"):
+    for flag in ("models", "targets", "onnx_targets", "encodings", "encoding_targets"):
         if getattr(args, flag) is not None:
             chosen[flag] = _names(getattr(args, flag))
     return chosen

@@ -1,6 +1,6 @@
 """A detector family from a plugin (tests/plugins/toy_family.py, the example of docs/model.md
 "A detector family of your own") runs through every tool: train, eval (with --sizes),
-predict, export, visualize, Predictor, the ablation runner and torch.hub."""
+predict, export, visualize, Predictor, the ablation runner, torch.hub and the benchmark."""
 
 from __future__ import annotations
 
@@ -93,6 +93,28 @@ def test_export(toy_run: Path, plugin_path, tmp_path: Path) -> None:
     assert onnx.is_file()
 
 
+def test_the_benchmark_tool_measures_the_toy_s_own_row(plugin_path, tmp_path: Path,
+                                                      capsys) -> None:
+    """The family's benchmark_targets: --import registers it, its row is measured and
+    printed with the built-in rows it is named with."""
+    tool = load_tool("benchmark")
+    assert tool.main(["--import", "toy_family", "--quick", "--only", "model", "--targets",
+                      "Toy,DETR", "--models", "none", "--amp", "none", "--threads", "1",
+                      "--output-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads((tmp_path / "results.json").read_text())["model"]["rows"]
+    config = str(PLUGINS / "toy_family.yaml")
+    assert [(r["target"], r["family"], r["config"]) for r in rows] == [
+        ("Toy", "toy", config), ("DETR", "detr", "detr_r50")]
+    assert rows[0]["train_step_s"] > 0 and rows[0]["loss_steps"] == 1
+    assert f"| Toy | {config} | fp32 | 1 x 64x64" in printed and "| x Toy |" in printed
+    # a module that is not there: one line naming the flag, exit 2
+    assert tool.main(["--import", "no_such_plugin", "--quick", "--only", "model",
+                      "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--import: no module named 'no_such_plugin'" in err[0]
+
+
 def test_predictor_and_hub_build_the_toy_from_its_checkpoint(toy_run: Path, plugin_path) -> None:
     from detr_irpe import Predictor
 
@@ -152,3 +174,7 @@ def test_the_docs_show_the_toy_family_verbatim() -> None:
     block = block[:block.index("```")]
     assert block == (PLUGINS / "toy_family.py").read_text()
     assert "model.import=toy_family model.family=toy" in text[start:]
+    # the config of its benchmark row, also verbatim
+    block = text[text.index("```yaml\n", start) + len("```yaml\n"):]
+    assert block[:block.index("```")] == (PLUGINS / "toy_family.yaml").read_text()
+    assert "--import toy_family --only model --targets Toy" in text[start:]

@@ -8,6 +8,7 @@ one query with DETR's softmax classes and a box, trained with DETR's set loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -98,4 +99,6 @@ FAMILY = register_family(DetectorFamily(
     build_detector=build_detector,
     build_postprocessor=build_postprocessor,
     model_types=(ToyDetector,),
+    # detr-irpe-benchmark --import toy_family --targets Toy: the row and its config
+    benchmark_targets={"Toy": str(Path(__file__).with_name("toy_family.yaml"))},
 ))

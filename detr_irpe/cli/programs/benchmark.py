@@ -8,11 +8,18 @@ import sys
 from typing import Any
 
 from detr_irpe.benchmark import SuiteOptions, rerender, run_suite, suite_markdown, write_results
+from detr_irpe.config.plugins import import_modules
+from detr_irpe.errors import ConfigError
 
 
 def run(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     """Measure (or re-render with ``--render``), write ``results.json`` / ``results.md``
-    and print the tables."""
+    and print the tables; ``--import`` modules first (a plugin family's targets)."""
+    if args.imports:
+        try:
+            import_modules(v.strip() for v in args.imports.split(",") if v.strip())
+        except ConfigError as err:  # its messages name the config key; here it is the flag
+            raise ConfigError(str(err).replace("model.import:", "--import:", 1)) from None
     if args.render:
         print(suite_markdown(rerender(args.output_dir)))
         return 0
