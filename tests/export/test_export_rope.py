@@ -143,3 +143,15 @@ def test_rtdetr_rope_mixed_exports(tmp_path: Path) -> None:
     model.eval()
     path = export_onnx(model, tmp_path / "rtdetr_rope.onnx", TRACED, dynamic=True)
     _check_sizes(path, model, RTDETR_SHAPES, _rtdetr_forward)
+
+
+@pytest.mark.slow  # one dynamic export (~10 s)
+def test_dn_detr_rope_mixed_with_sine_exports(tmp_path: Path) -> None:
+    """The DAB / DN family (denoising on: inference has no noised queries) with RoPE-Mixed
+    next to its sine encoding."""
+    model = _random_detr("model.family=dab", "model.denoising.enabled=true",
+                         "model.position_embedding=sine", "model.rpe=none",
+                         "model.rope=rope-mixed")
+    assert type(model).__name__ != type(_random_detr()).__name__  # not the DETR family
+    path = export_onnx(model, tmp_path / "dn_rope.onnx", TRACED, dynamic=True)
+    _check_sizes(path, model, DETR_SHAPES, _forward)
