@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +38,7 @@ __all__ = [
     "memory_limit",
     "parameter_bytes",
     "parse_eval_size",
+    "parse_eval_sizes",
 ]
 
 FLOAT32 = 4
@@ -185,3 +186,18 @@ def parse_eval_size(text: object) -> EvalSize:
         return EvalSize(short=_side(raw, int(raw), "the shorter side"))
     raise ValueError(f"test size {raw!r} is not a number of pixels (e.g. 640) or "
                      "HEIGHTxWIDTH (e.g. 640x1280)")
+
+
+def parse_eval_sizes(values: Iterable[object], name: str) -> list[EvalSize]:
+    """Each of ``values`` (the setting ``name``: a flag, a grid key) as
+    :func:`parse_eval_size` reads it, in the order given. Raises ``ValueError`` starting
+    with ``name``: the bad value, or ``"<name> lists 64 more than once"``."""
+    try:
+        sizes = [parse_eval_size(value) for value in values]
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+    labels = [s.label for s in sizes]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ValueError(f"{name} lists {', '.join(twice)} more than once")
+    return sizes

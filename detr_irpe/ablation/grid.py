@@ -57,7 +57,7 @@ from detr_irpe.config import (
     resolve_config_path,
 )
 from detr_irpe.data.synthetic import SyntheticSpec
-from detr_irpe.sizes import EvalSize, parse_eval_size
+from detr_irpe.sizes import EvalSize, parse_eval_sizes
 
 GRID_KEYS = (
     "name", "description", "base", "output_dir", "overrides", "axes", "variants", "seeds",
@@ -296,17 +296,10 @@ def _eval_sizes(where: str, value: Any) -> tuple[EvalSize, ...]:
     if not isinstance(value, list):
         raise GridError(f"{where}: eval_sizes must be a list of test sizes (a number of pixels "
                         f"S or HEIGHTxWIDTH, e.g. [480, 640, 640x1280]), got {value!r}")
-    sizes = []
-    for item in value:
-        try:
-            sizes.append(parse_eval_size(item))
-        except ValueError as err:
-            raise GridError(f"{where}: eval_sizes: {err}") from None
-    labels = [s.label for s in sizes]
-    twice = sorted({label for label in labels if labels.count(label) > 1})
-    if twice:
-        raise GridError(f"{where}: eval_sizes lists {', '.join(twice)} more than once")
-    return tuple(sizes)
+    try:
+        return tuple(parse_eval_sizes(value, "eval_sizes"))
+    except ValueError as err:
+        raise GridError(f"{where}: {err}") from None
 
 
 def _resolve_base(grid_path: Path, base: Any) -> Path:

@@ -27,6 +27,7 @@ appended to ``ablation_output.log``; the outcome goes to ``ablation_status.json`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -34,7 +35,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -395,6 +396,23 @@ def needs_sizes(grid: Grid, run: RunSpec, state: RunState, retry_failed: bool = 
                                       else ("missing", "stale"))
 
 
+@contextlib.contextmanager
+def _claimed(run: RunSpec, what: str) -> Iterator[bool]:
+    """Hold the claim on ``run``'s folder for the block; yields False (and logs that
+    ``what`` is skipped) when another scheduler holds it."""
+    lock = RunLock(run.output_dir, CLAIM_NAME)
+    try:
+        lock.acquire()
+    except RunFolderError as err:
+        logger.info("run %s: %s; skipping %s", run.key, err, what)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
+
+
 def evaluate_grid_sizes(
     grid: Grid,
     *,
@@ -425,24 +443,15 @@ def evaluate_grid_sizes(
         logger.info("grid %s: %d finished run(s) to evaluate at the test sizes %s", grid.name,
                     len(todo), " ".join(_size_labels(grid)))
     for i, run in enumerate(todo, 1):
-        lock = RunLock(run.output_dir, CLAIM_NAME)
-        try:
-            lock.acquire()
-        except RunFolderError as err:
-            logger.info("run %s: %s; skipping its size evaluation", run.key, err)
-            report.busy.append(run)
-            continue
-        try:
-            if lock_holder(run.output_dir, LOCK_NAME) is not None:  # a training by hand
-                report.busy.append(run)
+        with _claimed(run, "its size evaluation") as claimed:
+            if not claimed or lock_holder(run.output_dir, LOCK_NAME) is not None:
+                report.busy.append(run)  # another scheduler's, or a training by hand
                 continue
             if sizes_state(grid, run) == "done":  # by another scheduler meanwhile
                 continue
             logger.info("size evaluation %d/%d: %s -> %s", i, len(todo), run.key,
                         run.output_dir / EVAL_SIZES_DIR)
             done = evaluate_sizes(grid, run, show_output=show_output)
-        finally:
-            lock.release()
         (report.sizes_done if done else report.sizes_failed).append(run)
         if after_run is not None:
             after_run(run, done)
@@ -528,22 +537,16 @@ def run_grid(
                    disable=None)
     try:
         for i, run in enumerate(todo, 1):
-            lock = RunLock(run.output_dir, CLAIM_NAME)
-            try:
-                lock.acquire()
-            except RunFolderError as err:
-                logger.info("run %s: %s; skipping it", run.key, err)
-                report.busy.append(run)
-                continue
-            try:
+            with _claimed(run, "it") as claimed:
+                if not claimed:
+                    report.busy.append(run)
+                    continue
                 if is_finished(run.output_dir, run.config.train.epochs):  # by another scheduler
                     report.skipped_finished.append(run)
                     continue
                 logger.info("run %d/%d: %s -> %s", i, len(todo), run.key, run.output_dir)
                 start = time.perf_counter()
                 finished = execute_run(grid, run, show_output=show_output)
-            finally:
-                lock.release()
             (report.done if finished else report.failed).append(run)
             if finished:
                 logger.info("run %s finished in %.0f s", run.key, time.perf_counter() - start)

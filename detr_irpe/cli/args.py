@@ -32,7 +32,7 @@ from detr_irpe.errors import (
     DetrIrpeError,
     exit_status_for_signal,
 )
-from detr_irpe.sizes import EvalSize, parse_eval_size
+from detr_irpe.sizes import EvalSize, parse_eval_sizes
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -133,17 +133,10 @@ def add_sizes_argument(parser: argparse.ArgumentParser, what: str) -> None:
 def parse_sizes(values: Sequence[str] | None, flag: str = "--sizes") -> list[EvalSize]:
     """The test sizes of ``--sizes``, each checked (one line naming the value), in the
     order given; none when the flag was not given."""
-    sizes = []
-    for value in values or ():
-        try:
-            sizes.append(parse_eval_size(value))
-        except ValueError as err:
-            raise ConfigError(f"{flag}: {err}") from None
-    labels = [s.label for s in sizes]
-    twice = sorted({label for label in labels if labels.count(label) > 1})
-    if twice:
-        raise ConfigError(f"{flag} lists {', '.join(twice)} more than once")
-    return sizes
+    try:
+        return parse_eval_sizes(values or (), flag)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_resize_flags(size: int | None, max_size: int | None) -> None:
