@@ -1,4 +1,5 @@
-"""AP against the test size: the figure of ``tools/eval.py --sizes`` (``sizes.png``)."""
+"""AP against the test size: the figure of ``tools/eval.py --sizes`` (``sizes.png``), and
+the one of an ablation grid with ``eval_sizes`` (one line per variant)."""
 
 from __future__ import annotations
 
@@ -37,4 +38,38 @@ def plot_ap_by_size(rows: Sequence[Mapping[str, Any]], out: str | Path | None,
     return fig
 
 
-__all__ = ["plot_ap_by_size"]
+def plot_variants_by_size(
+    labels: Sequence[str],
+    variants: Mapping[str, Sequence[tuple[float, float | None] | None]],
+    out: str | Path | None,
+    title: str | None = None,
+    marked: str | None = None,
+):
+    """AP (percent) against the test size, one line per variant: ``variants[name][i]`` is
+    the ``(mean, std)`` at ``labels[i]`` (std None: one seed, no bar; None: not measured,
+    left out). ``marked``: the label of the size the runs trained at (a dashed line).
+    Returns the figure."""
+    fig, axes = new_figure(1, 1, panel_size=(max(4.5, 0.9 * len(labels) + 2.5), 3.4))
+    ax = axes[0][0]
+    positions = list(range(len(labels)))
+    for name, values in variants.items():
+        points = [(x, v[0], v[1] or 0.0) for x, v in zip(positions, values) if v is not None]
+        if points:
+            xs, means, stds = zip(*points)
+            ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, linewidth=1.5,
+                        label=name)
+    if marked in labels:
+        ax.axvline(labels.index(marked), color="grey", linestyle="--", linewidth=1,
+                   label="trained size")
+    ax.set_xticks(positions, list(labels))
+    ax.set_xlabel("test size (shorter side, or HEIGHTxWIDTH)", fontsize=8)
+    ax.set_ylabel("COCO box AP (%), mean ± std over seeds", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=9)
+    save_figure(fig, out)
+    return fig
+
+
+__all__ = ["plot_ap_by_size", "plot_variants_by_size"]

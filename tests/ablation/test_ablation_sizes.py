@@ -344,6 +344,46 @@ def test_table_only_evaluates_nothing_and_dry_run_lists_what_is_due(
     assert lines == [schedule.format_command(schedule.sizes_command(seed1, seed1.runs[1]))]
 
 
+def test_the_grid_figure_draws_each_variants_mean_and_std(tmp_path, tiny_dataset,
+                                                         monkeypatch) -> None:
+    """``sizes.png`` next to the tables: one line per variant through the means of its
+    seeds' sizes.json at each size, the bars as high as their sample std; a variant
+    without numbers draws nothing. Without any numbers there is no figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from detr_irpe.visualization import sizes as figure_module
+
+    grid_file = _grid_file(tmp_path, tiny_dataset)
+    grid = load_grid(grid_file)
+    for run in grid.runs:
+        _finish(run)
+    monkeypatch.setattr(schedule, "launch", lambda *a, **k: pytest.fail("must not launch"))
+    assert ablate.main([str(grid_file), "--table-only"]) == 0
+    assert not (grid.output_dir / "sizes.png").exists()
+    for run in grid.runs[:3]:  # the second variant's second seed has no numbers
+        _write_sizes(run, LABELS, {label: _sizes_value(run, label) for label in LABELS})
+    drawn = {}
+    plot = figure_module.plot_variants_by_size
+
+    def spy(labels, variants, out, **kwargs):
+        fig = plot(labels, variants, out, **kwargs)
+        drawn.update({c.get_label(): c for c in fig.axes[0].containers})
+        return fig
+
+    monkeypatch.setattr(figure_module, "plot_variants_by_size", spy)
+    assert ablate.main([str(grid_file), "--table-only"]) == 0
+    assert (grid.output_dir / "sizes.png").stat().st_size > 0
+    for variant in grid.variants:
+        runs = [r for r in grid.runs[:3] if r.variant == variant]
+        line, _, (bars,) = drawn[variant.name].lines
+        ys = [[100 * _sizes_value(r, label) for r in runs] for label in LABELS]
+        assert list(line.get_ydata()) == pytest.approx([statistics.fmean(y) for y in ys])
+        heights = [segment[1][1] - segment[0][1] for segment in bars.get_segments()]
+        spread = [2 * statistics.stdev(y) if len(y) > 1 else 0.0 for y in ys]
+        assert heights == pytest.approx(spread)
+
+
 def test_without_eval_sizes_the_tables_are_as_before(tmp_path, tiny_dataset) -> None:
     grid = load_grid(_grid_file(tmp_path, tiny_dataset, eval_sizes=None, seeds=[1]))
     for run in grid.runs:

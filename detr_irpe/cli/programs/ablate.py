@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from detr_irpe.ablation import collect_and_write, format_markdown, load_grid, run_grid
+from detr_irpe.ablation.results import config_size_label
 from detr_irpe.ablation.schedule import (
     format_command,
     launch_command,
@@ -60,10 +62,34 @@ def _train(grid, args: argparse.Namespace):
                         after_run=lambda run, finished: collect_and_write(grid))
 
 
+SIZES_FIGURE = "sizes.png"
+
+
+def write_sizes_figure(grid, rows) -> Path | None:
+    """``<output_dir>/sizes.png`` of a grid with ``eval_sizes``: AP against the test size,
+    one line per variant (mean ± std over the seeds); None when no run has the numbers."""
+    if not grid.eval_sizes or not any(row.size_seeds for row in rows):
+        return None
+    from detr_irpe.visualization.sizes import plot_variants_by_size
+
+    labels = [size.label for size in grid.eval_sizes]
+    variants = {}
+    for row in rows:
+        values = [row.size_stats[label]["AP"] for label in labels]
+        variants[row.variant.name] = [None if v is None else (v.mean, v.std) for v in values]
+    trained = {config_size_label(run.config) for run in grid.runs}
+    out = grid.output_dir / SIZES_FIGURE
+    plot_variants_by_size(labels, variants, out, title=f"{grid.name}: AP against test size",
+                          marked=next(iter(trained)) if len(trained) == 1 else None)
+    return out
+
+
 def _summary(grid, report, seconds: float) -> int:
     rows, paths = collect_and_write(grid)
     print(format_markdown(grid, rows))
-    print(f"tables: {paths['markdown']}  {paths['csv']}  {paths['runs']}")
+    figure = write_sizes_figure(grid, rows)
+    print(f"tables: {paths['markdown']}  {paths['csv']}  {paths['runs']}"
+          + (f"; figure: {figure}" if figure else ""))
     if report is not None:  # runs were trained now (not --table-only)
         print(f"{len(report.done)} run(s) trained in {seconds:.0f} s; "
               f"{len(report.skipped_finished)} already finished")
