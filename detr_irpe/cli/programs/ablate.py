@@ -23,6 +23,7 @@ from detr_irpe.cli.args import Terminated
 from detr_irpe.errors import EXIT_FAILURE, EXIT_SIGINT
 from detr_irpe.run_folder.status import RunState, run_state
 from detr_irpe.utils.files import ensure_writable_folder
+from detr_irpe.visualization import sizes as size_figures
 
 
 def _list_runs(grid, print_commands: bool) -> None:
@@ -70,8 +71,6 @@ def write_sizes_figure(grid, rows) -> Path | None:
     one line per variant (mean ± std over the seeds); None when no run has the numbers."""
     if not grid.eval_sizes or not any(row.size_seeds for row in rows):
         return None
-    from detr_irpe.visualization.sizes import plot_variants_by_size
-
     labels = [size.label for size in grid.eval_sizes]
     variants = {}
     for row in rows:
@@ -79,8 +78,9 @@ def write_sizes_figure(grid, rows) -> Path | None:
         variants[row.variant.name] = [None if v is None else (v.mean, v.std) for v in values]
     trained = {config_size_label(run.config) for run in grid.runs}
     out = grid.output_dir / SIZES_FIGURE
-    plot_variants_by_size(labels, variants, out, title=f"{grid.name}: AP against test size",
-                          marked=next(iter(trained)) if len(trained) == 1 else None)
+    marked = next(iter(trained)) if len(trained) == 1 else None
+    size_figures.plot_variants_by_size(labels, variants, out,
+                                       title=f"{grid.name}: AP against test size", marked=marked)
     return out
 
 
