@@ -27,9 +27,15 @@ def plot_ap_by_size(rows: Sequence[Mapping[str, Any]], out: str | Path | None,
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", label=name, linewidth=2 if key == "AP" else 1)
-    ax.set_xticks(positions, [str(row["size"]) for row in rows])
+    return _finish(fig, ax, [str(row["size"]) for row in rows], "COCO box AP (%)", title, out)
+
+
+def _finish(fig, ax, labels: Sequence[str], ylabel: str, title: str | None,
+            out: str | Path | None):
+    """The size axis, labels, grid, legend and title of a figure; saved to ``out``."""
+    ax.set_xticks(list(range(len(labels))), list(labels))
     ax.set_xlabel("test size (shorter side, or HEIGHTxWIDTH)", fontsize=8)
-    ax.set_ylabel("COCO box AP (%)", fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     if title:
@@ -61,15 +67,7 @@ def plot_variants_by_size(
     if marked in labels:
         ax.axvline(labels.index(marked), color="grey", linestyle="--", linewidth=1,
                    label="trained size")
-    ax.set_xticks(positions, list(labels))
-    ax.set_xlabel("test size (shorter side, or HEIGHTxWIDTH)", fontsize=8)
-    ax.set_ylabel("COCO box AP (%), mean ± std over seeds", fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    if title:
-        ax.set_title(title, fontsize=9)
-    save_figure(fig, out)
-    return fig
+    return _finish(fig, ax, labels, "COCO box AP (%), mean ± std over seeds", title, out)
 
 
 __all__ = ["plot_ap_by_size", "plot_variants_by_size"]
