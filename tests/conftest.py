@@ -69,3 +69,11 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def tiny_config(tiny_dataset: Path) -> Config:
     """``configs/synthetic_tiny.yaml`` on the tiny dataset; a fresh object per test."""
     return load_tiny_config(f"data.root={tiny_dataset}")
+
+
+@pytest.fixture()
+def hub_dir(tmp_path: Path, monkeypatch) -> Path:
+    """torch.hub's cache in a temporary folder (the hub tests' downloads land there)."""
+    folder = tmp_path / "hub"
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(folder))
+    return folder

@@ -20,13 +20,6 @@ SMALL = {key: value for key, value in load_tiny_config().to_dict()["model"].item
          if key not in ("rpe", "num_classes")}
 
 
-@pytest.fixture()
-def hub_dir(tmp_path: Path, monkeypatch) -> Path:
-    """torch.hub's cache in a temporary folder."""
-    folder = tmp_path / "hub"
-    monkeypatch.setattr(torch.hub, "_hub_dir", str(folder))
-    return folder
-
 
 def publish(model: torch.nn.Module, folder: Path, stem: str) -> tuple[Path, str]:
     """Save ``model`` as the reference training script does, under a name that carries

@@ -19,12 +19,6 @@ TINY = {key: value for key, value in load_config("rtdetr_tiny").to_dict()["model
         if key not in ("rpe", "num_classes")}
 
 
-@pytest.fixture()
-def hub_dir(tmp_path: Path, monkeypatch) -> Path:
-    folder = tmp_path / "hub"
-    monkeypatch.setattr(torch.hub, "_hub_dir", str(folder))
-    return folder
-
 
 def _load(entry: str, **kwargs):
     return torch.hub.load(str(ROOT), entry, source="local", **{**TINY, **kwargs})
