@@ -30,6 +30,7 @@ import yaml
 
 from detr_irpe.config.plugins import import_modules
 from detr_irpe.config.schema import Config, import_names
+from detr_irpe.encodings.config import rebase_encodings
 from detr_irpe.errors import ConfigError
 from detr_irpe.family import DEFAULT_FAMILY, families, get_family
 from detr_irpe.utils.files import atomic_write_text
@@ -93,6 +94,12 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is dict:
+        key_type, item = typing.get_args(annotation)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {_coerce(f"{key} (a key)", k, key_type): _coerce(f"{key}.{k}", v, item)
+                for k, v in value.items()}
     if origin is list:
         (item,) = typing.get_args(annotation)
         if not isinstance(value, (list, tuple)):
@@ -185,16 +192,20 @@ def upgrade_config_dict(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _rebased(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` as the base of ``layer``: when ``layer`` names another family than ``base``,
-    the keys of ``base``'s model / loss sections that ``layer``'s family lacks are left out
-    (a DAB-DETR config may start from a DETR one)."""
+    """``base`` as the base of ``layer``: the later word on the encodings wins whichever
+    form each uses (``model.encodings`` or its shorthands: :func:`rebase_encodings`); when
+    ``layer`` names another family than ``base``, the keys of ``base``'s model / loss
+    sections that ``layer``'s family lacks are left out (a DAB-DETR config may start from
+    a DETR one)."""
+    out = dict(base)
+    if isinstance(out.get("model"), Mapping) and isinstance(layer.get("model"), Mapping):
+        out["model"] = rebase_encodings(out["model"], layer["model"])
     family = family_name_of(layer)
     if family is None or family == (family_name_of(base) or DEFAULT_FAMILY):
-        return dict(base)
+        return out
     classes = _family_classes(family)
     if classes is None:
-        return dict(base)
-    out = dict(base)
+        return out
     for section in FAMILY_SECTIONS:
         if isinstance(out.get(section), Mapping):
             ours = _keys(classes[section])

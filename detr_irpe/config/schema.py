@@ -22,11 +22,10 @@ from detr_irpe.config.checks import (
     positive,
 )
 from detr_irpe.config.estimates import check_sizes
+from detr_irpe.encodings import parse_place, sync_model_encodings
 from detr_irpe.errors import ConfigError
 from detr_irpe.family import DEFAULT_FAMILY, get_family
-from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
-from detr_irpe.rope import parse_rope
 
 __all__ = [
     "AMP_MODES",
@@ -75,6 +74,11 @@ class ModelConfig:
     # The detector family (detr_irpe.family): detr, dab, or a registered one. The other
     # keys of this section are that family's (docs/config.md).
     family: str = DEFAULT_FAMILY
+    # Where each position encoding goes (docs/position_encodings.md): {encoder: [...],
+    # backbone: [...]}, each entry an encoding string (sine, learned,
+    # rpe-2.0-product-ctx-1-k, rope-mixed, a registered one). rpe, rope and the family's
+    # position_embedding are shorthands of the encoder's list; null: what they say.
+    encodings: dict[str, list[str]] | None = None
     # iRPE of the encoder's self-attention: a model-zoo string or "none".
     rpe: str = "none"
     # How the iRPE tables start: "xavier" (DETR's reset of every matrix, the published
@@ -102,15 +106,8 @@ class ModelConfig:
         if self.FAMILY is not None and self.family != self.FAMILY:
             raise ConfigError(f"model.family={self.family!r} but this is the model section "
                               f"of family {self.FAMILY!r}")
-        try:
-            parse_rpe(self.rpe)
-        except ValueError as err:
-            raise ConfigError(f"model.rpe: {err}") from None
+        sync_model_encodings(self)
         choice("model.rpe_init", self.rpe_init, RPE_INIT_MODES)
-        try:
-            parse_rope(self.rope)
-        except ValueError as err:
-            raise ConfigError(f"model.rope: {err}") from None
         for key in ("hidden_dim", "nheads"):
             positive(f"model.{key}", getattr(self, key))
         if self.hidden_dim % self.nheads:
@@ -137,21 +134,22 @@ class ModelConfig:
         works on."""
         return self.hidden_dim
 
-    def check_rope_head_dim(self, width: int, width_name: str = "hidden_dim",
-                            prefix: str = "model") -> None:
-        """Refuse ``rope`` when the encoder's head width (``width / nheads``, ``width`` the
-        value of ``<prefix>.<width_name>``) is not a multiple of 4: each head's channels
-        are pairs, half of them per axis."""
-        if parse_rope(self.rope) is None or (width // self.nheads) % 4 == 0:
-            return
-
+    def check_encoder_widths(self, width: int, width_name: str = "hidden_dim",
+                             prefix: str = "model") -> None:
+        """Refuse an encoder encoding that cannot run on the encoder's heads (``width /
+        nheads``, ``width`` the value of ``<prefix>.<width_name>``): RoPE needs a head
+        width divisible by 4."""
         def key(name: str) -> str:
             return f"{prefix}.{name}" if prefix else name
 
-        raise ConfigError(
-            f"{key('rope')}={self.rope} needs a head width ({key(width_name)} / "
-            f"{key('nheads')} = {width} / {self.nheads}) divisible by 4; change "
-            f"{key('nheads')} or {key(width_name)}, or set {key('rope')}=none")
+        place = parse_place(self.encodings["encoder"], key("encodings.encoder"))
+        for entry, spec in place.entries:
+            why = entry.check(spec, width, self.nheads)
+            if why:
+                shown = key(entry.legacy_key or "encodings.encoder")
+                raise ConfigError(
+                    f"{shown}={entry.describe(spec)}: {why}; change {key('nheads')} or "
+                    f"{key(width_name)} ({width}), or drop it")
 
     # ------------------------------------------------------------ size estimates
     def parameter_sizes(self) -> dict[str, int]:

@@ -81,7 +81,7 @@ class TransformerDetectorConfig(ModelConfig):
             raise ConfigError(f"model.backbone: {err}") from None
         super().__post_init__()
         choice("model.position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
-        self.check_rope_head_dim(self.hidden_dim)
+        self.check_encoder_widths(self.hidden_dim)
         if isinstance(self.channels_last, str) and self.channels_last != "auto":
             raise ConfigError(
                 f"model.channels_last must be true, false or auto, got {self.channels_last!r}"

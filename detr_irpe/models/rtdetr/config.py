@@ -195,7 +195,7 @@ class RTDETRModelConfig(ModelConfig):
         if self.position_embedding not in POSITION_EMBEDDINGS:
             _fail(key("position_embedding"), self.position_embedding,
                   f"must be one of {', '.join(POSITION_EMBEDDINGS)}")
-        self.check_rope_head_dim(self.enc_hidden_dim, "enc_hidden_dim", prefix)
+        self.check_encoder_widths(self.enc_hidden_dim, "enc_hidden_dim", prefix)
         if self.rpe_init not in RPE_INIT_MODES:
             _fail(key("rpe_init"), self.rpe_init, f"must be one of {', '.join(RPE_INIT_MODES)}")
         _int_in(key("dec_layers"), self.dec_layers, 1, MAX_LAYERS)
