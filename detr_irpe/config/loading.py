@@ -30,7 +30,7 @@ import yaml
 
 from detr_irpe.config.plugins import import_modules
 from detr_irpe.config.schema import Config, import_names
-from detr_irpe.encodings.config import rebase_encodings
+from detr_irpe.encodings.config import normalize_model_dict, rebase_encodings
 from detr_irpe.errors import ConfigError
 from detr_irpe.family import DEFAULT_FAMILY, families, get_family
 from detr_irpe.utils.files import atomic_write_text
@@ -558,6 +558,8 @@ def config_from_dict(
     family = get_family(family_name_of(data) or DEFAULT_FAMILY)
     if family_name_of(data) != family.name:  # an alias, or no family given
         data = merge_dicts(data, {"model": {"family": family.name}})
+    if isinstance(data.get("model"), Mapping):
+        data = {**data, "model": normalize_model_dict(data["model"])}
     return _build(Config, data, "", {"model": family.model_config, "loss": family.loss_config})
 
 

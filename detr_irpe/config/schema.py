@@ -22,7 +22,7 @@ from detr_irpe.config.checks import (
     positive,
 )
 from detr_irpe.config.estimates import check_sizes
-from detr_irpe.encodings import parse_place, sync_model_encodings
+from detr_irpe.encodings import PlaceEncodings, parse_place, sync_model_encodings
 from detr_irpe.errors import ConfigError
 from detr_irpe.family import DEFAULT_FAMILY, get_family
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
@@ -134,6 +134,10 @@ class ModelConfig:
         works on."""
         return self.hidden_dim
 
+    def place(self, name: str = "encoder") -> PlaceEncodings:
+        """The parsed encodings of one place of ``model.encodings`` (none when not given)."""
+        return parse_place(self.encodings.get(name, []), f"model.encodings.{name}")
+
     def check_encoder_widths(self, width: int, width_name: str = "hidden_dim",
                              prefix: str = "model") -> None:
         """Refuse an encoder encoding that cannot run on the encoder's heads (``width /
@@ -142,8 +146,7 @@ class ModelConfig:
         def key(name: str) -> str:
             return f"{prefix}.{name}" if prefix else name
 
-        place = parse_place(self.encodings["encoder"], key("encodings.encoder"))
-        for entry, spec in place.entries:
+        for entry, spec in self.place().entries:
             why = entry.check(spec, width, self.nheads)
             if why:
                 shown = key(entry.legacy_key or "encodings.encoder")

@@ -16,7 +16,7 @@ docs/position_encodings.md explains every encoding, with its formula and figure.
 """
 
 from .attention import AttentionEncoding
-from .config import PlaceEncodings, parse_place, sync_model_encodings
+from .config import PlaceEncodings, as_place, parse_place, sync_model_encodings
 from .registry import (
     KINDS,
     PLACES,
@@ -34,6 +34,7 @@ __all__ = [
     "AttentionEncoding",
     "PlaceEncodings",
     "PositionEncoding",
+    "as_place",
     "encoding_names",
     "encodings",
     "get_encoding",

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .registry import PositionEncoding, register_encoding
+from .registry import PositionEncoding, always_weighted, register_encoding
 
 __all__ = ["ABSOLUTE_NAMES", "LEARNED", "SINE"]
 
@@ -44,13 +44,16 @@ def _learned_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
 
 SINE = register_encoding(PositionEncoding(
     name="sine", title="sine", kind="absolute", parse=_parser("sine"), describe=str,
-    syntax="sine", legacy_key="position_embedding",
+    syntax="sine", legacy_key="position_embedding", legacy_default="sine",
+    about="absolute sine position encoding",
     benchmark={"sine": "sine"},
 ))
 
 LEARNED = register_encoding(PositionEncoding(
     name="learned", title="learned", kind="absolute", parse=_parser("learned"), describe=str,
-    syntax="learned", legacy_key="position_embedding", param_key=_learned_key,
-    weightless=lambda spec: False, state_facts=_learned_facts,
+    syntax="learned", legacy_key="position_embedding", legacy_default="sine",
+    about="learned absolute position encoding",
+    param_key=_learned_key,
+    weightless=always_weighted, state_facts=_learned_facts,
     hf=lambda spec: False,
 ))

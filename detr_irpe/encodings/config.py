@@ -26,9 +26,14 @@ from detr_irpe.errors import ConfigError
 from .registry import PLACES, PositionEncoding, encodings, parse_encoding
 
 __all__ = [
+    "NONE",
     "PlaceEncodings",
+    "as_place",
     "encoding_strings",
+    "normalize_model_dict",
     "parse_place",
+    "rebase_encodings",
+    "shorthand_entries",
     "sync_model_encodings",
 ]
 
@@ -138,6 +143,11 @@ def _parse_shorthand(value: str, legacy: str, entries: list[PositionEncoding]) -
     raise ConfigError(f"model.{legacy}: unknown value {value!r}; allowed: none | {forms}")
 
 
+def shorthand_entries(legacy: str) -> list[PositionEncoding]:
+    """The encodings a shorthand key holds (``position_embedding``: sine, learned)."""
+    return _shorthands().get(legacy, [])
+
+
 def _from_shorthands(section: Any) -> list[str]:
     """The encoder's list the shorthand keys of a model section say (each checked)."""
     out = []
@@ -181,15 +191,15 @@ def sync_model_encodings(section: Any) -> None:
     """Make ``section.encodings`` and the shorthand keys of a model section say the same.
 
     ``section.encodings`` given (a mapping of :data:`PLACES` to lists): a shorthand at its
-    default follows the encoder's list; one set to another value joins the list when the
-    list has no encoding of its kind, and is an error naming both when the list has
-    another. Not given: the encoder's
+    default follows the encoder's list; one set to another value replaces its kind of
+    encoding in the list (the config loader makes every shorthand a config names win so:
+    :func:`normalize_model_dict`). Not given: the encoder's
     list is what the shorthands say. Plugin encodings have no shorthand: only the list
     holds them.
 
     Raises:
-        ConfigError: an unknown place, a bad list (see :func:`parse_place`), a shorthand
-            that contradicts the list, or a list entry whose shorthand this family lacks.
+        ConfigError: an unknown place, a bad list (see :func:`parse_place`), a bad
+            shorthand value, or a list entry whose shorthand this family lacks.
     """
     value = section.encodings
     if value is None or (isinstance(value, Mapping) and not value):
@@ -208,7 +218,7 @@ def sync_model_encodings(section: Any) -> None:
     for place, strings in lists.items():
         parse_place(strings, f"model.encodings.{place}")
     defaults = {f.name: f.default for f in dataclasses.fields(section)}
-    added = []
+    strings = encoder.strings()
     for legacy, entries in _shorthands().items():
         if not hasattr(section, legacy):
             used = [e.describe(s) for e, s in encoder.entries if e in entries]
@@ -220,15 +230,15 @@ def sync_model_encodings(section: Any) -> None:
         current = getattr(section, legacy)
         if _same(entries, current, wanted) or _same(entries, current, defaults.get(legacy)):
             setattr(section, legacy, wanted)
-        elif wanted == NONE:  # said only by the shorthand: it joins the list
-            added.append(_parse_shorthand(current, legacy, entries))
-            setattr(section, legacy, added[-1])
-        else:
-            raise ConfigError(
-                f"model.{legacy}={current} contradicts model.encodings.encoder="
-                f"[{', '.join(encoder.strings())}]; set one of them")
-    if added:
-        encoder = parse_place([*encoder.strings(), *added], "model.encodings.encoder")
+            continue
+        # a shorthand set to another value than its default replaces its kind in the list
+        value = NONE if not isinstance(current, str) or current.strip().lower() == NONE \
+            else _parse_shorthand(current, legacy, entries)
+        strings = [t for t in strings if not _belongs(t, entries)]
+        if value != NONE:
+            strings.append(value)
+        setattr(section, legacy, value)
+    encoder = parse_place(strings, "model.encodings.encoder")
     section.encodings = {p: lists[p] for p in PLACES if p in lists}
     section.encodings["encoder"] = encoder.strings()
 
@@ -247,24 +257,43 @@ def _belongs(text: Any, entries: list[PositionEncoding]) -> bool:
 
 def rebase_encodings(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
     """The ``model`` section ``base`` made ready for ``layer`` (a later file of a
-    ``_base_`` chain, an override) to be merged over it, so that the later word wins
-    whichever form each uses: a layer that sets ``encodings.encoder`` drops the base's
-    shorthands (they follow the list); a layer that sets a shorthand replaces that kind of
-    encoding in the base's encoder list by its value."""
+    ``_base_`` chain, an override) to be merged over it: a layer that sets
+    ``encodings.encoder`` drops the base's shorthands, so that the later list is the whole
+    word (a shorthand the layer sets itself still wins: :func:`normalize_model_dict`)."""
     out = dict(base)
     layer_lists = layer.get("encodings")
     if isinstance(layer_lists, Mapping) and "encoder" in layer_lists:
         for legacy in _shorthands():
             out.pop(legacy, None)
+    return out
+
+
+def normalize_model_dict(model: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``model`` section as data (YAML keys) whose shorthands win: each shorthand key it
+    names replaces its kind of encoding in ``encodings.encoder`` (``none``: removes it),
+    so that ``--set model.rope=none`` over a config with an encoder list, or a saved
+    config updated key by key, means what it says. Nothing is validated here."""
+    out = dict(model)
     lists = out.get("encodings")
     if not isinstance(lists, Mapping) or not isinstance(lists.get("encoder"), (list, tuple)):
         return out
+    encoder = list(lists["encoder"])
     for legacy, entries in _shorthands().items():
-        if legacy in layer:
-            kept = [t for t in lists["encoder"] if not _belongs(t, entries)]
-            value = layer[legacy]
-            if isinstance(value, str) and value.strip().lower() != NONE:
-                kept.append(value)
-            lists = {**lists, "encoder": kept}
-    out["encodings"] = lists
+        value = out.get(legacy)
+        if not isinstance(value, str):
+            continue
+        encoder = [t for t in encoder if not _belongs(t, entries)]
+        if value.strip().lower() != NONE:
+            encoder.append(value)
+    out["encodings"] = {**lists, "encoder": encoder}
     return out
+
+
+def as_place(value: PlaceEncodings | Iterable[str] | str | None, key: str = "encodings"
+             ) -> PlaceEncodings:
+    """A place's encodings given as :class:`PlaceEncodings`, a list of strings, one string
+    or None (none): what the attention-building classes accept."""
+    if isinstance(value, PlaceEncodings):
+        return value
+    return parse_place(list(value) if value is not None and not isinstance(value, str)
+                       else value, key)

@@ -23,7 +23,7 @@ from detr_irpe.irpe import is_rpe_key, parse_rpe
 from detr_irpe.irpe.buckets import bucket_ids
 from detr_irpe.irpe.config import Mode, RPEConfig
 
-from .registry import PositionEncoding, register_encoding
+from .registry import PositionEncoding, always_weighted, register_encoding
 from .response import response_vectors
 
 __all__ = ["IRPE", "irpe_response", "offset_extent", "rpe_tables"]
@@ -128,9 +128,12 @@ IRPE = register_encoding(PositionEncoding(
     describe=lambda spec: spec.to_string(),
     syntax="rpe-{ratio}-{method}-{mode}-{shared_head}-{rpe_on} (rpe-2.0-product-ctx-1-k)",
     legacy_key="rpe", attention_args=lambda spec, width, heads: {"rpe": spec},
-    param_key=is_rpe_key, weightless=lambda spec: False,
+    param_key=is_rpe_key, weightless=always_weighted, keeps_own_init=False,
+    fresh_start=True, about="relative position encodings",
     state_facts=lambda state: {"model.rpe": rpe_tables(state)},
     hf=lambda spec: False,
+    hf_advice=("; convert with --rpe none to drop its tables (the model then computes "
+               "without them, exactly so when they started at zero and were not trained)"),
     response=_response, response_extent=_extent,
     benchmark={"irpe": "rpe-2.0-product-ctx-1-k"},
 ))

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN_ENCODINGS",
+    "always_weighted",
     "KINDS",
     "PLACES",
     "PositionEncoding",
@@ -69,6 +70,11 @@ def _no_keys(key: str) -> bool:
     return False
 
 
+def always_weighted(spec: Any) -> bool:
+    """``weightless`` of an encoding whose every spec has weights."""
+    return False
+
+
 def _no_facts(state: Mapping[str, Any]) -> dict[str, Any]:
     return {}
 
@@ -89,6 +95,11 @@ class PositionEncoding:
         syntax: the strings it takes, for error messages (``"rope-axial[-THETA]"``).
         legacy_key: the ``model.*`` key that held it before ``model.encodings`` (``rpe``,
             ``rope``, ``position_embedding``), or None (a plugin's).
+        legacy_default: what a saved config that predates ``legacy_key`` meant by its
+            absence (``position_embedding``: ``sine``; ``rope``: ``none``).
+        model_spec: ``built model ->`` the spec of this encoding its attention layers hold
+            (None: none holds it; ``ValueError`` when layers differ), for encodings a
+            state dict cannot show exactly; None: not known from a built model.
         build: ``(spec, width, heads) -> module`` added to the attention (kind
             ``attention``, plugin encodings: see :class:`AttentionEncoding
             <detr_irpe.encodings.attention.AttentionEncoding>`). None for absolute
@@ -100,11 +111,21 @@ class PositionEncoding:
         check: ``(spec, width, heads) -> why it cannot run on that attention`` or None.
         param_key: whether a state-dict key is one of its parameters.
         no_weight_decay: its parameters never decay (RoPE-Mixed's frequencies).
+        fresh_start: a checkpoint without any of its parameters loads into a model with
+            them, which keep the values the model was built with (iRPE tables added to a
+            plain model; RoPE-Mixed added for fine-tuning); false: a missing-keys error.
+        about: what it is, in a few words, for messages (``"rotary position encodings"``).
+        keeps_own_init: a model's reset leaves its parameters as the encoding started
+            them (false for iRPE's tables: ``model.rpe_init`` says how they start).
         weightless: ``spec ->`` whether it has no weights (only a saved config says a
             checkpoint was trained with it).
         state_facts: ``state -> {config key: shown value}``: what a state dict without a
             saved config reveals of it (``{"model.rope": "rope-mixed"}``).
+        implied: the encoding string a state dict with its parameters but without a saved
+            config is read as (``rope-mixed``: its frequencies load whatever base they
+            started from), or None when the parameters do not say the setting (iRPE).
         hf: Hugging Face folders can hold it (None: yes for every spec).
+        hf_advice: what to do when they cannot (``": convert with --rpe none ..."``).
         onnx: ONNX export supports it.
         response: ``(attention module, extent, query, key) -> {title: (h, 2R+1, 2R+1)
             array}``, the logit term each head adds for a key at each offset in
@@ -123,14 +144,21 @@ class PositionEncoding:
     describe: Callable[[Any], str]
     syntax: str = ""
     legacy_key: str | None = None
+    legacy_default: str = "none"
+    model_spec: Callable[[nn.Module], Any] | None = None
     build: Callable[[Any, int, int], nn.Module] | None = None
     attention_args: Callable[[Any, int, int], dict[str, Any]] | None = None
     check: Callable[[Any, int, int], str | None] = lambda spec, width, heads: None
     param_key: Callable[[str], bool] = _no_keys
     no_weight_decay: bool = False
+    keeps_own_init: bool = True
+    fresh_start: bool = False
+    about: str = ""
     weightless: Callable[[Any], bool] = lambda spec: True
     state_facts: Callable[[Mapping[str, Tensor]], dict[str, Any]] = _no_facts
+    implied: str | None = None
     hf: Callable[[Any], bool] | None = None
+    hf_advice: str = ""
     onnx: bool = True
     response: Callable[..., dict[str, Any]] | None = None
     response_extent: Callable[[nn.Module], int | None] = lambda attn: None
@@ -143,6 +171,13 @@ class PositionEncoding:
         if self.kind == "attention" and self.build is None and self.attention_args is None:
             raise ValueError(f"encoding {self.name!r}: an attention encoding needs "
                              "build=(spec, width, heads) -> module")
+
+    @property
+    def can_be_weightless(self) -> bool:
+        """Whether some spec of it has no weights (known by trying its syntax's specs is
+        not possible in general: an encoding with weights says so by ``weightless``
+        returning False for every spec; the built-in ones are checked by tests)."""
+        return self.weightless is not always_weighted
 
     def holds_in_hf(self, spec: Any) -> bool:
         return self.hf is None or self.hf(spec)

@@ -133,9 +133,10 @@ ROPE = register_encoding(PositionEncoding(
     name="rope", title="RoPE", kind="attention", parse=_parse, describe=describe,
     syntax="rope-axial[-THETA] | rope-mixed[-THETA]", legacy_key="rope", check=_check,
     attention_args=lambda spec, width, heads: {"rope": build_rope(spec, width // heads, heads)},
-    param_key=is_rope_key, no_weight_decay=True,
+    param_key=is_rope_key, no_weight_decay=True, fresh_start=True,
+    about="rotary position encodings",
     weightless=lambda spec: spec.variant != "mixed",
-    state_facts=_facts, hf=lambda spec: False,
+    state_facts=_facts, implied="rope-mixed", hf=lambda spec: False, model_spec=lambda model: model_rope(model),
     response=_response,
     benchmark={"rope-axial": "rope-axial", "rope-mixed": "rope-mixed"},
 ))

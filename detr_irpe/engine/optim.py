@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from detr_irpe.config import TrainConfig
-from detr_irpe.rope import is_rope_key
+from detr_irpe.encodings.model import no_decay_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +43,10 @@ def no_decay_names(model: nn.Module) -> set[str]:
 
 def always_no_decay_names(model: nn.Module) -> set[str]:
     """Names of the parameters that never decay, whatever ``train.no_decay_norm_bias``
-    says: RoPE-Mixed's frequencies (the official rope-vit code lists ``freqs`` among its
-    no-weight-decay parameters; decay would pull every rotation towards angle 0)."""
-    return {name for name, _ in model.named_parameters() if is_rope_key(name)}
+    says: those their position encoding says so of (RoPE-Mixed's frequencies: the official
+    rope-vit code lists ``freqs`` among its no-weight-decay parameters; decay would pull
+    every rotation towards angle 0)."""
+    return no_decay_parameters(model)
 
 
 def _group_weight_decay(name: str, cfg: TrainConfig) -> float:

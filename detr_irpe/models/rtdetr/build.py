@@ -34,8 +34,7 @@ def build_rtdetr(cfg: RTDETRModelConfig, *, load_weights: bool = True) -> RTDETR
     encoder = HybridEncoder(
         tuple(backbone.out_channels), cfg.enc_hidden_dim, cfg.nheads, cfg.enc_dim_feedforward,
         cfg.dropout, "gelu", (2,), cfg.enc_layers, cfg.pe_temperature, cfg.expansion,
-        cfg.depth_mult, "silu", cfg.rpe, cfg.rpe_init, rope=cfg.rope,
-        position_embedding=cfg.position_embedding,
+        cfg.depth_mult, "silu", cfg.place("encoder"), cfg.rpe_init,
     )
     decoder = RTDETRDecoder(
         num_classes=cfg.num_classes, hidden_dim=cfg.hidden_dim, num_queries=cfg.num_queries,

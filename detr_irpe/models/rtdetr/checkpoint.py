@@ -17,7 +17,7 @@ from detr_irpe.errors import CheckpointError
 from detr_irpe.family import CheckpointSupport
 from detr_irpe.irpe import is_rpe_key
 from detr_irpe.models.rtdetr.keys import infer_model_config, is_rtdetr_state_dict
-from detr_irpe.rope import is_rope_key
+from detr_irpe.encodings.model import implied_encodings
 
 __all__ = ["CHECKPOINT", "score_heads"]
 
@@ -77,9 +77,8 @@ def _implied_config(path: str | Path, state: Mapping[str, Tensor], meta: Mapping
     cfg = infer_model_config(state, str(path))
     model = {key: getattr(cfg, key) for key in (*_FACT_KEYS, "freeze_at", "num_classes",
                                                 "num_denoising")}
-    # RoPE-Mixed's frequencies load whatever base they started from
     model.update(family="rtdetr", rpe="none",
-                 rope="rope-mixed" if any(map(is_rope_key, state)) else "none")
+                 encodings={"encoder": ["sine", *implied_encodings(state)]})
     return f"rtdetr_r{cfg.depth}", {"model": model}
 
 

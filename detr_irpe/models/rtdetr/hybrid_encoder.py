@@ -4,11 +4,11 @@ Detection", CVPR 2024, Sec. 4.2): AIFI + CCFM.
 - input projections: a 1x1 conv + BatchNorm per backbone level, to ``hidden_dim``;
 - AIFI (attention-based intra-scale feature interaction): a post-norm transformer
   encoder layer (GELU feed-forward) on the stride-32 map only. Its self-attention is an
-  :class:`~detr_irpe.irpe.IRPEMultiheadAttention`: with ``rpe`` set, iRPE (Wu et al.,
-  ICCV 2021) on the ``H x W`` token grid comes on top of the absolute 2D sin-cos
-  encoding added to queries and keys (:func:`sincos_position_embedding`; off with
-  ``position_embedding="none"``); with ``rope`` set, q and k are also rotated by their
-  token's position (RoPE-Axial / RoPE-Mixed, :mod:`detr_irpe.rope`);
+  :class:`~detr_irpe.irpe.IRPEMultiheadAttention` that takes the encodings of the
+  registry (:mod:`detr_irpe.encodings`): the absolute 2D sin-cos encoding added to
+  queries and keys (``sine``, :func:`sincos_position_embedding`; published), and inside
+  the attention iRPE (Wu et al., ICCV 2021) on the ``H x W`` token grid, a rotation of q
+  and k by each token's position, or a plugin's;
 - CCFM (CNN-based cross-scale feature fusion): a top-down pass (1x1 lateral conv,
   nearest 2x upsampling, concatenation, CSP block) and a bottom-up pass (3x3 / 2 conv,
   concatenation, CSP block), PANet-style. A CSP block (:class:`CSPRepLayer`) splits into
@@ -27,15 +27,16 @@ deployment).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from detr_irpe.encodings import PlaceEncodings, as_place
 from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table
-from detr_irpe.irpe.config import RPEConfig
 from detr_irpe.irpe.dropout import Dropout
 from detr_irpe.models.rtdetr.layers import ConvNormLayer, activation_fn
-from detr_irpe.rope import RoPEConfig, build_rope
 
 # The absolute encodings of the AIFI layer: the 2D sin-cos encoding (published) or none.
 POSITION_EMBEDDINGS = ("sine", "none")
@@ -105,17 +106,19 @@ class AIFILayer(nn.Module):
 
     ``x = norm1(x + attn(x + pos, x + pos, x))``, ``x = norm2(x + linear2(act(linear1(x))))``.
     Keys as the published layer (and torch's MHA): ``self_attn.in_proj_weight``,
-    ``self_attn.out_proj``, ``linear1``, ``linear2``, ``norm1``, ``norm2`` (+ iRPE tables
-    ``self_attn.rpe_k.*`` etc. with ``rpe``, + ``self_attn.rope.freqs`` with RoPE-Mixed).
+    ``self_attn.out_proj``, ``linear1``, ``linear2``, ``norm1``, ``norm2`` (+ the keys of
+    the attention's encodings: ``self_attn.rpe_k.*`` with iRPE, ...). ``encodings``:
+    encoding strings or a :class:`~detr_irpe.encodings.PlaceEncodings` (the absolute one
+    comes in as ``pos``).
     """
 
     def __init__(self, d_model: int, nhead: int, dim_feedforward: int, dropout: float,
-                 activation: str = "gelu", rpe: RPEConfig | str | None = None,
-                 rope: RoPEConfig | str | None = None) -> None:
+                 activation: str = "gelu",
+                 encodings: PlaceEncodings | Sequence[str] | None = None) -> None:
         super().__init__()
         self.self_attn = IRPEMultiheadAttention(
-            d_model, nhead, dropout=dropout, rpe=rpe,
-            rope=build_rope(rope, d_model // nhead, nhead))
+            d_model, nhead, dropout=dropout,
+            **as_place(encodings).attention_args(d_model, nhead))
         self.linear1 = nn.Linear(d_model, dim_feedforward)
         self.linear2 = nn.Linear(dim_feedforward, d_model)
         self.norm1 = nn.LayerNorm(d_model)
@@ -159,12 +162,11 @@ class HybridEncoder(nn.Module):
         expansion: hidden width ratio of the CSP blocks (R50: 1.0, R18 / R34: 0.5).
         depth_mult: RepVGG blocks per CSP block = ``round(3 * depth_mult)``.
         act: activation of the CCFM convs (SiLU).
-        rpe: iRPE of the AIFI self-attention (model-zoo string, RPEConfig or None).
+        encodings: the encodings of the AIFI layers (encoding strings or a PlaceEncodings):
+            ``sine`` is the 2D sin-cos encoding added to the queries and keys (published;
+            without it no absolute encoding), the others act inside the attention (iRPE,
+            RoPE, a plugin's).
         rpe_init: how the iRPE tables start (``xavier`` or ``zero``: same function as without).
-        rope: rotary encoding of the AIFI self-attention (``"rope-axial"``,
-            ``"rope-mixed"``, a RoPEConfig or None).
-        position_embedding: ``"sine"``: the 2D sin-cos encoding added to the AIFI layer's
-            queries and keys (published); ``"none"``: no absolute encoding.
     """
 
     def __init__(
@@ -181,12 +183,12 @@ class HybridEncoder(nn.Module):
         expansion: float = 1.0,
         depth_mult: float = 1.0,
         act: str = "silu",
-        rpe: RPEConfig | str | None = None,
+        encodings: PlaceEncodings | Sequence[str] | None = ("sine",),
         rpe_init: str = "zero",
-        rope: RoPEConfig | str | None = None,
-        position_embedding: str = "sine",
     ) -> None:
         super().__init__()
+        encodings = as_place(encodings)
+        position_embedding = encodings.absolute
         if position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding must be one of {', '.join(POSITION_EMBEDDINGS)}"
                              f", got {position_embedding!r}")
@@ -204,8 +206,8 @@ class HybridEncoder(nn.Module):
             for c in in_channels
         )
         self.encoder = nn.ModuleList(
-            AIFIEncoder([AIFILayer(hidden_dim, nhead, dim_feedforward, dropout, enc_act, rpe,
-                                   rope)
+            AIFIEncoder([AIFILayer(hidden_dim, nhead, dim_feedforward, dropout, enc_act,
+                                   encodings)
                          for _ in range(num_encoder_layers)])
             for _ in self.use_encoder_idx
         )
