@@ -34,7 +34,6 @@ from detr_irpe.ablation.grid import Grid, RunSpec, Variant
 from detr_irpe.config import Config
 from detr_irpe.evaluation import COCO_STAT_NAMES
 from detr_irpe.evaluation.size_table import EVAL_SIZES_DIR, SIZE_STATS, SIZES_JSON, read_size_table
-from detr_irpe.irpe import parse_rpe, table_parameter_count
 from detr_irpe.run_folder.checkpoints import LAST
 from detr_irpe.run_folder.log import read_log
 from detr_irpe.run_folder.status import RunState, final_evaluation, read_status, run_state
@@ -75,9 +74,8 @@ class VariantRow:
     """One row of the ablation table."""
 
     variant: Variant
-    rpe: str
-    position_embedding: str
-    rpe_parameters: int
+    encodings: str
+    encoding_parameters: int
     runs: list[RunResult]
     stats: dict[str, Aggregate | None]
     step_time_ms: Aggregate | None
@@ -176,13 +174,25 @@ def collect_run(run: RunSpec) -> RunResult:
     return result
 
 
-def rpe_parameter_count(cfg: Config) -> int:
-    """Parameters of the iRPE tables of the model ``cfg`` describes (0 without RPE): one
-    table set per attention layer with iRPE (the family's ``rpe_layer_count``), each as wide
-    as the encoder's tokens (``encoder_width``: RT-DETR's ``enc_hidden_dim``)."""
+def encoding_parameter_count(cfg: Config) -> int:
+    """Parameters the encoder's position encodings add to the model ``cfg`` describes
+    (iRPE tables, RoPE-Mixed frequencies, a plugin's; 0 for weightless ones): one set per
+    encoder attention layer (the family's ``rpe_layer_count``), each as wide as the
+    encoder's tokens (``encoder_width``: RT-DETR's ``enc_hidden_dim``)."""
     m = cfg.model
-    per_layer = table_parameter_count(parse_rpe(m.rpe), m.nheads, m.encoder_width())
+    per_layer = m.place("encoder").parameter_count(m.encoder_width(), m.nheads)
     return per_layer * m.rpe_layer_count()
+
+
+def _encodings(cfg: Config) -> str:
+    """The model's encodings as the table shows them: the encoder's, then any other
+    place's (``sine + rope-mixed; backbone: learned``)."""
+    m = cfg.model
+    text = m.place("encoder").describe()
+    for place in m.encodings:
+        if place != "encoder" and m.place(place).entries:
+            text += f"; {place}: {m.place(place).describe()}"
+    return text
 
 
 def aggregate(values: Sequence[float]) -> Aggregate | None:
@@ -206,10 +216,8 @@ def summarize(grid: Grid, results: Sequence[RunResult] | None = None) -> list[Va
         steps = [1000.0 * r.step_time_s for r in done if r.step_time_s is not None]
         params = [r.n_parameters for r in runs if r.n_parameters]
         rows.append(VariantRow(
-            variant=variant, rpe=cfg.model.rpe,
-            # "-": a family without the key (RT-DETR: a fixed 2D sin-cos encoding)
-            position_embedding=getattr(cfg.model, "position_embedding", "-"),
-            rpe_parameters=rpe_parameter_count(cfg), runs=runs, stats=stats,
+            variant=variant, encodings=_encodings(cfg),
+            encoding_parameters=encoding_parameter_count(cfg), runs=runs, stats=stats,
             step_time_ms=aggregate(steps), n_parameters=params[0] if params else None,
             is_baseline=variant.name == grid.baseline,
             size_stats={size.label: {name: aggregate([100.0 * r.size_stats[size.label][name]
@@ -236,7 +244,7 @@ __all__ = [
     "aggregate",
     "collect_run",
     "config_size_label",
-    "rpe_parameter_count",
+    "encoding_parameter_count",
     "run_size_table",
     "step_time",
     "summarize",

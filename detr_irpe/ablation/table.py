@@ -103,20 +103,21 @@ def format_markdown(grid: Grid, rows: Sequence[VariantRow]) -> str:
     lines.append(
         "COCO box AP / AP50 / AP75 / APs / APm / APl in % of the last epoch's evaluation, "
         "mean ± sample std over the finished seeds; step = median training iteration time; "
-        f"Δ AP in points against `{grid.baseline}`; RPE params = parameters of the iRPE tables."
+        f"Δ AP in points against `{grid.baseline}`; encodings = the encoder's position "
+        "encodings (model.encodings); enc. params = the parameters they add."
     )
     lines.append("")
     show_status = any(r.status != "done" for r in rows)
-    header = ["variant", "rpe", "pos. emb.", "seeds", "RPE params", "step (ms)",
+    header = ["variant", "encodings", "seeds", "enc. params", "step (ms)",
               *TABLE_STATS, "Δ AP"] + (["status"] if show_status else [])
-    align = ["---", "---", "---", "--:", "--:", "--:"] + ["--:"] * (len(TABLE_STATS) + 1) + (
+    align = ["---", "---", "--:", "--:", "--:"] + ["--:"] * (len(TABLE_STATS) + 1) + (
         ["---"] if show_status else [])
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(align) + "|")
     for row in rows:
         cells = [
             f"**{row.variant.name}**" if row.is_baseline else row.variant.name,
-            f"`{row.rpe}`", row.position_embedding, _seeds(row), f"{row.rpe_parameters:,}",
+            f"`{row.encodings}`", _seeds(row), f"{row.encoding_parameters:,}",
             _pm(row.step_time_ms, 0), *(_pm(row.stats[name]) for name in TABLE_STATS),
             _delta(row),
         ]
@@ -180,8 +181,8 @@ def _num(value: float | None, digits: int = 4) -> str:
 def format_results_csv(rows: Sequence[VariantRow], sizes: Sequence[str] = ()) -> str:
     """One line per variant; with test size labels ``sizes`` (a grid's ``eval_sizes``) also
     ``AP@<size>_mean`` / ``_std`` (and APs / APm / APl) per size and ``seeds_sizes``."""
-    header = ["variant", "rpe", "position_embedding", "is_baseline", "status", "seeds_finished",
-              "seeds_total", "rpe_parameters", "n_parameters", "step_time_ms_mean",
+    header = ["variant", "encodings", "is_baseline", "status", "seeds_finished",
+              "seeds_total", "encoding_parameters", "n_parameters", "step_time_ms_mean",
               "step_time_ms_std"]
     for name in TABLE_STATS:
         header += [f"{name}_mean", f"{name}_std"]
@@ -194,8 +195,8 @@ def format_results_csv(rows: Sequence[VariantRow], sizes: Sequence[str] = ()) ->
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
     for row in rows:
-        values = [row.variant.name, row.rpe, row.position_embedding, int(row.is_baseline),
-                  row.status, row.finished, len(row.runs), row.rpe_parameters,
+        values = [row.variant.name, row.encodings, int(row.is_baseline),
+                  row.status, row.finished, len(row.runs), row.encoding_parameters,
                   row.n_parameters if row.n_parameters is not None else "",
                   _num(row.step_time_ms.mean if row.step_time_ms else None, 2),
                   _num(row.step_time_ms.std if row.step_time_ms else None, 2)]

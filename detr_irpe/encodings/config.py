@@ -80,6 +80,14 @@ class PlaceEncodings:
             args["encodings"] = plugins
         return args
 
+    def parameter_count(self, width: int, heads: int) -> int:
+        """Parameters its encodings add to one attention ``width`` wide."""
+        return sum(e.parameter_count(s, width, heads) for e, s in self.entries)
+
+    def describe(self) -> str:
+        """``sine + rpe-2.0-product-ctx-1-k + rope-mixed`` (``none``: no encoding)."""
+        return " + ".join(self.strings()) or NONE
+
     def check(self, width: int, heads: int, key: str) -> None:
         """Refuse an encoding that cannot run on a ``width`` / ``heads`` attention."""
         for entry, spec in self.entries:

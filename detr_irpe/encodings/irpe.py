@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from detr_irpe.errors import ConfigError
-from detr_irpe.irpe import is_rpe_key, parse_rpe
+from detr_irpe.irpe import is_rpe_key, parse_rpe, table_parameter_count
 from detr_irpe.irpe.buckets import bucket_ids
 from detr_irpe.irpe.config import Mode, RPEConfig
 
@@ -130,6 +130,7 @@ IRPE = register_encoding(PositionEncoding(
     legacy_key="rpe", attention_args=lambda spec, width, heads: {"rpe": spec},
     param_key=is_rpe_key, weightless=always_weighted, keeps_own_init=False,
     fresh_start=True, about="relative position encodings",
+    parameter_count=lambda spec, width, heads: table_parameter_count(spec, heads, width),
     state_facts=lambda state: {"model.rpe": rpe_tables(state)},
     hf=lambda spec: False,
     hf_advice=("; convert with --rpe none to drop its tables (the model then computes "

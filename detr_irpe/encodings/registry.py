@@ -111,6 +111,8 @@ class PositionEncoding:
         check: ``(spec, width, heads) -> why it cannot run on that attention`` or None.
         param_key: whether a state-dict key is one of its parameters.
         no_weight_decay: its parameters never decay (RoPE-Mixed's frequencies).
+        parameter_count: ``(spec, width, heads) ->`` its parameters in one attention
+            ``width`` wide with ``heads`` heads (0: none).
         fresh_start: a checkpoint without any of its parameters loads into a model with
             them, which keep the values the model was built with (iRPE tables added to a
             plain model; RoPE-Mixed added for fine-tuning); false: a missing-keys error.
@@ -153,6 +155,7 @@ class PositionEncoding:
     no_weight_decay: bool = False
     keeps_own_init: bool = True
     fresh_start: bool = False
+    parameter_count: Callable[[Any, int, int], int] = lambda spec, width, heads: 0
     about: str = ""
     weightless: Callable[[Any], bool] = lambda spec: True
     state_facts: Callable[[Mapping[str, Tensor]], dict[str, Any]] = _no_facts

@@ -135,6 +135,8 @@ ROPE = register_encoding(PositionEncoding(
     attention_args=lambda spec, width, heads: {"rope": build_rope(spec, width // heads, heads)},
     param_key=is_rope_key, no_weight_decay=True, fresh_start=True,
     about="rotary position encodings",
+    # RoPE-Mixed learns (2, h, D / 2) frequencies: one per channel pair and axis
+    parameter_count=lambda spec, width, heads: width if spec.variant == "mixed" else 0,
     weightless=lambda spec: spec.variant != "mixed",
     state_facts=_facts, implied="rope-mixed", hf=lambda spec: False, model_spec=lambda model: model_rope(model),
     response=_response,

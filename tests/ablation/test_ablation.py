@@ -23,7 +23,7 @@ from detr_irpe.ablation import (
     format_markdown,
     load_grid,
     prepare_data,
-    rpe_parameter_count,
+    encoding_parameter_count,
     run_grid,
     schedule,
     step_time,
@@ -142,12 +142,12 @@ def test_two_run_grid_table_rows_and_numbers(trained_grid) -> None:
     out = grid.output_dir
     rows = _read_csv(out / "results.csv")
     assert [r["variant"] for r in rows] == ["none", "product-ctx-k"]
-    assert [r["rpe"] for r in rows] == ["none", "rpe-2.0-product-ctx-1-k"]
+    assert [r["encodings"] for r in rows] == ["sine", "sine + rpe-2.0-product-ctx-1-k"]
     assert [r["status"] for r in rows] == ["done", "done"]
     assert [r["is_baseline"] for r in rows] == ["1", "0"]
     # Tiny model: d_model 32, 4 heads -> D = 8; product at ratio 2.0 -> 81 buckets;
     # one shared contextual table on keys in the single encoder layer.
-    assert [int(r["rpe_parameters"]) for r in rows] == [0, 8 * 81]
+    assert [int(r["encoding_parameters"]) for r in rows] == [0, 8 * 81]
     for row, run in zip(rows, grid.runs):
         record = [json.loads(x) for x in (run.output_dir / "log.txt").read_text().splitlines()][-1]
         assert record["epoch"] == 0
@@ -164,8 +164,8 @@ def test_two_run_grid_table_rows_and_numbers(trained_grid) -> None:
     assert [(r["variant"], r["seed"], r["state"]) for r in runs] == [
         ("none", "7", "finished"), ("product-ctx-k", "7", "finished")]
     md = (out / "results.md").read_text()
-    assert "| **none** | `none` | sine | 1 | 0 |" in md
-    assert "| product-ctx-k | `rpe-2.0-product-ctx-1-k` | sine | 1 | 648 |" in md
+    assert "| **none** | `sine` | 1 | 0 |" in md
+    assert "| product-ctx-k | `sine + rpe-2.0-product-ctx-1-k` | 1 | 648 |" in md
     header = next(x for x in md.splitlines() if x.startswith("| variant"))
     assert "status" not in header  # every row done
 
@@ -442,7 +442,7 @@ def test_shipped_grids_load() -> None:
             assert grid.base.name == published and grid.launcher == "torchrun"
     ratio = load_grid("ratio")  # a shipped grid by name, from any folder
     # Product buckets per ratio (irpe.md): 49, 81, 121, 169; D = 32, shared, 6 layers.
-    assert [rpe_parameter_count(r.config) for r in ratio.runs] == [
+    assert [encoding_parameter_count(r.config) for r in ratio.runs] == [
         6 * 32 * k for k in (49, 81, 121, 169)]
 
 
@@ -659,13 +659,17 @@ def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -
     ("rtdetr_tiny", [f"model.rpe={IRPE}", "model.enc_hidden_dim=48", "model.hidden_dim=32",
                      "model.nheads=4"]),
 ])
-def test_rpe_parameter_count_is_the_built_models(name: str, overrides: list[str]) -> None:
-    """The table's "RPE params" column equals the iRPE table parameters of the model the
-    config builds (counted off the built module's parameter names)."""
+def test_encoding_parameter_count_is_the_built_models(name: str, overrides: list[str]) -> None:
+    """The table's "enc. params" column equals the encoding parameters of the model the
+    config builds (counted off the built module's parameter names): iRPE tables, and
+    RoPE-Mixed's frequencies on top."""
     from detr_irpe.models import build_model
 
-    cfg = load_config(name, ["model.backbone_weights=none", "model.num_classes=3", *overrides])
-    model = build_model(cfg, load_backbone_weights=False)[0]
-    built = sum(p.numel() for n, p in model.named_parameters() if "lookup_table" in n)
-    assert built > 0
-    assert rpe_parameter_count(cfg) == built
+    for extra in ([], ["model.rope=rope-mixed"]):
+        cfg = load_config(name, ["model.backbone_weights=none", "model.num_classes=3",
+                                 *overrides, *extra])
+        model = build_model(cfg, load_backbone_weights=False)[0]
+        built = sum(p.numel() for n, p in model.named_parameters()
+                    if "lookup_table" in n or n.endswith("rope.freqs"))
+        assert built > 0
+        assert encoding_parameter_count(cfg) == built
