@@ -495,7 +495,7 @@ def test_demo_decoders_grid_changes_only_the_decoder() -> None:
 
 
 # The six encodings of the encoder attention (encodings.yaml and its RT-DETR and demo
-# versions): the keys each row sets.
+# versions): the shorthand keys each row comes to.
 ENCODING_ROWS = {
     "none": ("none", "none", "none"), "sine": ("sine", "none", "none"),
     "irpe": ("none", IRPE, "none"), "irpe+sine": ("sine", IRPE, "none"),
@@ -513,9 +513,10 @@ ENCODING_KEYS = ("model.position_embedding", "model.rpe", "model.rope")
 ])
 def test_encodings_grids_change_only_the_encoding(name: str, base: str, seeds: list[int],
                                                   sizes: list[str]) -> None:
-    """Each row is its base config (the published recipe, or the demo's) with the three
-    encoding keys of its encoding, nothing else: the six rows differ only there. Each grid
-    evaluates its runs at its own test sizes, the config's own size among them."""
+    """Each row is its base config (the published recipe, or the demo's) with its encoder
+    encodings (one model.encodings.encoder override, the same as the three shorthand keys
+    of its encoding), nothing else: the six rows differ only there. Each grid evaluates its
+    runs at its own test sizes, the config's own size among them."""
     grid = load_grid(name)
     assert [v.name for v in grid.variants] == list(ENCODING_ROWS) and grid.seeds == seeds
     assert grid.baseline == "sine"
