@@ -189,6 +189,15 @@ def _add_other_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--per-head", action="store_true", help="one panel per head")
     p.add_argument("--layers", nargs="+", type=int, default=None, help="encoder layers")
     p.add_argument("--out", type=Path, default=None)
+    p = sub.add_parser("position-response", parents=[common],
+                       help="the logit term each position encoding of an encoder layer adds "
+                            "for a key at each offset (iRPE, RoPE, a plugin's, side by side)")
+    _model_args(p)
+    p.add_argument("--extent", type=int, default=None,
+                   help="offsets -R..R (default: what the encodings ask for, iRPE: all buckets)")
+    p.add_argument("--per-head", action="store_true", help="one panel per head")
+    p.add_argument("--layer", type=int, default=0, help="encoder layer (default 0)")
+    p.add_argument("--out", type=Path, default=None)
     p = sub.add_parser("curves", parents=[common], help="training curves of one or several runs")
     p.add_argument("logs", nargs="+", type=Path, help="log.txt files or run folders")
     p.add_argument("--labels", nargs="+", default=None, help="legend names (default folders)")

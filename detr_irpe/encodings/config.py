@@ -290,6 +290,9 @@ def normalize_model_dict(model: Mapping[str, Any]) -> dict[str, Any]:
         value = out.get(legacy)
         if not isinstance(value, str):
             continue
+        listed = [t for t in encoder if _belongs(t, entries)]
+        if listed == [value] or (not listed and value.strip().lower() == NONE):
+            continue  # the list says it already: keep its order
         encoder = [t for t in encoder if not _belongs(t, entries)]
         if value.strip().lower() != NONE:
             encoder.append(value)

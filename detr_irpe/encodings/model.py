@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .config import PlaceEncodings
@@ -22,6 +23,7 @@ __all__ = [
     "hf_refusals",
     "implied_encodings",
     "keeps_own_init",
+    "logit_bias_response",
     "no_decay_parameters",
     "position_responses",
     "state_facts",
@@ -92,4 +94,19 @@ def position_responses(attn: nn.Module, extent: int | None = None, query=None, k
     for entry in encodings():
         if entry.response is not None:
             out.update(entry.response(attn, extent, query, key))
+    for module in getattr(attn, "encodings", ()):
+        if getattr(module, "biases_logits", False):
+            out[getattr(module, "title", type(module).__name__)] = logit_bias_response(
+                module, extent)
     return out
+
+
+def logit_bias_response(module: nn.Module, extent: int) -> Any:
+    """A plugin encoding's logit term for a key at each offset in ``[-R, R]^2`` from the
+    centre query of a ``(2R + 1)^2`` grid: ``(h, 2R + 1, 2R + 1)`` float64 numpy."""
+    side = 2 * int(extent) + 1
+    centre = extent * side + extent
+    with torch.no_grad():
+        bias = module.logit_bias((side, side), 0, torch.float64, torch.device("cpu"))
+    bias = bias.expand(module.num_heads, side * side, side * side)
+    return bias[:, centre].reshape(module.num_heads, side, side).cpu().numpy()

@@ -395,11 +395,12 @@ class IRPEMultiheadAttention(nn.Module):
         batch, heads, length, _ = q_scaled.shape
         bias = self._rpe_logits(q_scaled, k_scaled, ids, transposed_ids)
         if plugin is not None:
-            # a fresh (B h, L, L): the plugin's term may be a cached tensor, never updated
-            base = plugin[None] if bias is None else _as_4d(bias, batch, heads) + plugin[None]
-            bias = base.expand(batch, heads, length, length).reshape(batch * heads, length, length)
-            if bias.data_ptr() == plugin.data_ptr():
-                bias = bias.clone()
+            # a fresh (B h, L, L), updated in place below: never the plugin's own tensor
+            # (it may be cached), hence the sum or a copy
+            full = (batch, heads, length, length)
+            base = (plugin[None].expand(full).clone() if bias is None
+                    else (_as_4d(bias, batch, heads) + plugin[None]).expand(full))
+            bias = base.reshape(batch * heads, length, length)
         pad = _padding_bias(key_padding_mask, q_scaled)
         if pad is None:
             return bias, None

@@ -77,6 +77,17 @@ def _rpe_tables(args: argparse.Namespace, default_dir: Path) -> list[Path]:
     return [out]
 
 
+def _position_response(args: argparse.Namespace, default_dir: Path) -> list[Path]:
+    model, cfg, _ = _load(args)
+    out = args.out or default_dir / "position_response.png"
+    responses = vis.encoder_position_responses(model, layer=args.layer, extent=args.extent)
+    vis.plot_position_response(
+        responses, out=out, per_head=args.per_head,
+        title=f"encoder layer {args.layer}: the logit term of each position encoding "
+              f"({cfg.model.place('encoder').describe()}) for a key at offset (dy, dx)")
+    return [out]
+
+
 def _pr_curves(args: argparse.Namespace) -> list[Path]:
     found = find_pr_arrays(args.source)
     arrays = load_pr_arrays(found)
@@ -195,6 +206,8 @@ def run(args: argparse.Namespace, default_dir: Path) -> list[Path]:
         return _pr_curves(args)
     if args.command == "rpe-tables":
         return _rpe_tables(args, default_dir)
+    if args.command == "position-response":
+        return _position_response(args, default_dir)
     if args.command == "all":
         model, image, names, category_ids = _image_run(args)
         paths = vis.save_attention_maps(model, image, args.out_dir or default_dir,
