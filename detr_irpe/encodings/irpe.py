@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from torch import nn
 
 from detr_irpe.config import Config, LossConfig, ModelConfig
-from detr_irpe.family import get_family
 from detr_irpe.encodings.model import encoding_of_key
+from detr_irpe.family import get_family
 
 __all__ = ["build_detector", "build_model", "build_postprocessor", "count_parameters"]
 

@@ -20,10 +20,10 @@ import yaml
 from detr_irpe.ablation import (
     GridError,
     collect_and_write,
+    encoding_parameter_count,
     format_markdown,
     load_grid,
     prepare_data,
-    encoding_parameter_count,
     run_grid,
     schedule,
     step_time,

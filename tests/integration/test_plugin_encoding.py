@@ -43,7 +43,7 @@ def _naive(attn: IRPEMultiheadAttention, x: torch.Tensor, hw: tuple[int, int],
     slopes = attn.encodings[0].alibi_slopes
     cells = [(r, c) for r in range(hw[0]) for c in range(hw[1])]
     rows = []
-    for i, (ri, ci) in enumerate(cells):
+    for ri, ci in cells:
         rows.append(torch.stack([((ri - rj) ** 2 + (ci - cj) ** 2) ** 0.5
                                  * torch.ones((), dtype=x.dtype) for rj, cj in cells]))
     distance = torch.stack(rows)

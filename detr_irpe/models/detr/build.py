@@ -9,7 +9,6 @@ from collections.abc import Iterable
 from torch import nn
 
 from detr_irpe.errors import ConfigError
-from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.models.backbone import Backbone, Joiner
 from detr_irpe.models.detr.config import DETRLossConfig, DETRModelConfig, TransformerDetectorConfig
 from detr_irpe.models.detr.criterion import SetCriterion

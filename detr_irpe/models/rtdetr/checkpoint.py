@@ -13,11 +13,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from detr_irpe.checkpoint.layout import resize_linear_head, resized_rows
+from detr_irpe.encodings.model import implied_encodings
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import CheckpointSupport
 from detr_irpe.irpe import is_rpe_key
 from detr_irpe.models.rtdetr.keys import infer_model_config, is_rtdetr_state_dict
-from detr_irpe.encodings.model import implied_encodings
 
 __all__ = ["CHECKPOINT", "score_heads"]
 
