@@ -180,3 +180,14 @@ def test_export_with_a_dynamic_size(alibi_run: Path, plugin_path, tmp_path: Path
         ref_logits, ref_boxes = onnx_wrapper(model.eval())(images)
     torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(boxes, ref_boxes, atol=2e-4, rtol=1e-4)
+
+
+def test_the_docs_show_the_plugin_verbatim_and_their_figure_snippet_runs(
+        plugin_path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = (ROOT / "docs" / "position_encodings.md").read_text()
+    assert (PLUGINS / "alibi2d_encoding.py").read_text() in doc
+    snippet = doc.split("drawn by:\n\n```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    exec(compile(snippet, "position_encodings.md", "exec"), {})
+    assert (tmp_path / "docs" / "position_response.png").stat().st_size > 10_000
