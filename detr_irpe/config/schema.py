@@ -107,6 +107,11 @@ class ModelConfig:
             raise ConfigError(f"model.family={self.family!r} but this is the model section "
                               f"of family {self.FAMILY!r}")
         sync_model_encodings(self)
+        backbone = self.place("backbone")
+        if backbone.entries and not self.backbone_takes_encodings():
+            raise ConfigError(
+                f"model.encodings.backbone=[{', '.join(backbone.strings())}]: this config's "
+                "backbone has no attention to put them in (a ViT backbone does); drop them")
         choice("model.rpe_init", self.rpe_init, RPE_INIT_MODES)
         for key in ("hidden_dim", "nheads"):
             positive(f"model.{key}", getattr(self, key))
@@ -137,6 +142,11 @@ class ModelConfig:
     def place(self, name: str = "encoder") -> PlaceEncodings:
         """The parsed encodings of one place of ``model.encodings`` (none when not given)."""
         return parse_place(self.encodings.get(name, []), f"model.encodings.{name}")
+
+    def backbone_takes_encodings(self) -> bool:
+        """Whether the backbone this section builds has attention layers that take
+        ``model.encodings.backbone`` (a family with a ViT backbone says so)."""
+        return False
 
     def check_encoder_widths(self, width: int, width_name: str = "hidden_dim",
                              prefix: str = "model") -> None:

@@ -169,7 +169,8 @@ def test_the_later_word_wins_whichever_form_it_takes(tmp_path: Path) -> None:
     # the same kind twice in one list, two absolute ones, an unknown place: one line each
     for bad, message in (("model.encodings.encoder=[rope-axial, rope-mixed]", "rope given twice"),
                          ("model.encodings.encoder=[sine, learned]", "at most one absolute"),
-                         ("model.encodings.neck=[sine]", "unknown place")):
+                         ("model.encodings.neck=[sine]", "unknown place"),
+                         ("model.encodings.backbone=[rope-axial]", "no attention to put")):
         with pytest.raises(ConfigError, match=message) as err:
             load_config("detr_irpe_tiny", [bad])
         assert "\n" not in str(err.value)
