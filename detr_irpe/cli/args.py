@@ -120,6 +120,22 @@ def checked_overrides(overrides: Iterable[str]) -> list[str]:
     return out
 
 
+# detr_irpe.inference.runtime.RUNTIMES, named here without importing torch (a test keeps
+# the two equal)
+RUNTIMES = ("pytorch", "fused", "onnxruntime")
+
+
+def add_runtime_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--runtime``: what a tool's forward passes run in (docs/deployment.md)."""
+    parser.add_argument(
+        "--runtime", choices=RUNTIMES, default=default,
+        help=f"what the forward pass runs in (default {default}): pytorch (the model as "
+             "trained), fused (batch norms folded into the convolutions, RepVGG blocks "
+             "merged: the same outputs to float32 rounding, faster on the CPU) or "
+             "onnxruntime (exported once and cached, checked against PyTorch on the first "
+             "image; the onnx extra, CPU)")
+
+
 def add_sizes_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """``--sizes S|HxW [...]``: evaluate at each test size (docs/evaluation.md)."""
     parser.add_argument(

@@ -79,7 +79,25 @@ class RepVggBlock(nn.Module):
         self._act = activation_fn(act)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.conv2 is None:  # merged for inference (fuse)
+            return self._act(self.conv1(x))
         return self._act(self.conv1(x) + self.conv2(x))
+
+    @torch.no_grad()
+    def fuse(self) -> bool:
+        """Merge the 1x1 branch into the 3x3 one once both norms are folded (the
+        re-parameterisation of RepVGG and of the published deploy mode): the 1x1 kernel
+        added at the centre of the 3x3 one, the biases summed. False when not possible."""
+        if self.conv2 is None:
+            return False
+        big, small = self.conv1.conv, self.conv2.conv
+        if not isinstance(self.conv1.norm, nn.Identity) or not isinstance(
+                self.conv2.norm, nn.Identity) or big.bias is None or small.bias is None:
+            return False
+        big.weight[:, :, 1:2, 1:2] += small.weight
+        big.bias += small.bias
+        self.conv2 = None
+        return True
 
 
 class CSPRepLayer(nn.Module):

@@ -59,6 +59,10 @@ class ConvNormLayer(nn.Module):
         """``(B, ch_in, H, W)`` -> ``(B, ch_out, H', W')``."""
         return self._act(self.norm(self.conv(x)))
 
+    def fusable_pairs(self) -> list[tuple[str, str]]:
+        """The norm follows the conv (:func:`detr_irpe.models.fusion.fuse_for_inference`)."""
+        return [("conv", "norm")]
+
     def extra_repr(self) -> str:
         return f"act={self.act_name}"
 

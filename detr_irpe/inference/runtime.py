@@ -1,0 +1,160 @@
+"""The runtime a detector's inference runs in: one switch for the predictor and the tools.
+
+- ``pytorch``: the model as trained (every module as it is; the attention figures and
+  the losses need this form).
+- ``fused``: the inference form of the same weights (:func:`~detr_irpe.models.fusion.
+  fuse_for_inference`: batch norms folded into the convolutions, RepVGG blocks merged;
+  on the CPU also the channels-last layout). The same function to float32 rounding;
+  about 15 % (folding) and 25 % (with channels-last) less time for RT-DETR-R50 at 640 on
+  the CPU (docs/benchmarks.md, "Eager PyTorch against ONNX Runtime").
+- ``onnxruntime``: the model exported to ONNX with a dynamic size (cached in a folder:
+  exported once per weights), checked once against PyTorch on the first input, and run by
+  ONNX Runtime on the CPU (the ``onnx`` extra). One image per call (the exported graph
+  reads no padding mask); the outputs are ``pred_logits`` and ``pred_boxes``, post-processed
+  exactly as PyTorch's.
+
+:func:`build_runtime` returns a callable ``images -> outputs`` with the model's own
+input forms (a list of ``(3, H, W)`` tensors or a batch) and its outputs dict.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from detr_irpe.errors import ConfigError, DetrIrpeError
+from detr_irpe.export.onnx import export_onnx, onnx_wrapper
+from detr_irpe.models.fusion import fuse_for_inference
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RUNTIMES", "OnnxRuntimeModel", "build_runtime", "fused_model", "runtime_cache_dir"]
+
+RUNTIMES = ("pytorch", "fused", "onnxruntime")
+# largest |ONNX Runtime - PyTorch| of the first call's outputs that is float32 rounding
+CHECK_ATOL = 1e-3
+
+
+def runtime_cache_dir() -> Path:
+    """Where exported graphs are kept: ``$DETR_IRPE_CACHE/onnx`` (default
+    ``~/.cache/detr_irpe/onnx``)."""
+    root = os.environ.get("DETR_IRPE_CACHE") or Path.home() / ".cache" / "detr_irpe"
+    return Path(root) / "onnx"
+
+
+def fused_model(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """A copy of ``model`` in its inference form (the original is left as it is); on the
+    CPU in the channels-last layout, which its convolutions run fastest in."""
+    fused = fuse_for_inference(copy.deepcopy(model).eval())
+    if torch.device(device).type == "cpu":
+        fused = fused.to(memory_format=torch.channels_last)
+    return fused
+
+
+def _weights_digest(model: nn.Module) -> str:
+    """A digest of the model's weights and structure: the cache key of its graph."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:20]
+
+
+class OnnxRuntimeModel:
+    """A detector run by ONNX Runtime, called like the model in eval mode.
+
+    Args:
+        model: the detector (eval mode); exported on construction unless its graph is in
+            the cache.
+        cache_dir: the cache folder (default :func:`runtime_cache_dir`).
+        threads: ONNX Runtime's intra-op threads (default: torch's).
+    """
+
+    def __init__(self, model: nn.Module, cache_dir: str | Path | None = None,
+                 threads: int | None = None) -> None:
+        if importlib.util.find_spec("onnxruntime") is None:
+            raise ConfigError("runtime onnxruntime needs the onnx extra: pip install "
+                              "'detr_irpe[onnx]'")
+        import onnxruntime  # optional (the onnx extra): checked for just above
+
+        self.model = model.eval()
+        self._wrapper = onnx_wrapper(self.model)
+        folder = Path(cache_dir) if cache_dir is not None else runtime_cache_dir()
+        self.path = folder / f"{type(model).__name__.lower()}_{_weights_digest(model)}.onnx"
+        if not self.path.is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            logger.info("exporting the model to %s for ONNX Runtime (once per weights)",
+                        self.path)
+            export_onnx(self.model, self.path, (64, 64), dynamic=True)
+        else:
+            logger.info("ONNX Runtime graph from the cache: %s", self.path)
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads or torch.get_num_threads()
+        self.session = onnxruntime.InferenceSession(str(self.path), options,
+                                                    providers=["CPUExecutionProvider"])
+        self._input = self.session.get_inputs()[0].name
+        self.checked = False
+
+    def _run(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        logits, boxes = self.session.run(None, {self._input: images.detach().cpu().numpy()})
+        return torch.from_numpy(logits), torch.from_numpy(boxes)
+
+    def _check(self, images: Tensor, got: tuple[Tensor, Tensor]) -> None:
+        with torch.no_grad():
+            want = self._wrapper(images)
+        diff = max(float((a - b.cpu()).abs().max()) for a, b in zip(got, want))
+        if not diff <= CHECK_ATOL:
+            raise DetrIrpeError(f"ONNX Runtime's outputs differ from PyTorch's by {diff:.2e} "
+                                f"(more than {CHECK_ATOL:g}) for {self.path}; delete the file "
+                                "to export again, or use --runtime pytorch")
+        logger.info("ONNX Runtime checked against PyTorch: largest difference %.1e", diff)
+        self.checked = True
+
+    def __call__(self, images: Sequence[Tensor] | Tensor) -> dict[str, Tensor]:
+        """``images``: ``(3, H, W)`` tensors (each run on its own) or a ``(B, 3, H, W)``
+        batch -> ``{"pred_logits", "pred_boxes"}`` of the batch."""
+        batch = list(images) if not isinstance(images, Tensor) else list(images)
+        logits, boxes = [], []
+        for image in batch:
+            one = image.unsqueeze(0).float()
+            out = self._run(one)
+            if not self.checked:
+                self._check(one, out)
+            logits.append(out[0])
+            boxes.append(out[1])
+        device = batch[0].device if batch else torch.device("cpu")
+        return {"pred_logits": torch.cat(logits).to(device),
+                "pred_boxes": torch.cat(boxes).to(device)}
+
+    def eval(self) -> OnnxRuntimeModel:  # called like a module
+        return self
+
+
+def build_runtime(name: str, model: nn.Module, *, device: torch.device | str = "cpu",
+                  cache_dir: str | Path | None = None) -> Callable[..., Any]:
+    """The callable that runs ``model``'s inference in runtime ``name`` (:data:`RUNTIMES`).
+
+    Raises:
+        ConfigError: an unknown runtime, or ``onnxruntime`` without the extra or not on the
+            CPU.
+    """
+    if name not in RUNTIMES:
+        raise ConfigError(f"unknown runtime {name!r}; choose one of {', '.join(RUNTIMES)}")
+    if name == "pytorch":
+        return model.eval()
+    if name == "fused":
+        return fused_model(model, device)
+    if torch.device(device).type != "cpu":
+        raise ConfigError("runtime onnxruntime runs on the CPU; use --device cpu, or "
+                          "--runtime fused on a GPU")
+    return OnnxRuntimeModel(model, cache_dir)
