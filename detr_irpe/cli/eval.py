@@ -41,6 +41,7 @@ from pathlib import Path
 from detr_irpe.cli.args import (
     add_config_arguments,
     add_device_argument,
+    add_runtime_argument,
     add_sizes_argument,
     new_parser,
     parse_sizes,
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "go (default: CHECKPOINT_DIR/eval_CHECKPOINT_STEM; "
                              "outputs/eval_STEM for a downloaded file)")
     add_sizes_argument(parser, "evaluate")
+    add_runtime_argument(parser, "pytorch")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 

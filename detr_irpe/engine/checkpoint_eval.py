@@ -12,9 +12,11 @@ AP75 / AP_S / AP_M / AP_L per size; the tools add ``sizes.png``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from torch import nn
 
 from detr_irpe.config import Config
 from detr_irpe.data import build_dataloader, build_dataset
@@ -45,6 +47,7 @@ def run_evaluation(
     progress: bool = True,
     sizes: Sequence[EvalSize] = (),
     trust_imports: bool = False,
+    runtime: Callable[[nn.Module], Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (this project's or a public DETR / iRPE-DETR one) on the
     val split of the config's data.
@@ -54,7 +57,10 @@ def run_evaluation(
     comes from the checkpoint's head unless ``model.num_classes`` is among the
     overrides. Without ``sizes`` one evaluation at ``data.val_size`` / ``data.max_size``
     into ``output_dir``; with ``sizes`` one per test size (module docstring). Works under
-    ``torchrun`` (results gathered from all ranks).
+    ``torchrun`` (results gathered from all ranks). ``runtime``: ``model -> what runs
+    the forward passes`` (:func:`detr_irpe.inference.runtime.build_runtime`, e.g. the
+    model's inference form, or ONNX Runtime: a callable that is no module gets no losses);
+    None: the model itself.
 
     Returns:
         ``{"summary", "per_class_table", "losses", "speed", "output_dir", "config",
@@ -73,11 +79,15 @@ def run_evaluation(
             setup_logging(output_dir, info.rank, filename="eval.log")
             run_cfg = apply_process_settings(loaded.cfg, info)
             logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
+            model = loaded.model.to(info.device)
+            if runtime is not None:
+                model = runtime(model)
             if not sizes:
-                return _evaluate_at(loaded, run_cfg, checkpoint, output_dir, info, progress,
-                                    None)
-            rows = [_evaluate_at(loaded, run_cfg, checkpoint, output_dir / f"size_{s.label}",
-                                 info, progress, s) for s in sizes]
+                return _evaluate_at(loaded, model, run_cfg, checkpoint, output_dir, info,
+                                    progress, None)
+            rows = [_evaluate_at(loaded, model, run_cfg, checkpoint,
+                                 output_dir / f"size_{s.label}", info, progress, s)
+                    for s in sizes]
             if info.is_main:
                 write_size_table(size_rows([s.label for s in sizes],
                                            [r["summary"] for r in rows]), output_dir, checkpoint)
@@ -88,8 +98,9 @@ def run_evaluation(
         cleanup_distributed()
 
 
-def _evaluate_at(loaded: LoadedModel, cfg: Config, checkpoint: Path, output_dir: Path,
-                 info: DistInfo, progress: bool, size: EvalSize | None) -> dict[str, Any]:
+def _evaluate_at(loaded: LoadedModel, model: Any, cfg: Config, checkpoint: Path,
+                 output_dir: Path, info: DistInfo, progress: bool, size: EvalSize | None
+                 ) -> dict[str, Any]:
     """One evaluation, at the config's size (``size=None``) or at ``size``."""
     if info.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +109,8 @@ def _evaluate_at(loaded: LoadedModel, cfg: Config, checkpoint: Path, output_dir:
     val_ds = build_dataset(cfg.data, "val", transforms=transforms,
                            category_ids=cfg.model.category_ids)
     val_ds.check_num_classes(cfg.model.num_classes)
-    model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
+    # a runtime that gives only logits and boxes (no module: ONNX Runtime) has no losses
+    criterion = loaded.criterion.to(info.device) if isinstance(model, nn.Module) else None
     # scored: the outputs that are categories of the evaluated data
     postprocessor = build_postprocessor(cfg, categories=val_ds.category_names)
     loader = build_dataloader(
@@ -111,7 +123,7 @@ def _evaluate_at(loaded: LoadedModel, cfg: Config, checkpoint: Path, output_dir:
         amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5, timer=timer,
     )
     first = val_ds[0][0].to(info.device) if len(val_ds) else None
-    speed = speed_record(timer, model, first)
+    speed = speed_record(timer, loaded.model, first)
     table = per_class_table(evaluator)
     label = "" if size is None else f" at test size {size.label}"
     if info.is_main:

@@ -19,7 +19,6 @@ input forms (a list of ``(3, H, W)`` tensors or a batch) and its outputs dict.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import importlib.util
 import logging
@@ -33,11 +32,12 @@ from torch import Tensor, nn
 
 from detr_irpe.errors import ConfigError, DetrIrpeError
 from detr_irpe.export.onnx import export_onnx, onnx_wrapper
-from detr_irpe.models.fusion import fuse_for_inference
+from detr_irpe.models.fusion import inference_form
+from detr_irpe.structures import ImageBatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RUNTIMES", "OnnxRuntimeModel", "build_runtime", "fused_model", "runtime_cache_dir"]
+__all__ = ["RUNTIMES", "OnnxRuntimeModel", "build_runtime", "runtime_cache_dir"]
 
 RUNTIMES = ("pytorch", "fused", "onnxruntime")
 # largest |ONNX Runtime - PyTorch| of the first call's outputs that is float32 rounding
@@ -49,15 +49,6 @@ def runtime_cache_dir() -> Path:
     ``~/.cache/detr_irpe/onnx``)."""
     root = os.environ.get("DETR_IRPE_CACHE") or Path.home() / ".cache" / "detr_irpe"
     return Path(root) / "onnx"
-
-
-def fused_model(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
-    """A copy of ``model`` in its inference form (the original is left as it is); on the
-    CPU in the channels-last layout, which its convolutions run fastest in."""
-    fused = fuse_for_inference(copy.deepcopy(model).eval())
-    if torch.device(device).type == "cpu":
-        fused = fused.to(memory_format=torch.channels_last)
-    return fused
 
 
 def _weights_digest(model: nn.Module) -> str:
@@ -120,10 +111,17 @@ class OnnxRuntimeModel:
         logger.info("ONNX Runtime checked against PyTorch: largest difference %.1e", diff)
         self.checked = True
 
-    def __call__(self, images: Sequence[Tensor] | Tensor) -> dict[str, Tensor]:
-        """``images``: ``(3, H, W)`` tensors (each run on its own) or a ``(B, 3, H, W)``
-        batch -> ``{"pred_logits", "pred_boxes"}`` of the batch."""
-        batch = list(images) if not isinstance(images, Tensor) else list(images)
+    def __call__(self, images: Sequence[Tensor] | Tensor | ImageBatch,
+                 targets: Any = None) -> dict[str, Tensor]:
+        """``images``: ``(3, H, W)`` tensors, a ``(B, 3, H, W)`` batch or a padded
+        :class:`~detr_irpe.structures.ImageBatch` (each image cut to its own size) ->
+        ``{"pred_logits", "pred_boxes"}`` of the batch; each image runs on its own (boxes
+        normalised by its own size, as every family's are). ``targets`` are not read."""
+        if isinstance(images, ImageBatch):
+            batch = [image[:, :h, :w] for image, (h, w) in zip(images.tensors,
+                                                                images.image_sizes)]
+        else:
+            batch = list(images)
         logits, boxes = [], []
         for image in batch:
             one = image.unsqueeze(0).float()
@@ -153,7 +151,7 @@ def build_runtime(name: str, model: nn.Module, *, device: torch.device | str = "
     if name == "pytorch":
         return model.eval()
     if name == "fused":
-        return fused_model(model, device)
+        return inference_form(model, device)
     if torch.device(device).type != "cpu":
         raise ConfigError("runtime onnxruntime runs on the CPU; use --device cpu, or "
                           "--runtime fused on a GPU")

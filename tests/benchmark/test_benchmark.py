@@ -298,7 +298,7 @@ def test_deploy_rows_without_the_optional_packages_are_notes(monkeypatch) -> Non
     monkeypatch.setattr(deploy, "_missing", lambda *modules: list(modules))
     section = deploy.run_deploy_benchmark({"RT-DETR": "rtdetr_r50"}, ["none"], height=64,
                                           width=64, threads=1, repeats=1, warmup=0, quick=True)
-    assert [r["runtime"] for r in section["rows"]] == ["PyTorch"]
+    assert [r["runtime"] for r in section["rows"]] == ["PyTorch", "PyTorch fused"]
     assert section["rows"][0]["max_diff_logits"] == 0.0
     notes = " ".join(section["notes"])
     assert "ONNX Runtime rows left out: onnx, onnxscript, onnxruntime not installed" in notes
@@ -315,8 +315,9 @@ def test_onnx_section_three_runtimes_same_outputs(tmp_path: Path) -> None:
     results = run_suite(SuiteOptions.quick_options(threads=1, sections=["onnx"]), tmp_path)
     section = results["onnx"]
     assert [(r["rpe"], r["runtime"]) for r in section["rows"]] == [
-        ("none", "PyTorch"), ("none", "ONNX Runtime"), ("none", "transformers"),
-        (IRPE, "PyTorch"), (IRPE, "ONNX Runtime")]  # transformers has no iRPE
+        ("none", "PyTorch"), ("none", "PyTorch fused"), ("none", "ONNX Runtime"),
+        ("none", "transformers"), (IRPE, "PyTorch"), (IRPE, "PyTorch fused"),
+        (IRPE, "ONNX Runtime")]  # transformers has no iRPE
     assert section["notes"] == [] and section["dynamic"] and section["threads"] == 1
     for row in section["rows"]:
         assert row["latency_s"] > 0 and row["image_hw"] == [64, 64]

@@ -118,3 +118,25 @@ def test_predict_tool_with_each_runtime(family: str, tmp_path: Path, monkeypatch
         detections = json.loads((out / "detections.json").read_text())["detections"]
         counts[runtime] = len(detections)
     assert len(set(counts.values())) == 1 and counts["pytorch"] > 0, counts
+
+
+@pytest.mark.slow  # two evaluations and an export (~20 s)
+def test_eval_tool_with_the_fused_and_onnxruntime_runtimes(tmp_path: Path, tiny_dataset: Path,
+                                                           monkeypatch) -> None:
+    """The same COCO numbers from the model as trained and from its inference form; ONNX
+    Runtime runs (each image at its own size) and reports no losses."""
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setenv("DETR_IRPE_CACHE", str(tmp_path / "cache"))
+    path = _checkpoint(tmp_path, "rtdetr")
+    stats = {}
+    for runtime in RUNTIMES:
+        out = tmp_path / f"eval_{runtime}"
+        assert load_tool("eval").main([str(path), "--no-progress", "--output-dir", str(out),
+                                       "--runtime", runtime, "--set",
+                                       f"data.root={tiny_dataset}"]) == 0
+        metrics = json.loads((out / "metrics.json").read_text())
+        stats[runtime] = metrics
+    for runtime in ("fused", "onnxruntime"):
+        assert stats[runtime]["bbox"]["stats"] == pytest.approx(
+            stats["pytorch"]["bbox"]["stats"], abs=1e-3), runtime
+    assert stats["pytorch"]["losses"] and not stats["onnxruntime"]["losses"]

@@ -21,6 +21,7 @@ from detr_irpe.cli.common import (
 from detr_irpe.config import Config, load_config
 from detr_irpe.engine.checkpoint_eval import run_evaluation
 from detr_irpe.evaluation.size_table import EVAL_SIZES_DIR, SIZES_FIGURE, size_rows
+from detr_irpe.inference.runtime import build_runtime
 from detr_irpe.run_folder.checkpoints import LAST
 from detr_irpe.sizes import EvalSize
 from detr_irpe.utils.files import ensure_writable_folder
@@ -61,9 +62,13 @@ def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = ()) -> int:
     output_dir = args.output_dir or default_dir / f"eval_{path.stem}"
     # before the data and the model are loaded
     ensure_writable_folder(output_dir, "output folder", "choose another --output-dir")
+    runtime = None
+    if args.runtime != "pytorch":
+        def runtime(model):
+            return build_runtime(args.runtime, model, device=next(model.parameters()).device)
     result = run_evaluation(cfg, path, output_dir, overrides=overrides,
                             progress=not args.no_progress, sizes=sizes,
-                            trust_imports=args.trust_imports)
+                            trust_imports=args.trust_imports, runtime=runtime)
     if sizes and result["rank"] == 0:
         plot_size_figure(result)
     print_eval_result(result)
