@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -319,6 +320,13 @@ class TrainConfig:
     # Weight decay 0 for the biases and the normalisation layers' weights (RT-DETR's
     # parameter groups); false: every parameter decays (the DETR recipe).
     no_decay_norm_bias: bool = False
+    # The AdamW parameter groups as the official RT-DETR / D-FINE / DEIM configs write
+    # them: [{params: REGEX, lr: X, weight_decay: Y}, ...] (lr and weight_decay optional:
+    # train.lr / train.weight_decay). A parameter joins the group whose regex is found in
+    # its name (re.search); one that no group takes is in a last group at train.lr and
+    # train.weight_decay; one that two groups take is an error. Set, it replaces
+    # lr_backbone and no_decay_norm_bias (docs/training.md, "Parameter groups").
+    param_groups: list[dict[str, str | float]] = field(default_factory=list)
     ema: EmaConfig = field(default_factory=EmaConfig)
     # Seeds torch, NumPy, Python's random and the data order and augmentation.
     seed: int = 42
@@ -343,6 +351,7 @@ class TrainConfig:
         choice("train.amp", self.amp, AMP_MODES)
         choice("train.device", self.device, DEVICES)
         self._check_lr_schedule()
+        self._check_param_groups()
         for name in self.loggers:
             choice("train.loggers", name, LOGGERS)
         if len(set(self.loggers)) != len(self.loggers):
@@ -360,6 +369,31 @@ class TrainConfig:
         # The seed goes to torch, NumPy and Python's random: an unsigned 64-bit value.
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"train.seed must be in [0, 2**63), got {self.seed}")
+
+    def _check_param_groups(self) -> None:
+        for i, group in enumerate(self.param_groups):
+            key = f"train.param_groups[{i}]"
+            if not isinstance(group, dict) or not isinstance(group.get("params"), str):
+                raise ConfigError(f"{key} must be {{params: REGEX, lr: X, weight_decay: Y}} "
+                                  f"with a params regex, got {group!r}")
+            unknown = sorted(set(group) - {"params", "lr", "weight_decay"})
+            if unknown:
+                raise ConfigError(f"{key}: unknown key(s) {', '.join(unknown)}; allowed: "
+                                  "params, lr, weight_decay")
+            try:
+                re.compile(group["params"])
+            except re.error as err:
+                raise ConfigError(f"{key}.params: {group['params']!r} is not a regular "
+                                  f"expression ({err})") from None
+            for name in ("lr", "weight_decay"):
+                if name in group:
+                    value = group[name]
+                    try:
+                        group[name] = float(value)
+                    except (TypeError, ValueError):
+                        raise ConfigError(f"{key}.{name} must be a number, got "
+                                          f"{value!r}") from None
+                    at_least(f"{key}.{name}", group[name], 0)
 
     def _check_lr_schedule(self) -> None:
         choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
