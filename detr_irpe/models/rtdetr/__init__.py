@@ -24,7 +24,8 @@ FAMILY = register_family(DetectorFamily(
     build_detector=build_detector,
     build_postprocessor=build_postprocessor,
     model_types=(RTDETR,),
-    describe=lambda m: f"RT-DETR-R{m.depth}",
+    describe=lambda m: (f"RT-DETR-R{m.depth}" if m.backbone == "presnet"
+                        else f"RT-DETR-HGNetv2-{m.backbone.removeprefix('hgnetv2_').upper()}"),
     checkpoint=CHECKPOINT,
     hf=HF,
     onnx_wrapper=onnx_wrapper,

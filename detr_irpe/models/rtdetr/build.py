@@ -11,6 +11,7 @@ from torch import nn
 from detr_irpe.checkpoint import CheckpointError
 from detr_irpe.checkpoint.safe import safe_load
 from detr_irpe.errors import ConfigError
+from detr_irpe.models.hgnetv2 import HGNetv2, load_hgnetv2_weights
 from detr_irpe.models.matcher import FocalHungarianMatcher
 from detr_irpe.models.postprocess import TopKPostProcess
 from detr_irpe.models.rtdetr.config import RTDETRLossConfig, RTDETRModelConfig
@@ -28,9 +29,16 @@ def build_rtdetr(cfg: RTDETRModelConfig, *, load_weights: bool = True) -> RTDETR
     """The model of ``cfg`` (checked); with ``load_weights``, ``cfg.backbone_weights``
     (a PResNet state-dict file, e.g. the published ImageNet ResNet-vd) goes into the backbone."""
     cfg.check()
-    backbone = PResNet(cfg.depth, cfg.variant, 4, (1, 2, 3), cfg.freeze_at, cfg.freeze_norm)
-    if load_weights and cfg.backbone_weights:
-        load_backbone_weights(backbone, cfg.backbone_weights)
+    if cfg.backbone == "presnet":
+        backbone = PResNet(cfg.depth, cfg.variant, 4, (1, 2, 3), cfg.freeze_at,
+                           cfg.freeze_norm)
+        if load_weights and cfg.backbone_weights:
+            load_backbone_weights(backbone, cfg.backbone_weights)
+    else:
+        backbone = HGNetv2(cfg.backbone.removeprefix("hgnetv2_"), (1, 2, 3), cfg.freeze_at,
+                           freeze_stem_only=True, freeze_norm=cfg.freeze_norm)
+        if load_weights and cfg.backbone_weights:
+            load_hgnetv2_weights(backbone, cfg.backbone_weights)
     encoder = HybridEncoder(
         tuple(backbone.out_channels), cfg.enc_hidden_dim, cfg.nheads, cfg.enc_dim_feedforward,
         cfg.dropout, "gelu", (2,), cfg.enc_layers, cfg.pe_temperature, cfg.expansion,

@@ -21,7 +21,11 @@ from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
 from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
+from detr_irpe.models.hgnetv2 import HGNETV2_SIZES
 from detr_irpe.models.rtdetr.presnet import DEPTHS, VARIANTS
+
+# model.backbone: the published ResNet-vd, or an HGNetv2 of timm
+BACKBONES = ("presnet", *(f"hgnetv2_{size}" for size in HGNETV2_SIZES))
 
 # What the model's input images are: normalised as ImageNet's (this package's data) or not.
 INPUT_NORMALIZATIONS = ("imagenet", "none")
@@ -68,6 +72,10 @@ class RTDETRModelConfig(ModelConfig):
     hidden_dim: int = 256
     # Attention heads of the AIFI layer and of the decoder's attentions.
     nheads: int = 8
+    # The backbone: "presnet" (ResNet-vd of model.depth, the published RT-DETR) or an
+    # HGNetv2 of timm, "hgnetv2_b0" ... "hgnetv2_b6" (D-FINE / DEIM's; the timm extra;
+    # docs/rtdetr.md). model.freeze_at / freeze_norm / backbone_weights apply to either.
+    backbone: str = "presnet"
     # ResNet-vd depth of the backbone: 18, 34, 50 or 101.
     depth: int = 50
     # ResNet variant: "d" (vd: deep stem, avg-pool shortcut; the published) or "a" / "b".
@@ -163,6 +171,8 @@ class RTDETRModelConfig(ModelConfig):
 
         if self.depth not in DEPTHS:
             _fail(key("depth"), self.depth, f"must be one of {', '.join(map(str, DEPTHS))}")
+        if self.backbone not in BACKBONES:
+            _fail(key("backbone"), self.backbone, f"must be one of {', '.join(BACKBONES)}")
         if self.variant not in VARIANTS:
             _fail(key("variant"), self.variant, f"must be one of {', '.join(VARIANTS)}")
         for name in ("freeze_norm", "aux_loss"):

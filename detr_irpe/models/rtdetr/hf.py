@@ -170,7 +170,9 @@ def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
     """Why transformers' RT-DETR cannot hold this (plain) model, or None."""
     model = cfg.model
     why = None
-    if model.variant != "d":
+    if model.backbone != "presnet":
+        why = (f"model.backbone={model.backbone}", "transformers' RT-DETR has a ResNet-vd")
+    elif model.variant != "d":
         why = (f"model.variant={model.variant}", "transformers' ResNet is variant d")
     elif round(3 * model.depth_mult) != 3:
         why = (f"model.depth_mult={model.depth_mult}",
