@@ -20,8 +20,8 @@ from detr_irpe.config.schema import LossConfig, ModelConfig
 from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
-from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
 from detr_irpe.models.hgnetv2 import HGNETV2_SIZES
+from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
 from detr_irpe.models.rtdetr.presnet import DEPTHS, VARIANTS
 
 # model.backbone: the published ResNet-vd, or an HGNetv2 of timm
