@@ -91,9 +91,21 @@ def select_targets(names: Sequence[str] | None = None, flag: str = "--targets"
 
 
 def quick_overrides(config: str) -> list[str]:
-    """The :data:`QUICK_MODEL` settings that ``config``'s model section has, as overrides."""
+    """The :data:`QUICK_MODEL` settings that ``config``'s model section has and takes, as
+    overrides (a key of the same name may mean another thing in another family: RT-DETR's
+    ``model.backbone`` names no ResNet)."""
     keys = {f.name for f in dataclasses.fields(load_config(config).model)}
-    return [f"model.{k}={v}" for k, v in QUICK_MODEL.items() if k in keys]
+    out = []
+    for key, value in QUICK_MODEL.items():
+        override = f"model.{key}={value}"
+        if key not in keys:
+            continue
+        try:
+            load_config(config, [override])
+        except ConfigError:
+            continue
+        out.append(override)
+    return out
 
 
 def row_name(row: Mapping[str, Any]) -> str:
