@@ -49,7 +49,7 @@ AMP_MODES = ("none", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 AUGMENTATIONS = ("detr", "simple", "rtdetr")
 # train.lr_schedule: the factor of the base lrs over the run (docs/training.md, "The recipe").
-LR_SCHEDULES = ("step", "multistep", "cosine")
+LR_SCHEDULES = ("step", "multistep", "cosine", "flatcosine")
 # Scalar loggers of a training run (train.loggers); log.txt and train.log are always written.
 LOGGERS = ("tensorboard", "wandb")
 
@@ -290,7 +290,10 @@ class TrainConfig:
     # The lr factor over the run: "step" (times lr_gamma every lr_drop epochs, the
     # reference's StepLR), "multistep" (times lr_gamma at each of lr_milestones) or
     # "cosine" (flat for lr_flat_epochs, then a half cosine down to lr_min_ratio at the
-    # end); each after the warm-up of warmup_iters (docs/training.md, "The recipe").
+    # end); each after the warm-up of warmup_iters; or "flatcosine", DEIM's FlatCosine:
+    # a quadratic warm-up over warmup_iters, flat until lr_flat_epochs, a half cosine down
+    # to lr_min_ratio lr_no_aug_epochs before the end, then constant (docs/training.md,
+    # "The recipe").
     lr_schedule: str = "step"
     # The lr is divided by 10 every this many epochs (the reference's StepLR).
     lr_drop: int = 100
@@ -298,10 +301,14 @@ class TrainConfig:
     lr_gamma: float = 0.1
     # lr_schedule=multistep: the epochs (0-based: the first epoch with the lower lr).
     lr_milestones: list[int] = field(default_factory=list)
-    # lr_schedule=cosine: epochs (may be fractional) at the full lr before the decay.
+    # lr_schedule=cosine / flatcosine: epochs (may be fractional) at the full lr before
+    # the decay.
     lr_flat_epochs: float = 0.0
-    # lr_schedule=cosine: the factor at the end of the last epoch.
+    # lr_schedule=cosine: the factor at the end of the last epoch; flatcosine: the factor
+    # from lr_no_aug_epochs before the end on (DEIM's lr_gamma, 0.5).
     lr_min_ratio: float = 0.0
+    # lr_schedule=flatcosine: the last epochs at lr_min_ratio (DEIM's no_aug_epoch).
+    lr_no_aug_epochs: float = 0.0
     # Images per process and micro-batch.
     batch_size: int = 2
     # Micro-batches per optimizer step (gradient accumulation): a step sees
@@ -411,6 +418,13 @@ class TrainConfig:
             raise ConfigError(
                 f"train.lr_flat_epochs={self.lr_flat_epochs:g} leaves no epoch of train.epochs="
                 f"{self.epochs} for the cosine decay; lower it")
+        at_least("train.lr_no_aug_epochs", self.lr_no_aug_epochs, 0)
+        if self.lr_schedule == "flatcosine" and (
+                self.lr_flat_epochs + self.lr_no_aug_epochs >= self.epochs):
+            raise ConfigError(
+                f"train.lr_flat_epochs={self.lr_flat_epochs:g} + train.lr_no_aug_epochs="
+                f"{self.lr_no_aug_epochs:g} leave no epoch of train.epochs={self.epochs} for "
+                "the cosine decay; lower them")
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise ConfigError(f"train.lr_min_ratio is a factor of the lr in [0, 1], got "
                               f"{self.lr_min_ratio!r}")

@@ -222,9 +222,41 @@ def schedule_factor(cfg: TrainConfig, epoch: int, batch_in_epoch: int, steps_per
             progress = min((t - flat) / (cfg.epochs - flat), 1.0)
             ratio = cfg.lr_min_ratio
             factor = ratio + (1.0 - ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif cfg.lr_schedule == "flatcosine":
+        return flat_cosine_factor(cfg, steps_per_epoch, iteration)
     else:  # the config refuses other names
         raise ValueError(f"train.lr_schedule {cfg.lr_schedule!r}")
     return factor * warmup_factor(iteration, cfg.warmup_iters)
+
+
+def flat_cosine_factor(cfg: TrainConfig, steps_per_epoch: int, iteration: int) -> float:
+    """DEIM's FlatCosine (``engine/optim/lr_scheduler.py`` of the published code), as its
+    training loop applies it: after optimizer step ``i`` (0-based, counted over the run)
+    the lr becomes ``f(i)`` for the next step, and the first step runs at the base lr
+    (nothing has set it yet). With ``w`` = ``warmup_iters``, ``F`` = ``lr_flat_epochs``,
+    ``N`` = ``lr_no_aug_epochs`` and ``T`` = ``epochs`` in steps (each rounded down, as
+    published), ``r`` = ``lr_min_ratio``::
+
+        f(i) = (i / w)^2                   i <= w
+             = 1                           w < i <= F
+             = r                           i >= T - N
+             = r + (1 - r) (1 + cos(pi (i - F) / (T - F - N))) / 2   otherwise
+    """
+    if iteration == 0:
+        return 1.0
+    i = iteration - 1
+    total = int(steps_per_epoch * cfg.epochs)
+    flat = int(steps_per_epoch * cfg.lr_flat_epochs)
+    no_aug = int(steps_per_epoch * cfg.lr_no_aug_epochs)
+    warmup, ratio = cfg.warmup_iters, cfg.lr_min_ratio
+    if warmup > 0 and i <= warmup:
+        return (i / warmup) ** 2
+    if i <= flat:
+        return 1.0
+    if i >= total - no_aug:
+        return ratio
+    cosine = 0.5 * (1.0 + math.cos(math.pi * (i - flat) / (total - flat - no_aug)))
+    return ratio + (1.0 - ratio) * cosine
 
 
 def build_lr_scheduler(
