@@ -86,10 +86,13 @@ def build_rtdetr_criterion(model_cfg: RTDETRModelConfig, loss_cfg: RTDETRLossCon
                                     loss_cfg.focal_alpha, loss_cfg.focal_gamma)
     num_aux = model_cfg.dec_layers if model_cfg.aux_loss else 0  # layers but the last + proposals
     num_dn = model_cfg.dec_layers if model_cfg.aux_loss and model_cfg.num_denoising > 0 else 0
-    weights = rtdetr_weight_dict(loss_cfg.vfl_weight, loss_cfg.bbox_weight,
-                                 loss_cfg.giou_weight, num_aux, num_dn)
+    mal = loss_cfg.classification == "mal"
+    weights = rtdetr_weight_dict(loss_cfg.mal_weight if mal else loss_cfg.vfl_weight,
+                                 loss_cfg.bbox_weight, loss_cfg.giou_weight, num_aux, num_dn,
+                                 loss_cfg.classification)
     return RTDETRCriterion(model_cfg.num_classes, matcher, weights, loss_cfg.vfl_alpha,
-                           loss_cfg.vfl_gamma)
+                           loss_cfg.vfl_gamma, loss_cfg.classification, loss_cfg.mal_gamma,
+                           loss_cfg.mal_alpha)
 
 
 def build_postprocessor(model_cfg: RTDETRModelConfig, categories: Iterable[int] | None = None,

@@ -24,6 +24,8 @@ from detr_irpe.models.hgnetv2 import HGNETV2_SIZES
 from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
 from detr_irpe.models.rtdetr.presnet import DEPTHS, VARIANTS
 
+# loss.classification: RT-DETR's varifocal loss or DEIM's matchability-aware loss
+CLASSIFICATION_LOSSES = ("vfl", "mal")
 # model.backbone: the published ResNet-vd, or an HGNetv2 of timm
 BACKBONES = ("presnet", *(f"hgnetv2_{size}" for size in HGNETV2_SIZES))
 
@@ -237,8 +239,17 @@ class RTDETRLossConfig(LossConfig):
 
     FAMILY: ClassVar[str] = "rtdetr"
 
+    # The classification loss: "vfl" (RT-DETR's varifocal loss, term loss_vfl) or "mal"
+    # (DEIM's matchability-aware loss, term loss_mal: IoU ** mal_gamma targets, negatives
+    # weighted by their score ** mal_gamma; docs/rtdetr.md).
+    classification: str = "vfl"
     # Weight of the varifocal classification loss.
     vfl_weight: float = 1.0
+    # classification=mal: the weight of loss_mal, its exponent and an optional weight of
+    # the negatives (null: none, DEIM's default).
+    mal_weight: float = 1.0
+    mal_gamma: float = 1.5
+    mal_alpha: float | None = None
     # Weight of the L1 box loss.
     bbox_weight: float = 5.0
     # Weight of the generalised-IoU loss.
@@ -266,8 +277,14 @@ class RTDETRLossConfig(LossConfig):
         def key(name: str) -> str:
             return f"{prefix}.{name}" if prefix else name
 
-        for name in ("vfl_weight", "bbox_weight", "giou_weight", "cost_class", "cost_bbox",
-                     "cost_giou"):
+        if self.classification not in CLASSIFICATION_LOSSES:
+            _fail(key("classification"), self.classification,
+                  f"must be one of {', '.join(CLASSIFICATION_LOSSES)}")
+        _float_in(key("mal_gamma"), self.mal_gamma, 0.0, 100.0)
+        if self.mal_alpha is not None:
+            _float_in(key("mal_alpha"), self.mal_alpha, 0.0, 1.0)
+        for name in ("vfl_weight", "mal_weight", "bbox_weight", "giou_weight", "cost_class",
+                     "cost_bbox", "cost_giou"):
             _float_in(key(name), getattr(self, name), 0.0, 1e6)
         for name in ("vfl_alpha", "focal_alpha"):
             _float_in(key(name), getattr(self, name), 0.0, 1.0)
