@@ -285,10 +285,11 @@ def _any_family_check(section: str, values: Mapping[str, Any], prefix: str) -> N
     """A ``model`` / ``loss`` layer that names no family: each key is checked with the
     first family that has it (the merged config is checked against its own family)."""
     classes = [{"model": f.model_config, "loss": f.loss_config}[section] for f in families()]
+    default = _family_classes(DEFAULT_FAMILY)[section]
     for key, value in values.items():
         owner = next((c for c in classes if key in _keys(c)), None)
-        if owner is None:
-            raise _unknown(classes[0], [key], prefix)
+        if owner is None:  # named with the family a config without model.family has
+            raise _unknown(default, [key], prefix)
         _check_values(owner, {key: value}, prefix)
 
 
@@ -553,7 +554,8 @@ def config_from_dict(
     for text in overrides:
         where = f"--set {text}"
         update = _legacy_family(_override_layer(text), where)
-        _check_layer(update, where, family_name_of(data))
+        # a config that names no family is of the default one
+        _check_layer(update, where, family_name_of(data) or DEFAULT_FAMILY)
         data = merge_dicts(_rebased(data, update), update)
     family = get_family(family_name_of(data) or DEFAULT_FAMILY)
     if family_name_of(data) != family.name:  # an alias, or no family given
@@ -571,7 +573,13 @@ def load_config(name_or_path: str | Path | None = None, overrides: Iterable[str]
     if name_or_path is None:
         return config_from_dict({}, overrides)
     path = resolve_config_path(name_or_path)
-    data = read_yaml_with_base(path, check=lambda layer, where: _check_layer(_legacy_family(layer, str(where)), str(where)))
+
+    def check(layer: dict[str, Any], where: Path) -> None:
+        # the modules a file names register what its sections use (a plugin family's keys)
+        import_modules(_plugin_names(layer))
+        _check_layer(_legacy_family(layer, str(where)), str(where))
+
+    data = read_yaml_with_base(path, check=check)
     return config_from_dict(data, overrides, source=str(path.resolve()))
 
 

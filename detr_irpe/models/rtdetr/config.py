@@ -245,10 +245,11 @@ class RTDETRLossConfig(LossConfig):
     classification: str = "vfl"
     # Weight of the varifocal classification loss.
     vfl_weight: float = 1.0
-    # classification=mal: the weight of loss_mal, its exponent and an optional weight of
-    # the negatives (null: none, DEIM's default).
+    # classification=mal: the weight of loss_mal (DEIM: 1).
     mal_weight: float = 1.0
+    # classification=mal: the exponent of the IoU targets and of the negatives' weights.
     mal_gamma: float = 1.5
+    # classification=mal: a weight of the negatives (null: none, DEIM's default).
     mal_alpha: float | None = None
     # Weight of the L1 box loss.
     bbox_weight: float = 5.0

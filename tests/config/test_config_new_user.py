@@ -1,0 +1,35 @@
+"""Defects a new user met (issue 42): the unknown-key error names the config's own family, and a
+config file may use a plugin family it imports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+from detr_irpe.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("name", ["detr_irpe_tiny", "detr_r50"])
+def test_the_unknown_key_error_names_the_config_s_family(name: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(name, ["model.rpee=none"])
+    message = str(err.value)
+    assert "of model.family=detr:" in message and "pre_norm" in message
+    assert "did you mean model.rpe?" in message and "\n" not in message
+
+
+def test_a_config_file_names_a_plugin_family_it_imports(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "plugins"))
+    config = tmp_path / "toy.yaml"
+    config.write_text("_base_: synthetic_tiny\nmodel:\n  import: [toy_family]\n  family: toy\n"
+                      "  grid: 3\n")
+    cfg = load_config(config)
+    assert cfg.model.family == "toy" and cfg.model.grid == 3
+    config.write_text("_base_: synthetic_tiny\nmodel:\n  import: [toy_family]\n  family: toy\n"
+                      "  gird: 3\n")
+    with pytest.raises(ConfigError, match=r"model\.gird \(did you mean model\.grid\?\).*"
+                                          r"model\.family=toy"):
+        load_config(config)
