@@ -258,11 +258,18 @@ def _refusal(state: Mapping[str, Tensor], cfg: Any, family: DetectorFamily) -> s
 
 
 def check_position_and_backbone(model: Any) -> str | None:
-    """Refusals both DETR-like families share: the encoding and a dilated small ResNet."""
+    """Refusals both DETR-like families share: the encoding, a ResNet cut short
+    (``model.backbone_stages``) and a dilated small ResNet."""
     if model.place("encoder").absolute != SINE.name:
         return (
             f"model.position_embedding={model.position_embedding} cannot be written for Hugging "
             "Face: only the sine encoding converts"
+        )
+    if model.backbone_stages != 4:
+        return (
+            f"model.backbone_stages={model.backbone_stages} cannot be written for Hugging "
+            f"Face: transformers builds every stage of the ResNet (its config names the whole "
+            f"{model.backbone}, and its input projection reads the last stage's channels)"
         )
     if model.dilation and model.backbone in ("resnet18", "resnet34"):
         return (

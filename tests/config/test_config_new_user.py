@@ -33,3 +33,20 @@ def test_a_config_file_names_a_plugin_family_it_imports(tmp_path: Path,
     with pytest.raises(ConfigError, match=r"model\.gird \(did you mean model\.grid\?\).*"
                                           r"model\.family=toy"):
         load_config(config)
+
+
+def test_hf_refuses_a_resnet_cut_short(tmp_path: Path) -> None:
+    """detr_irpe_tiny (backbone_stages 3) is refused by --to hf in one line, instead of
+    writing a folder transformers cannot load."""
+    from detr_irpe.checkpoint.hf_folder import write_hf_folder
+    from detr_irpe.errors import CheckpointError
+    from detr_irpe.models import build_model
+
+    cfg = load_config("detr_irpe_tiny", ["model.rpe=none", "model.num_classes=3",
+                                         "model.backbone_weights=none"])
+    assert cfg.model.backbone_stages == 3
+    model = build_model(cfg, load_backbone_weights=False)[0]
+    with pytest.raises(CheckpointError, match=r"model\.backbone_stages=3 cannot be written") \
+            as err:
+        write_hf_folder(model.state_dict(), cfg, tmp_path / "hf")
+    assert "\n" not in str(err.value) and not (tmp_path / "hf").exists()
