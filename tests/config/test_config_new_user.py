@@ -50,3 +50,15 @@ def test_hf_refuses_a_resnet_cut_short(tmp_path: Path) -> None:
             as err:
         write_hf_folder(model.state_dict(), cfg, tmp_path / "hf")
     assert "\n" not in str(err.value) and not (tmp_path / "hf").exists()
+
+
+def test_square_batch_recipes_are_checked_at_their_own_sizes() -> None:
+    """data.augmentation: rtdetr reads train_size / eval_size / batch_scales, not DETR's
+    max_size: 512 images of 64 px fit, a 100000 px square is refused naming its key."""
+    cfg = load_config("rtdetr_tiny", ["train.batch_size=512"])
+    assert cfg.train.batch_size == 512
+    for key in ("data.train_size", "data.eval_size"):
+        with pytest.raises(ConfigError, match=rf"{key}=100000: one forward pass of a batch of "
+                                              r"squares .* lower " + key) as err:
+            load_config("rtdetr_tiny", [f"{key}=100000"])
+        assert "\n" not in str(err.value)
