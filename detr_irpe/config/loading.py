@@ -32,7 +32,7 @@ from detr_irpe.config.plugins import import_modules
 from detr_irpe.config.schema import Config, import_names
 from detr_irpe.encodings.config import normalize_model_dict, rebase_encodings
 from detr_irpe.errors import ConfigError
-from detr_irpe.family import DEFAULT_FAMILY, families, get_family
+from detr_irpe.family import DEFAULT_FAMILY, families, family_names, get_family
 from detr_irpe.utils.files import atomic_write_text
 
 __all__ = [
@@ -191,12 +191,14 @@ def upgrade_config_dict(values: Mapping[str, Any]) -> dict[str, Any]:
         return dict(values)
 
 
-def _rebased(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
+def _rebased(base: Mapping[str, Any], layer: Mapping[str, Any], where: str | None = None
+             ) -> dict[str, Any]:
     """``base`` as the base of ``layer``: the later word on the encodings wins whichever
     form each uses (``model.encodings`` or its shorthands: :func:`rebase_encodings`); when
     ``layer`` names another family than ``base``, the keys of ``base``'s model / loss
     sections that ``layer``'s family lacks are left out (a DAB-DETR config may start from
-    a DETR one)."""
+    a DETR one), with a warning naming them when ``where`` says which layer did it (an
+    override that changes a config's family)."""
     out = dict(base)
     if isinstance(out.get("model"), Mapping) and isinstance(layer.get("model"), Mapping):
         out["model"] = rebase_encodings(out["model"], layer["model"])
@@ -206,11 +208,19 @@ def _rebased(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any
     classes = _family_classes(family)
     if classes is None:
         return out
+    dropped = []
     for section in FAMILY_SECTIONS:
         if isinstance(out.get(section), Mapping):
             ours = _keys(classes[section])
+            dropped += [f"{section}.{k}" for k in out[section]
+                        if k not in ours and k != LEGACY_FAMILY_KEY]
             out[section] = {k: v for k, v in out[section].items()
                             if k in ours or k == LEGACY_FAMILY_KEY}
+    if dropped and where is not None:
+        logger.warning("%s: model.family=%s over a config of model.family=%s leaves out its "
+                       "%d key(s) the new family does not have: %s", where, family,
+                       family_name_of(base) or DEFAULT_FAMILY, len(dropped),
+                       ", ".join(dropped[:8]) + (", ..." if len(dropped) > 8 else ""))
     return out
 
 
@@ -556,7 +566,12 @@ def config_from_dict(
         update = _legacy_family(_override_layer(text), where)
         # a config that names no family is of the default one
         _check_layer(update, where, family_name_of(data) or DEFAULT_FAMILY)
-        data = merge_dicts(_rebased(data, update), update)
+        data = merge_dicts(_rebased(data, update, where), update)
+    named = data.get("model", {}).get("family") if isinstance(data.get("model"), Mapping) \
+        else None
+    if named is not None and (not isinstance(named, str) or not named.strip()):
+        raise ConfigError(f"model.family must name a detector family ({', '.join(family_names())}"
+                          f"), got {named!r}")
     family = get_family(family_name_of(data) or DEFAULT_FAMILY)
     if family_name_of(data) != family.name:  # an alias, or no family given
         data = merge_dicts(data, {"model": {"family": family.name}})

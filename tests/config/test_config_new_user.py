@@ -62,3 +62,20 @@ def test_square_batch_recipes_are_checked_at_their_own_sizes() -> None:
                                               r"squares .* lower " + key) as err:
             load_config("rtdetr_tiny", [f"{key}=100000"])
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["''", "5"])
+def test_a_family_that_names_none_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"model\.family must name a detector family "
+                                          r"\(dab, detr, rtdetr"):
+        load_config("detr_irpe_tiny", [f"model.family={value}"])
+
+
+def test_changing_the_family_by_override_warns_what_it_drops(caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="detr_irpe.config.loading"):
+        cfg = load_config("rtdetr_tiny", ["model.family=dab"])
+    assert cfg.model.family == "dab"
+    assert "model.family=dab over a config of model.family=rtdetr leaves out its" in caplog.text
+    assert "model.depth" in caplog.text
