@@ -79,3 +79,24 @@ def test_changing_the_family_by_override_warns_what_it_drops(caplog) -> None:
     assert cfg.model.family == "dab"
     assert "model.family=dab over a config of model.family=rtdetr leaves out its" in caplog.text
     assert "model.depth" in caplog.text
+
+
+def test_more_queries_than_proposals_is_one_line_at_the_tools(tmp_path: Path, tiny_dataset,
+                                                              capsys) -> None:
+    import torch
+    from helpers import load_tool
+
+    from detr_irpe.models import build_model
+
+    cfg = load_config("rtdetr_tiny", ["model.num_classes=4", "model.num_queries=50",
+                                      "model.backbone_weights=none"])
+    model = build_model(cfg, load_backbone_weights=False)[0]
+    path = tmp_path / "rt.pth"
+    torch.save({"model": model.state_dict(), "config": cfg.to_dict()}, path)
+    status = load_tool("eval").main([str(path), "--no-progress", "--output-dir",
+                                     str(tmp_path / "eval"), "--sizes", "16", "--set",
+                                     f"data.root={tiny_dataset}"])
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if " INFO " not in line]  # the log lines of the evaluation before the error
+    assert status == 2 and len(err) == 1, err
+    assert "model.num_queries=50 is more than the" in err[0] and "fewer queries" in err[0]

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.dropout import Dropout
 from detr_irpe.models.mlp import MLP
 from detr_irpe.models.rtdetr.deformable import MSDeformableAttention
@@ -236,7 +237,7 @@ class RTDETRDecoder(nn.Module):
         boxes_unact = self.enc_bbox_head(features) + anchors
         if memory.shape[1] < self.num_queries and not torch.compiler.is_exporting():
             sides = " + ".join(f"{h}x{w}" for h, w in shapes)
-            raise ValueError(
+            raise ConfigError(
                 f"model.num_queries={self.num_queries} is more than the {memory.shape[1]} "
                 f"proposals of this input's feature maps ({sides}): give a larger image or "
                 "fewer queries")
