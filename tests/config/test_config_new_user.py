@@ -100,3 +100,21 @@ def test_more_queries_than_proposals_is_one_line_at_the_tools(tmp_path: Path, ti
            if " INFO " not in line]  # the log lines of the evaluation before the error
     assert status == 2 and len(err) == 1, err
     assert "model.num_queries=50 is more than the" in err[0] and "fewer queries" in err[0]
+
+
+def test_an_animated_image_is_read_as_its_first_frame(tmp_path: Path, caplog) -> None:
+    import logging
+
+    import numpy as np
+    from PIL import Image
+
+    from detr_irpe.data.images import read_image
+
+    frames = [Image.fromarray(np.full((48, 64, 3), v, dtype=np.uint8)) for v in (10, 120, 240)]
+    path = tmp_path / "anim.gif"
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=50, loop=0)
+    with caplog.at_level(logging.WARNING):
+        image = read_image(path)
+    assert tuple(image.shape) == (3, 48, 64)
+    assert abs(int(image.float().mean()) - 10) <= 2
+    assert "has 3 frames: its first is used" in caplog.text
