@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 
 from detr_irpe import sizes
@@ -47,10 +48,25 @@ def parse_device(text: str) -> str:
     return value
 
 
+def invoked_as(default: str | None) -> str | None:
+    """The program name a usage line shows: what the user typed (``detr-irpe-eval``, or
+    ``eval.py`` of ``python tools/eval.py``), else ``default`` (``python -m ...``, a test)."""
+    argv0 = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    typed = argv0.name
+    if argv0.parent.resolve() == Path(__file__).resolve().parent:  # python -m detr_irpe.cli.X
+        return default
+    if typed.startswith("detr-irpe-") or (typed.endswith(".py") and typed != "__main__.py"
+                                          and not typed.startswith("pytest")):
+        return typed
+    return default
+
+
 def new_parser(doc: str | None, prog: str | None = None) -> argparse.ArgumentParser:
-    """An argument parser whose help shows the module docstring as written."""
+    """An argument parser whose help shows the module docstring as written; its usage line
+    names the program as the user typed it (:func:`invoked_as`, ``prog`` otherwise)."""
     return argparse.ArgumentParser(
-        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=invoked_as(prog), description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter
     )
 
 

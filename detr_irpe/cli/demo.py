@@ -47,7 +47,7 @@ DEFAULT_STEPS = 3000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = new_parser(__doc__, prog="demo")
+    parser = new_parser(__doc__, prog="demo.py")
     add_config_arguments(parser, config_help=f"config (default: {DEFAULT_CONFIG})")
     parser.set_defaults(config=DEFAULT_CONFIG)
     parser.add_argument("--data", type=Path, default=DATA_DIR,

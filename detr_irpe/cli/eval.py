@@ -50,7 +50,7 @@ from detr_irpe.cli.args import (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = new_parser(__doc__, prog="eval.py")
+    parser = new_parser(__doc__, prog="detr-irpe-eval")
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a .pth or .safetensors file, a Hugging Face save_pretrained "
                              "folder, a published name (detr_r50, ...) or an http(s) address")

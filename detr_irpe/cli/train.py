@@ -78,7 +78,7 @@ from detr_irpe.cli.args import (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = new_parser(__doc__, prog="train.py")
+    parser = new_parser(__doc__, prog="detr-irpe-train")
     add_config_arguments(parser, required=True)
     add_device_argument(parser, default=None)
     parser.add_argument("--resume", metavar="PATH|NAME|URL",

@@ -118,3 +118,17 @@ def test_an_animated_image_is_read_as_its_first_frame(tmp_path: Path, caplog) ->
     assert tuple(image.shape) == (3, 48, 64)
     assert abs(int(image.float().mean()) - 10) <= 2
     assert "has 3 frames: its first is used" in caplog.text
+
+
+def test_usage_lines_name_the_program_as_typed() -> None:
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "detr-irpe-eval"
+    runs = [([sys.executable, str(ROOT / "tools" / "eval.py"), "--help"], "usage: eval.py "),
+            ([sys.executable, "-m", "detr_irpe.cli.eval", "--help"], "usage: detr-irpe-eval ")]
+    if script.is_file():  # the installed console script (make test installs it)
+        runs.append(([str(script), "--help"], "usage: detr-irpe-eval "))
+    for command, usage in runs:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0 and out.stdout.startswith(usage), (command, out.stdout[:80])
