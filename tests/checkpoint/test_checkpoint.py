@@ -438,8 +438,9 @@ def test_hugging_face_files_read_in_project_layout(tmp_path: Path, layout: str) 
 
 def test_convert_tool_to_hugging_face(tmp_path: Path, capsys) -> None:
     pytest.importorskip("safetensors")
-    plain = tiny("model.rpe=none")
-    cfg = tiny_cfg("model.rpe=none")
+    # all four ResNet stages: transformers' DETR cannot hold a ResNet cut short
+    plain = tiny("model.rpe=none", "model.backbone_stages=4")
+    cfg = tiny_cfg("model.rpe=none", "model.backbone_stages=4")
     own = tmp_path / "own.pth"
     torch.save({"format": "detr_irpe", "model": plain.state_dict(), "config": cfg.to_dict()}, own)
     assert convert_main([str(own), str(tmp_path / "hf"), "--to", "hf"]) == 0
