@@ -121,7 +121,7 @@ def _read_json(ann_file: Path, required: tuple[str, ...] = REQUIRED_TOP_LEVEL) -
     if not ann_file.is_file():
         raise DatasetError(
             f"annotation file {ann_file} not found (see datasets/README.md for the layout, or "
-            f"generate the synthetic dataset with datasets/make_synthetic.py)"
+            f"generate the synthetic dataset with detr-irpe-synthetic)"
         )
     try:
         data = json.loads(ann_file.read_bytes())
