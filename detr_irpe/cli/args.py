@@ -157,8 +157,10 @@ def add_sizes_argument(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--sizes", nargs="+", default=None, metavar="S|HxW",
         help=f"{what} at each test size: S resizes the shorter side to S (the longer side "
-             "capped at data.max_size * S / data.val_size), HxW (e.g. 640x1280: HEIGHTxWIDTH) "
-             "to exactly that shape; writes sizes.md, sizes.json and sizes.png",
+             "capped at data.max_size * S / data.val_size), or to S x S where the config "
+             "evaluates on squares (data.augmentation rtdetr: RT-DETR, which pads a side to "
+             "a multiple of 32 inside the model); HxW (e.g. 640x1280: HEIGHTxWIDTH) to exactly "
+             "that shape; writes sizes.md, sizes.json and sizes.png",
     )
 
 
