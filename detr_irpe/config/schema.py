@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from detr_irpe import sizes
 from detr_irpe.config.checks import (
     at_least,
     check_category_ids,
@@ -260,6 +261,17 @@ class DataConfig:
             raise ConfigError(f"data.crop_size must be [min, max], got {self.crop_size}")
         for key in ("max_size", "val_size", "train_size", "eval_size", "max_image_pixels"):
             positive(f"data.{key}", getattr(self, key))
+        # below a detector's smallest input the resize or the backbone fails far from here
+        low = sizes.EVAL_SIDE_RANGE[0]
+        for key in ("train_size", "eval_size", "val_size"):
+            if getattr(self, key) < low:
+                raise ConfigError(f"data.{key}={getattr(self, key)} is below the smallest input "
+                                  f"side a detector here reads ({low} px); raise it")
+        for key in ("train_scales", "batch_scales"):
+            small = [v for v in getattr(self, key) if v < low]
+            if small:
+                raise ConfigError(f"data.{key} holds {small[0]}, below the smallest input side a "
+                                  f"detector here reads ({low} px)")
         at_least("data.num_workers", self.num_workers, 0)
 
 

@@ -153,3 +153,11 @@ def test_the_synthetic_data_console_script(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "detr_irpe.data.synthetic"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "detr-irpe-synthetic" in out.stderr
+
+
+@pytest.mark.parametrize("override", ["data.train_size=1", "data.eval_size=8",
+                                      "data.val_size=3", "data.train_scales=[64, 4]"])
+def test_input_sides_below_a_detector_s_smallest_are_refused(override: str) -> None:
+    with pytest.raises(ConfigError, match=r"below the smallest input side a detector here "
+                                          r"reads \(16 px\)"):
+        load_config("rtdetr_tiny" if "size" in override else "detr_irpe_tiny", [override])
