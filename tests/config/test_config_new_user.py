@@ -161,3 +161,31 @@ def test_input_sides_below_a_detector_s_smallest_are_refused(override: str) -> N
     with pytest.raises(ConfigError, match=r"below the smallest input side a detector here "
                                           r"reads \(16 px\)"):
         load_config("rtdetr_tiny" if "size" in override else "detr_irpe_tiny", [override])
+
+
+def test_images_of_extreme_shapes_are_dropped_and_counted(tmp_path: Path, caplog) -> None:
+    """1 x 1, 2 x 3, 4000 x 20 and 20 x 4000 images: dropped with one warning each
+    (extreme_image_shape), the usual ones kept."""
+    import json
+    import logging
+
+    import numpy as np
+    from PIL import Image
+
+    from detr_irpe.data.coco import load_coco_annotations
+
+    images, annotations = [], []
+    shapes = [(1, 1), (2, 3), (4000, 20), (20, 4000), (64, 48), (200, 10)]
+    for i, (w, h) in enumerate(shapes, start=1):
+        Image.fromarray(np.zeros((h, w, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        images.append({"id": i, "file_name": f"{i}.png", "width": w, "height": h})
+        annotations.append({"id": i, "image_id": i, "category_id": 1, "iscrowd": 0,
+                            "bbox": [0, 0, min(w, 1), min(h, 1)], "area": 1})
+    ann = tmp_path / "ann.json"
+    ann.write_text(json.dumps({"images": images, "annotations": annotations,
+                               "categories": [{"id": 1, "name": "thing"}]}))
+    with caplog.at_level(logging.WARNING):
+        coco = load_coco_annotations(ann, tmp_path)
+    assert sorted(coco.imgs) == [5, 6]  # 200 x 10: 20 times apart, kept
+    assert caplog.text.count("extreme_image_shape") + caplog.text.count(
+        "leaves nothing") + caplog.text.count("leave nothing") >= 4
