@@ -60,6 +60,17 @@ def rtdetr_weight_dict(vfl: float, bbox: float, giou: float, num_aux: int,
     return weights
 
 
+def _weighted_bce_sum(logits: Tensor, target_score: Tensor, onehot: Tensor,
+                      weight_and_target) -> Tensor:
+    """Binary cross-entropy summed over every entry, in float32 (outside autocast), with
+    ``(weight, target) = weight_and_target(detached probability, IoU target, onehot)``."""
+    with torch.autocast(device_type=logits.device.type, enabled=False):
+        logits, target_score, onehot = logits.float(), target_score.float(), onehot.float()
+        weight, target = weight_and_target(logits.detach().sigmoid(), target_score, onehot)
+        return F.binary_cross_entropy_with_logits(logits, target, weight=weight,
+                                                  reduction="sum")
+
+
 def varifocal_loss(logits: Tensor, target_score: Tensor, onehot: Tensor, alpha: float,
                    gamma: float) -> Tensor:
     """Sum over every entry of the IoU-aware varifocal loss (module docstring), float32.
@@ -69,12 +80,8 @@ def varifocal_loss(logits: Tensor, target_score: Tensor, onehot: Tensor, alpha: 
         target_score: ``(B, Q, C)`` IoU at the matched class, else 0.
         onehot: ``(B, Q, C)`` 1 at the matched class, else 0.
     """
-    with torch.autocast(device_type=logits.device.type, enabled=False):
-        logits, target_score, onehot = logits.float(), target_score.float(), onehot.float()
-        prob = logits.detach().sigmoid()
-        weight = alpha * prob.pow(gamma) * (1 - onehot) + target_score
-        return F.binary_cross_entropy_with_logits(logits, target_score, weight=weight,
-                                                  reduction="sum")
+    return _weighted_bce_sum(logits, target_score, onehot, lambda p, t, o: (
+        alpha * p.pow(gamma) * (1 - o) + t, t))
 
 
 def matchability_aware_loss(logits: Tensor, target_score: Tensor, onehot: Tensor,
@@ -82,20 +89,12 @@ def matchability_aware_loss(logits: Tensor, target_score: Tensor, onehot: Tensor
     """Sum over every entry of DEIM's matchability-aware loss (Huang et al., CVPR 2025,
     Eq. 5), float32: binary cross-entropy against ``IoU ** gamma`` at the matched class
     (0 elsewhere), the matched entries weighted 1 and the others by their detached score
-    ``sigmoid(logit) ** gamma`` (times ``alpha`` when given).
-
-    Args:
-        logits: ``(B, Q, C)``.
-        target_score: ``(B, Q, C)`` IoU at the matched class, else 0.
-        onehot: ``(B, Q, C)`` 1 at the matched class, else 0.
+    ``sigmoid(logit) ** gamma`` (times ``alpha`` when given). Arguments as
+    :func:`varifocal_loss`'s.
     """
-    with torch.autocast(device_type=logits.device.type, enabled=False):
-        logits, target_score, onehot = logits.float(), target_score.float(), onehot.float()
-        prob = logits.detach().sigmoid()
-        negatives = prob.pow(gamma) * (1 - onehot)
-        weight = (negatives if alpha is None else alpha * negatives) + onehot
-        return F.binary_cross_entropy_with_logits(logits, target_score.pow(gamma),
-                                                  weight=weight, reduction="sum")
+    scale = 1.0 if alpha is None else alpha
+    return _weighted_bce_sum(logits, target_score, onehot, lambda p, t, o: (
+        scale * p.pow(gamma) * (1 - o) + o, t.pow(gamma)))
 
 
 class RTDETRCriterion(nn.Module):
