@@ -863,8 +863,14 @@ def run_training(
         # One run per folder, and a writable one: checked before anything is built.
         lock = lock_run_folder(cfg.train.output_dir, info.is_main)
         with lost_rank_as_error(info):
-            return _run_training(cfg, info, resume, finetune, progress, lock, max_steps,
-                                 hooks)
+            result = _run_training(cfg, info, resume, finetune, progress, lock, max_steps,
+                                   hooks)
+            if info.distributed:
+                # every rank leaves together: one that tears its process group down while
+                # rank 0 still writes its last outputs can abort in gloo (seen on 2 busy
+                # cores: "terminate called without an active exception")
+                torch.distributed.barrier()
+            return result
     finally:
         if lock is not None:
             lock.release()
