@@ -97,8 +97,23 @@ class OnnxRuntimeModel:
         self.checked = False
 
     def _run(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        """The graph on ``images``; a graph made for sides that are multiples of a stride
+        (RT-DETR's: 32) gets the images padded at the bottom / right to one, and its boxes
+        are rescaled to the unpadded image, as the PyTorch model does itself."""
+        height, width = images.shape[-2:]
+        stride = getattr(self._wrapper, "stride", None)
+        pad_h, pad_w = (-height % stride, -width % stride) if stride else (0, 0)
+        if pad_h or pad_w:
+            value = self._wrapper.padding_value().to(images.dtype).view(1, 3, 1, 1)
+            padded = value.expand(images.shape[0], 3, height + pad_h, width + pad_w).clone()
+            padded[..., :height, :width] = images
+            images = padded
         logits, boxes = self.session.run(None, {self._input: images.detach().cpu().numpy()})
-        return torch.from_numpy(logits), torch.from_numpy(boxes)
+        logits, boxes = torch.from_numpy(logits), torch.from_numpy(boxes)
+        if pad_h or pad_w:
+            scale = torch.tensor([(width + pad_w) / width, (height + pad_h) / height] * 2)
+            boxes = boxes * scale
+        return logits, boxes
 
     def _check(self, images: Tensor, got: tuple[Tensor, Tensor]) -> None:
         with torch.no_grad():

@@ -140,3 +140,20 @@ def test_eval_tool_with_the_fused_and_onnxruntime_runtimes(tmp_path: Path, tiny_
         assert stats[runtime]["bbox"]["stats"] == pytest.approx(
             stats["pytorch"]["bbox"]["stats"], abs=1e-3), runtime
     assert stats["pytorch"]["losses"] and not stats["onnxruntime"]["losses"]
+
+
+@pytest.mark.slow  # one export (~15 s)
+def test_onnxruntime_pads_rtdetr_inputs_to_its_stride(tmp_path: Path, monkeypatch) -> None:
+    """The dynamic RT-DETR graph takes sides that are multiples of 32: the runtime pads an
+    80 x 80 input (as the PyTorch model pads it) and rescales the boxes, so its outputs are
+    the model's."""
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setenv("DETR_IRPE_CACHE", str(tmp_path / "cache"))
+    base = Predictor.from_checkpoint(_checkpoint(tmp_path, "rtdetr"), device="cpu")
+    runtime = OnnxRuntimeModel(base.model)
+    image = torch.rand(3, 80, 80)
+    with torch.no_grad():
+        want = base.model([image])
+    got = runtime([image])
+    for key in ("pred_logits", "pred_boxes"):
+        torch.testing.assert_close(got[key], want[key], atol=2e-4, rtol=1e-4)
