@@ -101,7 +101,9 @@ class OnnxRuntimeModel:
         (RT-DETR's: 32) gets the images padded at the bottom / right to one, and its boxes
         are rescaled to the unpadded image, as the PyTorch model does itself."""
         height, width = images.shape[-2:]
-        stride = getattr(self._wrapper, "stride", None)
+        # a graph whose sides must be multiples of its stride says how to pad to one
+        stride = getattr(self._wrapper, "stride", None) if hasattr(
+            self._wrapper, "padding_value") else None
         pad_h, pad_w = (-height % stride, -width % stride) if stride else (0, 0)
         if pad_h or pad_w:
             value = self._wrapper.padding_value().to(images.dtype).view(1, 3, 1, 1)
