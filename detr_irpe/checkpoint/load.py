@@ -19,6 +19,7 @@ Rules (:func:`load_state`):
   (RoPE-Axial and the sine encoding; the tools that build a model from a checkpoint
   refuse the difference, :mod:`~detr_irpe.checkpoint.saved_config`);
 - ``num_batches_tracked`` of a trainable-BN checkpoint: dropped;
+- a tensor with NaN or infinite values: error naming the file and the tensor;
 - any other missing, unexpected or mis-shaped key: error. Every error names the file,
   the first keys of each kind and the config keys that explain the difference
   (``model.hidden_dim: checkpoint 256, model 128``).
@@ -296,6 +297,12 @@ def load_state(
     path = meta.get("path")
     target = model.state_dict()
     state = dict(state)
+    broken = next((k for k, v in state.items() if isinstance(v, Tensor)
+                   and v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if broken is not None:
+        raise CheckpointError(f"checkpoint {path}: {broken} holds NaN or infinite values; "
+                              "these weights cannot make predictions (a diverged run, or a "
+                              "damaged file)")
     dropped = _drop_bn_counters(state, target)
     missing = _missing_encoding_parameters(state, target, path)
     reinitialized, last_rows = _take_off_class_head(state, target, path, strict_head)

@@ -189,3 +189,20 @@ def test_images_of_extreme_shapes_are_dropped_and_counted(tmp_path: Path, caplog
     assert sorted(coco.imgs) == [5, 6]  # 200 x 10: 20 times apart, kept
     assert caplog.text.count("extreme_image_shape") + caplog.text.count(
         "leaves nothing") + caplog.text.count("leave nothing") >= 4
+
+
+def test_non_finite_weights_are_one_line_naming_the_tensor(tmp_path: Path) -> None:
+    import torch
+
+    from detr_irpe.errors import CheckpointError
+    from detr_irpe.models import build_model, model_from_checkpoint
+
+    cfg = load_config("detr_irpe_tiny", ["model.num_classes=3", "model.backbone_weights=none"])
+    state = build_model(cfg, load_backbone_weights=False)[0].state_dict()
+    state["class_embed.weight"][0, 0] = float("nan")
+    path = tmp_path / "nan.pth"
+    torch.save({"model": state, "config": cfg.to_dict()}, path)
+    with pytest.raises(CheckpointError, match=r"nan\.pth: class_embed\.weight holds NaN or "
+                                              r"infinite values") as err:
+        model_from_checkpoint(path)
+    assert "\n" not in str(err.value)
