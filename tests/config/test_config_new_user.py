@@ -206,3 +206,18 @@ def test_non_finite_weights_are_one_line_naming_the_tensor(tmp_path: Path) -> No
                                               r"infinite values") as err:
         model_from_checkpoint(path)
     assert "\n" not in str(err.value)
+
+
+def test_drawing_an_extreme_aspect_ratio_stays_small() -> None:
+    """A 1 x 5000 image was enlarged 320 times on both sides (a 512-megapixel figure)."""
+    import torch
+
+    from detr_irpe.visualization.draw import MAX_DRAW_SIDE, draw_detections
+
+    none = {"boxes": torch.zeros(0, 4), "scores": torch.zeros(0), "labels": torch.zeros(0)}
+    drawn = draw_detections(torch.zeros(3, 1, 5000, dtype=torch.uint8), none)
+    assert tuple(drawn.shape[-2:]) == (1, 5000)  # 5000 > MAX_DRAW_SIDE: not enlarged
+    wide = draw_detections(torch.zeros(3, 10, 2000, dtype=torch.uint8), none)
+    assert max(wide.shape[-2:]) <= MAX_DRAW_SIDE and wide.shape[-2] == 20
+    small = draw_detections(torch.zeros(3, 40, 60, dtype=torch.uint8), none)
+    assert tuple(small.shape[-2:]) == (320, 480)  # small images are still enlarged
