@@ -16,71 +16,69 @@ import argparse
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
 from detr_irpe.cli.args import new_parser, setup_tool_logging
-from detr_irpe.data.synthetic import (
-    BACKGROUNDS,
-    DEFAULT_CLASSES,
-    SHAPES,
-    SyntheticSpec,
-    generate_dataset,
-    parse_classes,
-)
+
+# The generator's own choices (detr_irpe.data.synthetic; named here without importing
+# torch, so that --help answers at once: a test keeps them equal).
+SHAPES = ("circle", "square", "triangle", "diamond", "star", "cross", "hexagon", "ring")
+DEFAULT_CLASSES = ("circle", "square", "triangle")
+BACKGROUNDS = ("flat", "noise", "gradient", "stripes")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults = SyntheticSpec()
     parser = new_parser(__doc__, prog="detr-irpe-synthetic")
     parser.add_argument("--out", type=Path, default=Path("datasets/synthetic"),
                         help="output folder (default: %(default)s)")
     parser.add_argument("--num-train", type=int, default=1600,
                         help="training images (%(default)s: the demo's)")
-    parser.add_argument("--num-val", type=int, default=200, help="validation images (%(default)s)")
-    parser.add_argument("--size", type=int, default=defaults.size,
-                        help="image side in pixels (%(default)s)")
+    parser.add_argument("--num-val", type=int, default=200,
+                        help="validation images (%(default)s)")
+    parser.add_argument("--size", type=int, default=None,
+                        help="image side in pixels (default: the generator's)")
     parser.add_argument("--seed", type=int, default=0,
                         help="same seed -> identical files (%(default)s)")
-    parser.add_argument("--min-objects", type=int, default=defaults.min_objects,
-                        help="fewest shapes per image (%(default)s)")
-    parser.add_argument("--max-objects", type=int, default=defaults.max_objects,
-                        help="most shapes per image (%(default)s)")
+    parser.add_argument("--min-objects", type=int, default=None,
+                        help="fewest shapes per image (default: the generator's)")
+    parser.add_argument("--max-objects", type=int, default=None,
+                        help="most shapes per image (default: the generator's)")
     parser.add_argument("--object-size", type=float, nargs=2, metavar=("MIN", "MAX"),
-                        default=list(defaults.object_size),
-                        help="shape side as a fraction of the image side (%(default)s)")
+                        default=None,
+                        help="shape side as a fraction of the image side (default: the "
+                             "generator's)")
     parser.add_argument("--classes", nargs="+", default=list(DEFAULT_CLASSES),
                         help=f"shape classes, ids 1.. in this order, or 'all'; from: "
                              f"{' '.join(SHAPES)} (default: %(default)s)")
     parser.add_argument("--backgrounds", nargs="+", default=list(BACKGROUNDS),
-                        choices=BACKGROUNDS, help="background textures (%(default)s)")
-    parser.add_argument("--min-visible", type=float, default=defaults.min_visible,
+                        choices=BACKGROUNDS, help="background textures (default: all)")
+    parser.add_argument("--min-visible", type=float, default=None,
                         help="fraction of a shape that must stay visible under later ones "
-                             "(lower: more occlusion; %(default)s)")
-    parser.add_argument("--object-noise", type=float, default=defaults.object_noise,
-                        help="std of pixel noise on shapes, 0 = flat colours (%(default)s)")
-    parser.add_argument("--min-contrast", type=float, default=defaults.min_contrast,
-                        help="least RGB distance shape vs background (%(default)s)")
-    parser.add_argument("--jpeg-quality", type=int, default=defaults.jpeg_quality,
-                        help="JPEG quality (%(default)s)")
+                             "(lower: more occlusion; default: the generator's)")
+    parser.add_argument("--object-noise", type=float, default=None,
+                        help="std of pixel noise on shapes, 0 = flat colours (default: the "
+                             "generator's)")
+    parser.add_argument("--min-contrast", type=float, default=None,
+                        help="least RGB distance shape vs background (default: the generator's)")
+    parser.add_argument("--jpeg-quality", type=int, default=None,
+                        help="JPEG quality (default: the generator's)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_tool_logging()
     args = parse_args(argv)
+    setup_tool_logging()
+    # after the arguments: --help and their errors come back without torch
+    from tqdm import tqdm
+
+    from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset, parse_classes
+
+    given = {key: getattr(args, key) for key in (
+        "size", "min_objects", "max_objects", "min_visible", "min_contrast", "object_noise",
+        "jpeg_quality") if getattr(args, key) is not None}
+    if args.object_size is not None:
+        given["object_size"] = tuple(args.object_size)
     try:
-        spec = SyntheticSpec(
-            size=args.size,
-            classes=parse_classes(args.classes),
-            min_objects=args.min_objects,
-            max_objects=args.max_objects,
-            object_size=tuple(args.object_size),
-            min_visible=args.min_visible,
-            backgrounds=tuple(args.backgrounds),
-            min_contrast=args.min_contrast,
-            object_noise=args.object_noise,
-            jpeg_quality=args.jpeg_quality,
-        )
+        spec = SyntheticSpec(classes=parse_classes(args.classes),
+                             backgrounds=tuple(args.backgrounds), **given)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from helpers import ROOT
 
 # Each console script's module (setup.cfg) and the demo's.
 SPLIT = ["train", "eval", "predict", "visualize", "export", "convert", "ablate", "submit",
-         "demo", "benchmark"]
+         "demo", "benchmark", "synthetic"]
 
 _PROBE = """
 import sys
@@ -45,6 +45,14 @@ def test_every_tool_module_is_probed() -> None:
                if "def main(" in p.read_text()}
     # submit_job: what runs on each task of a submitted job (no parser of its own)
     assert modules - {"submit_job"} == set(SPLIT)
+
+
+def test_the_synthetic_tool_names_the_generator_s_choices() -> None:
+    from detr_irpe.cli import synthetic as cli
+    from detr_irpe.data import synthetic
+
+    assert (cli.SHAPES, cli.DEFAULT_CLASSES, cli.BACKGROUNDS) == (
+        synthetic.SHAPES, synthetic.DEFAULT_CLASSES, synthetic.BACKGROUNDS)
 
 
 def test_the_parsers_name_the_librarys_values() -> None:
