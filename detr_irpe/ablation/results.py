@@ -186,7 +186,7 @@ def encoding_parameter_count(cfg: Config) -> int:
 
 def _encodings(cfg: Config) -> str:
     """The model's encodings as the table shows them: the encoder's, then any other
-    place's (``sine + rope-mixed; backbone: learned``)."""
+    place's (``sine + rpe-2.0-product-ctx-1-k; backbone: learned``)."""
     m = cfg.model
     text = m.place("encoder").describe()
     for place in m.encodings:

@@ -4,8 +4,8 @@ iRPE's and against none's, same run, same model).
 
 The rows are ``none`` and the benchmark rows of every encoding of the registry
 (:mod:`detr_irpe.encodings`: ``sine``, the published DETR / RT-DETR; ``irpe``,
-``rpe-2.0-product-ctx-1-k`` without the absolute encoding; ``rope-axial``,
-``rope-mixed``), and any of them joined by ``+`` (``irpe+sine``): the rows of the ablation
+``rpe-2.0-product-ctx-1-k`` without the absolute encoding; the two rotary ones), and any
+of them joined by ``+`` (``irpe+sine``): the rows of the ablation
 grids (``configs/ablations/encodings.yaml``, docs/position_encodings.md). Each is one
 ``model.encodings.encoder`` list, nothing else differs between the rows of a detector.
 
@@ -148,7 +148,7 @@ def run_encoding_step_benchmark(
 
     Returns:
         one dict per row: ``target``, ``config``, ``family``, ``encoding``,
-        ``encodings`` (the encoder's list as built, ``sine + rope-mixed``), ``amp``, ``model`` (``tiny`` / ``full``),
+        ``encodings`` (the encoder's list as built, ``sine + rpe-2.0-product-ctx-1-k``), ``amp``, ``model`` (``tiny`` / ``full``),
         ``batch``, ``image_hw``, ``encoder_tokens`` (L of the encoder's self-attention),
         ``attention_path`` (the path(s) its first layer took in the steps, e.g. ``sdpa``), and the
         timing fields of :meth:`~.model.StepRunner.timing` (``train_step_s``,

@@ -78,8 +78,8 @@ def _shown(found: Any) -> str:
 
 
 def same_setting(key: str, a: Any, b: Any) -> bool:
-    """Whether two values of a shorthand key name the same encoding (``rope-axial`` and
-    ``rope-axial-100`` do)."""
+    """Whether two values of a shorthand key name the same encoding (two spellings of one
+    spec do: a default frequency base written out or left out)."""
     sa, sb = _spec(key, a), _spec(key, b)
     if "unknown" in (sa, sb):
         return a == b
@@ -136,8 +136,8 @@ def model_differences(model: nn.Module, meta: Mapping[str, Any]) -> list[tuple[s
 def exact_shorthand_values(key: str, state: Mapping[str, Tensor], model: nn.Module | None,
                            meta: Mapping[str, Any], shown: tuple[str, str]) -> tuple[str, str]:
     """A shorthand key's ``(checkpoint, model)`` values as exactly as they are known: the
-    saved config's when it agrees with what the weights show (``rope-mixed-5`` for
-    ``rope-mixed``), the built model's."""
+    saved config's when it agrees with what the weights show (a rotary encoding's exact
+    frequency base where its frequencies only show the variant), the built model's."""
     checkpoint, built = shown
     saved = _spec(key, saved_setting(meta, key)) if saved_model_section(meta) else "unknown"
     if saved != "unknown":

@@ -95,8 +95,8 @@ def _head_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
 def architecture(state: Mapping[str, Tensor]) -> dict[str, Any]:
     """The model settings a state dict implies, keyed by their config names: its family,
     then what its family's ``architecture_readers`` read, what it shows of each position
-    encoding (its registry entry's ``state_facts``: the iRPE tables, ``model.rope``
-    ``rope-mixed`` or ``none or rope-axial``, ...) and its class count.
+    encoding (its registry entry's ``state_facts``: the iRPE tables, the rotary
+    frequencies, ...) and its class count.
 
     Settings a state dict does not show (``model.nheads`` without per-head tables,
     ``model.dilation``) are absent; ``model.rpe`` is the ``{table: shape}`` dict of

@@ -137,7 +137,7 @@ class ModelConfig:
         return 1
 
     def encoder_width(self) -> int:
-        """Channels of the tokens the encoder attention (the one ``rpe`` / ``rope`` change)
+        """Channels of the tokens the encoder attention (the one ``encodings.encoder`` changes)
         works on."""
         return self.hidden_dim
 

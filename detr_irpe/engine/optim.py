@@ -46,7 +46,7 @@ def no_decay_names(model: nn.Module) -> set[str]:
 def always_no_decay_names(model: nn.Module) -> set[str]:
     """Names of the parameters that never decay, whatever ``train.no_decay_norm_bias``
     says: those their position encoding says so of (RoPE-Mixed's frequencies: the official
-    rope-vit code lists ``freqs`` among its no-weight-decay parameters; decay would pull
+    code of the rotary encodings lists ``freqs`` among its no-weight-decay parameters; decay would pull
     every rotation towards angle 0)."""
     return no_decay_parameters(model)
 

@@ -4,7 +4,7 @@ encoding adds for a key at offset ``(dy, dx) = key - query``, drawn side by side
 Each encoding computes its own term (its registry entry's ``response``,
 :mod:`detr_irpe.encodings`): iRPE from the module's bucket ids and tables
 (:func:`~detr_irpe.encodings.irpe.irpe_response`), RoPE as the rotated content logit of one
-query / key vector pair (:func:`~detr_irpe.encodings.rope.rope_response`), a plugin's from
+query / key vector pair (its entry's ``response``), a plugin's from
 its own. The query / key vectors ``(h, D)`` are what a caller chooses: e.g. the mean of a
 layer's projected queries over an image; the default is the all-ones vector (a data-free
 view of the encoding). Offsets are shown as in :mod:`.irpe_plots`: the panel cell at

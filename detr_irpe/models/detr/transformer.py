@@ -281,7 +281,7 @@ class Transformer(nn.Module):
         dropout: dropout of attention weights, residual branches and FFN.
         pre_norm: pre-norm layers (adds ``encoder.norm``); default post-norm.
         encodings: the encodings of the encoder self-attention (encoding strings such as
-            ``["rpe-2.0-product-ctx-1-k", "rope-mixed"]`` or a PlaceEncodings; the absolute
+            ``["rpe-2.0-product-ctx-1-k"]`` or a PlaceEncodings; the absolute
             one is added by the caller through ``pos``).
         rpe_init: how the iRPE tables start: ``xavier`` (the reference recipe) or ``zero``.
     """
