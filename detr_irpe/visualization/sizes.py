@@ -55,11 +55,12 @@ def plot_variants_by_size(
     out: str | Path | None,
     title: str | None = None,
     marked: str | None = None,
+    xlabel: str = _SIZE_AXIS,
 ):
     """AP (percent) against the test size, one line per variant: ``variants[name][i]`` is
     the ``(mean, std)`` at ``labels[i]`` (std None: one seed, no bar; None: not measured,
-    left out). ``marked``: the label of the size the runs trained at (a dashed line).
-    Returns the figure."""
+    left out). ``marked``: the label of the size the runs trained at (a dashed line);
+    ``xlabel``: the axis's name (canvas layouts use the same figure). Returns the figure."""
     fig, axes = new_figure(1, 1, panel_size=(max(4.5, 0.9 * len(labels) + 2.5), 3.4))
     ax = axes[0][0]
     positions = list(range(len(labels)))
@@ -72,7 +73,8 @@ def plot_variants_by_size(
     if marked in labels:
         ax.axvline(labels.index(marked), color="grey", linestyle="--", linewidth=1,
                    label="trained size")
-    return _finish(fig, ax, labels, "COCO box AP (%), mean ± std over seeds", title, out)
+    return _finish(fig, ax, labels, "COCO box AP (%), mean ± std over seeds", title, out,
+                   xlabel)
 
 
 __all__ = ["plot_ap_by_size", "plot_variants_by_size"]

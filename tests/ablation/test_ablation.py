@@ -437,6 +437,8 @@ def test_shipped_grids_load() -> None:
             assert grid.base.name == demo_base and grid.launcher == "local"
             # the dataset tools/demo.py generates (README: 1600 + 200 images, seed 0)
             assert grid.synthetic_data == {"num_train": 1600, "num_val": 200, "seed": 0}
+        elif path.stem == "canvases_rtdetr":  # fine-tunes the published R18, SLURM jobs
+            assert grid.base.name == "rtdetr_r18.yaml" and grid.launcher == "slurm"
         else:
             published = "rtdetr_r50.yaml" if path.stem == "encodings_rtdetr" else "detr_r50.yaml"
             assert grid.base.name == published and grid.launcher == "torchrun"
@@ -640,7 +642,7 @@ def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -
     for run in grid.runs:
         run_training(run.config, progress=False)
     assert [_state(run) for run in grid.runs] == [RunState.FINISHED] * len(grid.runs)
-    if grid.eval_sizes:
+    if grid.evaluates_after:
         first = load_grid(name, *args, seeds=grid.seeds[:1])
         report = schedule.evaluate_grid_sizes(first)
         assert report.sizes_done == first.runs and not report.sizes_failed
@@ -650,6 +652,8 @@ def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -
     for row in rows:
         assert row.size_seeds == (1 if grid.eval_sizes else 0)
         assert all(row.size_stats[s.label]["AP"] is not None for s in grid.eval_sizes)
+        assert row.canvas_seeds == (1 if grid.eval_canvases else 0)
+        assert all(row.canvas_stats[c.label]["AP"] is not None for c in grid.eval_canvases)
 
 
 @pytest.mark.parametrize(("name", "overrides"), [
