@@ -400,7 +400,7 @@ def test_axes_times_variants_and_names(tmp_path, tiny_dataset) -> None:
     ({"axes": {"model.rpe": []}}, "non-empty list"),
     ({"variants": [{"name": "a"}, {"name": "a"}]}, "used twice: a"),
     ({"variants": [{"name": "a", "overide": []}]}, r"variants\[0\]: unknown key"),
-    ({"axes": {"model.rpe": ["none"]}, "launcher": "slurm"}, "launcher 'slurm'"),
+    ({"axes": {"model.rpe": ["none"]}, "launcher": "pbs"}, "launcher 'pbs'"),
     ({"axes": {"model.rpe": ["none"]}, "nproc_per_node": 2}, "needs launcher: torchrun"),
     ({"axes": {"model.rpe": ["none"]}, "base": "no_such_config"}, "base:.*not found"),
     ({"axes": {"model.rpe": ["none"]}, "synthetic_data": {"colour": 1}},

@@ -49,9 +49,11 @@ def _list_runs(grid, print_commands: bool) -> None:
         print(f"{len(grid.runs)} runs ({len(grid.variants)} variants x {len(grid.seeds)} "
               f"seeds); baseline {grid.baseline}; launcher {grid.launcher}")
         if grid.evaluates_after:
-            print(f"test sizes / canvases (eval_sizes, eval_canvases): "
-                  f"{' '.join(grid.view_labels)}; "
-                  f"{sizes_todo} finished run(s) still need their size evaluation")
+            parts = [f"{what}: {' '.join(v.label for v in views)}" for what, views in (
+                ("test sizes (eval_sizes)", grid.eval_sizes),
+                ("canvases (eval_canvases)", grid.eval_canvases)) if views]
+            print("; ".join(parts)
+                  + f"; {sizes_todo} finished run(s) still need their size evaluation")
 
 
 def _train(grid, args: argparse.Namespace):
