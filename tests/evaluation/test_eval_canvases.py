@@ -154,3 +154,20 @@ def test_eval_on_canvases_writes_table_json_figure(checkpoint, tiny_dataset, tmp
                       "--device", "cpu", "--set", data]) == 0
     alone = json.loads((single / "metrics.json").read_text())
     assert table["canvases"][0]["AP"] == alone["bbox"]["AP"]
+
+
+def test_train_eval_only_and_demo_take_canvases(checkpoint, tiny_dataset, tmp_path,
+                                                capsys) -> None:
+    from detr_irpe.cli.demo import main as demo_main
+    from detr_irpe.cli.train import main as train_main
+
+    out = tmp_path / "run"
+    assert train_main(["--config", "synthetic_tiny", "--eval-only", "--resume", str(checkpoint),
+                       "--output-dir", str(out), "--canvases", "mosaic1x2", "--no-progress",
+                       "--device", "cpu", "--set", f"data.root={tiny_dataset}"]) == 0
+    table = json.loads((out / "eval" / "canvases.json").read_text())
+    assert [r["size"] for r in table["canvases"]] == ["mosaic1x2"]
+    assert (out / "eval" / "canvases.png").exists()
+    # the demo refuses a bad layout in one line, before anything runs
+    assert demo_main(["--canvases", "mosaic2x2", "pad2x2"]) == 2
+    assert "error: --canvases: canvas 'pad2x2'" in capsys.readouterr().err
