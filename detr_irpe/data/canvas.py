@@ -64,6 +64,8 @@ class CanvasDataset(Dataset):
         shapes = [self._trained_shape(i) for i in range(len(dataset))]
         self.canvases = _lay_out(layout, shapes)
         self.coco = self._ground_truth()
+        logger.info("%s: %d canvases of %d images, %d annotations", layout.label,
+                    len(self.canvases), len(dataset), len(self.coco.anns))
 
     def _trained_shape(self, index: int) -> tuple[int, int]:
         """``(height, width)`` of image ``index`` after the val transforms, from the size

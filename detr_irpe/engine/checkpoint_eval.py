@@ -65,7 +65,8 @@ def run_evaluation(
     Returns:
         ``{"summary", "per_class_table", "losses", "speed", "output_dir", "config",
         "rank"}`` of the evaluation at the config's size, or with ``sizes`` / ``canvases``
-        those of the last one plus ``"sizes"`` / ``"canvases"``: one ``{"size",
+        those of the last test size (without sizes: the last layout) plus ``"sizes"`` /
+        ``"canvases"``: one ``{"size",
         "summary", "speed", "output_dir"}`` per test size or layout (``"size"``: its
         label).
     """
