@@ -624,6 +624,8 @@ _DEMO_GRID_TEST_SIZE = (
 # A grid with eval_sizes also evaluates the runs of its first seed at its shipped test
 # sizes through the scheduler (one evaluation process per run): demo_encodings 80 s and
 # demo_encodings_rtdetr 107 s in all, measured there with the machine shared (load ~5).
+# demo_canvases 45 s and demo_canvases_rtdetr 67 s with their canvases too (shared
+# 2-core "Intel(R) Xeon(R) Processor" as lscpu names it, load ~2.7).
 @pytest.mark.parametrize("name", [
     name if name == "demo" else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(p.stem for p in GRID_DIR.glob("demo*.yaml"))

@@ -170,8 +170,9 @@ _COCO_TEST_SIZE = ("train.epochs=1", "train.batch_size=4", "train.num_threads=1"
                    "data.train_size=64", "data.batch_scales=[48, 64, 80]")
 
 
-# Two variants: 43 s (an evaluation process per run at 5 sizes and 7 canvases; shared
-# 2-core AMD EPYC family 26 model 2, loaded), so both are slow tests.
+# Two variants 43-48 s, all six 143 s (an evaluation process per run at 5 sizes and 7
+# canvases; a shared 2-core "Intel(R) Xeon(R) Processor" as lscpu names it, load ~2.7),
+# so both are slow tests.
 @pytest.mark.slow
 @pytest.mark.parametrize("variants", [["sine", "rope-mixed"], None])  # None: all six
 def test_coco_grid_runs_at_tiny_scale(variants, tiny_dataset, tmp_path) -> None:
