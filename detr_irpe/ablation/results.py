@@ -33,7 +33,14 @@ from typing import Any
 from detr_irpe.ablation.grid import Grid, RunSpec, Variant
 from detr_irpe.config import Config
 from detr_irpe.evaluation import COCO_STAT_NAMES
-from detr_irpe.evaluation.size_table import EVAL_SIZES_DIR, SIZE_STATS, SIZES_JSON, read_size_table
+from detr_irpe.evaluation.size_table import (
+    CANVAS_TABLE,
+    EVAL_SIZES_DIR,
+    SIZE_STATS,
+    SIZE_TABLE,
+    TableFiles,
+    read_size_table,
+)
 from detr_irpe.run_folder.checkpoints import LAST
 from detr_irpe.run_folder.log import read_log
 from detr_irpe.run_folder.status import RunState, final_evaluation, read_status, run_state
@@ -58,6 +65,8 @@ class RunResult:
     # {test size label: {"AP": ..., "APl": ...}} (fractions, NaN: n/a) of eval_sizes/sizes.json
     size_stats: dict[str, dict[str, float]] = field(default_factory=dict)
     sizes_error: str = ""  # how the scheduler's last size evaluation failed (ablation_status)
+    # {canvas label: {"AP": ..., "APl": ...}} of eval_sizes/canvases.json
+    canvas_stats: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,6 +94,9 @@ class VariantRow:
     # with eval_sizes: {size label: {stat: mean ± std in % over the seeds that have it}}
     size_stats: dict[str, dict[str, Aggregate | None]] = field(default_factory=dict)
     size_seeds: int = 0  # finished runs with the numbers of at least one of the test sizes
+    # with eval_canvases: the same per canvas layout
+    canvas_stats: dict[str, dict[str, Aggregate | None]] = field(default_factory=dict)
+    canvas_seeds: int = 0
 
     @property
     def finished(self) -> int:
@@ -122,21 +134,29 @@ def step_time(records: Sequence[Mapping[str, Any]]) -> float | None:
     return statistics.median(times) if times else None
 
 
-def run_size_table(folder: str | Path) -> dict[str, dict[str, float]]:
+def run_size_table(folder: str | Path, kind: TableFiles = SIZE_TABLE
+                   ) -> dict[str, dict[str, float]]:
     """The test-size numbers of the run in ``folder`` (``eval_sizes/sizes.json``, see
     :func:`~detr_irpe.evaluation.size_table.read_size_table`); ``{}`` when there are none or
-    they are older than the run's ``checkpoint_last.pth`` (an earlier checkpoint's)."""
+    they are older than the run's ``checkpoint_last.pth`` (an earlier checkpoint's).
+    ``kind``: ``CANVAS_TABLE`` for the canvas numbers (``eval_sizes/canvases.json``)."""
     folder = Path(folder)
-    table = read_size_table(folder / EVAL_SIZES_DIR)
+    table = read_size_table(folder / EVAL_SIZES_DIR, kind)
     if not table:
         return {}
     try:
-        if (folder / EVAL_SIZES_DIR / SIZES_JSON).stat().st_mtime_ns < (
+        if (folder / EVAL_SIZES_DIR / kind.json_name).stat().st_mtime_ns < (
                 folder / LAST).stat().st_mtime_ns:
             return {}
     except OSError:  # no checkpoint_last.pth (deleted to save space): the numbers stand
         pass
     return table
+
+
+def run_canvas_table(folder: str | Path) -> dict[str, dict[str, float]]:
+    """The canvas numbers of the run in ``folder`` (``eval_sizes/canvases.json``), as
+    :func:`run_size_table` reads them."""
+    return run_size_table(folder, CANVAS_TABLE)
 
 
 def config_size_label(cfg: Config) -> str:
@@ -168,6 +188,7 @@ def collect_run(run: RunSpec) -> RunResult:
             for name, v in zip(COCO_STAT_NAMES, values)
         }
         result.size_stats = run_size_table(run.output_dir)
+        result.canvas_stats = run_canvas_table(run.output_dir)
         record = status.get("eval_sizes")
         if isinstance(record, dict) and record.get("status") == "failed":
             result.sizes_error = str(record.get("error") or "failed")
@@ -203,6 +224,15 @@ def aggregate(values: Sequence[float]) -> Aggregate | None:
     return Aggregate(statistics.fmean(values), std, len(values))
 
 
+def _view_stats(done: Sequence[RunResult], labels: Sequence[str], field_name: str
+                ) -> dict[str, dict[str, Aggregate | None]]:
+    """``{label: {stat: mean ± std in %}}`` over the runs that have the label in their
+    ``size_stats`` / ``canvas_stats`` (``field_name``)."""
+    tables = [getattr(r, field_name) for r in done]
+    return {label: {name: aggregate([100.0 * t[label][name] for t in tables if label in t])
+                    for name in SIZE_STATS} for label in labels}
+
+
 def summarize(grid: Grid, results: Sequence[RunResult] | None = None) -> list[VariantRow]:
     """One row per variant, in grid order, with the delta AP against the baseline."""
     if results is None:
@@ -220,13 +250,13 @@ def summarize(grid: Grid, results: Sequence[RunResult] | None = None) -> list[Va
             encoding_parameters=encoding_parameter_count(cfg), runs=runs, stats=stats,
             step_time_ms=aggregate(steps), n_parameters=params[0] if params else None,
             is_baseline=variant.name == grid.baseline,
-            size_stats={size.label: {name: aggregate([100.0 * r.size_stats[size.label][name]
-                                                      for r in done
-                                                      if size.label in r.size_stats])
-                                     for name in SIZE_STATS}
-                        for size in grid.eval_sizes},
+            size_stats=_view_stats(done, [s.label for s in grid.eval_sizes], "size_stats"),
             size_seeds=sum(any(size.label in r.size_stats for size in grid.eval_sizes)
                            for r in done),
+            canvas_stats=_view_stats(done, [c.label for c in grid.eval_canvases],
+                                     "canvas_stats"),
+            canvas_seeds=sum(any(c.label in r.canvas_stats for c in grid.eval_canvases)
+                             for r in done),
         ))
     baseline = next(r for r in rows if r.is_baseline)
     base_ap = baseline.stats["AP"]
@@ -245,6 +275,7 @@ __all__ = [
     "collect_run",
     "config_size_label",
     "encoding_parameter_count",
+    "run_canvas_table",
     "run_size_table",
     "step_time",
     "summarize",

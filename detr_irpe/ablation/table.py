@@ -1,7 +1,9 @@
 """The paper-style ablation table: ``results.md`` and ``results.csv`` (one row per
 variant) and ``runs.csv`` (one row per run) in the grid's output folder. A grid with
 ``eval_sizes`` adds a second table to ``results.md``, "AP (%) at test sizes", and the
-numbers at each size to both CSV files; without it the files are as before."""
+numbers at each size to both CSV files; ``eval_canvases`` adds "AP (%) on canvases" to
+``results.md`` (the canvas numbers per run stay in ``<run>/eval_sizes/canvases.json``);
+without them the files are as before."""
 
 from __future__ import annotations
 
@@ -65,16 +67,33 @@ def _values(values: Sequence[object]) -> str:
     return " / ".join(dict.fromkeys(str(v) for v in values))
 
 
+def _span(values: Sequence[int]) -> str:
+    return "-".join(map(str, sorted({min(values), max(values)})))
+
+
+def _training_sizes(cfg) -> str:
+    """The training sizes of a config: the range of ``data.train_scales`` (shorter sides
+    drawn per image), or with ``data.augmentation: rtdetr`` the ``train_size`` square and
+    the range of ``data.batch_scales`` (one drawn per batch) when it has more than one."""
+    data = cfg.data
+    if data.augmentation != "rtdetr":
+        return _span(data.train_scales)
+    if len(set(data.batch_scales)) > 1:
+        stop = ("" if data.batch_scales_stop_epoch is None
+                else f" until epoch {data.batch_scales_stop_epoch}")
+        return f"{data.train_size} (batches at {_span(data.batch_scales)}{stop})"
+    return str(data.train_size)
+
+
 def as_run(grid: Grid, rows: Sequence[VariantRow]) -> str:
     """What the runs did, read off their configs and folders: the epochs, the images per
-    step, the input sizes and the optimizer steps each finished run took. (A grid's
+    step, the input sizes (the multi-scale training's range) and the optimizer steps each
+    finished run took. (A grid's
     description is free text written for the grid file; overrides change what ran.)"""
     configs = [run.config for run in grid.runs]
     per_step = [c.train.batch_size * grid.nproc_per_node * c.train.accumulate_steps
                 for c in configs]
-    train_px = [c.data.train_size if c.data.augmentation == "rtdetr"
-                else "-".join(map(str, sorted({min(c.data.train_scales),
-                                               max(c.data.train_scales)}))) for c in configs]
+    train_px = [_training_sizes(c) for c in configs]
     eval_px = [c.data.eval_size if c.data.augmentation == "rtdetr" else c.data.val_size
                for c in configs]
     steps = [r.iterations for row in rows for r in row.runs if r.state.value == "finished"]
@@ -126,6 +145,8 @@ def format_markdown(grid: Grid, rows: Sequence[VariantRow]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if grid.eval_sizes:
         lines += ["", *format_size_markdown(grid, rows)]
+    if grid.eval_canvases:
+        lines += ["", *format_canvas_markdown(grid, rows)]
     failed = [r for row in rows for r in row.runs if r.error and r.state.value == "failed"]
     if failed:
         lines += ["", "Failed runs:", ""]
@@ -168,6 +189,34 @@ def format_size_markdown(grid: Grid, rows: Sequence[VariantRow]) -> list[str]:
     failed = [r for row in rows for r in row.runs if r.sizes_error]
     if failed:
         lines += ["", "Failed size evaluations (`--retry-failed` tries again):", ""]
+        lines += [f"- {r.run.key}: {r.sizes_error} (`{r.run.output_dir}`)" for r in failed]
+    return lines
+
+
+def format_canvas_markdown(grid: Grid, rows: Sequence[VariantRow]) -> list[str]:
+    """The lines of the table "AP (%) on canvases": one row per variant, one column per
+    layout of ``eval_canvases`` (the size evaluation's failures are listed under the size
+    table, or here without ``eval_sizes``)."""
+    labels = [c.label for c in grid.eval_canvases]
+    lines = [
+        "## AP (%) on canvases", "",
+        "COCO box AP in % of each run's last checkpoint (evaluated into `<run>/eval_sizes/`) "
+        "on each canvas layout of `eval_canvases`, mean ± sample std over the seeds that have "
+        "it: every image at the config's own test size, placed on a larger canvas, so that "
+        "the objects keep their pixel size while the encoder's token grid grows "
+        "(docs/evaluation.md, \"Canvases\"; mosaic1x1 = each image alone).", "",
+        "| variant | seeds | " + " | ".join(labels) + " |",
+        "|---|--:|" + "--:|" * len(labels),
+    ]
+    for row in rows:
+        seeds = (str(row.canvas_seeds) if row.canvas_seeds == len(row.runs)
+                 else f"{row.canvas_seeds}/{len(row.runs)}")
+        name = f"**{row.variant.name}**" if row.is_baseline else row.variant.name
+        lines.append(f"| {name} | {seeds} | "
+                     + " | ".join(_pm(row.canvas_stats[label]["AP"]) for label in labels) + " |")
+    failed = [r for row in rows for r in row.runs if r.sizes_error]
+    if failed and not grid.eval_sizes:
+        lines += ["", "Failed canvas evaluations (`--retry-failed` tries again):", ""]
         lines += [f"- {r.run.key}: {r.sizes_error} (`{r.run.output_dir}`)" for r in failed]
     return lines
 
@@ -261,6 +310,7 @@ __all__ = [
     "format_markdown",
     "format_results_csv",
     "format_runs_csv",
+    "format_canvas_markdown",
     "format_size_markdown",
     "write_tables",
 ]

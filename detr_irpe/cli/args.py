@@ -26,6 +26,7 @@ from pathlib import Path
 from types import FrameType
 
 from detr_irpe import sizes
+from detr_irpe.canvas import CanvasLayout, parse_canvases
 from detr_irpe.errors import (
     EXIT_SIGINT,
     EXIT_USER_ERROR,
@@ -173,6 +174,28 @@ def parse_sizes(values: Sequence[str] | None, flag: str = "--sizes") -> list[Eva
         raise ConfigError(str(err)) from None
 
 
+def add_canvases_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--canvases LAYOUT [...]``: evaluate on canvases (docs/evaluation.md, "Canvases")."""
+    parser.add_argument(
+        "--canvases", nargs="+", default=None, metavar="LAYOUT",
+        help=f"{what} on canvases, each image at its trained scale: mosaicRxC (R x C "
+             "different images, e.g. mosaic2x2, mosaic1x2) or padRxC-POS[-edge] (one image "
+             "on a canvas R x its height, C x its width, at POS: tl, tr, bl, br or c; the "
+             "rest the mean colour, or its border repeated with -edge); writes canvases.md, "
+             "canvases.json and canvases.png",
+    )
+
+
+def parse_canvas_flag(values: Sequence[str] | None, flag: str = "--canvases"
+                      ) -> list[CanvasLayout]:
+    """The layouts of ``--canvases``, each checked (one line naming the value), in the
+    order given; none when the flag was not given."""
+    try:
+        return parse_canvases(values or (), flag)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def check_resize_flags(size: int | None, max_size: int | None) -> None:
     """``--size`` / ``--max-size`` of a tool that resizes one image: refused, before the
     model is loaded, when the resized image could not be held in this machine's memory
@@ -258,6 +281,7 @@ def setup_tool_logging(level: int = logging.INFO) -> None:
 
 __all__ = [
     "Terminated",
+    "add_canvases_argument",
     "add_config_arguments",
     "add_device_argument",
     "add_sizes_argument",
@@ -265,6 +289,7 @@ __all__ = [
     "checked_overrides",
     "device_override",
     "new_parser",
+    "parse_canvas_flag",
     "parse_device",
     "parse_sizes",
     "run_main",

@@ -13,7 +13,6 @@ datasets/synthetic.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from detr_irpe.cli.args import new_parser, setup_tool_logging
@@ -67,29 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_tool_logging()
     # after the arguments: --help and their errors come back without torch
-    from tqdm import tqdm
+    from detr_irpe.cli.programs import synthetic as program
 
-    from detr_irpe.data.synthetic import SyntheticSpec, generate_dataset, parse_classes
-
-    given = {key: getattr(args, key) for key in (
-        "size", "min_objects", "max_objects", "min_visible", "min_contrast", "object_noise",
-        "jpeg_quality") if getattr(args, key) is not None}
-    if args.object_size is not None:
-        given["object_size"] = tuple(args.object_size)
-    try:
-        spec = SyntheticSpec(classes=parse_classes(args.classes),
-                             backgrounds=tuple(args.backgrounds), **given)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    with tqdm(total=args.num_train + args.num_val, unit="img", desc="generating") as bar:
-        result = generate_dataset(
-            args.out, args.num_train, args.num_val, spec, seed=args.seed, on_image=bar.update
-        )
-    print(f"dataset written to {result.root} ({result.num_classes - 1} classes, "
-          f"num_classes = {result.num_classes})")
-    print("config overrides: " + " ".join(result.overrides))
-    return 0
+    return program.run(args)
 
 
 if __name__ == "__main__":  # python -m detr_irpe.cli.synthetic

@@ -198,6 +198,16 @@ def _add_other_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--per-head", action="store_true", help="one panel per head")
     p.add_argument("--layer", type=int, default=0, help="encoder layer (default 0)")
     p.add_argument("--out", type=Path, default=None)
+    p = sub.add_parser("canvas-encoder", parents=[common],
+                       help="what the encoder attention of each config's model sees on a "
+                            "canvas: its absolute encoding and padding mask for an image "
+                            "alone, batch-padded and on a 2x canvas (docs/evaluation.md)")
+    p.add_argument("--configs", nargs="+", required=True, metavar="CONFIG",
+                   help="config names or YAML paths, one row each (random weights: the "
+                        "encodings do not depend on them)")
+    p.add_argument("--size", type=int, default=64,
+                   help="side of the square test image in pixels (%(default)s)")
+    p.add_argument("--out", type=Path, default=None)
     p = sub.add_parser("curves", parents=[common], help="training curves of one or several runs")
     p.add_argument("logs", nargs="+", type=Path, help="log.txt files or run folders")
     p.add_argument("--labels", nargs="+", default=None, help="legend names (default folders)")

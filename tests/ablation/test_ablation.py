@@ -400,7 +400,7 @@ def test_axes_times_variants_and_names(tmp_path, tiny_dataset) -> None:
     ({"axes": {"model.rpe": []}}, "non-empty list"),
     ({"variants": [{"name": "a"}, {"name": "a"}]}, "used twice: a"),
     ({"variants": [{"name": "a", "overide": []}]}, r"variants\[0\]: unknown key"),
-    ({"axes": {"model.rpe": ["none"]}, "launcher": "slurm"}, "launcher 'slurm'"),
+    ({"axes": {"model.rpe": ["none"]}, "launcher": "pbs"}, "launcher 'pbs'"),
     ({"axes": {"model.rpe": ["none"]}, "nproc_per_node": 2}, "needs launcher: torchrun"),
     ({"axes": {"model.rpe": ["none"]}, "base": "no_such_config"}, "base:.*not found"),
     ({"axes": {"model.rpe": ["none"]}, "synthetic_data": {"colour": 1}},
@@ -437,6 +437,8 @@ def test_shipped_grids_load() -> None:
             assert grid.base.name == demo_base and grid.launcher == "local"
             # the dataset tools/demo.py generates (README: 1600 + 200 images, seed 0)
             assert grid.synthetic_data == {"num_train": 1600, "num_val": 200, "seed": 0}
+        elif path.stem == "canvases_rtdetr":  # fine-tunes the published R18, SLURM jobs
+            assert grid.base.name == "rtdetr_r18.yaml" and grid.launcher == "slurm"
         else:
             published = "rtdetr_r50.yaml" if path.stem == "encodings_rtdetr" else "detr_r50.yaml"
             assert grid.base.name == published and grid.launcher == "torchrun"
@@ -623,6 +625,8 @@ _DEMO_GRID_TEST_SIZE = (
 # A grid with eval_sizes also evaluates the runs of its first seed at its shipped test
 # sizes through the scheduler (one evaluation process per run): demo_encodings 80 s and
 # demo_encodings_rtdetr 107 s in all, measured there with the machine shared (load ~5).
+# demo_canvases 45 s and demo_canvases_rtdetr 67 s with their canvases too (shared
+# 2-core "Intel(R) Xeon(R) Processor" as lscpu names it, load ~2.7).
 @pytest.mark.parametrize("name", [
     name if name == "demo" else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(p.stem for p in GRID_DIR.glob("demo*.yaml"))
@@ -641,7 +645,7 @@ def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -
     for run in grid.runs:
         run_training(run.config, progress=False)
     assert [_state(run) for run in grid.runs] == [RunState.FINISHED] * len(grid.runs)
-    if grid.eval_sizes:
+    if grid.evaluates_after:
         first = load_grid(name, *args, seeds=grid.seeds[:1])
         report = schedule.evaluate_grid_sizes(first)
         assert report.sizes_done == first.runs and not report.sizes_failed
@@ -651,6 +655,8 @@ def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -
     for row in rows:
         assert row.size_seeds == (1 if grid.eval_sizes else 0)
         assert all(row.size_stats[s.label]["AP"] is not None for s in grid.eval_sizes)
+        assert row.canvas_seeds == (1 if grid.eval_canvases else 0)
+        assert all(row.canvas_stats[c.label]["AP"] is not None for c in grid.eval_canvases)
 
 
 @pytest.mark.parametrize(("name", "overrides"), [
