@@ -23,6 +23,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from detr_irpe.sizes import parse_each
+
 __all__ = ["CANVAS_FACTOR_RANGE", "CANVAS_POSITIONS", "CanvasLayout", "parse_canvas",
            "parse_canvases"]
 
@@ -107,12 +109,4 @@ def parse_canvas(text: object) -> CanvasLayout:
 def parse_canvases(values: Iterable[object], name: str) -> list[CanvasLayout]:
     """Each of ``values`` (the setting ``name``: a flag, a grid key) as :func:`parse_canvas`
     reads it, in the order given. Raises ``ValueError`` starting with ``name``."""
-    try:
-        layouts = [parse_canvas(value) for value in values]
-    except ValueError as err:
-        raise ValueError(f"{name}: {err}") from None
-    labels = [layout.label for layout in layouts]
-    twice = sorted({label for label in labels if labels.count(label) > 1})
-    if twice:
-        raise ValueError(f"{name} lists {', '.join(twice)} more than once")
-    return layouts
+    return parse_each(values, name, parse_canvas)

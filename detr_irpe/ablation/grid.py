@@ -48,7 +48,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -323,32 +323,30 @@ def _synthetic(where: str, value: Any) -> dict[str, Any] | None:
     return dict(value)
 
 
-def _eval_sizes(where: str, value: Any) -> tuple[EvalSize, ...]:
-    """``eval_sizes``: a list of test sizes as ``--sizes`` takes them (``640`` or
-    ``"640x1280"``); null or ``[]`` (e.g. in a grid whose ``_base_`` has sizes): none."""
+def _views(where: str, key: str, value: Any, example: str,
+           parse: Callable[[Any, str], list[Any]]) -> tuple[Any, ...]:
+    """A grid key listing test views (``eval_sizes``, ``eval_canvases``) as the tools'
+    flags take them; null or ``[]`` (e.g. in a grid whose ``_base_`` has some): none."""
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise GridError(f"{where}: eval_sizes must be a list of test sizes (a number of pixels "
-                        f"S or HEIGHTxWIDTH, e.g. [480, 640, 640x1280]), got {value!r}")
+        raise GridError(f"{where}: {key} must be a list of {example}, got {value!r}")
     try:
-        return tuple(parse_eval_sizes(value, "eval_sizes"))
+        return tuple(parse(value, key))
     except ValueError as err:
         raise GridError(f"{where}: {err}") from None
+
+
+def _eval_sizes(where: str, value: Any) -> tuple[EvalSize, ...]:
+    """``eval_sizes``: test sizes as ``--sizes`` takes them (``640`` or ``"640x1280"``)."""
+    return _views(where, "eval_sizes", value, "test sizes (a number of pixels S or "
+                  "HEIGHTxWIDTH, e.g. [480, 640, 640x1280])", parse_eval_sizes)
 
 
 def _eval_canvases(where: str, value: Any) -> tuple[CanvasLayout, ...]:
-    """``eval_canvases``: a list of canvas layouts as ``--canvases`` takes them
-    (``mosaic2x2``, ``pad2x2-c``); null or ``[]``: none."""
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise GridError(f"{where}: eval_canvases must be a list of canvas layouts (e.g. "
-                        f"[mosaic1x1, mosaic2x2, pad2x2-c]), got {value!r}")
-    try:
-        return tuple(parse_canvases(value, "eval_canvases"))
-    except ValueError as err:
-        raise GridError(f"{where}: {err}") from None
+    """``eval_canvases``: canvas layouts as ``--canvases`` takes them (``mosaic2x2``)."""
+    return _views(where, "eval_canvases", value, "canvas layouts (e.g. [mosaic1x1, "
+                  "mosaic2x2, pad2x2-c])", parse_canvases)
 
 
 def _resolve_base(grid_path: Path, base: Any) -> Path:

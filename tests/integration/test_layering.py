@@ -28,8 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "encodings": {"errors", "irpe", "rope"},
     "utils": {"errors"},
     "sizes": set(),
-    # canvas layouts (labels, placement): nothing else of the package
-    "canvas": set(),
+    # canvas layouts (labels, placement): the size-list parser of sizes
+    "canvas": {"sizes"},
     "registry": {"irpe"},
     "family": {"errors"},
     "config": {"errors", "family", "irpe", "registry", "encodings", "rope", "sizes", "utils"},
