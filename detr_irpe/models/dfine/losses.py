@@ -163,7 +163,7 @@ def fine_grained_localization_loss(corners: Tensor, left: Tensor, weight_left: T
         normalizer: the sum is divided by it.
     """
     with torch.autocast(device_type=corners.device.type, enabled=False):
-        logits = _wide(corners).reshape(len(left), -1)
+        logits = _wide(corners).reshape(-1, corners.shape[-1] // 4)  # (N * 4, K)
         log_prob = logits.log_softmax(-1)
         near = -log_prob.gather(1, left[:, None]).squeeze(1)
         far = -log_prob.gather(1, left[:, None] + 1).squeeze(1)
