@@ -202,13 +202,13 @@ class DFINECriterion(nn.Module):
         return {"loss_bbox": l1, "loss_giou": giou}
 
     def fgl_term(self, out: dict, targets: list[dict], matches: Matches,
-                 normalizer: float | Tensor, values: Tensor) -> Tensor:
+                 normalizer: float | Tensor, values: Tensor, reg_scale: Tensor) -> Tensor:
         """FGL of the matched queries of an output with ``pred_corners`` / ``ref_points``."""
         idx = batch_query_index(matches, out["pred_corners"].device)
         target_boxes = matched_targets(targets, "boxes", matches)
         ref = out["ref_points"][idx].detach()
         left, w_left, w_right = edge_targets(ref, clamped_cxcywh_to_xyxy(target_boxes.to(ref)),
-                                             values, out["reg_scale"])
+                                             values, reg_scale)
         iou = matched_iou(out["pred_boxes"][idx], target_boxes)
         return fine_grained_localization_loss(out["pred_corners"][idx], left, w_left, w_right,
                                               iou, normalizer)
@@ -216,13 +216,31 @@ class DFINECriterion(nn.Module):
     def ddf_term(self, out: dict, targets: list[dict], matches: Matches,
                  mix: tuple[float, float]) -> Tensor:
         """DDF of an output with a teacher (zero when it equals its teacher)."""
-        corners, teacher = out["pred_corners"], out["teacher_corners"]
-        if torch.equal(corners, teacher):
-            return corners.sum() * 0
+        corners = out["pred_corners"]
         idx = batch_query_index(matches, corners.device)
         iou = matched_iou(out["pred_boxes"][idx], matched_targets(targets, "boxes", matches))
-        return decoupled_distillation_loss(corners, teacher, out["teacher_logits"], idx, iou,
-                                           mix, self.ddf_temperature)
+        return decoupled_distillation_loss(corners, out["teacher_corners"], out["teacher_logits"],
+                                           idx, iou, mix, self.ddf_temperature)
+
+    def output_terms(self, out: dict, targets: list[dict], own: Matches, boxes: Matches,
+                     cls_norm: float | Tensor, box_norm: float | Tensor,
+                     local: tuple[Tensor, Tensor] | None,
+                     mix: tuple[float, float] | None = None) -> dict[str, Tensor]:
+        """The terms of one output: classification on ``own`` matches / ``cls_norm``; L1,
+        GIoU, FGL and DDF on ``boxes`` / ``box_norm``. FGL and DDF need ``local`` (the bin
+        values and ``reg_scale``) and the output's ``pred_corners`` (DDF: a teacher);
+        ``mix`` is DDF's (default: from this output's matches)."""
+        terms = {f"loss_{self.classification}": self.classification_term(out, targets, own,
+                                                                         cls_norm)}
+        terms.update(self.box_terms(out, targets, boxes, box_norm))
+        if local is None or "pred_corners" not in out:
+            return terms
+        terms["loss_fgl"] = self.fgl_term(out, targets, boxes, box_norm, *local)
+        if "teacher_corners" in out:
+            if mix is None:
+                mix = _mix_of(out, boxes)
+            terms["loss_ddf"] = self.ddf_term(out, targets, boxes, mix)
+        return terms
 
     # ------------------------------------------------------------------ forward
     def forward(self, outputs: dict, targets: list[dict], *,
@@ -247,62 +265,54 @@ class DFINECriterion(nn.Module):
         step_boxes = num_boxes
         if num_boxes is None:
             num_boxes = num_boxes_normalizer(count, device)
-        uni = self.use_uni_set and indices.union is not None
-
-        def box_matches(own: Matches) -> Matches:
-            return indices.union if uni else own
-
-        box_norm = (_union_normalizer(sum(len(q) for q, _ in indices.union), count, step_boxes,
-                                      device) if uni else num_boxes)
-        values = None
+        union = indices.union if self.use_uni_set else None
+        box_norm = num_boxes
+        if union is not None:
+            box_norm = _union_normalizer(sum(len(q) for q, _ in union), count, step_boxes,
+                                         device)
+        local = None
         if self.local_losses and "pred_corners" in outputs:
             values = bin_values(outputs["pred_corners"].shape[-1] // 4 - 1, outputs["up"],
                                 outputs["reg_scale"])
-        cls_key = f"loss_{self.classification}"
-        mix: list[tuple[float, float] | None] = [None]  # the non-denoising layers' DDF mix
+            local = (values, outputs["reg_scale"])
 
-        def stage(out: dict, own: Matches, boxes: Matches, cls_norm, norm, tgts=targets,
-                  dn: bool = False) -> dict[str, Tensor]:
-            terms = {cls_key: self.classification_term(out, tgts, own, cls_norm)}
-            terms.update(self.box_terms(out, tgts, boxes, norm))
-            if values is None or "pred_corners" not in out:
-                return terms
-            out = {**out, "up": outputs["up"], "reg_scale": outputs["reg_scale"]}
-            terms["loss_fgl"] = self.fgl_term(out, tgts, boxes, norm, values)
-            if "teacher_corners" in out:
-                layer_mix = mix[0]
-                if not dn or layer_mix is None:
-                    batch, queries = out["pred_logits"].shape[:2]
-                    layer_mix = ddf_mix_weights(sum(len(q) for q, _ in boxes), queries, batch)
-                if not torch.equal(out["pred_corners"], out["teacher_corners"]) and not dn:
-                    mix[0] = layer_mix
-                terms["loss_ddf"] = self.ddf_term(out, tgts, boxes, layer_mix)
-            return terms
+        def terms(out: dict, own: Matches, suffix: str, tgts: list[dict] = targets) -> None:
+            found = self.output_terms(out, tgts, own, own if union is None else union,
+                                      num_boxes, box_norm, local)
+            losses.update({f"{k}{suffix}": v for k, v in found.items()})
 
-        losses = stage(outputs, indices.last, box_matches(indices.last), num_boxes, box_norm)
+        losses: dict[str, Tensor] = {}
+        terms(outputs, indices.last, "")
+        # the denoising layers' DDF mixes its means as the last distilled aux layer did
+        dn_mix = None
         for i, (aux, own) in enumerate(zip(outputs.get("aux_outputs", []), indices.aux)):
-            found = stage(aux, own, box_matches(own), num_boxes, box_norm)
-            losses.update({f"{k}_aux_{i}": v for k, v in found.items()})
+            terms(aux, own, f"_aux_{i}")
+            if "teacher_corners" in aux and not torch.equal(aux["pred_corners"],
+                                                            aux["teacher_corners"]):
+                dn_mix = _mix_of(aux, own if union is None else union)
         if "pre_outputs" in outputs and indices.pre is not None:
-            found = stage(outputs["pre_outputs"], indices.pre, box_matches(indices.pre),
-                          num_boxes, box_norm)
-            losses.update({f"{k}_pre": v for k, v in found.items()})
+            terms(outputs["pre_outputs"], indices.pre, "_pre")
         enc_targets = self._encoder_targets(outputs, targets)
         for i, (enc, own) in enumerate(zip(outputs.get("enc_aux_outputs", []), indices.enc)):
-            found = stage(enc, own, box_matches(own), num_boxes, box_norm, enc_targets)
-            losses.update({f"{k}_enc_{i}": v for k, v in found.items()})
+            terms(enc, own, f"_enc_{i}", enc_targets)
         if "dn_outputs" in outputs:
             meta = outputs["dn_meta"]
-            dn_matches = _denoising_matches(meta, targets)
+            matched = _denoising_matches(meta, targets)
             dn_norm = num_boxes * max(int(meta["dn_num_group"]), 1)
-            for i, dn in enumerate(outputs["dn_outputs"]):
-                found = stage(dn, dn_matches, dn_matches, dn_norm, dn_norm, dn=True)
-                losses.update({f"{k}_dn_{i}": v for k, v in found.items()})
+            dn_stages = [(f"_dn_{i}", dn) for i, dn in enumerate(outputs["dn_outputs"])]
             if "dn_pre_outputs" in outputs:
-                found = stage(outputs["dn_pre_outputs"], dn_matches, dn_matches, dn_norm,
-                              dn_norm, dn=True)
-                losses.update({f"{k}_dn_pre": v for k, v in found.items()})
+                dn_stages.append(("_dn_pre", outputs["dn_pre_outputs"]))
+            for suffix, dn in dn_stages:
+                found = self.output_terms(dn, targets, matched, matched, dn_norm, dn_norm, local,
+                                          dn_mix)
+                losses.update({f"{k}{suffix}": v for k, v in found.items()})
         return {k: torch.nan_to_num(v, nan=0.0) for k, v in losses.items()}
+
+
+def _mix_of(out: dict, matches: Matches) -> tuple[float, float]:
+    """DDF's mix weights from the matched queries of ``out``."""
+    batch, queries = out["pred_logits"].shape[:2]
+    return ddf_mix_weights(sum(len(q) for q, _ in matches), queries, batch)
 
 
 def _denoising_matches(meta: dict, targets: list[dict]) -> Matches:

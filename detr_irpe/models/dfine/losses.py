@@ -19,7 +19,8 @@ classes, ``B`` images of ``Q`` queries.
 - :func:`decoupled_distillation_loss` (DDF): ``T^2 KL(teacher || student)`` of every
   (query, edge) distribution at temperature ``T``, weighted by the IoU for matched queries
   and by the teacher's top class probability for the others; the matched and unmatched
-  means are mixed with weights :func:`ddf_mix_weights`.
+  means are mixed with weights :func:`ddf_mix_weights`; an output equal to its teacher
+  gets 0.
 - :func:`clamped_cxcywh_to_xyxy`: the box conversion of the published code, which reads a
   negative width or height as 0 (FDR boxes may be inverted: an edge can move past the
   other); the IoU, the GIoU and the GIoU matching cost all take boxes through it.
@@ -130,6 +131,7 @@ def edge_targets(ref_boxes: Tensor, target_xyxy: Tensor, values: Tensor, reg_sca
         interpolation weights.
     """
     with torch.no_grad():
+        ref_boxes = _wide(ref_boxes)
         scale = torch.as_tensor(reg_scale, device=ref_boxes.device).abs().to(ref_boxes.dtype)
         scale = scale.reshape(-1)[0]
         cx, cy, w, h = ref_boxes.unbind(-1)
@@ -198,6 +200,8 @@ def decoupled_distillation_loss(corners: Tensor, teacher_corners: Tensor,
     """
     with torch.autocast(device_type=corners.device.type, enabled=False):
         student = _wide(corners)
+        if torch.equal(corners, teacher_corners):  # the teacher itself: 0, kept in the graph
+            return student.sum() * 0
         bins = teacher_corners.shape[-1] // 4
         with torch.no_grad():
             weight = _wide(teacher_logits).sigmoid().amax(-1).to(student.dtype)  # (B, Q)

@@ -470,3 +470,24 @@ def test_the_trainers_loss_step_runs_on_the_criterion() -> None:
     indices = criterion.match(outputs, targets)
     losses = loss_and_backward(criterion, outputs, targets, indices, norms, check_finite=True)
     assert losses["loss_mal"].item() > 0 and leaf.grad is not None and leaf.grad.any()
+
+
+def test_bfloat16_outputs_give_the_float32_terms_closely() -> None:
+    g = _gen(14)
+    outputs, targets = _outputs(g, dn=True), _targets(g)
+
+    def cast(x, dtype):
+        if torch.is_tensor(x):
+            return x.to(dtype) if x.is_floating_point() else x
+        if isinstance(x, dict):
+            return {k: cast(v, dtype) for k, v in x.items()}
+        if isinstance(x, list):
+            return [cast(v, dtype) for v in x]
+        return x
+
+    criterion = _criterion()
+    full = criterion(cast(outputs, torch.float32), targets)
+    half = criterion(cast(outputs, torch.bfloat16), targets)
+    for key, value in full.items():
+        assert half[key].dtype == torch.float32, key
+        torch.testing.assert_close(half[key], value, rtol=0.05, atol=0.02, msg=key)
