@@ -54,14 +54,13 @@ from detr_irpe.models.detr.criterion import (
     matched_targets,
     num_boxes_normalizer,
 )
+from detr_irpe.models.dfine.distribution import box_to_distance
 from detr_irpe.models.dfine.loss_config import DFINELossConfig
 from detr_irpe.models.dfine.losses import (
-    bin_values,
     box_terms,
     clamped_cxcywh_to_xyxy,
     ddf_mix_weights,
     decoupled_distillation_loss,
-    edge_targets,
     fine_grained_localization_loss,
     matchability_aware_loss,
     matched_iou,
@@ -202,16 +201,23 @@ class DFINECriterion(nn.Module):
         return {"loss_bbox": l1, "loss_giou": giou}
 
     def fgl_term(self, out: dict, targets: list[dict], matches: Matches,
-                 normalizer: float | Tensor, values: Tensor, reg_scale: Tensor) -> Tensor:
-        """FGL of the matched queries of an output with ``pred_corners`` / ``ref_points``."""
-        idx = batch_query_index(matches, out["pred_corners"].device)
+                 normalizer: float | Tensor, up: Tensor, reg_scale: Tensor) -> Tensor:
+        """FGL of the matched queries of an output with ``pred_corners`` / ``ref_points``
+        (``up``, ``reg_scale``: the decoder's, for the bin values)."""
+        corners = out["pred_corners"]
+        idx = batch_query_index(matches, corners.device)
         target_boxes = matched_targets(targets, "boxes", matches)
         ref = out["ref_points"][idx].detach()
-        left, w_left, w_right = edge_targets(ref, clamped_cxcywh_to_xyxy(target_boxes.to(ref)),
-                                             values, reg_scale)
+        ref = ref if ref.dtype == torch.float64 else ref.float()
+        reg_max = corners.shape[-1] // 4 - 1
+        with torch.autocast(device_type=ref.device.type, enabled=False):
+            index, w_right, w_left = box_to_distance(
+                ref, clamped_cxcywh_to_xyxy(target_boxes.to(ref)), reg_max, up.to(ref),
+                reg_scale.to(ref))
+        left = index.reshape(-1).long()
         iou = matched_iou(out["pred_boxes"][idx], target_boxes)
-        return fine_grained_localization_loss(out["pred_corners"][idx], left, w_left, w_right,
-                                              iou, normalizer)
+        return fine_grained_localization_loss(corners[idx], left, w_left, w_right, iou,
+                                              normalizer)
 
     def ddf_term(self, out: dict, targets: list[dict], matches: Matches,
                  mix: tuple[float, float]) -> Tensor:
@@ -227,8 +233,8 @@ class DFINECriterion(nn.Module):
                      local: tuple[Tensor, Tensor] | None,
                      mix: tuple[float, float] | None = None) -> dict[str, Tensor]:
         """The terms of one output: classification on ``own`` matches / ``cls_norm``; L1,
-        GIoU, FGL and DDF on ``boxes`` / ``box_norm``. FGL and DDF need ``local`` (the bin
-        values and ``reg_scale``) and the output's ``pred_corners`` (DDF: a teacher);
+        GIoU, FGL and DDF on ``boxes`` / ``box_norm``. FGL and DDF need ``local`` (the
+        decoder's ``up`` and ``reg_scale``) and the output's ``pred_corners`` (DDF: a teacher);
         ``mix`` is DDF's (default: from this output's matches)."""
         terms = {f"loss_{self.classification}": self.classification_term(out, targets, own,
                                                                          cls_norm)}
@@ -272,9 +278,7 @@ class DFINECriterion(nn.Module):
                                          device)
         local = None
         if self.local_losses and "pred_corners" in outputs:
-            values = bin_values(outputs["pred_corners"].shape[-1] // 4 - 1, outputs["up"],
-                                outputs["reg_scale"])
-            local = (values, outputs["reg_scale"])
+            local = (outputs["up"], outputs["reg_scale"])
 
         def terms(out: dict, own: Matches, suffix: str, tgts: list[dict] = targets) -> None:
             found = self.output_terms(out, tgts, own, own if union is None else union,

@@ -9,13 +9,11 @@ classes, ``B`` images of ``Q`` queries.
   is ``IoU^gamma`` at the matched (query, class) entries and 0 elsewhere; positives weigh
   1, negatives ``p^gamma`` (``alpha p^gamma`` when ``alpha`` is given), ``p`` the detached
   sigmoid score; summed and divided by the normaliser.
-- :func:`edge_targets`: where each ground-truth box edge falls among the non-uniform
-  bin values ``W(n)`` of the distribution, measured from the fixed reference box as the
-  decoder measures its predictions (the left bin and the linear interpolation weights of
-  the left and right bins).
 - :func:`fine_grained_localization_loss` (FGL): cross-entropy of each predicted edge
-  distribution to the left and right target bins, weighted by the interpolation weights
-  and by the IoU of the predicted box, summed and divided by the normaliser.
+  distribution to the left and right target bins of the ground-truth edge
+  (:func:`~.distribution.box_to_distance`: the bin left of the edge's offset and the
+  linear interpolation weights), weighted by those weights and by the IoU of the
+  predicted box, summed and divided by the normaliser.
 - :func:`decoupled_distillation_loss` (DDF): ``T^2 KL(teacher || student)`` of every
   (query, edge) distribution at temperature ``T``, weighted by the IoU for matched queries
   and by the teacher's top class probability for the others; the matched and unmatched
@@ -92,67 +90,6 @@ def matchability_aware_loss(logits: Tensor, target_score: Tensor, onehot: Tensor
                                                   weight=negative + onehot, reduction="sum")
 
 
-def bin_values(reg_max: int, up: Tensor, reg_scale: Tensor) -> Tensor:
-    """The ``reg_max + 1`` increasing bin values ``W(n)`` of an edge distribution.
-
-    With ``a = |up| |reg_scale|`` and ``r = (a + 1)^(2 / (reg_max - 2))``: ``-2a``, then
-    ``1 - r^k`` for ``k = reg_max/2 - 1 .. 1``, ``0``, ``r^k - 1`` for ``k = 1 ..
-    reg_max/2 - 1``, then ``2a``; the inner values span ``[-a, a]`` and are densest near 0.
-    ``up`` and ``reg_scale`` are the decoder's one-element tensors (``(1,)``).
-    """
-    a = up.reshape(-1)[0].abs() * reg_scale.reshape(-1)[0].abs()
-    ratio = (a + 1) ** (2 / (reg_max - 2))
-    k = torch.arange(1, reg_max // 2, device=a.device, dtype=a.dtype)
-    inner = ratio**k - 1
-    return torch.cat([(-2 * a)[None], -inner.flip(0), a.new_zeros(1), inner, (2 * a)[None]])
-
-
-def edge_targets(ref_boxes: Tensor, target_xyxy: Tensor, values: Tensor, reg_scale: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The target bins of every edge of paired boxes (no gradient).
-
-    An edge's target distance is its offset from the reference box's edge in units of the
-    reference size / ``reg_scale``: left ``(cx - x1) / (w / s) - s / 2``, top likewise with
-    ``cy``, ``y1``, ``h``, right ``(x2 - cx) / (w / s) - s / 2``, bottom likewise (``s =
-    |reg_scale|``); the decoder's boxes invert this. The distance ``d`` falls between the
-    bin values ``W[i] <= d < W[i + 1]``: left bin ``i``, weights ``(W[i+1] - d) / (W[i+1] -
-    W[i])`` (left) and ``(d - W[i]) / (W[i+1] - W[i])`` (right). Below ``W[0]`` all weight
-    goes to bin 0, at or above ``W[K-1]`` all to the last bin.
-
-    Args:
-        ref_boxes: ``(N, 4)`` cxcywh reference boxes (the decoder's fixed initial boxes).
-        target_xyxy: ``(N, 4)`` the ground-truth boxes.
-        values: ``(K,)`` the increasing bin values ``W(n)``.
-        reg_scale: the decoder's ``reg_scale`` (a number or a one-element tensor).
-
-    Returns:
-        ``(left, weight_left, weight_right)``, each ``(N * 4,)`` edge-major per pair
-        (left, top, right, bottom): the left bin (int64, in ``[0, K - 2]``) and the two
-        interpolation weights.
-    """
-    with torch.no_grad():
-        ref_boxes = _wide(ref_boxes)
-        scale = torch.as_tensor(reg_scale, device=ref_boxes.device).abs().to(ref_boxes.dtype)
-        scale = scale.reshape(-1)[0]
-        cx, cy, w, h = ref_boxes.unbind(-1)
-        unit_x = w / scale + 1e-16
-        unit_y = h / scale + 1e-16
-        x1, y1, x2, y2 = target_xyxy.to(ref_boxes).unbind(-1)
-        dist = torch.stack([(cx - x1) / unit_x, (cy - y1) / unit_y,
-                            (x2 - cx) / unit_x, (y2 - cy) / unit_y], -1) - 0.5 * scale
-        dist = dist.reshape(-1)
-        values = values.to(dist)
-        last = len(values) - 1
-        # i = (number of values <= d) - 1: -1 below the first value, `last` at / above the last
-        index = torch.searchsorted(values, dist, right=True) - 1
-        inside = (index >= 0) & (index < last)
-        safe = index.clamp(0, last - 1)
-        low, high = values[safe], values[safe + 1]
-        below, above = (dist - low).abs(), (high - dist).abs()
-        right = torch.where(inside, below / (below + above), (index >= last).to(dist.dtype))
-        return safe, 1 - right, right
-
-
 def fine_grained_localization_loss(corners: Tensor, left: Tensor, weight_left: Tensor,
                                    weight_right: Tensor, iou: Tensor,
                                    normalizer: float | Tensor) -> Tensor:
@@ -160,7 +97,9 @@ def fine_grained_localization_loss(corners: Tensor, left: Tensor, weight_left: T
 
     Args:
         corners: ``(N, 4 * K)`` the edge-distribution logits of the matched queries.
-        left, weight_left, weight_right: ``(N * 4,)`` :func:`edge_targets`.
+        left: ``(N * 4,)`` int64 left target bin of each edge (edge-major per pair: left,
+            top, right, bottom), in ``[0, K - 2]``.
+        weight_left, weight_right: ``(N * 4,)`` its interpolation weights.
         iou: ``(N,)`` IoU of each pair's predicted box (a weight, no gradient).
         normalizer: the sum is divided by it.
     """
@@ -169,7 +108,8 @@ def fine_grained_localization_loss(corners: Tensor, left: Tensor, weight_left: T
         log_prob = logits.log_softmax(-1)
         near = -log_prob.gather(1, left[:, None]).squeeze(1)
         far = -log_prob.gather(1, left[:, None] + 1).squeeze(1)
-        per_edge = near * weight_left.to(logits) + far * weight_right.to(logits)
+        per_edge = (near * weight_left.reshape(-1).to(logits)
+                    + far * weight_right.reshape(-1).to(logits))
         return (per_edge * iou.detach().to(logits).repeat_interleave(4)).sum() / normalizer
 
 

@@ -1,6 +1,7 @@
 """The D-FINE / DEIM loss terms against naive references written from the maths (loops over
 pairs, edges and bins; float64), forward and gradients; the loss config; the criterion's
-keys, normalisers and edge cases."""
+keys, normalisers and edge cases. (W(n) and the bin targets alone:
+test_dfine_distribution.py.)"""
 
 from __future__ import annotations
 
@@ -16,11 +17,8 @@ from detr_irpe.errors import ConfigError
 from detr_irpe.models.dfine.criterion import DFINECriterion, build_criterion, dfine_weight_dict
 from detr_irpe.models.dfine.loss_config import DFINELossConfig
 from detr_irpe.models.dfine.losses import (
-    bin_values,
     ddf_mix_weights,
     decoupled_distillation_loss,
-    edge_targets,
-    fine_grained_localization_loss,
     matchability_aware_loss,
 )
 from detr_irpe.models.dfine.matching import DFINEMatcher, union_matches
@@ -159,57 +157,31 @@ def _boxes(n: int, g: torch.Generator, size=(0.05, 0.35)) -> torch.Tensor:
     return torch.cat([centre, wh], 1)
 
 
-def test_bin_values_follow_the_formula() -> None:
-    for reg_max, up, scale in [(32, 0.5, 4.0), (32, 0.5, 8.0), (8, 0.7, 3.0)]:
-        ours = bin_values(reg_max, torch.tensor([up], dtype=F64), torch.tensor([scale], dtype=F64))
-        expected = torch.tensor(naive_bins(reg_max, up, scale), dtype=F64)
-        torch.testing.assert_close(ours, expected, rtol=1e-13, atol=1e-13)
-        assert len(ours) == reg_max + 1 and bool((ours.diff() > 0).all())
-        a = up * scale
-        assert ours[0].item() == -2 * a and ours[-1].item() == 2 * a
-        assert ours[1:-1].abs().max().item() <= a + 1e-12
-
-
-def test_edge_targets_equal_the_naive_bins() -> None:
-    g = _gen(1)
-    refs, targets = _boxes(40, g), _boxes(40, g, (0.01, 0.8))  # many edges out of range
-    s = 4.0
-    values = bin_values(REG_MAX, torch.tensor([0.5], dtype=F64), torch.tensor([s], dtype=F64))
-    xyxy = torch.cat([targets[:, :2] - targets[:, 2:] / 2, targets[:, :2] + targets[:, 2:] / 2], 1)
-    left, w_left, w_right = edge_targets(refs, xyxy, values, torch.tensor([s], dtype=F64))
-    seen = set()
-    for p in range(len(refs)):
-        dists = naive_distances(refs[p].tolist(), targets[p].tolist(), s)
-        for e in range(4):
-            i, wl, wr = naive_edge_target(dists[e], values.tolist())
-            k = 4 * p + e
-            assert left[k].item() == i
-            assert w_left[k].item() == pytest.approx(wl, abs=1e-12)
-            assert w_right[k].item() == pytest.approx(wr, abs=1e-12)
-            seen.add("below" if dists[e] < values[0] else
-                     "above" if dists[e] >= values[-1] else "inside")
-    assert seen == {"below", "inside", "above"}
-
-
 def test_fgl_forward_and_gradient_equal_the_naive_loss() -> None:
+    """The criterion's FGL of matched pairs (bin targets, IoU weight, cross-entropies)."""
     g = _gen(2)
-    n, bins, s = 5, REG_MAX + 1, 4.0
-    refs, targets = _boxes(n, g), _boxes(n, g)
-    pred = _boxes(n, g)
-    pred[0, 2] = -0.05  # an inverted box: its IoU is that of a zero-width box
-    values = bin_values(REG_MAX, torch.tensor([0.5], dtype=F64), torch.tensor([s], dtype=F64))
-    corners = torch.randn(n, 4 * bins, generator=g, dtype=F64, requires_grad=True)
+    n, bins, s = 6, REG_MAX + 1, 4.0
+    refs = _boxes(n, g).view(1, n, 4)
+    targets = _boxes(n, g, (0.01, 0.8))  # edges below, inside and above the bins
+    pred = _boxes(n, g).view(1, n, 4)
+    pred[0, 0, 2] = -0.05  # an inverted box: its IoU is that of a zero-width box
+    corners = torch.randn(1, n, 4 * bins, generator=g, dtype=F64, requires_grad=True)
     corners_naive = corners.detach().clone().requires_grad_(True)
-    xyxy = torch.cat([targets[:, :2] - targets[:, 2:] / 2, targets[:, :2] + targets[:, 2:] / 2], 1)
-    left, w_left, w_right = edge_targets(refs, xyxy, values, torch.tensor([s], dtype=F64))
-    iou = torch.tensor([naive_iou(a.tolist(), b.tolist()) for a, b in zip(pred, targets)],
-                       dtype=F64)
-    ours = fine_grained_localization_loss(corners, left, w_left, w_right, iou, 3.0)
-    naive = naive_fgl(corners_naive, refs, targets, pred, values.tolist(), s, 3.0)
-    torch.testing.assert_close(ours, naive, rtol=1e-12, atol=1e-12)
+    order = torch.randperm(n, generator=g)  # query order[k] is matched to target k
+    out = {"pred_corners": corners, "pred_boxes": pred, "ref_points": refs}
+    ours = _criterion().fgl_term(out, [{"boxes": targets}], [(order, torch.arange(n))], 3.0,
+                                 torch.tensor([0.5], dtype=F64), torch.tensor([s], dtype=F64))
+    values = naive_bins(REG_MAX, 0.5, s)
+    naive = naive_fgl(corners_naive[0, order], refs[0, order], targets, pred[0, order], values,
+                      s, 3.0)
+    dists = [d for p in range(n) for d in naive_distances(refs[0, p].tolist(),
+                                                          targets[p].tolist(), s)]
+    assert min(dists) < values[0] and max(dists) >= values[-1]
+    # the IoU weights are float32 (box_ops): float32 rounding
+    torch.testing.assert_close(ours, naive, rtol=1e-6, atol=1e-9)
     ours.backward()
     naive.backward()
-    torch.testing.assert_close(corners.grad, corners_naive.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(corners.grad, corners_naive.grad, rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("temperature", [5.0, 1.0])
