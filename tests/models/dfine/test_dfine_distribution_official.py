@@ -1,4 +1,4 @@
-"""Fine-grained Distribution Refinement maths (detr_irpe/models/fdr.py) against the
+"""Fine-grained Distribution Refinement maths (detr_irpe/models/dfine/distribution.py) against the
 published D-FINE functions' outputs (tests/reference_data/dfine_fdr_official.pt:
 weighting_function, Integral, distance2bbox and bbox2distance of Peterande/D-FINE at commit
 4a1f73a, run on the CPU on seeded inputs, float64 except bbox2distance, which the published
@@ -12,7 +12,23 @@ import pytest
 import torch
 from helpers import ROOT
 
-from detr_irpe.models.fdr import box_to_distance, distance_to_box, integral, weighting_function
+from detr_irpe.models.dfine import distribution
+from detr_irpe.models.dfine.distribution import distance_to_box, integral
+
+
+def _t(value) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=torch.float64).reshape(1)
+
+
+def weighting_function(reg_max, up, reg_scale):
+    return distribution.weighting_function(reg_max, _t(up), _t(reg_scale))
+
+
+def box_to_distance(reference, boxes, reg_max, reg_scale, up):
+    """The targets flattened edge by edge (the published layout), float32 in, float32 out."""
+    out = distribution.box_to_distance(reference, boxes, reg_max,
+                                       _t(up).to(reference.dtype), _t(reg_scale).to(reference.dtype))
+    return tuple(t.reshape(-1) for t in out)
 
 OFFICIAL = torch.load(ROOT / "tests" / "reference_data" / "dfine_fdr_official.pt",
                       weights_only=True)
@@ -106,5 +122,5 @@ def test_box_targets_invert_the_decoding() -> None:
         positions, right, _ = box_to_distance(reference, xyxy, reg_max, scale, up)
         torch.testing.assert_close(positions, torch.full((4,), position, dtype=torch.float64))
         torch.testing.assert_close(right, torch.full((4,), right_weight, dtype=torch.float64))
-    with pytest.raises(ValueError, match="reg_max must be an even number"):
+    with pytest.raises(ValueError, match="reg_max must be even"):
         weighting_function(7, 0.5, 4.0)
