@@ -109,6 +109,9 @@ class CheckpointSupport:
             (DN-DETR's matching-query content).
         encoder_attention_prefix: the key prefix of the encoder layers whose
             self-attention takes iRPE tables (``transformer.encoder.layers.``).
+        derived_keys: entries of the published files that this family's models compute
+            instead of storing (D-FINE's anchors for one input size): dropped when a file
+            is loaded into a model without them.
     """
 
     recognizes: Callable[[Mapping[str, Any]], bool]
@@ -123,6 +126,7 @@ class CheckpointSupport:
         lambda state: ("class_embed.weight", "class_embed.bias"))
     kept_last_row: tuple[str, ...] = ()
     encoder_attention_prefix: str = "transformer.encoder.layers."
+    derived_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

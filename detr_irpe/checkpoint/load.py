@@ -19,7 +19,9 @@ Rules (:func:`load_state`):
 - a rotary encoding (or absolute one) other than the one the saved config names: logged
   (RoPE-Axial and the sine encoding have no weights; the tools that build a model from a
   checkpoint refuse the difference, :mod:`~detr_irpe.checkpoint.saved_config`);
-- ``num_batches_tracked`` of a trainable-BN checkpoint: dropped;
+- ``num_batches_tracked`` of a trainable-BN checkpoint: dropped; so are the entries a
+  published file stores that the model computes (its family's ``derived_keys``: D-FINE's
+  anchors);
 - any other missing, unexpected or mis-shaped key: error. Every error names the file,
   the first keys of each kind and the config keys that explain the difference
   (``model.hidden_dim: checkpoint 256, model 128``).
@@ -56,6 +58,17 @@ logger = logging.getLogger(__name__)
 def _drop_bn_counters(state: dict[str, Tensor], target: Mapping[str, Tensor]) -> list[str]:
     """Remove ``num_batches_tracked`` entries the model has no place for (frozen BN)."""
     dropped = [k for k in state if k.endswith("num_batches_tracked") and k not in target]
+    for key in dropped:
+        del state[key]
+    return dropped
+
+
+def _drop_derived(state: dict[str, Tensor], target: Mapping[str, Tensor]) -> list[str]:
+    """Remove the entries a published file stores that the model computes instead (its
+    family's ``derived_keys``: D-FINE's anchors for one input size)."""
+    family = family_of_state(state)
+    derived = family.checkpoint.derived_keys if family and family.checkpoint else ()
+    dropped = [k for k in derived if k in state and k not in target]
     for key in dropped:
         del state[key]
     return dropped
@@ -325,7 +338,7 @@ def load_state(
     path = meta.get("path")
     target = model.state_dict()
     state = dict(state)
-    dropped = _drop_bn_counters(state, target)
+    dropped = _drop_bn_counters(state, target) + _drop_derived(state, target)
     missing_rpe = _missing_rpe_tables(state, target, path)
     missing_rope = _missing_rope_frequencies(state, target, path)
     reinitialized, last_rows = _take_off_class_head(state, target, path, strict_head)
