@@ -12,8 +12,9 @@ github.com/ShihuaHuang95/DEIM) outside this repository, and ``scipy``,
 One model per process (the published config system keeps state between builds). The
 weights are :func:`dfine_weights.synthetic_state_dict` of the built model (a function of
 each key), loaded strictly; ``outputs`` saves, in float64, the eval outputs of two seeded
-images, the published post-processor's detections, and a training forward with seeded
-denoising.
+images and the published post-processor's detections (with ``--train`` also a training
+forward with seeded denoising); ``keys`` the state-dict keys and shapes of the published
+model (80 classes) and its parameter count.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def _flat(out: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in out.items():
         if torch.is_tensor(value):
-            flat[prefix + key] = value.detach().clone()
+            # detached, not copied: the teachers (the last layer's tensors) are stored once
+            flat[prefix + key] = value.detach()
         elif isinstance(value, dict) and key != "dn_meta":
             flat.update(_flat(value, f"{prefix}{key}."))
         elif isinstance(value, list) and value and isinstance(value[0], dict):
@@ -82,6 +84,8 @@ def main() -> None:
     parser.add_argument("--kind", choices=sorted(CONFIGS), required=True)
     parser.add_argument("--size", choices=list("nsmlx"), required=True)
     parser.add_argument("--mode", choices=("keys", "outputs"), required=True)
+    parser.add_argument("--train", action="store_true",
+                        help="also a training forward with seeded denoising")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out_path = Path(args.out).resolve()
@@ -109,21 +113,23 @@ def main() -> None:
         out = model(x)
     sizes_wh = torch.tensor([[640, 480], [333, 500]])
     results = postprocessor(out, sizes_wh)
-    model.train()
-    torch.manual_seed(TRAIN_SEED)
-    train_out = model(x, targets())
-    meta = train_out["dn_meta"]
-    torch.save({
+    record = {
         "config": path, "image_shape": list(IMAGE), "num_classes": NUM_CLASSES,
         "num_queries": NUM_QUERIES, "num_denoising": NUM_DENOISING,
         "eval": {"pred_logits": out["pred_logits"], "pred_boxes": out["pred_boxes"]},
         "post": {"orig_target_sizes_wh": sizes_wh, "num_top_queries": TOP,
                  "results": [{k: v.clone() for k, v in r.items()} for r in results]},
-        "train": {"seed": TRAIN_SEED, "outputs": _flat(train_out),
-                  "dn_num_group": meta["dn_num_group"],
-                  "dn_num_split": list(meta["dn_num_split"]),
-                  "dn_positive_idx": [t.clone() for t in meta["dn_positive_idx"]]},
-    }, out_path)
+    }
+    if args.train:
+        model.train()
+        torch.manual_seed(TRAIN_SEED)
+        train_out = model(x, targets())
+        meta = train_out["dn_meta"]
+        record["train"] = {"seed": TRAIN_SEED, "outputs": _flat(train_out),
+                           "dn_num_group": meta["dn_num_group"],
+                           "dn_num_split": list(meta["dn_num_split"]),
+                           "dn_positive_idx": [t.clone() for t in meta["dn_positive_idx"]]}
+    torch.save(record, out_path)
 
 
 if __name__ == "__main__":
