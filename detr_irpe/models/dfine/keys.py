@@ -13,6 +13,7 @@ from torch import Tensor
 
 from detr_irpe.errors import CheckpointError
 from detr_irpe.irpe import is_rpe_key
+from detr_irpe.models.dfine.config import SIZES, DFINEModelConfig
 from detr_irpe.models.dfine.hgnetv2 import HGNETV2_CHANNELS
 from detr_irpe.models.rtdetr.presnet import DEPTHS
 
@@ -139,11 +140,23 @@ def architecture(state: Mapping[str, Tensor], source: str = "checkpoint") -> dic
 
 
 def published_size(found: Mapping[str, Any]) -> str | None:
-    """The published size (n, s, m, l, x) of :func:`architecture`'s settings, None when
-    they are no published size's."""
-    table = {("hgnetv2_b0", 2): "n", ("hgnetv2_b0", 3): "s", ("hgnetv2_b2", 3): "m",
-             ("hgnetv2_b4", 3): "l", ("hgnetv2_b5", 3): "x"}
-    return table.get((found["backbone"], len(found["backbone_return_idx"])))
+    """The published size (n, s, m, l, x) whose network :func:`architecture`'s settings
+    describe, None when they are no published size's."""
+    for size in SIZES:
+        recipe = DFINEModelConfig.for_size(size)
+        if all(_same(getattr(recipe, key), found[key]) for key in _SIZE_KEYS if key in found):
+            return size
+    return None
+
+
+# the settings that tell the published sizes apart (freezing is the recipe's, not the net's)
+_SIZE_KEYS = ("backbone", "backbone_return_idx", "use_lab", "enc_hidden_dim",
+              "enc_dim_feedforward", "enc_layers", "hidden_dim", "dim_feedforward",
+              "dec_layers", "num_points", "reg_max", "reg_scale")
+
+
+def _same(a: Any, b: Any) -> bool:
+    return abs(a - b) < 1e-9 if isinstance(a, float) else a == b
 
 
 def has_rpe(state: Mapping[str, object]) -> bool:
