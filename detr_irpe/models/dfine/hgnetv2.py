@@ -54,10 +54,15 @@ IMAGENET_URL = "https://github.com/Peterande/storage/releases/download/dfinev1.0
 def _timm_hgnet() -> Any:
     """timm's HGNet module (``HighPerfGpuNet``, ``model_cfgs``)."""
     try:
-        return importlib.import_module("timm.models.hgnet")
+        module = importlib.import_module("timm.models.hgnet")
     except ImportError:
         raise ConfigError("model.backbone=hgnetv2_*: HGNetv2 comes from the timm package, "
                           "which is not installed; pip install 'detr_irpe[timm]'") from None
+    if "hgnetv2_b0" not in getattr(module, "model_cfgs", {}):
+        version = getattr(importlib.import_module("timm"), "__version__", "?")
+        raise ConfigError(f"model.backbone=hgnetv2_*: timm {version} has no HGNetv2; "
+                          "upgrade it (tested with timm 1.0.31): pip install -U timm")
+    return module
 
 
 def frozen_norms(module: nn.Module) -> nn.Module:
