@@ -132,8 +132,9 @@ def test_training_forward_with_denoising_equals_the_published_code(kind: str) ->
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["dfine_n", "dfine_s", "dfine_m", "dfine_l", "dfine_x",
-                                  "deim_l", "deim_x"])
+@pytest.mark.parametrize("name", ["dfine_n", "dfine_s", "dfine_m",
+                                  *(pytest.param(n, marks=pytest.mark.slow)
+                                    for n in ("dfine_l", "dfine_x", "deim_l", "deim_x"))])
 def test_state_dict_keys_shapes_and_sizes_are_the_published_ones(name: str) -> None:
     official = json.loads((DATA / "dfine_official_keys.json").read_text())[name]
     kind, size = name.split("_")

@@ -27,6 +27,36 @@ def run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def test_finetune_from_a_published_file_by_its_zoo_name(tiny_dataset: Path, tmp_path: Path,
+                                                        hub_dir: Path, monkeypatch) -> None:
+    """``--finetune NAME`` with an iRPE config: the published file (its anchors included)
+    is fetched by name and loaded, the iRPE tables keep their zero start."""
+    from detr_irpe.checkpoint import zoo
+    from detr_irpe.config import load_config
+    from detr_irpe.models import build_model
+
+    cfg = load_config("dfine_tiny", ["model.num_classes=3", "model.rpe=none"])
+    torch.manual_seed(3)
+    published, _, _ = build_model(cfg, load_backbone_weights=False)
+    path = tmp_path / "dfine_s_coco.pth"
+    torch.save({"model": {**published.state_dict(),
+                          "decoder.anchors": torch.zeros(1, 8400, 4),
+                          "decoder.valid_mask": torch.ones(1, 8400, 1, dtype=torch.bool)}},
+               path)
+    monkeypatch.setitem(zoo.ZOO, "dfine_s", zoo.ZooEntry("dfine_s", path.as_uri(), False))
+    out = tmp_path / "run"
+    status = load_tool("train").main([
+        "--config", "dfine_tiny", "--finetune", "dfine_s", "--no-progress", "--set",
+        f"data.root={tiny_dataset}", "train.epochs=1", "train.lr=1e-12", "train.lr_backbone=0",
+        f"train.output_dir={out}", "train.loggers=[]", "train.ema.enabled=false"])
+    assert status == 0
+    trained = torch.load(out / "checkpoint_last.pth", weights_only=True)["model"]
+    tables = [k for k in trained if ".rpe_k." in k]
+    assert tables and all(trained[k].abs().max() < 1e-6 for k in tables)
+    weight = "decoder.dec_bbox_head.0.layers.0.weight"
+    torch.testing.assert_close(trained[weight], published.state_dict()[weight])
+
+
 def test_eval_at_sizes_and_predict(run: Path, tiny_dataset: Path, tmp_path: Path) -> None:
     ckpt = run / "checkpoint_last.pth"
     out = tmp_path / "eval"
