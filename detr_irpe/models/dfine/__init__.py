@@ -55,9 +55,7 @@ FAMILY = register_family(DetectorFamily(
     onnx_wrapper=onnx_wrapper,
     sigmoid_classes=True,
     figures=("selected-queries",),
-    # no benchmark row yet: the benchmark's quick settings (QUICK_MODEL: a "resnet18"
-    # backbone) do not fit this family's backbones
-    benchmark_targets={},
+    benchmark_targets={"D-FINE": "dfine_l"},
     attention=AttentionSupport(
         encoder=encoder_attention, grid_stride=DFINE.STRIDE,
         no_decoder_figure="D-FINE's decoder cross-attention is deformable (a few sampled "
