@@ -14,7 +14,7 @@ from detr_irpe.checkpoint import zoo
 from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.config import load_config
 from detr_irpe.errors import CheckpointError
-from detr_irpe.family import family_of_state
+from detr_irpe.family import family_of_state, get_family
 from detr_irpe.models import build_model
 from detr_irpe.models.dfine.build import build_dfine
 from detr_irpe.models.dfine.checkpoint import CHECKPOINT
@@ -110,8 +110,9 @@ def test_the_settings_read_off_a_state_dict_are_the_models(size: str) -> None:
 def test_the_family_is_recognised_next_to_rtdetr() -> None:
     dfine = _tiny(0).state_dict()
     assert family_of_state(dfine).name == "dfine"
-    assert family_of_state(_tiny(0, "model.backbone=resnet18vd", "model.use_lab=null")
-                           .state_dict()).name == "dfine"
+    with_resnet = _tiny(0, "model.backbone=resnet18vd", "model.use_lab=null").state_dict()
+    assert family_of_state(with_resnet).name == "dfine"
+    assert not get_family("rtdetr").checkpoint.recognizes(with_resnet)
     torch.manual_seed(0)
     rtdetr, _, _ = build_model(load_config("rtdetr_tiny", TINY), load_backbone_weights=False)
     assert family_of_state(rtdetr.state_dict()).name == "rtdetr"
