@@ -35,9 +35,11 @@ def _tiny(seed: int, *overrides: str):
 
 def _published(model: torch.nn.Module) -> dict:
     """``model``'s state dict as a published file holds it: with the anchors of a 640 x 640
-    eval size (any values: they are computed here)."""
+    eval size (any values: they are computed here) and ``reg_scale`` an int64 tensor (the
+    published YAML's ``4``)."""
     return {**model.state_dict(), "decoder.anchors": torch.zeros(1, 8400, 4),
-            "decoder.valid_mask": torch.ones(1, 8400, 1, dtype=torch.bool)}
+            "decoder.valid_mask": torch.ones(1, 8400, 1, dtype=torch.bool),
+            "decoder.reg_scale": torch.tensor([4]), "decoder.decoder.reg_scale": torch.tensor([4])}
 
 
 def test_published_layouts_load_by_path_with_a_config(tmp_path: Path) -> None:
@@ -53,6 +55,8 @@ def test_published_layouts_load_by_path_with_a_config(tmp_path: Path) -> None:
         for key, value in source.state_dict().items():
             assert torch.equal(loaded.model.state_dict()[key], value), key
         assert set(loaded.meta["load"]["dropped"]) >= {"decoder.anchors", "decoder.valid_mask"}
+        reg_scale = loaded.model.decoder.reg_scale
+        assert reg_scale.dtype == torch.float32 and reg_scale.item() == 4.0
         images = torch.rand(1, 3, 64, 64)
         with torch.no_grad():
             torch.testing.assert_close(loaded.model(images)["pred_boxes"],
