@@ -91,20 +91,18 @@ def select_targets(names: Sequence[str] | None = None, flag: str = "--targets"
 
 
 def quick_overrides(config: str) -> list[str]:
-    """The :data:`QUICK_MODEL` settings that ``config``'s model section has and takes, as
-    overrides (a key of the same name may mean another thing in another family: RT-DETR's
-    ``model.backbone`` names no ResNet)."""
+    """The :data:`QUICK_MODEL` settings that ``config``'s model section has and accepts
+    (D-FINE has a ``backbone`` key but no ``resnet18``), as overrides."""
     keys = {f.name for f in dataclasses.fields(load_config(config).model)}
-    out = []
+    out: list[str] = []
     for key, value in QUICK_MODEL.items():
-        override = f"model.{key}={value}"
         if key not in keys:
             continue
         try:
-            load_config(config, [override])
+            load_config(config, [*out, f"model.{key}={value}"])
         except ConfigError:
             continue
-        out.append(override)
+        out.append(f"model.{key}={value}")
     return out
 
 

@@ -18,7 +18,9 @@ Rules (:func:`load_state`):
 - an encoding without weights other than the one the saved config names: logged
   (RoPE-Axial and the sine encoding; the tools that build a model from a checkpoint
   refuse the difference, :mod:`~detr_irpe.checkpoint.saved_config`);
-- ``num_batches_tracked`` of a trainable-BN checkpoint: dropped;
+- ``num_batches_tracked`` of a trainable-BN checkpoint: dropped; so are the entries a
+  published file stores that the model computes (its family's ``derived_keys``: D-FINE's
+  anchors);
 - a tensor with NaN or infinite values: error naming the file and the tensor;
 - any other missing, unexpected or mis-shaped key: error. Every error names the file,
   the first keys of each kind and the config keys that explain the difference
@@ -58,6 +60,17 @@ logger = logging.getLogger(__name__)
 def _drop_bn_counters(state: dict[str, Tensor], target: Mapping[str, Tensor]) -> list[str]:
     """Remove ``num_batches_tracked`` entries the model has no place for (frozen BN)."""
     dropped = [k for k in state if k.endswith("num_batches_tracked") and k not in target]
+    for key in dropped:
+        del state[key]
+    return dropped
+
+
+def _drop_derived(state: dict[str, Tensor], target: Mapping[str, Tensor]) -> list[str]:
+    """Remove the entries a published file stores that the model computes instead (its
+    family's ``derived_keys``: D-FINE's anchors for one input size)."""
+    family = family_of_state(state)
+    derived = family.checkpoint.derived_keys if family and family.checkpoint else ()
+    dropped = [k for k in derived if k in state and k not in target]
     for key in dropped:
         del state[key]
     return dropped
@@ -303,7 +316,7 @@ def load_state(
         raise CheckpointError(f"checkpoint {path}: {broken} holds NaN or infinite values; "
                               "these weights cannot make predictions (a diverged run, or a "
                               "damaged file)")
-    dropped = _drop_bn_counters(state, target)
+    dropped = _drop_bn_counters(state, target) + _drop_derived(state, target)
     missing = _missing_encoding_parameters(state, target, path)
     reinitialized, last_rows = _take_off_class_head(state, target, path, strict_head)
     left = {k for keys in missing.values() for k in keys}

@@ -18,6 +18,7 @@ checkpoints (``backbone.*``) load by name.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 from collections.abc import Mapping, Sequence
@@ -31,9 +32,22 @@ from detr_irpe.models.backbone import FrozenBatchNorm2d
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HGNETV2_SIZES", "HGNETV2_URLS", "HGNetv2", "load_hgnetv2_weights"]
+__all__ = ["HGNETV2_CHANNELS", "HGNETV2_SIZES", "HGNETV2_URLS", "LAB_SIZES", "HGNetv2",
+           "load_hgnetv2_weights"]
 
 HGNETV2_SIZES = ("b0", "b1", "b2", "b3", "b4", "b5", "b6")
+# size -> output channels of the four stages (strides 4, 8, 16, 32)
+HGNETV2_CHANNELS: dict[str, tuple[int, int, int, int]] = {
+    "b0": (64, 256, 512, 1024),
+    "b1": (64, 256, 512, 1024),
+    "b2": (96, 384, 768, 1536),
+    "b3": (128, 512, 1024, 2048),
+    "b4": (128, 512, 1024, 2048),
+    "b5": (128, 512, 1024, 2048),
+    "b6": (192, 512, 1024, 2048),
+}
+# the sizes built with learnable affine blocks unless told otherwise (timm's and D-FINE's)
+LAB_SIZES = ("b0", "b1", "b2", "b3")
 # The published ImageNet files (the D-FINE release; a download only where a user asks)
 HGNETV2_URLS = {size: "https://github.com/Peterande/storage/releases/download/dfinev1.0/"
                       f"PPHGNetV2_{size.upper()}_stage1.pth" for size in HGNETV2_SIZES}
@@ -46,6 +60,22 @@ def _timm():
     import timm  # optional (the timm extra): checked for just above
 
     return timm
+
+
+def _network(size: str, use_lab: bool | None) -> nn.Module:
+    """timm's ``hgnetv2_<size>`` without a classifier; ``use_lab`` None: the size's own
+    setting (:data:`LAB_SIZES`), else built from timm's settings with that choice
+    (``timm.create_model`` fixes it per size)."""
+    timm = _timm()
+    if use_lab is None or use_lab == (size in LAB_SIZES):
+        return timm.create_model(f"hgnetv2_{size}", pretrained=False, num_classes=0)
+    hgnet = importlib.import_module("timm.models.hgnet")
+    if f"hgnetv2_{size}" not in getattr(hgnet, "model_cfgs", {}):
+        raise ConfigError(f"HGNetv2 with use_lab={use_lab}: timm {timm.__version__} does not "
+                          "expose the network settings; upgrade it (tested with timm "
+                          "1.0.31): pip install -U timm")
+    return hgnet.HighPerfGpuNet(hgnet.model_cfgs[f"hgnetv2_{size}"], num_classes=0,
+                                use_lab=use_lab)
 
 
 def _freeze_norms(module: nn.Module) -> nn.Module:
@@ -74,14 +104,17 @@ class HGNetv2(nn.Module):
             ``freeze_stem_only`` false, the stages up to ``freeze_at`` too.
         freeze_stem_only: with ``freeze_at >= 0``, freeze the stem alone (published).
         freeze_norm: every batch norm frozen (statistics and affine values fixed).
+        use_lab: the learnable affine blocks after the activated convs; None: the size's
+            own (on for B0-B3, :data:`LAB_SIZES`, as D-FINE and DEIM publish them).
 
     Attributes:
-        out_channels, strides: of the returned maps.
+        out_channels, strides: of the returned maps (``out_strides``: the same strides,
+            under the name the other backbones use).
     """
 
     def __init__(self, size: str = "b0", return_idx: Sequence[int] = (1, 2, 3),
                  freeze_at: int = -1, freeze_stem_only: bool = True,
-                 freeze_norm: bool = False) -> None:
+                 freeze_norm: bool = False, *, use_lab: bool | None = None) -> None:
         super().__init__()
         if size not in HGNETV2_SIZES:
             raise ConfigError(f"HGNetv2 size {size!r}: choose one of {', '.join(HGNETV2_SIZES)}")
@@ -89,13 +122,13 @@ class HGNetv2(nn.Module):
                 list(return_idx) != sorted(set(return_idx)):
             raise ConfigError(f"HGNetv2 return_idx {list(return_idx)}: increasing stage "
                               "indices out of 0, 1, 2, 3")
-        net = _timm().create_model(f"hgnetv2_{size}", pretrained=False)
+        net = _network(size, use_lab)
         self.size = size
         self.stem, self.stages = net.stem, net.stages
         self.return_idx = tuple(return_idx)
-        channels = [info["num_chs"] for info in net.feature_info][-4:]
-        self.out_channels = [channels[i] for i in self.return_idx]
+        self.out_channels = [HGNETV2_CHANNELS[size][i] for i in self.return_idx]
         self.strides = [(4, 8, 16, 32)[i] for i in self.return_idx]
+        self.out_strides = self.strides
         if freeze_at >= 0:
             frozen = [self.stem] if freeze_stem_only else [
                 self.stem, *self.stages[:min(freeze_at + 1, len(self.stages))]]
@@ -112,6 +145,8 @@ class HGNetv2(nn.Module):
             x = stage(x)
             if index in self.return_idx:
                 outs.append(x)
+            if index == self.return_idx[-1]:
+                break
         return outs
 
 

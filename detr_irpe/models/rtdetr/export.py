@@ -61,8 +61,8 @@ class RTDETRImagesToPredictions(nn.Module):
             return
         if any(side % self.stride for side in size) or min(size) < 2 * self.stride:
             raise ExportError(
-                f"--size {size[0]}x{size[1]}: a dynamic RT-DETR graph takes sides that are "
-                f"multiples of {self.stride} and at least {2 * self.stride} pixels (e.g. "
+                f"--size {size[0]}x{size[1]}: a dynamic {self.model.TITLE} graph takes sides "
+                f"that are multiples of {self.stride} and at least {2 * self.stride} pixels (e.g. "
                 f"640x640); pad the images to such sides")
 
     def dynamic_shapes(self, input_name: str) -> dict[str, dict[int, torch.export.Dim]]:

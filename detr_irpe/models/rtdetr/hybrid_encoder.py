@@ -19,6 +19,11 @@ Module names follow the published ``HybridEncoder`` (version v1), so its state-d
 (``encoder.input_proj.0.0.weight``, ``encoder.encoder.0.layers.0.self_attn.in_proj_weight``,
 ``encoder.fpn_blocks.0.bottlenecks.2.conv1.conv.weight``, ...) load unchanged.
 
+The convolutional parts (input projections, lateral convs, fusion blocks, downsampling
+convs) come from a :class:`FusionBlocks`: RT-DETR's by default (:func:`ccfm_blocks`);
+D-FINE passes its GELAN blocks (:mod:`detr_irpe.models.dfine.encoder`) and shares the AIFI
+layer, its encodings and the top-down / bottom-up passes.
+
 Positions are computed for the actual feature size at every call (the published code
 caches them for 640 x 640 in eval mode, which equals this at that size and fails at
 any other). The RepVGG blocks are kept as two branches (no re-parameterisation for
@@ -27,7 +32,8 @@ deployment).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +125,49 @@ class CSPRepLayer(nn.Module):
         return self.conv3(self.bottlenecks(self.conv1(x)) + self.conv2(x))
 
 
+@dataclass(frozen=True)
+class FusionBlocks:
+    """The convolutional parts of a hybrid encoder of width ``C``, as factories.
+
+    Attributes:
+        input_proj: ``(c_in, C) ->`` the projection of a backbone map to ``C`` channels.
+        lateral: ``C ->`` the top-down pass's conv of the coarser map before upsampling.
+        fpn: ``C ->`` the top-down fusion block, ``2C -> C`` channels (upsampled coarse map
+            and finer map, concatenated in that order).
+        downsample: ``C ->`` the bottom-up pass's stride-2 conv.
+        pan: ``C ->`` the bottom-up fusion block, ``2C -> C`` channels (downsampled map and
+            coarser top-down map, concatenated in that order).
+    """
+
+    input_proj: Callable[[int, int], nn.Module]
+    lateral: Callable[[int], nn.Module]
+    fpn: Callable[[int], nn.Module]
+    downsample: Callable[[int], nn.Module]
+    pan: Callable[[int], nn.Module]
+
+
+def ccfm_blocks(expansion: float = 1.0, depth_mult: float = 1.0,
+                act: str = "silu") -> FusionBlocks:
+    """RT-DETR's CCFM parts: 1x1 conv + BatchNorm projections (keys ``0``, ``1``), 1x1
+    lateral and 3x3 / 2 downsampling conv units with ``act``, CSP blocks of
+    ``round(3 * depth_mult)`` RepVGG blocks with hidden width ``expansion * C``."""
+    blocks = round(3 * depth_mult)
+
+    def input_proj(c_in: int, width: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width))
+
+    def csp(width: int) -> nn.Module:
+        return CSPRepLayer(2 * width, width, blocks, expansion, act)
+
+    return FusionBlocks(
+        input_proj=input_proj,
+        lateral=lambda width: ConvNormLayer(width, width, 1, 1, act=act),
+        fpn=csp,
+        downsample=lambda width: ConvNormLayer(width, width, 3, 2, act=act),
+        pan=csp,
+    )
+
+
 class AIFILayer(nn.Module):
     """Post-norm transformer encoder layer; positions added to queries and keys.
 
@@ -185,6 +234,8 @@ class HybridEncoder(nn.Module):
             without it no absolute encoding), the others act inside the attention (iRPE,
             RoPE, a plugin's).
         rpe_init: how the iRPE tables start (``xavier`` or ``zero``: same function as without).
+        fusion: the convolutional parts (None: RT-DETR's, :func:`ccfm_blocks` of
+            ``expansion``, ``depth_mult`` and ``act``, which are then unused).
     """
 
     def __init__(
@@ -203,6 +254,7 @@ class HybridEncoder(nn.Module):
         act: str = "silu",
         encodings: PlaceEncodings | Sequence[str] | None = ("sine",),
         rpe_init: str = "zero",
+        fusion: FusionBlocks | None = None,
     ) -> None:
         super().__init__()
         encodings = as_place(encodings)
@@ -219,27 +271,20 @@ class HybridEncoder(nn.Module):
         self.num_encoder_layers = num_encoder_layers
         self.pe_temperature = pe_temperature
         self.position_embedding = position_embedding
-        self.input_proj = nn.ModuleList(
-            nn.Sequential(nn.Conv2d(c, hidden_dim, 1, bias=False), nn.BatchNorm2d(hidden_dim))
-            for c in in_channels
-        )
+        if fusion is None:
+            fusion = ccfm_blocks(expansion, depth_mult, act)
+        self.input_proj = nn.ModuleList(fusion.input_proj(c, hidden_dim) for c in in_channels)
         self.encoder = nn.ModuleList(
             AIFIEncoder([AIFILayer(hidden_dim, nhead, dim_feedforward, dropout, enc_act,
                                    encodings)
                          for _ in range(num_encoder_layers)])
             for _ in self.use_encoder_idx
         )
-        blocks = round(3 * depth_mult)
-        self.lateral_convs = nn.ModuleList(
-            ConvNormLayer(hidden_dim, hidden_dim, 1, 1, act=act) for _ in range(levels - 1))
-        self.fpn_blocks = nn.ModuleList(
-            CSPRepLayer(2 * hidden_dim, hidden_dim, blocks, expansion, act)
-            for _ in range(levels - 1))
+        self.lateral_convs = nn.ModuleList(fusion.lateral(hidden_dim) for _ in range(levels - 1))
+        self.fpn_blocks = nn.ModuleList(fusion.fpn(hidden_dim) for _ in range(levels - 1))
         self.downsample_convs = nn.ModuleList(
-            ConvNormLayer(hidden_dim, hidden_dim, 3, 2, act=act) for _ in range(levels - 1))
-        self.pan_blocks = nn.ModuleList(
-            CSPRepLayer(2 * hidden_dim, hidden_dim, blocks, expansion, act)
-            for _ in range(levels - 1))
+            fusion.downsample(hidden_dim) for _ in range(levels - 1))
+        self.pan_blocks = nn.ModuleList(fusion.pan(hidden_dim) for _ in range(levels - 1))
         for name, param in self.encoder.named_parameters():
             if "lookup_table" in name:
                 init_rpe_table(param, rpe_init)

@@ -20,6 +20,9 @@ SIGNATURE_KEYS = (
     "decoder.dec_score_head.0.weight",
     "decoder.enc_score_head.weight",
     "backbone.res_layers.0.blocks.0.branch2a.conv.weight",
+    # D-FINE's deformable attention has no value projection: its files (with a ResNet-vd
+    # backbone too) are not RT-DETR's
+    "decoder.decoder.layers.0.cross_attn.value_proj.weight",
 )
 
 

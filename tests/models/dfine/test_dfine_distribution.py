@@ -146,3 +146,20 @@ def test_box_to_distance_equals_the_bin_search() -> None:
     i = index.long()
     recon = left * wts[i] + right * wts[(i + 1).clamp(max=32)]
     assert_close(recon[inside], offsets[inside])
+
+
+def test_distance_to_box_gradients_equal_the_edge_formula() -> None:
+    gen = torch.Generator().manual_seed(3)
+    ref = (torch.rand(4, 4, generator=gen, dtype=F64) * 0.5 + 0.2).requires_grad_()
+    dist = torch.randn(4, 4, generator=gen, dtype=F64, requires_grad=True)
+    weights = torch.randn(4, 4, generator=gen, dtype=F64)
+    c = 4.0
+    (g_ref, g_dist) = torch.autograd.grad((distance_to_box(ref, dist, c) * weights).sum(),
+                                          (ref, dist))
+    cx, cy, w, h = ref.unbind(-1)
+    x1, y1 = cx - w / 2 - dist[:, 0] * w / c, cy - h / 2 - dist[:, 1] * h / c
+    x2, y2 = cx + w / 2 + dist[:, 2] * w / c, cy + h / 2 + dist[:, 3] * h / c
+    naive = torch.stack([(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1], -1)
+    (n_ref, n_dist) = torch.autograd.grad((naive * weights).sum(), (ref, dist))
+    assert_close(g_ref, n_ref)
+    assert_close(g_dist, n_dist)
