@@ -98,6 +98,8 @@ FAMILIES = {
                                "model.dim_feedforward=16")),
     "rtdetr": ("rtdetr_tiny", ("model.enc_hidden_dim=16", "model.hidden_dim=16",
                                "model.enc_layers=1", "model.dec_layers=1")),
+    "dfine": ("dfine_tiny", ("model.enc_hidden_dim=16", "model.hidden_dim=16",
+                             "model.dec_layers=1")),
 }
 
 
@@ -113,6 +115,8 @@ def _config(family: str, *overrides: str):
     ("dab", ["model.rope=rope-axial-50"], ["sine", IRPE, "rope-axial-50"]),
     ("rtdetr", [f"model.rpe={IRPE}", "model.rope=rope-axial"], ["sine", IRPE, "rope-axial"]),
     ("rtdetr", ["model.position_embedding=none", "model.rpe=none"], []),
+    ("dfine", ["model.rpe=none", "model.rope=rope-mixed"], ["sine", "rope-mixed"]),
+    ("dfine", ["model.position_embedding=none"], [IRPE]),
 ])
 def test_the_list_and_the_shorthands_build_the_same_model(family, shorthands, listed) -> None:
     """A config saying its encodings with the shorthand keys (every config and checkpoint

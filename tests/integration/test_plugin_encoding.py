@@ -103,6 +103,30 @@ def test_a_plugin_encoding_is_named_in_model_encodings(plugin_path) -> None:
             load_config("detr_irpe_tiny", [ALIBI[0], f"model.encodings.encoder=[{bad}]"])
 
 
+@pytest.mark.parametrize("config", ["rtdetr_tiny", "dfine_tiny"])
+def test_the_plugin_reaches_the_aifi_layer_of_rtdetr_and_dfine(plugin_path, config: str) -> None:
+    """The families whose encoder is the hybrid encoder take the plugin from
+    model.encodings as DETR does: its slopes sit in the AIFI self-attention, next to the
+    config's iRPE (dfine_tiny's), and learn from the detection loss."""
+    from detr_irpe.models import build_model
+    from detr_irpe.structures import ImageBatch
+
+    cfg = load_config(config, [*ALIBI, "model.num_classes=3", "model.backbone_weights=none"])
+    model, criterion, _ = build_model(cfg, load_backbone_weights=False)
+    slopes = {k: v for k, v in model.named_parameters() if k.endswith(".alibi_slopes")}
+    assert list(slopes) == ["encoder.encoder.0.layers.0.self_attn.encodings.0.alibi_slopes"]
+    torch.manual_seed(0)
+    batch = ImageBatch(torch.rand(2, 3, 64, 64), torch.zeros(2, 64, 64, dtype=torch.bool))
+    targets = [{"labels": torch.tensor([1]), "boxes": torch.tensor([[0.5, 0.5, 0.3, 0.3]])}
+               for _ in range(2)]
+    model.train()
+    losses = criterion(model(batch, targets), targets)
+    total = sum(criterion.weight_dict[k] * v for k, v in losses.items()
+                if k in criterion.weight_dict)
+    (grad,) = torch.autograd.grad(total, list(slopes.values()))
+    assert grad.abs().sum() > 0
+
+
 def _data(tiny_dataset: Path) -> tuple[str, ...]:
     return (f"data.root={tiny_dataset}", "data.num_workers=0", "train.batch_size=4",
             "train.num_threads=1", "train.print_freq=1", "train.loggers=[]")

@@ -11,8 +11,8 @@ from detr_irpe.errors import ConfigError
 from detr_irpe.models.dfine.config import DFINEModelConfig
 from detr_irpe.models.dfine.decoder import DFINEDecoder
 from detr_irpe.models.dfine.encoder import gelan_blocks
-from detr_irpe.models.hgnetv2 import HGNetv2, load_hgnetv2_weights
 from detr_irpe.models.dfine.model import DFINE
+from detr_irpe.models.hgnetv2 import HGNetv2, load_hgnetv2_weights
 from detr_irpe.models.postprocess import TopKPostProcess
 from detr_irpe.models.rtdetr.build import load_backbone_weights as load_presnet_weights
 from detr_irpe.models.rtdetr.hybrid_encoder import HybridEncoder

@@ -54,7 +54,7 @@ from detr_irpe.irpe.dropout import Dropout
 from detr_irpe.models.dfine.deformable import DFINEDeformableAttention
 from detr_irpe.models.dfine.distribution import distance_to_box, integral, weighting_function
 from detr_irpe.models.mlp import MLP, MLP_ACTIVATIONS
-from detr_irpe.models.rtdetr.decoder import generate_anchors
+from detr_irpe.models.rtdetr.decoder import decoder_memory, generate_anchors
 from detr_irpe.models.rtdetr.denoising import contrastive_denoising
 from detr_irpe.models.rtdetr.layers import inverse_sigmoid
 
@@ -285,13 +285,7 @@ class DFINEDecoder(nn.Module):
 
     # ---------------------------------------------------------------- the steps
     def _memory(self, feats: list[Tensor]) -> tuple[Tensor, list[tuple[int, int]]]:
-        maps = [proj(f) for proj, f in zip(self.input_proj, feats)]
-        for lvl in range(self.num_input_maps, self.num_levels):
-            source = feats[-1] if lvl == self.num_input_maps else maps[-1]
-            maps.append(self.input_proj[lvl](source))
-        shapes = [(m.shape[2], m.shape[3]) for m in maps]
-        memory = torch.cat([m.flatten(2).transpose(1, 2) for m in maps], 1)
-        return memory, shapes
+        return decoder_memory(self.input_proj, feats, self.num_levels)
 
     def _select_queries(self, memory: Tensor, shapes: list[tuple[int, int]]
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:

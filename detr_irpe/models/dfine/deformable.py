@@ -13,13 +13,12 @@ Keys: ``sampling_offsets``, ``attention_weights``, ``num_points_scale``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from detr_irpe.models.rtdetr.deformable import deformable_attention_core
+from detr_irpe.models.rtdetr.deformable import deformable_attention_core, head_directions
 
 
 class DFINEDeformableAttention(nn.Module):
@@ -52,9 +51,7 @@ class DFINEDeformableAttention(nn.Module):
         # head m samples along the direction at angle 2 pi m / h, point k of a level at
         # distance k (in units of the reference's half size / P_l), uniform weights
         nn.init.zeros_(self.sampling_offsets.weight)
-        angles = torch.arange(self.num_heads, dtype=torch.float32) * (2 * math.pi / self.num_heads)
-        direction = torch.stack([angles.cos(), angles.sin()], -1)
-        direction = direction / direction.abs().amax(-1, keepdim=True)
+        direction = head_directions(self.num_heads)
         distance = torch.cat([torch.arange(1, p + 1, dtype=torch.float32)
                               for p in self.num_points])
         grid = direction[:, None, :] * distance[None, :, None]  # (h, sum P, 2)

@@ -67,6 +67,19 @@ def generate_anchors(spatial_shapes: list[tuple[int, int]], grid_size: float = 0
     return torch.where(valid, anchors, torch.inf), valid
 
 
+def decoder_memory(input_proj: nn.ModuleList, feats: list[Tensor], num_levels: int
+                   ) -> tuple[Tensor, list[tuple[int, int]]]:
+    """The decoder's memory ``(B, sum H_l W_l, C)`` and the level shapes: each encoder map
+    through its projection, and ``num_levels - len(feats)`` extra levels, the first from
+    the last map, each next from the level before (the projections do the striding)."""
+    maps = [proj(f) for proj, f in zip(input_proj, feats)]
+    for lvl in range(len(feats), num_levels):
+        source = feats[-1] if lvl == len(feats) else maps[-1]
+        maps.append(input_proj[lvl](source))
+    shapes = [(m.shape[2], m.shape[3]) for m in maps]
+    return torch.cat([m.flatten(2).transpose(1, 2) for m in maps], 1), shapes
+
+
 class DecoderLayer(nn.Module):
     """Self-attention, deformable cross-attention, FFN (ReLU), each post-norm."""
 
@@ -219,13 +232,7 @@ class RTDETRDecoder(nn.Module):
                 nn.init.normal_(self.denoising_class_embed.weight[:-1])
 
     def _memory(self, feats: list[Tensor]) -> tuple[Tensor, list[tuple[int, int]]]:
-        maps = [proj(f) for proj, f in zip(self.input_proj, feats)]
-        for lvl in range(self.num_input_maps, self.num_levels):
-            source = feats[-1] if lvl == self.num_input_maps else maps[-1]
-            maps.append(self.input_proj[lvl](source))
-        shapes = [(m.shape[2], m.shape[3]) for m in maps]
-        memory = torch.cat([m.flatten(2).transpose(1, 2) for m in maps], 1)
-        return memory, shapes
+        return decoder_memory(self.input_proj, feats, self.num_levels)
 
     def _select_queries(self, memory: Tensor, shapes: list[tuple[int, int]]
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -63,6 +63,14 @@ def deformable_attention_core(
     return out.view(batch, heads * dim, num_queries).transpose(1, 2)
 
 
+def head_directions(num_heads: int) -> Tensor:
+    """``(h, 2)``: head m's sampling direction at angle ``2 pi m / h``, scaled so that its
+    larger coordinate is 1 (Deformable DETR's start of the sampling offsets)."""
+    angles = torch.arange(num_heads, dtype=torch.float32) * (2 * math.pi / num_heads)
+    direction = torch.stack([angles.cos(), angles.sin()], -1)
+    return direction / direction.abs().amax(-1, keepdim=True)
+
+
 class MSDeformableAttention(nn.Module):
     """Multi-scale deformable cross-attention (keys ``sampling_offsets``,
     ``attention_weights``, ``value_proj``, ``output_proj``).
@@ -95,9 +103,7 @@ class MSDeformableAttention(nn.Module):
         # Deformable DETR's start: head m samples along the direction at angle 2 pi m / h,
         # point k at distance k (in units of the reference's half size / K), uniform weights.
         nn.init.zeros_(self.sampling_offsets.weight)
-        angles = torch.arange(self.num_heads, dtype=torch.float32) * (2 * math.pi / self.num_heads)
-        direction = torch.stack([angles.cos(), angles.sin()], -1)
-        direction = direction / direction.abs().amax(-1, keepdim=True)
+        direction = head_directions(self.num_heads)
         distance = torch.arange(1, self.num_points + 1, dtype=torch.float32)
         grid = direction[:, None, None, :] * distance[None, None, :, None]
         grid = grid.expand(self.num_heads, self.num_levels, self.num_points, 2)
