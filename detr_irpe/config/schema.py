@@ -54,7 +54,7 @@ LR_SCHEDULES = ("step", "multistep", "cosine")
 # Scalar loggers of a training run (train.loggers); log.txt and train.log are always written.
 LOGGERS = ("tensorboard", "wandb")
 # data.report: what the data report at the start of training does with its problems.
-DATA_REPORT_MODES = ("warn", "error", "off")
+DATA_REPORT_MODES = ("warn", "error", "skip")
 
 
 def import_names(value: Any) -> list[str]:
@@ -242,7 +242,7 @@ class DataConfig:
     strict: bool = False
     # The data report at the start of training (detr_irpe/data/report; docs/data.md,
     # "The data report"): "warn" logs its problems, "error" stops the run on any of them,
-    # "off" skips it. Its files go to train.output_dir/data_report/.
+    # "skip" skips it. Its files go to train.output_dir/data_report/.
     report: str = "warn"
     # Images declaring more pixels (width x height, read from the file header before
     # decoding) are refused as unreadable: a small file can declare a huge image.

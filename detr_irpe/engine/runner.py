@@ -254,7 +254,7 @@ def _settle_config(cfg: Config, start: StartState, info: DistInfo, datasets: lis
     train = datasets[0]
     cfg.model.check_data_sizes(max(getattr(train, "max_objects", 1), 1),
                                f"in {getattr(train, 'ann_file', 'the training set')}'s fullest image")
-    if info.is_main and cfg.data.report == "off":  # the data report says it otherwise
+    if info.is_main and cfg.data.report == "skip":  # the data report says it otherwise
         # a sigmoid head (focal loss) has no "no object" output
         warn_sparse_category_ids(datasets, cfg.model.num_classes,
                                  sigmoid=get_family(cfg.model.family).sigmoid_classes)

@@ -51,7 +51,7 @@ def _num_queries(cfg: Config) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def report_document(document: dict[str, Any], cfg: Config | None, *, source: str,
+def report_document(document: dict[str, Any], cfg: Config | None, *, source: str = "",
                     images_dir: str | Path | None = None,
                     dropped: dict[str, int] | None = None) -> DataReport:
     """The report of a parsed COCO ``document``; ``cfg`` (None: no model checks) gives the
@@ -171,7 +171,7 @@ def check_training_data(cfg: Config, datasets: Sequence[Any], output_dir: str | 
     Raises:
         DatasetError: ``data.report=error`` and a problem was found.
     """
-    if cfg.data.report == "off":
+    if cfg.data.report == "skip":
         return []
     reports = []
     for split, dataset in zip(("train", "val"), datasets):
