@@ -165,15 +165,16 @@ def check_training_data(cfg: Config, datasets: Sequence[Any], output_dir: str | 
 
     Reads what the loader kept (``dataset.coco.dataset``) and what it dropped
     (``coco.drop_counts``): no file is read again. Every process computes it (with
-    ``data.report=error`` each stops alike); the main one logs the problems as warnings,
-    the notes as info, and writes ``output_dir/data_report/{train,val}.{md,json,png}``.
+    ``data.report=error`` each stops alike); the main one logs the problems as warnings
+    (a problem of both splits once), the notes as info, and writes
+    ``output_dir/data_report/{train,val}.{md,json,png}``.
 
     Raises:
         DatasetError: ``data.report=error`` and a problem was found.
     """
     if cfg.data.report == "skip":
         return []
-    reports = []
+    reports, logged = [], set()
     for split, dataset in zip(("train", "val"), datasets):
         coco = getattr(dataset, "coco", None)
         if coco is None:
@@ -184,6 +185,9 @@ def check_training_data(cfg: Config, datasets: Sequence[Any], output_dir: str | 
         if not is_main:
             continue
         for finding in report.findings:
+            if finding.level == "problem" and finding in logged:
+                continue  # the same problem in both splits (the class head's) is logged once
+            logged.add(finding)
             level = logging.WARNING if finding.level == "problem" else logging.INFO
             logger.log(level, "data report (%s): %s: %s", split, finding.topic, finding.message)
         files = write_report(report, Path(output_dir) / REPORT_DIR, split)
