@@ -155,10 +155,11 @@ def convert_voc(source: str | Path, out: str | Path, *, names: str | Path | None
         tmp = Path(tmp_name)
         found: set[str] = set()
         xml_dirs = {}
-        for split, stems in zip(src.splits, src.stems):
+        lists = src.lists or (None,) * len(src.splits)
+        for split, stems, listed in zip(src.splits, src.stems, lists):
             xml_dirs[split.name] = tmp / "xml" / split.name if fix else split.labels
             found |= set(check_voc_split(split, stems, problems, class_names,
-                                         xml_dirs[split.name] if fix else None))
+                                         xml_dirs[split.name] if fix else None, listed))
         _refuse_or_log(problems, out, fix)
         sv = _supervision()
         classes = class_names or sorted(found)

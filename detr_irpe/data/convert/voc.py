@@ -39,10 +39,12 @@ SPLIT_LISTS = ("train", "val", "test", "trainval", "default")
 @dataclass(frozen=True)
 class VocSource:
     """A VOC dataset: its splits (``images``: image folder, ``labels``: XML folder) and,
-    per split, the image stems it keeps (None: every image of the folder)."""
+    per split, the image stems it keeps and the list file naming them (None: every image
+    of the folder)."""
 
     splits: tuple[SourceSplit, ...]
     stems: tuple[frozenset[str] | None, ...]
+    lists: tuple[Path | None, ...] = ()
 
 
 def _list_stems(path: Path) -> frozenset[str]:
@@ -68,16 +70,16 @@ def find_voc_splits(source: str | Path, images: str | Path | None = None,
             raise DatasetError(f"{source}: Annotations/ without JPEGImages/ (or images/); give "
                                "the image folder with --images DIR")
         lists = source / "ImageSets" / "Main"
-        found: dict[str, frozenset[str]] = {}
+        found: dict[str, Path] = {}
         for name in SPLIT_LISTS:
             listed = lists / f"{name}.txt"
             ours = SPLIT_NAMES.get(name, "train")
             if listed.is_file() and ours not in found:
-                found[ours] = _list_stems(listed)
+                found[ours] = listed
         if not found:
             return VocSource((SourceSplit("train", image_dir, annotations),), (None,))
         return VocSource(tuple(SourceSplit(n, image_dir, annotations) for n in found),
-                         tuple(found.values()))
+                         tuple(_list_stems(p) for p in found.values()), tuple(found.values()))
     if any(p.suffix == ".xml" for p in source.iterdir()):
         return VocSource((SourceSplit("train", source, source),), (None,))
     raise DatasetError(f"{source}: no Pascal VOC layout found (Annotations/ + JPEGImages/, "
@@ -94,9 +96,11 @@ def _number(obj: ET.Element, tag: str) -> float | None:
 
 
 def check_voc_split(split: SourceSplit, stems: frozenset[str] | None, problems: Problems,
-                    names: list[str] | None = None, fix_dir: Path | None = None) -> list[str]:
-    """Check every XML file of ``split`` (of the images in ``stems``); each bad case is
-    added to ``problems``. Returns the class names found, sorted (``names`` when given).
+                    names: list[str] | None = None, fix_dir: Path | None = None,
+                    listed_in: Path | None = None) -> list[str]:
+    """Check every XML file of ``split`` (of the images in ``stems``, which ``listed_in``
+    names); each bad case is added to ``problems``. Returns the class names found, sorted
+    (``names`` when given).
 
     ``fix_dir``: write each XML file there, with the bad objects dropped and boxes clipped
     to the image (what ``--fix`` converts).
@@ -138,8 +142,7 @@ def check_voc_split(split: SourceSplit, stems: frozenset[str] | None, problems: 
             tree.write(fix_dir / xml.name)
     for stem in sorted(stems or ()):
         if stem not in images:
-            problems.add(split.labels.parent / "ImageSets" / "Main",
-                         f"{split.name} lists {stem!r}, which has no image in {split.images}")
+            problems.add(listed_in or split.labels, f"{stem!r} has no image in {split.images}")
     return list(names) if names is not None else sorted(found)
 
 
@@ -162,8 +165,9 @@ def _check_object(obj: ET.Element, width: float | None, height: float | None,
     tol = VOC_TOLERANCE
     if x1 < 1 - tol or y1 < 1 - tol or (width and x2 > width + tol) or (
             height and y2 > height + tol):
+        shown = [f"{v:g}" if v else "?" for v in (width, height)]
         return (f"box ({x1:g}, {y1:g})-({x2:g}, {y2:g}) reaches outside the "
-                f"{width or '?'} x {height or '?'} image")
+                f"{shown[0]} x {shown[1]} image")
     return None
 
 
