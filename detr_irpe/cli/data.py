@@ -17,8 +17,8 @@ CVAT, Label Studio, LabelImg or the VOC devkit export, to this package's COCO la
 image, a class id beyond the names, a box outside the image, ...) is one line naming
 its file; nothing is written unless there is none, or with --fix::
 
-    python tools/data.py convert yolo my_yolo_export/ datasets/mine
-    python tools/data.py convert voc VOCdevkit/VOC2012 datasets/voc --names voc_names.txt
+    python tools/data.py convert yolo my_yolo_export/ /data/mine
+    python tools/data.py convert voc VOCdevkit/VOC2012 /data/voc --names voc_names.txt
 
 It prints the --set overrides of a config that trains on the result (docs/data.md,
 "Other annotation formats"; docs/finetuning.md). Exit status 2 with the problems on
@@ -51,7 +51,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--images", type=Path, default=None,
                         help="--ann's image folder (to find missing images)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="write SPLIT.md, SPLIT.json and SPLIT.png (the figure) here")
+                        help="write each split's report here: Markdown, JSON and the figure")
     parser.add_argument("--strict", action="store_true",
                         help="exit with status 2 when the report finds a problem")
 
