@@ -32,6 +32,7 @@ from detr_irpe.irpe.encodings import RPE_INIT_MODES
 __all__ = [
     "AMP_MODES",
     "AUGMENTATIONS",
+    "DATA_REPORT_MODES",
     "DEVICES",
     "LOGGERS",
     "Config",
@@ -53,6 +54,8 @@ AUGMENTATIONS = ("detr", "simple", "rtdetr")
 LR_SCHEDULES = ("step", "multistep", "cosine", "flatcosine")
 # Scalar loggers of a training run (train.loggers); log.txt and train.log are always written.
 LOGGERS = ("tensorboard", "wandb")
+# data.report: what the data report at the start of training does with its problems.
+DATA_REPORT_MODES = ("warn", "error", "skip")
 
 
 def import_names(value: Any) -> list[str]:
@@ -186,6 +189,16 @@ class ModelConfig:
         """Input pixels per token of the encoder's feature map (one side)."""
         return 32
 
+    def detection_strides(self) -> tuple[int, ...]:
+        """Input pixels per cell (one side) of each feature map the decoder reads objects
+        from, finest first (the data report's object sizes in cells; docs/data.md)."""
+        return (self.feature_stride(),)
+
+    def finer_stride_hint(self) -> str | None:
+        """A setting of this family that detects at a finer stride, as ``key=value`` with
+        what it costs, or None (the data report suggests it for small objects)."""
+        return None
+
 
 
 @dataclass
@@ -240,6 +253,10 @@ class DataConfig:
     cache_images: bool = False
     # Unreadable images: skipped with a warning (False) or an error (True).
     strict: bool = False
+    # The data report at the start of training (detr_irpe/data/report; docs/data.md,
+    # "The data report"): "warn" logs its problems, "error" stops the run on any of them,
+    # "skip" skips it. Its files go to train.output_dir/data_report/.
+    report: str = "warn"
     # Images declaring more pixels (width x height, read from the file header before
     # decoding) are refused as unreadable: a small file can declare a huge image.
     max_image_pixels: int = 89_478_485
@@ -250,6 +267,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         choice("data.augmentation", self.augmentation, AUGMENTATIONS)
+        choice("data.report", self.report, DATA_REPORT_MODES)
         # Image sizes in pixels: a size of 0 only fails at the first batch, far from its cause.
         for key in ("train_scales", "crop_resize_scales", "crop_size"):
             pixel_sizes(f"data.{key}", getattr(self, key))

@@ -170,6 +170,12 @@ def _read_json(ann_file: Path, required: tuple[str, ...] = REQUIRED_TOP_LEVEL) -
     return data
 
 
+def read_annotation_file(ann_file: str | Path) -> dict[str, Any]:
+    """The parsed JSON of a COCO annotation file, with its top level checked (the three
+    lists present); the entries are not (:func:`load_coco_annotations` checks them)."""
+    return _read_json(Path(ann_file))
+
+
 def _check_categories(ann_file: Path, categories: list[Any]) -> dict[int, dict[str, Any]]:
     if not categories:
         raise DatasetError(f"{ann_file}: 'categories' is empty; at least one category is needed")
@@ -719,6 +725,7 @@ __all__ = [
     "coco_from_dict",
     "load_coco_annotations",
     "load_image_list",
+    "read_annotation_file",
     "read_image",
     "sparse_ids_warning",
     "unsafe_file_name",

@@ -65,7 +65,7 @@ LEAVES = {
 # importable only while it is on sys.path.
 OPTIONAL = {"safetensors", "torch.utils.tensorboard", "faster_coco_eval", "onnxruntime",
             "timm", "torchvision.io", "models", "util.misc", "submitit", "wandb",
-            "transformers"}
+            "transformers", "supervision"}
 # A tool's module (detr_irpe/cli/<tool>.py) imports its program (detr_irpe/cli/programs/)
 # inside main, after parsing: --help and argument errors need no torch (docs/architecture.md).
 PROGRAMS = "detr_irpe.cli.programs"

@@ -24,7 +24,7 @@ from detr_irpe.config import CONFIG_DIR
 CONSOLE_SCRIPTS = {
     f"detr-irpe-{name}": f"detr_irpe.cli.{name}:main"
     for name in ("train", "eval", "predict", "visualize", "export", "convert", "ablate",
-                 "submit", "benchmark", "synthetic")
+                 "submit", "benchmark", "synthetic", "data")
 }
 # What a wheel is built from (the same files as a source distribution holds).
 _SOURCES = ("detr_irpe", "setup.cfg", "pyproject.toml", "README.md", "LICENSE")

@@ -133,6 +133,15 @@ class TransformerDetectorConfig(ModelConfig):
     def feature_stride(self) -> int:
         return 16 if self.dilation else 2 ** (self.backbone_stages + 1)
 
+    def finer_stride_hint(self) -> str | None:
+        if self.backbone_stages == 4 and not self.dilation:
+            return ("model.dilation=true (DC5: stride 16, four times the encoder tokens, "
+                    "about twice the compute)")
+        if self.backbone_stages == 3:
+            return ("model.backbone_stages=2 (stride 8: the ResNet up to layer2, four times "
+                    "the encoder tokens)")
+        return None
+
 
 @dataclass
 class DETRModelConfig(TransformerDetectorConfig):

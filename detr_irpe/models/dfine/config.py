@@ -302,5 +302,17 @@ class DFINEModelConfig(ModelConfig):
     def feature_stride(self) -> int:
         return 2 ** (self.backbone_return_idx[-1] + 2)
 
+    def detection_strides(self) -> tuple[int, ...]:
+        # the decoder reads one level per fused backbone stage (stage k: stride 2 ** (k + 2))
+        return tuple(2 ** (stage + 2) for stage in self.backbone_return_idx)
+
+    def finer_stride_hint(self) -> str | None:
+        first = self.backbone_return_idx[0]
+        if first <= 0:
+            return None
+        finer = list(range(first - 1, self.backbone_return_idx[-1] + 1))
+        return (f"model.backbone_return_idx={finer} (a stride {2 ** (first + 1)} level: four "
+                "times the tokens of the finest level the decoder reads now)")
+
     def replace(self, **changes) -> DFINEModelConfig:
         return dataclasses.replace(self, **changes)

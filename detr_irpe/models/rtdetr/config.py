@@ -152,6 +152,10 @@ class RTDETRModelConfig(ModelConfig):
     def encoder_width(self) -> int:
         return self.enc_hidden_dim
 
+    def detection_strides(self) -> tuple[int, ...]:
+        # the backbone's stride 8 / 16 / 32 maps, then a 3x3 / 2 convolution per extra level
+        return tuple(8 * 2**level for level in range(self.num_levels))
+
     @classmethod
     def for_depth(cls, depth: int, **overrides) -> RTDETRModelConfig:
         """The published recipe of a ResNet-vd ``depth`` (18, 34, 50, 101), then ``overrides``."""
