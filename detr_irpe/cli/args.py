@@ -153,8 +153,14 @@ def add_runtime_argument(parser: argparse.ArgumentParser, default: str) -> None:
              "image; the onnx extra, CPU)")
 
 
+# What argparse reads as a (negative) value rather than an option, widened from its "-64"
+# and "-0.5" to "-64x64", so that a negative test size reaches parse_sizes' one-line error.
+_NEGATIVE_VALUE = re.compile(r"^-\d+(x-?\d+)?$|^-\d*\.\d+$")
+
+
 def add_sizes_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """``--sizes S|HxW [...]``: evaluate at each test size (docs/evaluation.md)."""
+    parser._negative_number_matcher = _NEGATIVE_VALUE
     parser.add_argument(
         "--sizes", nargs="+", default=None, metavar="S|HxW",
         help=f"{what} at each test size: S resizes the shorter side to S (the longer side "

@@ -159,6 +159,25 @@ def resolve_num_classes(cfg: Config, datasets: list[Any]) -> int:
     return from_data
 
 
+def _with_data_classes(cfg: Config, datasets: list[Any]) -> Config:
+    """``cfg`` with the class count and categories of the data; a class head refused as
+    too big because a category id is large (not the number of categories) says that
+    ``data.remap_categories=true`` is the fix, not a smaller ``model.num_classes``."""
+    num_classes = resolve_num_classes(cfg, datasets)
+    try:
+        return with_num_classes(cfg, num_classes, datasets[0].category_ids)
+    except ConfigError as err:
+        ids = {int(i) for d in datasets if d is not None for i in d.category_names}
+        remapped = any(d.category_ids is not None for d in datasets if d is not None)
+        if remapped or not ids or not str(err).startswith("model.num_classes="):
+            raise
+        refused = str(err).removesuffix("; lower model.num_classes")
+        raise ConfigError(
+            f"{refused}. The class count is the largest category id + 1 ({max(ids)} + 1) while "
+            f"the annotations have {len(ids)} categories: set data.remap_categories=true "
+            f"for a {len(ids)}-class head (predictions keep the original ids)") from None
+
+
 # ----------------------------------------------------------------------------- the start
 @dataclass
 class StartState:
@@ -248,7 +267,7 @@ def _settle_config(cfg: Config, start: StartState, info: DistInfo, datasets: lis
     resumed run's config against this one (now resolved), log and write ``config.yaml``."""
     # the data report (data.report) first: it explains a class count that is refused next
     reported = check_training_data(cfg, datasets, cfg.train.output_dir, info.is_main)
-    cfg = with_num_classes(cfg, resolve_num_classes(cfg, datasets), datasets[0].category_ids)
+    cfg = _with_data_classes(cfg, datasets)
     # The denoising queries grow with the objects of an image: the fullest training
     # image reaches the model whole in some epoch (docs/training.md).
     train = datasets[0]

@@ -225,6 +225,24 @@ def test_unremapped_sparse_data_trains_as_before_with_a_warning(sparse_dataset, 
     assert {r["category_id"] for r in results} <= set(IDS)
 
 
+def test_a_huge_category_id_points_at_remapping_not_at_num_classes(sparse_dataset,
+                                                                   tmp_path) -> None:
+    """An id of 10**12 makes a head of 10**12 + 1 outputs: refused before anything is
+    built, and the fix named is data.remap_categories=true (the head would have 3)."""
+    root = tmp_path / "data"
+    shutil.copytree(sparse_dataset, root)
+    for split in ("train", "val"):
+        _relabel(root / "annotations" / f"instances_{split}.json",
+                 {0: 0, 500: 500, 1000: 10**12})
+    with pytest.raises(ConfigError) as err:
+        _train(root, tmp_path / "run")
+    message = str(err.value)
+    assert message.startswith(f"model.num_classes={10**12 + 1}: ")
+    assert "data.remap_categories=true for a 3-class head" in message
+    assert "lower model.num_classes" not in message
+    assert not (tmp_path / "run" / "checkpoint_last.pth").exists()
+
+
 def test_remapped_run_does_not_warn(sparse_dataset, tmp_path, caplog) -> None:
     cfg = load_tiny_config(f"data.root={sparse_dataset}", "data.remap_categories=true")
     train = build_dataset(cfg.data, "train", transforms=None)

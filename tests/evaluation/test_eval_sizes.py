@@ -39,7 +39,8 @@ def test_a_number_is_a_shorter_side_and_hxw_an_exact_shape() -> None:
     assert parse_eval_size("480X640").label == "480x640"
 
 
-@pytest.mark.parametrize("bad", ["0", "-640", "abc", "100000", "640x0", "64.5", "640x", "x640"])
+@pytest.mark.parametrize("bad", ["0", "-640", "abc", "100000", "640x0", "64.5", "640x", "x640",
+                                 "-64x64", "64x-64", "-0.5"])
 def test_bad_sizes_are_one_line_errors_before_torch(bad, checkpoint, tmp_path, capsys) -> None:
     with pytest.raises(ValueError, match="test size"):
         parse_eval_size(bad)
