@@ -35,8 +35,15 @@ from detr_irpe.engine.logger import FILE_ONLY, setup_logging
 from detr_irpe.engine.runner import apply_process_settings
 from detr_irpe.engine.speed import ForwardTimer, format_speed, speed_record
 from detr_irpe.engine.trainer import evaluate
+from detr_irpe.errors import ConfigError
 from detr_irpe.evaluation import CocoEvaluator, format_summary, per_class_table, write_eval_outputs
-from detr_irpe.evaluation.size_table import CANVAS_TABLE, SIZE_TABLE, size_rows, write_size_table
+from detr_irpe.evaluation.size_table import (
+    CANVAS_TABLE,
+    SIZE_TABLE,
+    failed_row,
+    size_rows,
+    write_size_table,
+)
 from detr_irpe.models import LoadedModel, build_postprocessor, model_from_checkpoint
 from detr_irpe.sizes import EvalSize
 
@@ -75,6 +82,11 @@ def run_evaluation(
         ``"canvases"``: one ``{"size",
         "summary", "speed", "output_dir"}`` per test size or layout (``"size"``: its
         label).
+
+    Raises:
+        ConfigError: the evaluation failed at some test sizes or layouts (e.g. fewer
+            proposals than RT-DETR's queries at a small size): raised after the others
+            were evaluated, their table written with a ``failed`` row for each of these.
     """
     checkpoint = Path(checkpoint)
     loaded = model_from_checkpoint(checkpoint, cfg, overrides, trust_imports=trust_imports)
@@ -94,20 +106,40 @@ def run_evaluation(
                 return _evaluate_at(loaded, model, run_cfg, checkpoint, output_dir, info,
                                     progress, None)
             result: dict[str, Any] = {"output_dir": str(output_dir)}
+            failures = []  # one line per kind of view with failed ones
             for key, views, table in (("sizes", sizes, SIZE_TABLE),
                                       ("canvases", canvases, CANVAS_TABLE)):
                 if not views:
                     continue
-                rows = [_evaluate_at(loaded, model, run_cfg, checkpoint,
-                                     output_dir / f"{table.folder_prefix}{v.label}", info,
-                                     progress, v) for v in views]
+                done, table_rows, failed = [], [], {}
+                for v in views:
+                    try:
+                        r = _evaluate_at(loaded, model, run_cfg, checkpoint,
+                                         output_dir / f"{table.folder_prefix}{v.label}", info,
+                                         progress, v)
+                    except ConfigError as err:  # this size (layout) only: the others stand
+                        logger.info("%s %s failed: %s", table.column, v.label, err)
+                        table_rows.append(failed_row(v.label, str(err)))
+                        failed[v.label] = str(err)
+                        continue
+                    done.append((v, r))
+                    table_rows += size_rows([v.label], [r["summary"]])
                 if info.is_main:
-                    write_size_table(size_rows([v.label for v in views],
-                                               [r["summary"] for r in rows]), output_dir,
-                                     checkpoint, table)
-                result = {**rows[-1], **result, key: [
-                    {"size": v.label, "summary": r["summary"], "speed": r["speed"],
-                     "output_dir": r["output_dir"]} for v, r in zip(views, rows)]}
+                    write_size_table(table_rows, output_dir, checkpoint, table)
+                if failed:
+                    first = next(iter(failed))
+                    kept = ", ".join(v.label for v, _ in done)
+                    failures.append(
+                        f"the evaluation failed at {table.column} {', '.join(failed)} "
+                        f"({first}: {failed[first]})" + (
+                            f"; the numbers at {kept} are in "
+                            f"{output_dir / table.markdown_name}" if done else ""))
+                if done:
+                    result = {**done[-1][1], **result, key: [
+                        {"size": v.label, "summary": r["summary"], "speed": r["speed"],
+                         "output_dir": r["output_dir"]} for v, r in done]}
+            if failures:
+                raise ConfigError("; ".join(failures))
             return result
     finally:
         cleanup_distributed()

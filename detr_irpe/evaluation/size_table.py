@@ -55,10 +55,23 @@ def format_size_table(rows: Sequence[dict[str, Any]], column: str = "test size")
     column's header."""
     lines = [f"| {column} | " + " | ".join(f"{k} (%)" for k in SIZE_STATS) + " |",
              "|---|" + "---:|" * len(SIZE_STATS)]
+    failures = []
     for row in rows:
-        cells = ["n/a" if row[k] < 0 else f"{100 * row[k]:.1f}" for k in SIZE_STATS]
+        if "error" in row:  # an evaluation that failed at this size: failed_row
+            cells = ["failed"] * len(SIZE_STATS)
+            failures.append(f"- {row['size']}: {row['error']}")
+        else:
+            cells = ["n/a" if row[k] < 0 else f"{100 * row[k]:.1f}" for k in SIZE_STATS]
         lines.append(f"| {row['size']} | " + " | ".join(cells) + " |")
+    if failures:
+        lines += ["", "Failed:", *failures]
     return "\n".join(lines)
+
+
+def failed_row(label: str, error: str) -> dict[str, Any]:
+    """The row of a test size (or layout) whose evaluation failed: its label and the one-line
+    reason, no numbers (the other rows of the table are kept)."""
+    return {"size": label, "error": error}
 
 
 def write_size_table(rows: Sequence[dict[str, Any]], folder: Path, checkpoint: Path,
@@ -84,6 +97,8 @@ def read_size_table(folder: Path, table: TableFiles = SIZE_TABLE
         rows = data[table.key]
         by_label = {}
         for row in rows:
+            if "error" in row:  # failed at this size: no numbers
+                continue
             values = {k: float(row[k]) for k in SIZE_STATS}
             by_label[str(row["size"])] = {k: (v if v >= 0 else math.nan)
                                           for k, v in values.items()}
@@ -102,6 +117,7 @@ __all__ = [
     "SIZE_STATS",
     "SIZE_TABLE",
     "TableFiles",
+    "failed_row",
     "format_size_table",
     "read_size_table",
     "size_rows",

@@ -3,12 +3,14 @@ config file may use a plugin family it imports."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from helpers import ROOT
 
 from detr_irpe.config import ConfigError, load_config
+from detr_irpe.evaluation.size_table import read_size_table
 
 
 @pytest.mark.parametrize("name", ["detr_irpe_tiny", "detr_r50"])
@@ -94,12 +96,20 @@ def test_more_queries_than_proposals_is_one_line_at_the_tools(tmp_path: Path, ti
     path = tmp_path / "rt.pth"
     torch.save({"model": model.state_dict(), "config": cfg.to_dict()}, path)
     status = load_tool("eval").main([str(path), "--no-progress", "--output-dir",
-                                     str(tmp_path / "eval"), "--sizes", "16", "--set",
+                                     str(tmp_path / "eval"), "--sizes", "16", "64", "--set",
                                      f"data.root={tiny_dataset}"])
     err = [line for line in capsys.readouterr().err.strip().splitlines()
            if " INFO " not in line]  # the log lines of the evaluation before the error
     assert status == 2 and len(err) == 1, err
     assert "model.num_queries=50 is more than the" in err[0] and "fewer queries" in err[0]
+    # the size that failed does not discard the one that succeeded (nor its table)
+    assert "failed at test size 16 " in err[0] and "the numbers at 64 are in" in err[0]
+    rows = json.loads((tmp_path / "eval" / "sizes.json").read_text())["sizes"]
+    assert [r["size"] for r in rows] == ["16", "64"]
+    assert "is more than the" in rows[0]["error"] and 0 <= rows[1]["AP"] <= 1
+    assert (tmp_path / "eval" / "size_64" / "metrics.json").exists()
+    assert "| 16 | failed |" in (tmp_path / "eval" / "sizes.md").read_text()
+    assert list(read_size_table(tmp_path / "eval")) == ["64"]
 
 
 def test_an_animated_image_is_read_as_its_first_frame(tmp_path: Path, caplog) -> None:
