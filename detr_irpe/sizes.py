@@ -54,6 +54,17 @@ _STEM_FLOATS_PER_PIXEL = 16
 _CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
+def _address_space_limit() -> int | None:
+    """``ulimit -v`` in bytes (the address space, which also holds the libraries already
+    loaded), or None without one (or off POSIX)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return None if soft == resource.RLIM_INFINITY or soft <= 0 else soft
+
+
 def memory_limit() -> tuple[int, str]:
     """``(bytes, description)`` of the memory this process can have at most."""
     try:
@@ -70,6 +81,9 @@ def memory_limit() -> tuple[int, str]:
         if text.isdigit() and 0 < int(text) < limit:
             limit, what = int(text), f"the container's limit, {name}"
         break
+    address_space = _address_space_limit()
+    if address_space is not None and address_space < limit:
+        limit, what = address_space, "the address-space limit, ulimit -v"
     return limit, f"this machine's {format_bytes(limit)} of memory ({what})"
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from detr_irpe import sizes
 from detr_irpe.canvas import CanvasLayout
 from detr_irpe.config import Config
 from detr_irpe.data import build_dataloader, build_dataset
@@ -145,11 +146,35 @@ def run_evaluation(
         cleanup_distributed()
 
 
+def _refuse_if_too_big(cfg: Config, size: EvalSize) -> None:
+    """ConfigError when one forward pass of an evaluation batch at test size ``size``
+    cannot be held in this machine's memory (before anything is allocated)."""
+    batch = cfg.train.batch_size
+    if size.shape is not None:
+        height, width = size.shape
+    elif cfg.data.augmentation == "rtdetr":  # squares
+        height = width = size.short
+    else:  # a portrait and a landscape image pad each other to the cap of both sides
+        short, cap = size.capped(cfg.data.val_size, cfg.data.max_size)
+        height, width = (cap, cap) if batch > 1 else (short, cap)
+    needed = sizes.forward_bytes(batch=batch, height=height, width=width,
+                                 stride=cfg.model.feature_stride(), nheads=cfg.model.nheads,
+                                 irpe=cfg.model.rpe != "none")
+    limit, machine = sizes.memory_limit()
+    if needed > limit:
+        raise ConfigError(
+            f"test size {size.label}: a batch of {batch} images of up to {height} x {width} "
+            f"pixels needs at least {sizes.format_bytes(needed)} in one forward pass, more "
+            f"than {machine}; give a smaller size or --set train.batch_size=1")
+
+
 def _evaluate_at(loaded: LoadedModel, model: Any, cfg: Config, checkpoint: Path,
                  output_dir: Path, info: DistInfo, progress: bool,
                  size: EvalSize | CanvasLayout | None) -> dict[str, Any]:
     """One evaluation, at the config's size (``size=None``), at a test size or on the
     canvases of a layout, of ``model`` (the loaded model or a runtime of it)."""
+    if isinstance(size, EvalSize):
+        _refuse_if_too_big(cfg, size)
     if info.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
     transforms = "default" if not isinstance(size, EvalSize) \

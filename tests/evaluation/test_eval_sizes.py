@@ -13,6 +13,7 @@ from helpers import load_tiny_config
 from torch import nn
 from torchvision import tv_tensors
 
+from detr_irpe import sizes
 from detr_irpe.checkpoint import FORMAT, atomic_save
 from detr_irpe.cli.eval import main as eval_main
 from detr_irpe.cli.train import main as train_main
@@ -168,3 +169,32 @@ def test_dry_run_checks_everything_and_trains_nothing(tiny_dataset, tmp_path, ca
     # a bad setting fails as a run would: one line, exit 2
     assert train_main(["--config", "synthetic_tiny", "--output-dir", str(out), "--dry-run",
                        "--device", "cpu", "--set", f"data.root={tmp_path / 'nowhere'}"]) == 2
+
+
+def test_a_test_size_too_big_for_memory_is_one_line_and_keeps_the_others(
+        checkpoint, tiny_dataset, tmp_path, capsys, monkeypatch) -> None:
+    """A size whose forward pass cannot fit (here a 1 GiB machine) is refused before
+    anything is allocated; the other sizes are evaluated and tabulated."""
+    monkeypatch.setattr(sizes, "memory_limit", lambda: (2**30, "this machine's 1 GiB"))
+    out = tmp_path / "eval"
+    status = eval_main([str(checkpoint), "--sizes", "48", "8192", "--output-dir", str(out),
+                        "--no-progress", "--set", f"data.root={tiny_dataset}"])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if " INFO " not in line]
+    assert status == 2 and len(err) == 1, err
+    assert "test size 8192: a batch of" in err[0] and "more than this machine's 1 GiB" in err[0]
+    rows = json.loads((out / "sizes.json").read_text())["sizes"]
+    assert [r["size"] for r in rows] == ["48", "8192"] and "AP" in rows[0] and "error" in rows[1]
+    assert not (out / "size_8192").exists()
+
+
+def test_the_memory_limit_reads_ulimit_v() -> None:
+    import subprocess
+    import sys
+
+    code = "from detr_irpe.sizes import memory_limit; print(memory_limit()[0])"
+    limit = 6 * 2**30
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        preexec_fn=lambda: __import__("resource").setrlimit(
+            __import__("resource").RLIMIT_AS, (limit, limit)))
+    assert int(result.stdout) == limit
