@@ -49,9 +49,10 @@ from detr_irpe.checkpoint.layout import (
     num_classes_of,
 )
 from detr_irpe.checkpoint.safe import format_keys
+from detr_irpe.config.schema import import_names
 from detr_irpe.encodings import encodings
 from detr_irpe.errors import CheckpointError
-from detr_irpe.family import family_of_state
+from detr_irpe.family import family_of_model, family_of_state
 from detr_irpe.utils.dist import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,31 @@ def _assignment(key: str, shown: str) -> str:
     return key
 
 
+def _other_family_error(path: Any, meta: Mapping[str, Any],
+                        model: nn.Module | None) -> CheckpointError | None:
+    """The one line for a checkpoint whose saved config is another family than ``model``
+    (every key would differ: the list says nothing); None when it is the same family or
+    either is unknown."""
+    saved = (meta.get("config") or {}).get("model")
+    family = family_of_model(model) if model is not None else None
+    if not isinstance(saved, Mapping) or family is None:
+        return None
+    saved_family = saved.get("family")
+    if not isinstance(saved_family, str) or saved_family == family.name:
+        return None
+    imports = [str(n) for n in import_names(saved.get("import"))]
+    wanted = f"--set model.family={saved_family}"
+    if imports:
+        listed = imports[0] if len(imports) == 1 else "[" + ",".join(imports) + "]"
+        wanted = (f"--set model.import={listed} model.family={saved_family} (the module runs "
+                  "code when imported: only if you trust it)")
+    return CheckpointError(
+        f"checkpoint {path} is a model.family={saved_family} model"
+        + (f" (trained with model.import={', '.join(imports)})" if imports else "")
+        + f" and this config builds model.family={family.name}; to use it, give {wanted} "
+        "or a config of that family")
+
+
 def _mismatch_error(
     path: Any,
     meta: Mapping[str, Any],
@@ -225,6 +251,9 @@ def _mismatch_error(
 ) -> CheckpointError:
     """One error naming the file, the keys, and the config keys that explain them
     (``model``: the model, for its exact rotary encoding)."""
+    other_family = _other_family_error(path, meta, model)
+    if other_family is not None:
+        return other_family
     weightless = weightless_keys()
     differences = [
         (key, *exact_shorthand_values(key, state, model, meta, (a, b))) if key in weightless

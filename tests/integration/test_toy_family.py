@@ -144,6 +144,22 @@ def test_a_checkpoint_of_a_plugin_family_does_not_import_it(toy_run: Path, tmp_p
     assert "model.import=toy_family" in proc.stderr and "--trust-imports" in proc.stderr
 
 
+def test_finetuning_a_plugin_familys_checkpoint_from_another_config_is_one_line(
+        toy_run: Path, tiny_dataset: Path, tmp_path: Path, capsys) -> None:
+    """--finetune of the toy's checkpoint under DETR's config: one line naming its family
+    and import (not every key of a DETR it does not fit); nothing is imported."""
+    status = load_tool("train").main([
+        "--config", "synthetic_tiny", "--no-progress", "--finetune",
+        str(toy_run / "checkpoint_last.pth"), "--set", *_data(tiny_dataset), "train.epochs=1",
+        f"train.output_dir={tmp_path / 'ft'}", "train.loggers=[]"])
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if line.startswith("error")]  # the rest: the run's log (its config, ...)
+    assert status == 2 and len(err) == 1, err
+    assert "is a model.family=toy model (trained with model.import=toy_family)" in err[0]
+    assert "--set model.import=toy_family model.family=toy" in err[0]
+    assert "missing" not in err[0] and len(err[0]) < 400
+
+
 @pytest.mark.slow
 def test_the_ablation_runner_trains_a_grid_of_the_toy(tiny_dataset: Path, tmp_path: Path) -> None:
     grid = tmp_path / "toy_grid.yaml"
