@@ -23,6 +23,11 @@ from __future__ import annotations
 
 import math
 import os
+
+try:  # ulimit -v (POSIX only)
+    import resource
+except ImportError:  # pragma: no cover - not POSIX
+    resource = None
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -57,9 +62,7 @@ _CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limi
 def _address_space_limit() -> int | None:
     """``ulimit -v`` in bytes (the address space, which also holds the libraries already
     loaded), or None without one (or off POSIX)."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
+    if resource is None:
         return None
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     return None if soft == resource.RLIM_INFINITY or soft <= 0 else soft

@@ -44,7 +44,13 @@ from detr_irpe.checkpoint.layout import (
     num_classes_of,
     resize_class_head,
 )
-from detr_irpe.checkpoint.load import check_state_fits, key_problems, load_state, load_weights
+from detr_irpe.checkpoint.load import (
+    check_published,
+    check_state_fits,
+    key_problems,
+    load_state,
+    load_weights,
+)
 from detr_irpe.checkpoint.safe import FORMAT, allowed_classes, format_keys, safe_load
 from detr_irpe.checkpoint.saved_config import config_for_checkpoint, has_config, resolve_config
 from detr_irpe.errors import CheckpointError
@@ -66,6 +72,7 @@ __all__ = [
     "has_config",
     "key_problems",
     "layout_of",
+    "check_published",
     "load_state",
     "load_weights",
     "num_classes_of",

@@ -90,6 +90,19 @@ def cache_dir() -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints"
 
 
+def published_name(path: str | os.PathLike[str]) -> str | None:
+    """The model-zoo name of a file in the download cache under a published file's name
+    (it must be that file: :func:`~detr_irpe.checkpoint.load.load_state` refuses one that
+    lacks what the published model has), or None for any other file."""
+    path = Path(path)
+    try:
+        if path.resolve().parent != cache_dir().resolve():
+            return None
+    except OSError:
+        return None
+    return next((name for name, entry in ZOO.items() if entry.file_name == path.name), None)
+
+
 def is_url(text: str) -> bool:
     """Whether ``text`` is an ``http://`` or ``https://`` address."""
     return urllib.parse.urlsplit(text).scheme in ("http", "https")

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from detr_irpe.checkpoint.download import published_name
 from detr_irpe.checkpoint.hf_folder import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -212,7 +213,9 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]
             ``save_pretrained`` folder (see the module docstring for the layouts).
 
     Returns:
-        ``(state_dict, meta)``; ``meta`` as described in :func:`split_checkpoint`.
+        ``(state_dict, meta)``; ``meta`` as described in :func:`split_checkpoint`, plus
+        ``published`` (the model-zoo name) for a published file's copy in the download
+        cache.
 
     Raises:
         CheckpointError: missing, unreadable, truncated or unsafe file, or no state dict.
@@ -222,7 +225,11 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]
         return _read_hf_folder(path)
     if path.suffix == ".safetensors":
         return _read_safetensors(path)
-    return split_checkpoint(safe_load(path), path)
+    state, meta = split_checkpoint(safe_load(path), path)
+    published = published_name(path)
+    if published is not None:  # the cached file of a zoo name: it must be that file
+        meta["published"] = published
+    return state, meta
 
 
 # ------------------------------------------------------------------------------ writing

@@ -49,6 +49,7 @@ from detr_irpe.checkpoint.layout import (
     num_classes_of,
 )
 from detr_irpe.checkpoint.safe import format_keys
+from detr_irpe.checkpoint.zoo import ZOO
 from detr_irpe.config.schema import import_names
 from detr_irpe.encodings import encodings
 from detr_irpe.errors import CheckpointError
@@ -216,15 +217,18 @@ def _assignment(key: str, shown: str) -> str:
     return key
 
 
-def _other_family_error(path: Any, meta: Mapping[str, Any],
+def _other_family_error(path: Any, meta: Mapping[str, Any], state: Mapping[str, Tensor],
                         model: nn.Module | None) -> CheckpointError | None:
-    """The one line for a checkpoint whose saved config is another family than ``model``
-    (every key would differ: the list says nothing); None when it is the same family or
-    either is unknown."""
+    """The one line for a checkpoint whose saved config (without one: its key layout) is
+    another family than ``model`` (every key would differ: the list says nothing); None
+    when it is the same family or either is unknown."""
     saved = (meta.get("config") or {}).get("model")
     family = family_of_model(model) if model is not None else None
-    if not isinstance(saved, Mapping) or family is None:
+    if family is None:
         return None
+    if not isinstance(saved, Mapping):  # a file without a config: its layout says
+        of_state = family_of_state(state)
+        saved = {"family": of_state.name} if of_state is not None else {}
     saved_family = saved.get("family")
     if not isinstance(saved_family, str) or saved_family == family.name:
         return None
@@ -251,7 +255,7 @@ def _mismatch_error(
 ) -> CheckpointError:
     """One error naming the file, the keys, and the config keys that explain them
     (``model``: the model, for its exact rotary encoding)."""
-    other_family = _other_family_error(path, meta, model)
+    other_family = _other_family_error(path, meta, state, model)
     if other_family is not None:
         return other_family
     weightless = weightless_keys()
@@ -276,6 +280,36 @@ def _mismatch_error(
         hint = (". Check model.backbone, model.dilation, model.pre_norm, model.hidden_dim, "
                 "model.nheads, layer counts and model.num_queries against the checkpoint.")
     return CheckpointError(f"{lead}; keys " + "; ".join(problems) + hint)
+
+
+def check_published(state: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
+    """Refuse a file in the download cache under a published checkpoint's name
+    (``meta["published"]``: :func:`read_checkpoint`) that is not that checkpoint: another
+    family's layout, or without the encodings the published model has (a plain DETR file
+    where the iRPE one belongs would otherwise load with iRPE tables left as built).
+
+    Raises:
+        CheckpointError: one line naming the file, the zoo name and what it lacks.
+    """
+    name = meta.get("published")
+    if not name or name not in ZOO:
+        return
+    entry = ZOO[name]
+    family = family_of_state(state)
+    if family is not None and family.name != entry.family:
+        why = (f"it has the key layout of a model.family={family.name} checkpoint, the "
+               f"published one that of model.family={entry.family}")
+    else:
+        lacking = [e.title for e in encodings() if e.name in entry.encodings
+                   and not any(e.param_key(k) for k in state)]
+        if not lacking:
+            return
+        why = (f"it has no {' or '.join(lacking)} parameters, which the published model "
+               "has (a model trained without them?)")
+    raise CheckpointError(
+        f"{meta.get('path')} in torch.hub's cache is not the published checkpoint {name} "
+        f"({entry.url}): {why}; delete it to download it again (or put the published file "
+        "there)")
 
 
 def check_state_fits(model: nn.Module, state: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
@@ -339,6 +373,7 @@ def load_state(
     path = meta.get("path")
     target = model.state_dict()
     state = dict(state)
+    check_published(state, meta)
     broken = next((k for k, v in state.items() if isinstance(v, Tensor)
                    and v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
     if broken is not None:
@@ -377,4 +412,4 @@ def load_weights(
     return load_state(model, state, meta, strict_head=strict_head)
 
 
-__all__ = ["check_state_fits", "key_problems", "load_state", "load_weights"]
+__all__ = ["check_published", "check_state_fits", "key_problems", "load_state", "load_weights"]

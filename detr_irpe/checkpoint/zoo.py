@@ -38,6 +38,11 @@ class ZooEntry:
     check_hash: bool
     # the cache file's name when the address does not end in one (a Drive download)
     name: str | None = None
+    # the detector family whose layout the file has, and the encodings (registry names)
+    # whose parameters it holds: a file in the cache under this name without them is not
+    # the published one and is refused (checkpoint.load.check_published)
+    family: str = "detr"
+    encodings: tuple[str, ...] = ()
 
     @property
     def file_name(self) -> str:
@@ -58,36 +63,29 @@ _DEIM_DRIVE_IDS = {
     "x": "1dPtbgtGgq1Oa7k_LgH1GXPelg1IVeu0j",
 }
 
+_IRPE = ("irpe",)
 ZOO: dict[str, ZooEntry] = {
     "detr_r50": ZooEntry(
         "detr_r50", "https://dl.fbaipublicfiles.com/detr/detr-r50-e632da11.pth", True
     ),
     "detr_r50_irpe/rpe-2.0-product-ctx-1-k": ZooEntry(
-        "detr_r50_irpe", f"{_IRPE_RELEASE}/rpe-2.0-product-ctx-1-k.pth", False
-    ),
+        "detr_r50_irpe", f"{_IRPE_RELEASE}/rpe-2.0-product-ctx-1-k.pth", False,
+        encodings=_IRPE),
     "detr_r50_irpe/rpe-2.0-product-ctx-1-k/300e": ZooEntry(
-        "detr_r50_irpe_300e", f"{_IRPE_RELEASE}/rpe-2.0-product-ctx-1-k_300epochs.pth", False
-    ),
+        "detr_r50_irpe_300e", f"{_IRPE_RELEASE}/rpe-2.0-product-ctx-1-k_300epochs.pth", False,
+        encodings=_IRPE),
     "detr_r50_irpe/rpe-1.9-product-ctx-1-k": ZooEntry(
-        "detr_r50_irpe_1.9", f"{_IRPE_RELEASE}/rpe-1.9-product-ctx-1-k.pth", False
-    ),
-    "rtdetr_r18": ZooEntry(
-        "rtdetr_r18", f"{_RTDETR_RELEASE}/rtdetr_r18vd_dec3_6x_coco_from_paddle.pth", False
-    ),
-    "rtdetr_r34": ZooEntry(
-        "rtdetr_r34", f"{_RTDETR_RELEASE}/rtdetr_r34vd_dec4_6x_coco_from_paddle.pth", False
-    ),
-    "rtdetr_r50": ZooEntry(
-        "rtdetr_r50", f"{_RTDETR_RELEASE}/rtdetr_r50vd_6x_coco_from_paddle.pth", False
-    ),
-    "rtdetr_r101": ZooEntry(
-        "rtdetr_r101", f"{_RTDETR_RELEASE}/rtdetr_r101vd_6x_coco_from_paddle.pth", False
-    ),
+        "detr_r50_irpe_1.9", f"{_IRPE_RELEASE}/rpe-1.9-product-ctx-1-k.pth", False,
+        encodings=_IRPE),
 }
+ZOO.update({f"rtdetr_r{depth}": ZooEntry(
+    f"rtdetr_r{depth}", f"{_RTDETR_RELEASE}/rtdetr_r{depth}vd_{schedule}6x_coco_from_paddle.pth",
+    False, family="rtdetr") for depth, schedule in ((18, "dec3_"), (34, "dec4_"), (50, ""),
+                                                     (101, ""))})
 ZOO.update({f"dfine_{size}": ZooEntry(f"dfine_{size}", f"{_DFINE_RELEASE}/dfine_{size}_coco.pth",
-                                      False) for size in "nsmlx"})
+                                      False, family="dfine") for size in "nsmlx"})
 ZOO.update({f"deim_{size}": ZooEntry(f"deim_{size}", _DRIVE.format(file_id), False,
-                                     f"deim_dfine_hgnetv2_{size}_coco.pth")
+                                     f"deim_dfine_hgnetv2_{size}_coco.pth", family="dfine")
             for size, file_id in _DEIM_DRIVE_IDS.items()})
 
 

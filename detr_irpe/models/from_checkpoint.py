@@ -13,6 +13,7 @@ layout and ``args`` imply.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,4 +94,23 @@ def model_from_checkpoint(
     return LoadedModel(model, criterion, postprocessor, cfg, meta, meta.get("category_names"))
 
 
-__all__ = ["LoadedModel", "model_from_checkpoint"]
+def check_weights_fit(state: dict[str, torch.Tensor], meta: dict[str, Any],
+                      cfg: Config) -> dict[str, Any]:
+    """What loading ``state`` into the model of ``cfg`` checks (:func:`load_state`: a
+    published file is that file, finite values, every key and shape, the family), on a
+    model built on the meta device: nothing is allocated or loaded. Returns load_state's
+    info dict.
+
+    Raises:
+        CheckpointError: the weights are not a model of ``cfg`` (one line, as loading says).
+    """
+    # the class count of a config without one comes from the weights, as when loading
+    cfg = config_for_checkpoint(meta.get("path", "checkpoint"), state, meta, cfg, ())
+    with torch.device("meta"), warnings.catch_warnings():
+        # loading into meta tensors is a no-op, which torch warns about
+        warnings.simplefilter("ignore", UserWarning)
+        model, _, _ = build_model(cfg, load_backbone_weights=False)
+        return load_state(model, state, meta, strict_head=True)
+
+
+__all__ = ["LoadedModel", "check_weights_fit", "model_from_checkpoint"]

@@ -4,6 +4,7 @@ way, checkpoints that never import the modules they name, submit's ">= 0" messag
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import load_tiny_config, load_tool
 
-from detr_irpe.errors import ConfigError
+from detr_irpe.errors import CheckpointError, ConfigError
 
 DN = ("model.decoder=dab", "model.denoising.enabled=true")
 
@@ -102,7 +103,7 @@ def _dead_zoo(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name, entry in list(zoo.ZOO.items()):
         url = f"http://127.0.0.1:9/{entry.file_name}"
-        monkeypatch.setitem(zoo.ZOO, name, zoo.ZooEntry(entry.config, url, entry.check_hash))
+        monkeypatch.setitem(zoo.ZOO, name, dataclasses.replace(entry, url=url))
 
 
 def _foreign_file(path: Path) -> bytes:
@@ -157,6 +158,102 @@ def test_tools_refuse_a_foreign_cached_file_in_one_line(
     errors = [line for line in err.splitlines() if "error: " in line]
     assert status == 2, err
     assert len(errors) == 1 and str(cached) in errors[0] and "SHA-256" in errors[0], err
+
+
+def _plain_detr_file(path: Path):
+    """A tiny DETR checkpoint without iRPE tables at ``path``; returns its model."""
+    import torch
+
+    from detr_irpe.models import build_model
+
+    model, _, _ = build_model(load_tiny_config("model.num_classes=4", "model.rpe=none"))
+    torch.save({"model": model.state_dict()}, path)
+    return model
+
+
+# A DETR file (no iRPE tables, DETR's layout) in the cache under a name with no digest.
+SUBSTITUTED = [
+    ("predict", "detr_r50_irpe/rpe-2.0-product-ctx-1-k", "has no iRPE parameters"),
+    ("eval", "detr_r50_irpe/rpe-2.0-product-ctx-1-k", "has no iRPE parameters"),
+    ("train", "detr_r50_irpe/rpe-2.0-product-ctx-1-k", "has no iRPE parameters"),
+    ("convert", "rtdetr_r18", "key layout of a model.family=detr checkpoint"),
+    ("predict", "rtdetr_r18", "key layout of a model.family=detr checkpoint"),
+]
+
+
+@pytest.mark.parametrize(("tool", "name", "why"), SUBSTITUTED)
+def test_a_substituted_file_under_a_published_name_is_refused_in_every_tool(
+    hub_cache: Path, tiny_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], tool: str, name: str, why: str,
+) -> None:
+    """Not the published file, though nothing can check its digest: refused in one line
+    (it was used with iRPE tables as built, or written as DETR tensors under RT-DETR's
+    config)."""
+    from detr_irpe.checkpoint import zoo
+
+    _dead_zoo(monkeypatch)
+    cached = hub_cache / zoo.ZOO[name].file_name
+    _plain_detr_file(cached)
+    out = tmp_path / "out"
+    image = str(next((tiny_dataset / "val").glob("*.jpg")))
+    argv = {"predict": [name, image, "--output-dir", str(out)],
+            "eval": [name, "--output-dir", str(out), "--set", f"data.root={tiny_dataset}"],
+            "train": ["--config", "detr_irpe_tiny", "--finetune", name, "--set",
+                      f"data.root={tiny_dataset}", f"train.output_dir={out}"],
+            "convert": [name, str(out / "converted.pth")]}[tool]
+    status = load_tool("convert_checkpoint" if tool == "convert" else tool).main(argv)
+    err = capsys.readouterr().err.strip()
+    errors = [line for line in err.splitlines() if "error: " in line]
+    assert status == 2, err
+    assert len(errors) == 1 and str(cached) in errors[0], err
+    assert f"is not the published checkpoint {name}" in errors[0] and why in errors[0]
+    assert not (out / "converted.pth").exists()
+
+
+def test_a_published_file_fine_tunes_into_a_model_with_more_encodings(
+    hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check is against the published model, not the config it is loaded into: the
+    plain DETR name's file loads into an iRPE model (its tables keep their start)."""
+    import torch
+
+    from detr_irpe.checkpoint import read_checkpoint
+    from detr_irpe.checkpoint.load import check_published, load_state
+    from detr_irpe.models import build_model
+
+    _dead_zoo(monkeypatch)
+    cached = hub_cache / "rpe-2.0-product-ctx-1-k.pth"
+    model = _plain_detr_file(cached)
+    state, meta = read_checkpoint(cached)
+    assert meta["published"] == "detr_r50_irpe/rpe-2.0-product-ctx-1-k"
+    with pytest.raises(CheckpointError, match="has no iRPE parameters"):
+        check_published(state, meta)
+    plain = tmp_path / "plain.pth"  # the same file outside the cache is anybody's file
+    torch.save({"model": model.state_dict()}, plain)
+    state, meta = read_checkpoint(plain)
+    assert "published" not in meta
+    irpe_model, _, _ = build_model(load_tiny_config("model.num_classes=4",
+                                                    "model.rpe=rpe-2.0-product-ctx-1-k"))
+    assert load_state(irpe_model, state, meta)["missing"].get("irpe")
+
+
+def test_a_run_converted_with_another_familys_config_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torch
+
+    from detr_irpe.models import build_model
+
+    cfg = load_tiny_config("model.num_classes=4")
+    model, _, _ = build_model(cfg)
+    run = tmp_path / "checkpoint_last.pth"
+    torch.save({"model": model.state_dict(), "config": cfg.to_dict()}, run)
+    out = tmp_path / "out.pth"
+    status = load_tool("convert_checkpoint").main([str(run), str(out), "--config", "rtdetr_tiny"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error: " in line]
+    assert status == 2 and len(errors) == 1, errors
+    assert "is a model.family=detr model and this config builds model.family=rtdetr" in errors[0]
+    assert not out.exists()
 
 
 def test_a_changed_file_invalidates_its_stamp_and_a_checked_one_is_hashed_once(

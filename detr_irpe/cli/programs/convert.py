@@ -11,6 +11,7 @@ from typing import Any
 from detr_irpe.checkpoint import (
     FORMAT,
     atomic_save,
+    check_published,
     convert_state_dict,
     has_config,
     read_checkpoint,
@@ -21,6 +22,7 @@ from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.checkpoint.hf_folder import write_hf_folder
 from detr_irpe.config import config_from_dict
 from detr_irpe.errors import CheckpointError
+from detr_irpe.models.from_checkpoint import check_weights_fit
 from detr_irpe.utils.files import ensure_writable_folder
 
 
@@ -74,6 +76,10 @@ def convert(args: argparse.Namespace, target: str) -> list[str]:
     config = args.config if args.config is not None else source.config
     # the config of the file as read (before the conversion changed its class count)
     config = _updated_config(_saved_config(source.path, config, args, meta, original), args)
+    if config is not None:  # the weights must be the model the written config says
+        check_weights_fit(state, meta, config_from_dict(config))
+    else:
+        check_published(original, meta)
     names = meta.get("category_names")
     if target == "hf":
         _write_hf(state, config, meta, args.output)

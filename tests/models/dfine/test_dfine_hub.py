@@ -45,7 +45,8 @@ def test_published_file_into_the_plain_and_irpe_entries(tmp_path: Path, hub_dir:
              "decoder.valid_mask": torch.ones(1, 8400, 1, dtype=torch.bool)}
     path = tmp_path / "dfine_s_coco.pth"
     torch.save({"model": state}, path)
-    monkeypatch.setitem(zoo.ZOO, "dfine_s", zoo.ZooEntry("dfine_s", path.as_uri(), False))
+    monkeypatch.setitem(zoo.ZOO, "dfine_s", zoo.ZooEntry("dfine_s", path.as_uri(), False,
+                                                            family="dfine"))
     plain = _load("dfine_s", pretrained=True)
     irpe = _load("dfine_s_irpe", pretrained=True)
     images = torch.rand(1, 3, 64, 64)

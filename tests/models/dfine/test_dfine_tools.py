@@ -43,7 +43,8 @@ def test_finetune_from_a_published_file_by_its_zoo_name(tiny_dataset: Path, tmp_
                           "decoder.anchors": torch.zeros(1, 8400, 4),
                           "decoder.valid_mask": torch.ones(1, 8400, 1, dtype=torch.bool)}},
                path)
-    monkeypatch.setitem(zoo.ZOO, "dfine_s", zoo.ZooEntry("dfine_s", path.as_uri(), False))
+    monkeypatch.setitem(zoo.ZOO, "dfine_s", zoo.ZooEntry("dfine_s", path.as_uri(), False,
+                                                            family="dfine"))
     out = tmp_path / "run"
     status = load_tool("train").main([
         "--config", "dfine_tiny", "--finetune", "dfine_s", "--no-progress", "--set",

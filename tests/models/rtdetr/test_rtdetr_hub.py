@@ -41,7 +41,8 @@ def test_pretrained_official_file_into_plain_and_irpe_models(tmp_path: Path, hub
     randomise(published, seed=0)
     path = tmp_path / "rtdetr_r18vd_dec3_6x_coco_from_paddle.pth"
     torch.save({"ema": {"module": published.state_dict(), "updates": 1}}, path)
-    monkeypatch.setitem(zoo.ZOO, "rtdetr_r18", zoo.ZooEntry("rtdetr_r18", path.as_uri(), False))
+    monkeypatch.setitem(zoo.ZOO, "rtdetr_r18", zoo.ZooEntry("rtdetr_r18", path.as_uri(), False,
+                                                               family="rtdetr"))
     plain = _load("rtdetr_r18", pretrained=True)
     irpe = _load("rtdetr_r18_irpe", pretrained=True)
     assert not plain.training and not irpe.training
