@@ -52,7 +52,13 @@ def _load_weights(folder: Path) -> dict[str, Tensor]:
         return load_safetensors(folder / WEIGHTS_NAME)[0]
     if (folder / _SHARD_INDEX_NAME).is_file():
         index = read_json(folder / _SHARD_INDEX_NAME)
-        shards = sorted(set(index.get("weight_map", {}).values()))
+        weight_map = index.get("weight_map", {})
+        if not isinstance(weight_map, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise CheckpointError(
+                f"{folder / _SHARD_INDEX_NAME}: weight_map must map each tensor name to its "
+                f"shard file, got {_short(weight_map)}")
+        shards = sorted(set(weight_map.values()))
         state: dict[str, Tensor] = {}
         for shard in shards:
             state.update(load_safetensors(folder / shard)[0])
@@ -70,12 +76,64 @@ def _load_weights(folder: Path) -> dict[str, Tensor]:
 
 def read_json(path: Path) -> dict[str, Any]:
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{path} is not UTF-8 text (byte {err.start}): not a "
+                              "config file as transformers writes it") from None
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path} is not a readable JSON file: {err}") from err
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object")
     return value
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def json_list(config: Mapping[str, Any], key: str, default: Any, where: str = "") -> list:
+    """``config[key]`` (``default`` when absent) as a list, or a CheckpointError naming
+    ``config.json``'s key (``where``: the enclosing key, e.g. ``backbone_config.``)."""
+    value = config.get(key, default)
+    if not isinstance(value, (list, tuple)):
+        raise CheckpointError(f"{CONFIG_NAME}: {where}{key}={_short(value)}; must be a list")
+    return list(value)
+
+
+def json_number(config: Mapping[str, Any], key: str, default: float) -> float:
+    """``config[key]`` (``default`` when absent) as a float, or a CheckpointError naming it."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointError(f"{CONFIG_NAME}: {key}={_short(value)}; must be a number")
+    return float(value)
+
+
+def json_object(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """``config[key]`` as an object (``{}`` when absent or null), or a CheckpointError."""
+    value = config.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise CheckpointError(f"{CONFIG_NAME}: {key}={_short(value)}; must be an object")
+    return value
+
+
+def id2label_names(config: Mapping[str, Any]) -> dict[int, str] | None:
+    """``id2label`` as ``{class index: name}`` (every entry, ``"N/A"`` included), None
+    when absent; a CheckpointError naming a key that is no integer."""
+    labels = config.get("id2label")
+    if labels is None:
+        return None
+    if not isinstance(labels, Mapping):
+        raise CheckpointError(f"{CONFIG_NAME}: id2label={_short(labels)}; must be an object "
+                              '{"0": "name", ...}')
+    names = {}
+    for key, value in labels.items():
+        try:
+            names[int(key)] = str(value)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{CONFIG_NAME}: id2label key {key!r} is not an integer "
+                                  "class index") from None
+    return names
 
 
 def same_for_encoder_and_decoder(hf_config: Mapping[str, Any]) -> None:
@@ -106,8 +164,9 @@ def model_settings(hf_config: Mapping[str, Any], fields: Mapping[str, str]) -> d
     backbone = _backbone_name(hf_config)
     if backbone:
         model["backbone"] = backbone
-    if isinstance(hf_config.get("id2label"), Mapping):
-        model["num_classes"] = len(hf_config["id2label"])
+    labels = id2label_names(hf_config)
+    if labels is not None:
+        model["num_classes"] = len(labels)
     return model
 
 
@@ -125,7 +184,7 @@ SHARED_FIELDS = {
 def _backbone_name(hf_config: Mapping[str, Any]) -> str | None:
     """The ResNet of a DETR ``config.json``: timm's name, or the one transformers' own
     ResNet config (depths, layer type) describes."""
-    backbone_config = hf_config.get("backbone_config") or {}
+    backbone_config = json_object(hf_config, "backbone_config")
     kind = backbone_config.get("model_type", "timm_backbone")
     if kind == "timm_backbone":
         return hf_config.get("backbone") or backbone_config.get("backbone")
@@ -139,7 +198,7 @@ def _backbone_name(hf_config: Mapping[str, Any]) -> str | None:
             f"{CONFIG_NAME}: backbone_config.downsample_in_bottleneck=true strides the first "
             "1x1 convolution; torchvision's ResNet (used here) strides the 3x3 one"
         )
-    depths = tuple(backbone_config.get("depths", (3, 4, 6, 3)))
+    depths = tuple(json_list(backbone_config, "depths", (3, 4, 6, 3), "backbone_config."))
     layer_type = backbone_config.get("layer_type", "bottleneck")
     name = _HF_RESNET_NAMES.get((depths, layer_type))
     if name is None:
@@ -219,9 +278,8 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
             f"{path}: {CONFIG_NAME} names {model['num_classes']} labels (id2label) but the class "
             f"head is for {num_classes} classes"
         )
-    names = None
-    if hf_config is not None and isinstance(hf_config.get("id2label"), Mapping):
-        names = {int(k): str(v) for k, v in hf_config["id2label"].items() if v != "N/A"}
+    labels = id2label_names(hf_config) if hf_config is not None else None
+    names = None if labels is None else {k: v for k, v in labels.items() if v != "N/A"}
     meta = {
         "path": str(path),
         "format": "hf",

@@ -17,7 +17,13 @@ from typing import Any
 
 from torch import Tensor
 
-from detr_irpe.checkpoint.hf_folder import CONFIG_NAME
+from detr_irpe.checkpoint.hf_folder import (
+    CONFIG_NAME,
+    id2label_names,
+    json_list,
+    json_number,
+    json_object,
+)
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import HFSupport
 from detr_irpe.models.rtdetr.hf_keys import (
@@ -86,20 +92,18 @@ def _backbone_depth(hf_config: Mapping[str, Any]) -> int:
     if hf_config.get("use_timm_backbone") or hf_config.get("backbone"):
         raise _fail("backbone", hf_config.get("backbone"),
                     "only transformers' own ResNet-vd (backbone_config) converts")
-    backbone = hf_config.get("backbone_config") or {}
-    if not isinstance(backbone, Mapping):
-        raise _fail("backbone_config", backbone, "must be an object")
+    backbone = json_object(hf_config, "backbone_config")
     kind = backbone.get("model_type", "rt_detr_resnet")
     if kind != "rt_detr_resnet":
         raise _fail("backbone_config.model_type", kind, "only rt_detr_resnet (ResNet-vd) converts")
-    depths = list(backbone.get("depths", DEPTHS[50]))
+    depths = json_list(backbone, "depths", DEPTHS[50], "backbone_config.")
     layer_type = backbone.get("layer_type", "bottleneck")
     depth = next((d for d, (kind, _) in _BACKBONES.items()
                   if list(DEPTHS[d]) == depths and kind == layer_type), None)
     if depth is None:
         raise _fail("backbone_config.depths", depths,
                     f"a {layer_type} ResNet-vd of these depths is none of R18 / R34 / R50 / R101")
-    widths = list(backbone.get("hidden_sizes", _BACKBONES[depth][1]))
+    widths = json_list(backbone, "hidden_sizes", _BACKBONES[depth][1], "backbone_config.")
     if widths != _BACKBONES[depth][1]:
         raise _fail("backbone_config.hidden_sizes", widths,
                     f"ResNet-vd {depth} has stages of {_BACKBONES[depth][1]} channels")
@@ -108,7 +112,8 @@ def _backbone_depth(hf_config: Mapping[str, Any]) -> int:
             raise _fail(f"backbone_config.{key}", backbone[key],
                         f"the published ResNet-vd has {value!r}")
     out = backbone.get("out_features")
-    if out is not None and list(out) != _OUT_FEATURES:
+    if out is not None and json_list(backbone, "out_features", None,
+                                     "backbone_config.") != _OUT_FEATURES:
         raise _fail("backbone_config.out_features", out,
                     f"the encoder reads the stages {', '.join(_OUT_FEATURES)}")
     return depth
@@ -139,17 +144,17 @@ def hf_rtdetr_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     points = hf_config.get("decoder_n_points", 4)
     if not isinstance(points, int) or isinstance(points, bool):
         raise _fail("decoder_n_points", points, "must be one integer (points per level)")
-    if list(hf_config.get("encode_proj_layers", [2])) != [2]:
+    if json_list(hf_config, "encode_proj_layers", [2]) != [2]:
         raise _fail("encode_proj_layers", hf_config["encode_proj_layers"],
                     "the AIFI layer runs on the stride-32 level only ([2])")
-    if list(hf_config.get("feat_strides", [8, 16, 32])) != [8, 16, 32]:
+    if json_list(hf_config, "feat_strides", [8, 16, 32]) != [8, 16, 32]:
         raise _fail("feat_strides", hf_config["feat_strides"], "the levels have strides 8, 16, 32")
     widths = _BACKBONES[depth][1][1:]
-    if list(hf_config.get("encoder_in_channels", widths)) != widths:
+    if json_list(hf_config, "encoder_in_channels", widths) != widths:
         raise _fail("encoder_in_channels", hf_config["encoder_in_channels"],
                     f"ResNet-vd {depth} gives {widths}")
     enc_hidden = hf_config.get("encoder_hidden_dim", 256)
-    if list(hf_config.get("decoder_in_channels", [enc_hidden] * 3)) != [enc_hidden] * 3:
+    if json_list(hf_config, "decoder_in_channels", [enc_hidden] * 3) != [enc_hidden] * 3:
         raise _fail("decoder_in_channels", hf_config["decoder_in_channels"],
                     f"the decoder reads the encoder's maps ({[enc_hidden] * 3})")
     frozen = bool(hf_config.get("freeze_backbone_batch_norms", True))
@@ -160,9 +165,11 @@ def hf_rtdetr_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     model.update({ours: hf_config[theirs] for ours, theirs in _FIELDS.items()
                   if theirs in hf_config})
     if "positional_encoding_temperature" in hf_config:
-        model["pe_temperature"] = float(hf_config["positional_encoding_temperature"])
-    if isinstance(hf_config.get("id2label"), Mapping):
-        model["num_classes"] = len(hf_config["id2label"])
+        model["pe_temperature"] = json_number(hf_config, "positional_encoding_temperature",
+                                              10000.0)
+    labels = id2label_names(hf_config)
+    if labels is not None:
+        model["num_classes"] = len(labels)
     return model
 
 
