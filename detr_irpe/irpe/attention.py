@@ -155,6 +155,10 @@ class IRPEMultiheadAttention(nn.Module):
             and keys; it rotates the content term ``q_i . k_j`` on every path (the fused one
             included), never the iRPE terms. Kept as the submodule ``rope`` (RoPE-Mixed's
             frequencies are ``rope.freqs``); None adds no state-dict key.
+        skip: leading extra tokens (e.g. a ViT's class token) before the ``H * W`` grid
+            tokens: they take part in the attention but have no grid position (iRPE gives
+            them its skip bucket, RoPE leaves them unrotated). None: the iRPE config's
+            ``skip`` (0 without iRPE); with iRPE both must agree.
 
     Parameters (names as in ``nn.MultiheadAttention`` and the public iRPE checkpoints):
         ``in_proj_weight (3C, C)``, ``in_proj_bias (3C)``, ``out_proj.{weight,bias}`` and the
@@ -171,6 +175,7 @@ class IRPEMultiheadAttention(nn.Module):
         impl: str = "auto",
         block_rows: int | None = None,
         rope: nn.Module | None = None,
+        skip: int | None = None,
     ) -> None:
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads != 0:
@@ -186,6 +191,12 @@ class IRPEMultiheadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.dropout = float(dropout)
         self.rpe = parse_rpe(rpe)
+        rpe_skip = self.rpe.skip if self.rpe is not None else 0
+        if skip is not None and (isinstance(skip, bool) or not isinstance(skip, int) or skip < 0):
+            raise ValueError(f"skip must be a non-negative integer or None, got {skip!r}")
+        if skip is not None and self.rpe is not None and skip != rpe_skip:
+            raise ValueError(f"skip={skip} but the iRPE config {self.rpe} has skip={rpe_skip}")
+        self.skip = rpe_skip if skip is None else skip
         self.impl = _check_impl(impl)
         self.block_rows = block_rows
         if impl == "sdpa" and self.rpe is not None and "v" in self.rpe.rpe_on:
@@ -247,7 +258,7 @@ class IRPEMultiheadAttention(nn.Module):
                 f"query's shape {tuple(query.shape)}, got {tuple(key.shape)}"
             )
         height, width = _hw(hw)
-        skip = self.rpe.skip if self.rpe is not None else 0
+        skip = self.skip
         if height <= 0 or width <= 0 or query.shape[1] != skip + height * width:
             raise ValueError(
                 f"sequence length {query.shape[1]} does not match hw=({height}, {width})"
@@ -292,8 +303,7 @@ class IRPEMultiheadAttention(nn.Module):
         """q, k ``(B, h, L, D)`` rotated by the rotary module (unchanged without one)."""
         if self.rope is None:
             return q, k
-        skip = self.rpe.skip if self.rpe is not None else 0
-        return self.rope(q, k, _hw(hw), skip)
+        return self.rope(q, k, _hw(hw), self.skip)
 
     def _bucket_ids(
         self, hw: tuple[int, int], device: torch.device

@@ -13,12 +13,13 @@ from detr_irpe.checkpoint.safe import safe_load
 from detr_irpe.errors import ConfigError
 from detr_irpe.models.matcher import FocalHungarianMatcher
 from detr_irpe.models.postprocess import TopKPostProcess
-from detr_irpe.models.rtdetr.config import RTDETRLossConfig, RTDETRModelConfig
+from detr_irpe.models.rtdetr.config import PRESNET, RTDETRLossConfig, RTDETRModelConfig
 from detr_irpe.models.rtdetr.criterion import RTDETRCriterion, rtdetr_weight_dict
 from detr_irpe.models.rtdetr.decoder import RTDETRDecoder
 from detr_irpe.models.rtdetr.hybrid_encoder import HybridEncoder
 from detr_irpe.models.rtdetr.model import RTDETR
 from detr_irpe.models.rtdetr.presnet import PResNet
+from detr_irpe.models.vit import build_vit_backbone
 from detr_irpe.structures import IMAGENET_MEAN, IMAGENET_STD
 
 logger = logging.getLogger(__name__)
@@ -26,11 +27,18 @@ logger = logging.getLogger(__name__)
 
 def build_rtdetr(cfg: RTDETRModelConfig, *, load_weights: bool = True) -> RTDETR:
     """The model of ``cfg`` (checked); with ``load_weights``, ``cfg.backbone_weights``
-    (a PResNet state-dict file, e.g. the published ImageNet ResNet-vd) goes into the backbone."""
+    (a PResNet state-dict file, e.g. the published ImageNet ResNet-vd, or a timm ViT file
+    for a ViT backbone) goes into the backbone."""
     cfg.check()
-    backbone = PResNet(cfg.depth, cfg.variant, 4, (1, 2, 3), cfg.freeze_at, cfg.freeze_norm)
-    if load_weights and cfg.backbone_weights:
-        load_backbone_weights(backbone, cfg.backbone_weights)
+    if cfg.backbone == PRESNET:
+        backbone = PResNet(cfg.depth, cfg.variant, 4, (1, 2, 3), cfg.freeze_at, cfg.freeze_norm)
+        if load_weights and cfg.backbone_weights:
+            load_backbone_weights(backbone, cfg.backbone_weights)
+    else:
+        backbone = build_vit_backbone(
+            cfg.backbone, cfg.vit_encodings(),
+            weights=cfg.backbone_weights if load_weights else None, rpe_init=cfg.rpe_init,
+            freeze_patch_embed=cfg.freeze_at == 0)
     encoder = HybridEncoder(
         tuple(backbone.out_channels), cfg.enc_hidden_dim, cfg.nheads, cfg.enc_dim_feedforward,
         cfg.dropout, "gelu", (2,), cfg.enc_layers, cfg.pe_temperature, cfg.expansion,

@@ -22,6 +22,10 @@ from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
 from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
 from detr_irpe.models.rtdetr.presnet import DEPTHS, VARIANTS
+from detr_irpe.models.vit import VIT_BACKBONES, parse_backbone_encodings
+
+# The backbone that is not a ViT: the published ResNet-vd (model.depth, model.variant).
+PRESNET = "presnet"
 
 # What the model's input images are: normalised as ImageNet's (this package's data) or not.
 INPUT_NORMALIZATIONS = ("imagenet", "none")
@@ -68,6 +72,16 @@ class RTDETRModelConfig(ModelConfig):
     hidden_dim: int = 256
     # Attention heads of the AIFI layer and of the decoder's attentions.
     nheads: int = 8
+    # The backbone: "presnet" (the published ResNet-vd of model.depth / model.variant) or
+    # a ViT with a feature adapter to strides 8 / 16 / 32 (docs/rtdetr.md, "A ViT
+    # backbone"): vit_tiny, vit_small, vit_base (timm's / DeiT's sizes), vit_nano (small
+    # images, from scratch) or a registered one.
+    backbone: str = PRESNET
+    # Position encodings of a ViT backbone's attention, composable (one absolute, one
+    # iRPE, one RoPE): "none", "learned" (timm's absolute embedding, resampled to each
+    # grid), an iRPE string ("rpe-2.0-product-ctx-1-k"), "rope-axial" / "rope-mixed".
+    # null: ["learned"] for a ViT (the pretrained ViTs' own); must be null for presnet.
+    backbone_encodings: list[str] | None = None
     # ResNet-vd depth of the backbone: 18, 34, 50 or 101.
     depth: int = 50
     # ResNet variant: "d" (vd: deep stem, avg-pool shortcut; the published) or "a" / "b".
@@ -119,8 +133,9 @@ class RTDETRModelConfig(ModelConfig):
     # std, as this package's data pipeline gives them; the model maps them back to [0, 1],
     # the published model's input) or "none" ([0, 1] pixels).
     input_normalization: str = "imagenet"
-    # ImageNet weights of the backbone: a PResNet state-dict file (null: random; a
-    # checkpoint loaded over the model brings its own).
+    # ImageNet weights of the backbone: a PResNet state-dict file, or for a ViT backbone a
+    # timm / DeiT ViT file of its size (.safetensors or .pth; null: random; a checkpoint
+    # loaded over the model brings its own).
     backbone_weights: str | None = None
 
     def __post_init__(self) -> None:
@@ -132,9 +147,19 @@ class RTDETRModelConfig(ModelConfig):
         if self.backbone_weights == "imagenet":
             raise ConfigError(
                 "model.backbone_weights=imagenet: the published ImageNet ResNet-vd is a file of "
-                "the RT-DETR repository, not downloaded here; give the path of its PResNet "
-                "state dict, or none")
+                "the RT-DETR repository (a ViT's a timm file), not downloaded here; give the "
+                "path of its state dict, or none")
         self.check()
+
+    def vit_encodings(self):
+        """The :class:`~detr_irpe.models.vit.BackboneEncodings` of a ViT backbone
+        (``backbone_encodings``; null: ``["learned"]``).
+
+        Raises:
+            ValueError: a bad entry, naming ``model.backbone_encodings``.
+        """
+        entries = ["learned"] if self.backbone_encodings is None else self.backbone_encodings
+        return parse_backbone_encodings(entries)
 
     def rpe_layer_count(self) -> int:
         return self.enc_layers
@@ -161,6 +186,30 @@ class RTDETRModelConfig(ModelConfig):
         def key(name: str) -> str:
             return f"{prefix}.{name}" if prefix else name
 
+        if self.backbone != PRESNET and self.backbone not in VIT_BACKBONES:
+            _fail(key("backbone"), self.backbone,
+                  f"must be one of {', '.join([PRESNET, *VIT_BACKBONES])} (or a ViT registered "
+                  "with detr_irpe.models.vit.register_vit_backbone in a model.import module)")
+        if self.backbone == PRESNET and self.backbone_encodings is not None:
+            _fail(key("backbone_encodings"), self.backbone_encodings,
+                  f"applies to ViT backbones only; set it to null with {key('backbone')}="
+                  f"{PRESNET}")
+        if self.backbone != PRESNET:
+            try:
+                encodings = self.vit_encodings()
+            except ValueError as err:
+                raise ConfigError(str(err).replace("model.backbone_encodings",
+                                                   key("backbone_encodings"))) from None
+            head_dim = VIT_BACKBONES[self.backbone].embed_dim // VIT_BACKBONES[
+                self.backbone].num_heads
+            if encodings.rope is not None and head_dim % 4:
+                _fail(key("backbone_encodings"), self.backbone_encodings,
+                      f"has RoPE, which needs a head width divisible by 4; {self.backbone}'s "
+                      f"is {head_dim}")
+            if self.freeze_at not in (-1, 0):
+                _fail(key("freeze_at"), self.freeze_at,
+                      f"must be -1 (nothing) or 0 (the patch embedding) with a ViT backbone "
+                      f"({key('backbone')}={self.backbone})")
         if self.depth not in DEPTHS:
             _fail(key("depth"), self.depth, f"must be one of {', '.join(map(str, DEPTHS))}")
         if self.variant not in VARIANTS:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from detr_irpe.models.rtdetr.decoder import RTDETRDecoder
 from detr_irpe.models.rtdetr.hybrid_encoder import HybridEncoder
 from detr_irpe.models.rtdetr.presnet import PResNet
+from detr_irpe.models.vit import ViTBackbone
 from detr_irpe.structures import ImageBatch
 
 
@@ -23,7 +24,8 @@ class RTDETR(nn.Module):
     """Backbone, encoder and decoder of RT-DETR.
 
     Args:
-        backbone: images ``(B, 3, H, W)`` -> feature maps, finest first.
+        backbone: images ``(B, 3, H, W)`` -> feature maps at strides 8, 16, 32, finest
+            first (:class:`PResNet`, or a :class:`~detr_irpe.models.vit.ViTBackbone`).
         encoder: those maps -> fused maps of ``hidden_dim`` channels.
         decoder: fused maps (+ targets in training) -> predictions.
         input_mean, input_std: the normalisation of the images it is given (this package's
@@ -34,7 +36,7 @@ class RTDETR(nn.Module):
     # the stride of the coarsest map, twice upsampled by the encoder: sides must divide
     STRIDE = 32
 
-    def __init__(self, backbone: PResNet, encoder: HybridEncoder, decoder: RTDETRDecoder,
+    def __init__(self, backbone: PResNet | ViTBackbone, encoder: HybridEncoder, decoder: RTDETRDecoder,
                  input_mean: Sequence[float] | None = None,
                  input_std: Sequence[float] | None = None) -> None:
         super().__init__()
