@@ -61,16 +61,16 @@ def parse_backbone_encodings(entries: Iterable[str] | str | None,
     """
     if entries is None:
         entries = []
-    if isinstance(entries, str):
-        entries = [entries]
+    entries = [entries] if isinstance(entries, str) else list(entries)
     found: dict[str, str] = {}
-    seen: list[str] = []
     for entry in entries:
         if not isinstance(entry, str):
             raise ValueError(f"{key}: entries must be strings, got {entry!r}; allowed: "
                              f"{', '.join(_ALLOWED)}")
         text = entry.strip().lower()
-        seen.append(text)
+        if text == "none" and len(entries) > 1:
+            raise ValueError(f"{key}: 'none' cannot be combined with other encodings, "
+                             f"got {entries}")
         if text in ABSOLUTE:
             kind, value = "abs", text
         elif text.startswith("rpe-"):
@@ -91,7 +91,5 @@ def parse_backbone_encodings(entries: Iterable[str] | str | None,
             raise ValueError(f"{key}: two encodings of one kind ({found[kind]!r} and {text!r}); "
                              "give at most one absolute, one iRPE and one RoPE entry")
         found[kind] = value
-    if "none" in seen and len(seen) > 1:
-        raise ValueError(f"{key}: 'none' cannot be combined with other encodings, got {seen}")
     return BackboneEncodings(abs_pos="learned" if found.get("abs") == "learned" else "none",
                              rpe=found.get("rpe"), rope=found.get("rope"))

@@ -147,8 +147,8 @@ def _fit_pos_embed(pos: Tensor, trunk: VisionTransformer, source: str) -> Tensor
     """``pos_embed`` of the file resampled to the trunk's grid (class entry kept)."""
     expected = trunk.pos_embed.shape[1]
     if pos.dim() != 3 or pos.shape[-1] != trunk.embed_dim:
-        raise CheckpointError(f"{source}: pos_embed {tuple(pos.shape)} does not fit width "
-                              f"{trunk.embed_dim}")
+        raise CheckpointError(f"{source} does not fit the ViT trunk (embed_dim "
+                              f"{trunk.embed_dim}): pos_embed {tuple(pos.shape)}")
     if pos.shape[1] == expected:
         return pos
     grid_tokens = pos.shape[1] - trunk.num_prefix

@@ -1,0 +1,126 @@
+"""RT-DETR with a ViT backbone (``model.backbone: vit_*``): the adapter's maps against a
+naive resize, each backbone encoding trains a step, timm files load through
+``model.backbone_weights``, the config's checks; PResNet stays the default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from detr_irpe.config import ConfigError, load_config
+from detr_irpe.models import build_model
+from detr_irpe.models.vit import VIT_BACKBONES, ViTSpec, build_vit_backbone, register_vit_backbone
+from detr_irpe.models.vit.encodings import BackboneEncodings
+
+IRPE = "rpe-2.0-product-ctx-1-k"
+TINY = ["model.num_classes=3", "model.backbone=vit_nano"]
+
+
+def _upsample2_naive(x: torch.Tensor) -> torch.Tensor:
+    """Bilinear x2 with half-pixel centres, from the definition: output pixel ``o`` sits at
+    input coordinate ``(o + 0.5) / 2 - 0.5``, clamped at the borders, each axis in turn."""
+    def along(t: torch.Tensor, dim: int) -> torch.Tensor:
+        n = t.shape[dim]
+        pos = ((torch.arange(2 * n, dtype=torch.float64) + 0.5) / 2 - 0.5).clamp(0, n - 1)
+        lo = pos.floor().long()
+        hi = (lo + 1).clamp(max=n - 1)
+        w = (pos - lo).to(t.dtype)
+        shape = [1] * t.dim()
+        shape[dim] = -1
+        return (t.index_select(dim, lo) * (1 - w).view(shape)
+                + t.index_select(dim, hi) * w.view(shape))
+    return along(along(x, 2), 3)
+
+
+def test_the_adapter_gives_strides_8_16_32_from_three_taps() -> None:
+    backbone = build_vit_backbone("vit_tiny", BackboneEncodings("learned")).double().eval()
+    images = torch.randn(1, 3, 64, 96, dtype=torch.float64)
+    with torch.no_grad():
+        maps = backbone(images)
+        taps = backbone.vit.forward_intermediates(images, (3, 7, 11), norm=True)
+    assert backbone.taps == (3, 7, 11) and backbone.out_channels == [192] * 3
+    assert [tuple(m.shape) for m in maps] == [(1, 192, 8, 12), (1, 192, 4, 6), (1, 192, 2, 3)]
+    torch.testing.assert_close(maps[0], _upsample2_naive(taps[0]))
+    assert torch.equal(maps[1], taps[1])
+    # bilinear x0.5 with half-pixel centres is the mean of each 2 x 2 block
+    torch.testing.assert_close(maps[2], F.avg_pool2d(taps[2], 2))
+
+
+@pytest.mark.parametrize("encodings", [
+    ["none"], ["learned"], [IRPE], ["rope-axial"], ["rope-mixed"],
+    ["learned", "rpe-2.0-euc-bias-0-qk", "rope-mixed"],
+])
+def test_each_backbone_encoding_trains_a_step(encodings: list[str]) -> None:
+    cfg = load_config("rtdetr_tiny", [*TINY, f"model.backbone_encodings={encodings}"])
+    model, criterion, _ = build_model(cfg, load_backbone_weights=False)
+    model.train()
+    for size in [(64, 96), (96, 64)]:
+        model.zero_grad()
+        targets = [{"labels": torch.tensor([1]), "boxes": torch.tensor([[0.5, 0.5, 0.3, 0.2]])}]
+        losses = criterion(model(torch.randn(1, 3, *size), targets), targets)
+        sum(losses[k] * w for k, w in criterion.weight_dict.items() if k in losses).backward()
+        grads = {n: p.grad for n, p in model.backbone.named_parameters()}
+        assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+        encoding_params = [n for n in grads if "lookup_table" in n or "rope." in n
+                           or n.endswith("pos_embed")]
+        tables = sum(len(e.rsplit("-", 1)[1]) for e in encodings if e.startswith("rpe"))
+        blocks = 6  # vit_nano
+        assert len(encoding_params) == (
+            ("learned" in encodings) + blocks * tables + blocks * ("rope-mixed" in encodings))
+        assert all(grads[n].abs().sum() > 0 for n in encoding_params)
+
+
+def test_timm_weights_load_through_the_config(tmp_path) -> None:
+    timm = pytest.importorskip("timm", reason="the timm extra")
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+    path = tmp_path / "vit_tiny.pth"
+    torch.save(reference.state_dict(), path)
+    cfg = load_config("rtdetr_tiny", ["model.num_classes=3", "model.backbone=vit_tiny",
+                                      f"model.backbone_weights={path}", "model.freeze_at=0",
+                                      f"model.backbone_encodings=[learned,{IRPE}]"])
+    model, _, _ = build_model(cfg)
+    trunk = model.backbone.vit
+    assert torch.equal(trunk.blocks[11].attn.in_proj_weight, reference.blocks[11].attn.qkv.weight)
+    assert torch.equal(trunk.pos_embed, reference.pos_embed)
+    assert not trunk.patch_embed.proj.weight.requires_grad and trunk.blocks[0].norm1.weight.requires_grad
+    assert all(p.abs().sum() == 0 for n, p in trunk.named_parameters() if "lookup_table" in n)
+    # a file of another size is one clear error naming the key and the shapes
+    cfg = load_config("rtdetr_tiny", ["model.num_classes=3", "model.backbone=vit_small",
+                                      f"model.backbone_weights={path}"])
+    from detr_irpe.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"does not fit the ViT trunk \(embed_dim 384"):
+        build_model(cfg)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.backbone=vit_huge"], r"model\.backbone must be one of presnet, vit_tiny"),
+    (["model.backbone_encodings=[learned]"], r"model\.backbone_encodings applies to ViT "
+                                              r"backbones only"),
+    (["model.backbone=vit_nano", "model.backbone_encodings=[sine]"],
+     r"model\.backbone_encodings: unknown encoding 'sine'"),
+    (["model.backbone=vit_nano", "model.freeze_at=2"], r"model\.freeze_at must be -1 .* or 0"),
+])
+def test_bad_settings_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config("rtdetr_tiny", overrides)
+
+
+def test_rope_needs_head_widths_divisible_by_4() -> None:
+    register_vit_backbone("vit_test_heads6", ViTSpec(24, 3, 4, patch_size=8, img_size=32))
+    try:
+        with pytest.raises(ConfigError, match="head width divisible by 4; vit_test_heads6's is 6"):
+            load_config("rtdetr_tiny", ["model.backbone=vit_test_heads6",
+                                        "model.backbone_encodings=[rope-axial]"])
+        cfg = load_config("rtdetr_tiny", ["model.backbone=vit_test_heads6", "model.num_classes=3"])
+        assert build_model(cfg, load_backbone_weights=False)[0].backbone.vit.depth == 3
+    finally:
+        del VIT_BACKBONES["vit_test_heads6"]
+
+
+def test_presnet_stays_the_default() -> None:
+    model = load_config("rtdetr_r18").model
+    assert (model.backbone, model.backbone_encodings) == ("presnet", None)
+    vit = load_config("rtdetr_vit_tiny").model
+    assert (vit.backbone, vit.vit_encodings()) == ("vit_nano", BackboneEncodings("learned", IRPE))
