@@ -81,7 +81,8 @@ class RTDETRModelConfig(ModelConfig):
     # iRPE, one RoPE): "none", "learned" (timm's absolute embedding, resampled to each
     # grid), an iRPE string ("rpe-2.0-product-ctx-1-k"), "rope-axial" / "rope-mixed".
     # null: ["learned"] for a ViT (the pretrained ViTs' own); must be null for presnet.
-    backbone_encodings: list[str] | None = None
+    # One string is a list of one.
+    backbone_encodings: list[str] | str | None = None
     # ResNet-vd depth of the backbone: 18, 34, 50 or 101.
     depth: int = 50
     # ResNet variant: "d" (vd: deep stem, avg-pool shortcut; the published) or "a" / "b".
@@ -144,6 +145,8 @@ class RTDETRModelConfig(ModelConfig):
         if isinstance(self.backbone_weights, str) and self.backbone_weights.strip().lower() in (
                 "", "none"):
             self.backbone_weights = None
+        if isinstance(self.backbone_encodings, str):
+            self.backbone_encodings = [self.backbone_encodings]
         if self.backbone_weights == "imagenet":
             raise ConfigError(
                 "model.backbone_weights=imagenet: the published ImageNet ResNet-vd is a file of "

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -33,6 +34,8 @@ __all__ = ["VIT_BACKBONES", "ViTBackbone", "ViTSpec", "build_vit_backbone",
 logger = logging.getLogger(__name__)
 
 STRIDES = (8, 16, 32)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ class ViTSpec:
             :class:`~.model.VisionTransformer`.
         img_size: the image side its absolute embedding is stored for.
         taps: the blocks the adapter reads (None: :func:`~.model.default_taps`).
+        mean, std: the normalisation of the images the trunk was (pre)trained on; the
+            backbone takes [0, 1] pixels and applies it (ImageNet's, as DeiT's and most
+            timm ViTs'; timm's ``augreg`` files use 0.5 / 0.5: register a size with it).
         timm: timm / DeiT models whose files load into it (for the docs and errors).
     """
 
@@ -56,6 +62,8 @@ class ViTSpec:
     class_token: bool = True
     layer_scale: float | None = None
     taps: tuple[int, ...] | None = None
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
     timm: tuple[str, ...] = ()
 
     def tap_blocks(self) -> tuple[int, ...]:
@@ -91,7 +99,7 @@ def vit_backbone_names() -> list[str]:
 
 
 class ViTBackbone(nn.Module):
-    """Trunk + adapter (module docstring): images ``(B, 3, H, W)`` -> maps
+    """Trunk + adapter (module docstring): ``[0, 1]`` images ``(B, 3, H, W)`` -> maps
     ``(B, embed_dim, ceil(H / s), ceil(W / s))`` for ``s`` in ``strides``, finest first.
 
     Args:
@@ -100,10 +108,13 @@ class ViTBackbone(nn.Module):
         strides: output strides (multiples or divisors of the patch size).
         freeze_patch_embed: fix the patch embedding, class token and absolute embedding
             (``model.freeze_at=0``).
+        mean, std: the trunk's input normalisation, applied to the ``[0, 1]`` pixels.
     """
 
     def __init__(self, vit: VisionTransformer, taps: Sequence[int],
-                 strides: Sequence[int] = STRIDES, freeze_patch_embed: bool = False) -> None:
+                 strides: Sequence[int] = STRIDES, freeze_patch_embed: bool = False,
+                 mean: Sequence[float] = IMAGENET_MEAN,
+                 std: Sequence[float] = IMAGENET_STD) -> None:
         super().__init__()
         if len(taps) != len(strides):
             raise ValueError(f"{len(taps)} tapped blocks for {len(strides)} strides")
@@ -113,6 +124,9 @@ class ViTBackbone(nn.Module):
         self.taps = tuple(int(t) for t in taps)
         self.strides = tuple(int(s) for s in strides)
         self.out_channels = [vit.embed_dim] * len(strides)
+        # not saved: a property of the pretraining, not a weight
+        self.register_buffer("pixel_mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("pixel_std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
         if freeze_patch_embed:
             for name, param in vit.named_parameters():
                 if name.startswith(("patch_embed.", "cls_token", "pos_embed")):
@@ -120,6 +134,7 @@ class ViTBackbone(nn.Module):
 
     def forward(self, images: Tensor) -> list[Tensor]:
         height, width = images.shape[-2:]
+        images = (images - self.pixel_mean.to(images.dtype)) / self.pixel_std.to(images.dtype)
         maps = self.vit.forward_intermediates(images, self.taps, norm=True)
         out = []
         for x, stride in zip(maps, self.strides):
@@ -153,4 +168,4 @@ def build_vit_backbone(name: str, encodings: BackboneEncodings, *, weights: str 
     logger.info("backbone %s: %d blocks of width %d, encodings %s, taps %s, %s weights",
                 name, vit.depth, spec.embed_dim, "+".join(encodings.entries()), taps,
                 "loaded" if weights else "random")
-    return ViTBackbone(vit, taps, STRIDES, freeze_patch_embed)
+    return ViTBackbone(vit, taps, STRIDES, freeze_patch_embed, spec.mean, spec.std)

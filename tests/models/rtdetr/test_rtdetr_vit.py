@@ -35,10 +35,12 @@ def _upsample2_naive(x: torch.Tensor) -> torch.Tensor:
 
 def test_the_adapter_gives_strides_8_16_32_from_three_taps() -> None:
     backbone = build_vit_backbone("vit_tiny", BackboneEncodings("learned")).double().eval()
-    images = torch.randn(1, 3, 64, 96, dtype=torch.float64)
-    with torch.no_grad():
+    images = torch.rand(1, 3, 64, 96, dtype=torch.float64)
+    mean = torch.tensor([0.485, 0.456, 0.406]).double().view(1, 3, 1, 1)  # float32 constants
+    std = torch.tensor([0.229, 0.224, 0.225]).double().view(1, 3, 1, 1)
+    with torch.no_grad():  # [0, 1] pixels in, normalised as ImageNet's for the trunk
         maps = backbone(images)
-        taps = backbone.vit.forward_intermediates(images, (3, 7, 11), norm=True)
+        taps = backbone.vit.forward_intermediates((images - mean) / std, (3, 7, 11), norm=True)
     assert backbone.taps == (3, 7, 11) and backbone.out_channels == [192] * 3
     assert [tuple(m.shape) for m in maps] == [(1, 192, 8, 12), (1, 192, 4, 6), (1, 192, 2, 3)]
     torch.testing.assert_close(maps[0], _upsample2_naive(taps[0]))
