@@ -22,6 +22,7 @@ RECIPES = {
     "dab_detr_irpe_tiny": ("dab", "rpe-2.0-product-ctx-1-k"),
     "dn_detr_irpe_tiny": ("dab", "rpe-2.0-product-ctx-1-k"),
     "rtdetr_tiny": ("rtdetr", "rpe-2.0-product-ctx-1-k"),
+    "rtdetr_vit_tiny": ("rtdetr", "rpe-2.0-product-ctx-1-k"),
 }
 
 

@@ -160,3 +160,25 @@ def test_the_list_form(entries, expected) -> None:
 def test_bad_lists_name_the_key(entries, message) -> None:
     with pytest.raises(ValueError, match=message):
         parse_backbone_encodings(entries)
+
+
+def test_the_attention_skips_extra_tokens_without_irpe() -> None:
+    """``IRPEMultiheadAttention(skip=...)``: leading tokens without a grid position for
+    RoPE alone (a ViT's class token); with iRPE it must agree with the config's skip."""
+    from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig
+    from detr_irpe.rope import build_rope
+
+    attn = IRPEMultiheadAttention(16, 2, rope=build_rope("rope-axial", 8, 2), skip=1)
+    x = torch.randn(1, 1 + 6, 16)
+    q, k, _ = attn._project(x, x, None)
+    q_rot, _ = attn._rotate(q, k, (2, 3))
+    assert torch.equal(q_rot[:, :, :1], q[:, :, :1]) and not torch.equal(q_rot, q)
+    assert attn(x, x, x, (2, 3))[0].shape == x.shape
+    with pytest.raises(ValueError, match=r"expected 0 \+ 2 \* 3 = 6 tokens"):
+        IRPEMultiheadAttention(16, 2, rope=build_rope("rope-axial", 8, 2))(x, x, x, (2, 3))
+    with pytest.raises(ValueError, match="skip=2 but the iRPE config .* has skip=1"):
+        IRPEMultiheadAttention(16, 2, rpe=RPEConfig(skip=1), skip=2)
+    with pytest.raises(ValueError, match="skip must be a non-negative integer"):
+        IRPEMultiheadAttention(16, 2, skip=-1)
+    assert IRPEMultiheadAttention(16, 2, rpe=RPEConfig(skip=1)).skip == 1
+    assert _trunk(["rope-axial"]).blocks[0].attn.skip == 1
