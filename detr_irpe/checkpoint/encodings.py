@@ -22,6 +22,8 @@ from detr_irpe.rope import ROPE_VARIANTS, RoPEConfig, RotaryEncoding, parse_rope
 
 logger = logging.getLogger(__name__)
 
+# The model's backbone (its encodings are not the encoder's model.rope / model.rpe).
+BACKBONE_PREFIX = "backbone."
 # The keys whose encodings have no weights: a difference only the saved config shows.
 WEIGHTLESS_ENCODING_KEYS = ("model.position_embedding", "model.rope")
 # What a config that predates a key meant (every family's default).
@@ -39,13 +41,15 @@ def describe_rope(rope: RoPEConfig | None) -> str:
 
 
 def model_rope(model: nn.Module) -> RoPEConfig | None:
-    """The rotary encoding of a built model's attention layers (None: none has one).
+    """The rotary encoding of a built model's attention layers outside its backbone (None:
+    none has one).
 
     Raises:
         ValueError: its layers have different ones (no config builds such a model).
     """
-    found = {RoPEConfig(m.variant, m.theta) for m in model.modules()
-             if isinstance(m, RotaryEncoding)}
+    # a backbone's own rotary encoding (a ViT's, model.backbone_encodings) is not model.rope
+    found = {RoPEConfig(m.variant, m.theta) for name, m in model.named_modules()
+             if isinstance(m, RotaryEncoding) and not name.startswith(BACKBONE_PREFIX)}
     if len(found) > 1:
         raise ValueError(f"the model's attention layers have different rotary encodings: "
                          f"{sorted(describe_rope(r) for r in found)}")

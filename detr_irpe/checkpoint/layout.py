@@ -106,7 +106,8 @@ def _rope_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
     """RoPE-Mixed's learned frequencies (``...self_attn.rope.freqs``, ``(2, nheads, D / 2)``:
     they show the head count too) or none; RoPE-Axial has no weights, so a state dict
     without frequencies may be either."""
-    freqs = [v for k, v in state.items() if is_rope_key(k) and k.endswith(".freqs")]
+    freqs = [v for k, v in state.items() if is_rope_key(k) and k.endswith(".freqs")
+             and not k.startswith("backbone.")]  # a ViT backbone's own are not model.rope
     if not freqs:
         return {"model.rope": NO_ROPE_FREQUENCIES}
     heads = int(freqs[0].shape[1]) if len(freqs[0].shape) == 3 else None

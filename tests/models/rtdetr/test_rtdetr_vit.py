@@ -126,3 +126,20 @@ def test_presnet_stays_the_default() -> None:
     assert (model.backbone, model.backbone_encodings) == ("presnet", None)
     vit = load_config("rtdetr_vit_tiny").model
     assert (vit.backbone, vit.vit_encodings()) == ("vit_nano", BackboneEncodings("learned", IRPE))
+
+
+def test_the_backbones_rope_is_not_the_encoders() -> None:
+    """model.rope is the encoder's: a ViT backbone's RoPE (its own key) is not reported as
+    it by the checkpoint tools (model_rope, the state-dict facts)."""
+    from detr_irpe.checkpoint.encodings import model_rope
+    from detr_irpe.checkpoint.layout import NO_ROPE_FREQUENCIES, _rope_facts
+    from detr_irpe.rope import RoPEConfig
+
+    for encoder, expected in [("none", None), ("rope-axial", RoPEConfig("axial", 100.0))]:
+        cfg = load_config("rtdetr_tiny", [*TINY, "model.backbone_encodings=[rope-mixed]",
+                                          f"model.rope={encoder}"])
+        model = build_model(cfg, load_backbone_weights=False)[0]
+        assert model_rope(model) == expected
+        assert any(k.startswith("backbone.") and k.endswith("rope.freqs")
+                   for k in model.state_dict())
+        assert _rope_facts(model.state_dict()) == {"model.rope": NO_ROPE_FREQUENCIES}
