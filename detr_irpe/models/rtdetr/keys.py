@@ -19,13 +19,16 @@ SIGNATURE_KEYS = (
     "encoder.encoder.0.layers.0.self_attn.in_proj_weight",
     "decoder.dec_score_head.0.weight",
     "decoder.enc_score_head.weight",
-    "backbone.res_layers.0.blocks.0.branch2a.conv.weight",
 )
+# and one of its backbones: the published ResNet-vd, or a ViT (model.backbone: vit_*)
+PRESNET_KEY = "backbone.res_layers.0.blocks.0.branch2a.conv.weight"
+VIT_KEY = "backbone.vit.patch_embed.proj.weight"
 
 
 def is_rtdetr_state_dict(state: Mapping[str, object]) -> bool:
-    """Whether ``state`` has RT-DETR's key layout (:data:`SIGNATURE_KEYS`)."""
-    return all(k in state for k in SIGNATURE_KEYS)
+    """Whether ``state`` has RT-DETR's key layout (:data:`SIGNATURE_KEYS` and a PResNet or
+    ViT backbone)."""
+    return all(k in state for k in SIGNATURE_KEYS) and (PRESNET_KEY in state or VIT_KEY in state)
 
 
 def _count(state: Mapping[str, object], pattern: str) -> int:
@@ -50,8 +53,14 @@ def infer_model_config(state: Mapping[str, Tensor], source: str = "checkpoint",
             size cannot be read.
     """
     if not is_rtdetr_state_dict(state):
-        raise CheckpointError(f"{source}: not an RT-DETR state dict (missing "
-                              f"{[k for k in SIGNATURE_KEYS if k not in state]})")
+        missing = [k for k in SIGNATURE_KEYS if k not in state]
+        if PRESNET_KEY not in state and VIT_KEY not in state:
+            missing.append(f"{PRESNET_KEY} or {VIT_KEY}")
+        raise CheckpointError(f"{source}: not an RT-DETR state dict (missing {missing})")
+    if VIT_KEY in state:
+        raise CheckpointError(f"{source}: an RT-DETR with a ViT backbone, whose size and "
+                              "encodings its keys do not say; pass --config with the model it "
+                              "was trained as (its model.backbone, model.backbone_encodings)")
     blocks = tuple(_count(state, rf"backbone\.res_layers\.{i}\.blocks\.(\d+)\..*")
                    for i in range(4))
     bottleneck = any(".branch2c." in k for k in state if k.startswith("backbone."))

@@ -143,3 +143,19 @@ def test_the_backbones_rope_is_not_the_encoders() -> None:
         assert any(k.startswith("backbone.") and k.endswith("rope.freqs")
                    for k in model.state_dict())
         assert _rope_facts(model.state_dict()) == {"model.rope": NO_ROPE_FREQUENCIES}
+
+
+def test_a_vit_state_dict_is_rtdetrs_and_needs_its_config() -> None:
+    """The checkpoint tools recognise the family of a ViT model's state dict (its class
+    count, for evaluating a run at other sizes), and ask for the config a bare one lacks."""
+    from detr_irpe.errors import CheckpointError
+    from detr_irpe.models.rtdetr.checkpoint import CHECKPOINT
+    from detr_irpe.models.rtdetr.keys import infer_model_config
+
+    state = build_model(load_config("rtdetr_tiny", TINY), load_backbone_weights=False)[0] \
+        .state_dict()
+    assert CHECKPOINT.recognizes(state) and CHECKPOINT.num_classes(state) == 3
+    with pytest.raises(CheckpointError, match="ViT backbone.*pass --config"):
+        infer_model_config(state, "run.pth")
+    del state["backbone.vit.patch_embed.proj.weight"]
+    assert not CHECKPOINT.recognizes(state)
