@@ -641,7 +641,9 @@ _DEMO_GRID_TEST_SIZE = (
 # demo_encodings: 18 runs, about 11 s on a shared 2-core "AMD EPYC", family 26 model 2).
 # A grid with eval_sizes also evaluates the runs of its first seed at its shipped test
 # sizes through the scheduler (one evaluation process per run): demo_encodings 80 s and
-# demo_encodings_rtdetr 107 s in all, measured there with the machine shared (load ~5).
+# demo_encodings_rtdetr 107 s in all, measured there with the machine shared (load ~5);
+# demo_encodings_vit_rtdetr (18 runs with a ViT backbone) 113 s on an "Intel(R) Xeon(R)
+# Processor" (2 cores, shared with a training run).
 @pytest.mark.parametrize("name", [
     name if name == "demo" else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(p.stem for p in GRID_DIR.glob("demo*.yaml"))

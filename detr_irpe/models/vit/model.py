@@ -49,10 +49,12 @@ def resample_abs_pos_embed(pos_embed: Tensor, new_hw: tuple[int, int], old_hw: t
         new_hw: ``(h, w)``; old_hw: ``(h0, w0)``.
 
     Returns:
-        ``(1, num_prefix + h * w, C)`` (``pos_embed`` itself when the grid is unchanged).
+        ``(1, num_prefix + h * w, C)`` (``pos_embed`` itself when the grid is unchanged,
+        except under ``torch.export``).
         Half-precision embeddings are resized in float32 (as timm does; float64 stays).
     """
-    if tuple(new_hw) == tuple(old_hw):
+    # no early return while exporting: the exported graph would keep the example's grid
+    if not torch.compiler.is_exporting() and tuple(new_hw) == tuple(old_hw):
         return pos_embed
     channels = pos_embed.shape[-1]
     prefix, grid = pos_embed[:, :num_prefix], pos_embed[:, num_prefix:]

@@ -159,3 +159,28 @@ def test_a_vit_state_dict_is_rtdetrs_and_needs_its_config() -> None:
         infer_model_config(state, "run.pth")
     del state["backbone.vit.patch_embed.proj.weight"]
     assert not CHECKPOINT.recognizes(state)
+
+
+@pytest.mark.slow  # one export, ~30 s on 2 CPU cores
+def test_a_vit_model_exports_one_dynamic_onnx_graph(tmp_path) -> None:
+    """The learned embedding is resampled in the graph (no size baked in at the export's
+    grid), with iRPE and RoPE-Mixed in the backbone: equal to PyTorch at three sizes."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from helpers import randomise
+
+    from detr_irpe.export import export_onnx, run_onnx
+
+    cfg = load_config("rtdetr_vit_tiny", ["model.num_classes=3",
+                                          f"model.backbone_encodings=[learned,{IRPE},rope-mixed]"])
+    model = build_model(cfg, load_backbone_weights=False)[0]
+    randomise(model, seed=0)
+    model.eval()
+    path = export_onnx(model, tmp_path / "vit.onnx", (64, 64), dynamic=True)
+    for shape in [(1, 3, 64, 64), (1, 3, 96, 128), (2, 3, 128, 64)]:
+        images = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+        logits, boxes = run_onnx(path, images)
+        with torch.no_grad():
+            expected = model(images)
+        torch.testing.assert_close(logits, expected["pred_logits"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(boxes, expected["pred_boxes"], atol=1e-4, rtol=1e-4)
