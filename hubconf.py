@@ -1,5 +1,5 @@
-"""torch.hub entry points: DETR-R50, DAB-DETR-R50, DN-DETR-R50 and RT-DETR-R18 / R50, each
-with and without iRPE in the encoder.
+"""torch.hub entry points: DETR-R50, DAB-DETR-R50, DN-DETR-R50, RT-DETR-R18 / R50 and
+D-FINE / DEIM N-X, each with and without iRPE in the encoder (D-FINE / DEIM: S and L).
 
     import torch
     model = torch.hub.load("PATH/TO/detr_irpe", "detr_resnet50_irpe", source="local",
@@ -37,6 +37,10 @@ of this project with its saved config).
 
     model = torch.hub.load("PATH/TO/detr_irpe", "rtdetr_r50_irpe", source="local",
                            pretrained=True)            # fine-tune from the public weights
+
+D-FINE and DEIM (``dfine_n`` .. ``dfine_x``, ``deim_n`` .. ``deim_x``, ``dfine_s_irpe``,
+``dfine_l_irpe``, ``deim_s_irpe``, ``deim_l_irpe``; 80 COCO classes): as RT-DETR's, with
+the published files of the zoo names of the same sizes (docs/dfine.md).
 
 A ``checkpoint`` that carries its config (a run of this project) builds the model of
 that config, as ``Predictor.from_checkpoint`` does; keyword arguments given explicitly
@@ -511,6 +515,43 @@ def rtdetr_r50_irpe(
                         return_postprocessor,
                         model_options if rpe is None else {**model_options, "rpe": rpe},
                         trust_imports)
+
+
+def _dfine_entry(config: str, zoo_name: str):
+    """A D-FINE / DEIM entry: the model of ``config`` (80 classes); ``pretrained=True``
+    loads the published file of ``zoo_name`` (an ``_irpe`` config's tables start at zero,
+    so it computes the published model until trained); ``checkpoint="PATH"`` any file the
+    tools read (a published file needs no config here: the entry names the variant)."""
+    def entry(pretrained: bool = False, num_classes: int | None = None,
+              checkpoint: str | None = None, return_postprocessor: bool = False,
+              trust_imports: bool = False, **model_options: Any):
+        return _make_rtdetr(config, zoo_name, pretrained, checkpoint, num_classes,
+                            return_postprocessor, model_options, trust_imports)
+
+    entry.__name__ = entry.__qualname__ = config
+    kind, size = config.split("_")[:2]
+    name = f"{'D-FINE' if kind == 'dfine' else 'DEIM'}-{size.upper()}"
+    extra = " with iRPE in the AIFI layer" if config.endswith("_irpe") else ""
+    entry.__doc__ = (f"{name}{extra} (config ``{config}``; docs/dfine.md). "
+                     f"``pretrained=True``: the published file (zoo name ``{zoo_name}``).")
+    return entry
+
+
+# D-FINE / DEIM (docs/dfine.md): every published size, and iRPE in S and L
+dfine_n = _dfine_entry("dfine_n", "dfine_n")
+dfine_s = _dfine_entry("dfine_s", "dfine_s")
+dfine_m = _dfine_entry("dfine_m", "dfine_m")
+dfine_l = _dfine_entry("dfine_l", "dfine_l")
+dfine_x = _dfine_entry("dfine_x", "dfine_x")
+dfine_s_irpe = _dfine_entry("dfine_s_irpe", "dfine_s")
+dfine_l_irpe = _dfine_entry("dfine_l_irpe", "dfine_l")
+deim_n = _dfine_entry("deim_n", "deim_n")
+deim_s = _dfine_entry("deim_s", "deim_s")
+deim_m = _dfine_entry("deim_m", "deim_m")
+deim_l = _dfine_entry("deim_l", "deim_l")
+deim_x = _dfine_entry("deim_x", "deim_x")
+deim_s_irpe = _dfine_entry("deim_s_irpe", "deim_s")
+deim_l_irpe = _dfine_entry("deim_l_irpe", "deim_l")
 
 
 def from_checkpoint(

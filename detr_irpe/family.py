@@ -1,13 +1,13 @@
 """The registry of detector families: one object per family says what the package needs.
 
 A *family* is a kind of detector (``detr``: DETR; ``dab``: DAB-DETR, DN-DETR with
-denoising; a user's own). ``model.family`` in a config names it. Each family lives in one
-folder (``detr_irpe/models/<family>/``) whose ``__init__`` registers a
-:class:`DetectorFamily`: its config sections, how to build the model, loss and
-post-processor, the checkpoint layouts it reads and writes, its ONNX wrapper, its figures
-and its benchmark targets. Config, checkpoints, export, visualization, benchmark, ablation
-and the tools ask this registry; no code outside a family's folder tests which family it
-holds.
+denoising; ``rtdetr``: RT-DETR; ``dfine``: D-FINE and DEIM; a user's own).
+``model.family`` in a config names it. Each family lives in one folder
+(``detr_irpe/models/<family>/``) whose ``__init__`` registers a :class:`DetectorFamily`:
+its config sections, how to build the model, loss and post-processor, the checkpoint
+layouts it reads and writes, its ONNX wrapper, its figures and its benchmark targets.
+Config, checkpoints, export, visualization, benchmark, ablation and the tools ask this
+registry; no code outside a family's folder tests which family it holds.
 
 The built-in families are imported the first time they are asked for (their folders hold
 the model code, which imports torch); a user's family registers itself when a module named
@@ -48,6 +48,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "detr": "detr_irpe.models.detr",
     "dab": "detr_irpe.models.dab",
     "rtdetr": "detr_irpe.models.rtdetr",
+    "dfine": "detr_irpe.models.dfine",
 }
 # The family of a config that names none (every config written before model.family).
 DEFAULT_FAMILY = "detr"
@@ -109,6 +110,9 @@ class CheckpointSupport:
             (DN-DETR's matching-query content).
         encoder_attention_prefix: the key prefix of the encoder layers whose
             self-attention takes iRPE tables (``transformer.encoder.layers.``).
+        derived_keys: entries of the published files that this family's models compute
+            instead of storing (D-FINE's anchors for one input size): dropped when a file
+            is loaded into a model without them.
     """
 
     recognizes: Callable[[Mapping[str, Any]], bool]
@@ -123,6 +127,7 @@ class CheckpointSupport:
         lambda state: ("class_embed.weight", "class_embed.bias"))
     kept_last_row: tuple[str, ...] = ()
     encoder_attention_prefix: str = "transformer.encoder.layers."
+    derived_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "EVAL_SIDE_RANGE",
@@ -188,16 +189,22 @@ def parse_eval_size(text: object) -> EvalSize:
                      "HEIGHTxWIDTH (e.g. 640x1280)")
 
 
-def parse_eval_sizes(values: Iterable[object], name: str) -> list[EvalSize]:
-    """Each of ``values`` (the setting ``name``: a flag, a grid key) as
-    :func:`parse_eval_size` reads it, in the order given. Raises ``ValueError`` starting
-    with ``name``: the bad value, or ``"<name> lists 64 more than once"``."""
+def parse_each(values: Iterable[object], name: str, parse: Callable[[object], Any]
+               ) -> list[Any]:
+    """Each of ``values`` (the setting ``name``: a flag, a grid key) as ``parse`` reads it
+    (a result with a ``label``), in the order given. Raises ``ValueError`` starting with
+    ``name``: the bad value, or ``"<name> lists 64 more than once"``."""
     try:
-        sizes = [parse_eval_size(value) for value in values]
+        parsed = [parse(value) for value in values]
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from None
-    labels = [s.label for s in sizes]
+    labels = [p.label for p in parsed]
     twice = sorted({label for label in labels if labels.count(label) > 1})
     if twice:
         raise ValueError(f"{name} lists {', '.join(twice)} more than once")
-    return sizes
+    return parsed
+
+
+def parse_eval_sizes(values: Iterable[object], name: str) -> list[EvalSize]:
+    """Each of ``values`` as :func:`parse_eval_size` reads it (:func:`parse_each`)."""
+    return parse_each(values, name, parse_eval_size)

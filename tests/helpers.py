@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import shutil
 import struct
 import subprocess
 import time
@@ -276,3 +277,97 @@ def no_read_back(monkeypatch: pytest.MonkeyPatch):
         for name in READ_BACKS:
             patch.setattr(torch.Tensor, name, refuse(name))
         yield
+
+
+# ----------------------------------------------------------------------------- other formats
+# The tiny dataset's class names, in category-id order (written as YOLO / VOC names).
+YOLO_NAMES = ["circle", "square", "triangle"]
+
+
+def coco_boxes(root: Path, split: str) -> tuple[dict, dict[str, list]]:
+    """The split's document and ``{file name: [(category id, [x, y, w, h]), ...]}``."""
+    doc = json.loads((root / "annotations" / f"instances_{split}.json").read_text())
+    names = {img["id"]: img["file_name"] for img in doc["images"]}
+    boxes: dict[str, list] = {img["file_name"]: [] for img in doc["images"]}
+    for ann in doc["annotations"]:
+        boxes[names[ann["image_id"]]].append((ann["category_id"], ann["bbox"]))
+    return doc, boxes
+
+
+def yolo_lines(doc: dict, image: dict) -> list[str]:
+    """YOLO's definition: class (0-based) and the box centre and size over the image's."""
+    w, h = image["width"], image["height"]
+    return [f"{a['category_id'] - 1} {(a['bbox'][0] + a['bbox'][2] / 2) / w:.6f} "
+            f"{(a['bbox'][1] + a['bbox'][3] / 2) / h:.6f} {a['bbox'][2] / w:.6f} "
+            f"{a['bbox'][3] / h:.6f}"
+            for a in doc["annotations"] if a["image_id"] == image["id"]]
+
+
+def write_yolo(coco_root: Path, out: Path, layout: str) -> Path:
+    """The tiny dataset as a YOLO export: ``ultralytics`` (images/<split>, labels/<split>,
+    data.yaml), ``roboflow`` (<split>/images, <split>/labels, ``valid``, data.yaml with
+    ../ paths), ``labelstudio`` (images/, labels/, classes.txt: one split), ``cvat``
+    (obj.names, obj_train_data/ with images and labels together: one split)."""
+    for split in ("train", "val"):
+        doc, _ = coco_boxes(coco_root, split)
+        if layout in ("labelstudio", "cvat") and split == "val":
+            continue
+        images, labels = {
+            "ultralytics": (out / "images" / split, out / "labels" / split),
+            "roboflow": (out / {"val": "valid"}.get(split, split) / "images",
+                         out / {"val": "valid"}.get(split, split) / "labels"),
+            "labelstudio": (out / "images", out / "labels"),
+            "cvat": (out / "obj_train_data", out / "obj_train_data"),
+        }[layout]
+        images.mkdir(parents=True, exist_ok=True)
+        labels.mkdir(parents=True, exist_ok=True)
+        for image in doc["images"]:
+            shutil.copy(coco_root / split / image["file_name"], images / image["file_name"])
+            lines = yolo_lines(doc, image)
+            if lines:  # an image without objects has no label file, as the tools write
+                (labels / f"{Path(image['file_name']).stem}.txt").write_text("\n".join(lines) + "\n")
+    if layout == "ultralytics":
+        (out / "data.yaml").write_text(
+            "path: .\ntrain: images/train\nval: images/val\nnames:\n"
+            + "".join(f"  {k}: {n}\n" for k, n in enumerate(YOLO_NAMES)))
+    elif layout == "roboflow":
+        (out / "data.yaml").write_text(
+            f"train: ../train/images\nval: ../valid/images\nnc: 3\nnames: {YOLO_NAMES}\n")
+    else:
+        (out / ("classes.txt" if layout == "labelstudio" else "obj.names")).write_text(
+            "\n".join(YOLO_NAMES) + "\n")
+    return out
+
+
+def write_voc(coco_root: Path, out: Path, layout: str) -> Path:
+    """The tiny dataset as Pascal VOC: ``devkit`` (Annotations/, JPEGImages/,
+    ImageSets/Main/train.txt and val.txt) or ``labelimg`` (XML next to the images, the
+    training split only). Corners are 1-based inclusive: ``xmin = x + 1``, ``xmax = x + w``."""
+    for split in ("train", "val"):
+        if layout == "labelimg" and split == "val":
+            continue
+        doc, _ = coco_boxes(coco_root, split)
+        images = out / ("JPEGImages" if layout == "devkit" else ".")
+        xmls = out / ("Annotations" if layout == "devkit" else ".")
+        images.mkdir(parents=True, exist_ok=True)
+        xmls.mkdir(parents=True, exist_ok=True)
+        stems = []
+        for image in doc["images"]:
+            stem = f"{split}_{Path(image['file_name']).stem}"
+            stems.append(stem)
+            shutil.copy(coco_root / split / image["file_name"], images / f"{stem}.jpg")
+            objects = "".join(
+                f"<object><name>{YOLO_NAMES[a['category_id'] - 1]}</name><difficult>0</difficult>"
+                f"<bndbox><xmin>{a['bbox'][0] + 1}</xmin><ymin>{a['bbox'][1] + 1}</ymin>"
+                f"<xmax>{a['bbox'][0] + a['bbox'][2]}</xmax><ymax>{a['bbox'][1] + a['bbox'][3]}"
+                f"</ymax></bndbox></object>"
+                for a in doc["annotations"] if a["image_id"] == image["id"])
+            (xmls / f"{stem}.xml").write_text(
+                f"<annotation><filename>{stem}.jpg</filename><size><width>{image['width']}"
+                f"</width><height>{image['height']}</height><depth>3</depth></size>{objects}"
+                "</annotation>")
+        if layout == "devkit":
+            lists = out / "ImageSets" / "Main"
+            lists.mkdir(parents=True, exist_ok=True)
+            (lists / f"{split}.txt").write_text("\n".join(stems) + "\n")
+    return out

@@ -18,7 +18,7 @@ from detr_irpe.ablation.results import (
     RunResult,
     VariantRow,
     collect_run,
-    rpe_parameter_count,
+    encoding_parameter_count,
     step_time,
     summarize,
 )
@@ -54,7 +54,7 @@ __all__ = [
     "launch_command",
     "load_grid",
     "prepare_data",
-    "rpe_parameter_count",
+    "encoding_parameter_count",
     "run_grid",
     "step_time",
     "summarize",

@@ -18,14 +18,21 @@ A grid file (``configs/ablations/*.yaml``)::
         overrides: []
     seeds: [1, 2, 3]                    # sets train.seed; one run per seed
     baseline: product-ctx               # the row the delta AP is taken against
-    launcher: local                     # local (python tools/train.py) | torchrun
-    nproc_per_node: 8                   # torchrun only
+    launcher: local                     # local (python tools/train.py) | torchrun |
+                                        # slurm (each run one detr-irpe-submit job, waited for)
+    nproc_per_node: 8                   # torchrun: processes; slurm: GPUs per node
+    submit: [--partition, gpu]          # slurm only: more detr-irpe-submit options
+    finetune: rtdetr_r18                # every run starts from these weights (--finetune:
+                                        # a published name, a file or an http(s) address)
     synthetic_data:                     # generate data.root with the synthetic generator
       num_train: 2000                   # when its annotation files are missing
       num_val: 200
     eval_sizes: [480, 640, 800, 640x1280]  # evaluate each run's last checkpoint at these
                                         # test sizes (as --sizes takes them: S or HxW);
                                         # results.md gets an "AP (%) at test sizes" table
+    eval_canvases: [mosaic1x1, mosaic2x2, pad2x2-c]  # and on these canvas layouts (as
+                                        # --canvases takes them); results.md gets an
+                                        # "AP (%) on canvases" table
     _base_: other_grid.yaml             # optional: start from another grid file, merged
                                         # like a config's _base_ (mappings such as axes
                                         # merge key by key; lists and scalars replace)
@@ -41,11 +48,12 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from detr_irpe.canvas import CanvasLayout, parse_canvases
 from detr_irpe.config import (
     CONFIG_DIR,
     Config,
@@ -62,8 +70,9 @@ from detr_irpe.sizes import EvalSize, parse_eval_sizes
 GRID_KEYS = (
     "name", "description", "base", "output_dir", "overrides", "axes", "variants", "seeds",
     "baseline", "launcher", "nproc_per_node", "synthetic_data", "eval_sizes",
+    "eval_canvases", "finetune", "submit",
 )
-LAUNCHERS = ("local", "torchrun")
+LAUNCHERS = ("local", "torchrun", "slurm")
 # The grids shipped with the package (demo_* on synthetic data, the rest on COCO).
 GRID_DIR = CONFIG_DIR / "ablations"
 VARIANT_KEYS = ("name", "overrides", "base")
@@ -128,10 +137,36 @@ class Grid:
     synthetic_data: dict[str, Any] | None = None
     # the test sizes each run's last checkpoint is evaluated at (none: no size evaluation)
     eval_sizes: tuple[EvalSize, ...] = ()
+    # the canvas layouts it is evaluated on (none: no canvas evaluation)
+    eval_canvases: tuple[CanvasLayout, ...] = ()
+    # the weights every run starts from (detr-irpe-train --finetune); None: the config's
+    finetune: str | None = None
+    # launcher: slurm: more options of detr-irpe-submit (--partition gpu, --timeout 240, ...)
+    submit: tuple[str, ...] = ()
     runs: list[RunSpec] = field(default_factory=list)
     # What the command line changed in the grid file (its --config, its --set items):
     # the file's free-text description was written without them.
     command_line: tuple[str, ...] = ()
+
+    @property
+    def evaluates_after(self) -> bool:
+        """Whether each finished run is evaluated again (``eval_sizes`` / ``eval_canvases``)
+        into ``<run>/eval_sizes``."""
+        return bool(self.eval_sizes or self.eval_canvases)
+
+    @property
+    def view_labels(self) -> list[str]:
+        """The labels of ``eval_sizes`` then ``eval_canvases``: what a finished run's
+        evaluation after the training must have."""
+        return [s.label for s in self.eval_sizes] + [c.label for c in self.eval_canvases]
+
+    def view_arguments(self) -> list[str]:
+        """``--sizes ... --canvases ...`` of the training / evaluation tools (none without
+        ``eval_sizes`` / ``eval_canvases``)."""
+        sizes = ["--sizes", *(s.label for s in self.eval_sizes)] if self.eval_sizes else []
+        canvases = ["--canvases", *(c.label for c in self.eval_canvases)] \
+            if self.eval_canvases else []
+        return sizes + canvases
 
 
 # ----------------------------------------------------------------------------- reading
@@ -288,18 +323,30 @@ def _synthetic(where: str, value: Any) -> dict[str, Any] | None:
     return dict(value)
 
 
-def _eval_sizes(where: str, value: Any) -> tuple[EvalSize, ...]:
-    """``eval_sizes``: a list of test sizes as ``--sizes`` takes them (``640`` or
-    ``"640x1280"``); null or ``[]`` (e.g. in a grid whose ``_base_`` has sizes): none."""
+def _views(where: str, key: str, value: Any, example: str,
+           parse: Callable[[Any, str], list[Any]]) -> tuple[Any, ...]:
+    """A grid key listing test views (``eval_sizes``, ``eval_canvases``) as the tools'
+    flags take them; null or ``[]`` (e.g. in a grid whose ``_base_`` has some): none."""
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise GridError(f"{where}: eval_sizes must be a list of test sizes (a number of pixels "
-                        f"S or HEIGHTxWIDTH, e.g. [480, 640, 640x1280]), got {value!r}")
+        raise GridError(f"{where}: {key} must be a list of {example}, got {value!r}")
     try:
-        return tuple(parse_eval_sizes(value, "eval_sizes"))
+        return tuple(parse(value, key))
     except ValueError as err:
         raise GridError(f"{where}: {err}") from None
+
+
+def _eval_sizes(where: str, value: Any) -> tuple[EvalSize, ...]:
+    """``eval_sizes``: test sizes as ``--sizes`` takes them (``640`` or ``"640x1280"``)."""
+    return _views(where, "eval_sizes", value, "test sizes (a number of pixels S or "
+                  "HEIGHTxWIDTH, e.g. [480, 640, 640x1280])", parse_eval_sizes)
+
+
+def _eval_canvases(where: str, value: Any) -> tuple[CanvasLayout, ...]:
+    """``eval_canvases``: canvas layouts as ``--canvases`` takes them (``mosaic2x2``)."""
+    return _views(where, "eval_canvases", value, "canvas layouts (e.g. [mosaic1x1, "
+                  "mosaic2x2, pad2x2-c])", parse_canvases)
 
 
 def _resolve_base(grid_path: Path, base: Any) -> Path:
@@ -384,8 +431,18 @@ def load_grid(
     nproc = data.get("nproc_per_node", 1)
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise GridError(f"{where}: nproc_per_node must be a positive integer, got {nproc!r}")
-    if nproc > 1 and launcher != "torchrun":
-        raise GridError(f"{where}: nproc_per_node={nproc} needs launcher: torchrun")
+    if nproc > 1 and launcher == "local":
+        raise GridError(f"{where}: nproc_per_node={nproc} needs launcher: torchrun or slurm")
+    finetune = data.get("finetune")
+    if finetune is not None and (not isinstance(finetune, str) or not finetune.strip()):
+        raise GridError(f"{where}: finetune must be a checkpoint (a published name such as "
+                        f"rtdetr_r18, a file or an http(s) address), got {finetune!r}")
+    submit = data.get("submit") or []
+    if not isinstance(submit, list) or not all(isinstance(a, (str, int)) for a in submit):
+        raise GridError(f"{where}: submit must be a list of detr-irpe-submit options (e.g. "
+                        f"[--partition, gpu, --timeout, 240]), got {submit!r}")
+    if submit and launcher != "slurm":
+        raise GridError(f"{where}: submit options need launcher: slurm (got {launcher})")
     out = output_dir if output_dir is not None else data.get("output_dir")
     if not out or not isinstance(out, (str, Path)):
         raise GridError(f"{where}: missing 'output_dir' (the folder of the grid's run folders)")
@@ -398,6 +455,9 @@ def load_grid(
         baseline=baseline, launcher=launcher, nproc_per_node=nproc,
         synthetic_data=_synthetic(where, data.get("synthetic_data")),
         eval_sizes=_eval_sizes(where, data.get("eval_sizes")),
+        eval_canvases=_eval_canvases(where, data.get("eval_canvases")),
+        finetune=finetune.strip() if finetune else None,
+        submit=tuple(str(a) for a in submit),
         command_line=command_line,
     )
     grid.runs = _expand_runs(grid)

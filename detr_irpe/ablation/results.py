@@ -33,8 +33,14 @@ from typing import Any
 from detr_irpe.ablation.grid import Grid, RunSpec, Variant
 from detr_irpe.config import Config
 from detr_irpe.evaluation import COCO_STAT_NAMES
-from detr_irpe.evaluation.size_table import EVAL_SIZES_DIR, SIZE_STATS, SIZES_JSON, read_size_table
-from detr_irpe.irpe import parse_rpe, table_parameter_count
+from detr_irpe.evaluation.size_table import (
+    CANVAS_TABLE,
+    EVAL_SIZES_DIR,
+    SIZE_STATS,
+    SIZE_TABLE,
+    TableFiles,
+    read_size_table,
+)
 from detr_irpe.run_folder.checkpoints import LAST
 from detr_irpe.run_folder.log import read_log
 from detr_irpe.run_folder.status import RunState, final_evaluation, read_status, run_state
@@ -59,6 +65,8 @@ class RunResult:
     # {test size label: {"AP": ..., "APl": ...}} (fractions, NaN: n/a) of eval_sizes/sizes.json
     size_stats: dict[str, dict[str, float]] = field(default_factory=dict)
     sizes_error: str = ""  # how the scheduler's last size evaluation failed (ablation_status)
+    # {canvas label: {"AP": ..., "APl": ...}} of eval_sizes/canvases.json
+    canvas_stats: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,9 +83,8 @@ class VariantRow:
     """One row of the ablation table."""
 
     variant: Variant
-    rpe: str
-    position_embedding: str
-    rpe_parameters: int
+    encodings: str
+    encoding_parameters: int
     runs: list[RunResult]
     stats: dict[str, Aggregate | None]
     step_time_ms: Aggregate | None
@@ -87,6 +94,9 @@ class VariantRow:
     # with eval_sizes: {size label: {stat: mean ± std in % over the seeds that have it}}
     size_stats: dict[str, dict[str, Aggregate | None]] = field(default_factory=dict)
     size_seeds: int = 0  # finished runs with the numbers of at least one of the test sizes
+    # with eval_canvases: the same per canvas layout
+    canvas_stats: dict[str, dict[str, Aggregate | None]] = field(default_factory=dict)
+    canvas_seeds: int = 0
 
     @property
     def finished(self) -> int:
@@ -124,21 +134,29 @@ def step_time(records: Sequence[Mapping[str, Any]]) -> float | None:
     return statistics.median(times) if times else None
 
 
-def run_size_table(folder: str | Path) -> dict[str, dict[str, float]]:
+def run_size_table(folder: str | Path, kind: TableFiles = SIZE_TABLE
+                   ) -> dict[str, dict[str, float]]:
     """The test-size numbers of the run in ``folder`` (``eval_sizes/sizes.json``, see
     :func:`~detr_irpe.evaluation.size_table.read_size_table`); ``{}`` when there are none or
-    they are older than the run's ``checkpoint_last.pth`` (an earlier checkpoint's)."""
+    they are older than the run's ``checkpoint_last.pth`` (an earlier checkpoint's).
+    ``kind``: ``CANVAS_TABLE`` for the canvas numbers (``eval_sizes/canvases.json``)."""
     folder = Path(folder)
-    table = read_size_table(folder / EVAL_SIZES_DIR)
+    table = read_size_table(folder / EVAL_SIZES_DIR, kind)
     if not table:
         return {}
     try:
-        if (folder / EVAL_SIZES_DIR / SIZES_JSON).stat().st_mtime_ns < (
+        if (folder / EVAL_SIZES_DIR / kind.json_name).stat().st_mtime_ns < (
                 folder / LAST).stat().st_mtime_ns:
             return {}
     except OSError:  # no checkpoint_last.pth (deleted to save space): the numbers stand
         pass
     return table
+
+
+def run_canvas_table(folder: str | Path) -> dict[str, dict[str, float]]:
+    """The canvas numbers of the run in ``folder`` (``eval_sizes/canvases.json``), as
+    :func:`run_size_table` reads them."""
+    return run_size_table(folder, CANVAS_TABLE)
 
 
 def config_size_label(cfg: Config) -> str:
@@ -170,19 +188,32 @@ def collect_run(run: RunSpec) -> RunResult:
             for name, v in zip(COCO_STAT_NAMES, values)
         }
         result.size_stats = run_size_table(run.output_dir)
+        result.canvas_stats = run_canvas_table(run.output_dir)
         record = status.get("eval_sizes")
         if isinstance(record, dict) and record.get("status") == "failed":
             result.sizes_error = str(record.get("error") or "failed")
     return result
 
 
-def rpe_parameter_count(cfg: Config) -> int:
-    """Parameters of the iRPE tables of the model ``cfg`` describes (0 without RPE): one
-    table set per attention layer with iRPE (the family's ``rpe_layer_count``), each as wide
-    as the encoder's tokens (``encoder_width``: RT-DETR's ``enc_hidden_dim``)."""
+def encoding_parameter_count(cfg: Config) -> int:
+    """Parameters the encoder's position encodings add to the model ``cfg`` describes
+    (iRPE tables, RoPE-Mixed frequencies, a plugin's; 0 for weightless ones): one set per
+    encoder attention layer (the family's ``rpe_layer_count``), each as wide as the
+    encoder's tokens (``encoder_width``: RT-DETR's ``enc_hidden_dim``)."""
     m = cfg.model
-    per_layer = table_parameter_count(parse_rpe(m.rpe), m.nheads, m.encoder_width())
+    per_layer = m.place("encoder").parameter_count(m.encoder_width(), m.nheads)
     return per_layer * m.rpe_layer_count()
+
+
+def _encodings(cfg: Config) -> str:
+    """The model's encodings as the table shows them: the encoder's, then any other
+    place's (``sine + rpe-2.0-product-ctx-1-k; backbone: learned``)."""
+    m = cfg.model
+    text = m.place("encoder").describe()
+    for place in m.encodings:
+        if place != "encoder" and m.place(place).entries:
+            text += f"; {place}: {m.place(place).describe()}"
+    return text
 
 
 def aggregate(values: Sequence[float]) -> Aggregate | None:
@@ -191,6 +222,15 @@ def aggregate(values: Sequence[float]) -> Aggregate | None:
         return None
     std = statistics.stdev(values) if len(values) > 1 else None
     return Aggregate(statistics.fmean(values), std, len(values))
+
+
+def _view_stats(done: Sequence[RunResult], labels: Sequence[str], field_name: str
+                ) -> dict[str, dict[str, Aggregate | None]]:
+    """``{label: {stat: mean ± std in %}}`` over the runs that have the label in their
+    ``size_stats`` / ``canvas_stats`` (``field_name``)."""
+    tables = [getattr(r, field_name) for r in done]
+    return {label: {name: aggregate([100.0 * t[label][name] for t in tables if label in t])
+                    for name in SIZE_STATS} for label in labels}
 
 
 def summarize(grid: Grid, results: Sequence[RunResult] | None = None) -> list[VariantRow]:
@@ -206,19 +246,17 @@ def summarize(grid: Grid, results: Sequence[RunResult] | None = None) -> list[Va
         steps = [1000.0 * r.step_time_s for r in done if r.step_time_s is not None]
         params = [r.n_parameters for r in runs if r.n_parameters]
         rows.append(VariantRow(
-            variant=variant, rpe=cfg.model.rpe,
-            # "-": a family without the key (RT-DETR: a fixed 2D sin-cos encoding)
-            position_embedding=getattr(cfg.model, "position_embedding", "-"),
-            rpe_parameters=rpe_parameter_count(cfg), runs=runs, stats=stats,
+            variant=variant, encodings=_encodings(cfg),
+            encoding_parameters=encoding_parameter_count(cfg), runs=runs, stats=stats,
             step_time_ms=aggregate(steps), n_parameters=params[0] if params else None,
             is_baseline=variant.name == grid.baseline,
-            size_stats={size.label: {name: aggregate([100.0 * r.size_stats[size.label][name]
-                                                      for r in done
-                                                      if size.label in r.size_stats])
-                                     for name in SIZE_STATS}
-                        for size in grid.eval_sizes},
+            size_stats=_view_stats(done, [s.label for s in grid.eval_sizes], "size_stats"),
             size_seeds=sum(any(size.label in r.size_stats for size in grid.eval_sizes)
                            for r in done),
+            canvas_stats=_view_stats(done, [c.label for c in grid.eval_canvases],
+                                     "canvas_stats"),
+            canvas_seeds=sum(any(c.label in r.canvas_stats for c in grid.eval_canvases)
+                             for r in done),
         ))
     baseline = next(r for r in rows if r.is_baseline)
     base_ap = baseline.stats["AP"]
@@ -236,7 +274,8 @@ __all__ = [
     "aggregate",
     "collect_run",
     "config_size_label",
-    "rpe_parameter_count",
+    "encoding_parameter_count",
+    "run_canvas_table",
     "run_size_table",
     "step_time",
     "summarize",

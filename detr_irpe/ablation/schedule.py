@@ -42,7 +42,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from detr_irpe.ablation.grid import Grid, GridError, RunSpec
-from detr_irpe.ablation.results import run_size_table
+from detr_irpe.ablation.results import run_canvas_table, run_size_table
 from detr_irpe.data.synthetic import GeneratedDataset, SyntheticSpec, generate_dataset
 from detr_irpe.errors import EXIT_NON_FINITE, EXIT_USER_ERROR, RunFolderError
 from detr_irpe.evaluation.size_table import EVAL_SIZES_DIR
@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 # The module that trains one run: the package's training tool, found by import, not by a
 # path into a source tree (an installed package has none).
 TRAIN_MODULE = "detr_irpe.cli.train"
+# The module that submits one run as a SLURM job (launcher: slurm).
+SUBMIT_MODULE = "detr_irpe.cli.submit"
 # The module that evaluates a finished run at the grid's eval_sizes: the evaluation tool.
 EVAL_MODULE = "detr_irpe.cli.eval"
 # Exit codes of the training tool (detr_irpe.errors).
@@ -95,26 +97,29 @@ class GridReport:
 
 
 def _python(grid: Grid, args: list[str]) -> list[str]:
-    """``python ARGS``, under ``torch.distributed.run`` for ``launcher: torchrun``."""
+    """``python ARGS``, under ``torch.distributed.run`` for ``launcher: torchrun``. (A
+    ``launcher: slurm`` grid re-evaluates a finished run here, on one process.)"""
     if grid.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={grid.nproc_per_node}", *args]
     return [sys.executable, *args]
 
 
-def _size_labels(grid: Grid) -> list[str]:
-    return [size.label for size in grid.eval_sizes]
-
-
 def launch_command(grid: Grid, run: RunSpec) -> list[str]:
     """The command line that trains ``run`` (run from the current working directory):
     ``python -m detr_irpe.cli.train --config BASE --set OVERRIDES... [--sizes ...]
-    --no-progress`` (BASE: the variant's own base config, else the grid's; ``--sizes``: the
-    grid's ``eval_sizes``), under ``torch.distributed.run`` for ``launcher: torchrun``."""
+    --no-progress`` (BASE: the variant's own base config, else the grid's; ``--sizes`` /
+    ``--canvases``: the grid's ``eval_sizes`` / ``eval_canvases``; ``--finetune``: its
+    ``finetune``), under ``torch.distributed.run`` for ``launcher: torchrun``, through
+    ``detr-irpe-submit --wait`` (one SLURM job) for ``launcher: slurm``."""
     base = run.base or grid.base
-    sizes = ["--sizes", *_size_labels(grid)] if grid.eval_sizes else []
-    return _python(grid, ["-m", TRAIN_MODULE, "--config", str(base), "--set", *run.overrides,
-                          *sizes, "--no-progress"])
+    finetune = ["--finetune", grid.finetune] if grid.finetune else []
+    train = ["--config", str(base), "--set", *run.overrides, *finetune,
+             *grid.view_arguments(), "--no-progress"]
+    if grid.launcher == "slurm":  # one job per run, waited for: the scheduler's order holds
+        return [sys.executable, "-m", SUBMIT_MODULE, "--gpus-per-node",
+                str(grid.nproc_per_node), "--wait", *grid.submit, *train]
+    return _python(grid, ["-m", TRAIN_MODULE, *train])
 
 
 def sizes_command(grid: Grid, run: RunSpec) -> list[str]:
@@ -124,7 +129,7 @@ def sizes_command(grid: Grid, run: RunSpec) -> list[str]:
     ``launcher: torchrun``."""
     base = run.base or grid.base
     return _python(grid, ["-m", EVAL_MODULE, str(run.output_dir / LAST), "--config", str(base),
-                          "--set", *run.overrides, "--sizes", *_size_labels(grid),
+                          "--set", *run.overrides, *grid.view_arguments(),
                           "--output-dir", str(run.output_dir / EVAL_SIZES_DIR),
                           "--no-progress"])
 
@@ -135,11 +140,12 @@ def sizes_state(grid: Grid, run: RunSpec) -> str | None:
     ``checkpoint_last.pth``), ``"failed"`` (the scheduler's last evaluation at this size
     list failed), ``"stale"`` (a ``sizes.json`` of other sizes or of an earlier
     checkpoint) or ``"missing"``; None for a grid without ``eval_sizes``."""
-    if not grid.eval_sizes:
+    if not grid.evaluates_after:
         return None
-    labels = _size_labels(grid)
-    table = run_size_table(run.output_dir)
-    if all(label in table for label in labels):
+    labels = grid.view_labels
+    sizes, canvases = run_size_table(run.output_dir), run_canvas_table(run.output_dir)
+    if all(s.label in sizes for s in grid.eval_sizes) and \
+            all(c.label in canvases for c in grid.eval_canvases):
         return "done"
     record = read_status(run.output_dir).get("eval_sizes")
     if isinstance(record, dict) and record.get("status") == "failed" and \
@@ -285,9 +291,9 @@ def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
     command = launch_command(grid, run)
     previous = read_status(folder)
     total_before = float(previous.get("wall_time_total", 0.0))
-    if grid.eval_sizes:
+    if grid.evaluates_after:
         logger.info("  %s: then its evaluation at the test sizes %s", run.key,
-                    " ".join(_size_labels(grid)))
+                    " ".join(grid.view_labels))
     output = None if show_output else folder / OUTPUT_NAME
     if output is not None:
         with open(output, "a") as f:
@@ -304,7 +310,7 @@ def execute_run(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
     trained = is_finished(folder, run.config.train.epochs)
     # With eval_sizes the training tool evaluates the test sizes after the last epoch: a
     # failure there leaves a finished training, and a failed size evaluation.
-    sizes_failed = bool(grid.eval_sizes) and trained and returncode != 0
+    sizes_failed = grid.evaluates_after and trained and returncode != 0
     finished = trained and (returncode == 0 or sizes_failed)
     status = {
         "status": "finished" if finished else "failed",
@@ -348,7 +354,7 @@ def _sizes_record(grid: Grid, status: str, returncode: int, error: str,
                   command: list[str], wall: float | None = None) -> dict:
     """The ``eval_sizes`` entry of ``ablation_status.json``: how the last size evaluation
     of the run ended, and at which sizes."""
-    record = {"status": status, "sizes": _size_labels(grid), "returncode": returncode,
+    record = {"status": status, "sizes": grid.view_labels, "returncode": returncode,
               "command": command, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if error:
         record["error"] = error
@@ -390,7 +396,7 @@ def evaluate_sizes(grid: Grid, run: RunSpec, show_output: bool = False) -> bool:
 def needs_sizes(grid: Grid, run: RunSpec, state: RunState, retry_failed: bool = False) -> bool:
     """Whether the scheduler evaluates ``run`` (in ``state``) at the grid's test sizes:
     finished, and its numbers missing or stale (or failed, with ``retry_failed``)."""
-    if state is not RunState.FINISHED or not grid.eval_sizes:
+    if state is not RunState.FINISHED or not grid.evaluates_after:
         return False
     return sizes_state(grid, run) in (("missing", "stale", "failed") if retry_failed
                                       else ("missing", "stale"))
@@ -428,7 +434,7 @@ def evaluate_grid_sizes(
     next run goes on. ``skip``: runs not to evaluate now (their training command's size
     evaluation failed in this invocation). Returns ``report`` (a new one without)."""
     report = report if report is not None else GridReport()
-    if not grid.eval_sizes:
+    if not grid.evaluates_after:
         return report
     todo = []
     for run in grid.runs:
@@ -441,7 +447,7 @@ def evaluate_grid_sizes(
             todo.append(run)
     if todo:
         logger.info("grid %s: %d finished run(s) to evaluate at the test sizes %s", grid.name,
-                    len(todo), " ".join(_size_labels(grid)))
+                    len(todo), " ".join(grid.view_labels))
     for i, run in enumerate(todo, 1):
         with _claimed(run, "its size evaluation") as claimed:
             if not claimed or lock_holder(run.output_dir, LOCK_NAME) is not None:
@@ -550,7 +556,7 @@ def run_grid(
             (report.done if finished else report.failed).append(run)
             if finished:
                 logger.info("run %s finished in %.0f s", run.key, time.perf_counter() - start)
-                if grid.eval_sizes and sizes_state(grid, run) != "done":
+                if grid.evaluates_after and sizes_state(grid, run) != "done":
                     report.sizes_failed.append(run)
             if after_run is not None:
                 after_run(run, finished)

@@ -1,7 +1,9 @@
 """The paper-style ablation table: ``results.md`` and ``results.csv`` (one row per
 variant) and ``runs.csv`` (one row per run) in the grid's output folder. A grid with
 ``eval_sizes`` adds a second table to ``results.md``, "AP (%) at test sizes", and the
-numbers at each size to both CSV files; without it the files are as before."""
+numbers at each size to both CSV files; ``eval_canvases`` adds "AP (%) on canvases" to
+``results.md`` (the canvas numbers per run stay in ``<run>/eval_sizes/canvases.json``);
+without them the files are as before."""
 
 from __future__ import annotations
 
@@ -65,16 +67,33 @@ def _values(values: Sequence[object]) -> str:
     return " / ".join(dict.fromkeys(str(v) for v in values))
 
 
+def _span(values: Sequence[int]) -> str:
+    return "-".join(map(str, sorted({min(values), max(values)})))
+
+
+def _training_sizes(cfg) -> str:
+    """The training sizes of a config: the range of ``data.train_scales`` (shorter sides
+    drawn per image), or with ``data.augmentation: rtdetr`` the ``train_size`` square and
+    the range of ``data.batch_scales`` (one drawn per batch) when it has more than one."""
+    data = cfg.data
+    if data.augmentation != "rtdetr":
+        return _span(data.train_scales)
+    if len(set(data.batch_scales)) > 1:
+        stop = ("" if data.batch_scales_stop_epoch is None
+                else f" until epoch {data.batch_scales_stop_epoch}")
+        return f"{data.train_size} (batches at {_span(data.batch_scales)}{stop})"
+    return str(data.train_size)
+
+
 def as_run(grid: Grid, rows: Sequence[VariantRow]) -> str:
     """What the runs did, read off their configs and folders: the epochs, the images per
-    step, the input sizes and the optimizer steps each finished run took. (A grid's
+    step, the input sizes (the multi-scale training's range) and the optimizer steps each
+    finished run took. (A grid's
     description is free text written for the grid file; overrides change what ran.)"""
     configs = [run.config for run in grid.runs]
     per_step = [c.train.batch_size * grid.nproc_per_node * c.train.accumulate_steps
                 for c in configs]
-    train_px = [c.data.train_size if c.data.augmentation == "rtdetr"
-                else "-".join(map(str, sorted({min(c.data.train_scales),
-                                               max(c.data.train_scales)}))) for c in configs]
+    train_px = [_training_sizes(c) for c in configs]
     eval_px = [c.data.eval_size if c.data.augmentation == "rtdetr" else c.data.val_size
                for c in configs]
     steps = [r.iterations for row in rows for r in row.runs if r.state.value == "finished"]
@@ -103,20 +122,21 @@ def format_markdown(grid: Grid, rows: Sequence[VariantRow]) -> str:
     lines.append(
         "COCO box AP / AP50 / AP75 / APs / APm / APl in % of the last epoch's evaluation, "
         "mean ± sample std over the finished seeds; step = median training iteration time; "
-        f"Δ AP in points against `{grid.baseline}`; RPE params = parameters of the iRPE tables."
+        f"Δ AP in points against `{grid.baseline}`; encodings = the encoder's position "
+        "encodings (model.encodings); enc. params = the parameters they add."
     )
     lines.append("")
     show_status = any(r.status != "done" for r in rows)
-    header = ["variant", "rpe", "pos. emb.", "seeds", "RPE params", "step (ms)",
+    header = ["variant", "encodings", "seeds", "enc. params", "step (ms)",
               *TABLE_STATS, "Δ AP"] + (["status"] if show_status else [])
-    align = ["---", "---", "---", "--:", "--:", "--:"] + ["--:"] * (len(TABLE_STATS) + 1) + (
+    align = ["---", "---", "--:", "--:", "--:"] + ["--:"] * (len(TABLE_STATS) + 1) + (
         ["---"] if show_status else [])
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(align) + "|")
     for row in rows:
         cells = [
             f"**{row.variant.name}**" if row.is_baseline else row.variant.name,
-            f"`{row.rpe}`", row.position_embedding, _seeds(row), f"{row.rpe_parameters:,}",
+            f"`{row.encodings}`", _seeds(row), f"{row.encoding_parameters:,}",
             _pm(row.step_time_ms, 0), *(_pm(row.stats[name]) for name in TABLE_STATS),
             _delta(row),
         ]
@@ -125,6 +145,8 @@ def format_markdown(grid: Grid, rows: Sequence[VariantRow]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if grid.eval_sizes:
         lines += ["", *format_size_markdown(grid, rows)]
+    if grid.eval_canvases:
+        lines += ["", *format_canvas_markdown(grid, rows)]
     failed = [r for row in rows for r in row.runs if r.error and r.state.value == "failed"]
     if failed:
         lines += ["", "Failed runs:", ""]
@@ -171,6 +193,34 @@ def format_size_markdown(grid: Grid, rows: Sequence[VariantRow]) -> list[str]:
     return lines
 
 
+def format_canvas_markdown(grid: Grid, rows: Sequence[VariantRow]) -> list[str]:
+    """The lines of the table "AP (%) on canvases": one row per variant, one column per
+    layout of ``eval_canvases`` (the size evaluation's failures are listed under the size
+    table, or here without ``eval_sizes``)."""
+    labels = [c.label for c in grid.eval_canvases]
+    lines = [
+        "## AP (%) on canvases", "",
+        "COCO box AP in % of each run's last checkpoint (evaluated into `<run>/eval_sizes/`) "
+        "on each canvas layout of `eval_canvases`, mean ± sample std over the seeds that have "
+        "it: every image at the config's own test size, placed on a larger canvas, so that "
+        "the objects keep their pixel size while the encoder's token grid grows "
+        "(docs/evaluation.md, \"Canvases\"; mosaic1x1 = each image alone).", "",
+        "| variant | seeds | " + " | ".join(labels) + " |",
+        "|---|--:|" + "--:|" * len(labels),
+    ]
+    for row in rows:
+        seeds = (str(row.canvas_seeds) if row.canvas_seeds == len(row.runs)
+                 else f"{row.canvas_seeds}/{len(row.runs)}")
+        name = f"**{row.variant.name}**" if row.is_baseline else row.variant.name
+        lines.append(f"| {name} | {seeds} | "
+                     + " | ".join(_pm(row.canvas_stats[label]["AP"]) for label in labels) + " |")
+    failed = [r for row in rows for r in row.runs if r.sizes_error]
+    if failed and not grid.eval_sizes:
+        lines += ["", "Failed canvas evaluations (`--retry-failed` tries again):", ""]
+        lines += [f"- {r.run.key}: {r.sizes_error} (`{r.run.output_dir}`)" for r in failed]
+    return lines
+
+
 def _num(value: float | None, digits: int = 4) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
@@ -180,8 +230,8 @@ def _num(value: float | None, digits: int = 4) -> str:
 def format_results_csv(rows: Sequence[VariantRow], sizes: Sequence[str] = ()) -> str:
     """One line per variant; with test size labels ``sizes`` (a grid's ``eval_sizes``) also
     ``AP@<size>_mean`` / ``_std`` (and APs / APm / APl) per size and ``seeds_sizes``."""
-    header = ["variant", "rpe", "position_embedding", "is_baseline", "status", "seeds_finished",
-              "seeds_total", "rpe_parameters", "n_parameters", "step_time_ms_mean",
+    header = ["variant", "encodings", "is_baseline", "status", "seeds_finished",
+              "seeds_total", "encoding_parameters", "n_parameters", "step_time_ms_mean",
               "step_time_ms_std"]
     for name in TABLE_STATS:
         header += [f"{name}_mean", f"{name}_std"]
@@ -194,8 +244,8 @@ def format_results_csv(rows: Sequence[VariantRow], sizes: Sequence[str] = ()) ->
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
     for row in rows:
-        values = [row.variant.name, row.rpe, row.position_embedding, int(row.is_baseline),
-                  row.status, row.finished, len(row.runs), row.rpe_parameters,
+        values = [row.variant.name, row.encodings, int(row.is_baseline),
+                  row.status, row.finished, len(row.runs), row.encoding_parameters,
                   row.n_parameters if row.n_parameters is not None else "",
                   _num(row.step_time_ms.mean if row.step_time_ms else None, 2),
                   _num(row.step_time_ms.std if row.step_time_ms else None, 2)]
@@ -260,6 +310,7 @@ __all__ = [
     "format_markdown",
     "format_results_csv",
     "format_runs_csv",
+    "format_canvas_markdown",
     "format_size_markdown",
     "write_tables",
 ]

@@ -6,6 +6,8 @@ calls interleaved round-robin (:func:`~detr_irpe.benchmark.model.interleave`):
 
 - ``PyTorch``: this project's model, eval mode, ``no_grad``, as its family's
   ``onnx_wrapper`` (``images -> (pred_logits, pred_boxes)``: the graph that is exported);
+- ``PyTorch fused``: the same in its inference form (batch norms folded into the
+  convolutions, RepVGG blocks merged, channels-last: ``--runtime fused``);
 - ``ONNX Runtime``: that model exported by :func:`detr_irpe.export.export_onnx` (a dynamic
   graph by default: any size, encodings and anchors computed inside it) and run by
   ``onnxruntime`` (``CPUExecutionProvider``, ``intra_op_num_threads`` = the threads);
@@ -50,6 +52,7 @@ from detr_irpe.config import load_config
 from detr_irpe.errors import DetrIrpeError
 from detr_irpe.export import IMAGE_INPUT, OUTPUTS, export_onnx, onnx_wrapper
 from detr_irpe.family import get_family
+from detr_irpe.models.fusion import inference_form
 
 __all__ = ["DEFAULT_TARGETS", "RUNTIMES", "deploy_table", "run_deploy_benchmark"]
 
@@ -157,7 +160,10 @@ def run_deploy_benchmark(
                 cfg, model, _, _ = build_benchmark_model(rpe, torch.device("cpu"),
                                                          _overrides(config, quick), config)
                 wrapper = onnx_wrapper(model.eval())
-                calls: dict[str, Callable[[torch.Tensor], tuple]] = {"PyTorch": wrapper}
+                calls: dict[str, Callable[[torch.Tensor], tuple]] = {
+                    "PyTorch": wrapper,
+                    # batch norms folded, RepVGG merged, channels-last (--runtime fused)
+                    "PyTorch fused": onnx_wrapper(inference_form(model))}
                 stem = f"{config}_{rpe}".replace("/", "_")
                 if not missing_onnx:
                     if progress is not None:

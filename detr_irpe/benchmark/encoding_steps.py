@@ -2,14 +2,14 @@
 its encoder self-attention, all in one interleaved run (issue 31: RoPE's step time against
 iRPE's and against none's, same run, same model).
 
-The encodings are those of the ablation grids (``configs/ablations/encodings.yaml``,
-docs/position_encodings.md): ``none``, ``sine`` (the published DETR / RT-DETR), ``irpe``
-(``rpe-2.0-product-ctx-1-k`` without the absolute encoding), ``irpe+sine``,
-``rope-axial`` and ``rope-mixed``; each is the three keys ``model.position_embedding``,
-``model.rpe`` and ``model.rope``, nothing else differs between the rows of a detector.
+The rows are ``none`` and the benchmark rows of every encoding of the registry
+(:mod:`detr_irpe.encodings`: ``sine``, the published DETR / RT-DETR; ``irpe``,
+``rpe-2.0-product-ctx-1-k`` without the absolute encoding; the two rotary ones), and any
+of them joined by ``+`` (``irpe+sine``): the rows of the ablation
+grids (``configs/ablations/encodings.yaml``, docs/position_encodings.md). Each is one
+``model.encodings.encoder`` list, nothing else differs between the rows of a detector.
 
-The detectors are benchmark targets of the family registry whose model section has the
-three keys (default: DETR and RT-DETR). By default each is the tiny model of ``--quick``
+The detectors are benchmark targets of the family registry (default: DETR and RT-DETR). By default each is the tiny model of ``--quick``
 (:data:`detr_irpe.benchmark.model.QUICK_MODEL`: a ResNet-18 / R18-vd, 32 channels, one
 encoder layer) on 2 images of 128 x 160, so that the ten rows run in well under a minute
 on a CPU; ``full=True`` builds the target's published config (R50) instead, and the image
@@ -23,7 +23,6 @@ in the timed steps (``sdpa`` = PyTorch's fused kernel; docs/irpe.md).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -39,67 +38,65 @@ from detr_irpe.benchmark.model import (
     synthetic_batch,
     training_runner,
 )
-from detr_irpe.config import load_config
+from detr_irpe.encodings import encodings as registered_encodings
 from detr_irpe.errors import ConfigError
 from detr_irpe.irpe import IRPEMultiheadAttention
 
 __all__ = [
-    "DEFAULT_ENCODINGS", "DEFAULT_ENCODING_TARGETS", "ENCODINGS", "ENCODING_KEYS",
-    "encoding_overrides", "encoding_step_table", "encoding_targets",
+    "DEFAULT_ENCODINGS", "DEFAULT_ENCODING_TARGETS", "ENCODINGS",
+    "encoding_overrides", "encoding_row", "encoding_step_table", "encoding_targets",
     "run_encoding_step_benchmark",
 ]
 
 logger = logging.getLogger(__name__)
 
-# the model keys an encoding sets
-ENCODING_KEYS = ("position_embedding", "rpe", "rope")
-_IRPE = "rpe-2.0-product-ctx-1-k"
-# name -> (model.position_embedding, model.rpe, model.rope): the rows of the ablation grids
-ENCODINGS: dict[str, tuple[str, str, str]] = {
-    "none": ("none", "none", "none"),
-    "sine": ("sine", "none", "none"),
-    "irpe": ("none", _IRPE, "none"),
-    "irpe+sine": ("sine", _IRPE, "none"),
-    "rope-axial": ("none", "none", "rope-axial"),
-    "rope-mixed": ("none", "none", "rope-mixed"),
-}
-DEFAULT_ENCODINGS = ("none", "sine", "irpe", "rope-axial", "rope-mixed")
+
+def _rows() -> dict[str, list[str]]:
+    """name -> encoder list: ``none`` and every encoding's benchmark rows."""
+    return {"none": [], **{name: [text] for entry in registered_encodings()
+                           for name, text in entry.benchmark.items()}}
+
+
+# name -> model.encodings.encoder of the single rows; "a+b" joins rows (irpe+sine)
+ENCODINGS: dict[str, list[str]] = _rows()
+DEFAULT_ENCODINGS = tuple(ENCODINGS)
 # the detectors of a default run: the two whose encoders the issue names
 DEFAULT_ENCODING_TARGETS = ("DETR", "RT-DETR")
 
 
-def encoding_overrides(name: str) -> list[str]:
-    """The three ``model.*`` overrides of encoding ``name``.
+def encoding_row(name: str) -> list[str]:
+    """The encoder list of row ``name`` (rows joined by ``+``: their lists together, in the
+    order of :data:`ENCODINGS`).
 
     Raises:
         ConfigError: an unknown name, naming the known ones.
     """
-    if name not in ENCODINGS:
-        raise ConfigError(f"--encodings: {name!r} not allowed; choose from "
-                          f"{', '.join(ENCODINGS)}")
-    return [f"model.{key}={value}" for key, value in zip(ENCODING_KEYS, ENCODINGS[name])]
+    parts = name.split("+")
+    for part in parts:
+        if part not in ENCODINGS:
+            raise ConfigError(f"--encodings: {name!r} not allowed; choose from "
+                              f"{', '.join(ENCODINGS)}, or several joined by + (irpe+sine)")
+    return [text for row, strings in ENCODINGS.items() if row in parts for text in strings]
+
+
+def encoding_overrides(name: str) -> list[str]:
+    """The override of row ``name``: ``model.encodings.encoder=[...]``.
+
+    Raises:
+        ConfigError: an unknown name, naming the known ones.
+    """
+    return [f"model.encodings.encoder=[{', '.join(encoding_row(name))}]"]
 
 
 def encoding_targets(names: Sequence[str] | None = None) -> dict[str, str]:
     """``{row name: config}`` of the benchmark targets named (default
-    :data:`DEFAULT_ENCODING_TARGETS`), each checked to take the encoding keys.
+    :data:`DEFAULT_ENCODING_TARGETS`).
 
     Raises:
-        ConfigError: an unknown target, or one whose model section lacks a key of
-            :data:`ENCODING_KEYS` (its encoder takes no choice of encoding).
+        ConfigError: an unknown target.
     """
-    targets = select_targets(list(DEFAULT_ENCODING_TARGETS) if names is None else names,
-                             "--encoding-targets")
-    for name, config in targets.items():
-        model = load_config(config).model
-        keys = {f.name for f in dataclasses.fields(model)}
-        missing = [k for k in ENCODING_KEYS if k not in keys]
-        if missing:
-            raise ConfigError(
-                f"--encoding-targets: {name} (model.family={model.family}) has no "
-                f"{', '.join('model.' + k for k in missing)}: its encoder takes no choice of "
-                "position encoding")
-    return targets
+    return select_targets(list(DEFAULT_ENCODING_TARGETS) if names is None else names,
+                          "--encoding-targets")
 
 
 class _PathRecorder:
@@ -141,7 +138,7 @@ def run_encoding_step_benchmark(
     """The training step of each (target, encoding, precision), interleaved.
 
     Args:
-        encodings: names of :data:`ENCODINGS`.
+        encodings: names of :data:`ENCODINGS` (or several joined by ``+``).
         targets: ``{row name: config}`` (default: :func:`encoding_targets`).
         batch, height, width: the synthetic batch (:func:`~.model.synthetic_batch`).
         device: ``cpu`` or ``cuda[:N]``.
@@ -150,8 +147,8 @@ def run_encoding_step_benchmark(
         full: the targets' published configs instead of the tiny model.
 
     Returns:
-        one dict per row: ``target``, ``config``, ``family``, ``encoding``, the three
-        keys of :data:`ENCODING_KEYS`, ``amp``, ``model`` (``tiny`` / ``full``),
+        one dict per row: ``target``, ``config``, ``family``, ``encoding``,
+        ``encodings`` (the encoder's list as built, ``sine + rpe-2.0-product-ctx-1-k``), ``amp``, ``model`` (``tiny`` / ``full``),
         ``batch``, ``image_hw``, ``encoder_tokens`` (L of the encoder's self-attention),
         ``attention_path`` (the path(s) its first layer took in the steps, e.g. ``sdpa``), and the
         timing fields of :meth:`~.model.StepRunner.timing` (``train_step_s``,
@@ -175,7 +172,7 @@ def run_encoding_step_benchmark(
         attention = _encoder_attention(model)
         recorders.append(None if attention is None else _PathRecorder(attention))
         row = {"target": name, "config": config, "family": cfg.model.family,
-               "encoding": encoding, **{k: getattr(cfg.model, k) for k in ENCODING_KEYS},
+               "encoding": encoding, "encodings": cfg.model.place("encoder").describe(),
                "amp": precision, "model": "full" if full else "tiny"}
         runners.append(training_runner(row, cfg, model, criterion, data, dev))
     interleave(runners, warmup + repeats, dev, progress)
@@ -205,7 +202,7 @@ def encoding_step_table(rows: Sequence[Mapping[str, Any]]) -> str:
         none, sine = find(r, "none"), find(r, "sine")
         table.append((
             r["target"], r["encoding"],
-            f"{r['position_embedding']} / {r['rpe']} / {r['rope']}",
+            r["encodings"],
             "fp32" if r["amp"] == "none" else r["amp"],
             f"{r['batch']} x {r['image_hw'][0]}x{r['image_hw'][1]} (L={r['encoder_tokens']})",
             r["attention_path"],
@@ -215,7 +212,7 @@ def encoding_step_table(rows: Sequence[Mapping[str, Any]]) -> str:
             f"{r['loss_after']:.4f} (N={r['loss_steps']})",
         ))
     return markdown_table(
-        ["detector", "encoding", "position_embedding / rpe / rope", "amp", "images",
+        ["detector", "encoding", "encoder encodings", "amp", "images",
          "encoder attention", "train step s", "x none", "x sine", "train CPU s",
          "CPU x none", "CPU x sine", "loss after N"], table)
 

@@ -1,8 +1,9 @@
 """One encoder attention's forward+backward with each position encoding, timed interleaved.
 
-Variants: no encoding (the fused SDPA path), iRPE (``rpe-2.0-product-ctx-1-k``, random
-tables), RoPE-Axial, RoPE-Mixed and iRPE + RoPE-Axial, all ``IRPEMultiheadAttention`` with
-``impl="auto"``. Each repeat runs every variant once, in turn, so that a change in the
+Variants: no encoding (the fused SDPA path), then every benchmark row of the attention
+encodings of the registry (:mod:`detr_irpe.encodings`: iRPE ``rpe-2.0-product-ctx-1-k``
+with random tables, RoPE-Axial, RoPE-Mixed) and the first two together (iRPE +
+RoPE-Axial), all ``IRPEMultiheadAttention`` with ``impl="auto"``. Each repeat runs every variant once, in turn, so that a change in the
 machine's load touches all of them alike; a variant's time is the median over repeats
 (wall and process-CPU time, as :func:`detr_irpe.benchmark.common.timed`). The ``impl``
 column is the path ``auto`` chose for a training step (docs/position_encodings.md).
@@ -17,19 +18,28 @@ from dataclasses import asdict, dataclass
 import torch
 
 from detr_irpe.benchmark.common import markdown_table, median, sync
+from detr_irpe.encodings import as_place, encodings
 from detr_irpe.irpe.attention import IRPEMultiheadAttention
-from detr_irpe.rope import build_rope
 
 __all__ = ["ENCODING_VARIANTS", "EncodingResult", "encoding_table", "run_encoding_benchmark"]
 
-# name -> (iRPE string or None, RoPE string or None)
-ENCODING_VARIANTS: dict[str, tuple[str | None, str | None]] = {
-    "none": (None, None),
-    "iRPE": ("rpe-2.0-product-ctx-1-k", None),
-    "RoPE-Axial": (None, "rope-axial"),
-    "RoPE-Mixed": (None, "rope-mixed"),
-    "iRPE + RoPE-Axial": ("rpe-2.0-product-ctx-1-k", "rope-axial"),
-}
+
+def _variants() -> dict[str, list[str]]:
+    """name -> the attention's encoding strings: none, each attention encoding's rows, and
+    the first rows of the first two such encodings together (the composed path)."""
+    out: dict[str, list[str]] = {"none": []}
+    firsts = []
+    for entry in encodings():
+        if entry.kind != "attention" or not entry.benchmark:
+            continue
+        out.update({name: [text] for name, text in entry.benchmark.items()})
+        firsts.append(next(iter(entry.benchmark.items())))
+    if len(firsts) >= 2:
+        out[" + ".join(name for name, _ in firsts[:2])] = [text for _, text in firsts[:2]]
+    return out
+
+
+ENCODING_VARIANTS: dict[str, list[str]] = _variants()
 
 
 @dataclass
@@ -48,8 +58,8 @@ class EncodingResult:
         return asdict(self)
 
 
-def _module(rpe: str | None, rope: str | None, dim: int, heads: int) -> IRPEMultiheadAttention:
-    module = IRPEMultiheadAttention(dim, heads, rpe=rpe, rope=build_rope(rope, dim // heads, heads))
+def _module(strings: list[str], dim: int, heads: int) -> IRPEMultiheadAttention:
+    module = IRPEMultiheadAttention(dim, heads, **as_place(strings).attention_args(dim, heads))
     with torch.no_grad():
         for name, p in module.named_parameters():
             if "lookup_table" in name:
@@ -83,7 +93,7 @@ def run_encoding_benchmark(
     mask = torch.zeros(batch, length, dtype=torch.bool, device=dev)
     mask[-1, length - int(pad_fraction * length):] = True
     grad = torch.randn(batch, length, dim, device=dev)
-    modules = {v: _module(*ENCODING_VARIANTS[v], dim, heads).to(dev) for v in variants}
+    modules = {v: _module(ENCODING_VARIANTS[v], dim, heads).to(dev) for v in variants}
 
     def step(module: IRPEMultiheadAttention) -> None:
         module.zero_grad(set_to_none=True)

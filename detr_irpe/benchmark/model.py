@@ -91,9 +91,19 @@ def select_targets(names: Sequence[str] | None = None, flag: str = "--targets"
 
 
 def quick_overrides(config: str) -> list[str]:
-    """The :data:`QUICK_MODEL` settings that ``config``'s model section has, as overrides."""
+    """The :data:`QUICK_MODEL` settings that ``config``'s model section has and accepts
+    (D-FINE has a ``backbone`` key but no ``resnet18``), as overrides."""
     keys = {f.name for f in dataclasses.fields(load_config(config).model)}
-    return [f"model.{k}={v}" for k, v in QUICK_MODEL.items() if k in keys]
+    out: list[str] = []
+    for key, value in QUICK_MODEL.items():
+        if key not in keys:
+            continue
+        try:
+            load_config(config, [*out, f"model.{key}={value}"])
+        except ConfigError:
+            continue
+        out.append(f"model.{key}={value}")
+    return out
 
 
 def row_name(row: Mapping[str, Any]) -> str:

@@ -1,12 +1,11 @@
 """The position encodings of a checkpoint and of a model, compared.
 
-A model's encoder attention knows where its tokens are through up to three encodings
-(docs/position_encodings.md, "Choosing the encoding"): the absolute one
-(``model.position_embedding``), iRPE (``model.rpe``) and a rotary one (``model.rope``).
-iRPE tables, the learned absolute encoding and RoPE-Mixed's frequencies are weights, so a
-state dict shows them; the sine encoding and RoPE-Axial have no weights, and only the
-config saved with a checkpoint says whether it was trained with them. These functions
-read that config and the rotary modules of a built model (never importing the models).
+A model's encoder attention knows where its tokens are through the encodings of
+``model.encodings`` (docs/position_encodings.md). Some have weights a state dict shows
+(iRPE tables, the learned absolute encoding, RoPE-Mixed's frequencies); others have none
+(the sine encoding, RoPE-Axial), and only the config saved with a checkpoint says whether
+it was trained with them. These functions read that config and the built model's
+encodings through the encoding registry (:mod:`detr_irpe.encodings`), never naming one.
 """
 
 from __future__ import annotations
@@ -15,45 +14,23 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
+from detr_irpe.encodings.config import NONE, shorthand_entries
+from detr_irpe.encodings.model import encoder_has, weightless_keys
 from detr_irpe.family import DEFAULT_FAMILY
-from detr_irpe.rope import ROPE_VARIANTS, RoPEConfig, RotaryEncoding, parse_rope
 
 logger = logging.getLogger(__name__)
 
-# The model's backbone (its encodings are not the encoder's model.rope / model.rpe).
-BACKBONE_PREFIX = "backbone."
-# The keys whose encodings have no weights: a difference only the saved config shows.
-WEIGHTLESS_ENCODING_KEYS = ("model.position_embedding", "model.rope")
-# What a config that predates a key meant (every family's default).
-_SAVED_DEFAULTS = {"model.position_embedding": "sine", "model.rope": "none"}
-
-
-def describe_rope(rope: RoPEConfig | None) -> str:
-    """``none``, ``rope-axial`` / ``rope-mixed`` (the default frequency base) or
-    ``rope-axial-50`` (another base)."""
-    if rope is None:
-        return "none"
-    if rope.theta == ROPE_VARIANTS[rope.variant][1]:
-        return f"rope-{rope.variant}"
-    return rope.to_string()
-
-
-def model_rope(model: nn.Module) -> RoPEConfig | None:
-    """The rotary encoding of a built model's attention layers outside its backbone (None:
-    none has one).
-
-    Raises:
-        ValueError: its layers have different ones (no config builds such a model).
-    """
-    # a backbone's own rotary encoding (a ViT's, model.backbone_encodings) is not model.rope
-    found = {RoPEConfig(m.variant, m.theta) for name, m in model.named_modules()
-             if isinstance(m, RotaryEncoding) and not name.startswith(BACKBONE_PREFIX)}
-    if len(found) > 1:
-        raise ValueError(f"the model's attention layers have different rotary encodings: "
-                         f"{sorted(describe_rope(r) for r in found)}")
-    return next(iter(found), None)
+__all__ = [
+    "encoding_differences",
+    "exact_shorthand_values",
+    "model_differences",
+    "same_setting",
+    "saved_model_section",
+    "saved_setting",
+    "weightless_keys",
+]
 
 
 def saved_model_section(meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -65,36 +42,48 @@ def saved_model_section(meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return None
 
 
+def _legacy_default(key: str) -> str | None:
+    entries = shorthand_entries(key.removeprefix("model."))
+    return entries[0].legacy_default if entries else None
+
+
 def saved_setting(meta: Mapping[str, Any], key: str) -> Any:
     """A ``model.*`` value of the saved config (a config that predates ``key`` gives what
     it meant); None without a saved config."""
     section = saved_model_section(meta)
     if section is None:
         return None
-    return section.get(key.removeprefix("model."), _SAVED_DEFAULTS.get(key))
+    return section.get(key.removeprefix("model."), _legacy_default(key))
 
 
-def saved_rope(meta: Mapping[str, Any]) -> RoPEConfig | None | str:
-    """The rotary encoding a checkpoint was trained with, by its saved config; the string
-    ``"unknown"`` without a saved config (or with an unreadable value)."""
-    value = saved_setting(meta, "model.rope")
-    if value is None:
+def _spec(key: str, value: Any) -> Any:
+    """``(entry, spec)`` of a shorthand value; None for ``none``; ``"unknown"`` for a value
+    no entry of the key reads."""
+    if not isinstance(value, str):
         return "unknown"
-    try:
-        return parse_rope(value)
-    except ValueError:
-        return "unknown"
+    if value.strip().lower() == NONE:
+        return None
+    for entry in shorthand_entries(key.removeprefix("model.")):
+        try:
+            spec = entry.parse(value.strip())
+        except ValueError:
+            return "unknown"
+        if spec is not None:
+            return entry, spec
+    return "unknown"
+
+
+def _shown(found: Any) -> str:
+    return NONE if found is None else found[0].describe(found[1])
 
 
 def same_setting(key: str, a: Any, b: Any) -> bool:
-    """Whether two values of an encoding key name the same encoding (``rope-axial`` and
-    ``rope-axial-100`` do)."""
-    if key == "model.rope":
-        try:
-            return parse_rope(a) == parse_rope(b)
-        except ValueError:
-            return a == b
-    return a == b
+    """Whether two values of a shorthand key name the same encoding (two spellings of one
+    spec do: a default frequency base written out or left out)."""
+    sa, sb = _spec(key, a), _spec(key, b)
+    if "unknown" in (sa, sb):
+        return a == b
+    return _shown(sa) == _shown(sb)
 
 
 def encoding_differences(meta: Mapping[str, Any], model_cfg: Any
@@ -107,7 +96,7 @@ def encoding_differences(meta: Mapping[str, Any], model_cfg: Any
     if section is None or section.get("family", DEFAULT_FAMILY) != getattr(model_cfg, "family", None):
         return []  # another family: the weights tell that better
     out = []
-    for key in WEIGHTLESS_ENCODING_KEYS:
+    for key in weightless_keys():
         name = key.removeprefix("model.")
         if not hasattr(model_cfg, name):
             continue
@@ -117,13 +106,48 @@ def encoding_differences(meta: Mapping[str, Any], model_cfg: Any
     return out
 
 
-__all__ = [
-    "WEIGHTLESS_ENCODING_KEYS",
-    "describe_rope",
-    "encoding_differences",
-    "model_rope",
-    "same_setting",
-    "saved_model_section",
-    "saved_rope",
-    "saved_setting",
-]
+def _built(key: str, model: nn.Module) -> Any:
+    """``(entry, spec)`` / None of a shorthand key as a built model holds it; "unknown"
+    when no entry of the key can tell (or its layers differ)."""
+    for entry in shorthand_entries(key.removeprefix("model.")):
+        if entry.model_spec is None:
+            continue
+        try:
+            spec = entry.model_spec(model)
+        except ValueError:
+            return "unknown"
+        return None if spec is None else (entry, spec)
+    return "unknown"
+
+
+def model_differences(model: nn.Module, meta: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """``[(key, saved value, model value)]`` of the shorthand keys where a built model's
+    encoding (as far as the model tells it) differs from the saved config's."""
+    out = []
+    for key in weightless_keys():
+        built = _built(key, model)
+        saved = _spec(key, saved_setting(meta, key)) if saved_model_section(meta) else "unknown"
+        if "unknown" in (built, saved) or _shown(built) == _shown(saved):
+            continue
+        out.append((key, _shown(saved), _shown(built)))
+    return out
+
+
+def exact_shorthand_values(key: str, state: Mapping[str, Tensor], model: nn.Module | None,
+                           meta: Mapping[str, Any], shown: tuple[str, str]) -> tuple[str, str]:
+    """A shorthand key's ``(checkpoint, model)`` values as exactly as they are known: the
+    saved config's when it agrees with what the weights show (a rotary encoding's exact
+    frequency base where its frequencies only show the variant), the built model's."""
+    checkpoint, built = shown
+    saved = _spec(key, saved_setting(meta, key)) if saved_model_section(meta) else "unknown"
+    if saved != "unknown":
+        entries = shorthand_entries(key.removeprefix("model."))
+        has_weights = any(encoder_has(state, e) for e in entries)
+        saved_weights = saved is not None and not saved[0].weightless(saved[1])
+        if has_weights == saved_weights:
+            checkpoint = _shown(saved)
+    if model is not None:
+        found = _built(key, model)
+        if found != "unknown":
+            built = _shown(found)
+    return checkpoint, built

@@ -24,10 +24,10 @@ from torch import Tensor
 
 from detr_irpe.checkpoint.layout import num_classes_of
 from detr_irpe.checkpoint.safe import format_keys, load_safetensors, safe_load, safetensors_module
+from detr_irpe.encodings import encodings
+from detr_irpe.encodings.absolute import SINE
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import DetectorFamily, families, get_family
-from detr_irpe.irpe import is_rpe_key, parse_rpe
-from detr_irpe.rope import parse_rope
 from detr_irpe.utils.files import fsync_dir, os_error_behind, write_error
 
 logger = logging.getLogger(__name__)
@@ -237,33 +237,39 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
 
 def _refusal(state: Mapping[str, Tensor], cfg: Any, family: DetectorFamily) -> str | None:
     """Why transformers cannot hold this model, or None when it can."""
-    model = cfg.model
-    if parse_rpe(model.rpe) is not None:
-        return (
-            f"an iRPE model (model.rpe={model.rpe}) cannot be written for Hugging Face: "
-            f"transformers' {family.title} has no relative position encodings"
-        )
-    if parse_rope(getattr(model, "rope", "none")) is not None:
-        return (
-            f"a RoPE model (model.rope={model.rope}) cannot be written for Hugging Face: "
-            f"transformers' {family.title} has no rotary position encodings"
-        )
-    tables = sorted(k for k in state if is_rpe_key(k))
-    if tables:
-        return (
-            f"the weights hold iRPE tables ({tables[0]}, {len(tables)} in all) although "
-            f"model.rpe=none, and transformers' {family.title} has no relative position "
-            "encodings: convert with --rpe none to drop them"
-        )
+    place = cfg.model.place("encoder")
+    for entry, spec in place.entries:
+        if not entry.holds_in_hf(spec):
+            said = (f"model.{entry.legacy_key}={entry.describe(spec)}" if entry.legacy_key
+                    else f"model.encodings.encoder: {entry.describe(spec)}")
+            return (
+                f"a model with {entry.title} ({said}) cannot be written for Hugging Face: "
+                f"transformers' {family.title} has no {entry.about or entry.title}"
+                f"{entry.hf_advice}")
+    used = {e.name for e, _ in place.entries}
+    for entry in encodings():
+        keys = sorted(k for k in state if entry.param_key(k))
+        if keys and entry.name not in used:
+            return (
+                f"the weights hold {entry.title} parameters ({keys[0]}, {len(keys)} in all) "
+                f"although the config has no {entry.title}, and transformers' {family.title} "
+                f"has no {entry.about or entry.title}{entry.hf_advice}")
     return family.hf.refusal(state, cfg)
 
 
 def check_position_and_backbone(model: Any) -> str | None:
-    """Refusals both DETR-like families share: the encoding and a dilated small ResNet."""
-    if model.position_embedding != "sine":
+    """Refusals both DETR-like families share: the encoding, a ResNet cut short
+    (``model.backbone_stages``) and a dilated small ResNet."""
+    if model.place("encoder").absolute != SINE.name:
         return (
             f"model.position_embedding={model.position_embedding} cannot be written for Hugging "
             "Face: only the sine encoding converts"
+        )
+    if model.backbone_stages != 4:
+        return (
+            f"model.backbone_stages={model.backbone_stages} cannot be written for Hugging "
+            f"Face: transformers builds every stage of the ResNet (its config names the whole "
+            f"{model.backbone}, and its input projection reads the last stage's channels)"
         )
     if model.dilation and model.backbone in ("resnet18", "resnet34"):
         return (

@@ -26,15 +26,13 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from detr_irpe.encodings.model import state_facts
+from detr_irpe.encodings.registry import in_backbone
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import family_of_state
 from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table, is_rpe_key, parse_rpe
-from detr_irpe.rope import is_rope_key
 
 HEAD_KEYS = ("class_embed.weight", "class_embed.bias")
-# ``model.rope`` as a state dict shows it: RoPE-Mixed has frequencies, RoPE-Axial nothing.
-ROPE_MIXED_SHOWN = "rope-mixed"
-NO_ROPE_FREQUENCIES = "none or rope-axial"
 # DN-DETR's label embedding: a row per class, then the matching queries' content.
 LABEL_KEY = "label_enc.weight"
 # The bias a new sigmoid class head starts with: every class at probability 0.01
@@ -87,33 +85,6 @@ def first_shape(state: Mapping[str, Tensor], keys: tuple[str, ...], dim: int) ->
     return None
 
 
-def _rpe_tables(state: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
-    """The iRPE tables of the first encoder layer that has them: ``{name: shape}``."""
-    pattern = re.compile(r".*\.layers\.(\d+)\.self_attn\.(.+)")
-    tables: dict[int, dict[str, tuple[int, ...]]] = {}
-    for key, value in state.items():
-        match = pattern.match(key)
-        if match and is_rpe_key(key):
-            tables.setdefault(int(match.group(1)), {})[match.group(2)] = tuple(value.shape)
-    return tables[min(tables)] if tables else {}
-
-
-def _irpe_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    return {"model.rpe": _rpe_tables(state)}
-
-
-def _rope_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    """RoPE-Mixed's learned frequencies (``...self_attn.rope.freqs``, ``(2, nheads, D / 2)``:
-    they show the head count too) or none; RoPE-Axial has no weights, so a state dict
-    without frequencies may be either."""
-    freqs = [v for k, v in state.items() if is_rope_key(k) and k.endswith(".freqs")
-             and not k.startswith("backbone.")]  # a ViT backbone's own are not model.rope
-    if not freqs:
-        return {"model.rope": NO_ROPE_FREQUENCIES}
-    heads = int(freqs[0].shape[1]) if len(freqs[0].shape) == 3 else None
-    return {"model.rope": ROPE_MIXED_SHOWN, "model.nheads": heads}
-
-
 def _family_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
     return {"model.family": family_name_of_state(state)}
 
@@ -124,8 +95,9 @@ def _head_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
 
 def architecture(state: Mapping[str, Tensor]) -> dict[str, Any]:
     """The model settings a state dict implies, keyed by their config names: its family,
-    then what its family's ``architecture_readers`` read, its iRPE tables, its rotary
-    encoding (``rope-mixed`` or ``none or rope-axial``) and its class count.
+    then what its family's ``architecture_readers`` read, what it shows of each position
+    encoding (its registry entry's ``state_facts``: the iRPE tables, the rotary
+    frequencies, ...) and its class count.
 
     Settings a state dict does not show (``model.nheads`` without per-head tables,
     ``model.dilation``) are absent; ``model.rpe`` is the ``{table: shape}`` dict of
@@ -134,7 +106,7 @@ def architecture(state: Mapping[str, Tensor]) -> dict[str, Any]:
     family = family_of_state(state)
     readers = family.checkpoint.architecture_readers if family and family.checkpoint else ()
     facts: dict[str, Any] = {}
-    for reader in (_family_facts, *readers, _irpe_facts, _rope_facts, _head_facts):
+    for reader in (_family_facts, *readers, state_facts, _head_facts):
         facts.update(reader(state))
     return {k: v for k, v in facts.items() if v is not None}
 
@@ -302,7 +274,7 @@ def add_rpe_tables(
     rpe_cfg = parse_rpe(rpe)
     if rpe_cfg is None:
         return state, None
-    existing = sorted(k for k in state if is_rpe_key(k))
+    existing = sorted(k for k in state if is_rpe_key(k) and not in_backbone(k))
     if existing:
         raise CheckpointError(
             f"the state dict already has iRPE tables ({', '.join(existing[:3])}); --rpe only "
@@ -328,14 +300,14 @@ def add_rpe_tables(
 
 
 def drop_rpe_tables(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], str | None]:
-    """``state`` without its iRPE tables (a model with ``model.rpe=none`` has none) and a
-    note (None when there were none)."""
-    dropped = [k for k in state if is_rpe_key(k)]
+    """``state`` without its encoder's iRPE tables (a model with ``model.rpe=none`` has
+    none; a ViT backbone's stay) and a note (None when there were none)."""
+    dropped = [k for k in state if is_rpe_key(k) and not in_backbone(k)]
     if not dropped:
         return state, None
     layers = {k.rsplit(".self_attn.", 1)[0] for k in dropped}
     names = sorted({k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1] for k in dropped})
-    kept = {k: v for k, v in state.items() if not is_rpe_key(k)}
+    kept = {k: v for k, v in state.items() if k not in set(dropped)}
     return kept, (f"dropped the iRPE tables ({', '.join(names)}) of {len(layers)} encoder "
                   "layer(s): the model is now model.rpe=none")
 
@@ -380,8 +352,6 @@ __all__ = [
     "FOCAL_PRIOR_BIAS",
     "HEAD_KEYS",
     "LABEL_KEY",
-    "NO_ROPE_FREQUENCIES",
-    "ROPE_MIXED_SHOWN",
     "add_rpe_tables",
     "architecture",
     "convert_state_dict",

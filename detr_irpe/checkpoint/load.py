@@ -8,18 +8,20 @@ Rules (:func:`load_state`):
   (sigmoid; re-initialised with the focal prior bias, as a new model's). DN-DETR's
   ``label_enc`` (``num_classes + 1`` rows) then starts as a new model's too, but for its
   last row, the content of the matching queries, which is loaded;
-- a plain-DETR checkpoint into an iRPE model: the model's iRPE tables are left as the
-  model was built (``model.rpe_init``: xavier like the reference recipe, or zero, in
-  which case the model computes exactly the plain DETR), logged;
-- iRPE tables that differ from the model's, or tables the model does not have: error;
-- RoPE-Mixed's frequencies (``...self_attn.rope.freqs``) the model does not have: error
-  (``model.rope: checkpoint rope-mixed, model none``); a checkpoint without rotary
-  frequencies into a RoPE-Mixed model (fine-tuning a model trained without them): the
-  model's frequencies keep their start, logged;
-- a rotary encoding (or absolute one) other than the one the saved config names: logged
-  (RoPE-Axial and the sine encoding have no weights; the tools that build a model from a
-  checkpoint refuse the difference, :mod:`~detr_irpe.checkpoint.saved_config`);
-- ``num_batches_tracked`` of a trainable-BN checkpoint: dropped;
+- a checkpoint without any parameter of an encoding the model has (a plain-DETR
+  checkpoint into an iRPE model; one trained without RoPE-Mixed into a RoPE-Mixed model):
+  the model's parameters of that encoding are left as the model was built (iRPE:
+  ``model.rpe_init``, xavier like the reference recipe, or zero, in which case the model
+  computes exactly the plain DETR), logged;
+- encoding parameters that differ from the model's, or that the model does not have:
+  error (``model.rope: checkpoint rope-mixed, model none``);
+- an encoding without weights other than the one the saved config names: logged
+  (RoPE-Axial and the sine encoding; the tools that build a model from a checkpoint
+  refuse the difference, :mod:`~detr_irpe.checkpoint.saved_config`);
+- ``num_batches_tracked`` of a trainable-BN checkpoint: dropped; so are the entries a
+  published file stores that the model computes (its family's ``derived_keys``: D-FINE's
+  anchors);
+- a tensor with NaN or infinite values: error naming the file and the tensor;
 - any other missing, unexpected or mis-shaped key: error. Every error names the file,
   the first keys of each kind and the config keys that explain the difference
   (``model.hidden_dim: checkpoint 256, model 128``).
@@ -35,19 +37,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from detr_irpe.checkpoint.encodings import describe_rope, model_rope, saved_rope
+from detr_irpe.checkpoint.encodings import (
+    exact_shorthand_values,
+    model_differences,
+    weightless_keys,
+)
 from detr_irpe.checkpoint.files import read_checkpoint
 from detr_irpe.checkpoint.layout import (
     FOCAL_PRIOR_BIAS,
-    ROPE_MIXED_SHOWN,
     explain_mismatch,
     num_classes_of,
 )
 from detr_irpe.checkpoint.safe import format_keys
+from detr_irpe.encodings import encodings
+from detr_irpe.encodings.registry import in_backbone
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import family_of_state
-from detr_irpe.irpe import is_rpe_key
-from detr_irpe.rope import is_rope_key
 from detr_irpe.utils.dist import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -56,6 +61,17 @@ logger = logging.getLogger(__name__)
 def _drop_bn_counters(state: dict[str, Tensor], target: Mapping[str, Tensor]) -> list[str]:
     """Remove ``num_batches_tracked`` entries the model has no place for (frozen BN)."""
     dropped = [k for k in state if k.endswith("num_batches_tracked") and k not in target]
+    for key in dropped:
+        del state[key]
+    return dropped
+
+
+def _drop_derived(state: dict[str, Tensor], target: Mapping[str, Tensor]) -> list[str]:
+    """Remove the entries a published file stores that the model computes instead (its
+    family's ``derived_keys``: D-FINE's anchors for one input size)."""
+    family = family_of_state(state)
+    derived = family.checkpoint.derived_keys if family and family.checkpoint else ()
+    dropped = [k for k in derived if k in state and k not in target]
     for key in dropped:
         del state[key]
     return dropped
@@ -72,64 +88,35 @@ def _saved_rpe(meta: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _missing_rpe_tables(
+def _missing_encoding_parameters(
     state: Mapping[str, Tensor], target: Mapping[str, Tensor], path: Any
-) -> list[str]:
-    """The model's tables a plain-DETR checkpoint lacks (they keep their start values)."""
-    model_rpe = [k for k in target if is_rpe_key(k)]
-    if not model_rpe or any(is_rpe_key(k) for k in state):
-        return []
-    logger.info(
-        "checkpoint %s has no iRPE tables (a plain DETR checkpoint): the %d tables of this "
-        "model keep the values it was built with (model.rpe_init)",
-        path,
-        len(model_rpe),
-    )
-    return model_rpe
+) -> dict[str, list[str]]:
+    """The model's encoding parameters of the encodings a checkpoint has none of (a plain
+    DETR checkpoint into an iRPE model, a model trained without RoPE-Mixed fine-tuned with
+    it): they keep the values the model was built with. ``{encoding name: keys}``."""
+    missing: dict[str, list[str]] = {}
+    for entry in encodings():
+        if not entry.fresh_start:
+            continue
+        # the encoder's and a ViT backbone's (model.encodings.backbone) each on their own
+        for place in (False, True):
+            model_keys = [k for k in target if entry.param_key(k) and in_backbone(k) == place]
+            if not model_keys or any(entry.param_key(k) and in_backbone(k) == place
+                                     for k in state):
+                continue
+            logger.info("checkpoint %s has no %s parameters in the %s (trained without it): "
+                        "the %d %s tensors there keep the values this model was built with",
+                        path, entry.title, "backbone" if place else "encoder",
+                        len(model_keys), entry.title)
+            missing.setdefault(entry.name, []).extend(model_keys)
+    return missing
 
 
-def _missing_rope_frequencies(
-    state: Mapping[str, Tensor], target: Mapping[str, Tensor], path: Any
-) -> list[str]:
-    """The model's RoPE-Mixed frequencies a checkpoint without any lacks (they keep their
-    start: a model trained without them, fine-tuned with them)."""
-    model_keys = [k for k in target if is_rope_key(k)]
-    if not model_keys or any(is_rope_key(k) for k in state):
-        return []
-    logger.info(
-        "checkpoint %s has no rotary frequencies (trained without RoPE-Mixed): the %d "
-        "frequency tensors of this model keep their start", path, len(model_keys))
-    return model_keys
-
-
-def _log_rope_difference(model: nn.Module, meta: Mapping[str, Any], path: Any) -> None:
-    """Log a rotary encoding other than the saved config's (fine-tuning may change it)."""
-    saved = saved_rope(meta)
-    try:
-        built = model_rope(model)
-    except ValueError:
-        return
-    if saved != "unknown" and saved != built:
-        logger.warning("checkpoint %s was trained with model.rope=%s; this model has "
-                       "model.rope=%s", path, describe_rope(saved), describe_rope(built))
-
-
-def _rope_values(
-    model: nn.Module | None, meta: Mapping[str, Any], shown: tuple[str, str]
-) -> tuple[str, str]:
-    """``model.rope`` of a checkpoint and of a model as exactly as they are known: the
-    saved config's (when it agrees with the weights) and the built model's."""
-    checkpoint, built = shown
-    saved = saved_rope(meta)
-    if saved != "unknown" and (checkpoint == ROPE_MIXED_SHOWN) == (
-            saved is not None and saved.variant == "mixed"):
-        checkpoint = describe_rope(saved)
-    if model is not None:
-        try:
-            built = describe_rope(model_rope(model))
-        except ValueError:
-            pass
-    return checkpoint, built
+def _log_encoding_differences(model: nn.Module, meta: Mapping[str, Any], path: Any) -> None:
+    """Log an encoding other than the saved config's (fine-tuning may change it)."""
+    for key, saved, built in model_differences(model, meta):
+        logger.warning("checkpoint %s was trained with %s=%s; this model has %s=%s",
+                       path, key, saved, key, built)
 
 
 def _class_keys(state: Mapping[str, Tensor]) -> tuple[str, ...]:
@@ -243,8 +230,10 @@ def _mismatch_error(
 ) -> CheckpointError:
     """One error naming the file, the keys, and the config keys that explain them
     (``model``: the model, for its exact rotary encoding)."""
+    weightless = weightless_keys()
     differences = [
-        (key, *_rope_values(model, meta, (a, b))) if key == "model.rope" else (key, a, b)
+        (key, *exact_shorthand_values(key, state, model, meta, (a, b))) if key in weightless
+        else (key, a, b)
         for key, a, b in explain_mismatch(state, target)]
     names = [key for key, _, _ in differences]
     if names == ["model.rpe"]:
@@ -315,8 +304,9 @@ def load_state(
     Returns:
         info dict: ``path``, ``format``, ``reinitialized`` (class-head keys, and
         ``label_enc.weight`` whose last row was loaded),
-        ``missing_rpe`` (table keys left as built), ``missing_rope`` (rotary frequencies
-        left as built), ``dropped`` (ignored keys), ``loaded`` (number of tensors).
+        ``missing`` (``{encoding name: keys}`` of encoding parameters left as built: a
+        checkpoint without iRPE tables has ``{"irpe": [...]}``), ``dropped`` (ignored
+        keys), ``loaded`` (number of tensors).
 
     Raises:
         CheckpointError: naming the file, the keys and the differing config keys.
@@ -325,15 +315,20 @@ def load_state(
     path = meta.get("path")
     target = model.state_dict()
     state = dict(state)
-    dropped = _drop_bn_counters(state, target)
-    missing_rpe = _missing_rpe_tables(state, target, path)
-    missing_rope = _missing_rope_frequencies(state, target, path)
+    broken = next((k for k, v in state.items() if isinstance(v, Tensor)
+                   and v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if broken is not None:
+        raise CheckpointError(f"checkpoint {path}: {broken} holds NaN or infinite values; "
+                              "these weights cannot make predictions (a diverged run, or a "
+                              "damaged file)")
+    dropped = _drop_bn_counters(state, target) + _drop_derived(state, target)
+    missing = _missing_encoding_parameters(state, target, path)
     reinitialized, last_rows = _take_off_class_head(state, target, path, strict_head)
-    problems = key_problems(state, target,
-                            set(missing_rpe) | set(missing_rope) | set(reinitialized))
+    left = {k for keys in missing.values() for k in keys}
+    problems = key_problems(state, target, left | set(reinitialized))
     if problems:
         raise _mismatch_error(path, meta, state, target, problems, model)
-    _log_rope_difference(model, meta, path)
+    _log_encoding_differences(model, meta, path)
     family = family_of_state(target)
     sigmoid_head = bool(family and family.checkpoint and family.checkpoint.sigmoid_head)
     _apply(model, state, reinitialized, last_rows, sigmoid_head)
@@ -342,8 +337,7 @@ def load_state(
         "path": str(path),
         "format": meta.get("format"),
         "reinitialized": reinitialized,
-        "missing_rpe": missing_rpe,
-        "missing_rope": missing_rope,
+        "missing": missing,
         "dropped": dropped,
         "loaded": len(state),
     }

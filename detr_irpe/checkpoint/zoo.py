@@ -11,7 +11,12 @@ cache by :mod:`detr_irpe.checkpoint.download`, only when a user names it.
   PaddlePaddle models converted to PyTorch, 72-epoch schedule; files the published
   solver writes, whose EMA weights are the model).
 
-Their published COCO numbers are in docs/checkpoints.md.
+- D-FINE N / S / M / L / X (the Peterande/D-FINE release, COCO) and DEIM-D-FINE N-X
+  (ShihuaHuang95/DEIM; Google Drive files, fetched through Drive's direct-download
+  address, which could not be tried from here). Their files carry no config and D-FINE's
+  and DEIM's have the same keys: the name says which network (ReLU or SiLU) it is.
+
+Their published COCO numbers are in docs/checkpoints.md and docs/dfine.md.
 
 ``check_hash``: the DETR file name ends in the first hex digits of its SHA-256, which
 the download verifies (as ``torch.hub``'s ``check_hash`` does); the iRPE and RT-DETR file
@@ -31,14 +36,27 @@ class ZooEntry:
     config: str
     url: str
     check_hash: bool
+    # the cache file's name when the address does not end in one (a Drive download)
+    name: str | None = None
 
     @property
     def file_name(self) -> str:
-        return self.url.rsplit("/", 1)[-1]
+        return self.name or self.url.rsplit("/", 1)[-1]
 
 
 _IRPE_RELEASE = "https://github.com/wkcn/iRPE-model-zoo/releases/download/1.0"
 _RTDETR_RELEASE = "https://github.com/lyuwenyu/storage/releases/download/v0.1"
+_DFINE_RELEASE = "https://github.com/Peterande/storage/releases/download/dfinev1.0"
+# Google Drive's direct download of a file id (confirm=t: past the large-file page)
+_DRIVE = "https://drive.usercontent.google.com/download?id={}&export=download&confirm=t"
+# the DEIM-D-FINE COCO files of the DEIM README (ShihuaHuang95/DEIM a9aa4ad)
+_DEIM_DRIVE_IDS = {
+    "n": "1ZPEhiU9nhW4M5jLnYOFwTSLQC1Ugf62e",
+    "s": "1tB8gVJNrfb6dhFvoHJECKOF5VpkthhfC",
+    "m": "18Lj2a6UN6k_n_UzqnJyiaiLGpDzQQit8",
+    "l": "1PIRf02XkrA2xAD3wEiKE2FaamZgSGTAr",
+    "x": "1dPtbgtGgq1Oa7k_LgH1GXPelg1IVeu0j",
+}
 
 ZOO: dict[str, ZooEntry] = {
     "detr_r50": ZooEntry(
@@ -66,6 +84,11 @@ ZOO: dict[str, ZooEntry] = {
         "rtdetr_r101", f"{_RTDETR_RELEASE}/rtdetr_r101vd_6x_coco_from_paddle.pth", False
     ),
 }
+ZOO.update({f"dfine_{size}": ZooEntry(f"dfine_{size}", f"{_DFINE_RELEASE}/dfine_{size}_coco.pth",
+                                      False) for size in "nsmlx"})
+ZOO.update({f"deim_{size}": ZooEntry(f"deim_{size}", _DRIVE.format(file_id), False,
+                                     f"deim_dfine_hgnetv2_{size}_coco.pth")
+            for size, file_id in _DEIM_DRIVE_IDS.items()})
 
 
 def zoo_entry(name: str) -> ZooEntry:

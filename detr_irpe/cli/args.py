@@ -22,9 +22,11 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 
 from detr_irpe import sizes
+from detr_irpe.canvas import CanvasLayout, parse_canvases
 from detr_irpe.errors import (
     EXIT_SIGINT,
     EXIT_USER_ERROR,
@@ -47,10 +49,25 @@ def parse_device(text: str) -> str:
     return value
 
 
+def invoked_as(default: str | None) -> str | None:
+    """The program name a usage line shows: what the user typed (``detr-irpe-eval``, or
+    ``eval.py`` of ``python tools/eval.py``), else ``default`` (``python -m ...``, a test)."""
+    argv0 = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    typed = argv0.name
+    if argv0.parent.resolve() == Path(__file__).resolve().parent:  # python -m detr_irpe.cli.X
+        return default
+    if typed.startswith("detr-irpe-") or (typed.endswith(".py") and typed != "__main__.py"
+                                          and not typed.startswith("pytest")):
+        return typed
+    return default
+
+
 def new_parser(doc: str | None, prog: str | None = None) -> argparse.ArgumentParser:
-    """An argument parser whose help shows the module docstring as written."""
+    """An argument parser whose help shows the module docstring as written; its usage line
+    names the program as the user typed it (:func:`invoked_as`, ``prog`` otherwise)."""
     return argparse.ArgumentParser(
-        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=invoked_as(prog), description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter
     )
 
 
@@ -120,13 +137,31 @@ def checked_overrides(overrides: Iterable[str]) -> list[str]:
     return out
 
 
+# detr_irpe.inference.runtime.RUNTIMES, named here without importing torch (a test keeps
+# the two equal)
+RUNTIMES = ("pytorch", "fused", "onnxruntime")
+
+
+def add_runtime_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--runtime``: what a tool's forward passes run in (docs/deployment.md)."""
+    parser.add_argument(
+        "--runtime", choices=RUNTIMES, default=default,
+        help=f"what the forward pass runs in (default {default}): pytorch (the model as "
+             "trained), fused (batch norms folded into the convolutions, RepVGG blocks "
+             "merged: the same outputs to float32 rounding, faster on the CPU) or "
+             "onnxruntime (exported once and cached, checked against PyTorch on the first "
+             "image; the onnx extra, CPU)")
+
+
 def add_sizes_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """``--sizes S|HxW [...]``: evaluate at each test size (docs/evaluation.md)."""
     parser.add_argument(
         "--sizes", nargs="+", default=None, metavar="S|HxW",
         help=f"{what} at each test size: S resizes the shorter side to S (the longer side "
-             "capped at data.max_size * S / data.val_size), HxW (e.g. 640x1280: HEIGHTxWIDTH) "
-             "to exactly that shape; writes sizes.md, sizes.json and sizes.png",
+             "capped at data.max_size * S / data.val_size), or to S x S where the config "
+             "evaluates on squares (data.augmentation rtdetr: RT-DETR, which pads a side to "
+             "a multiple of 32 inside the model); HxW (e.g. 640x1280: HEIGHTxWIDTH) to exactly "
+             "that shape; writes sizes.md, sizes.json and sizes.png",
     )
 
 
@@ -135,6 +170,28 @@ def parse_sizes(values: Sequence[str] | None, flag: str = "--sizes") -> list[Eva
     order given; none when the flag was not given."""
     try:
         return parse_eval_sizes(values or (), flag)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def add_canvases_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--canvases LAYOUT [...]``: evaluate on canvases (docs/evaluation.md, "Canvases")."""
+    parser.add_argument(
+        "--canvases", nargs="+", default=None, metavar="LAYOUT",
+        help=f"{what} on canvases, each image at its trained scale: mosaicRxC (R x C "
+             "different images, e.g. mosaic2x2, mosaic1x2) or padRxC-POS[-edge] (one image "
+             "on a canvas R x its height, C x its width, at POS: tl, tr, bl, br or c; the "
+             "rest the mean colour, or its border repeated with -edge); writes canvases.md, "
+             "canvases.json and canvases.png",
+    )
+
+
+def parse_canvas_flag(values: Sequence[str] | None, flag: str = "--canvases"
+                      ) -> list[CanvasLayout]:
+    """The layouts of ``--canvases``, each checked (one line naming the value), in the
+    order given; none when the flag was not given."""
+    try:
+        return parse_canvases(values or (), flag)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -224,6 +281,7 @@ def setup_tool_logging(level: int = logging.INFO) -> None:
 
 __all__ = [
     "Terminated",
+    "add_canvases_argument",
     "add_config_arguments",
     "add_device_argument",
     "add_sizes_argument",
@@ -231,6 +289,7 @@ __all__ = [
     "checked_overrides",
     "device_override",
     "new_parser",
+    "parse_canvas_flag",
     "parse_device",
     "parse_sizes",
     "run_main",

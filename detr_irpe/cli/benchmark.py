@@ -34,8 +34,6 @@ from detr_irpe.errors import ConfigError
 
 # the sections of the suite (detr_irpe.benchmark.SECTIONS, named here without importing torch)
 SECTIONS = ("op", "model", "encodings", "onnx", "profile", "data", "eval")
-# the encodings of the encodings section (detr_irpe.benchmark.encoding_steps.ENCODINGS)
-ENCODINGS = ("none", "sine", "irpe", "irpe+sine", "rope-axial", "rope-mixed")
 
 
 def _hw(text: str) -> tuple[int, int]:
@@ -101,12 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(%(default)s: its own float32; bf16 wraps its forward in autocast)")
     g = p.add_argument_group("encodings level (a detector's step with each position encoding)")
     g.add_argument("--encodings", default=None,
-                   help=f"comma-separated encodings out of {','.join(ENCODINGS)} "
-                        "(none,sine,irpe,rope-axial,rope-mixed)")
+                   help="comma-separated rows: none and each registered encoding's "
+                        "benchmark rows (built in: sine, irpe, rope-axial, rope-mixed), or "
+                        "rows joined by + (irpe+sine); default: none and every row")
     g.add_argument("--encoding-targets", default=None,
-                   help="comma-separated benchmark targets whose encoder takes the choice "
-                        "(model.position_embedding, model.rpe, model.rope): DETR, DAB-DETR, "
-                        "DN-DETR, RT-DETR (DETR,RT-DETR)")
+                   help="comma-separated benchmark targets: DETR, DAB-DETR, DN-DETR, RT-DETR "
+                        "(DETR,RT-DETR)")
     g.add_argument("--encoding-full", action="store_true",
                    help="the targets' published configs (R50) instead of the tiny model "
                         "(ResNet-18 / R18-vd, 32 channels)")

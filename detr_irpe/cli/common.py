@@ -32,21 +32,22 @@ from detr_irpe.evaluation.size_table import format_size_table, size_rows
 
 def print_eval_result(result: Mapping[str, Any], *, tables: bool = True) -> None:
     """The 12 COCO numbers, the per-class table, the speed and the output folder of a
-    ``run_training`` / ``run_evaluation`` result, on rank 0 only; with test sizes the
-    table of AP per size instead of the last size's tables.
+    ``run_training`` / ``run_evaluation`` result, on rank 0 only; with test sizes (or
+    canvases) the table of AP per size (per layout) instead of the last one's tables.
 
     ``tables=False``: the folder only (a training run has logged the tables of its
     evaluations already; the console shows each table once)."""
     if result["rank"] != 0 or result["summary"] is None:
         return
-    if tables and result.get("sizes"):
-        rows = size_rows([r["size"] for r in result["sizes"]],
-                         [r["summary"] for r in result["sizes"]])
-        print("COCO box AP at each test size, in %")
-        print(format_size_table(rows))
-        for row in result["sizes"]:
+    views = [(key, column) for key, column in (("sizes", "test size"), ("canvases", "canvas"))
+             if result.get(key)]
+    for key, column in views if tables else ():
+        rows = size_rows([r["size"] for r in result[key]], [r["summary"] for r in result[key]])
+        print(f"COCO box AP for each {column}, in %")
+        print(format_size_table(rows, column))
+        for row in result[key]:
             print(f"{row['size']}: {format_speed(row['speed'])}")
-    elif tables:
+    if tables and not views:
         print(format_summary(result["summary"]))
         if result["per_class_table"]:
             print(result["per_class_table"])

@@ -42,7 +42,7 @@ RPE_INIT_MODES = ("xavier", "zero")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = new_parser(__doc__, prog="convert_checkpoint.py")
+    parser = new_parser(__doc__, prog="detr-irpe-convert")
     parser.add_argument("input", metavar="INPUT",
                         help="checkpoint to convert (file or HF folder), a published name "
                              "(detr_r50, ...) or an http(s) address")

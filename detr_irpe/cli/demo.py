@@ -13,7 +13,8 @@
    curves (outputs/demo/figures/);
 5. with ``--sizes S|HxW ...``, evaluates the last checkpoint at each test size
    (docs/evaluation.md, "Test sizes") into outputs/demo/eval_sizes/ (sizes.md, sizes.json,
-   sizes.png), as ``tools/train.py --sizes`` does.
+   sizes.png), as ``tools/train.py --sizes`` does; ``--canvases LAYOUT ...`` on canvases
+   (docs/evaluation.md, "Canvases") into the same folder.
 
 The schedule is a step budget (``--steps``), not a time budget: the same seed gives the
 same result on any machine of one kind, whatever its speed. Run it again and it resumes
@@ -31,9 +32,11 @@ import argparse
 from pathlib import Path
 
 from detr_irpe.cli.args import (
+    add_canvases_argument,
     add_config_arguments,
     add_sizes_argument,
     new_parser,
+    parse_canvas_flag,
     parse_sizes,
     run_main,
 )
@@ -47,7 +50,7 @@ DEFAULT_STEPS = 3000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = new_parser(__doc__, prog="demo")
+    parser = new_parser(__doc__, prog="demo.py")
     add_config_arguments(parser, config_help=f"config (default: {DEFAULT_CONFIG})")
     parser.set_defaults(config=DEFAULT_CONFIG)
     parser.add_argument("--data", type=Path, default=DATA_DIR,
@@ -64,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="val images to draw predictions on (%(default)s)")
     add_sizes_argument(parser, "after training and the evaluation, evaluate the last "
                                "checkpoint (into OUTPUT_DIR/eval_sizes)")
+    add_canvases_argument(parser, "after training and the evaluation, evaluate the last "
+                                  "checkpoint (into OUTPUT_DIR/eval_sizes)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -84,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         check_steps(args.steps)
         sizes = parse_sizes(args.sizes)
+        canvases = parse_canvas_flag(args.canvases)
         # after the arguments: --help and their errors come back without torch
         from detr_irpe.cli.programs import demo as program
 
-        return program.run(args, sizes)
+        return program.run(args, sizes, canvases)
 
     return run_main(body, tool="demo")
 

@@ -30,6 +30,16 @@ folder OUTPUT_DIR/size_S; OUTPUT_DIR gets sizes.md, sizes.json and sizes.png (AP
 AP_M, AP_L against the size)::
 
     python tools/eval.py outputs/demo/checkpoint_last.pth --sizes 32 48 64 96 128 64x128
+
+--canvases evaluates on canvases (docs/evaluation.md, "Canvases"): each image kept at its
+trained scale and placed on a larger canvas, so that the objects keep their pixel size
+while the encoder's token grid grows: mosaicRxC (R x C different images) or
+padRxC-POS[-edge] (one image on a canvas R x its height, C x its width, at POS). Each
+layout gets OUTPUT_DIR/canvas_LAYOUT; OUTPUT_DIR gets canvases.md, canvases.json and
+canvases.png::
+
+    python tools/eval.py outputs/demo/checkpoint_last.pth --canvases mosaic1x1 mosaic2x2 \
+        mosaic3x3 mosaic1x2 mosaic2x1 pad2x2-tl pad2x2-c pad3x3-c pad2x2-c-edge
 Exit status 2 on a config, data or checkpoint problem (one line on stderr).
 """
 
@@ -39,17 +49,20 @@ import argparse
 from pathlib import Path
 
 from detr_irpe.cli.args import (
+    add_canvases_argument,
     add_config_arguments,
     add_device_argument,
+    add_runtime_argument,
     add_sizes_argument,
     new_parser,
+    parse_canvas_flag,
     parse_sizes,
     run_main,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = new_parser(__doc__, prog="eval.py")
+    parser = new_parser(__doc__, prog="detr-irpe-eval")
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a .pth or .safetensors file, a Hugging Face save_pretrained "
                              "folder, a published name (detr_r50, ...) or an http(s) address")
@@ -61,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "go (default: CHECKPOINT_DIR/eval_CHECKPOINT_STEM; "
                              "outputs/eval_STEM for a downloaded file)")
     add_sizes_argument(parser, "evaluate")
+    add_runtime_argument(parser, "pytorch")
+    add_canvases_argument(parser, "evaluate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -70,10 +85,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         sizes = parse_sizes(args.sizes)
+        canvases = parse_canvas_flag(args.canvases)
         # after the arguments: --help and their errors come back without torch
         from detr_irpe.cli.programs import eval as program
 
-        return program.run(args, sizes)
+        return program.run(args, sizes, canvases)
 
     return run_main(body)
 

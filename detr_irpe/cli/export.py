@@ -33,7 +33,7 @@ MIN_OPSET = 18
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = new_parser(__doc__, prog="export.py")
+    parser = new_parser(__doc__, prog="detr-irpe-export")
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="checkpoint to export (any layout the other tools read), a "
                              "published name (detr_r50, ...) or an http(s) address")

@@ -41,6 +41,7 @@ from pathlib import Path
 from detr_irpe.cli.args import (
     add_config_arguments,
     add_device_argument,
+    add_runtime_argument,
     checked_overrides,
     new_parser,
     run_main,
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--strict", action="store_true",
                         help="stop at the first unreadable image (also: --set data.strict=true)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_runtime_argument(parser, "fused")
     return parser
 
 

@@ -56,7 +56,9 @@ trained or written::
 
 --sizes S|HxW ... evaluates the final checkpoint at each test size when the training
 ends, or with --eval-only instead of the config's size (tools/eval.py --sizes; results
-in OUTPUT_DIR/eval_sizes, or OUTPUT_DIR/eval with --eval-only).
+in OUTPUT_DIR/eval_sizes, or OUTPUT_DIR/eval with --eval-only). --canvases LAYOUT ...
+does the same on canvases (tools/eval.py --canvases; canvases.md, canvases.json and
+canvases.png in the same folder).
 
 Exit status: 0 done; 2 a user error (config, data, checkpoint, run folder), one line
 on stderr; 3 the loss became NaN / inf (the last checkpoint is intact); 143 / 130
@@ -68,17 +70,19 @@ from __future__ import annotations
 import argparse
 
 from detr_irpe.cli.args import (
+    add_canvases_argument,
     add_config_arguments,
     add_device_argument,
     add_sizes_argument,
     new_parser,
+    parse_canvas_flag,
     parse_sizes,
     run_main,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = new_parser(__doc__, prog="train.py")
+    parser = new_parser(__doc__, prog="detr-irpe-train")
     add_config_arguments(parser, required=True)
     add_device_argument(parser, default=None)
     parser.add_argument("--resume", metavar="PATH|NAME|URL",
@@ -101,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "backward pass, print parameters, memory and steps per epoch; "
                              "train nothing")
     add_sizes_argument(parser, "after training (or with --eval-only), evaluate")
+    add_canvases_argument(parser, "after training (or with --eval-only), evaluate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -110,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         sizes = parse_sizes(args.sizes)
+        canvases = parse_canvas_flag(args.canvases)
         # after the arguments: --help and their errors come back without torch
         from detr_irpe.cli.programs import train as program
 
-        return program.run(args, sizes)
+        return program.run(args, sizes, canvases)
 
     return run_main(body)
 

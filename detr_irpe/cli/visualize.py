@@ -189,6 +189,25 @@ def _add_other_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--per-head", action="store_true", help="one panel per head")
     p.add_argument("--layers", nargs="+", type=int, default=None, help="encoder layers")
     p.add_argument("--out", type=Path, default=None)
+    p = sub.add_parser("position-response", parents=[common],
+                       help="the logit term each position encoding of an encoder layer adds "
+                            "for a key at each offset (iRPE, RoPE, a plugin's, side by side)")
+    _model_args(p)
+    p.add_argument("--extent", type=int, default=None,
+                   help="offsets -R..R (default: what the encodings ask for, iRPE: all buckets)")
+    p.add_argument("--per-head", action="store_true", help="one panel per head")
+    p.add_argument("--layer", type=int, default=0, help="encoder layer (default 0)")
+    p.add_argument("--out", type=Path, default=None)
+    p = sub.add_parser("canvas-encoder", parents=[common],
+                       help="what the encoder attention of each config's model sees on a "
+                            "canvas: its absolute encoding and padding mask for an image "
+                            "alone, batch-padded and on a 2x canvas (docs/evaluation.md)")
+    p.add_argument("--configs", nargs="+", required=True, metavar="CONFIG",
+                   help="config names or YAML paths, one row each (random weights: the "
+                        "encodings do not depend on them)")
+    p.add_argument("--size", type=int, default=64,
+                   help="side of the square test image in pixels (%(default)s)")
+    p.add_argument("--out", type=Path, default=None)
     p = sub.add_parser("curves", parents=[common], help="training curves of one or several runs")
     p.add_argument("logs", nargs="+", type=Path, help="log.txt files or run folders")
     p.add_argument("--labels", nargs="+", default=None, help="legend names (default folders)")

@@ -30,6 +30,7 @@ from detr_irpe.config.plugins import import_modules
 from detr_irpe.config.schema import (
     AMP_MODES,
     AUGMENTATIONS,
+    DATA_REPORT_MODES,
     DEVICES,
     LOGGERS,
     LR_SCHEDULES,
@@ -47,6 +48,7 @@ __all__ = [
     "AMP_MODES",
     "AUGMENTATIONS",
     "CONFIG_DIR",
+    "DATA_REPORT_MODES",
     "DEVICES",
     "LOGGERS",
     "LR_SCHEDULES",

@@ -30,8 +30,9 @@ import yaml
 
 from detr_irpe.config.plugins import import_modules
 from detr_irpe.config.schema import Config, import_names
+from detr_irpe.encodings.config import normalize_model_dict, rebase_encodings
 from detr_irpe.errors import ConfigError
-from detr_irpe.family import DEFAULT_FAMILY, families, get_family
+from detr_irpe.family import DEFAULT_FAMILY, families, family_names, get_family
 from detr_irpe.utils.files import atomic_write_text
 
 __all__ = [
@@ -93,6 +94,12 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is dict:
+        key_type, item = typing.get_args(annotation)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {_coerce(f"{key} (a key)", k, key_type): _coerce(f"{key}.{k}", v, item)
+                for k, v in value.items()}
     if origin is list:
         (item,) = typing.get_args(annotation)
         if not isinstance(value, (list, tuple)):
@@ -184,22 +191,36 @@ def upgrade_config_dict(values: Mapping[str, Any]) -> dict[str, Any]:
         return dict(values)
 
 
-def _rebased(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` as the base of ``layer``: when ``layer`` names another family than ``base``,
-    the keys of ``base``'s model / loss sections that ``layer``'s family lacks are left out
-    (a DAB-DETR config may start from a DETR one)."""
+def _rebased(base: Mapping[str, Any], layer: Mapping[str, Any], where: str | None = None
+             ) -> dict[str, Any]:
+    """``base`` as the base of ``layer``: the later word on the encodings wins whichever
+    form each uses (``model.encodings`` or its shorthands: :func:`rebase_encodings`); when
+    ``layer`` names another family than ``base``, the keys of ``base``'s model / loss
+    sections that ``layer``'s family lacks are left out (a DAB-DETR config may start from
+    a DETR one), with a warning naming them when ``where`` says which layer did it (an
+    override that changes a config's family)."""
+    out = dict(base)
+    if isinstance(out.get("model"), Mapping) and isinstance(layer.get("model"), Mapping):
+        out["model"] = rebase_encodings(out["model"], layer["model"])
     family = family_name_of(layer)
     if family is None or family == (family_name_of(base) or DEFAULT_FAMILY):
-        return dict(base)
+        return out
     classes = _family_classes(family)
     if classes is None:
-        return dict(base)
-    out = dict(base)
+        return out
+    dropped = []
     for section in FAMILY_SECTIONS:
         if isinstance(out.get(section), Mapping):
             ours = _keys(classes[section])
+            dropped += [f"{section}.{k}" for k in out[section]
+                        if k not in ours and k != LEGACY_FAMILY_KEY]
             out[section] = {k: v for k, v in out[section].items()
                             if k in ours or k == LEGACY_FAMILY_KEY}
+    if dropped and where is not None:
+        logger.warning("%s: model.family=%s over a config of model.family=%s leaves out its "
+                       "%d key(s) the new family does not have: %s", where, family,
+                       family_name_of(base) or DEFAULT_FAMILY, len(dropped),
+                       ", ".join(dropped[:8]) + (", ..." if len(dropped) > 8 else ""))
     return out
 
 
@@ -274,10 +295,11 @@ def _any_family_check(section: str, values: Mapping[str, Any], prefix: str) -> N
     """A ``model`` / ``loss`` layer that names no family: each key is checked with the
     first family that has it (the merged config is checked against its own family)."""
     classes = [{"model": f.model_config, "loss": f.loss_config}[section] for f in families()]
+    default = _family_classes(DEFAULT_FAMILY)[section]
     for key, value in values.items():
         owner = next((c for c in classes if key in _keys(c)), None)
-        if owner is None:
-            raise _unknown(classes[0], [key], prefix)
+        if owner is None:  # named with the family a config without model.family has
+            raise _unknown(default, [key], prefix)
         _check_values(owner, {key: value}, prefix)
 
 
@@ -542,11 +564,19 @@ def config_from_dict(
     for text in overrides:
         where = f"--set {text}"
         update = _legacy_family(_override_layer(text), where)
-        _check_layer(update, where, family_name_of(data))
-        data = merge_dicts(_rebased(data, update), update)
+        # a config that names no family is of the default one
+        _check_layer(update, where, family_name_of(data) or DEFAULT_FAMILY)
+        data = merge_dicts(_rebased(data, update, where), update)
+    named = data.get("model", {}).get("family") if isinstance(data.get("model"), Mapping) \
+        else None
+    if named is not None and (not isinstance(named, str) or not named.strip()):
+        raise ConfigError(f"model.family must name a detector family ({', '.join(family_names())}"
+                          f"), got {named!r}")
     family = get_family(family_name_of(data) or DEFAULT_FAMILY)
     if family_name_of(data) != family.name:  # an alias, or no family given
         data = merge_dicts(data, {"model": {"family": family.name}})
+    if isinstance(data.get("model"), Mapping):
+        data = {**data, "model": normalize_model_dict(data["model"])}
     return _build(Config, data, "", {"model": family.model_config, "loss": family.loss_config})
 
 
@@ -558,7 +588,13 @@ def load_config(name_or_path: str | Path | None = None, overrides: Iterable[str]
     if name_or_path is None:
         return config_from_dict({}, overrides)
     path = resolve_config_path(name_or_path)
-    data = read_yaml_with_base(path, check=lambda layer, where: _check_layer(_legacy_family(layer, str(where)), str(where)))
+
+    def check(layer: dict[str, Any], where: Path) -> None:
+        # the modules a file names register what its sections use (a plugin family's keys)
+        import_modules(_plugin_names(layer))
+        _check_layer(_legacy_family(layer, str(where)), str(where))
+
+    data = read_yaml_with_base(path, check=check)
     return config_from_dict(data, overrides, source=str(path.resolve()))
 
 

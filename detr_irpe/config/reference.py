@@ -79,6 +79,9 @@ def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     if origin is list:
         return f"list[{_type_name(typing.get_args(annotation)[0])}]"
+    if origin is dict:
+        key, value = typing.get_args(annotation)
+        return f"map[{_type_name(key)}: {_type_name(value)}]"
     if origin is not None:  # a union
         return " | ".join(_type_name(a) for a in typing.get_args(annotation))
     if annotation is type(None):

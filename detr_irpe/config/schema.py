@@ -9,11 +9,13 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import yaml
 
+from detr_irpe import sizes
 from detr_irpe.config.checks import (
     at_least,
     check_category_ids,
@@ -22,15 +24,15 @@ from detr_irpe.config.checks import (
     positive,
 )
 from detr_irpe.config.estimates import check_sizes
+from detr_irpe.encodings import PlaceEncodings, parse_place, sync_model_encodings
 from detr_irpe.errors import ConfigError
 from detr_irpe.family import DEFAULT_FAMILY, get_family
-from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
-from detr_irpe.rope import parse_rope
 
 __all__ = [
     "AMP_MODES",
     "AUGMENTATIONS",
+    "DATA_REPORT_MODES",
     "DEVICES",
     "LOGGERS",
     "Config",
@@ -49,9 +51,11 @@ AMP_MODES = ("none", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 AUGMENTATIONS = ("detr", "simple", "rtdetr")
 # train.lr_schedule: the factor of the base lrs over the run (docs/training.md, "The recipe").
-LR_SCHEDULES = ("step", "multistep", "cosine")
+LR_SCHEDULES = ("step", "multistep", "cosine", "flatcosine")
 # Scalar loggers of a training run (train.loggers); log.txt and train.log are always written.
 LOGGERS = ("tensorboard", "wandb")
+# data.report: what the data report at the start of training does with its problems.
+DATA_REPORT_MODES = ("warn", "error", "skip")
 
 
 def import_names(value: Any) -> list[str]:
@@ -75,6 +79,13 @@ class ModelConfig:
     # The detector family (detr_irpe.family): detr, dab, or a registered one. The other
     # keys of this section are that family's (docs/config.md).
     family: str = DEFAULT_FAMILY
+    # Where each position encoding goes (docs/position_encodings.md): {encoder: [...],
+    # backbone: [...]}, each entry an encoding string (sine, learned,
+    # rpe-2.0-product-ctx-1-k, rope-mixed, a registered one; one string is a list of one,
+    # none or [] no encoding). rpe, rope and the family's position_embedding are shorthands
+    # of the encoder's list; null: what they say. backbone: a ViT backbone's attention
+    # (model.backbone: vit_*; without the key, [learned]); other backbones take none.
+    encodings: dict[str, list[str] | str] | None = None
     # iRPE of the encoder's self-attention: a model-zoo string or "none".
     rpe: str = "none"
     # How the iRPE tables start: "xavier" (DETR's reset of every matrix, the published
@@ -102,15 +113,13 @@ class ModelConfig:
         if self.FAMILY is not None and self.family != self.FAMILY:
             raise ConfigError(f"model.family={self.family!r} but this is the model section "
                               f"of family {self.FAMILY!r}")
-        try:
-            parse_rpe(self.rpe)
-        except ValueError as err:
-            raise ConfigError(f"model.rpe: {err}") from None
+        sync_model_encodings(self)
+        backbone = self.place("backbone")
+        if backbone.entries and not self.backbone_takes_encodings():
+            raise ConfigError(
+                f"model.encodings.backbone=[{', '.join(backbone.strings())}]: this config's "
+                "backbone has no attention to put them in (a ViT backbone does); drop them")
         choice("model.rpe_init", self.rpe_init, RPE_INIT_MODES)
-        try:
-            parse_rope(self.rope)
-        except ValueError as err:
-            raise ConfigError(f"model.rope: {err}") from None
         for key in ("hidden_dim", "nheads"):
             positive(f"model.{key}", getattr(self, key))
         if self.hidden_dim % self.nheads:
@@ -133,25 +142,34 @@ class ModelConfig:
         return 1
 
     def encoder_width(self) -> int:
-        """Channels of the tokens the encoder attention (the one ``rpe`` / ``rope`` change)
+        """Channels of the tokens the encoder attention (the one ``encodings.encoder`` changes)
         works on."""
         return self.hidden_dim
 
-    def check_rope_head_dim(self, width: int, width_name: str = "hidden_dim",
-                            prefix: str = "model") -> None:
-        """Refuse ``rope`` when the encoder's head width (``width / nheads``, ``width`` the
-        value of ``<prefix>.<width_name>``) is not a multiple of 4: each head's channels
-        are pairs, half of them per axis."""
-        if parse_rope(self.rope) is None or (width // self.nheads) % 4 == 0:
-            return
+    def place(self, name: str = "encoder") -> PlaceEncodings:
+        """The parsed encodings of one place of ``model.encodings`` (none when not given)."""
+        return parse_place(self.encodings.get(name, []), f"model.encodings.{name}")
 
+    def backbone_takes_encodings(self) -> bool:
+        """Whether the backbone this section builds has attention layers that take
+        ``model.encodings.backbone`` (a family with a ViT backbone says so)."""
+        return False
+
+    def check_encoder_widths(self, width: int, width_name: str = "hidden_dim",
+                             prefix: str = "model") -> None:
+        """Refuse an encoder encoding that cannot run on the encoder's heads (``width /
+        nheads``, ``width`` the value of ``<prefix>.<width_name>``): RoPE needs a head
+        width divisible by 4."""
         def key(name: str) -> str:
             return f"{prefix}.{name}" if prefix else name
 
-        raise ConfigError(
-            f"{key('rope')}={self.rope} needs a head width ({key(width_name)} / "
-            f"{key('nheads')} = {width} / {self.nheads}) divisible by 4; change "
-            f"{key('nheads')} or {key(width_name)}, or set {key('rope')}=none")
+        for entry, spec in self.place().entries:
+            why = entry.check(spec, width, self.nheads)
+            if why:
+                shown = key(entry.legacy_key or "encodings.encoder")
+                raise ConfigError(
+                    f"{shown}={entry.describe(spec)}: {why}; change {key('nheads')} or "
+                    f"{key(width_name)} ({width}), or drop it")
 
     # ------------------------------------------------------------ size estimates
     def parameter_sizes(self) -> dict[str, int]:
@@ -172,6 +190,16 @@ class ModelConfig:
     def feature_stride(self) -> int:
         """Input pixels per token of the encoder's feature map (one side)."""
         return 32
+
+    def detection_strides(self) -> tuple[int, ...]:
+        """Input pixels per cell (one side) of each feature map the decoder reads objects
+        from, finest first (the data report's object sizes in cells; docs/data.md)."""
+        return (self.feature_stride(),)
+
+    def finer_stride_hint(self) -> str | None:
+        """A setting of this family that detects at a finer stride, as ``key=value`` with
+        what it costs, or None (the data report suggests it for small objects)."""
+        return None
 
 
 
@@ -227,6 +255,10 @@ class DataConfig:
     cache_images: bool = False
     # Unreadable images: skipped with a warning (False) or an error (True).
     strict: bool = False
+    # The data report at the start of training (detr_irpe/data/report; docs/data.md,
+    # "The data report"): "warn" logs its problems, "error" stops the run on any of them,
+    # "skip" skips it. Its files go to train.output_dir/data_report/.
+    report: str = "warn"
     # Images declaring more pixels (width x height, read from the file header before
     # decoding) are refused as unreadable: a small file can declare a huge image.
     max_image_pixels: int = 89_478_485
@@ -237,6 +269,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         choice("data.augmentation", self.augmentation, AUGMENTATIONS)
+        choice("data.report", self.report, DATA_REPORT_MODES)
         # Image sizes in pixels: a size of 0 only fails at the first batch, far from its cause.
         for key in ("train_scales", "crop_resize_scales", "crop_size"):
             pixel_sizes(f"data.{key}", getattr(self, key))
@@ -248,6 +281,17 @@ class DataConfig:
             raise ConfigError(f"data.crop_size must be [min, max], got {self.crop_size}")
         for key in ("max_size", "val_size", "train_size", "eval_size", "max_image_pixels"):
             positive(f"data.{key}", getattr(self, key))
+        # below a detector's smallest input the resize or the backbone fails far from here
+        low = sizes.EVAL_SIDE_RANGE[0]
+        for key in ("train_size", "eval_size", "val_size"):
+            if getattr(self, key) < low:
+                raise ConfigError(f"data.{key}={getattr(self, key)} is below the smallest input "
+                                  f"side a detector here reads ({low} px); raise it")
+        for key in ("train_scales", "batch_scales"):
+            small = [v for v in getattr(self, key) if v < low]
+            if small:
+                raise ConfigError(f"data.{key} holds {small[0]}, below the smallest input side a "
+                                  f"detector here reads ({low} px)")
         at_least("data.num_workers", self.num_workers, 0)
 
 
@@ -278,7 +322,10 @@ class TrainConfig:
     # The lr factor over the run: "step" (times lr_gamma every lr_drop epochs, the
     # reference's StepLR), "multistep" (times lr_gamma at each of lr_milestones) or
     # "cosine" (flat for lr_flat_epochs, then a half cosine down to lr_min_ratio at the
-    # end); each after the warm-up of warmup_iters (docs/training.md, "The recipe").
+    # end); each after the warm-up of warmup_iters; or "flatcosine", DEIM's FlatCosine:
+    # a quadratic warm-up over warmup_iters, flat until lr_flat_epochs, a half cosine down
+    # to lr_min_ratio lr_no_aug_epochs before the end, then constant (docs/training.md,
+    # "The recipe").
     lr_schedule: str = "step"
     # The lr is divided by 10 every this many epochs (the reference's StepLR).
     lr_drop: int = 100
@@ -286,10 +333,14 @@ class TrainConfig:
     lr_gamma: float = 0.1
     # lr_schedule=multistep: the epochs (0-based: the first epoch with the lower lr).
     lr_milestones: list[int] = field(default_factory=list)
-    # lr_schedule=cosine: epochs (may be fractional) at the full lr before the decay.
+    # lr_schedule=cosine / flatcosine: epochs (may be fractional) at the full lr before
+    # the decay.
     lr_flat_epochs: float = 0.0
-    # lr_schedule=cosine: the factor at the end of the last epoch.
+    # lr_schedule=cosine: the factor at the end of the last epoch; flatcosine: the factor
+    # from lr_no_aug_epochs before the end on (DEIM's lr_gamma, 0.5).
     lr_min_ratio: float = 0.0
+    # lr_schedule=flatcosine: the last epochs at lr_min_ratio (DEIM's no_aug_epoch).
+    lr_no_aug_epochs: float = 0.0
     # Images per process and micro-batch.
     batch_size: int = 2
     # Micro-batches per optimizer step (gradient accumulation): a step sees
@@ -308,6 +359,13 @@ class TrainConfig:
     # Weight decay 0 for the biases and the normalisation layers' weights (RT-DETR's
     # parameter groups); false: every parameter decays (the DETR recipe).
     no_decay_norm_bias: bool = False
+    # The AdamW parameter groups as the official RT-DETR / D-FINE / DEIM configs write
+    # them: [{params: REGEX, lr: X, weight_decay: Y}, ...] (lr and weight_decay optional:
+    # train.lr / train.weight_decay). A parameter joins the group whose regex is found in
+    # its name (re.search); one that no group takes is in a last group at train.lr and
+    # train.weight_decay; one that two groups take is an error. Set, it replaces
+    # lr_backbone and no_decay_norm_bias (docs/training.md, "Parameter groups").
+    param_groups: list[dict[str, str | float]] = field(default_factory=list)
     ema: EmaConfig = field(default_factory=EmaConfig)
     # Seeds torch, NumPy, Python's random and the data order and augmentation.
     seed: int = 42
@@ -332,6 +390,7 @@ class TrainConfig:
         choice("train.amp", self.amp, AMP_MODES)
         choice("train.device", self.device, DEVICES)
         self._check_lr_schedule()
+        self._check_param_groups()
         for name in self.loggers:
             choice("train.loggers", name, LOGGERS)
         if len(set(self.loggers)) != len(self.loggers):
@@ -350,6 +409,31 @@ class TrainConfig:
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"train.seed must be in [0, 2**63), got {self.seed}")
 
+    def _check_param_groups(self) -> None:
+        for i, group in enumerate(self.param_groups):
+            key = f"train.param_groups[{i}]"
+            if not isinstance(group, dict) or not isinstance(group.get("params"), str):
+                raise ConfigError(f"{key} must be {{params: REGEX, lr: X, weight_decay: Y}} "
+                                  f"with a params regex, got {group!r}")
+            unknown = sorted(set(group) - {"params", "lr", "weight_decay"})
+            if unknown:
+                raise ConfigError(f"{key}: unknown key(s) {', '.join(unknown)}; allowed: "
+                                  "params, lr, weight_decay")
+            try:
+                re.compile(group["params"])
+            except re.error as err:
+                raise ConfigError(f"{key}.params: {group['params']!r} is not a regular "
+                                  f"expression ({err})") from None
+            for name in ("lr", "weight_decay"):
+                if name in group:
+                    value = group[name]
+                    try:
+                        group[name] = float(value)
+                    except (TypeError, ValueError):
+                        raise ConfigError(f"{key}.{name} must be a number, got "
+                                          f"{value!r}") from None
+                    at_least(f"{key}.{name}", group[name], 0)
+
     def _check_lr_schedule(self) -> None:
         choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         at_least("train.lr_gamma", self.lr_gamma, 0)
@@ -366,6 +450,13 @@ class TrainConfig:
             raise ConfigError(
                 f"train.lr_flat_epochs={self.lr_flat_epochs:g} leaves no epoch of train.epochs="
                 f"{self.epochs} for the cosine decay; lower it")
+        at_least("train.lr_no_aug_epochs", self.lr_no_aug_epochs, 0)
+        if self.lr_schedule == "flatcosine" and (
+                self.lr_flat_epochs + self.lr_no_aug_epochs >= self.epochs):
+            raise ConfigError(
+                f"train.lr_flat_epochs={self.lr_flat_epochs:g} + train.lr_no_aug_epochs="
+                f"{self.lr_no_aug_epochs:g} leave no epoch of train.epochs={self.epochs} for "
+                "the cosine decay; lower them")
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise ConfigError(f"train.lr_min_ratio is a factor of the lr in [0, 1], got "
                               f"{self.lr_min_ratio!r}")

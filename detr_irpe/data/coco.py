@@ -11,7 +11,9 @@ when loaded:
   zero or negative width/height, an unknown category or image id, a duplicate
   annotation id) drop the annotation with a warning naming the file, the
   annotation id and the problem, or raise with ``strict=True``;
-- images listed but missing on disk, with a non-positive width/height, or whose
+- images listed but missing on disk, with a non-positive width/height, a side below
+  8 pixels or sides more than 32 times apart (no resize recipe keeps anything of them), or
+  whose
   ``file_name`` is absolute or contains ``..`` (it would read a file outside the
   image folder) are dropped with a warning, or raise with ``strict=True``.
 
@@ -117,11 +119,33 @@ class _Problems:
         return "dropped " + ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
 
 
+# Images whose declared shorter side is below this, or whose sides differ by more than
+# MAX_ASPECT_RATIO, are dropped: every resize recipe here would shrink a side to nothing
+# (a 4000 x 20 image at DETR's 1333 px cap keeps 7 rows, at the demo's 64 px none) or crop
+# an empty region.
+MIN_IMAGE_SIDE = 8
+MAX_ASPECT_RATIO = 32
+
+
+def _extreme_shape(img: dict[str, Any]) -> str | None:
+    """Why an image entry's declared size cannot be trained on, or None (or unknown)."""
+    height, width = img.get("height"), img.get("width")
+    if not (_is_number(height) and _is_number(width)):
+        return None
+    if min(height, width) < MIN_IMAGE_SIDE:
+        return (f"{width} x {height} pixels: a side below {MIN_IMAGE_SIDE} pixels leaves "
+                "nothing after the resize")
+    if max(height, width) > MAX_ASPECT_RATIO * min(height, width):
+        return (f"{width} x {height} pixels: sides more than {MAX_ASPECT_RATIO} times apart "
+                "leave nothing of the shorter one after the resize")
+    return None
+
+
 def _read_json(ann_file: Path, required: tuple[str, ...] = REQUIRED_TOP_LEVEL) -> dict[str, Any]:
     if not ann_file.is_file():
         raise DatasetError(
             f"annotation file {ann_file} not found (see datasets/README.md for the layout, or "
-            f"generate the synthetic dataset with datasets/make_synthetic.py)"
+            f"generate the synthetic dataset with detr-irpe-synthetic)"
         )
     try:
         data = json.loads(ann_file.read_bytes())
@@ -144,6 +168,12 @@ def _read_json(ann_file: Path, required: tuple[str, ...] = REQUIRED_TOP_LEVEL) -
                 f"{ann_file}: top-level {key!r} must be a list, got {type(data[key]).__name__}"
             )
     return data
+
+
+def read_annotation_file(ann_file: str | Path) -> dict[str, Any]:
+    """The parsed JSON of a COCO annotation file, with its top level checked (the three
+    lists present); the entries are not (:func:`load_coco_annotations` checks them)."""
+    return _read_json(Path(ann_file))
 
 
 def _check_categories(ann_file: Path, categories: list[Any]) -> dict[int, dict[str, Any]]:
@@ -203,6 +233,10 @@ def _check_images(
                 + ", ".join(f"{k}={img[k]!r}" for k in bad_size),
                 img,
             )
+            continue
+        shape = _extreme_shape(img)
+        if shape is not None:
+            problems.add("extreme_image_shape", f"image {img_id}: {shape}", img)
             continue
         name = img["file_name"]
         unsafe = unsafe_file_name(name)
@@ -691,6 +725,7 @@ __all__ = [
     "coco_from_dict",
     "load_coco_annotations",
     "load_image_list",
+    "read_annotation_file",
     "read_image",
     "sparse_ids_warning",
     "unsafe_file_name",

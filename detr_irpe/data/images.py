@@ -126,7 +126,8 @@ def read_image(
     The header is checked first: an image declaring more than ``max_pixels``
     pixels (None: no limit beyond PIL's own) is refused before any decoding.
     Grayscale, palette, alpha and 16-bit images are converted to 8-bit RGB; EXIF
-    orientation is applied when ``apply_exif``. Raises :class:`ImageReadError`
+    orientation is applied when ``apply_exif``; of an animated image (GIF, WebP) the first
+    frame is read (with a warning). Raises :class:`ImageReadError`
     for a missing, non-image, too large, truncated or corrupt file.
     """
     path = Path(path)
@@ -139,6 +140,9 @@ def read_image(
         except Exception as pil_err:  # PIL raises several unrelated types for bad files
             reason = f"{tv_err}; PIL: {pil_err}" if tv_err is not None else str(pil_err)
             raise ImageReadError(f"cannot decode image {path}: {reason}") from None
+    if image.dim() == 4:  # torchvision decodes every frame of an animated GIF / WebP
+        logger.warning("image %s has %d frames: its first is used", path, image.shape[0])
+        image = image[0]
     if image.dtype != torch.uint8:  # 16-bit PNG
         image = (image.float() * (255.0 / 65535.0)).round().to(torch.uint8)
     return image

@@ -402,3 +402,8 @@ __all__ = [
     "render_image_with_owner",
     "shape_mask",
 ]
+
+
+if __name__ == "__main__":  # a library module: the program is detr-irpe-synthetic
+    raise SystemExit("python -m detr_irpe.data.synthetic generates nothing: run detr-irpe-synthetic "
+                     "(python -m detr_irpe.cli.synthetic --help)")

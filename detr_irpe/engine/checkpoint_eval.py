@@ -1,23 +1,29 @@
-"""A checkpoint's evaluation on the val split, at the config's size or at several test
-sizes: the program of ``detr-irpe-eval``, ``detr-irpe-train --eval-only`` / ``--sizes``
+"""A checkpoint's evaluation on the val split, at the config's size, at several test
+sizes or on canvases (:mod:`detr_irpe.canvas`): the program of ``detr-irpe-eval``, ``detr-irpe-train --eval-only`` / ``--sizes``
 and the demo's re-evaluation.
 
 Each evaluation writes ``results.json``, ``metrics.json`` (the 12 COCOeval numbers as
 fractions, per-class AP, losses and ``speed``: :mod:`detr_irpe.engine.speed`) and
 ``precision.npz`` into its folder. With test sizes each size has its folder
 ``size_<label>/`` and the folder above gets ``sizes.json`` and ``sizes.md`` (AP / AP50 /
-AP75 / AP_S / AP_M / AP_L per size; the tools add ``sizes.png``).
+AP75 / AP_S / AP_M / AP_L per size; the tools add ``sizes.png``). With canvases, the same
+per layout: ``canvas_<label>/`` folders, ``canvases.json`` and ``canvases.md`` (the tools add
+``canvases.png``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
+from detr_irpe.canvas import CanvasLayout
 from detr_irpe.config import Config
 from detr_irpe.data import build_dataloader, build_dataset
+from detr_irpe.data.canvas import CanvasDataset
 from detr_irpe.data.transforms import eval_size_transforms
 from detr_irpe.engine.distributed import (
     DistInfo,
@@ -30,7 +36,7 @@ from detr_irpe.engine.runner import apply_process_settings
 from detr_irpe.engine.speed import ForwardTimer, format_speed, speed_record
 from detr_irpe.engine.trainer import evaluate
 from detr_irpe.evaluation import CocoEvaluator, format_summary, per_class_table, write_eval_outputs
-from detr_irpe.evaluation.size_table import size_rows, write_size_table
+from detr_irpe.evaluation.size_table import CANVAS_TABLE, SIZE_TABLE, size_rows, write_size_table
 from detr_irpe.models import LoadedModel, build_postprocessor, model_from_checkpoint
 from detr_irpe.sizes import EvalSize
 
@@ -44,7 +50,9 @@ def run_evaluation(
     overrides: Sequence[str] = (),
     progress: bool = True,
     sizes: Sequence[EvalSize] = (),
+    canvases: Sequence[CanvasLayout] = (),
     trust_imports: bool = False,
+    runtime: Callable[[nn.Module], Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (this project's or a public DETR / iRPE-DETR one) on the
     val split of the config's data.
@@ -53,14 +61,20 @@ def run_evaluation(
     ``cfg`` (``None``: the checkpoint's own config) and ``overrides``: its class count
     comes from the checkpoint's head unless ``model.num_classes`` is among the
     overrides. Without ``sizes`` one evaluation at ``data.val_size`` / ``data.max_size``
-    into ``output_dir``; with ``sizes`` one per test size (module docstring). Works under
-    ``torchrun`` (results gathered from all ranks).
+    into ``output_dir``; with ``sizes`` one per test size, with ``canvases`` one per
+    canvas layout (module docstring; both may be given). Works under ``torchrun``
+    (results gathered from all ranks). ``runtime``: ``model -> what runs the forward
+    passes`` (:func:`detr_irpe.inference.runtime.build_runtime`, e.g. the model's inference
+    form, or ONNX Runtime: a callable that is no module gets no losses); None: the model
+    itself.
 
     Returns:
         ``{"summary", "per_class_table", "losses", "speed", "output_dir", "config",
-        "rank"}`` of the evaluation at the config's size, or with ``sizes`` those of the
-        last size plus ``"sizes"``: one ``{"size", "summary", "speed", "output_dir"}``
-        per size.
+        "rank"}`` of the evaluation at the config's size, or with ``sizes`` / ``canvases``
+        those of the last test size (without sizes: the last layout) plus ``"sizes"`` /
+        ``"canvases"``: one ``{"size",
+        "summary", "speed", "output_dir"}`` per test size or layout (``"size"``: its
+        label).
     """
     checkpoint = Path(checkpoint)
     loaded = model_from_checkpoint(checkpoint, cfg, overrides, trust_imports=trust_imports)
@@ -73,32 +87,49 @@ def run_evaluation(
             setup_logging(output_dir, info.rank, filename="eval.log")
             run_cfg = apply_process_settings(loaded.cfg, info)
             logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
-            if not sizes:
-                return _evaluate_at(loaded, run_cfg, checkpoint, output_dir, info, progress,
-                                    None)
-            rows = [_evaluate_at(loaded, run_cfg, checkpoint, output_dir / f"size_{s.label}",
-                                 info, progress, s) for s in sizes]
-            if info.is_main:
-                write_size_table(size_rows([s.label for s in sizes],
-                                           [r["summary"] for r in rows]), output_dir, checkpoint)
-            return {**rows[-1], "output_dir": str(output_dir), "sizes": [
-                {"size": s.label, "summary": r["summary"], "speed": r["speed"],
-                 "output_dir": r["output_dir"]} for s, r in zip(sizes, rows)]}
+            model = loaded.model.to(info.device)
+            if runtime is not None:
+                model = runtime(model)
+            if not sizes and not canvases:
+                return _evaluate_at(loaded, model, run_cfg, checkpoint, output_dir, info,
+                                    progress, None)
+            result: dict[str, Any] = {"output_dir": str(output_dir)}
+            for key, views, table in (("sizes", sizes, SIZE_TABLE),
+                                      ("canvases", canvases, CANVAS_TABLE)):
+                if not views:
+                    continue
+                rows = [_evaluate_at(loaded, model, run_cfg, checkpoint,
+                                     output_dir / f"{table.folder_prefix}{v.label}", info,
+                                     progress, v) for v in views]
+                if info.is_main:
+                    write_size_table(size_rows([v.label for v in views],
+                                               [r["summary"] for r in rows]), output_dir,
+                                     checkpoint, table)
+                result = {**rows[-1], **result, key: [
+                    {"size": v.label, "summary": r["summary"], "speed": r["speed"],
+                     "output_dir": r["output_dir"]} for v, r in zip(views, rows)]}
+            return result
     finally:
         cleanup_distributed()
 
 
-def _evaluate_at(loaded: LoadedModel, cfg: Config, checkpoint: Path, output_dir: Path,
-                 info: DistInfo, progress: bool, size: EvalSize | None) -> dict[str, Any]:
-    """One evaluation, at the config's size (``size=None``) or at ``size``."""
+def _evaluate_at(loaded: LoadedModel, model: Any, cfg: Config, checkpoint: Path,
+                 output_dir: Path, info: DistInfo, progress: bool,
+                 size: EvalSize | CanvasLayout | None) -> dict[str, Any]:
+    """One evaluation, at the config's size (``size=None``), at a test size or on the
+    canvases of a layout, of ``model`` (the loaded model or a runtime of it)."""
     if info.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-    transforms = "default" if size is None else eval_size_transforms(cfg.data, size)
+    transforms = "default" if not isinstance(size, EvalSize) \
+        else eval_size_transforms(cfg.data, size)
     # labels as the model's class indices (remapped categories: model.category_ids)
     val_ds = build_dataset(cfg.data, "val", transforms=transforms,
                            category_ids=cfg.model.category_ids)
+    if isinstance(size, CanvasLayout):
+        val_ds = CanvasDataset(val_ds, size)
     val_ds.check_num_classes(cfg.model.num_classes)
-    model, criterion = loaded.model.to(info.device), loaded.criterion.to(info.device)
+    # a runtime that gives only logits and boxes (no module: ONNX Runtime) has no losses
+    criterion = loaded.criterion.to(info.device) if isinstance(model, nn.Module) else None
     # scored: the outputs that are categories of the evaluated data
     postprocessor = build_postprocessor(cfg, categories=val_ds.category_names)
     loader = build_dataloader(
@@ -111,16 +142,17 @@ def _evaluate_at(loaded: LoadedModel, cfg: Config, checkpoint: Path, output_dir:
         amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5, timer=timer,
     )
     first = val_ds[0][0].to(info.device) if len(val_ds) else None
-    speed = speed_record(timer, model, first)
+    speed = speed_record(timer, loaded.model, first)
     table = per_class_table(evaluator)
-    label = "" if size is None else f" at test size {size.label}"
+    label = "" if size is None else f" at test size {size.label}" \
+        if isinstance(size, EvalSize) else f" on canvases {size.label}"
     if info.is_main:
         # into eval.log only: the program prints the tables on stdout (print_eval_result)
         logger.info("evaluation of %s%s:\n%s\n%s\n%s", checkpoint, label, format_summary(summary),
                     table, format_speed(speed), extra=FILE_ONLY)
         extra = {"checkpoint": str(checkpoint), "speed": speed}
         if size is not None:
-            extra["test_size"] = size.label
+            extra["test_size" if isinstance(size, EvalSize) else "canvas"] = size.label
         write_eval_outputs(evaluator, summary, losses, output_dir, extra)
         evaluator.save_pr_arrays(output_dir / "precision.npz")
     return {"summary": summary, "per_class_table": table, "losses": losses, "speed": speed,

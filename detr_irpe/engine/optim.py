@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from detr_irpe.config import TrainConfig
-from detr_irpe.rope import is_rope_key
+from detr_irpe.encodings.model import no_decay_parameters
+from detr_irpe.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +45,66 @@ def no_decay_names(model: nn.Module) -> set[str]:
 
 def always_no_decay_names(model: nn.Module) -> set[str]:
     """Names of the parameters that never decay, whatever ``train.no_decay_norm_bias``
-    says: RoPE-Mixed's frequencies (the official rope-vit code lists ``freqs`` among its
-    no-weight-decay parameters; decay would pull every rotation towards angle 0)."""
-    return {name for name, _ in model.named_parameters() if is_rope_key(name)}
+    says: those their position encoding says so of (RoPE-Mixed's frequencies: the official
+    code of the rotary encodings lists ``freqs`` among its no-weight-decay parameters; decay would pull
+    every rotation towards angle 0)."""
+    return no_decay_parameters(model)
 
 
 def _group_weight_decay(name: str, cfg: TrainConfig) -> float:
     return 0.0 if name.endswith(NO_DECAY) else cfg.weight_decay
+
+
+# The name of the group of the parameters that no group of train.param_groups takes.
+REST = "rest"
+
+
+def _listed_group_targets(cfg: TrainConfig) -> dict[str, tuple[float, float]]:
+    """``{group name: (lr, weight decay)}`` of ``train.param_groups`` (``group0``, ...,
+    then :data:`REST`)."""
+    targets = {f"group{i}": (float(g.get("lr", cfg.lr)),
+                             float(g.get("weight_decay", cfg.weight_decay)))
+               for i, g in enumerate(cfg.param_groups)}
+    targets[REST] = (cfg.lr, cfg.weight_decay)
+    return targets
+
+
+def listed_param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
+    """The groups of ``train.param_groups``, as the official RT-DETR / D-FINE solvers form
+    them: each trainable parameter joins the group whose regex is found in its name, the
+    parameters no group takes form a last group (:data:`REST`) at ``train.lr`` and
+    ``train.weight_decay``. Parameters their encoding says never decay (RoPE-Mixed's
+    frequencies) are moved to a ``_no_decay`` twin of their group.
+
+    Raises:
+        ConfigError: a parameter that two groups take (the official solver's assertion
+            fails there too), naming it and both patterns.
+    """
+    patterns = [re.compile(g["params"]) for g in cfg.param_groups]
+    targets = _listed_group_targets(cfg)
+    always = always_no_decay_names(model)
+    members: dict[str, list[nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        taken = [i for i, pattern in enumerate(patterns) if pattern.search(name)]
+        if len(taken) > 1:
+            a, b = (cfg.param_groups[i]["params"] for i in taken[:2])
+            raise ConfigError(f"train.param_groups: {name} matches both {a!r} (group "
+                              f"{taken[0]}) and {b!r} (group {taken[1]}); make the patterns "
+                              "exclusive")
+        group = f"group{taken[0]}" if taken else REST
+        members.setdefault(group + (NO_DECAY if name in always else ""), [])
+        members[group + (NO_DECAY if name in always else "")].append(param)
+    groups = []
+    for name in targets:
+        for suffix in ("", NO_DECAY):
+            if name + suffix in members or not suffix:
+                lr, decay = targets[name]
+                groups.append({"params": members.get(name + suffix, []), "name": name + suffix,
+                               "lr": lr, "initial_lr": lr,
+                               "weight_decay": 0.0 if suffix else decay})
+    return groups
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -61,6 +116,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     with weight decay 0; RoPE-Mixed's frequencies (:func:`always_no_decay_names`) are in
     that group with or without the option. Each group's ``initial_lr`` is the base lr that
     :func:`build_lr_scheduler` scales."""
+    if cfg.param_groups:
+        groups = listed_param_groups(model, cfg)
+        logger.info("optimizer AdamW: %s", "; ".join(
+            f"{g['name']} {len(g['params'])} tensors at lr {g['lr']:g}, weight decay "
+            f"{g['weight_decay']:g}" for g in groups))
+        return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                 fused=_fusable(groups))
     no_decay = no_decay_names(model) if cfg.no_decay_norm_bias else set()
     no_decay |= always_no_decay_names(model)
     members: dict[str, list[nn.Parameter]] = {
@@ -90,9 +152,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     )
     # The fused kernel updates every tensor in one pass: the same AdamW maths, several
     # times faster than the per-tensor loop on the CPU for a model with many small tensors.
-    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
-                for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             fused=_fusable(groups))
+
+
+def _fusable(groups: list[dict]) -> bool:
+    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
+               for g in groups for p in g["params"])
 
 
 def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> list[str]:
@@ -103,10 +169,15 @@ def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainCon
         ``"group.key: saved -> new"`` for every value that changed.
     """
     changed = []
+    listed = _listed_group_targets(cfg) if cfg.param_groups else {}
     for group in optimizer.param_groups:
         name = group.get("name", "")
-        wanted = {"initial_lr": _base_lrs(cfg).get(name.removesuffix(NO_DECAY), cfg.lr),
-                  "weight_decay": _group_weight_decay(name, cfg)}
+        if name.removesuffix(NO_DECAY) in listed:
+            lr, decay = listed[name.removesuffix(NO_DECAY)]
+            wanted = {"initial_lr": lr, "weight_decay": 0.0 if name.endswith(NO_DECAY) else decay}
+        else:
+            wanted = {"initial_lr": _base_lrs(cfg).get(name.removesuffix(NO_DECAY), cfg.lr),
+                      "weight_decay": _group_weight_decay(name, cfg)}
         for key, value in wanted.items():
             if group.get(key) != value:
                 changed.append(f"{name}.{key}: {group.get(key)!r} -> {value!r}")
@@ -151,9 +222,41 @@ def schedule_factor(cfg: TrainConfig, epoch: int, batch_in_epoch: int, steps_per
             progress = min((t - flat) / (cfg.epochs - flat), 1.0)
             ratio = cfg.lr_min_ratio
             factor = ratio + (1.0 - ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif cfg.lr_schedule == "flatcosine":
+        return flat_cosine_factor(cfg, steps_per_epoch, iteration)
     else:  # the config refuses other names
         raise ValueError(f"train.lr_schedule {cfg.lr_schedule!r}")
     return factor * warmup_factor(iteration, cfg.warmup_iters)
+
+
+def flat_cosine_factor(cfg: TrainConfig, steps_per_epoch: int, iteration: int) -> float:
+    """DEIM's FlatCosine (``engine/optim/lr_scheduler.py`` of the published code), as its
+    training loop applies it: after optimizer step ``i`` (0-based, counted over the run)
+    the lr becomes ``f(i)`` for the next step, and the first step runs at the base lr
+    (nothing has set it yet). With ``w`` = ``warmup_iters``, ``F`` = ``lr_flat_epochs``,
+    ``N`` = ``lr_no_aug_epochs`` and ``T`` = ``epochs`` in steps (each rounded down, as
+    published), ``r`` = ``lr_min_ratio``::
+
+        f(i) = (i / w)^2                   i <= w
+             = 1                           w < i <= F
+             = r                           i >= T - N
+             = r + (1 - r) (1 + cos(pi (i - F) / (T - F - N))) / 2   otherwise
+    """
+    if iteration == 0:
+        return 1.0
+    i = iteration - 1
+    total = int(steps_per_epoch * cfg.epochs)
+    flat = int(steps_per_epoch * cfg.lr_flat_epochs)
+    no_aug = int(steps_per_epoch * cfg.lr_no_aug_epochs)
+    warmup, ratio = cfg.warmup_iters, cfg.lr_min_ratio
+    if warmup > 0 and i <= warmup:
+        return (i / warmup) ** 2
+    if i <= flat:
+        return 1.0
+    if i >= total - no_aug:
+        return ratio
+    cosine = 0.5 * (1.0 + math.cos(math.pi * (i - flat) / (total - flat - no_aug)))
+    return ratio + (1.0 - ratio) * cosine
 
 
 def build_lr_scheduler(

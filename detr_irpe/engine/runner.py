@@ -34,6 +34,7 @@ from detr_irpe.config import Config, ConfigError, save_config, upgrade_config_di
 from detr_irpe.data import build_dataloader, build_dataset, epoch_batches
 from detr_irpe.data.coco import sparse_ids_warning
 from detr_irpe.data.loader import batch_scales_of
+from detr_irpe.data.report import check_training_data
 from detr_irpe.engine.distributed import (
     DistInfo,
     cleanup_distributed,
@@ -245,13 +246,15 @@ class RunParts:
 def _settle_config(cfg: Config, start: StartState, info: DistInfo, datasets: list) -> Config:
     """Fill in ``num_classes`` and the categories of remapped class indices, check a
     resumed run's config against this one (now resolved), log and write ``config.yaml``."""
+    # the data report (data.report) first: it explains a class count that is refused next
+    reported = check_training_data(cfg, datasets, cfg.train.output_dir, info.is_main)
     cfg = with_num_classes(cfg, resolve_num_classes(cfg, datasets), datasets[0].category_ids)
     # The denoising queries grow with the objects of an image: the fullest training
     # image reaches the model whole in some epoch (docs/training.md).
     train = datasets[0]
     cfg.model.check_data_sizes(max(getattr(train, "max_objects", 1), 1),
                                f"in {getattr(train, 'ann_file', 'the training set')}'s fullest image")
-    if info.is_main:
+    if info.is_main and not reported:  # the data report says it otherwise
         # a sigmoid head (focal loss) has no "no object" output
         warn_sparse_category_ids(datasets, cfg.model.num_classes,
                                  sigmoid=get_family(cfg.model.family).sigmoid_classes)
@@ -863,8 +866,14 @@ def run_training(
         # One run per folder, and a writable one: checked before anything is built.
         lock = lock_run_folder(cfg.train.output_dir, info.is_main)
         with lost_rank_as_error(info):
-            return _run_training(cfg, info, resume, finetune, progress, lock, max_steps,
-                                 hooks)
+            result = _run_training(cfg, info, resume, finetune, progress, lock, max_steps,
+                                   hooks)
+            if info.distributed:
+                # every rank leaves together: one that tears its process group down while
+                # rank 0 still writes its last outputs can abort in gloo (seen on 2 busy
+                # cores: "terminate called without an active exception")
+                torch.distributed.barrier()
+            return result
     finally:
         if lock is not None:
             lock.release()

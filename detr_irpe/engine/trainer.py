@@ -581,7 +581,7 @@ def train(loop: LoopState, source: EpochSource) -> None:
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    criterion: nn.Module,
+    criterion: nn.Module | None,
     postprocessor: Callable,
     loader: Iterable[Batch],
     evaluator: Any,
@@ -599,6 +599,9 @@ def evaluate(
             all processes are gathered by its ``synchronize``.
         timer: times the model's forward pass and the post-processing of each batch
             (not the data loading, the losses or the scoring).
+        criterion: None for a model whose outputs carry no loss terms (a runtime of
+            :mod:`detr_irpe.inference.runtime` that gives only logits and boxes): no
+            losses then.
 
     Returns:
         ``(losses, summary)``: averages of every loss term over the processes,
@@ -606,8 +609,10 @@ def evaluate(
         numbers, ``AP``, ``AP50``, ...).
     """
     model.eval()
-    criterion.eval()
-    pending = PendingLosses(criterion.weight_dict, check_finite=False)
+    pending = None
+    if criterion is not None:
+        criterion.eval()
+        pending = PendingLosses(criterion.weight_dict, check_finite=False)
     num_batches = len(loader) if hasattr(loader, "__len__") else None
     iterable: Iterable = loader
     if progress and is_main_process():
@@ -620,7 +625,8 @@ def evaluate(
         orig_sizes = torch.stack([t["orig_size"] for t in targets])
         with timer.measure(len(targets)) if timer is not None else contextlib.nullcontext():
             outputs = model_outputs(model, images, device, amp, targets)
-        pending.add(0, k, 0.0, criterion(outputs, targets))
+        if pending is not None:
+            pending.add(0, k, 0.0, criterion(outputs, targets))
         with timer.measure(0) if timer is not None else contextlib.nullcontext():
             results = postprocessor(_outputs_in_float32(outputs), orig_sizes)
         evaluator.update(
@@ -633,7 +639,7 @@ def evaluate(
             logger.info("eval [%d/%d] %.3f s/it", k + 1, num_batches,
                         (time.perf_counter() - start) / (k + 1))
     tracker = MetricTracker()
-    for record in pending.read():
+    for record in pending.read() if pending is not None else ():
         record.pop("lr")
         tracker.update(**record)
     evaluator.synchronize()

@@ -1,12 +1,14 @@
 """The test-size table of an evaluation at several sizes (``tools/eval.py --sizes``, a
 grid's ``eval_sizes``): ``sizes.json`` (fractions, as COCOeval) and ``sizes.md`` (percent),
-read back by the ablation tables."""
+read back by the ablation tables; and the same table of an evaluation on canvases
+(``--canvases``, ``eval_canvases``): ``canvases.json`` / ``canvases.md``."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,27 @@ SIZES_JSON, SIZES_MARKDOWN, SIZES_FIGURE = "sizes.json", "sizes.md", "sizes.png"
 # The folder of a run folder that ``detr-irpe-train --sizes`` (and a grid's ``eval_sizes``)
 # evaluates the run's last checkpoint into.
 EVAL_SIZES_DIR = "eval_sizes"
+# ... and ``--canvases`` (a grid's ``eval_canvases``) into.
+EVAL_CANVASES_DIR = "eval_canvases"
+
+
+@dataclass(frozen=True)
+class TableFiles:
+    """The files and words of one kind of table: by test size or by canvas layout."""
+
+    json_name: str
+    markdown_name: str
+    figure_name: str
+    folder_prefix: str  # of each row's own evaluation folder
+    key: str  # the list of rows in the JSON file
+    column: str  # the first column's header
+    section: str  # the section of docs/evaluation.md that explains the rows
+
+
+SIZE_TABLE = TableFiles(SIZES_JSON, SIZES_MARKDOWN, SIZES_FIGURE, "size_", "sizes",
+                        "test size", "Test sizes")
+CANVAS_TABLE = TableFiles("canvases.json", "canvases.md", "canvases.png", "canvas_",
+                          "canvases", "canvas", "Canvases")
 
 
 def size_rows(labels: Sequence[str], summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -27,9 +50,10 @@ def size_rows(labels: Sequence[str], summaries: Sequence[dict[str, Any]]) -> lis
             for label, summary in zip(labels, summaries)]
 
 
-def format_size_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The markdown table of :func:`size_rows`, AP in percent."""
-    lines = ["| test size | " + " | ".join(f"{k} (%)" for k in SIZE_STATS) + " |",
+def format_size_table(rows: Sequence[dict[str, Any]], column: str = "test size") -> str:
+    """The markdown table of :func:`size_rows`, AP in percent; ``column``: the first
+    column's header."""
+    lines = [f"| {column} | " + " | ".join(f"{k} (%)" for k in SIZE_STATS) + " |",
              "|---|" + "---:|" * len(SIZE_STATS)]
     for row in rows:
         cells = ["n/a" if row[k] < 0 else f"{100 * row[k]:.1f}" for k in SIZE_STATS]
@@ -37,39 +61,47 @@ def format_size_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_size_table(rows: Sequence[dict[str, Any]], folder: Path, checkpoint: Path) -> None:
+def write_size_table(rows: Sequence[dict[str, Any]], folder: Path, checkpoint: Path,
+                     table: TableFiles = SIZE_TABLE) -> None:
     """``sizes.json`` (fractions, as COCOeval) and ``sizes.md`` (percent) of
-    :func:`size_rows` in ``folder``."""
-    atomic_write_text(folder / SIZES_JSON, json.dumps(
-        {"checkpoint": str(checkpoint), "unit": "fraction (COCOeval)", "sizes": rows},
+    :func:`size_rows` in ``folder`` (``table``: :data:`CANVAS_TABLE` for canvases)."""
+    atomic_write_text(folder / table.json_name, json.dumps(
+        {"checkpoint": str(checkpoint), "unit": "fraction (COCOeval)", table.key: rows},
         indent=2) + "\n")
-    atomic_write_text(folder / SIZES_MARKDOWN,
-                      f"COCO box AP of {checkpoint} at each test size (docs/evaluation.md, "
-                      f"\"Test sizes\"), in %:\n\n{format_size_table(rows)}\n")
+    atomic_write_text(folder / table.markdown_name,
+                      f"COCO box AP of {checkpoint} for each {table.column} (docs/evaluation.md, "
+                      f"\"{table.section}\"), in %:\n\n"
+                      f"{format_size_table(rows, table.column)}\n")
 
 
-def read_size_table(folder: Path) -> dict[str, dict[str, float]]:
+def read_size_table(folder: Path, table: TableFiles = SIZE_TABLE
+                    ) -> dict[str, dict[str, float]]:
     """``{size label: {"AP": ..., ..., "APl": ...}}`` (fractions; COCOeval's -1, a size
-    range without objects, as NaN) of the ``sizes.json`` in ``folder``; ``{}`` when it is
+    range without objects, as NaN) of the ``sizes.json`` (``table``'s file) in ``folder``; ``{}`` when it is
     missing or not one that :func:`write_size_table` wrote."""
     try:
-        data = json.loads((Path(folder) / SIZES_JSON).read_text())
-        rows = data["sizes"]
-        table = {}
+        data = json.loads((Path(folder) / table.json_name).read_text())
+        rows = data[table.key]
+        by_label = {}
         for row in rows:
             values = {k: float(row[k]) for k in SIZE_STATS}
-            table[str(row["size"])] = {k: (v if v >= 0 else math.nan) for k, v in values.items()}
+            by_label[str(row["size"])] = {k: (v if v >= 0 else math.nan)
+                                          for k, v in values.items()}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-    return table
+    return by_label
 
 
 __all__ = [
+    "CANVAS_TABLE",
+    "EVAL_CANVASES_DIR",
     "EVAL_SIZES_DIR",
     "SIZES_FIGURE",
     "SIZES_JSON",
     "SIZES_MARKDOWN",
     "SIZE_STATS",
+    "SIZE_TABLE",
+    "TableFiles",
     "format_size_table",
     "read_size_table",
     "size_rows",

@@ -32,6 +32,7 @@ from detr_irpe.config import Config
 from detr_irpe.data.categories import default_category_names
 from detr_irpe.data.images import to_uint8_image
 from detr_irpe.data.transforms import eval_image
+from detr_irpe.inference.runtime import build_runtime
 from detr_irpe.models import build_postprocessor, model_from_checkpoint
 from detr_irpe.models.box_ops import clip_boxes_to_image
 from detr_irpe.utils.device import resolve_device
@@ -55,6 +56,11 @@ class Predictor:
         postprocessor: outputs -> per-image detections; None: the one of ``cfg``'s
             decoder (DETR's softmax, or the dab decoder's top ``model.num_select``
             (query, class) sigmoid scores).
+        runtime: what the forward pass runs in (:mod:`detr_irpe.inference.runtime`):
+            ``pytorch`` (the model as it is), ``fused`` (its inference form: folded batch
+            norms, merged RepVGG blocks; the same outputs to float32 rounding, faster on
+            the CPU) or ``onnxruntime`` (exported once and cached, checked against PyTorch
+            on the first image; the ``onnx`` extra, CPU). Post-processing is the same.
     """
 
     def __init__(
@@ -65,9 +71,13 @@ class Predictor:
         device: str | torch.device | None = None,
         score_threshold: float = 0.7,
         postprocessor: nn.Module | None = None,
+        runtime: str = "pytorch",
     ) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
+        self.runtime = runtime
+        # what detect() runs: the model itself, its inference form, or ONNX Runtime
+        self._infer = build_runtime(runtime, self.model, device=self.device)
         self.cfg = cfg
         self.category_names = {int(k): str(v) for k, v in (category_names or {}).items()}
         self.score_threshold = float(score_threshold)
@@ -83,6 +93,7 @@ class Predictor:
         config: str | Path | Config | None = None,
         overrides: Sequence[str] = (),
         trust_imports: bool = False,
+        runtime: str = "pytorch",
     ) -> Predictor:
         """Load any checkpoint :func:`detr_irpe.models.model_from_checkpoint` reads, or a
         published one by name (``"detr_r50"``, docs/checkpoints.md) or http(s) address,
@@ -94,6 +105,8 @@ class Predictor:
         names come from the file, else COCO's for a 91-class model. Modules the saved
         config names (``model.import``) are imported only with ``trust_imports`` (or when
         ``overrides`` set ``model.import``): loading a checkpoint runs no code it names.
+        ``runtime``: ``pytorch``, ``fused`` or ``onnxruntime``
+        (:mod:`detr_irpe.inference.runtime`).
         """
         target = resolve_device(device)
         source = resolve_checkpoint(path)
@@ -105,7 +118,8 @@ class Predictor:
         postprocessor = loaded.postprocessor
         if not loaded.category_names and names:  # a COCO model: only COCO's 80 categories
             postprocessor = build_postprocessor(loaded.cfg, categories=names)
-        return cls(loaded.model, loaded.cfg, names, target, score_threshold, postprocessor)
+        return cls(loaded.model, loaded.cfg, names, target, score_threshold, postprocessor,
+                   runtime=runtime)
 
     def label(self, category_id: int) -> str:
         """The name of a category id (``class N`` when it has none)."""
@@ -128,7 +142,7 @@ class Predictor:
         if not images:
             return []
         inputs = [self.preprocess(image).to(self.device) for image in images]
-        outputs = self.model(inputs)
+        outputs = self._infer(inputs)
         sizes = torch.tensor([list(image.shape[-2:]) for image in images], device=self.device)
         results = []
         for image, result in zip(images, self.postprocessor(outputs, sizes)):

@@ -19,6 +19,7 @@ explicit softmax path, and the row-blocked core of :mod:`.blocked`.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,7 @@ def choose_impl(
     rpe_values: bool,
     logits_need_grad: bool,
     exporting: bool = False,
+    extra_logits: bool = False,
 ) -> str:
     """The computation one call uses: ``"sdpa"``, ``"explicit"`` or ``"blocked"``.
 
@@ -93,7 +95,9 @@ def choose_impl(
     ``need_weights``, ``dropout_p`` (0 in eval mode); whether there are iRPE terms on the
     logits (``rpe_logits``: RPE-Q / RPE-K) and on the values (``rpe_values``); whether
     autograd is on and those logits need a gradient (``logits_need_grad``); whether
-    ``torch.export`` (and so ONNX export) is tracing (``exporting``).
+    ``torch.export`` (and so ONNX export) is tracing (``exporting``); whether a plugin
+    encoding adds a logit term (``extra_logits``: the blocked core has no place for it, the
+    explicit path takes its calls).
 
     Raises:
         ValueError: an unknown ``impl``; ``"sdpa"`` with RPE-V; ``"blocked"`` outside
@@ -105,15 +109,17 @@ def choose_impl(
     if impl == "sdpa" and rpe_values:
         raise ValueError("impl='sdpa' cannot add iRPE terms to the values (rpe_on has 'v'); "
                          "use impl='auto', 'explicit' or 'blocked'")
-    if impl == "blocked" and (exporting or dtype not in _BLOCKED_DTYPES):
-        why = "cannot be exported" if exporting else f"computes in float32 / float64, not {dtype}"
+    if impl == "blocked" and (exporting or extra_logits or dtype not in _BLOCKED_DTYPES):
+        why = ("cannot be exported" if exporting else
+               "cannot add a plugin encoding's logit term" if extra_logits else
+               f"computes in float32 / float64, not {dtype}")
         raise ValueError(f"impl='blocked' {why}; use impl='auto', 'sdpa' or 'explicit'")
     if impl != "auto":
         return impl
     if exporting:
         return "explicit"
     cpu = device_type == "cpu"
-    if cpu and dtype in _BLOCKED_DTYPES and (
+    if cpu and dtype in _BLOCKED_DTYPES and not extra_logits and (
             rpe_values or dropout_p > 0.0 or (rpe_logits and logits_need_grad)):
         return "blocked"
     if rpe_values or (cpu and (dropout_p > 0.0 or (rpe_logits and logits_need_grad))):
@@ -155,10 +161,15 @@ class IRPEMultiheadAttention(nn.Module):
             and keys; it rotates the content term ``q_i . k_j`` on every path (the fused one
             included), never the iRPE terms. Kept as the submodule ``rope`` (RoPE-Mixed's
             frequencies are ``rope.freqs``); None adds no state-dict key.
+        encodings: a user's own encodings inside the attention
+            (:class:`~detr_irpe.encodings.AttentionEncoding` modules, e.g. a distance bias):
+            each may rotate q and k after the rotary module and add a ``(h, L, L)`` term to
+            the content logits. Kept as ``encodings.<i>`` (no key when empty). A logit term
+            moves the call off the blocked core (to the fused or explicit path).
         skip: leading extra tokens (e.g. a ViT's class token) before the ``H * W`` grid
             tokens: they take part in the attention but have no grid position (iRPE gives
-            them its skip bucket, RoPE leaves them unrotated). None: the iRPE config's
-            ``skip`` (0 without iRPE); with iRPE both must agree.
+            them its skip bucket, RoPE and the plugin encodings leave them out). None: the
+            iRPE config's ``skip`` (0 without iRPE); with iRPE both must agree.
 
     Parameters (names as in ``nn.MultiheadAttention`` and the public iRPE checkpoints):
         ``in_proj_weight (3C, C)``, ``in_proj_bias (3C)``, ``out_proj.{weight,bias}`` and the
@@ -175,6 +186,7 @@ class IRPEMultiheadAttention(nn.Module):
         impl: str = "auto",
         block_rows: int | None = None,
         rope: nn.Module | None = None,
+        encodings: Sequence[nn.Module] = (),
         skip: int | None = None,
     ) -> None:
         super().__init__()
@@ -226,6 +238,13 @@ class IRPEMultiheadAttention(nn.Module):
             raise ValueError(f"the rotary module is for {rope.num_heads} heads, the attention "
                              f"has {num_heads}")
         self.rope = rope
+        for module in encodings:
+            if (getattr(module, "head_dim", self.head_dim), getattr(module, "num_heads", num_heads)
+                    ) != (self.head_dim, num_heads):
+                raise ValueError(f"encoding {type(module).__name__} is for {module.num_heads} heads "
+                                 f"of {module.head_dim}, the attention has {num_heads} of "
+                                 f"{self.head_dim}")
+        self.encodings = nn.ModuleList(encodings)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
@@ -300,10 +319,29 @@ class IRPEMultiheadAttention(nn.Module):
     def _rotate(
         self, q: torch.Tensor, k: torch.Tensor, hw: tuple[int, int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k ``(B, h, L, D)`` rotated by the rotary module (unchanged without one)."""
-        if self.rope is None:
-            return q, k
-        return self.rope(q, k, _hw(hw), self.skip)
+        """q, k ``(B, h, L, D)`` rotated by the rotary module and the plugin encodings that
+        rotate (unchanged without any)."""
+        skip = self.skip
+        if self.rope is not None:
+            q, k = self.rope(q, k, _hw(hw), skip)
+        for module in self.encodings:
+            if module.rotates:
+                q, k = module.rotate(q, k, _hw(hw), skip)
+        return q, k
+
+    @property
+    def _rotates(self) -> bool:
+        return self.rope is not None or any(m.rotates for m in self.encodings)
+
+    def _plugin_logits(self, hw: tuple[int, int], like: torch.Tensor) -> torch.Tensor | None:
+        """The plugin encodings' logit terms summed: ``(h, L, L)`` / ``(1, L, L)``, or None."""
+        skip = self.skip
+        out = None
+        for module in self.encodings:
+            if module.biases_logits:
+                term = module.logit_bias(_hw(hw), skip, like.dtype, like.device)
+                out = term if out is None else out + term
+        return out
 
     def _bucket_ids(
         self, hw: tuple[int, int], device: torch.device
@@ -321,6 +359,7 @@ class IRPEMultiheadAttention(nn.Module):
     def _impl_for(self, q: torch.Tensor, k: torch.Tensor, need_weights: bool) -> str:
         logit_tables = [p for enc in (self.rpe_q, self.rpe_k) if enc is not None
                         for p in enc.parameters()]
+        plugin_bias = any(m.biases_logits for m in self.encodings)
         needs_grad = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or any(p.requires_grad for p in logit_tables))
         return choose_impl(
@@ -333,6 +372,7 @@ class IRPEMultiheadAttention(nn.Module):
             rpe_values=self.rpe_v is not None,
             logits_need_grad=bool(logit_tables) and needs_grad,
             exporting=torch.compiler.is_exporting(),
+            extra_logits=plugin_bias,
         )
 
     def _rpe_logits(
@@ -358,11 +398,20 @@ class IRPEMultiheadAttention(nn.Module):
         ids: torch.Tensor | None,
         transposed_ids: torch.Tensor | None,
         key_padding_mask: torch.Tensor | None,
+        plugin: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(bias, pad)``: the iRPE logits (a 3-D base tensor, see :meth:`_rpe_logits`) and
-        the padding ``(B, 1, 1, L)`` still to add (None once folded into ``bias``)."""
+        """``(bias, pad)``: the iRPE logits (a 3-D base tensor, see :meth:`_rpe_logits`) with
+        the plugin encodings' term ``plugin`` (``(h, L, L)`` / ``(1, L, L)``) and the padding
+        ``(B, 1, 1, L)`` still to add (None once folded into ``bias``)."""
         batch, heads, length, _ = q_scaled.shape
         bias = self._rpe_logits(q_scaled, k_scaled, ids, transposed_ids)
+        if plugin is not None:
+            # a fresh (B h, L, L), updated in place below: never the plugin's own tensor
+            # (it may be cached), hence the sum or a copy
+            full = (batch, heads, length, length)
+            base = (plugin[None].expand(full).clone() if bias is None
+                    else (_as_4d(bias, batch, heads) + plugin[None]).expand(full))
+            bias = base.reshape(batch * heads, length, length)
         pad = _padding_bias(key_padding_mask, q_scaled)
         if pad is None:
             return bias, None
@@ -465,7 +514,7 @@ class IRPEMultiheadAttention(nn.Module):
         k_scaled = k * scale if self.rpe_q is not None else None
         # the content product uses the rotated q / k, the iRPE terms the unrotated ones
         q_rot, k_rot = self._rotate(q, k, hw)
-        q_rot_scaled = q_scaled if self.rope is None else (q_rot * scale).contiguous()
+        q_rot_scaled = (q_rot * scale).contiguous() if self._rotates else q_scaled
         dropout_p = self.dropout if self.training else 0.0
         impl = self._impl_for(q, k, need_weights)
         weights = None
@@ -473,7 +522,8 @@ class IRPEMultiheadAttention(nn.Module):
             out = self._attend_blocked(q_rot_scaled, k_rot, v, q_scaled, k_scaled, ids,
                                        transposed_ids, key_padding_mask, dropout_p)
         else:
-            bias, pad = self._logit_bias(q_scaled, k_scaled, ids, transposed_ids, key_padding_mask)
+            bias, pad = self._logit_bias(q_scaled, k_scaled, ids, transposed_ids, key_padding_mask,
+                                         self._plugin_logits(hw, q_scaled))
             if impl == "sdpa":
                 out = self._attend_sdpa(q_rot, k_rot, v, bias, pad, dropout_p, scale)
             else:
@@ -500,7 +550,8 @@ class IRPEMultiheadAttention(nn.Module):
         Returns:
             ``(content, rpe)`` both ``(B, h, L, L)``: ``content = s q . k`` (q, k rotated
             by the rotary module, if any);
-            ``rpe`` = RPE-Q + RPE-K terms (zeros without them). No padding is applied.
+            ``rpe`` = RPE-Q + RPE-K terms and the plugin encodings' logit terms (zeros
+            without any). No padding is applied.
         """
         del key_padding_mask
         self._check(query, key, hw)
@@ -510,9 +561,13 @@ class IRPEMultiheadAttention(nn.Module):
         q_rot, k_rot = self._rotate(q, k, hw)
         content = torch.matmul(q_rot * scale, k_rot.transpose(-2, -1))
         rpe = self._rpe_logits(q_scaled, k_scaled, *self._bucket_ids(hw, query.device))
-        if rpe is None:
-            return content, torch.zeros_like(content)
-        return content, _as_4d(rpe, query.shape[0], self.num_heads).expand_as(content).clone()
+        plugin = self._plugin_logits(hw, q_scaled)
+        position = torch.zeros_like(content)
+        if rpe is not None:
+            position = position + _as_4d(rpe, query.shape[0], self.num_heads)
+        if plugin is not None:
+            position = position + plugin[None]
+        return content, position
 
 
 def _hw(hw: tuple[int, int]) -> tuple[int, int]:

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from torch import nn
 
 from detr_irpe.config import Config, LossConfig, ModelConfig
+from detr_irpe.encodings.model import encoding_of_key
 from detr_irpe.family import get_family
-from detr_irpe.irpe import is_rpe_key
 
 __all__ = ["build_detector", "build_model", "build_postprocessor", "count_parameters"]
 
@@ -70,10 +70,10 @@ def build_model(
     model, criterion, postprocessor = family.build(m, loss, load_backbone_weights, categories)
     counts = count_parameters(model)
     logger.info(
-        "%s (%s, rpe=%s, rope=%s): %d parameters, %d trainable, %d in iRPE tables",
-        family.name_of(m), getattr(m, "backbone", type(model).__name__), m.rpe,
-        getattr(m, "rope", "none"),
-        counts["total"], counts["trainable"], counts["rpe"],
+        "%s (%s, encoder encodings: %s): %d parameters, %d trainable, %d in encodings",
+        family.name_of(m), getattr(m, "backbone", type(model).__name__),
+        ", ".join(m.place("encoder").strings()) or "none",
+        counts["total"], counts["trainable"], counts["encodings"],
     )
     return model, criterion, postprocessor
 
@@ -83,10 +83,18 @@ def _count(params) -> int:
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
-    """``{"total", "trainable", "rpe"}`` parameter counts."""
+    """``{"total", "trainable", "encodings", <encoding name>...}`` parameter counts
+    (``encodings``: of every position encoding; then one count per encoding with
+    parameters, e.g. ``irpe``)."""
     named = list(model.named_parameters())
-    return {
+    counts = {
         "total": _count(p for _, p in named),
         "trainable": _count(p for _, p in named if p.requires_grad),
-        "rpe": _count(p for n, p in named if is_rpe_key(n)),
+        "encodings": 0,
     }
+    for name, param in named:
+        entry = encoding_of_key(name)
+        if entry is not None:
+            counts[entry.name] = counts.get(entry.name, 0) + param.numel()
+            counts["encodings"] += param.numel()
+    return counts

@@ -43,8 +43,10 @@ __all__ = [
     "text_colour",
 ]
 
-# Images smaller than this (shorter side) are drawn enlarged by an integer factor.
+# Images smaller than this (shorter side) are drawn enlarged by an integer factor...
 MIN_DRAW_SIZE = 320
+# ... as long as the longer side stays within this.
+MAX_DRAW_SIDE = 4096
 # Same-class boxes overlapping at least this much are one object drawn twice.
 DRAW_NMS_IOU = 0.7
 # Distinct, saturated colours (one per category id, cycling).
@@ -161,7 +163,8 @@ def draw_detections(
             ``(N,)``, ``labels`` ``(N,)`` category ids (already filtered by score).
         names: category id -> name (``class {id}`` when missing).
         nms_iou: near-duplicates (same class, IoU >= this) are drawn once; None draws all.
-        min_size: a shorter side below this is enlarged by an integer factor first.
+        min_size: a shorter side below this is enlarged by an integer factor first (the
+            longer side kept within ``MAX_DRAW_SIDE``).
 
     Returns:
         ``(3, H * s, W * s)`` uint8 tensor, ``s`` the enlargement factor (1 for most images).
@@ -174,6 +177,8 @@ def draw_detections(
     scores = torch.as_tensor(detections["scores"]).detach().cpu().float().reshape(-1)
     labels = torch.as_tensor(detections["labels"]).detach().cpu().long().reshape(-1)
     scale = max(1, -(-min_size // max(min(image.shape[-2:]), 1)))
+    # the longer side caps the enlargement: a 1 x 5000 image is not drawn 320 x 1,600,000
+    scale = max(1, min(scale, MAX_DRAW_SIDE // max(max(image.shape[-2:]), 1)))
     if scale > 1:
         image = F.resize(image, [image.shape[-2] * scale, image.shape[-1] * scale],
                          interpolation=F.InterpolationMode.NEAREST)

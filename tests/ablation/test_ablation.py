@@ -20,10 +20,10 @@ import yaml
 from detr_irpe.ablation import (
     GridError,
     collect_and_write,
+    encoding_parameter_count,
     format_markdown,
     load_grid,
     prepare_data,
-    rpe_parameter_count,
     run_grid,
     schedule,
     step_time,
@@ -142,12 +142,12 @@ def test_two_run_grid_table_rows_and_numbers(trained_grid) -> None:
     out = grid.output_dir
     rows = _read_csv(out / "results.csv")
     assert [r["variant"] for r in rows] == ["none", "product-ctx-k"]
-    assert [r["rpe"] for r in rows] == ["none", "rpe-2.0-product-ctx-1-k"]
+    assert [r["encodings"] for r in rows] == ["sine", "sine + rpe-2.0-product-ctx-1-k"]
     assert [r["status"] for r in rows] == ["done", "done"]
     assert [r["is_baseline"] for r in rows] == ["1", "0"]
     # Tiny model: d_model 32, 4 heads -> D = 8; product at ratio 2.0 -> 81 buckets;
     # one shared contextual table on keys in the single encoder layer.
-    assert [int(r["rpe_parameters"]) for r in rows] == [0, 8 * 81]
+    assert [int(r["encoding_parameters"]) for r in rows] == [0, 8 * 81]
     for row, run in zip(rows, grid.runs):
         record = [json.loads(x) for x in (run.output_dir / "log.txt").read_text().splitlines()][-1]
         assert record["epoch"] == 0
@@ -164,8 +164,8 @@ def test_two_run_grid_table_rows_and_numbers(trained_grid) -> None:
     assert [(r["variant"], r["seed"], r["state"]) for r in runs] == [
         ("none", "7", "finished"), ("product-ctx-k", "7", "finished")]
     md = (out / "results.md").read_text()
-    assert "| **none** | `none` | sine | 1 | 0 |" in md
-    assert "| product-ctx-k | `rpe-2.0-product-ctx-1-k` | sine | 1 | 648 |" in md
+    assert "| **none** | `sine` | 1 | 0 |" in md
+    assert "| product-ctx-k | `sine + rpe-2.0-product-ctx-1-k` | 1 | 648 |" in md
     header = next(x for x in md.splitlines() if x.startswith("| variant"))
     assert "status" not in header  # every row done
 
@@ -400,7 +400,7 @@ def test_axes_times_variants_and_names(tmp_path, tiny_dataset) -> None:
     ({"axes": {"model.rpe": []}}, "non-empty list"),
     ({"variants": [{"name": "a"}, {"name": "a"}]}, "used twice: a"),
     ({"variants": [{"name": "a", "overide": []}]}, r"variants\[0\]: unknown key"),
-    ({"axes": {"model.rpe": ["none"]}, "launcher": "slurm"}, "launcher 'slurm'"),
+    ({"axes": {"model.rpe": ["none"]}, "launcher": "pbs"}, "launcher 'pbs'"),
     ({"axes": {"model.rpe": ["none"]}, "nproc_per_node": 2}, "needs launcher: torchrun"),
     ({"axes": {"model.rpe": ["none"]}, "base": "no_such_config"}, "base:.*not found"),
     ({"axes": {"model.rpe": ["none"]}, "synthetic_data": {"colour": 1}},
@@ -437,12 +437,14 @@ def test_shipped_grids_load() -> None:
             assert grid.base.name == demo_base and grid.launcher == "local"
             # the dataset tools/demo.py generates (README: 1600 + 200 images, seed 0)
             assert grid.synthetic_data == {"num_train": 1600, "num_val": 200, "seed": 0}
+        elif path.stem == "canvases_rtdetr":  # fine-tunes the published R18, SLURM jobs
+            assert grid.base.name == "rtdetr_r18.yaml" and grid.launcher == "slurm"
         else:
             published = "rtdetr_r50.yaml" if path.stem == "encodings_rtdetr" else "detr_r50.yaml"
             assert grid.base.name == published and grid.launcher == "torchrun"
     ratio = load_grid("ratio")  # a shipped grid by name, from any folder
     # Product buckets per ratio (irpe.md): 49, 81, 121, 169; D = 32, shared, 6 layers.
-    assert [rpe_parameter_count(r.config) for r in ratio.runs] == [
+    assert [encoding_parameter_count(r.config) for r in ratio.runs] == [
         6 * 32 * k for k in (49, 81, 121, 169)]
 
 
@@ -495,7 +497,7 @@ def test_demo_decoders_grid_changes_only_the_decoder() -> None:
 
 
 # The six encodings of the encoder attention (encodings.yaml and its RT-DETR and demo
-# versions): the keys each row sets.
+# versions): the shorthand keys each row comes to.
 ENCODING_ROWS = {
     "none": ("none", "none", "none"), "sine": ("sine", "none", "none"),
     "irpe": ("none", IRPE, "none"), "irpe+sine": ("sine", IRPE, "none"),
@@ -513,9 +515,10 @@ ENCODING_KEYS = ("model.position_embedding", "model.rpe", "model.rope")
 ])
 def test_encodings_grids_change_only_the_encoding(name: str, base: str, seeds: list[int],
                                                   sizes: list[str]) -> None:
-    """Each row is its base config (the published recipe, or the demo's) with the three
-    encoding keys of its encoding, nothing else: the six rows differ only there. Each grid
-    evaluates its runs at its own test sizes, the config's own size among them."""
+    """Each row is its base config (the published recipe, or the demo's) with its encoder
+    encodings (one model.encodings.encoder override, the same as the three shorthand keys
+    of its encoding), nothing else: the six rows differ only there. Each grid evaluates its
+    runs at its own test sizes, the config's own size among them."""
     grid = load_grid(name)
     assert [v.name for v in grid.variants] == list(ENCODING_ROWS) and grid.seeds == seeds
     assert grid.baseline == "sine"
@@ -547,15 +550,15 @@ def test_the_vit_encodings_grid_adds_a_backbone_axis() -> None:
     grid = load_grid("demo_encodings_vit_rtdetr")
     backbone = ["learned", IRPE, "rope-mixed"]
     assert [v.name for v in grid.variants] == [
-        f"{row},backbone_encodings={b}" for row in ENCODING_ROWS for b in backbone]
-    assert grid.seeds == [42] and grid.baseline == "sine,backbone_encodings=learned"
+        f"{row},backbone={b}" for row in ENCODING_ROWS for b in backbone]
+    assert grid.seeds == [42] and grid.baseline == "sine,backbone=learned"
     assert grid.eval_sizes == load_grid("demo_encodings_rtdetr").eval_sizes
     for run in grid.runs:
-        row, value = run.variant.name.split(",backbone_encodings=")
+        row, value = run.variant.name.split(",backbone=")
         expected = load_config("synthetic_demo_rtdetr", [
             "train.epochs=7", "train.lr_drop=6", "train.eval_every=7", "model.backbone=vit_nano",
             *(f"{k}={v}" for k, v in zip(ENCODING_KEYS, ENCODING_ROWS[row])),
-            f"model.backbone_encodings=[{value}]", f"train.seed={run.seed}",
+            f"model.encodings.backbone=[{value}]", f"train.seed={run.seed}",
             f"train.output_dir={run.output_dir}"])
         assert run.config.to_dict() == expected.to_dict(), run.variant.name
 
@@ -641,7 +644,9 @@ _DEMO_GRID_TEST_SIZE = (
 # demo_encodings: 18 runs, about 11 s on a shared 2-core "AMD EPYC", family 26 model 2).
 # A grid with eval_sizes also evaluates the runs of its first seed at its shipped test
 # sizes through the scheduler (one evaluation process per run): demo_encodings 80 s and
-# demo_encodings_rtdetr 107 s in all, measured there with the machine shared (load ~5);
+# demo_encodings_rtdetr 107 s in all, measured there with the machine shared (load ~5).
+# demo_canvases 45 s and demo_canvases_rtdetr 67 s with their canvases too (shared
+# 2-core "Intel(R) Xeon(R) Processor" as lscpu names it, load ~2.7).
 # demo_encodings_vit_rtdetr (18 runs with a ViT backbone) 113 s on an "Intel(R) Xeon(R)
 # Processor" (2 cores, shared with a training run).
 @pytest.mark.parametrize("name", [
@@ -662,7 +667,7 @@ def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -
     for run in grid.runs:
         run_training(run.config, progress=False)
     assert [_state(run) for run in grid.runs] == [RunState.FINISHED] * len(grid.runs)
-    if grid.eval_sizes:
+    if grid.evaluates_after:
         first = load_grid(name, *args, seeds=grid.seeds[:1])
         report = schedule.evaluate_grid_sizes(first)
         assert report.sizes_done == first.runs and not report.sizes_failed
@@ -672,6 +677,8 @@ def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -
     for row in rows:
         assert row.size_seeds == (1 if grid.eval_sizes else 0)
         assert all(row.size_stats[s.label]["AP"] is not None for s in grid.eval_sizes)
+        assert row.canvas_seeds == (1 if grid.eval_canvases else 0)
+        assert all(row.canvas_stats[c.label]["AP"] is not None for c in grid.eval_canvases)
 
 
 @pytest.mark.parametrize(("name", "overrides"), [
@@ -681,13 +688,17 @@ def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -
     ("rtdetr_tiny", [f"model.rpe={IRPE}", "model.enc_hidden_dim=48", "model.hidden_dim=32",
                      "model.nheads=4"]),
 ])
-def test_rpe_parameter_count_is_the_built_models(name: str, overrides: list[str]) -> None:
-    """The table's "RPE params" column equals the iRPE table parameters of the model the
-    config builds (counted off the built module's parameter names)."""
+def test_encoding_parameter_count_is_the_built_models(name: str, overrides: list[str]) -> None:
+    """The table's "enc. params" column equals the encoding parameters of the model the
+    config builds (counted off the built module's parameter names): iRPE tables, and
+    RoPE-Mixed's frequencies on top."""
     from detr_irpe.models import build_model
 
-    cfg = load_config(name, ["model.backbone_weights=none", "model.num_classes=3", *overrides])
-    model = build_model(cfg, load_backbone_weights=False)[0]
-    built = sum(p.numel() for n, p in model.named_parameters() if "lookup_table" in n)
-    assert built > 0
-    assert rpe_parameter_count(cfg) == built
+    for extra in ([], ["model.rope=rope-mixed"]):
+        cfg = load_config(name, ["model.backbone_weights=none", "model.num_classes=3",
+                                 *overrides, *extra])
+        model = build_model(cfg, load_backbone_weights=False)[0]
+        built = sum(p.numel() for n, p in model.named_parameters()
+                    if "lookup_table" in n or n.endswith("rope.freqs"))
+        assert built > 0
+        assert encoding_parameter_count(cfg) == built

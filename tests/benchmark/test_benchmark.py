@@ -17,7 +17,7 @@ from detr_irpe.benchmark import profile as profile_bench
 from detr_irpe.benchmark.suite import QUICK_NOTE, target_ratios
 
 # the built-in families' rows, in the registry's order (the default family's first)
-BUILTIN_TARGETS = ("DETR", "DAB-DETR", "DN-DETR", "RT-DETR")
+BUILTIN_TARGETS = ("DETR", "DAB-DETR", "DN-DETR", "D-FINE", "RT-DETR")
 IRPE = "rpe-2.0-product-ctx-1-k"
 
 
@@ -53,9 +53,9 @@ def test_quick_suite_structure(quick_results) -> None:
     assert [(r["target"], r["rpe"], r["amp"]) for r in rows] == [
         (target, rpe, amp) for target in BUILTIN_TARGETS
         for rpe in ("none", IRPE) for amp in ("none", "bf16")]
-    assert [r["family"] for r in rows[::4]] == ["detr", "dab", "dab", "rtdetr"]
+    assert [r["family"] for r in rows[::4]] == ["detr", "dab", "dab", "dfine", "rtdetr"]
     assert [r["config"] for r in rows[::4]] == ["detr_r50", "dab_detr_r50", "dn_detr_r50",
-                                                "rtdetr_r50"]
+                                                "dfine_l", "rtdetr_r50"]
     for row in rows:
         assert row["train_step_s"] > 0 and row["infer_images_per_s"] > 0
         assert len(row["train_step_s_all"]) == 1
@@ -82,7 +82,7 @@ def test_quick_suite_structure(quick_results) -> None:
     targets = {t["target"] for t in target_ratios(results)}
     assert "DETR training step (fp32), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
     assert "DETR training step (bf16), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
-    for name in ("DAB-DETR", "DN-DETR", "RT-DETR"):  # the iRPE overhead on each detector
+    for name in ("DAB-DETR", "DN-DETR", "D-FINE", "RT-DETR"):  # iRPE's overhead on each
         assert f"{name} training step (fp32), rpe-2.0-product-ctx-1-k vs rpe=none" in targets
     assert any("SDPA" in t for t in targets) and any("DETR MHA" in t for t in targets)
 
@@ -100,7 +100,8 @@ def test_results_written(quick_results) -> None:
     assert "| variant | wall ms | x DETR MHA | x SDPA MHA |" in md
     assert "| x DETR |" in md  # each row against the first target's
     for name in ("| DETR | detr_r50 |", "| DAB-DETR | dab_detr_r50 |", "| DN-DETR | dn_detr_r50 |",
-                 "| RT-DETR | rtdetr_r50 |", f"| DAB-DETR-iRPE {IRPE} | dab_detr_r50 |",
+                 "| RT-DETR | rtdetr_r50 |", "| D-FINE | dfine_l |",
+                 f"| DAB-DETR-iRPE {IRPE} | dab_detr_r50 |", f"| D-FINE-iRPE {IRPE} | dfine_l |",
                  f"| DN-DETR-iRPE {IRPE} | dn_detr_r50 |", f"| RT-DETR-iRPE {IRPE} | rtdetr_r50 |"):
         assert md.count(name) == 2, name  # fp32 and bf16 rows
 
@@ -201,7 +202,7 @@ def test_targets_are_every_family_s_benchmark_targets(monkeypatch) -> None:
     assert targets["RT-DETR"] == "rtdetr_r50" and targets["DN-DETR"] == "dn_detr_r50"
     assert select_targets(["RT-DETR", "DETR"]) == {"RT-DETR": "rtdetr_r50", "DETR": "detr_r50"}
     with pytest.raises(ConfigError, match=r"--targets: \['detr'\] not allowed; choose from "
-                                          r"DETR, DAB-DETR, DN-DETR, RT-DETR"):
+                                          r"DETR, DAB-DETR, DN-DETR, D-FINE, RT-DETR"):
         select_targets(["detr"])
     # a family registered later brings its rows; a row name taken twice is refused
     extra = replace(registry.get_family("rtdetr"), name="zz", benchmark_targets={
@@ -298,7 +299,7 @@ def test_deploy_rows_without_the_optional_packages_are_notes(monkeypatch) -> Non
     monkeypatch.setattr(deploy, "_missing", lambda *modules: list(modules))
     section = deploy.run_deploy_benchmark({"RT-DETR": "rtdetr_r50"}, ["none"], height=64,
                                           width=64, threads=1, repeats=1, warmup=0, quick=True)
-    assert [r["runtime"] for r in section["rows"]] == ["PyTorch"]
+    assert [r["runtime"] for r in section["rows"]] == ["PyTorch", "PyTorch fused"]
     assert section["rows"][0]["max_diff_logits"] == 0.0
     notes = " ".join(section["notes"])
     assert "ONNX Runtime rows left out: onnx, onnxscript, onnxruntime not installed" in notes
@@ -315,8 +316,9 @@ def test_onnx_section_three_runtimes_same_outputs(tmp_path: Path) -> None:
     results = run_suite(SuiteOptions.quick_options(threads=1, sections=["onnx"]), tmp_path)
     section = results["onnx"]
     assert [(r["rpe"], r["runtime"]) for r in section["rows"]] == [
-        ("none", "PyTorch"), ("none", "ONNX Runtime"), ("none", "transformers"),
-        (IRPE, "PyTorch"), (IRPE, "ONNX Runtime")]  # transformers has no iRPE
+        ("none", "PyTorch"), ("none", "PyTorch fused"), ("none", "ONNX Runtime"),
+        ("none", "transformers"), (IRPE, "PyTorch"), (IRPE, "PyTorch fused"),
+        (IRPE, "ONNX Runtime")]  # transformers has no iRPE
     assert section["notes"] == [] and section["dynamic"] and section["threads"] == 1
     for row in section["rows"]:
         assert row["latency_s"] > 0 and row["image_hw"] == [64, 64]

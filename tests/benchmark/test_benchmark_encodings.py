@@ -21,12 +21,12 @@ def test_every_encoding_runs_and_rope_keeps_the_fused_path() -> None:
     assert [r.name for r in results] == list(ENCODING_VARIANTS)
     impls = {r.name: r.impl for r in results}
     # CPU training step: iRPE logits with a gradient go to the row-blocked core, RoPE does not
-    assert impls == {"none": "sdpa", "iRPE": "blocked", "RoPE-Axial": "sdpa",
-                     "RoPE-Mixed": "sdpa", "iRPE + RoPE-Axial": "blocked"}
+    assert impls == {"none": "sdpa", "irpe": "blocked", "rope-axial": "sdpa",
+                     "rope-mixed": "sdpa", "irpe + rope-axial": "blocked"}
     assert all(r.median_ms > 0 and r.cpu_ms >= 0 for r in results)
     assert results[0].vs_none == 1.0
     table = encoding_table(results)
-    assert table.count("\n") == len(results) + 1 and "RoPE-Mixed | sdpa" in table
+    assert table.count("\n") == len(results) + 1 and "rope-mixed | sdpa" in table
     with pytest.raises(ValueError, match="unknown encoding variants"):
         run_encoding_benchmark(variants=["rope"])
 
@@ -39,4 +39,4 @@ def test_tool_prints_the_table(capsys) -> None:
     assert tool.main(["--size", "2x3", "--dim", "16", "--heads", "2", "--repeats", "1",
                       "--warmup", "0", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "| iRPE + RoPE-Axial | blocked |" in out and "L = 2x3, C 16" in out
+    assert "| irpe + rope-axial | blocked |" in out and "L = 2x3, C 16" in out

@@ -98,7 +98,7 @@ def test_strict_load_of_public_irpe_file(public_irpe_file: Path) -> None:
     model = r50("model.rpe=rpe-2.0-product-ctx-1-k")
     info = load_weights(model, public_irpe_file, strict_head=True)
     assert info["format"] == "irpe_detr"
-    assert info["reinitialized"] == [] and info["missing_rpe"] == []
+    assert info["reinitialized"] == [] and info["missing"].get("irpe", []) == []
     saved = read_checkpoint(public_irpe_file)[0]
     for key, value in model.state_dict().items():
         assert torch.equal(value, saved[key]), key
@@ -137,10 +137,10 @@ def test_plain_detr_into_irpe_model(tmp_path: Path, caplog) -> None:
     with caplog.at_level(logging.INFO):
         info = load_weights(model, path)
     assert info["format"] == "detr"
-    assert info["missing_rpe"] == [
+    assert info["missing"].get("irpe", []) == [
         f"transformer.encoder.layers.{i}.self_attn.rpe_k.lookup_table_weight" for i in range(2)
     ]
-    assert "no iRPE tables" in caplog.text
+    assert "no iRPE parameters" in caplog.text
     assert_close(
         model.transformer.encoder.layers[1].linear1.weight,
         plain.transformer.encoder.layers[1].linear1.weight,
@@ -382,7 +382,7 @@ def test_convert_tool(tmp_path: Path, capsys) -> None:
     assert not list(tmp_path.glob(".*.tmp"))
     model = tiny()
     info = load_weights(model, out, strict_head=True)
-    assert info["format"] == "detr_irpe" and info["missing_rpe"] == []
+    assert info["format"] == "detr_irpe" and info["missing"].get("irpe", []) == []
     converted = torch.load(out, weights_only=True)["model"]
     assert list(converted) == list(model.state_dict())  # tables sit in the public key order
     old_w = plain.class_embed.weight
@@ -438,8 +438,9 @@ def test_hugging_face_files_read_in_project_layout(tmp_path: Path, layout: str) 
 
 def test_convert_tool_to_hugging_face(tmp_path: Path, capsys) -> None:
     pytest.importorskip("safetensors")
-    plain = tiny("model.rpe=none")
-    cfg = tiny_cfg("model.rpe=none")
+    # all four ResNet stages: transformers' DETR cannot hold a ResNet cut short
+    plain = tiny("model.rpe=none", "model.backbone_stages=4")
+    cfg = tiny_cfg("model.rpe=none", "model.backbone_stages=4")
     own = tmp_path / "own.pth"
     torch.save({"format": "detr_irpe", "model": plain.state_dict(), "config": cfg.to_dict()}, own)
     assert convert_main([str(own), str(tmp_path / "hf"), "--to", "hf"]) == 0

@@ -11,7 +11,7 @@ from helpers import ROOT
 
 # Each console script's module (setup.cfg) and the demo's.
 SPLIT = ["train", "eval", "predict", "visualize", "export", "convert", "ablate", "submit",
-         "demo", "benchmark"]
+         "demo", "benchmark", "synthetic", "data"]
 
 _PROBE = """
 import sys
@@ -47,15 +47,25 @@ def test_every_tool_module_is_probed() -> None:
     assert modules - {"submit_job"} == set(SPLIT)
 
 
+def test_the_synthetic_tool_names_the_generator_s_choices() -> None:
+    from detr_irpe.cli import synthetic as cli
+    from detr_irpe.data import synthetic
+
+    assert (cli.SHAPES, cli.DEFAULT_CLASSES, cli.BACKGROUNDS) == (
+        synthetic.SHAPES, synthetic.DEFAULT_CLASSES, synthetic.BACKGROUNDS)
+
+
 def test_the_parsers_name_the_librarys_values() -> None:
     """What a parser names without importing torch (choices, defaults in the help) is the
     value of the library behind it."""
-    from detr_irpe.cli import convert, demo, export
+    from detr_irpe.cli import convert, data, demo, export
     from detr_irpe.cli.programs import demo as demo_program
+    from detr_irpe.data.convert import FORMATS
     from detr_irpe.export import MIN_OPSET
     from detr_irpe.irpe import RPE_INIT_MODES
 
     assert export.MIN_OPSET == MIN_OPSET
     assert convert.RPE_INIT_MODES == RPE_INIT_MODES
+    assert data.FORMATS == FORMATS
     steps_help = next(a.help for a in demo.build_parser()._actions if a.dest == "steps")
     assert f"~{round(100 * demo_program.DROP_AT)}%%" in steps_help

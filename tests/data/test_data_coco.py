@@ -92,7 +92,7 @@ def test_valid_dataset(tmp_path: Path) -> None:
 
 def test_missing_file_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "img").mkdir()
-    with pytest.raises(DatasetError, match=r"nope\.json not found.*make_synthetic"):
+    with pytest.raises(DatasetError, match=r"nope\.json not found.*detr-irpe-synthetic"):
         load(tmp_path, name="nope.json")
 
 

@@ -135,7 +135,10 @@ def _rss_mb_now() -> float:
 def test_cpu_peak_memory_is_at_least_the_current_rss() -> None:
     current = _rss_mb_now()
     peak = peak_memory_mb("cpu")
-    assert current <= peak < 1024 * 1024  # MiB, not KiB or bytes
+    # the kernel updates the peak (ru_maxrss) lazily, per page-fault batch: VmRSS read an
+    # instant earlier was seen 0.2 MiB above it (1319.55 against 1319.35 MiB); a unit error
+    # (KiB or bytes) would be 1000x off
+    assert current - 4.0 <= peak < 1024 * 1024
 
 
 @pytest.mark.gpu

@@ -112,6 +112,7 @@ def test_detr_rope_mixed_checkpoint_exports_through_the_tool(tmp_path: Path) -> 
         status = main([str(checkpoint), "--size", f"{TRACED[0]}x{TRACED[1]}", "--dynamic",
                        "--output", str(out), "--check"])
     assert status == 0 and "check: onnxruntime vs PyTorch" in printed.getvalue()
+    assert "(encoder encodings: rope-mixed) ->" in printed.getvalue()  # not only the iRPE one
     dims = onnx.load(str(out)).graph.input[0].type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in dims] == ["batch", 3, "height", "width"]
     _check_sizes(out, model_from_checkpoint(checkpoint).model, DETR_SHAPES, _forward)

@@ -115,7 +115,7 @@ def test_nothing_points_outside_the_repository() -> None:
 
 
 # Markdown files the code writes into a run folder, not files of the repository.
-GENERATED_MD = {"results.md", "sizes.md"}  # written by the ablation runner and --sizes
+GENERATED_MD = {"results.md", "sizes.md", "canvases.md"}  # the ablation runner, --sizes, --canvases
 _MD_NAME = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w.-]+\.md)\b")
 
 

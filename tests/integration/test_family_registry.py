@@ -14,7 +14,9 @@ from detr_irpe.config import ConfigError, load_config
 from detr_irpe.family import BUILTIN_FAMILIES, families, get_family
 
 PACKAGE = ROOT / "detr_irpe"
-FAMILY_FOLDERS = {PACKAGE / "models" / name for name in BUILTIN_FAMILIES}
+# (models/dfine: the D-FINE / DEIM family being built, its criterion first; it reuses
+# RT-DETR's and DETR's criterion parts as a family folder may)
+FAMILY_FOLDERS = {PACKAGE / "models" / name for name in (*BUILTIN_FAMILIES, "dfine")}
 # names a family goes by in code: registry names and their published titles' spellings
 FAMILY_WORDS = set(BUILTIN_FAMILIES) | {"dn"}
 

@@ -307,8 +307,10 @@ def test_training_stops_with_one_line(full_disk, tiny_dataset, monkeypatch, caps
 # ----------------------------------------------------------------------------- the tools
 @pytest.fixture(scope="module")
 def checkpoint(tiny_dataset, tmp_path_factory) -> Path:
-    """A tiny plain DETR (also convertible to a Hugging Face folder) of the tiny dataset."""
-    cfg = load_tiny_config(f"data.root={tiny_dataset}", "model.num_classes=4", "model.rpe=none")
+    """A tiny plain DETR (also convertible to a Hugging Face folder: all four ResNet
+    stages) of the tiny dataset."""
+    cfg = load_tiny_config(f"data.root={tiny_dataset}", "model.num_classes=4", "model.rpe=none",
+                           "model.backbone_stages=4")
     model, _, _ = build_model(cfg, load_backbone_weights=False)
     path = tmp_path_factory.mktemp("disk_tools") / "tiny.pth"
     atomic_save({"format": FORMAT, "model": model.state_dict(), "config": cfg.to_dict()}, path)

@@ -18,36 +18,40 @@ PACKAGE = ROOT / "detr_irpe"
 # listed here fails the test: a new part states its place.
 # The config and what it checks names and sizes with (registry, sizes, the family
 # registry): importable by every part that may import the config.
-CONFIG = {"config", "family", "registry", "sizes"}
+CONFIG = {"canvas", "config", "family", "registry", "sizes"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "structures": set(),
     "irpe": set(),
     "rope": set(),
+    # the encoding registry: its entries wrap irpe/ and rope/
+    "encodings": {"errors", "irpe", "rope"},
     "utils": {"errors"},
     "sizes": set(),
+    # canvas layouts (labels, placement): the size-list parser of sizes
+    "canvas": {"sizes"},
     "registry": {"irpe"},
     "family": {"errors"},
-    "config": {"errors", "family", "irpe", "registry", "rope", "sizes", "utils"},
-    "checkpoint": CONFIG | {"errors", "irpe", "rope", "utils"},
-    "models": CONFIG | {"checkpoint", "errors", "irpe", "rope", "structures", "utils"},
+    "config": {"errors", "family", "irpe", "registry", "encodings", "rope", "sizes", "utils"},
+    "checkpoint": CONFIG | {"errors", "irpe", "encodings", "rope", "utils"},
+    "models": CONFIG | {"checkpoint", "errors", "irpe", "encodings", "rope", "structures", "utils"},
     "data": CONFIG | {"errors", "structures", "utils"},
     "evaluation": {"data", "errors", "utils"},
     "run_folder": CONFIG | {"checkpoint", "errors", "utils"},
     "engine": CONFIG | {"checkpoint", "data", "errors", "evaluation", "irpe", "models",
-                        "rope", "run_folder", "structures", "utils"},
-    "export": CONFIG | {"checkpoint", "errors", "irpe", "models", "rope", "structures",
+                        "encodings", "rope", "run_folder", "structures", "utils"},
+    "export": CONFIG | {"checkpoint", "errors", "irpe", "models", "encodings", "rope", "structures",
                         "utils"},
     "visualization": CONFIG | {"checkpoint", "data", "errors", "evaluation", "irpe", "models",
-                               "rope", "run_folder", "structures", "utils"},
-    "inference": CONFIG | {"checkpoint", "data", "errors", "models", "structures", "utils",
-                           "visualization"},
+                               "encodings", "rope", "run_folder", "structures", "utils"},
+    "inference": CONFIG | {"checkpoint", "data", "errors", "export", "models", "structures",
+                           "utils", "visualization"},
     "ablation": CONFIG | {"checkpoint", "data", "errors", "evaluation", "irpe", "models",
-                          "rope", "run_folder", "utils"},
+                          "encodings", "rope", "run_folder", "utils"},
     "benchmark": CONFIG | {"checkpoint", "data", "engine", "errors", "evaluation", "export",
-                           "irpe", "models", "rope", "structures", "utils"},
+                           "irpe", "models", "encodings", "rope", "structures", "utils"},
     "cli": CONFIG | {"ablation", "benchmark", "checkpoint", "data", "engine", "errors", "evaluation",
-                     "export", "inference", "irpe", "models", "rope", "run_folder",
+                     "export", "inference", "irpe", "models", "encodings", "rope", "run_folder",
                      "structures", "utils", "visualization"},
 }
 # Modules that import nothing of the package but these (the leaves other modules stand on).
@@ -61,7 +65,7 @@ LEAVES = {
 # importable only while it is on sys.path.
 OPTIONAL = {"safetensors", "torch.utils.tensorboard", "faster_coco_eval", "onnxruntime",
             "timm", "torchvision.io", "models", "util.misc", "submitit", "wandb",
-            "transformers"}
+            "transformers", "supervision"}
 # A tool's module (detr_irpe/cli/<tool>.py) imports its program (detr_irpe/cli/programs/)
 # inside main, after parsing: --help and argument errors need no torch (docs/architecture.md).
 PROGRAMS = "detr_irpe.cli.programs"

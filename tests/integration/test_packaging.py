@@ -24,7 +24,7 @@ from detr_irpe.config import CONFIG_DIR
 CONSOLE_SCRIPTS = {
     f"detr-irpe-{name}": f"detr_irpe.cli.{name}:main"
     for name in ("train", "eval", "predict", "visualize", "export", "convert", "ablate",
-                 "submit", "benchmark")
+                 "submit", "benchmark", "synthetic", "data")
 }
 # What a wheel is built from (the same files as a source distribution holds).
 _SOURCES = ("detr_irpe", "setup.cfg", "pyproject.toml", "README.md", "LICENSE")
@@ -211,3 +211,18 @@ def test_constraints_pin_every_dependency_within_its_floor() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "-c $(CONSTRAINTS)" in makefile and "--index-url $(TORCH_INDEX)" in makefile
     assert "://" not in makefile  # no host named: the index is the user's to give
+
+
+def test_no_repository_file_is_hidden_by_gitignore() -> None:
+    """A clean clone has what the tests read: no data file, config or source under the
+    repository's own folders may be ignored by git (a ``*.pt`` rule once hid two reference
+    files, and CI failed where this checkout passed)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(
+        ["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--",
+         "detr_irpe", "tests", "configs", "tools", "docs"],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    caches = ("__pycache__/", ".pyc", ".pytest_cache/", ".ruff_cache/")
+    hidden = [path for path in listed if not any(part in path for part in caches)]
+    assert not hidden, f"files ignored by .gitignore that a clean clone would lack: {hidden}"

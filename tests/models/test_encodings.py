@@ -129,7 +129,7 @@ def test_rope_changes_the_encoder_output_and_none_does_not_see_positions() -> No
     x = torch.randn(1, 12, 16, dtype=torch.float64)
     perm = torch.randperm(12)
     for rope, equivariant in ((None, True), ("rope-axial", False), ("rope-mixed", False)):
-        layer = TransformerEncoderLayer(16, 4, 16, 0.0, rope=rope).double()
+        layer = TransformerEncoderLayer(16, 4, 16, 0.0, encodings=rope).double()
         out = layer(x, (3, 4))
         permuted = layer(x[:, perm], (3, 4))
         assert torch.allclose(out[:, perm], permuted) == equivariant, rope
@@ -175,9 +175,9 @@ def _gelu(x):
 
 LAYERS = {
     # DETR's (and DAB-DETR's) encoder layer: ReLU, padding mask; RT-DETR's AIFI: GELU
-    "detr": (lambda rope: TransformerEncoderLayer(16, 4, 12, 0.0, rope=rope),
+    "detr": (lambda rope: TransformerEncoderLayer(16, 4, 12, 0.0, encodings=rope),
              lambda t: t.clamp(min=0)),
-    "rtdetr": (lambda rope: AIFILayer(16, 4, 12, 0.0, "gelu", rope=rope), _gelu),
+    "rtdetr": (lambda rope: AIFILayer(16, 4, 12, 0.0, "gelu", encodings=rope), _gelu),
 }
 
 
@@ -223,8 +223,8 @@ def test_zero_started_irpe_with_rope_equals_rope_alone() -> None:
     transformer with RoPE alone (same weights), forward and gradients; once the tables
     move, it does not."""
     torch.manual_seed(0)
-    both = Transformer(16, 4, 2, 1, 16, 0.0, rpe=IRPE, rpe_init="zero", rope="rope-mixed").double()
-    alone = Transformer(16, 4, 2, 1, 16, 0.0, rope="rope-mixed").double()
+    both = Transformer(16, 4, 2, 1, 16, 0.0, encodings=[IRPE, "rope-mixed"], rpe_init="zero").double()
+    alone = Transformer(16, 4, 2, 1, 16, 0.0, encodings=["rope-mixed"]).double()
     state = both.state_dict()
     alone.load_state_dict({k: v for k, v in state.items() if not is_rpe_key(k)})
     torch.manual_seed(2)
@@ -352,7 +352,7 @@ def test_checkpoint_without_frequencies_into_rope_mixed_keeps_their_start(caplog
     meta = {"path": "plain.pth", "format": "detr_irpe", "config": cfg.to_dict()}
     with caplog.at_level(logging.INFO):
         info = load_state(model, source.state_dict(), meta)
-    assert sorted(info["missing_rope"]) == sorted(start)
+    assert sorted(info["missing"].get("rope", [])) == sorted(start)
     for name, value in start.items():
         assert torch.equal(model.get_parameter(name), value)
     assert torch.equal(model.get_parameter("transformer.encoder.layers.0.self_attn.in_proj_weight"),

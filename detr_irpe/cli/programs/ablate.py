@@ -37,7 +37,7 @@ def _list_runs(grid, print_commands: bool) -> None:
         sizes_todo += todo
         if not print_commands:
             sizes = ""
-            if grid.eval_sizes:
+            if grid.evaluates_after:
                 sizes = ("  sizes: " + sizes_state(grid, run) if state is RunState.FINISHED
                          else "  sizes: after training")
             print(f"{state.value:>9}  {run.key:<40} {run.output_dir}{sizes}")
@@ -48,9 +48,12 @@ def _list_runs(grid, print_commands: bool) -> None:
     if not print_commands:
         print(f"{len(grid.runs)} runs ({len(grid.variants)} variants x {len(grid.seeds)} "
               f"seeds); baseline {grid.baseline}; launcher {grid.launcher}")
-        if grid.eval_sizes:
-            print(f"test sizes (eval_sizes): {' '.join(s.label for s in grid.eval_sizes)}; "
-                  f"{sizes_todo} finished run(s) still need their size evaluation")
+        if grid.evaluates_after:
+            parts = [f"{what}: {' '.join(v.label for v in views)}" for what, views in (
+                ("test sizes (eval_sizes)", grid.eval_sizes),
+                ("canvases (eval_canvases)", grid.eval_canvases)) if views]
+            print("; ".join(parts)
+                  + f"; {sizes_todo} finished run(s) still need their size evaluation")
 
 
 def _train(grid, args: argparse.Namespace):
@@ -84,16 +87,37 @@ def write_sizes_figure(grid, rows) -> Path | None:
     return out
 
 
+CANVASES_FIGURE = "canvases.png"
+
+
+def write_canvases_figure(grid, rows) -> Path | None:
+    """``<output_dir>/canvases.png`` of a grid with ``eval_canvases``: AP on each canvas
+    layout, one line per variant (mean ± std over the seeds); None when no run has them."""
+    if not grid.eval_canvases or not any(row.canvas_seeds for row in rows):
+        return None
+    labels = [c.label for c in grid.eval_canvases]
+    variants = {}
+    for row in rows:
+        values = [row.canvas_stats[label]["AP"] for label in labels]
+        variants[row.variant.name] = [None if v is None else (v.mean, v.std) for v in values]
+    out = grid.output_dir / CANVASES_FIGURE
+    size_figures.plot_variants_by_size(labels, variants, out,
+                                       title=f"{grid.name}: AP on canvases",
+                                       xlabel="canvas (docs/evaluation.md, \"Canvases\")")
+    return out
+
+
 def _summary(grid, report, seconds: float) -> int:
     rows, paths = collect_and_write(grid)
     print(format_markdown(grid, rows))
-    figure = write_sizes_figure(grid, rows)
+    figures = [f for f in (write_sizes_figure(grid, rows), write_canvases_figure(grid, rows))
+               if f is not None]
     print(f"tables: {paths['markdown']}  {paths['csv']}  {paths['runs']}"
-          + (f"; figure: {figure}" if figure else ""))
+          + (f"; figures: {' '.join(map(str, figures))}" if figures else ""))
     if report is not None:  # runs were trained now (not --table-only)
         print(f"{len(report.done)} run(s) trained in {seconds:.0f} s; "
               f"{len(report.skipped_finished)} already finished")
-        if grid.eval_sizes:
+        if grid.evaluates_after:
             print(f"{len(report.sizes_done)} run(s) evaluated at the test sizes now")
         if report.failed or report.not_started or report.busy or report.skipped_failed:
             print(f"{len(report.done)} runs trained now, {len(report.failed)} failed, "

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import detr_irpe.visualization as vis
+from detr_irpe.canvas import CanvasLayout
 from detr_irpe.cli.args import checked_overrides
 from detr_irpe.cli.programs.eval import evaluate_run_at_sizes
 from detr_irpe.config import load_config
@@ -24,9 +25,8 @@ from detr_irpe.engine.runner import run_training
 from detr_irpe.evaluation import format_summary, load_pr_arrays
 from detr_irpe.evaluation.report import format_ap
 from detr_irpe.evaluation.size_table import (
-    SIZES_FIGURE,
-    SIZES_JSON,
-    SIZES_MARKDOWN,
+    CANVAS_TABLE,
+    SIZE_TABLE,
     format_size_table,
     size_rows,
 )
@@ -139,16 +139,23 @@ def draw_figures(checkpoint: Path, val_images: list[Path], run_dir: Path) -> Non
     _figure("precision-recall curves", pr_curves)
 
 
-def evaluate_sizes(cfg: Any, out: Path, sizes: Sequence[EvalSize], progress: bool) -> Path:
-    """The last checkpoint at each test size (as ``tools/train.py --sizes``): the table
-    printed, sizes.md / sizes.json / sizes.png in ``out/eval_sizes``; returns that folder."""
-    result = evaluate_run_at_sizes(cfg, out, sizes, progress)
+def evaluate_sizes(cfg: Any, out: Path, sizes: Sequence[EvalSize], progress: bool,
+                   canvases: Sequence[CanvasLayout] = ()) -> Path:
+    """The last checkpoint at each test size (as ``tools/train.py --sizes``) and on each
+    canvas layout (``--canvases``): the tables printed, sizes.md / sizes.json / sizes.png
+    (canvases.*) in ``out/eval_sizes``; returns that folder."""
+    result = evaluate_run_at_sizes(cfg, out, sizes, progress, canvases)
     folder = Path(result["output_dir"])
-    print("\n[demo] COCO box AP at the test sizes (docs/evaluation.md, \"Test sizes\"), in %")
-    print(format_size_table(size_rows([r["size"] for r in result["sizes"]],
-                                      [r["summary"] for r in result["sizes"]])))
-    print(f"[demo] test sizes -> {folder / SIZES_MARKDOWN}, {folder / SIZES_JSON}, "
-          f"{folder / SIZES_FIGURE}")
+    for table in (SIZE_TABLE, CANVAS_TABLE):
+        if not result.get(table.key):
+            continue
+        views = result[table.key]
+        print(f"\n[demo] COCO box AP for each {table.column} (docs/evaluation.md, "
+              f"\"{table.section}\"), in %")
+        print(format_size_table(size_rows([r["size"] for r in views],
+                                          [r["summary"] for r in views]), table.column))
+        print(f"[demo] {table.key} -> {folder / table.markdown_name}, "
+              f"{folder / table.json_name}, {folder / table.figure_name}")
     return folder
 
 
@@ -174,9 +181,10 @@ def _report(summary: dict, table: str, result: dict, train_seconds: float, total
           "predictions/, figures/" + (", eval_sizes/" if sizes else ""))
 
 
-def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = ()) -> int:
+def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = (),
+        canvases: Sequence[CanvasLayout] = ()) -> int:
     """The demo as the arguments say: data, training, evaluation, figures, the test
-    ``sizes`` (none: no evaluation at test sizes), the table."""
+    ``sizes`` and ``canvases`` (none: no such evaluation), the table."""
     start = time.perf_counter()
     ensure_dataset(args.data)
     cfg, max_steps = demo_config(args)
@@ -194,10 +202,10 @@ def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = ()) -> int:
     images_dir = Path(cfg.data.root) / cfg.data.val_images
     val_images = [images_dir / val.coco.imgs[i]["file_name"] for i in val.ids[:args.num_images]]
     draw_figures(last, val_images, out)
-    if sizes:
-        evaluate_sizes(cfg, out, sizes, progress=not args.no_progress)
+    if sizes or canvases:
+        evaluate_sizes(cfg, out, sizes, progress=not args.no_progress, canvases=canvases)
     _report(summary, table, result, result["train_time"], time.perf_counter() - start, out,
-            sizes=bool(sizes))
+            sizes=bool(sizes or canvases))
     return 0
 
 

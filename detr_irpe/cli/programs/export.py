@@ -61,7 +61,8 @@ def export(args: argparse.Namespace) -> list[str]:
     path = export_onnx(loaded.model, args.output, size, batch=args.batch, dynamic=args.dynamic,
                        opset=opset)
     shape = "N x 3 x H x W" if args.dynamic else f"{args.batch} x 3 x {size[0]} x {size[1]}"
-    lines = [f"{args.checkpoint} (rpe={loaded.cfg.model.rpe}) -> {path} "
+    encodings = loaded.cfg.model.place("encoder").describe()
+    lines = [f"{args.checkpoint} (encoder encodings: {encodings}) -> {path} "
              f"(onnx opset {opset}, images {shape})"]
     if args.check:
         logger.info("check: running %s with onnxruntime and PyTorch on random images ...", path)

@@ -25,6 +25,7 @@ def run(args: argparse.Namespace, threshold: float, overrides: Sequence[str]) ->
     predictor = Predictor.from_checkpoint(
         args.checkpoint, device=args.device, score_threshold=threshold,
         config=args.config, overrides=list(overrides), trust_imports=args.trust_imports,
+        runtime=args.runtime,
     )
     strict = args.strict or predictor.cfg.data.strict
     skipped: list = []

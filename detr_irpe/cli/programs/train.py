@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from detr_irpe.canvas import CanvasLayout
 from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.cli.common import device_override, load_config_from_args, print_eval_result
 from detr_irpe.cli.programs.eval import evaluate_run_at_sizes, plot_size_figure
@@ -70,7 +71,8 @@ def print_dry_run(report: dict[str, Any]) -> None:
     print("dry run passed: nothing was trained or written")
 
 
-def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = ()) -> int:
+def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = (),
+        canvases: Sequence[CanvasLayout] = ()) -> int:
     cfg = run_config(args)
     if args.print_config:
         print(cfg.to_yaml(), end="")
@@ -83,17 +85,17 @@ def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = ()) -> int:
     output_dir = Path(cfg.train.output_dir)
     if args.eval_only:
         result = run_evaluation(cfg, _eval_weights(args, output_dir), output_dir / "eval",
-                                progress=progress, sizes=sizes)
+                                progress=progress, sizes=sizes, canvases=canvases)
     else:
         result = run_training(cfg, resume=_local(args.resume, progress),
                               finetune=_local(args.finetune, progress), progress=progress)
         # a training run logged the table of each evaluation (train.log and the console)
         print_eval_result(result, tables=False)
-        if not sizes:
+        if not sizes and not canvases:
             return 0
-        print_eval_result(evaluate_run_at_sizes(cfg, output_dir, sizes, progress))
+        print_eval_result(evaluate_run_at_sizes(cfg, output_dir, sizes, progress, canvases))
         return 0
-    if sizes and result["rank"] == 0:
+    if (sizes or canvases) and result["rank"] == 0:
         plot_size_figure(result)
     print_eval_result(result)
     return 0

@@ -25,6 +25,7 @@ from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.device import resolve_device
 from detr_irpe.utils.files import ensure_writable_folder
 from detr_irpe.visualization.attention import model_device
+from detr_irpe.visualization.canvas_encoder import canvas_views, plot_canvas_encoder_views
 from detr_irpe.visualization.maps import distinct_points
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,17 @@ def _rpe_tables(args: argparse.Namespace, default_dir: Path) -> list[Path]:
     maps = vis.model_rpe_table_maps(model, extent=args.extent, layers=args.layers)
     vis.plot_rpe_tables(maps, out=out, per_head=args.per_head,
                         title=f"iRPE tables ({cfg.model.rpe}) on the offset grid")
+    return [out]
+
+
+def _position_response(args: argparse.Namespace, default_dir: Path) -> list[Path]:
+    model, cfg, _ = _load(args)
+    out = args.out or default_dir / "position_response.png"
+    responses = vis.encoder_position_responses(model, layer=args.layer, extent=args.extent)
+    vis.plot_position_response(
+        responses, out=out, per_head=args.per_head,
+        title=f"encoder layer {args.layer}: the logit term of each position encoding "
+              f"({cfg.model.place('encoder').describe()}) for a key at offset (dy, dx)")
     return [out]
 
 
@@ -180,6 +192,25 @@ def _image_figure(args: argparse.Namespace, default_dir: Path) -> list[Path]:
     return written
 
 
+def _canvas_encoder(args: argparse.Namespace, default_dir: Path) -> list[Path]:
+    """``canvas-encoder``: one row per config, its model with random weights (the
+    encodings are fixed functions of the grid) on one random square image."""
+    if args.size < 32:
+        raise ConfigError(f"--size {args.size}: at least 32 pixels (one stride-32 cell)")
+    image = torch.randn(3, args.size, args.size, generator=torch.Generator().manual_seed(0))
+    rows = []
+    for name in args.configs:
+        # the class count does not touch the encoder: any will do when the config has none
+        cfg = load_config(name, ["model.backbone_weights=none"])
+        if cfg.model.num_classes is None:
+            cfg = load_config(name, ["model.backbone_weights=none", "model.num_classes=2"])
+        model = build_model(cfg, load_backbone_weights=False)[0]
+        rows.append((Path(name).stem, canvas_views(model, image)))
+    out = args.out or default_dir / "canvas_encoder.png"
+    plot_canvas_encoder_views(rows, out)
+    return [out]
+
+
 def run(args: argparse.Namespace, default_dir: Path) -> list[Path]:
     """Draw what ``args.command`` asks for (``--min-detections`` resolved by the tool);
     the PNG files written, by default into ``default_dir``."""
@@ -193,8 +224,12 @@ def run(args: argparse.Namespace, default_dir: Path) -> list[Path]:
         return [out]
     if args.command == "pr-curves":
         return _pr_curves(args)
+    if args.command == "canvas-encoder":
+        return _canvas_encoder(args, default_dir)
     if args.command == "rpe-tables":
         return _rpe_tables(args, default_dir)
+    if args.command == "position-response":
+        return _position_response(args, default_dir)
     if args.command == "all":
         model, image, names, category_ids = _image_run(args)
         paths = vis.save_attention_maps(model, image, args.out_dir or default_dir,

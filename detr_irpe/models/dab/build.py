@@ -22,7 +22,7 @@ __all__ = ["build", "build_criterion", "build_dab_transformer", "build_denoising
 
 def build_dab_transformer(m: DABModelConfig) -> DABTransformer:
     """DAB-DETR's encoder-decoder (PReLU layers; iRPE and RoPE in the encoder as
-    ``model.rpe`` and ``model.rope`` say)."""
+    ``model.encodings.encoder`` says)."""
     return DABTransformer(**transformer_args(m), activation="prelu")
 
 

@@ -26,12 +26,13 @@ official code fixes the anchor embedding at 128 features per coordinate; here it
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from detr_irpe.irpe.config import RPEConfig
+from detr_irpe.encodings import PlaceEncodings, as_place
 from detr_irpe.irpe.dropout import Dropout
 from detr_irpe.models.detr.transformer import (
     TransformerEncoder,
@@ -42,7 +43,6 @@ from detr_irpe.models.detr.transformer import (
 )
 from detr_irpe.models.mlp import MLP
 from detr_irpe.models.position_encoding import sine_features
-from detr_irpe.rope import RoPEConfig
 
 # Box coordinates are clamped this far from 0 and 1 before the logit (the official value).
 INVERSE_SIGMOID_EPS = 1e-3
@@ -319,10 +319,9 @@ class DABTransformer(nn.Module):
         num_encoder_layers, num_decoder_layers: depths (the encoder may be 0).
         dim_feedforward: FFN hidden width.
         dropout: dropout of attention weights, residual branches and FFN (DAB-DETR: 0).
-        rpe: iRPE of the encoder self-attention (model-zoo string, RPEConfig or None).
+        encodings: the encodings of the encoder self-attention (as DETR's).
         rpe_init: how the iRPE tables start (``xavier`` or ``zero``, as in DETR).
         activation: FFN activation of every layer (DAB-DETR: ``prelu``).
-        rope: rotary encoding of the encoder self-attention (as DETR's).
     """
 
     def __init__(
@@ -333,18 +332,17 @@ class DABTransformer(nn.Module):
         num_decoder_layers: int = 6,
         dim_feedforward: int = 2048,
         dropout: float = 0.0,
-        rpe: RPEConfig | str | None = None,
+        encodings: PlaceEncodings | Sequence[str] | None = None,
         rpe_init: str = "xavier",
         activation: str = "prelu",
-        rope: RoPEConfig | str | None = None,
     ) -> None:
         super().__init__()
         if d_model % 4:
             raise ValueError(f"d_model must be divisible by 4 for the anchor embedding, got {d_model}")
         self.encoder = TransformerEncoder(
             [
-                TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, False, rpe,
-                                        activation, rope)
+                TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, False,
+                                        activation, encodings=as_place(encodings))
                 for _ in range(num_encoder_layers)
             ],
             None,

@@ -9,7 +9,6 @@ from collections.abc import Iterable
 from torch import nn
 
 from detr_irpe.errors import ConfigError
-from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.models.backbone import Backbone, Joiner
 from detr_irpe.models.detr.config import DETRLossConfig, DETRModelConfig, TransformerDetectorConfig
 from detr_irpe.models.detr.criterion import SetCriterion
@@ -18,7 +17,6 @@ from detr_irpe.models.detr.transformer import Transformer
 from detr_irpe.models.matcher import HungarianMatcher
 from detr_irpe.models.position_encoding import build_position_encoding
 from detr_irpe.models.postprocess import PostProcess
-from detr_irpe.rope import parse_rope
 
 __all__ = [
     "aux_weights",
@@ -65,9 +63,8 @@ def transformer_args(m: TransformerDetectorConfig) -> dict:
         "num_decoder_layers": m.dec_layers,
         "dim_feedforward": m.dim_feedforward,
         "dropout": m.dropout,
-        "rpe": parse_rpe(m.rpe),
+        "encodings": m.place("encoder"),
         "rpe_init": m.rpe_init,
-        "rope": parse_rope(m.rope),
     }
 
 

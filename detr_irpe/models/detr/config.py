@@ -81,7 +81,7 @@ class TransformerDetectorConfig(ModelConfig):
             raise ConfigError(f"model.backbone: {err}") from None
         super().__post_init__()
         choice("model.position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
-        self.check_rope_head_dim(self.hidden_dim)
+        self.check_encoder_widths(self.hidden_dim)
         if isinstance(self.channels_last, str) and self.channels_last != "auto":
             raise ConfigError(
                 f"model.channels_last must be true, false or auto, got {self.channels_last!r}"
@@ -132,6 +132,15 @@ class TransformerDetectorConfig(ModelConfig):
 
     def feature_stride(self) -> int:
         return 16 if self.dilation else 2 ** (self.backbone_stages + 1)
+
+    def finer_stride_hint(self) -> str | None:
+        if self.backbone_stages == 4 and not self.dilation:
+            return ("model.dilation=true (DC5: stride 16, four times the encoder tokens, "
+                    "about twice the compute)")
+        if self.backbone_stages == 3:
+            return ("model.backbone_stages=2 (stride 8: the ResNet up to layer2, four times "
+                    "the encoder tokens)")
+        return None
 
 
 @dataclass

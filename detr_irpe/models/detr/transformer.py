@@ -13,9 +13,10 @@ What changed:
   parameter reset, which re-initialises every matrix including the tables (the
   published iRPE-DETR recipe); ``zero`` makes a fresh iRPE model compute exactly the
   model without iRPE.
-- the encoder self-attention may also rotate q and k (``rope``: RoPE-Axial or
-  RoPE-Mixed, :mod:`detr_irpe.rope`), alone or with iRPE and the absolute encoding;
-  the reset leaves RoPE-Mixed's frequencies as they were started.
+- the encoder self-attention takes any encodings of the registry
+  (:mod:`detr_irpe.encodings`: iRPE, a rotation of q and k, a plugin's), alone or
+  together and with the absolute encoding; the reset leaves the parameters of encodings
+  that start their own way as they were started.
 - the encoder is also DAB-DETR's (``models/dab_transformer.py``): its layers take an
   ``activation`` (``prelu``: one learned slope per layer, key ``activation.weight``), and
   the stack an optional ``query_scale`` MLP that rescales the position encoding from
@@ -29,16 +30,16 @@ checkpoints load. Pre-norm adds a final encoder LayerNorm
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from detr_irpe.encodings import PlaceEncodings, as_place
+from detr_irpe.encodings.model import keeps_own_init
 from detr_irpe.irpe import RPE_INIT_MODES, IRPEMultiheadAttention, init_rpe_table
-from detr_irpe.irpe.config import RPEConfig
 from detr_irpe.irpe.dropout import Dropout
-from detr_irpe.rope import RoPEConfig, build_rope, is_rope_key
 
 ACTIVATIONS = ("relu", "prelu")
 
@@ -46,12 +47,13 @@ ACTIVATIONS = ("relu", "prelu")
 def reset_parameters(module: nn.Module, rpe_init: str) -> None:
     """DETR's reset of a transformer: ``xavier_uniform_`` on every matrix (which in
     DETR-with-iRPE includes the iRPE tables); ``rpe_init="zero"`` keeps the tables at zero.
-    RoPE-Mixed's frequencies ``(2, h, D / 2)`` keep their start (a xavier draw would lose
-    the per-head directions and the magnitudes of every pair)."""
+    The parameters of encodings that start their own way keep their start (RoPE-Mixed's
+    frequencies: a xavier draw would lose the per-head directions and the magnitudes of
+    every pair)."""
     if rpe_init not in RPE_INIT_MODES:
         raise ValueError(f"rpe_init must be one of {', '.join(RPE_INIT_MODES)}, got {rpe_init!r}")
     for name, param in module.named_parameters():
-        if param.dim() <= 1 or is_rope_key(name):
+        if param.dim() <= 1 or keeps_own_init(name):
             continue
         if "lookup_table" in name:
             init_rpe_table(param, rpe_init)
@@ -99,9 +101,9 @@ def _with_pos(x: Tensor, pos: Tensor | None) -> Tensor:
 
 
 class TransformerEncoderLayer(nn.Module):
-    """Self-attention with iRPE and / or RoPE (absolute positions added to queries and
-    keys, not values) + FFN. ``rope``: a RoPE encoding string or config
-    (:func:`detr_irpe.rope.build_rope`), the module key ``self_attn.rope``."""
+    """Self-attention with the encodings of ``encodings`` (encoding strings or a
+    :class:`~detr_irpe.encodings.PlaceEncodings`: iRPE, RoPE, a plugin's; the absolute
+    positions are added to queries and keys, not values, by the caller) + FFN."""
 
     def __init__(
         self,
@@ -110,14 +112,13 @@ class TransformerEncoderLayer(nn.Module):
         dim_feedforward: int = 2048,
         dropout: float = 0.1,
         pre_norm: bool = False,
-        rpe: RPEConfig | str | None = None,
         activation: str = "relu",
-        rope: RoPEConfig | str | None = None,
+        encodings: PlaceEncodings | Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = IRPEMultiheadAttention(
-            d_model, nhead, dropout=dropout, rpe=rpe,
-            rope=build_rope(rope, d_model // nhead, nhead))
+            d_model, nhead, dropout=dropout,
+            **as_place(encodings).attention_args(d_model, nhead))
         add_feed_forward(self, d_model, dim_feedforward, dropout, activation)
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
@@ -279,10 +280,10 @@ class Transformer(nn.Module):
         dim_feedforward: FFN hidden width.
         dropout: dropout of attention weights, residual branches and FFN.
         pre_norm: pre-norm layers (adds ``encoder.norm``); default post-norm.
-        rpe: iRPE of the encoder self-attention (model-zoo string, RPEConfig or None).
+        encodings: the encodings of the encoder self-attention (encoding strings such as
+            ``["rpe-2.0-product-ctx-1-k"]`` or a PlaceEncodings; the absolute
+            one is added by the caller through ``pos``).
         rpe_init: how the iRPE tables start: ``xavier`` (the reference recipe) or ``zero``.
-        rope: rotary encoding of the encoder self-attention (``"rope-axial"``,
-            ``"rope-mixed"``, a RoPEConfig or None).
     """
 
     def __init__(
@@ -294,15 +295,15 @@ class Transformer(nn.Module):
         dim_feedforward: int = 2048,
         dropout: float = 0.1,
         pre_norm: bool = False,
-        rpe: RPEConfig | str | None = None,
+        encodings: PlaceEncodings | Sequence[str] | None = None,
         rpe_init: str = "xavier",
-        rope: RoPEConfig | str | None = None,
     ) -> None:
         super().__init__()
+        encodings = as_place(encodings)
         self.encoder = TransformerEncoder(
             [
-                TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, pre_norm, rpe,
-                                        rope=rope)
+                TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, pre_norm,
+                                        encodings=encodings)
                 for _ in range(num_encoder_layers)
             ],
             nn.LayerNorm(d_model) if pre_norm else None,

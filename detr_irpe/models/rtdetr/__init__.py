@@ -10,7 +10,7 @@ denoising (:mod:`.denoising`), the VFL criterion (:mod:`.criterion`), the config
 from detr_irpe.family import AttentionSupport, DetectorFamily, register_family
 from detr_irpe.models.rtdetr.build import build, build_detector, build_postprocessor
 from detr_irpe.models.rtdetr.checkpoint import CHECKPOINT
-from detr_irpe.models.rtdetr.config import PRESNET, RTDETRLossConfig, RTDETRModelConfig
+from detr_irpe.models.rtdetr.config import RTDETRLossConfig, RTDETRModelConfig
 from detr_irpe.models.rtdetr.export import onnx_wrapper
 from detr_irpe.models.rtdetr.hf import HF
 from detr_irpe.models.rtdetr.model import RTDETR, encoder_attention
@@ -24,8 +24,9 @@ FAMILY = register_family(DetectorFamily(
     build_detector=build_detector,
     build_postprocessor=build_postprocessor,
     model_types=(RTDETR,),
-    describe=lambda m: (f"RT-DETR-R{m.depth}" if m.backbone == PRESNET
-                        else f"RT-DETR-{m.backbone}"),
+    describe=lambda m: (f"RT-DETR-R{m.depth}" if m.backbone == "presnet"
+                        else f"RT-DETR-HGNetv2-{m.backbone.removeprefix('hgnetv2_').upper()}"
+                        if m.backbone.startswith("hgnetv2_") else f"RT-DETR-{m.backbone}"),
     checkpoint=CHECKPOINT,
     hf=HF,
     onnx_wrapper=onnx_wrapper,

@@ -11,15 +11,16 @@ from torch import nn
 from detr_irpe.checkpoint import CheckpointError
 from detr_irpe.checkpoint.safe import safe_load
 from detr_irpe.errors import ConfigError
+from detr_irpe.models.hgnetv2 import HGNetv2, load_hgnetv2_weights
 from detr_irpe.models.matcher import FocalHungarianMatcher
 from detr_irpe.models.postprocess import TopKPostProcess
-from detr_irpe.models.rtdetr.config import PRESNET, RTDETRLossConfig, RTDETRModelConfig
+from detr_irpe.models.rtdetr.config import RTDETRLossConfig, RTDETRModelConfig
 from detr_irpe.models.rtdetr.criterion import RTDETRCriterion, rtdetr_weight_dict
 from detr_irpe.models.rtdetr.decoder import RTDETRDecoder
 from detr_irpe.models.rtdetr.hybrid_encoder import HybridEncoder
 from detr_irpe.models.rtdetr.model import RTDETR
 from detr_irpe.models.rtdetr.presnet import PResNet
-from detr_irpe.models.vit import build_vit_backbone
+from detr_irpe.models.vit import build_config_backbone, is_vit_backbone
 from detr_irpe.structures import IMAGENET_MEAN, IMAGENET_STD
 
 logger = logging.getLogger(__name__)
@@ -27,23 +28,25 @@ logger = logging.getLogger(__name__)
 
 def build_rtdetr(cfg: RTDETRModelConfig, *, load_weights: bool = True) -> RTDETR:
     """The model of ``cfg`` (checked); with ``load_weights``, ``cfg.backbone_weights``
-    (a PResNet state-dict file, e.g. the published ImageNet ResNet-vd, or a timm ViT file
-    for a ViT backbone) goes into the backbone."""
+    (a PResNet state-dict file, e.g. the published ImageNet ResNet-vd, an HGNetv2 file, or a
+    timm ViT file for a ViT backbone) goes into the backbone."""
     cfg.check()
-    if cfg.backbone == PRESNET:
-        backbone = PResNet(cfg.depth, cfg.variant, 4, (1, 2, 3), cfg.freeze_at, cfg.freeze_norm)
+    if is_vit_backbone(cfg.backbone):
+        backbone = build_config_backbone(cfg, (8, 16, 32), load_weights=load_weights)
+    elif cfg.backbone == "presnet":
+        backbone = PResNet(cfg.depth, cfg.variant, 4, (1, 2, 3), cfg.freeze_at,
+                           cfg.freeze_norm)
         if load_weights and cfg.backbone_weights:
             load_backbone_weights(backbone, cfg.backbone_weights)
     else:
-        backbone = build_vit_backbone(
-            cfg.backbone, cfg.vit_encodings(),
-            weights=cfg.backbone_weights if load_weights else None, rpe_init=cfg.rpe_init,
-            freeze_patch_embed=cfg.freeze_at == 0)
+        backbone = HGNetv2(cfg.backbone.removeprefix("hgnetv2_"), (1, 2, 3), cfg.freeze_at,
+                           freeze_stem_only=True, freeze_norm=cfg.freeze_norm)
+        if load_weights and cfg.backbone_weights:
+            load_hgnetv2_weights(backbone, cfg.backbone_weights)
     encoder = HybridEncoder(
         tuple(backbone.out_channels), cfg.enc_hidden_dim, cfg.nheads, cfg.enc_dim_feedforward,
         cfg.dropout, "gelu", (2,), cfg.enc_layers, cfg.pe_temperature, cfg.expansion,
-        cfg.depth_mult, "silu", cfg.rpe, cfg.rpe_init, rope=cfg.rope,
-        position_embedding=cfg.position_embedding,
+        cfg.depth_mult, "silu", cfg.place("encoder"), cfg.rpe_init,
     )
     decoder = RTDETRDecoder(
         num_classes=cfg.num_classes, hidden_dim=cfg.hidden_dim, num_queries=cfg.num_queries,
@@ -87,10 +90,13 @@ def build_rtdetr_criterion(model_cfg: RTDETRModelConfig, loss_cfg: RTDETRLossCon
                                     loss_cfg.focal_alpha, loss_cfg.focal_gamma)
     num_aux = model_cfg.dec_layers if model_cfg.aux_loss else 0  # layers but the last + proposals
     num_dn = model_cfg.dec_layers if model_cfg.aux_loss and model_cfg.num_denoising > 0 else 0
-    weights = rtdetr_weight_dict(loss_cfg.vfl_weight, loss_cfg.bbox_weight,
-                                 loss_cfg.giou_weight, num_aux, num_dn)
+    mal = loss_cfg.classification == "mal"
+    weights = rtdetr_weight_dict(loss_cfg.mal_weight if mal else loss_cfg.vfl_weight,
+                                 loss_cfg.bbox_weight, loss_cfg.giou_weight, num_aux, num_dn,
+                                 loss_cfg.classification)
     return RTDETRCriterion(model_cfg.num_classes, matcher, weights, loss_cfg.vfl_alpha,
-                           loss_cfg.vfl_gamma)
+                           loss_cfg.vfl_gamma, loss_cfg.classification, loss_cfg.mal_gamma,
+                           loss_cfg.mal_alpha)
 
 
 def build_postprocessor(model_cfg: RTDETRModelConfig, categories: Iterable[int] | None = None,

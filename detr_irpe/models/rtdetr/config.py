@@ -20,12 +20,20 @@ from detr_irpe.config.schema import LossConfig, ModelConfig
 from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
+from detr_irpe.models.hgnetv2 import HGNETV2_SIZES
 from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
 from detr_irpe.models.rtdetr.presnet import DEPTHS, VARIANTS
-from detr_irpe.models.vit import VIT_BACKBONES, parse_backbone_encodings
+from detr_irpe.models.vit import (
+    VIT_BACKBONES,
+    check_vit_section,
+    is_vit_backbone,
+    resolve_encodings,
+)
 
-# The backbone that is not a ViT: the published ResNet-vd (model.depth, model.variant).
-PRESNET = "presnet"
+# loss.classification: RT-DETR's varifocal loss or DEIM's matchability-aware loss
+CLASSIFICATION_LOSSES = ("vfl", "mal")
+# model.backbone: the published ResNet-vd, or an HGNetv2 of timm (or a ViT: VIT_BACKBONES)
+BACKBONES = ("presnet", *(f"hgnetv2_{size}" for size in HGNETV2_SIZES))
 
 # What the model's input images are: normalised as ImageNet's (this package's data) or not.
 INPUT_NORMALIZATIONS = ("imagenet", "none")
@@ -72,17 +80,15 @@ class RTDETRModelConfig(ModelConfig):
     hidden_dim: int = 256
     # Attention heads of the AIFI layer and of the decoder's attentions.
     nheads: int = 8
-    # The backbone: "presnet" (the published ResNet-vd of model.depth / model.variant) or
-    # a ViT with a feature adapter to strides 8 / 16 / 32 (docs/rtdetr.md, "A ViT
-    # backbone"): vit_tiny, vit_small, vit_base (timm's / DeiT's sizes), vit_nano (small
-    # images, from scratch) or a registered one.
-    backbone: str = PRESNET
-    # Position encodings of a ViT backbone's attention, composable (one absolute, one
-    # iRPE, one RoPE): "none", "learned" (timm's absolute embedding, resampled to each
-    # grid), an iRPE string ("rpe-2.0-product-ctx-1-k"), "rope-axial" / "rope-mixed".
-    # null: ["learned"] for a ViT (the pretrained ViTs' own); must be null for presnet.
-    # One string is a list of one.
-    backbone_encodings: list[str] | str | None = None
+    # The backbone: "presnet" (ResNet-vd of model.depth, the published RT-DETR), an
+    # HGNetv2 of timm, "hgnetv2_b0" ... "hgnetv2_b6" (D-FINE / DEIM's; the timm extra;
+    # docs/rtdetr.md), or a ViT with a feature adapter to strides 8 / 16 / 32: vit_tiny,
+    # vit_small, vit_base (timm's / DeiT's sizes), vit_nano (small images, from scratch)
+    # or a registered one (docs/rtdetr.md, "A ViT backbone"). A ViT's attention takes
+    # model.encodings.backbone; without that key it has [learned] (timm's absolute
+    # embedding, the pretrained ViTs' own; [] or none: no encoding). model.freeze_at /
+    # backbone_weights apply to every backbone (a ViT: -1 or 0, a timm ViT file).
+    backbone: str = "presnet"
     # ResNet-vd depth of the backbone: 18, 34, 50 or 101.
     depth: int = 50
     # ResNet variant: "d" (vd: deep stem, avg-pool shortcut; the published) or "a" / "b".
@@ -134,41 +140,37 @@ class RTDETRModelConfig(ModelConfig):
     # std, as this package's data pipeline gives them; the model maps them back to [0, 1],
     # the published model's input) or "none" ([0, 1] pixels).
     input_normalization: str = "imagenet"
-    # ImageNet weights of the backbone: a PResNet state-dict file, or for a ViT backbone a
-    # timm / DeiT ViT file of its size (.safetensors or .pth; null: random; a checkpoint
-    # loaded over the model brings its own).
+    # ImageNet weights of the backbone: a PResNet state-dict file, an HGNetv2 file, or for a
+    # ViT backbone a timm / DeiT ViT file of its size (.safetensors or .pth; null: random;
+    # a checkpoint loaded over the model brings its own).
     backbone_weights: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        resolve_encodings(self)
         # "none" means random, as model.backbone_weights does for the other families
         if isinstance(self.backbone_weights, str) and self.backbone_weights.strip().lower() in (
                 "", "none"):
             self.backbone_weights = None
-        if isinstance(self.backbone_encodings, str):
-            self.backbone_encodings = [self.backbone_encodings]
         if self.backbone_weights == "imagenet":
             raise ConfigError(
                 "model.backbone_weights=imagenet: the published ImageNet ResNet-vd is a file of "
-                "the RT-DETR repository (a ViT's a timm file), not downloaded here; give the "
-                "path of its state dict, or none")
+                "the RT-DETR repository, not downloaded here; give the path of its PResNet "
+                "state dict, or none")
         self.check()
-
-    def vit_encodings(self):
-        """The :class:`~detr_irpe.models.vit.BackboneEncodings` of a ViT backbone
-        (``backbone_encodings``; null: ``["learned"]``).
-
-        Raises:
-            ValueError: a bad entry, naming ``model.backbone_encodings``.
-        """
-        entries = ["learned"] if self.backbone_encodings is None else self.backbone_encodings
-        return parse_backbone_encodings(entries)
 
     def rpe_layer_count(self) -> int:
         return self.enc_layers
 
+    def backbone_takes_encodings(self) -> bool:
+        return is_vit_backbone(self.backbone)
+
     def encoder_width(self) -> int:
         return self.enc_hidden_dim
+
+    def detection_strides(self) -> tuple[int, ...]:
+        # the backbone's stride 8 / 16 / 32 maps, then a 3x3 / 2 convolution per extra level
+        return tuple(8 * 2**level for level in range(self.num_levels))
 
     @classmethod
     def for_depth(cls, depth: int, **overrides) -> RTDETRModelConfig:
@@ -189,32 +191,14 @@ class RTDETRModelConfig(ModelConfig):
         def key(name: str) -> str:
             return f"{prefix}.{name}" if prefix else name
 
-        if self.backbone != PRESNET and self.backbone not in VIT_BACKBONES:
-            _fail(key("backbone"), self.backbone,
-                  f"must be one of {', '.join([PRESNET, *VIT_BACKBONES])} (or a ViT registered "
-                  "with detr_irpe.models.vit.register_vit_backbone in a model.import module)")
-        if self.backbone == PRESNET and self.backbone_encodings is not None:
-            _fail(key("backbone_encodings"), self.backbone_encodings,
-                  f"applies to ViT backbones only; set it to null with {key('backbone')}="
-                  f"{PRESNET}")
-        if self.backbone != PRESNET:
-            try:
-                encodings = self.vit_encodings()
-            except ValueError as err:
-                raise ConfigError(str(err).replace("model.backbone_encodings",
-                                                   key("backbone_encodings"))) from None
-            head_dim = VIT_BACKBONES[self.backbone].embed_dim // VIT_BACKBONES[
-                self.backbone].num_heads
-            if encodings.rope is not None and head_dim % 4:
-                _fail(key("backbone_encodings"), self.backbone_encodings,
-                      f"has RoPE, which needs a head width divisible by 4; {self.backbone}'s "
-                      f"is {head_dim}")
-            if self.freeze_at not in (-1, 0):
-                _fail(key("freeze_at"), self.freeze_at,
-                      f"must be -1 (nothing) or 0 (the patch embedding) with a ViT backbone "
-                      f"({key('backbone')}={self.backbone})")
         if self.depth not in DEPTHS:
             _fail(key("depth"), self.depth, f"must be one of {', '.join(map(str, DEPTHS))}")
+        if self.backbone not in BACKBONES and not is_vit_backbone(self.backbone):
+            _fail(key("backbone"), self.backbone,
+                  f"must be one of {', '.join((*BACKBONES, *VIT_BACKBONES))} (or a ViT "
+                  "registered with detr_irpe.models.vit.register_vit_backbone)")
+        if is_vit_backbone(self.backbone):
+            check_vit_section(self, key)
         if self.variant not in VARIANTS:
             _fail(key("variant"), self.variant, f"must be one of {', '.join(VARIANTS)}")
         for name in ("freeze_norm", "aux_loss"):
@@ -247,7 +231,7 @@ class RTDETRModelConfig(ModelConfig):
         if self.position_embedding not in POSITION_EMBEDDINGS:
             _fail(key("position_embedding"), self.position_embedding,
                   f"must be one of {', '.join(POSITION_EMBEDDINGS)}")
-        self.check_rope_head_dim(self.enc_hidden_dim, "enc_hidden_dim", prefix)
+        self.check_encoder_widths(self.enc_hidden_dim, "enc_hidden_dim", prefix)
         if self.rpe_init not in RPE_INIT_MODES:
             _fail(key("rpe_init"), self.rpe_init, f"must be one of {', '.join(RPE_INIT_MODES)}")
         _int_in(key("dec_layers"), self.dec_layers, 1, MAX_LAYERS)
@@ -279,8 +263,18 @@ class RTDETRLossConfig(LossConfig):
 
     FAMILY: ClassVar[str] = "rtdetr"
 
+    # The classification loss: "vfl" (RT-DETR's varifocal loss, term loss_vfl) or "mal"
+    # (DEIM's matchability-aware loss, term loss_mal: IoU ** mal_gamma targets, negatives
+    # weighted by their score ** mal_gamma; docs/rtdetr.md).
+    classification: str = "vfl"
     # Weight of the varifocal classification loss.
     vfl_weight: float = 1.0
+    # classification=mal: the weight of loss_mal (DEIM: 1).
+    mal_weight: float = 1.0
+    # classification=mal: the exponent of the IoU targets and of the negatives' weights.
+    mal_gamma: float = 1.5
+    # classification=mal: a weight of the negatives (null: none, DEIM's default).
+    mal_alpha: float | None = None
     # Weight of the L1 box loss.
     bbox_weight: float = 5.0
     # Weight of the generalised-IoU loss.
@@ -308,8 +302,14 @@ class RTDETRLossConfig(LossConfig):
         def key(name: str) -> str:
             return f"{prefix}.{name}" if prefix else name
 
-        for name in ("vfl_weight", "bbox_weight", "giou_weight", "cost_class", "cost_bbox",
-                     "cost_giou"):
+        if self.classification not in CLASSIFICATION_LOSSES:
+            _fail(key("classification"), self.classification,
+                  f"must be one of {', '.join(CLASSIFICATION_LOSSES)}")
+        _float_in(key("mal_gamma"), self.mal_gamma, 0.0, 100.0)
+        if self.mal_alpha is not None:
+            _float_in(key("mal_alpha"), self.mal_alpha, 0.0, 1.0)
+        for name in ("vfl_weight", "mal_weight", "bbox_weight", "giou_weight", "cost_class",
+                     "cost_bbox", "cost_giou"):
             _float_in(key(name), getattr(self, name), 0.0, 1e6)
         for name in ("vfl_alpha", "focal_alpha"):
             _float_in(key(name), getattr(self, name), 0.0, 1.0)

@@ -47,15 +47,28 @@ TERMS = ("loss_vfl", "loss_bbox", "loss_giou")
 
 
 def rtdetr_weight_dict(vfl: float, bbox: float, giou: float, num_aux: int,
-                       num_dn: int) -> dict[str, float]:
+                       num_dn: int, classification: str = "vfl") -> dict[str, float]:
     """Weights of every term: ``loss_*``, ``loss_*_aux_{i}`` for ``i < num_aux`` and
-    ``loss_*_dn_{i}`` for ``i < num_dn``."""
-    base = dict(zip(TERMS, (float(vfl), float(bbox), float(giou))))
+    ``loss_*_dn_{i}`` for ``i < num_dn``; ``vfl`` is the weight of the classification
+    term, ``loss_vfl`` or (``classification="mal"``) ``loss_mal``."""
+    names = (f"loss_{classification}", *TERMS[1:])
+    base = dict(zip(names, (float(vfl), float(bbox), float(giou))))
     weights = dict(base)
     for suffix, count in (("aux", num_aux), ("dn", num_dn)):
         for i in range(count):
             weights.update({f"{k}_{suffix}_{i}": v for k, v in base.items()})
     return weights
+
+
+def _weighted_bce_sum(logits: Tensor, target_score: Tensor, onehot: Tensor,
+                      weight_and_target) -> Tensor:
+    """Binary cross-entropy summed over every entry, in float32 (outside autocast), with
+    ``(weight, target) = weight_and_target(detached probability, IoU target, onehot)``."""
+    with torch.autocast(device_type=logits.device.type, enabled=False):
+        logits, target_score, onehot = logits.float(), target_score.float(), onehot.float()
+        weight, target = weight_and_target(logits.detach().sigmoid(), target_score, onehot)
+        return F.binary_cross_entropy_with_logits(logits, target, weight=weight,
+                                                  reduction="sum")
 
 
 def varifocal_loss(logits: Tensor, target_score: Tensor, onehot: Tensor, alpha: float,
@@ -67,12 +80,21 @@ def varifocal_loss(logits: Tensor, target_score: Tensor, onehot: Tensor, alpha: 
         target_score: ``(B, Q, C)`` IoU at the matched class, else 0.
         onehot: ``(B, Q, C)`` 1 at the matched class, else 0.
     """
-    with torch.autocast(device_type=logits.device.type, enabled=False):
-        logits, target_score, onehot = logits.float(), target_score.float(), onehot.float()
-        prob = logits.detach().sigmoid()
-        weight = alpha * prob.pow(gamma) * (1 - onehot) + target_score
-        return F.binary_cross_entropy_with_logits(logits, target_score, weight=weight,
-                                                  reduction="sum")
+    return _weighted_bce_sum(logits, target_score, onehot, lambda p, t, o: (
+        alpha * p.pow(gamma) * (1 - o) + t, t))
+
+
+def matchability_aware_loss(logits: Tensor, target_score: Tensor, onehot: Tensor,
+                            gamma: float, alpha: float | None = None) -> Tensor:
+    """Sum over every entry of DEIM's matchability-aware loss (Huang et al., CVPR 2025,
+    Eq. 5), float32: binary cross-entropy against ``IoU ** gamma`` at the matched class
+    (0 elsewhere), the matched entries weighted 1 and the others by their detached score
+    ``sigmoid(logit) ** gamma`` (times ``alpha`` when given). Arguments as
+    :func:`varifocal_loss`'s.
+    """
+    scale = 1.0 if alpha is None else alpha
+    return _weighted_bce_sum(logits, target_score, onehot, lambda p, t, o: (
+        scale * p.pow(gamma) * (1 - o) + o, t.pow(gamma)))
 
 
 class RTDETRCriterion(nn.Module):
@@ -84,10 +106,14 @@ class RTDETRCriterion(nn.Module):
         matcher: a :class:`FocalHungarianMatcher`.
         weight_dict: the weights of the terms (:func:`rtdetr_weight_dict`).
         alpha, gamma: of the varifocal loss (0.75, 2).
+        classification: ``vfl`` or ``mal`` (DEIM's matchability-aware loss with
+            ``mal_gamma`` and ``mal_alpha``; the term ``loss_mal``).
     """
 
     def __init__(self, num_classes: int, matcher: FocalHungarianMatcher,
-                 weight_dict: dict[str, float], alpha: float = 0.75, gamma: float = 2.0) -> None:
+                 weight_dict: dict[str, float], alpha: float = 0.75, gamma: float = 2.0,
+                 classification: str = "vfl", mal_gamma: float = 1.5,
+                 mal_alpha: float | None = None) -> None:
         super().__init__()
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
@@ -98,6 +124,11 @@ class RTDETRCriterion(nn.Module):
         self.weight_dict = dict(weight_dict)
         self.alpha = alpha
         self.gamma = gamma
+        if classification not in ("vfl", "mal"):
+            raise ValueError(f"classification must be vfl or mal, got {classification!r}")
+        self.classification = classification
+        self.mal_gamma = mal_gamma
+        self.mal_alpha = mal_alpha
 
     def loss_vfl(self, outputs: dict, targets: list[dict], indices: list[tuple[Tensor, Tensor]],
                  num_boxes: float | Tensor) -> Tensor:
@@ -112,13 +143,18 @@ class RTDETRCriterion(nn.Module):
         onehot[batch_idx, query_idx, classes] = 1.0
         target_score = torch.zeros_like(onehot)
         target_score[batch_idx, query_idx, classes] = iou.to(target_score.dtype)
-        total = varifocal_loss(logits, target_score, onehot, self.alpha, self.gamma)
+        if self.classification == "mal":
+            total = matchability_aware_loss(logits, target_score, onehot, self.mal_gamma,
+                                            self.mal_alpha)
+        else:
+            total = varifocal_loss(logits, target_score, onehot, self.alpha, self.gamma)
         return total / num_boxes
 
     def terms(self, outputs: dict, targets: list[dict], indices: list[tuple[Tensor, Tensor]],
               num_boxes: float | Tensor) -> dict[str, Tensor]:
         """The three terms of one output (no suffix)."""
-        losses = {"loss_vfl": self.loss_vfl(outputs, targets, indices, num_boxes)}
+        losses = {f"loss_{self.classification}": self.loss_vfl(outputs, targets, indices,
+                                                               num_boxes)}
         losses.update(matched_box_losses(outputs, targets, indices, num_boxes))
         return losses
 

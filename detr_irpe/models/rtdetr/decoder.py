@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.dropout import Dropout
 from detr_irpe.models.mlp import MLP
 from detr_irpe.models.rtdetr.deformable import MSDeformableAttention
@@ -64,6 +65,19 @@ def generate_anchors(spatial_shapes: list[tuple[int, int]], grid_size: float = 0
     valid = ((anchors > eps) & (anchors < 1 - eps)).all(-1, keepdim=True)
     anchors = torch.log(anchors / (1 - anchors))
     return torch.where(valid, anchors, torch.inf), valid
+
+
+def decoder_memory(input_proj: nn.ModuleList, feats: list[Tensor], num_levels: int
+                   ) -> tuple[Tensor, list[tuple[int, int]]]:
+    """The decoder's memory ``(B, sum H_l W_l, C)`` and the level shapes: each encoder map
+    through its projection, and ``num_levels - len(feats)`` extra levels, the first from
+    the last map, each next from the level before (the projections do the striding)."""
+    maps = [proj(f) for proj, f in zip(input_proj, feats)]
+    for lvl in range(len(feats), num_levels):
+        source = feats[-1] if lvl == len(feats) else maps[-1]
+        maps.append(input_proj[lvl](source))
+    shapes = [(m.shape[2], m.shape[3]) for m in maps]
+    return torch.cat([m.flatten(2).transpose(1, 2) for m in maps], 1), shapes
 
 
 class DecoderLayer(nn.Module):
@@ -218,13 +232,7 @@ class RTDETRDecoder(nn.Module):
                 nn.init.normal_(self.denoising_class_embed.weight[:-1])
 
     def _memory(self, feats: list[Tensor]) -> tuple[Tensor, list[tuple[int, int]]]:
-        maps = [proj(f) for proj, f in zip(self.input_proj, feats)]
-        for lvl in range(self.num_input_maps, self.num_levels):
-            source = feats[-1] if lvl == self.num_input_maps else maps[-1]
-            maps.append(self.input_proj[lvl](source))
-        shapes = [(m.shape[2], m.shape[3]) for m in maps]
-        memory = torch.cat([m.flatten(2).transpose(1, 2) for m in maps], 1)
-        return memory, shapes
+        return decoder_memory(self.input_proj, feats, self.num_levels)
 
     def _select_queries(self, memory: Tensor, shapes: list[tuple[int, int]]
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -236,7 +244,7 @@ class RTDETRDecoder(nn.Module):
         boxes_unact = self.enc_bbox_head(features) + anchors
         if memory.shape[1] < self.num_queries and not torch.compiler.is_exporting():
             sides = " + ".join(f"{h}x{w}" for h, w in shapes)
-            raise ValueError(
+            raise ConfigError(
                 f"model.num_queries={self.num_queries} is more than the {memory.shape[1]} "
                 f"proposals of this input's feature maps ({sides}): give a larger image or "
                 "fewer queries")

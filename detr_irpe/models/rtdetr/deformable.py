@@ -13,6 +13,7 @@ bilinear interpolation of the head's value map of level ``l`` with zeros outside
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,8 @@ from torch import Tensor, nn
 
 
 def deformable_attention_core(
-    value: Tensor, spatial_shapes: list[tuple[int, int]], locations: Tensor, weights: Tensor
+    value: Tensor, spatial_shapes: list[tuple[int, int]], locations: Tensor, weights: Tensor,
+    points_per_level: Sequence[int] | None = None,
 ) -> Tensor:
     """The sampling and weighted sum of multi-scale deformable attention.
 
@@ -28,26 +30,45 @@ def deformable_attention_core(
         value: ``(B, L_v, h, D)``, the levels' row-major maps concatenated,
             ``L_v = sum_l H_l W_l``.
         spatial_shapes: ``(H_l, W_l)`` of each level.
-        locations: ``(B, Q, h, n_levels, P, 2)`` sampling locations ``(x, y)`` in [0, 1].
-        weights: ``(B, Q, h, n_levels, P)`` attention weights.
+        locations: ``(B, Q, h, n_levels, P, 2)`` sampling locations ``(x, y)`` in [0, 1]
+            (P points at every level); with ``points_per_level`` ``(P_0, P_1, ...)``,
+            ``(B, Q, h, sum_l P_l, 2)``, the points of level 0 first.
+        weights: ``(B, Q, h, n_levels, P)`` attention weights; with ``points_per_level``
+            ``(B, Q, h, sum_l P_l)``.
+        points_per_level: the points of each level when they differ (D-FINE).
 
     Returns:
         ``(B, Q, h D)``, heads concatenated.
     """
     batch, _, heads, dim = value.shape
-    _, num_queries, _, levels, points, _ = locations.shape
+    num_queries = locations.shape[1]
+    if points_per_level is None:
+        levels, points = locations.shape[3:5]
+        points_per_level = [points] * levels
+        locations = locations.flatten(3, 4)
+        weights = weights.flatten(3, 4)
+    total = sum(points_per_level)
     per_level = value.split([h * w for h, w in spatial_shapes], dim=1)
     # grid_sample with align_corners=False maps -1 / 1 to the outer pixel edges
-    grid = (2 * locations - 1).permute(0, 2, 1, 3, 4, 5).flatten(0, 1)  # (B h, Q, nl, P, 2)
+    grid = (2 * locations - 1).permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B h, Q, sum P, 2)
+    grids = grid.split(list(points_per_level), dim=2)
     samples = []
     for lvl, (height, width) in enumerate(spatial_shapes):
         v = per_level[lvl].permute(0, 2, 3, 1).reshape(batch * heads, dim, height, width)
-        samples.append(F.grid_sample(v, grid[:, :, lvl], mode="bilinear",
-                                     padding_mode="zeros", align_corners=False))  # (B h, D, Q, P)
-    stacked = torch.stack(samples, dim=-2).flatten(-2)  # (B h, D, Q, nl P)
-    w = weights.permute(0, 2, 1, 3, 4).reshape(batch * heads, 1, num_queries, levels * points)
+        samples.append(F.grid_sample(v, grids[lvl], mode="bilinear",
+                                     padding_mode="zeros", align_corners=False))  # (B h, D, Q, P_l)
+    stacked = torch.cat(samples, dim=-1)  # (B h, D, Q, sum P)
+    w = weights.permute(0, 2, 1, 3).reshape(batch * heads, 1, num_queries, total)
     out = (stacked * w).sum(-1)  # (B h, D, Q)
     return out.view(batch, heads * dim, num_queries).transpose(1, 2)
+
+
+def head_directions(num_heads: int) -> Tensor:
+    """``(h, 2)``: head m's sampling direction at angle ``2 pi m / h``, scaled so that its
+    larger coordinate is 1 (Deformable DETR's start of the sampling offsets)."""
+    angles = torch.arange(num_heads, dtype=torch.float32) * (2 * math.pi / num_heads)
+    direction = torch.stack([angles.cos(), angles.sin()], -1)
+    return direction / direction.abs().amax(-1, keepdim=True)
 
 
 class MSDeformableAttention(nn.Module):
@@ -82,9 +103,7 @@ class MSDeformableAttention(nn.Module):
         # Deformable DETR's start: head m samples along the direction at angle 2 pi m / h,
         # point k at distance k (in units of the reference's half size / K), uniform weights.
         nn.init.zeros_(self.sampling_offsets.weight)
-        angles = torch.arange(self.num_heads, dtype=torch.float32) * (2 * math.pi / self.num_heads)
-        direction = torch.stack([angles.cos(), angles.sin()], -1)
-        direction = direction / direction.abs().amax(-1, keepdim=True)
+        direction = head_directions(self.num_heads)
         distance = torch.arange(1, self.num_points + 1, dtype=torch.float32)
         grid = direction[:, None, None, :] * distance[None, None, :, None]
         grid = grid.expand(self.num_heads, self.num_levels, self.num_points, 2)

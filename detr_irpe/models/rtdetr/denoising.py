@@ -14,7 +14,10 @@ Noise (``u`` uniform in [0, 1), ``s`` a random sign):
   probability ``label_noise / 2`` (real targets only; padding keeps the padding class);
 - boxes: each corner coordinate of the xyxy box moves by ``s * r * box_noise * (w or h)
   / 2`` with ``r = u`` for positives and ``r = 1 + u`` for negatives; the box is then
-  clipped to [0, 1] and enters the decoder as ``inverse_sigmoid`` of its cxcywh form.
+  clipped to [0, 1] and enters the decoder as ``inverse_sigmoid`` of its cxcywh form. A
+  corner can pass the opposite one (a negative width or height); RT-DETR keeps that
+  (``inverse_sigmoid`` clamps it to ~0), D-FINE takes the absolute value
+  (``abs_sizes=True``).
 
 The self-attention mask (True = blocked): matching queries see no denoising query; a
 denoising query sees its own group and the matching queries. The draws are made in the
@@ -53,6 +56,7 @@ def contrastive_denoising(
     label_noise: float = 0.5,
     box_noise: float = 1.0,
     generator: torch.Generator | None = None,
+    abs_sizes: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, dict]:
     """The denoising queries of a batch (module docstring).
 
@@ -64,6 +68,7 @@ def contrastive_denoising(
         num_denoising: the budget (``G = max(num_denoising // N, 1)``), > 0.
         label_noise, box_noise: the noise ratios (0: no noise of that kind).
         generator: source of the random draws (None: torch's global RNG).
+        abs_sizes: a noisy box's negative width / height made positive (D-FINE).
 
     Returns:
         ``(embeddings (B, P, C_h), boxes_unact (B, P, 4), attn_mask (P + Q, P + Q) bool,
@@ -121,6 +126,8 @@ def contrastive_denoising(
         part = part + negative[None, :, None].to(part.dtype)
         xyxy = (xyxy + sign * part * half).clamp(0.0, 1.0)
         boxes = box_xyxy_to_cxcywh(xyxy)
+        if abs_sizes:
+            boxes = boxes.abs()
     boxes_unact = inverse_sigmoid(boxes)
     embeddings = class_embed(labels)
     attn_mask = denoising_attention_mask(num_dn, span, num_queries, device)

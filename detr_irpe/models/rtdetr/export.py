@@ -41,6 +41,16 @@ class RTDETRImagesToPredictions(nn.Module):
         out = self.model(images)
         return out["pred_logits"], out["pred_boxes"]
 
+    def padding_value(self) -> Tensor:
+        """``(3,)``: the input value of a padded pixel, the one the model's own padding
+        makes (0 after it undoes the ImageNet normalisation of its input: ``-mean / std``
+        with ``model.input_normalization: imagenet``, else 0), for a runtime that pads an
+        input to the graph's stride."""
+        model = self.model
+        if model.input_mean is None:
+            return torch.zeros(3)
+        return (-model.input_mean / model.input_std).reshape(3).float().cpu()
+
     def check_size(self, size: tuple[int, int], dynamic: bool) -> None:
         """Refuse a traced size the dynamic graph cannot be made from.
 
@@ -51,8 +61,8 @@ class RTDETRImagesToPredictions(nn.Module):
             return
         if any(side % self.stride for side in size) or min(size) < 2 * self.stride:
             raise ExportError(
-                f"--size {size[0]}x{size[1]}: a dynamic RT-DETR graph takes sides that are "
-                f"multiples of {self.stride} and at least {2 * self.stride} pixels (e.g. "
+                f"--size {size[0]}x{size[1]}: a dynamic {self.model.TITLE} graph takes sides "
+                f"that are multiples of {self.stride} and at least {2 * self.stride} pixels (e.g. "
                 f"640x640); pad the images to such sides")
 
     def dynamic_shapes(self, input_name: str) -> dict[str, dict[int, torch.export.Dim]]:

@@ -26,7 +26,6 @@ from detr_irpe.models.rtdetr.hf_keys import (
     is_hf_rtdetr_state_dict,
     to_hf_rtdetr_state_dict,
 )
-from detr_irpe.models.rtdetr.config import PRESNET
 from detr_irpe.models.rtdetr.presnet import DEPTHS
 
 __all__ = ["HF", "hf_rtdetr_config_json", "hf_rtdetr_model_config"]
@@ -171,9 +170,8 @@ def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
     """Why transformers' RT-DETR cannot hold this (plain) model, or None."""
     model = cfg.model
     why = None
-    if model.backbone != PRESNET:
-        why = (f"model.backbone={model.backbone}",
-               "transformers' RT-DETR has the ResNet-vd backbone only")
+    if model.backbone != "presnet":
+        why = (f"model.backbone={model.backbone}", "transformers' RT-DETR has a ResNet-vd")
     elif model.variant != "d":
         why = (f"model.variant={model.variant}", "transformers' ResNet is variant d")
     elif round(3 * model.depth_mult) != 3:

@@ -4,11 +4,11 @@ Detection", CVPR 2024, Sec. 4.2): AIFI + CCFM.
 - input projections: a 1x1 conv + BatchNorm per backbone level, to ``hidden_dim``;
 - AIFI (attention-based intra-scale feature interaction): a post-norm transformer
   encoder layer (GELU feed-forward) on the stride-32 map only. Its self-attention is an
-  :class:`~detr_irpe.irpe.IRPEMultiheadAttention`: with ``rpe`` set, iRPE (Wu et al.,
-  ICCV 2021) on the ``H x W`` token grid comes on top of the absolute 2D sin-cos
-  encoding added to queries and keys (:func:`sincos_position_embedding`; off with
-  ``position_embedding="none"``); with ``rope`` set, q and k are also rotated by their
-  token's position (RoPE-Axial / RoPE-Mixed, :mod:`detr_irpe.rope`);
+  :class:`~detr_irpe.irpe.IRPEMultiheadAttention` that takes the encodings of the
+  registry (:mod:`detr_irpe.encodings`): the absolute 2D sin-cos encoding added to
+  queries and keys (``sine``, :func:`sincos_position_embedding`; published), and inside
+  the attention iRPE (Wu et al., ICCV 2021) on the ``H x W`` token grid, a rotation of q
+  and k by each token's position, or a plugin's;
 - CCFM (CNN-based cross-scale feature fusion): a top-down pass (1x1 lateral conv,
   nearest 2x upsampling, concatenation, CSP block) and a bottom-up pass (3x3 / 2 conv,
   concatenation, CSP block), PANet-style. A CSP block (:class:`CSPRepLayer`) splits into
@@ -19,6 +19,11 @@ Module names follow the published ``HybridEncoder`` (version v1), so its state-d
 (``encoder.input_proj.0.0.weight``, ``encoder.encoder.0.layers.0.self_attn.in_proj_weight``,
 ``encoder.fpn_blocks.0.bottlenecks.2.conv1.conv.weight``, ...) load unchanged.
 
+The convolutional parts (input projections, lateral convs, fusion blocks, downsampling
+convs) come from a :class:`FusionBlocks`: RT-DETR's by default (:func:`ccfm_blocks`);
+D-FINE passes its GELAN blocks (:mod:`detr_irpe.models.dfine.encoder`) and shares the AIFI
+layer, its encodings and the top-down / bottom-up passes.
+
 Positions are computed for the actual feature size at every call (the published code
 caches them for 640 x 640 in eval mode, which equals this at that size and fails at
 any other). The RepVGG blocks are kept as two branches (no re-parameterisation for
@@ -27,15 +32,17 @@ deployment).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from detr_irpe.encodings import PlaceEncodings, as_place
 from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table
-from detr_irpe.irpe.config import RPEConfig
 from detr_irpe.irpe.dropout import Dropout
 from detr_irpe.models.rtdetr.layers import ConvNormLayer, activation_fn
-from detr_irpe.rope import RoPEConfig, build_rope
 
 # The absolute encodings of the AIFI layer: the 2D sin-cos encoding (published) or none.
 POSITION_EMBEDDINGS = ("sine", "none")
@@ -78,7 +85,25 @@ class RepVggBlock(nn.Module):
         self._act = activation_fn(act)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.conv2 is None:  # merged for inference (fuse)
+            return self._act(self.conv1(x))
         return self._act(self.conv1(x) + self.conv2(x))
+
+    @torch.no_grad()
+    def fuse(self) -> bool:
+        """Merge the 1x1 branch into the 3x3 one once both norms are folded (the
+        re-parameterisation of RepVGG and of the published deploy mode): the 1x1 kernel
+        added at the centre of the 3x3 one, the biases summed. False when not possible."""
+        if self.conv2 is None:
+            return False
+        big, small = self.conv1.conv, self.conv2.conv
+        if not isinstance(self.conv1.norm, nn.Identity) or not isinstance(
+                self.conv2.norm, nn.Identity) or big.bias is None or small.bias is None:
+            return False
+        big.weight[:, :, 1:2, 1:2] += small.weight
+        big.bias += small.bias
+        self.conv2 = None
+        return True
 
 
 class CSPRepLayer(nn.Module):
@@ -100,22 +125,67 @@ class CSPRepLayer(nn.Module):
         return self.conv3(self.bottlenecks(self.conv1(x)) + self.conv2(x))
 
 
+@dataclass(frozen=True)
+class FusionBlocks:
+    """The convolutional parts of a hybrid encoder of width ``C``, as factories.
+
+    Attributes:
+        input_proj: ``(c_in, C) ->`` the projection of a backbone map to ``C`` channels.
+        lateral: ``C ->`` the top-down pass's conv of the coarser map before upsampling.
+        fpn: ``C ->`` the top-down fusion block, ``2C -> C`` channels (upsampled coarse map
+            and finer map, concatenated in that order).
+        downsample: ``C ->`` the bottom-up pass's stride-2 conv.
+        pan: ``C ->`` the bottom-up fusion block, ``2C -> C`` channels (downsampled map and
+            coarser top-down map, concatenated in that order).
+    """
+
+    input_proj: Callable[[int, int], nn.Module]
+    lateral: Callable[[int], nn.Module]
+    fpn: Callable[[int], nn.Module]
+    downsample: Callable[[int], nn.Module]
+    pan: Callable[[int], nn.Module]
+
+
+def ccfm_blocks(expansion: float = 1.0, depth_mult: float = 1.0,
+                act: str = "silu") -> FusionBlocks:
+    """RT-DETR's CCFM parts: 1x1 conv + BatchNorm projections (keys ``0``, ``1``), 1x1
+    lateral and 3x3 / 2 downsampling conv units with ``act``, CSP blocks of
+    ``round(3 * depth_mult)`` RepVGG blocks with hidden width ``expansion * C``."""
+    blocks = round(3 * depth_mult)
+
+    def input_proj(c_in: int, width: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width))
+
+    def csp(width: int) -> nn.Module:
+        return CSPRepLayer(2 * width, width, blocks, expansion, act)
+
+    return FusionBlocks(
+        input_proj=input_proj,
+        lateral=lambda width: ConvNormLayer(width, width, 1, 1, act=act),
+        fpn=csp,
+        downsample=lambda width: ConvNormLayer(width, width, 3, 2, act=act),
+        pan=csp,
+    )
+
+
 class AIFILayer(nn.Module):
     """Post-norm transformer encoder layer; positions added to queries and keys.
 
     ``x = norm1(x + attn(x + pos, x + pos, x))``, ``x = norm2(x + linear2(act(linear1(x))))``.
     Keys as the published layer (and torch's MHA): ``self_attn.in_proj_weight``,
-    ``self_attn.out_proj``, ``linear1``, ``linear2``, ``norm1``, ``norm2`` (+ iRPE tables
-    ``self_attn.rpe_k.*`` etc. with ``rpe``, + ``self_attn.rope.freqs`` with RoPE-Mixed).
+    ``self_attn.out_proj``, ``linear1``, ``linear2``, ``norm1``, ``norm2`` (+ the keys of
+    the attention's encodings: ``self_attn.rpe_k.*`` with iRPE, ...). ``encodings``:
+    encoding strings or a :class:`~detr_irpe.encodings.PlaceEncodings` (the absolute one
+    comes in as ``pos``).
     """
 
     def __init__(self, d_model: int, nhead: int, dim_feedforward: int, dropout: float,
-                 activation: str = "gelu", rpe: RPEConfig | str | None = None,
-                 rope: RoPEConfig | str | None = None) -> None:
+                 activation: str = "gelu",
+                 encodings: PlaceEncodings | Sequence[str] | None = None) -> None:
         super().__init__()
         self.self_attn = IRPEMultiheadAttention(
-            d_model, nhead, dropout=dropout, rpe=rpe,
-            rope=build_rope(rope, d_model // nhead, nhead))
+            d_model, nhead, dropout=dropout,
+            **as_place(encodings).attention_args(d_model, nhead))
         self.linear1 = nn.Linear(d_model, dim_feedforward)
         self.linear2 = nn.Linear(dim_feedforward, d_model)
         self.norm1 = nn.LayerNorm(d_model)
@@ -159,12 +229,13 @@ class HybridEncoder(nn.Module):
         expansion: hidden width ratio of the CSP blocks (R50: 1.0, R18 / R34: 0.5).
         depth_mult: RepVGG blocks per CSP block = ``round(3 * depth_mult)``.
         act: activation of the CCFM convs (SiLU).
-        rpe: iRPE of the AIFI self-attention (model-zoo string, RPEConfig or None).
+        encodings: the encodings of the AIFI layers (encoding strings or a PlaceEncodings):
+            ``sine`` is the 2D sin-cos encoding added to the queries and keys (published;
+            without it no absolute encoding), the others act inside the attention (iRPE,
+            RoPE, a plugin's).
         rpe_init: how the iRPE tables start (``xavier`` or ``zero``: same function as without).
-        rope: rotary encoding of the AIFI self-attention (``"rope-axial"``,
-            ``"rope-mixed"``, a RoPEConfig or None).
-        position_embedding: ``"sine"``: the 2D sin-cos encoding added to the AIFI layer's
-            queries and keys (published); ``"none"``: no absolute encoding.
+        fusion: the convolutional parts (None: RT-DETR's, :func:`ccfm_blocks` of
+            ``expansion``, ``depth_mult`` and ``act``, which are then unused).
     """
 
     def __init__(
@@ -181,12 +252,13 @@ class HybridEncoder(nn.Module):
         expansion: float = 1.0,
         depth_mult: float = 1.0,
         act: str = "silu",
-        rpe: RPEConfig | str | None = None,
+        encodings: PlaceEncodings | Sequence[str] | None = ("sine",),
         rpe_init: str = "zero",
-        rope: RoPEConfig | str | None = None,
-        position_embedding: str = "sine",
+        fusion: FusionBlocks | None = None,
     ) -> None:
         super().__init__()
+        encodings = as_place(encodings)
+        position_embedding = encodings.absolute
         if position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding must be one of {', '.join(POSITION_EMBEDDINGS)}"
                              f", got {position_embedding!r}")
@@ -199,27 +271,20 @@ class HybridEncoder(nn.Module):
         self.num_encoder_layers = num_encoder_layers
         self.pe_temperature = pe_temperature
         self.position_embedding = position_embedding
-        self.input_proj = nn.ModuleList(
-            nn.Sequential(nn.Conv2d(c, hidden_dim, 1, bias=False), nn.BatchNorm2d(hidden_dim))
-            for c in in_channels
-        )
+        if fusion is None:
+            fusion = ccfm_blocks(expansion, depth_mult, act)
+        self.input_proj = nn.ModuleList(fusion.input_proj(c, hidden_dim) for c in in_channels)
         self.encoder = nn.ModuleList(
-            AIFIEncoder([AIFILayer(hidden_dim, nhead, dim_feedforward, dropout, enc_act, rpe,
-                                   rope)
+            AIFIEncoder([AIFILayer(hidden_dim, nhead, dim_feedforward, dropout, enc_act,
+                                   encodings)
                          for _ in range(num_encoder_layers)])
             for _ in self.use_encoder_idx
         )
-        blocks = round(3 * depth_mult)
-        self.lateral_convs = nn.ModuleList(
-            ConvNormLayer(hidden_dim, hidden_dim, 1, 1, act=act) for _ in range(levels - 1))
-        self.fpn_blocks = nn.ModuleList(
-            CSPRepLayer(2 * hidden_dim, hidden_dim, blocks, expansion, act)
-            for _ in range(levels - 1))
+        self.lateral_convs = nn.ModuleList(fusion.lateral(hidden_dim) for _ in range(levels - 1))
+        self.fpn_blocks = nn.ModuleList(fusion.fpn(hidden_dim) for _ in range(levels - 1))
         self.downsample_convs = nn.ModuleList(
-            ConvNormLayer(hidden_dim, hidden_dim, 3, 2, act=act) for _ in range(levels - 1))
-        self.pan_blocks = nn.ModuleList(
-            CSPRepLayer(2 * hidden_dim, hidden_dim, blocks, expansion, act)
-            for _ in range(levels - 1))
+            fusion.downsample(hidden_dim) for _ in range(levels - 1))
+        self.pan_blocks = nn.ModuleList(fusion.pan(hidden_dim) for _ in range(levels - 1))
         for name, param in self.encoder.named_parameters():
             if "lookup_table" in name:
                 init_rpe_table(param, rpe_init)

@@ -37,6 +37,7 @@ class ConvNormLayer(nn.Module):
         kernel_size, stride: of the conv.
         act: ``None``, ``"relu"``, ``"silu"`` or ``"gelu"``.
         norm_layer: the norm's class (``nn.BatchNorm2d`` or a frozen one).
+        groups: of the conv (``ch_in``: depthwise).
     """
 
     def __init__(
@@ -47,10 +48,11 @@ class ConvNormLayer(nn.Module):
         stride: int = 1,
         act: str | None = None,
         norm_layer: type[nn.Module] = nn.BatchNorm2d,
+        groups: int = 1,
     ) -> None:
         super().__init__()
         self.conv = nn.Conv2d(ch_in, ch_out, kernel_size, stride,
-                              padding=(kernel_size - 1) // 2, bias=False)
+                              padding=(kernel_size - 1) // 2, groups=groups, bias=False)
         self.norm = norm_layer(ch_out)
         self.act_name = act
         self._act = activation_fn(act)
@@ -58,6 +60,10 @@ class ConvNormLayer(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``(B, ch_in, H, W)`` -> ``(B, ch_out, H', W')``."""
         return self._act(self.norm(self.conv(x)))
+
+    def fusable_pairs(self) -> list[tuple[str, str]]:
+        """The norm follows the conv (:func:`detr_irpe.models.fusion.fuse_for_inference`)."""
+        return [("conv", "norm")]
 
     def extra_repr(self) -> str:
         return f"act={self.act_name}"

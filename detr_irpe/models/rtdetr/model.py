@@ -15,19 +15,18 @@ from torch import Tensor, nn
 
 from detr_irpe.models.rtdetr.decoder import RTDETRDecoder
 from detr_irpe.models.rtdetr.hybrid_encoder import HybridEncoder
-from detr_irpe.models.rtdetr.presnet import PResNet
-from detr_irpe.models.vit import ViTBackbone
 from detr_irpe.structures import ImageBatch
 
 
-class RTDETR(nn.Module):
-    """Backbone, encoder and decoder of RT-DETR.
+class BackboneEncoderDecoder(nn.Module):
+    """Backbone, encoder and decoder of a real-time DETR (RT-DETR; D-FINE reuses it).
 
     Args:
         backbone: images ``(B, 3, H, W)`` -> feature maps at strides 8, 16, 32, finest
-            first (:class:`PResNet`, or a :class:`~detr_irpe.models.vit.ViTBackbone`).
+            first (:class:`~.presnet.PResNet`, an HGNetv2, or a
+            :class:`~detr_irpe.models.vit.ViTBackbone`).
         encoder: those maps -> fused maps of ``hidden_dim`` channels.
-        decoder: fused maps (+ targets in training) -> predictions.
+        decoder: fused maps (+ targets and a generator in training) -> predictions.
         input_mean, input_std: the normalisation of the images it is given (this package's
             data pipeline: ImageNet's); they are mapped back to [0, 1] pixels, the published
             model's input. None: the images are [0, 1] pixels already.
@@ -35,8 +34,13 @@ class RTDETR(nn.Module):
 
     # the stride of the coarsest map, twice upsampled by the encoder: sides must divide
     STRIDE = 32
+    # the outputs (at any depth of the output dict) that hold boxes normalised by the
+    # padded tensor, rescaled to each image's own size
+    BOX_KEYS: tuple[str, ...] = ("pred_boxes", "enc_topk_boxes")
+    # the name in messages
+    TITLE = "RT-DETR"
 
-    def __init__(self, backbone: PResNet | ViTBackbone, encoder: HybridEncoder, decoder: RTDETRDecoder,
+    def __init__(self, backbone: nn.Module, encoder: nn.Module, decoder: nn.Module,
                  input_mean: Sequence[float] | None = None,
                  input_std: Sequence[float] | None = None) -> None:
         super().__init__()
@@ -59,8 +63,8 @@ class RTDETR(nn.Module):
     ) -> dict:
         """Predict boxes for a batch of images.
 
-        RT-DETR is trained and evaluated on images resized to one square size without
-        padding, and, as in the published model, the network reads no padding mask (padded
+        The model is trained and evaluated on images resized to one square size without
+        padding, and, as in the published models, the network reads no padding mask (padded
         pixels count as image). Sides that are no multiple of 32 (the encoder doubles the
         coarsest map's size twice) are padded at the bottom / right; the boxes of an image
         smaller than the batch (an :class:`ImageBatch` of several sizes, or that padding)
@@ -77,10 +81,8 @@ class RTDETR(nn.Module):
             generator: random source of the denoising noise (None: torch's global RNG).
 
         Returns:
-            ``pred_logits`` ``(B, Q, C)`` sigmoid logits and ``pred_boxes`` ``(B, Q, 4)``
-            cxcywh in [0, 1]; in training also ``aux_outputs``, ``dn_aux_outputs`` and
-            ``dn_meta``, in eval mode ``enc_topk_boxes`` and ``enc_topk_logits`` (the
-            selected proposals; :meth:`RTDETRDecoder.forward`).
+            the decoder's dict: ``pred_logits`` ``(B, Q, C)`` sigmoid logits and
+            ``pred_boxes`` ``(B, Q, 4)`` cxcywh in [0, 1], and the family's other outputs.
         """
         mask = None
         if isinstance(images, ImageBatch):
@@ -90,7 +92,7 @@ class RTDETR(nn.Module):
         else:
             x = images
         if x.dim() != 4 or x.shape[1] != 3:
-            raise ValueError(f"RT-DETR takes (B, 3, H, W) images, got {tuple(x.shape)}")
+            raise ValueError(f"{self.TITLE} takes (B, 3, H, W) images, got {tuple(x.shape)}")
         if self.input_mean is not None:
             x = x * self.input_std.to(x.dtype) + self.input_mean.to(x.dtype)
         height, width = x.shape[-2:]
@@ -99,7 +101,22 @@ class RTDETR(nn.Module):
             x = F.pad(x, (0, pad_w, 0, pad_h))
         out = self.decoder(self.encoder(self.backbone(x)), targets, generator)
         scale = _box_scale(mask, x.shape[0], (height, width), x.shape[-2:], x.device)
-        return out if scale is None else _rescaled(out, scale)
+        return out if scale is None else _rescaled(out, scale, self.BOX_KEYS)
+
+
+class RTDETR(BackboneEncoderDecoder):
+    """Backbone, encoder and decoder of RT-DETR (:class:`BackboneEncoderDecoder`).
+
+    Its forward returns ``pred_logits`` ``(B, Q, C)`` sigmoid logits and ``pred_boxes``
+    ``(B, Q, 4)`` cxcywh in [0, 1]; in training also ``aux_outputs``, ``dn_aux_outputs``
+    and ``dn_meta``, in eval mode ``enc_topk_boxes`` and ``enc_topk_logits`` (the selected
+    proposals; :meth:`RTDETRDecoder.forward`).
+    """
+
+    def __init__(self, backbone: nn.Module, encoder: HybridEncoder, decoder: RTDETRDecoder,
+                 input_mean: Sequence[float] | None = None,
+                 input_std: Sequence[float] | None = None) -> None:
+        super().__init__(backbone, encoder, decoder, input_mean, input_std)
 
 
 def _box_scale(mask: Tensor | None, batch: int, size: tuple[int, int],
@@ -119,17 +136,14 @@ def _box_scale(mask: Tensor | None, batch: int, size: tuple[int, int],
     return torch.stack([sx, sy, sx, sy], dim=-1)[:, None, :]
 
 
-# the outputs that hold boxes normalised by the padded tensor
-_BOX_KEYS = ("pred_boxes", "enc_topk_boxes")
-
-
-def _rescaled(out: dict, scale: Tensor) -> dict:
-    """``out`` with every box output (nested outputs too) multiplied by ``scale``."""
+def _rescaled(out, scale: Tensor, box_keys: tuple[str, ...]):
+    """``out`` with every box output (``box_keys``, nested outputs too) multiplied by
+    ``scale``."""
     if isinstance(out, dict):
-        return {k: (v * scale.to(v.dtype) if k in _BOX_KEYS else _rescaled(v, scale))
+        return {k: (v * scale.to(v.dtype) if k in box_keys else _rescaled(v, scale, box_keys))
                 for k, v in out.items()}
     if isinstance(out, list):
-        return [_rescaled(v, scale) for v in out]
+        return [_rescaled(v, scale, box_keys) for v in out]
     return out
 
 

@@ -66,8 +66,14 @@ class ViTSpec:
     std: tuple[float, float, float] = IMAGENET_STD
     timm: tuple[str, ...] = ()
 
-    def tap_blocks(self) -> tuple[int, ...]:
-        return self.taps if self.taps is not None else default_taps(self.depth, len(STRIDES))
+    def tap_blocks(self, levels: int = len(STRIDES)) -> tuple[int, ...]:
+        """The blocks read for ``levels`` maps: the last ``levels`` of :attr:`taps`, or
+        evenly spaced blocks ending with the last (:func:`~.model.default_taps`)."""
+        if self.taps is None:
+            return default_taps(self.depth, levels)
+        if len(self.taps) < levels:
+            raise ValueError(f"{levels} feature levels asked of a ViT with taps {self.taps}")
+        return tuple(self.taps[len(self.taps) - levels:])
 
 
 VIT_BACKBONES: dict[str, ViTSpec] = {
@@ -146,9 +152,12 @@ class ViTBackbone(nn.Module):
 
 
 def build_vit_backbone(name: str, encodings: BackboneEncodings, *, weights: str | None = None,
-                       rpe_init: str = "zero", freeze_patch_embed: bool = False) -> ViTBackbone:
+                       rpe_init: str = "zero", freeze_patch_embed: bool = False,
+                       strides: Sequence[int] = STRIDES) -> ViTBackbone:
     """The backbone ``name`` (:data:`VIT_BACKBONES`) with ``encodings`` in every block;
-    ``weights``: a timm ViT file (:func:`~.weights.load_timm_weights`) or None (random).
+    ``weights``: a timm ViT file (:func:`~.weights.load_timm_weights`) or None (random);
+    ``strides``: the output maps, finest first, one tapped block each (RT-DETR: 8, 16, 32;
+    D-FINE: the strides of ``model.backbone_return_idx``).
 
     Raises:
         ValueError: an unknown name.
@@ -158,14 +167,14 @@ def build_vit_backbone(name: str, encodings: BackboneEncodings, *, weights: str 
         raise ValueError(f"unknown ViT backbone {name!r}; choose one of "
                          f"{', '.join(VIT_BACKBONES)}")
     spec = VIT_BACKBONES[name]
-    taps = spec.tap_blocks()
+    taps = spec.tap_blocks(len(strides))
     vit = VisionTransformer(
         spec.embed_dim, max(taps) + 1, spec.num_heads, spec.patch_size, spec.img_size,
         spec.mlp_ratio, spec.class_token, spec.layer_scale, encodings.abs_pos, encodings.rpe,
-        encodings.rope, rpe_init)
+        encodings.rope, rpe_init, plugins=encodings.plugins)
     if weights:
         load_timm_weights(vit, weights)
-    logger.info("backbone %s: %d blocks of width %d, encodings %s, taps %s, %s weights",
-                name, vit.depth, spec.embed_dim, "+".join(encodings.entries()), taps,
-                "loaded" if weights else "random")
-    return ViTBackbone(vit, taps, STRIDES, freeze_patch_embed, spec.mean, spec.std)
+    logger.info("backbone %s: %d blocks of width %d, encodings %s, taps %s (strides %s), "
+                "%s weights", name, vit.depth, spec.embed_dim, "+".join(encodings.entries()),
+                taps, tuple(strides), "loaded" if weights else "random")
+    return ViTBackbone(vit, taps, strides, freeze_patch_embed, spec.mean, spec.std)

@@ -1,33 +1,40 @@
-"""The position encodings of a ViT backbone's attention, from a list of encoding strings.
+"""The position encodings of a ViT backbone's attention: ``model.encodings.backbone``.
 
-One entry per kind, composable (docs/position_encodings.md, "Encodings in the backbone"):
+The list is read by the encoding registry (:func:`detr_irpe.encodings.parse_place`: the
+same strings as the encoder's list, at most one absolute encoding and one of each other
+kind; docs/position_encodings.md, "Encodings in the backbone"). What each means in a ViT:
 
-- ``none`` (alone: no encoding at all; the attention sees an unordered set of patches),
 - ``learned``: the absolute embedding of timm's ViT, added once to the tokens after the
-  patch embedding and resampled to each input's grid (:func:`resample_abs_pos_embed`),
-- an iRPE string (``rpe-2.0-product-ctx-1-k``, any method / mode / target the iRPE config
-  accepts): relative terms in every block's attention; a class token gets the skip bucket,
+  patch embedding and resampled to each input's grid (:func:`resample_abs_pos_embed`);
+- an iRPE string (``rpe-2.0-product-ctx-1-k``, any method / mode / target): relative
+  terms in every block's attention; a class token gets the skip bucket;
 - a RoPE string (``rope-axial``, ``rope-mixed``, optionally with a frequency base such as
   ``rope-mixed-10``): q and k of every block rotated by their patch's position; a class
-  token is left unrotated.
+  token is left unrotated;
+- a registered plugin encoding (:class:`~detr_irpe.encodings.AttentionEncoding`): built
+  into every block's attention, which tells it the class token to leave out.
 
-An empty list means ``none``.
+``sine`` has no ViT form here (timm's ViTs learn theirs) and is refused. An empty list (or
+``none``) means no encoding at all: the attention sees an unordered set of patches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from detr_irpe.irpe.config import parse_rpe
-from detr_irpe.rope import parse_rope
+from detr_irpe.encodings import PlaceEncodings, as_place
+from detr_irpe.errors import ConfigError
 
-__all__ = ["ABSOLUTE", "BackboneEncodings", "parse_backbone_encodings"]
+__all__ = ["ABSOLUTE", "BACKBONE_KEY", "DEFAULT_ENCODINGS", "BackboneEncodings",
+           "parse_backbone_encodings"]
 
 # The absolute encodings a ViT backbone can hold.
 ABSOLUTE = ("none", "learned")
-_ALLOWED = ("none", "learned", "rpe-<ratio>-<method>-<mode>-<shared>-<on> (iRPE)",
-            "rope-axial / rope-mixed[-<theta>] (RoPE)")
+# The config key of the list, and what a ViT backbone has when the config gives none.
+BACKBONE_KEY = "model.encodings.backbone"
+DEFAULT_ENCODINGS = ("learned",)
 
 
 @dataclass(frozen=True)
@@ -38,58 +45,47 @@ class BackboneEncodings:
         abs_pos: ``"learned"`` or ``"none"``.
         rpe: the iRPE string (canonical form, skip not included) or None.
         rope: the RoPE string or None.
+        plugins: ``((registry entry, spec), ...)`` of registered attention encodings,
+            built into every block.
     """
 
     abs_pos: str = "learned"
     rpe: str | None = None
     rope: str | None = None
+    plugins: tuple[tuple[Any, Any], ...] = ()
 
     def entries(self) -> list[str]:
         """The list form (``["none"]`` when there is no encoding)."""
         out = [e for e in (None if self.abs_pos == "none" else self.abs_pos, self.rpe, self.rope)
                if e is not None]
+        out += [entry.describe(spec) for entry, spec in self.plugins]
         return out or ["none"]
 
 
-def parse_backbone_encodings(entries: Iterable[str] | str | None,
-                             key: str = "model.backbone_encodings") -> BackboneEncodings:
-    """``["learned", "rpe-2.0-product-ctx-1-k", "rope-mixed"]`` -> :class:`BackboneEncodings`.
+def parse_backbone_encodings(entries: PlaceEncodings | Iterable[str] | str | None,
+                             key: str = BACKBONE_KEY) -> BackboneEncodings:
+    """``["learned", "rpe-2.0-product-ctx-1-k", "rope-mixed"]`` (or the parsed place) ->
+    :class:`BackboneEncodings`.
 
     Raises:
-        ValueError: naming ``key``: an unknown entry, two entries of one kind, or ``none``
-            together with another.
+        ConfigError: naming ``key`` and the value: an unknown entry, two of one kind, or an
+            encoding a ViT cannot hold (``sine``).
     """
-    if entries is None:
-        entries = []
-    entries = [entries] if isinstance(entries, str) else list(entries)
-    found: dict[str, str] = {}
-    for entry in entries:
-        if not isinstance(entry, str):
-            raise ValueError(f"{key}: entries must be strings, got {entry!r}; allowed: "
-                             f"{', '.join(_ALLOWED)}")
-        text = entry.strip().lower()
-        if text == "none" and len(entries) > 1:
-            raise ValueError(f"{key}: 'none' cannot be combined with other encodings, "
-                             f"got {entries}")
-        if text in ABSOLUTE:
-            kind, value = "abs", text
-        elif text.startswith("rpe-"):
-            try:
-                value = parse_rpe(text).to_string()
-            except ValueError as err:
-                raise ValueError(f"{key}: {err}") from None
-            kind = "rpe"
-        elif text.startswith("rope-"):
-            try:
-                parse_rope(text)
-            except ValueError as err:
-                raise ValueError(f"{key}: {err}") from None
-            kind, value = "rope", text
+    place = as_place(entries, key)
+    values: dict[str, Any] = {"abs_pos": place.absolute}
+    if place.absolute not in ABSOLUTE:
+        raise ConfigError(
+            f"{key}={place.describe()}: a ViT backbone's absolute encoding is learned "
+            f"(timm's pos_embed) or none, not {place.absolute}")
+    plugins = []
+    for entry, spec in place.entries:
+        if entry.kind == "absolute":
+            continue
+        if entry.name in ("irpe", "rope"):
+            values[entry.name if entry.name == "rope" else "rpe"] = entry.describe(spec)
+        elif entry.build is not None:
+            plugins.append((entry, spec))
         else:
-            raise ValueError(f"{key}: unknown encoding {entry!r}; allowed: {', '.join(_ALLOWED)}")
-        if kind in found:
-            raise ValueError(f"{key}: two encodings of one kind ({found[kind]!r} and {text!r}); "
-                             "give at most one absolute, one iRPE and one RoPE entry")
-        found[kind] = value
-    return BackboneEncodings(abs_pos="learned" if found.get("abs") == "learned" else "none",
-                             rpe=found.get("rpe"), rope=found.get("rope"))
+            raise ConfigError(f"{key}={entry.describe(spec)}: this encoding builds no module "
+                              "a ViT block can hold")
+    return BackboneEncodings(plugins=tuple(plugins), **values)

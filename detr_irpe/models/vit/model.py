@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -116,16 +117,20 @@ class Block(nn.Module):
         rpe: iRPE config (its ``skip`` = the prefix tokens) or None.
         rope: RoPE string or None.
         num_prefix: leading tokens before the grid (the class token).
+        plugins: ``((registry entry, spec), ...)`` of plugin attention encodings
+            (:class:`~detr_irpe.encodings.AttentionEncoding`), one module each per block.
     """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0,
                  layer_scale: float | None = None, rpe: RPEConfig | None = None,
-                 rope: str | None = None, num_prefix: int = 0) -> None:
+                 rope: str | None = None, num_prefix: int = 0,
+                 plugins: Sequence[tuple[Any, Any]] = ()) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
-        self.attn = IRPEMultiheadAttention(dim, num_heads, rpe=rpe,
-                                           rope=build_rope(rope, dim // num_heads, num_heads),
-                                           skip=num_prefix)
+        self.attn = IRPEMultiheadAttention(
+            dim, num_heads, rpe=rpe, rope=build_rope(rope, dim // num_heads, num_heads),
+            encodings=[entry.build(spec, dim, num_heads) for entry, spec in plugins],
+            skip=num_prefix)
         self.ls1 = nn.Identity() if layer_scale is None else LayerScale(dim, layer_scale)
         self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
@@ -154,6 +159,8 @@ class VisionTransformer(nn.Module):
         abs_pos: ``"learned"`` (``pos_embed``) or ``"none"``.
         rpe: iRPE string (e.g. ``"rpe-2.0-product-ctx-1-k"``) of every block, or None.
         rope: RoPE string (``"rope-axial"``, ``"rope-mixed"``, ...) of every block, or None.
+        plugins: ``((registry entry, spec), ...)`` of plugin attention encodings in every
+            block (:attr:`~.encodings.BackboneEncodings.plugins`).
         rpe_init: how iRPE tables start: ``"zero"`` (the blocks compute what they computed
             without iRPE: for pretrained weights) or ``"xavier"``.
         final_norm: keep the final LayerNorm ``norm``.
@@ -176,6 +183,7 @@ class VisionTransformer(nn.Module):
         rpe_init: str = "zero",
         final_norm: bool = True,
         in_chans: int = 3,
+        plugins: Sequence[tuple[Any, Any]] = (),
     ) -> None:
         super().__init__()
         if abs_pos not in ABSOLUTE:
@@ -196,7 +204,8 @@ class VisionTransformer(nn.Module):
             tokens = self.num_prefix + self.grid[0] * self.grid[1]
             self.pos_embed = nn.Parameter(torch.zeros(1, tokens, embed_dim))
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, layer_scale, rpe_cfg, rope, self.num_prefix)
+            Block(embed_dim, num_heads, mlp_ratio, layer_scale, rpe_cfg, rope, self.num_prefix,
+                  plugins)
             for _ in range(depth))
         self.norm = nn.LayerNorm(embed_dim, eps=LN_EPS) if final_norm else None
         self._init_weights(rpe_init)

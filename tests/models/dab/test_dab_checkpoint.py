@@ -209,7 +209,7 @@ def test_irpe_tables_without_config_ask_for_one(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="--config dn_detr_r50_irpe"):
         model_from_checkpoint(path)
     loaded = model_from_checkpoint(path, tiny_cfg(*DN, "model.rpe=rpe-2.0-product-ctx-1-k"))
-    assert loaded.meta["load"]["missing_rpe"] == []
+    assert loaded.meta["load"]["missing"].get("irpe", []) == []
 
 
 # ------------------------------------------------------------------------ class heads

@@ -389,10 +389,10 @@ def test_files_in_the_public_layout_load(tmp_path) -> None:
                 "args": argparse.Namespace(modelname="dn_dab_detr", num_queries=5)}, path)
     same = build_detector(load_tiny_config(*TINY_DAB, *DN), load_backbone_weights=False)
     info = load_weights(same, path)
-    assert info["loaded"] == len(source.state_dict()) and not info["missing_rpe"]
+    assert info["loaded"] == len(source.state_dict()) and not info["missing"].get("irpe", [])
     for key, value in source.state_dict().items():
         assert torch.equal(same.state_dict()[key], value), key
     irpe = build_detector(load_tiny_config(*TINY_DAB, *DN, "model.rpe=rpe-2.0-product-ctx-1-k"),
                           load_backbone_weights=False)
     info = load_weights(irpe, path)
-    assert len(info["missing_rpe"]) == 2 and all(is_rpe_key(k) for k in info["missing_rpe"])
+    assert len(info["missing"].get("irpe", [])) == 2 and all(is_rpe_key(k) for k in info["missing"].get("irpe", []))

@@ -125,7 +125,7 @@ def test_plain_detr_weights_give_identical_outputs(tmp_path) -> None:
     irpe, _, _ = tiny("model.rpe=rpe-2.0-product-ctx-0-qkv", "model.rpe_init=zero")
     info = load_weights(irpe, path)
     assert info["format"] == "detr"
-    assert len(info["missing_rpe"]) == 3  # rpe_q, rpe_k, rpe_v of the one encoder layer
+    assert len(info["missing"].get("irpe", [])) == 3  # rpe_q, rpe_k, rpe_v of the one encoder layer
     plain.eval()
     irpe.eval()
     imgs = images()
@@ -351,7 +351,7 @@ def test_rpe_tables_start_like_the_reference(rpe: str) -> None:
     zero: all zeros."""
     transformer = Transformer(
         d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=1,
-        dim_feedforward=64, rpe=rpe, rpe_init="xavier",
+        dim_feedforward=64, encodings=[rpe], rpe_init="xavier",
     )
     tables = [(n, p.detach()) for n, p in transformer.named_parameters() if "lookup_table" in n]
     assert len(tables) >= 2
@@ -364,7 +364,7 @@ def test_rpe_tables_start_like_the_reference(rpe: str) -> None:
     assert not torch.equal(tables[0][1], tables[len(tables) // 2][1])
     zero = Transformer(
         d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=1,
-        dim_feedforward=64, rpe=rpe, rpe_init="zero",
+        dim_feedforward=64, encodings=[rpe], rpe_init="zero",
     )
     for name, param in zero.named_parameters():
         if "lookup_table" in name:

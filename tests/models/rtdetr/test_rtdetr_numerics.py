@@ -144,7 +144,7 @@ def test_anchors_match_the_definition_with_invalid_borders() -> None:
 # ----------------------------------------------------------------- AIFI with iRPE
 def test_aifi_layer_with_irpe_matches_the_explicit_formula() -> None:
     rpe = "rpe-2.0-product-ctx-1-k"
-    layer = AIFILayer(8, 2, 16, 0.0, "gelu", rpe=rpe).double().eval()
+    layer = AIFILayer(8, 2, 16, 0.0, "gelu", encodings=[rpe]).double().eval()
     for name, p in layer.named_parameters():
         if "lookup_table" in name:
             init_rpe_table(p.data, "xavier")

@@ -10,8 +10,14 @@ import torch.nn.functional as F
 
 from detr_irpe.config import ConfigError, load_config
 from detr_irpe.models import build_model
-from detr_irpe.models.vit import VIT_BACKBONES, ViTSpec, build_vit_backbone, register_vit_backbone
-from detr_irpe.models.vit.encodings import BackboneEncodings
+from detr_irpe.models.vit import (
+    VIT_BACKBONES,
+    BackboneEncodings,
+    ViTSpec,
+    build_vit_backbone,
+    parse_backbone_encodings,
+    register_vit_backbone,
+)
 
 IRPE = "rpe-2.0-product-ctx-1-k"
 TINY = ["model.num_classes=3", "model.backbone=vit_nano"]
@@ -54,7 +60,7 @@ def test_the_adapter_gives_strides_8_16_32_from_three_taps() -> None:
     ["learned", "rpe-2.0-euc-bias-0-qk", "rope-mixed"],
 ])
 def test_each_backbone_encoding_trains_a_step(encodings: list[str]) -> None:
-    cfg = load_config("rtdetr_tiny", [*TINY, f"model.backbone_encodings={encodings}"])
+    cfg = load_config("rtdetr_tiny", [*TINY, f"model.encodings.backbone={encodings}"])
     model, criterion, _ = build_model(cfg, load_backbone_weights=False)
     model.train()
     for size in [(64, 96), (96, 64)]:
@@ -80,7 +86,7 @@ def test_timm_weights_load_through_the_config(tmp_path) -> None:
     torch.save(reference.state_dict(), path)
     cfg = load_config("rtdetr_tiny", ["model.num_classes=3", "model.backbone=vit_tiny",
                                       f"model.backbone_weights={path}", "model.freeze_at=0",
-                                      f"model.backbone_encodings=[learned,{IRPE}]"])
+                                      f"model.encodings.backbone=[learned,{IRPE}]"])
     model, _, _ = build_model(cfg)
     trunk = model.backbone.vit
     assert torch.equal(trunk.blocks[11].attn.in_proj_weight, reference.blocks[11].attn.qkv.weight)
@@ -97,11 +103,15 @@ def test_timm_weights_load_through_the_config(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["model.backbone=vit_huge"], r"model\.backbone must be one of presnet, vit_tiny"),
-    (["model.backbone_encodings=[learned]"], r"model\.backbone_encodings applies to ViT "
-                                              r"backbones only"),
-    (["model.backbone=vit_nano", "model.backbone_encodings=[sine]"],
-     r"model\.backbone_encodings: unknown encoding 'sine'"),
+    (["model.backbone=vit_huge"], r"model\.backbone must be one of presnet, .*vit_tiny"),
+    (["model.encodings.backbone=[learned]"], r"model\.encodings\.backbone=\[learned\]: "
+                                              r"this config's backbone has no attention"),
+    (["model.backbone=hgnetv2_b0", f"model.encodings.backbone=[{IRPE}]"],
+     r"model\.encodings\.backbone=\[rpe-2\.0-product-ctx-1-k\]: this config's backbone"),
+    (["model.backbone=vit_nano", "model.encodings.backbone=[sine]"],
+     r"model\.encodings\.backbone=sine: a ViT backbone's absolute encoding is learned"),
+    (["model.backbone=vit_nano", "model.encodings.backbone=[learned,rope-mixed,rope-axial]"],
+     r"model\.encodings\.backbone: rope given twice"),
     (["model.backbone=vit_nano", "model.freeze_at=2"], r"model\.freeze_at must be -1 .* or 0"),
 ])
 def test_bad_settings_name_the_key(overrides: list[str], message: str) -> None:
@@ -112,9 +122,11 @@ def test_bad_settings_name_the_key(overrides: list[str], message: str) -> None:
 def test_rope_needs_head_widths_divisible_by_4() -> None:
     register_vit_backbone("vit_test_heads6", ViTSpec(24, 3, 4, patch_size=8, img_size=32))
     try:
-        with pytest.raises(ConfigError, match="head width divisible by 4; vit_test_heads6's is 6"):
+        with pytest.raises(ConfigError, match=r"model\.encodings\.backbone=rope-axial in "
+                           r"model\.backbone=vit_test_heads6 \(4 heads of width 6\): "
+                           "rope-axial needs a head width .* divisible by 4"):
             load_config("rtdetr_tiny", ["model.backbone=vit_test_heads6",
-                                        "model.backbone_encodings=[rope-axial]"])
+                                        "model.encodings.backbone=[rope-axial]"])
         cfg = load_config("rtdetr_tiny", ["model.backbone=vit_test_heads6", "model.num_classes=3"])
         assert build_model(cfg, load_backbone_weights=False)[0].backbone.vit.depth == 3
     finally:
@@ -123,26 +135,44 @@ def test_rope_needs_head_widths_divisible_by_4() -> None:
 
 def test_presnet_stays_the_default() -> None:
     model = load_config("rtdetr_r18").model
-    assert (model.backbone, model.backbone_encodings) == ("presnet", None)
+    assert (model.backbone, "backbone" in model.encodings) == ("presnet", False)
+    assert not model.backbone_takes_encodings()
     vit = load_config("rtdetr_vit_tiny").model
-    assert (vit.backbone, vit.vit_encodings()) == ("vit_nano", BackboneEncodings("learned", IRPE))
+    assert vit.backbone == "vit_nano" and vit.backbone_takes_encodings()
+    assert parse_backbone_encodings(vit.place("backbone")) == BackboneEncodings("learned", IRPE)
+    # without model.encodings.backbone a ViT has the learned embedding; [] / none: nothing
+    bare = load_config("rtdetr_tiny", ["model.backbone=vit_nano"]).model
+    assert bare.encodings["backbone"] == ["learned"]
+    assert bare.encodings["encoder"] == load_config("rtdetr_tiny").model.encodings["encoder"]
+    for nothing in ("[]", "none", "[none]"):
+        cfg = load_config("rtdetr_vit_tiny", [f"model.encodings.backbone={nothing}"]).model
+        assert parse_backbone_encodings(cfg.place("backbone")) == BackboneEncodings("none")
 
 
 def test_the_backbones_rope_is_not_the_encoders() -> None:
-    """model.rope is the encoder's: a ViT backbone's RoPE (its own key) is not reported as
-    it by the checkpoint tools (model_rope, the state-dict facts)."""
-    from detr_irpe.checkpoint.encodings import model_rope
-    from detr_irpe.checkpoint.layout import NO_ROPE_FREQUENCIES, _rope_facts
+    """model.rope / model.rpe are the encoder's: a ViT backbone's RoPE and iRPE
+    (model.encodings.backbone) are not reported as them by the checkpoint tools (the
+    built model's rotary encoding, the state-dict facts, the encodings a bare state dict
+    implies, the iRPE layout and the conversion that drops the encoder's tables)."""
+    from detr_irpe.checkpoint.layout import architecture, drop_rpe_tables
+    from detr_irpe.encodings.model import implied_encodings
+    from detr_irpe.encodings.rope import NO_FREQUENCIES, model_rope
+    from detr_irpe.models.rtdetr.checkpoint import CHECKPOINT
     from detr_irpe.rope import RoPEConfig
 
     for encoder, expected in [("none", None), ("rope-axial", RoPEConfig("axial", 100.0))]:
-        cfg = load_config("rtdetr_tiny", [*TINY, "model.backbone_encodings=[rope-mixed]",
-                                          f"model.rope={encoder}"])
+        cfg = load_config("rtdetr_tiny", [*TINY, f"model.encodings.backbone=[rope-mixed,{IRPE}]",
+                                          f"model.rope={encoder}", "model.rpe=none"])
         model = build_model(cfg, load_backbone_weights=False)[0]
+        state = model.state_dict()
         assert model_rope(model) == expected
-        assert any(k.startswith("backbone.") and k.endswith("rope.freqs")
-                   for k in model.state_dict())
-        assert _rope_facts(model.state_dict()) == {"model.rope": NO_ROPE_FREQUENCIES}
+        assert any(k.startswith("backbone.") and k.endswith("rope.freqs") for k in state)
+        assert any(k.startswith("backbone.") and "lookup_table" in k for k in state)
+        facts = architecture(state)
+        assert facts["model.rope"] == NO_FREQUENCIES and facts["model.rpe"] == {}
+        assert implied_encodings(state) == []
+        assert CHECKPOINT.layout_name(state) == "rtdetr"
+        assert drop_rpe_tables(dict(state)) == (dict(state), None)
 
 
 def test_a_vit_state_dict_is_rtdetrs_and_needs_its_config() -> None:
@@ -172,7 +202,7 @@ def test_a_vit_model_exports_one_dynamic_onnx_graph(tmp_path) -> None:
     from detr_irpe.export import export_onnx, run_onnx
 
     cfg = load_config("rtdetr_vit_tiny", ["model.num_classes=3",
-                                          f"model.backbone_encodings=[learned,{IRPE},rope-mixed]"])
+                                          f"model.encodings.backbone=[learned,{IRPE},rope-mixed]"])
     model = build_model(cfg, load_backbone_weights=False)[0]
     randomise(model, seed=0)
     model.eval()

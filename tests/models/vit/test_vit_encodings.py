@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from detr_irpe.errors import ConfigError
 from detr_irpe.models.vit import (
     BackboneEncodings,
     VisionTransformer,
@@ -142,23 +143,28 @@ def test_the_class_token_is_left_out_of_rope_and_gets_the_skip_bucket() -> None:
     ([], BackboneEncodings("none")),
     (["none"], BackboneEncodings("none")),
     (["learned"], BackboneEncodings("learned")),
-    ("rope-mixed-10", BackboneEncodings("none", rope="rope-mixed-10")),
-    (["Learned", IRPE, "rope-axial"], BackboneEncodings("learned", IRPE, "rope-axial")),
+    ("none", BackboneEncodings("none")),
+    ("rope-mixed-10", BackboneEncodings("none", rope="rope-mixed")),
+    ("rope-mixed-50", BackboneEncodings("none", rope="rope-mixed-50")),
+    (["learned", IRPE, "rope-axial"], BackboneEncodings("learned", IRPE, "rope-axial")),
+    ([IRPE, "rope-axial-100"], BackboneEncodings("none", IRPE, "rope-axial")),
 ])
 def test_the_list_form(entries, expected) -> None:
     assert parse_backbone_encodings(entries) == expected
 
 
 @pytest.mark.parametrize(("entries", "message"), [
-    (["sine"], "unknown encoding 'sine'; allowed: none, learned"),
-    (["learned", "none"], "'none' cannot be combined"),
-    (["rope-axial", "rope-mixed"], "two encodings of one kind"),
-    (["rpe-2.0-product-ctx-1-w"], "model.backbone_encodings: .*rpe_on"),
-    (["rope-spiral"], "model.backbone_encodings: unknown RoPE encoding"),
-    ([3], "entries must be strings"),
+    (["sine"], r"model\.encodings\.backbone=sine: a ViT backbone's absolute encoding is "
+               r"learned .* or none, not sine"),
+    (["learned", "sine"], r"model\.encodings\.backbone: at most one absolute encoding"),
+    (["rope-axial", "rope-mixed"], r"model\.encodings\.backbone: rope given twice"),
+    (["rpe-2.0-product-ctx-1-w"], r"model\.encodings\.backbone: .*rpe_on"),
+    (["rope-spiral"], r"model\.encodings\.backbone: .*rope-spiral"),
+    (["alibi"], r"model\.encodings\.backbone: unknown encoding 'alibi'"),
+    ([3], r"model\.encodings\.backbone: 3 is not an encoding string"),
 ])
 def test_bad_lists_name_the_key(entries, message) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         parse_backbone_encodings(entries)
 
 

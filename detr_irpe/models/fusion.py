@@ -1,0 +1,139 @@
+"""Inference form of a detector: batch norms folded into the convolutions before them and
+re-parameterisable blocks merged, as the published RT-DETR / D-FINE deploy modes do.
+
+An evaluation-mode batch norm is an affine map per channel, ``y = x * s + t`` with
+``s = weight / sqrt(running_var + eps)`` and ``t = bias - running_mean * s``; after a
+convolution ``x = W * u + b`` it is the convolution ``(s W) * u + (s b + t)``. Folding
+removes one pass over every feature map (the frozen ResNets of DETR and RT-DETR have one
+after every convolution). Which norm follows which convolution is read off the module
+structure, never guessed from names:
+
+- an ``nn.Sequential`` runs its children in order: a convolution followed by a batch norm
+  (DETR's stem and down-sampling branches, RT-DETR's input projections);
+- a module that says which of its children are a convolution and its norm, through a
+  ``fusable_pairs()`` method returning ``[(conv attribute, norm attribute), ...]``
+  (RT-DETR's ``ConvNormLayer``; torchvision's ResNet blocks are listed here, as their
+  forward applies ``bnN`` right after ``convN``);
+- a module with a ``fuse()`` method merges itself after its children were folded
+  (RT-DETR's RepVGG block: the 1x1 branch added into the 3x3 kernel).
+
+The folded model computes the same function to float32 rounding (tested against the
+training form) and has other state-dict keys: it is for inference only and is never saved.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+from torchvision.models.resnet import BasicBlock, Bottleneck
+
+from detr_irpe.models.backbone import FrozenBatchNorm2d
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["fold_conv_norm", "fuse_for_inference", "inference_form", "is_batch_norm"]
+
+# torchvision's ResNet blocks: forward applies bnN to convN's output (N = 1, 2, 3)
+_TORCHVISION_PAIRS = {BasicBlock: (("conv1", "bn1"), ("conv2", "bn2")),
+                      Bottleneck: (("conv1", "bn1"), ("conv2", "bn2"), ("conv3", "bn3"))}
+
+
+def is_batch_norm(module: nn.Module) -> bool:
+    """A 2D batch norm that computes an affine map per channel (frozen, or in eval mode
+    with running statistics)."""
+    if isinstance(module, FrozenBatchNorm2d):
+        return True
+    return (isinstance(module, nn.BatchNorm2d) and not module.training
+            and module.running_mean is not None)
+
+
+def _norm_affine(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, t)`` of ``y = x * s + t`` in float64."""
+    mean, var = norm.running_mean.double(), norm.running_var.double()
+    weight = norm.weight.double() if norm.weight is not None else torch.ones_like(mean)
+    bias = norm.bias.double() if norm.bias is not None else torch.zeros_like(mean)
+    scale = weight / torch.sqrt(var + norm.eps)
+    return scale, bias - mean * scale
+
+
+@torch.no_grad()
+def fold_conv_norm(conv: nn.Conv2d, norm: nn.Module) -> nn.Conv2d:
+    """A convolution computing ``norm(conv(x))`` (a new module; the inputs are unchanged).
+    The products are formed in float64 and stored in the convolution's dtype."""
+    scale, shift = _norm_affine(norm)
+    fused = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
+                      conv.padding, conv.dilation, conv.groups, bias=True,
+                      padding_mode=conv.padding_mode,
+                      device=conv.weight.device, dtype=conv.weight.dtype)
+    weight = conv.weight.double() * scale.view(-1, 1, 1, 1)
+    bias = conv.bias.double() if conv.bias is not None else torch.zeros_like(scale)
+    fused.weight.copy_(weight)
+    fused.bias.copy_(bias * scale + shift)
+    return fused
+
+
+def _pairs(module: nn.Module) -> tuple[tuple[str, str], ...]:
+    if hasattr(module, "fusable_pairs"):
+        return tuple(module.fusable_pairs())
+    return next((pairs for cls, pairs in _TORCHVISION_PAIRS.items()
+                 if isinstance(module, cls)), ())
+
+
+def _fold_pair(module: nn.Module, conv_name: str, norm_name: str) -> bool:
+    conv, norm = getattr(module, conv_name, None), getattr(module, norm_name, None)
+    if not isinstance(conv, nn.Conv2d) or not is_batch_norm(norm):
+        return False
+    setattr(module, conv_name, fold_conv_norm(conv, norm))
+    setattr(module, norm_name, nn.Identity())
+    return True
+
+
+def _fold_sequential(seq: nn.Sequential) -> int:
+    names = list(seq._modules)
+    folded = 0
+    for first, second in zip(names, names[1:]):
+        if _fold_pair(seq, first, second):
+            folded += 1
+    return folded
+
+
+def fuse_for_inference(model: nn.Module) -> nn.Module:
+    """Fold every batch norm that directly follows a convolution into it and merge the
+    blocks that can merge (``fuse()``), in place; ``model`` must be in eval mode.
+
+    Returns:
+        ``model`` (for chaining).
+
+    Raises:
+        ValueError: ``model`` is in training mode (its batch norms would use batch
+            statistics, which no folded weight can reproduce).
+    """
+    if model.training:
+        raise ValueError("fuse_for_inference needs an eval-mode model (call model.eval() "
+                         "first): training-mode batch norms use the batch's statistics")
+    folded = merged = 0
+    # children first, so that a merging block sees its branches folded already
+    for module in reversed(list(model.modules())):
+        if isinstance(module, nn.Sequential):
+            folded += _fold_sequential(module)
+        for conv_name, norm_name in _pairs(module):
+            folded += _fold_pair(module, conv_name, norm_name)
+        fuse = getattr(module, "fuse", None)
+        if callable(fuse) and fuse():
+            merged += 1
+    logger.info("inference form: %d batch norms folded into convolutions, %d blocks merged",
+                folded, merged)
+    return model
+
+
+def inference_form(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """A copy of ``model`` folded for inference (:func:`fuse_for_inference`; the original
+    is left as it is); on the CPU in the channels-last layout, which its convolutions run
+    fastest in (RT-DETR-R50 at 640 on 2 cores: docs/benchmarks.md)."""
+    fused = fuse_for_inference(copy.deepcopy(model).eval())
+    if torch.device(device).type == "cpu":
+        fused = fused.to(memory_format=torch.channels_last)
+    return fused

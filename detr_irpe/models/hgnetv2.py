@@ -1,0 +1,200 @@
+"""HGNetv2 backbones B0-B6 (PaddleDetection's PP-HGNetV2, the backbone of D-FINE and DEIM),
+taken from timm (the ``timm`` extra) rather than written again.
+
+timm's ``hgnetv2_b0`` ... ``hgnetv2_b6`` are the same networks with the same parameter
+names as the published D-FINE code (``stem.stem1.conv.weight``,
+``stages.2.blocks.0.layers.1.conv2.lab.scale``, ...): with the same weights their four
+stage outputs were equal in float64, to the last bit, for B0 and B4 (run on the CPU
+against Peterande/D-FINE's ``src/nn/backbone/hgnetv2.py``), and the state-dict keys and
+shapes of all seven sizes are the published ones (``tests/reference_data/
+hgnetv2_official_keys.json``). The learnable affine blocks (``lab``) come with B0-B3 and
+not with B4-B6, as the published sizes use them.
+
+:class:`HGNetv2` keeps timm's ``stem`` and ``stages`` (not ``features_only``, which renames
+``stages.N`` to ``stages_N``) and drops its classifier head, so that the published
+ImageNet files (``PPHGNetV2_B{0..6}_stage1.pth``) and the backbones of D-FINE / DEIM
+checkpoints (``backbone.*``) load by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from detr_irpe.errors import CheckpointError, ConfigError
+from detr_irpe.models.backbone import FrozenBatchNorm2d
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HGNETV2_CHANNELS", "HGNETV2_SIZES", "HGNETV2_URLS", "LAB_SIZES", "HGNetv2",
+           "load_hgnetv2_weights"]
+
+HGNETV2_SIZES = ("b0", "b1", "b2", "b3", "b4", "b5", "b6")
+# size -> output channels of the four stages (strides 4, 8, 16, 32)
+HGNETV2_CHANNELS: dict[str, tuple[int, int, int, int]] = {
+    "b0": (64, 256, 512, 1024),
+    "b1": (64, 256, 512, 1024),
+    "b2": (96, 384, 768, 1536),
+    "b3": (128, 512, 1024, 2048),
+    "b4": (128, 512, 1024, 2048),
+    "b5": (128, 512, 1024, 2048),
+    "b6": (192, 512, 1024, 2048),
+}
+# the sizes built with learnable affine blocks unless told otherwise (timm's and D-FINE's)
+LAB_SIZES = ("b0", "b1", "b2", "b3")
+# The published ImageNet files (the D-FINE release; a download only where a user asks)
+HGNETV2_URLS = {size: "https://github.com/Peterande/storage/releases/download/dfinev1.0/"
+                      f"PPHGNetV2_{size.upper()}_stage1.pth" for size in HGNETV2_SIZES}
+
+
+def _timm():
+    if importlib.util.find_spec("timm") is None:
+        raise ConfigError("the HGNetv2 backbones come from timm: pip install "
+                          "'detr_irpe[timm]'")
+    import timm  # optional (the timm extra): checked for just above
+
+    return timm
+
+
+def _network(size: str, use_lab: bool | None) -> nn.Module:
+    """timm's ``hgnetv2_<size>`` without a classifier; ``use_lab`` None: the size's own
+    setting (:data:`LAB_SIZES`), else built from timm's settings with that choice
+    (``timm.create_model`` fixes it per size)."""
+    timm = _timm()
+    if use_lab is None or use_lab == (size in LAB_SIZES):
+        return timm.create_model(f"hgnetv2_{size}", pretrained=False, num_classes=0)
+    hgnet = importlib.import_module("timm.models.hgnet")
+    if f"hgnetv2_{size}" not in getattr(hgnet, "model_cfgs", {}):
+        raise ConfigError(f"HGNetv2 with use_lab={use_lab}: timm {timm.__version__} does not "
+                          "expose the network settings; upgrade it (tested with timm "
+                          "1.0.31): pip install -U timm")
+    return hgnet.HighPerfGpuNet(hgnet.model_cfgs[f"hgnetv2_{size}"], num_classes=0,
+                                use_lab=use_lab)
+
+
+def _freeze_norms(module: nn.Module) -> nn.Module:
+    """Every ``BatchNorm2d`` below ``module`` replaced by a :class:`FrozenBatchNorm2d` with
+    its statistics (the published ``freeze_norm``)."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d):
+            frozen = FrozenBatchNorm2d(child.num_features, eps=child.eps)
+            with torch.no_grad():
+                for key in ("weight", "bias", "running_mean", "running_var"):
+                    getattr(frozen, key).copy_(getattr(child, key))
+            setattr(module, name, frozen)
+        else:
+            _freeze_norms(child)
+    return module
+
+
+class HGNetv2(nn.Module):
+    """An HGNetv2 backbone: images -> the stage outputs of ``return_idx``.
+
+    Args:
+        size: ``b0`` ... ``b6``.
+        return_idx: the stages whose outputs are returned (0-3: strides 4, 8, 16, 32;
+            D-FINE N: ``(2, 3)``, S-X: ``(1, 2, 3)``).
+        freeze_at: -1: nothing frozen; 0: the stem frozen (``requires_grad`` off) and, with
+            ``freeze_stem_only`` false, the stages up to ``freeze_at`` too.
+        freeze_stem_only: with ``freeze_at >= 0``, freeze the stem alone (published).
+        freeze_norm: every batch norm frozen (statistics and affine values fixed).
+        use_lab: the learnable affine blocks after the activated convs; None: the size's
+            own (on for B0-B3, :data:`LAB_SIZES`, as D-FINE and DEIM publish them).
+
+    Attributes:
+        out_channels, strides: of the returned maps (``out_strides``: the same strides,
+            under the name the other backbones use).
+    """
+
+    def __init__(self, size: str = "b0", return_idx: Sequence[int] = (1, 2, 3),
+                 freeze_at: int = -1, freeze_stem_only: bool = True,
+                 freeze_norm: bool = False, *, use_lab: bool | None = None) -> None:
+        super().__init__()
+        if size not in HGNETV2_SIZES:
+            raise ConfigError(f"HGNetv2 size {size!r}: choose one of {', '.join(HGNETV2_SIZES)}")
+        if not return_idx or any(i not in (0, 1, 2, 3) for i in return_idx) or \
+                list(return_idx) != sorted(set(return_idx)):
+            raise ConfigError(f"HGNetv2 return_idx {list(return_idx)}: increasing stage "
+                              "indices out of 0, 1, 2, 3")
+        net = _network(size, use_lab)
+        self.size = size
+        self.stem, self.stages = net.stem, net.stages
+        self.return_idx = tuple(return_idx)
+        self.out_channels = [HGNETV2_CHANNELS[size][i] for i in self.return_idx]
+        self.strides = [(4, 8, 16, 32)[i] for i in self.return_idx]
+        self.out_strides = self.strides
+        if freeze_at >= 0:
+            frozen = [self.stem] if freeze_stem_only else [
+                self.stem, *self.stages[:min(freeze_at + 1, len(self.stages))]]
+            for part in frozen:
+                part.requires_grad_(False)
+        if freeze_norm:
+            _freeze_norms(self)
+
+    def forward(self, images: Tensor) -> list[Tensor]:
+        """``(B, 3, H, W)`` -> ``[(B, out_channels[i], H / strides[i], W / strides[i])]``."""
+        x = self.stem(images)
+        outs = []
+        for index, stage in enumerate(self.stages):
+            x = stage(x)
+            if index in self.return_idx:
+                outs.append(x)
+            if index == self.return_idx[-1]:
+                break
+        return outs
+
+
+def _state_of(obj: object, path: str) -> Mapping[str, Tensor]:
+    if isinstance(obj, Mapping):
+        for key in ("model", "state_dict"):
+            if isinstance(obj.get(key), Mapping):
+                return obj[key]
+        if all(isinstance(v, Tensor) for v in obj.values()):
+            return obj
+    raise CheckpointError(f"{path}: not an HGNetv2 state dict (expected a mapping of "
+                          "tensors, or one under 'model' / 'state_dict')")
+
+
+def load_hgnetv2_weights(backbone: HGNetv2, path: str | Path) -> None:
+    """Load an HGNetv2 file into ``backbone`` by name: a published ImageNet file
+    (``PPHGNetV2_B0_stage1.pth``), or a D-FINE / DEIM checkpoint's ``backbone.*`` keys.
+    Classifier keys (``head.*``) are left out and ``num_batches_tracked`` is ignored.
+
+    Raises:
+        CheckpointError: the file is missing or unreadable, is no state dict, or its keys
+            or shapes do not fit the backbone (naming the first of them and the size).
+    """
+    path = str(path)
+    if not Path(path).is_file():
+        raise CheckpointError(f"{path}: no such HGNetv2 weights file")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a broken file: one line naming it
+        raise CheckpointError(f"{path}: cannot be read as a weights file ({type(err).__name__}: "
+                              f"{err})") from None
+    state = _state_of(obj, path)
+    if any(k.startswith("backbone.") for k in state):
+        state = {k.removeprefix("backbone."): v for k, v in state.items()
+                 if k.startswith("backbone.")}
+    state = {k: v for k, v in state.items()
+             if not k.startswith("head.") and not k.endswith("num_batches_tracked")}
+    target = {k: v for k, v in backbone.state_dict().items()
+              if not k.endswith("num_batches_tracked")}
+    missing = [k for k in target if k not in state]
+    unexpected = [k for k in state if k not in target]
+    shapes = [k for k in target if k in state and tuple(state[k].shape) != tuple(target[k].shape)]
+    if missing or unexpected or shapes:
+        problem = (f"{len(missing)} keys missing (first {missing[0]})" if missing else
+                   f"{len(unexpected)} unexpected keys (first {unexpected[0]})" if unexpected else
+                   f"{len(shapes)} shapes differ (first {shapes[0]}: file "
+                   f"{tuple(state[shapes[0]].shape)}, model {tuple(target[shapes[0]].shape)})")
+        raise CheckpointError(f"{path} does not fit HGNetv2-{backbone.size.upper()}: "
+                              f"{problem}; is it the file of another size?")
+    backbone.load_state_dict(state, strict=False)
+    logger.info("loaded %d HGNetv2-%s tensors from %s", len(state), backbone.size.upper(), path)

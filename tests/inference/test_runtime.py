@@ -1,0 +1,159 @@
+"""One switch to the fast runtime (detr_irpe/inference/runtime.py): the Predictor and the
+predict tool run a model as trained, in its inference form (fused) or through ONNX
+Runtime, for every family, with the same post-processing and the same outputs to float32
+rounding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import load_tool
+from PIL import Image
+
+from detr_irpe.cli.args import RUNTIMES as CLI_RUNTIMES
+from detr_irpe.config import ConfigError, load_config
+from detr_irpe.inference import Predictor
+from detr_irpe.inference.runtime import RUNTIMES, OnnxRuntimeModel, build_runtime
+from detr_irpe.models import build_model
+
+FAMILIES = {
+    "detr": ("synthetic_tiny", ()),
+    "dab": ("synthetic_tiny", ("model.family=dab", "model.hidden_dim=32")),
+    "rtdetr": ("rtdetr_tiny", ()),
+}
+
+
+def _checkpoint(folder: Path, family: str) -> Path:
+    base, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    cfg = load_config(base, ["model.num_classes=4", "model.backbone_weights=none", *extra])
+    model, _, _ = build_model(cfg, load_backbone_weights=False)
+    path = folder / f"{family}.pth"
+    torch.save({"model": model.state_dict(), "config": cfg.to_dict()}, path)
+    return path
+
+
+def _images(n: int = 2) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [(torch.rand(3, 60 + 8 * i, 80, generator=gen) * 255).to(torch.uint8)
+            for i in range(n)]
+
+
+def test_the_tools_name_the_runtimes_without_torch() -> None:
+    assert CLI_RUNTIMES == RUNTIMES
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="unknown runtime 'tensorrt'"):
+        build_runtime("tensorrt", model)
+
+
+# one export each (8-15 s): DETR in the default set, the other families in the slow one
+EXPORT_CASES = [pytest.param(f, marks=() if f == "detr" else pytest.mark.slow) for f in FAMILIES]
+
+
+@pytest.mark.parametrize("family", EXPORT_CASES)
+def test_fused_and_onnxruntime_outputs_equal_the_model_s(family: str, tmp_path: Path,
+                                                         monkeypatch) -> None:
+    """The raw outputs of each runtime against the model's, image by image (RT-DETR's
+    query selection is a top-k over near-tied random scores: compared before it could
+    flip, through the outputs of the same images)."""
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setenv("DETR_IRPE_CACHE", str(tmp_path / "cache"))
+    path = _checkpoint(tmp_path, family)
+    base = Predictor.from_checkpoint(path, device="cpu", score_threshold=0.0)
+    inputs = [base.preprocess(image) for image in _images()]
+    with torch.no_grad():
+        want = [base.model([x]) for x in inputs]
+        for runtime in ("fused", "onnxruntime"):
+            infer = build_runtime(runtime, base.model)
+            for x, expected in zip(inputs, want):
+                got = infer([x])
+                for key in ("pred_logits", "pred_boxes"):
+                    torch.testing.assert_close(got[key], expected[key], atol=2e-4, rtol=1e-4,
+                                               msg=f"{runtime} {key}")
+    # the graph is cached: a second predictor exports nothing
+    graphs = sorted((tmp_path / "cache" / "onnx").glob("*.onnx"))
+    assert len(graphs) == 1
+    before = graphs[0].stat().st_mtime_ns
+    again = OnnxRuntimeModel(base.model)
+    assert again.path == graphs[0] and graphs[0].stat().st_mtime_ns == before
+
+
+@pytest.mark.slow  # an export (~8 s)
+def test_the_first_call_is_checked_against_pytorch(tmp_path: Path, monkeypatch) -> None:
+    """A cached graph that does not compute the model (here: another model's weights
+    under this model's name) is refused on the first call, naming the file."""
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setenv("DETR_IRPE_CACHE", str(tmp_path / "cache"))
+    first = Predictor.from_checkpoint(_checkpoint(tmp_path, "detr"), device="cpu")
+    runtime = OnnxRuntimeModel(first.model)
+    with torch.no_grad():
+        for p in first.model.parameters():
+            p.add_(0.5)
+    image = first.preprocess(_images(1)[0])
+    with pytest.raises(Exception, match=r"differ from PyTorch's by .* delete the file"):
+        runtime([image])
+
+
+@pytest.mark.slow  # an export and three predict runs per family (8-15 s)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_predict_tool_with_each_runtime(family: str, tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setenv("DETR_IRPE_CACHE", str(tmp_path / "cache"))
+    path = _checkpoint(tmp_path, family)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i, image in enumerate(_images()):
+        Image.fromarray(image.permute(1, 2, 0).numpy().astype(np.uint8)).save(
+            folder / f"{i}.png")
+    counts = {}
+    for runtime in RUNTIMES:
+        out = tmp_path / runtime
+        assert load_tool("predict").main([str(path), str(folder), "--output-dir", str(out),
+                                          "--score-threshold", "0", "--no-draw",
+                                          "--runtime", runtime, "--no-progress"]) == 0
+        detections = json.loads((out / "detections.json").read_text())["detections"]
+        counts[runtime] = len(detections)
+    assert len(set(counts.values())) == 1 and counts["pytorch"] > 0, counts
+
+
+@pytest.mark.slow  # two evaluations and an export (~20 s)
+def test_eval_tool_with_the_fused_and_onnxruntime_runtimes(tmp_path: Path, tiny_dataset: Path,
+                                                           monkeypatch) -> None:
+    """The same COCO numbers from the model as trained and from its inference form; ONNX
+    Runtime runs (each image at its own size) and reports no losses."""
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setenv("DETR_IRPE_CACHE", str(tmp_path / "cache"))
+    path = _checkpoint(tmp_path, "rtdetr")
+    stats = {}
+    for runtime in RUNTIMES:
+        out = tmp_path / f"eval_{runtime}"
+        assert load_tool("eval").main([str(path), "--no-progress", "--output-dir", str(out),
+                                       "--runtime", runtime, "--set",
+                                       f"data.root={tiny_dataset}"]) == 0
+        metrics = json.loads((out / "metrics.json").read_text())
+        stats[runtime] = metrics
+    for runtime in ("fused", "onnxruntime"):
+        assert stats[runtime]["bbox"]["stats"] == pytest.approx(
+            stats["pytorch"]["bbox"]["stats"], abs=1e-3), runtime
+    assert stats["pytorch"]["losses"] and not stats["onnxruntime"]["losses"]
+
+
+@pytest.mark.slow  # one export (~15 s)
+def test_onnxruntime_pads_rtdetr_inputs_to_its_stride(tmp_path: Path, monkeypatch) -> None:
+    """The dynamic RT-DETR graph takes sides that are multiples of 32: the runtime pads an
+    80 x 80 input (as the PyTorch model pads it) and rescales the boxes, so its outputs are
+    the model's."""
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setenv("DETR_IRPE_CACHE", str(tmp_path / "cache"))
+    base = Predictor.from_checkpoint(_checkpoint(tmp_path, "rtdetr"), device="cpu")
+    runtime = OnnxRuntimeModel(base.model)
+    image = torch.rand(3, 80, 80)
+    with torch.no_grad():
+        want = base.model([image])
+    got = runtime([image])
+    for key in ("pred_logits", "pred_boxes"):
+        torch.testing.assert_close(got[key], want[key], atol=2e-4, rtol=1e-4)
