@@ -38,12 +38,7 @@ from detr_irpe.models.rtdetr.config import (
 )
 from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
 from detr_irpe.models.rtdetr.presnet import DEPTHS
-from detr_irpe.models.vit import (
-    VIT_BACKBONES,
-    check_vit_section,
-    is_vit_backbone,
-    resolve_encodings,
-)
+from detr_irpe.models.vit import check_backbone, is_vit_backbone, resolve_encodings
 
 # variant -> the activation of the decoder's FFNs and MLP heads, and the name shown
 VARIANTS = {"dfine": ("relu", "D-FINE"), "deim": ("silu", "DEIM")}
@@ -238,12 +233,7 @@ class DFINEModelConfig(ModelConfig):
             _fail(key("variant"), self.variant, f"must be one of {', '.join(VARIANTS)}")
         if self.size is not None and self.size not in SIZES:
             _fail(key("size"), self.size, f"must be one of {', '.join(SIZES)} or null")
-        if self.backbone not in BACKBONES and not is_vit_backbone(self.backbone):
-            _fail(key("backbone"), self.backbone,
-                  f"must be one of {', '.join((*BACKBONES, *VIT_BACKBONES))} (or a ViT "
-                  "registered with detr_irpe.models.vit.register_vit_backbone)")
-        if is_vit_backbone(self.backbone):
-            check_vit_section(self, key)
+        check_backbone(self, key, BACKBONES)
         idx = self.backbone_return_idx
         if (not isinstance(idx, list) or not idx or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in idx)

@@ -23,12 +23,7 @@ from detr_irpe.irpe.encodings import RPE_INIT_MODES
 from detr_irpe.models.hgnetv2 import HGNETV2_SIZES
 from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
 from detr_irpe.models.rtdetr.presnet import DEPTHS, VARIANTS
-from detr_irpe.models.vit import (
-    VIT_BACKBONES,
-    check_vit_section,
-    is_vit_backbone,
-    resolve_encodings,
-)
+from detr_irpe.models.vit import check_backbone, is_vit_backbone, resolve_encodings
 
 # loss.classification: RT-DETR's varifocal loss or DEIM's matchability-aware loss
 CLASSIFICATION_LOSSES = ("vfl", "mal")
@@ -193,12 +188,7 @@ class RTDETRModelConfig(ModelConfig):
 
         if self.depth not in DEPTHS:
             _fail(key("depth"), self.depth, f"must be one of {', '.join(map(str, DEPTHS))}")
-        if self.backbone not in BACKBONES and not is_vit_backbone(self.backbone):
-            _fail(key("backbone"), self.backbone,
-                  f"must be one of {', '.join((*BACKBONES, *VIT_BACKBONES))} (or a ViT "
-                  "registered with detr_irpe.models.vit.register_vit_backbone)")
-        if is_vit_backbone(self.backbone):
-            check_vit_section(self, key)
+        check_backbone(self, key, BACKBONES)
         if self.variant not in VARIANTS:
             _fail(key("variant"), self.variant, f"must be one of {', '.join(VARIANTS)}")
         for name in ("freeze_norm", "aux_loss"):

@@ -8,7 +8,7 @@ learned, iRPE, RoPE; composable), shared by the detector families (not a family 
   with a simple feature adapter giving stride 8 / 16 / 32 maps (:mod:`.backbone`).
 - :func:`parse_backbone_encodings` -- ``model.encodings.backbone`` (``["learned",
   "rope-mixed"]``) -> constructor arguments (:mod:`.encodings`).
-- :func:`is_vit_backbone`, :func:`resolve_encodings`, :func:`check_vit_section`,
+- :func:`is_vit_backbone`, :func:`resolve_encodings`, :func:`check_backbone`,
   :func:`build_config_backbone` -- a ViT backbone in a family's model section, shared by
   RT-DETR and D-FINE (:mod:`.config`).
 """
@@ -25,6 +25,7 @@ from detr_irpe.models.vit.config import (
     STATE_KEY,
     bare_state_error,
     build_config_backbone,
+    check_backbone,
     check_vit_section,
     is_vit_backbone,
     resolve_encodings,
@@ -48,6 +49,7 @@ __all__ = [
     "bare_state_error",
     "build_config_backbone",
     "build_vit_backbone",
+    "check_backbone",
     "check_vit_section",
     "is_vit_backbone",
     "load_timm_weights",

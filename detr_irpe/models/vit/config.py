@@ -4,8 +4,8 @@ configs and builders share (``model.backbone: vit_*`` and ``model.encodings.back
 A family that offers ViT backbones calls :func:`resolve_encodings` after the base class's
 ``__post_init__`` (a ViT without ``model.encodings.backbone`` gets
 :data:`~.encodings.DEFAULT_ENCODINGS`, ``[learned]``: the pretrained ViTs' own), answers
-``backbone_takes_encodings()`` with :func:`is_vit_backbone`, checks its section with
-:func:`check_vit_section` and builds the backbone with :func:`build_config_backbone`.
+``backbone_takes_encodings()`` with :func:`is_vit_backbone`, checks ``model.backbone``
+with :func:`check_backbone` and builds the backbone with :func:`build_config_backbone`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from detr_irpe.errors import CheckpointError, ConfigError
 from detr_irpe.models.vit.backbone import VIT_BACKBONES, ViTBackbone, build_vit_backbone
 from detr_irpe.models.vit.encodings import DEFAULT_ENCODINGS, parse_backbone_encodings
 
-__all__ = ["STATE_KEY", "bare_state_error", "build_config_backbone", "check_vit_section",
+__all__ = ["STATE_KEY", "bare_state_error", "build_config_backbone", "check_backbone",
+           "check_vit_section",
            "is_vit_backbone", "resolve_encodings"]
 
 # A key every detector state dict with a ViT backbone has (its trunk is ``backbone.vit``).
@@ -36,6 +37,22 @@ def resolve_encodings(section: Any) -> None:
     encoding."""
     if is_vit_backbone(section.backbone) and "backbone" not in section.encodings:
         section.encodings["backbone"] = list(DEFAULT_ENCODINGS)
+
+
+def check_backbone(section: Any, key: Callable[[str], str], others: Sequence[str]) -> None:
+    """Refuse a ``model.backbone`` that is neither one of the family's own (``others``)
+    nor a ViT, and check a ViT's section (:func:`check_vit_section`).
+
+    Raises:
+        ConfigError: naming the key and the value.
+    """
+    if section.backbone not in others and not is_vit_backbone(section.backbone):
+        raise ConfigError(
+            f"{key('backbone')} must be one of {', '.join((*others, *VIT_BACKBONES))} (or a "
+            "ViT registered with detr_irpe.models.vit.register_vit_backbone), got "
+            f"{section.backbone!r}")
+    if is_vit_backbone(section.backbone):
+        check_vit_section(section, key)
 
 
 def check_vit_section(section: Any, key: Callable[[str], str]) -> None:
