@@ -20,6 +20,7 @@ kind; docs/position_encodings.md, "Encodings in the backbone"). What each means 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,11 @@ class BackboneEncodings:
         return out or ["none"]
 
 
+# the fields that hold an encoding string, named as the encodings' shorthand keys
+_STRING_FIELDS = tuple(f.name for f in dataclasses.fields(BackboneEncodings)
+                       if f.name not in ("abs_pos", "plugins"))
+
+
 def parse_backbone_encodings(entries: PlaceEncodings | Iterable[str] | str | None,
                              key: str = BACKBONE_KEY) -> BackboneEncodings:
     """``["learned", "rpe-2.0-product-ctx-1-k", "rope-mixed"]`` (or the parsed place) ->
@@ -81,8 +87,10 @@ def parse_backbone_encodings(entries: PlaceEncodings | Iterable[str] | str | Non
     for entry, spec in place.entries:
         if entry.kind == "absolute":
             continue
-        if entry.name in ("irpe", "rope"):
-            values[entry.name if entry.name == "rope" else "rpe"] = entry.describe(spec)
+        if entry.attention_args is not None and entry.legacy_key in _STRING_FIELDS:
+            # the built-in ones the trunk takes by string, in the field named as their
+            # shorthand key (iRPE: rpe; RoPE: rope)
+            values[entry.legacy_key] = entry.describe(spec)
         elif entry.build is not None:
             plugins.append((entry, spec))
         else:

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from detr_irpe.encodings import parse_encoding
 from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig, init_rpe_table
 from detr_irpe.models.vit.encodings import ABSOLUTE
-from detr_irpe.rope import build_rope
 
 __all__ = ["Block", "LayerScale", "Mlp", "PatchEmbed", "VisionTransformer",
            "resample_abs_pos_embed"]
@@ -127,10 +127,17 @@ class Block(nn.Module):
                  plugins: Sequence[tuple[Any, Any]] = ()) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
-        self.attn = IRPEMultiheadAttention(
-            dim, num_heads, rpe=rpe, rope=build_rope(rope, dim // num_heads, num_heads),
-            encodings=[entry.build(spec, dim, num_heads) for entry, spec in plugins],
-            skip=num_prefix)
+        # the rotary encoding and the plugins as their registry entries build them
+        attention = [parse_encoding(rope, "the ViT's rotary encoding")] if rope else []
+        args: dict[str, Any] = {}
+        modules = []
+        for entry, spec in [*attention, *plugins]:
+            if entry.attention_args is not None:
+                args.update(entry.attention_args(spec, dim, num_heads))
+            else:
+                modules.append(entry.build(spec, dim, num_heads))
+        self.attn = IRPEMultiheadAttention(dim, num_heads, rpe=rpe, encodings=modules,
+                                           skip=num_prefix, **args)
         self.ls1 = nn.Identity() if layer_scale is None else LayerScale(dim, layer_scale)
         self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))

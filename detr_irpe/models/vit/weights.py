@@ -23,10 +23,9 @@ import torch
 from torch import Tensor
 
 from detr_irpe.checkpoint.safe import load_safetensors, safe_load
+from detr_irpe.encodings.model import encoding_of_key
 from detr_irpe.errors import CheckpointError
-from detr_irpe.irpe import is_rpe_key
 from detr_irpe.models.vit.model import VisionTransformer, resample_abs_pos_embed
-from detr_irpe.rope import is_rope_key
 
 __all__ = ["load_timm_weights", "read_state_dict", "timm_to_trunk"]
 
@@ -135,7 +134,8 @@ def timm_to_trunk(state: Mapping[str, Tensor], trunk: VisionTransformer,
     if wrong:
         raise CheckpointError(f"{source} does not fit the ViT trunk (embed_dim "
                               f"{trunk.embed_dim}, patch {trunk.patch_size}): " + "; ".join(wrong[:3]))
-    missing = sorted(k for k in set(target) - set(out) if not (is_rpe_key(k) or is_rope_key(k)))
+    # the encodings' own parameters (iRPE tables, RoPE-Mixed frequencies) keep their start
+    missing = sorted(k for k in set(target) - set(out) if encoding_of_key(k) is None)
     if missing:
         raise CheckpointError(f"{source}: the file lacks trunk weights "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
