@@ -17,7 +17,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from detr_irpe.encodings.config import NONE, shorthand_entries
-from detr_irpe.encodings.model import weightless_keys
+from detr_irpe.encodings.model import encoder_has, weightless_keys
 from detr_irpe.family import DEFAULT_FAMILY
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def exact_shorthand_values(key: str, state: Mapping[str, Tensor], model: nn.Modu
     saved = _spec(key, saved_setting(meta, key)) if saved_model_section(meta) else "unknown"
     if saved != "unknown":
         entries = shorthand_entries(key.removeprefix("model."))
-        has_weights = any(e.param_key(k) for e in entries for k in state)
+        has_weights = any(encoder_has(state, e) for e in entries)
         saved_weights = saved is not None and not saved[0].weightless(saved[1])
         if has_weights == saved_weights:
             checkpoint = _shown(saved)

@@ -27,6 +27,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from detr_irpe.encodings.model import state_facts
+from detr_irpe.encodings.registry import in_backbone
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import family_of_state
 from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table, is_rpe_key, parse_rpe
@@ -273,7 +274,7 @@ def add_rpe_tables(
     rpe_cfg = parse_rpe(rpe)
     if rpe_cfg is None:
         return state, None
-    existing = sorted(k for k in state if is_rpe_key(k))
+    existing = sorted(k for k in state if is_rpe_key(k) and not in_backbone(k))
     if existing:
         raise CheckpointError(
             f"the state dict already has iRPE tables ({', '.join(existing[:3])}); --rpe only "
@@ -299,14 +300,14 @@ def add_rpe_tables(
 
 
 def drop_rpe_tables(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], str | None]:
-    """``state`` without its iRPE tables (a model with ``model.rpe=none`` has none) and a
-    note (None when there were none)."""
-    dropped = [k for k in state if is_rpe_key(k)]
+    """``state`` without its encoder's iRPE tables (a model with ``model.rpe=none`` has
+    none; a ViT backbone's stay) and a note (None when there were none)."""
+    dropped = [k for k in state if is_rpe_key(k) and not in_backbone(k)]
     if not dropped:
         return state, None
     layers = {k.rsplit(".self_attn.", 1)[0] for k in dropped}
     names = sorted({k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1] for k in dropped})
-    kept = {k: v for k, v in state.items() if not is_rpe_key(k)}
+    kept = {k: v for k, v in state.items() if k not in set(dropped)}
     return kept, (f"dropped the iRPE tables ({', '.join(names)}) of {len(layers)} encoder "
                   "layer(s): the model is now model.rpe=none")
 

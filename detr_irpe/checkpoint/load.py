@@ -52,6 +52,7 @@ from detr_irpe.checkpoint.safe import format_keys
 from detr_irpe.checkpoint.zoo import ZOO
 from detr_irpe.config.schema import import_names
 from detr_irpe.encodings import encodings
+from detr_irpe.encodings.registry import in_backbone
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import family_of_model, family_of_state
 from detr_irpe.utils.dist import unwrap_model
@@ -99,13 +100,17 @@ def _missing_encoding_parameters(
     for entry in encodings():
         if not entry.fresh_start:
             continue
-        model_keys = [k for k in target if entry.param_key(k)]
-        if not model_keys or any(entry.param_key(k) for k in state):
-            continue
-        logger.info("checkpoint %s has no %s parameters (trained without it): the %d %s "
-                    "tensors of this model keep the values it was built with", path,
-                    entry.title, len(model_keys), entry.title)
-        missing[entry.name] = model_keys
+        # the encoder's and a ViT backbone's (model.encodings.backbone) each on their own
+        for place in (False, True):
+            model_keys = [k for k in target if entry.param_key(k) and in_backbone(k) == place]
+            if not model_keys or any(entry.param_key(k) and in_backbone(k) == place
+                                     for k in state):
+                continue
+            logger.info("checkpoint %s has no %s parameters in the %s (trained without it): "
+                        "the %d %s tensors there keep the values this model was built with",
+                        path, entry.title, "backbone" if place else "encoder",
+                        len(model_keys), entry.title)
+            missing.setdefault(entry.name, []).extend(model_keys)
     return missing
 
 

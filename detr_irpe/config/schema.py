@@ -81,9 +81,11 @@ class ModelConfig:
     family: str = DEFAULT_FAMILY
     # Where each position encoding goes (docs/position_encodings.md): {encoder: [...],
     # backbone: [...]}, each entry an encoding string (sine, learned,
-    # rpe-2.0-product-ctx-1-k, rope-mixed, a registered one). rpe, rope and the family's
-    # position_embedding are shorthands of the encoder's list; null: what they say.
-    encodings: dict[str, list[str]] | None = None
+    # rpe-2.0-product-ctx-1-k, rope-mixed, a registered one; one string is a list of one,
+    # none or [] no encoding). rpe, rope and the family's position_embedding are shorthands
+    # of the encoder's list; null: what they say. backbone: a ViT backbone's attention
+    # (model.backbone: vit_*; without the key, [learned]); other backbones take none.
+    encodings: dict[str, list[str] | str] | None = None
     # iRPE of the encoder's self-attention: a model-zoo string or "none".
     rpe: str = "none"
     # How the iRPE tables start: "xavier" (DETR's reset of every matrix, the published

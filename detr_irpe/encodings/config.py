@@ -222,7 +222,9 @@ def sync_model_encodings(section: Any) -> None:
         raise ConfigError(f"model.encodings: unknown place(s) {', '.join(map(str, unknown))}; "
                           f"allowed: {', '.join(PLACES)}")
     lists = {p: encoding_strings(v, f"model.encodings.{p}") for p, v in value.items()}
-    encoder = parse_place(lists.get("encoder", []), "model.encodings.encoder")
+    if "encoder" not in lists:  # a list for the backbone only: the encoder's is the shorthands'
+        lists["encoder"] = _from_shorthands(section)
+    encoder = parse_place(lists["encoder"], "model.encodings.encoder")
     for place, strings in lists.items():
         parse_place(strings, f"model.encodings.{place}")
     defaults = {f.name: f.default for f in dataclasses.fields(section)}

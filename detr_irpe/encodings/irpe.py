@@ -22,7 +22,7 @@ from detr_irpe.irpe import is_rpe_key, parse_rpe, table_parameter_count
 from detr_irpe.irpe.buckets import bucket_ids
 from detr_irpe.irpe.config import Mode, RPEConfig
 
-from .registry import PositionEncoding, always_weighted, register_encoding
+from .registry import PositionEncoding, always_weighted, in_backbone, register_encoding
 from .response import response_vectors
 
 __all__ = ["IRPE", "irpe_response", "offset_extent", "rpe_tables"]
@@ -35,13 +35,13 @@ def _parse(text: str) -> RPEConfig | None:
 
 
 def rpe_tables(state: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
-    """The iRPE tables of the first attention layer that has them: ``{name: shape}``
-    (``{"rpe_k.lookup_table_weight": (1, 32, 225)}``)."""
+    """The iRPE tables of the first encoder attention layer that has them: ``{name: shape}``
+    (``{"rpe_k.lookup_table_weight": (1, 32, 225)}``; a ViT backbone's are not read)."""
     pattern = re.compile(r".*\.layers\.(\d+)\.self_attn\.(.+)")
     tables: dict[int, dict[str, tuple[int, ...]]] = {}
     for key, value in state.items():
         match = pattern.match(key)
-        if match and is_rpe_key(key):
+        if match and is_rpe_key(key) and not in_backbone(key):
             tables.setdefault(int(match.group(1)), {})[match.group(2)] = tuple(value.shape)
     return tables[min(tables)] if tables else {}
 

@@ -15,10 +15,12 @@ import torch
 from torch import Tensor, nn
 
 from .config import PlaceEncodings
-from .registry import PositionEncoding, encodings
+from .registry import PositionEncoding, encodings, in_backbone
 from .response import DEFAULT_EXTENT
 
 __all__ = [
+    "encoder_has",
+    "encoder_keys",
     "encoding_of_key",
     "hf_refusals",
     "implied_encodings",
@@ -64,9 +66,23 @@ def state_facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
 
 def implied_encodings(state: Mapping[str, Tensor]) -> list[str]:
     """The encoding strings a state dict without a saved config is read as: those of the
-    encodings whose parameters it holds and that say their setting (``implied``)."""
+    encodings whose parameters it holds in the encoder and that say their setting
+    (``implied``; a backbone's attention encodings are not the encoder's)."""
     return [e.implied for e in encodings()
-            if e.implied is not None and any(e.param_key(k) for k in state)]
+            if e.implied is not None and any(e.param_key(k) for k in encoder_keys(state, e))]
+
+
+def encoder_keys(state: Mapping[str, Any], entry: PositionEncoding) -> list[str]:
+    """The keys of ``state`` that can hold ``entry``'s parameters for the encoder: all of
+    them for an absolute encoding, those outside the backbone for an attention one."""
+    if entry.kind != "attention":
+        return list(state)
+    return [k for k in state if not in_backbone(k)]
+
+
+def encoder_has(state: Mapping[str, Any], entry: PositionEncoding) -> bool:
+    """Whether ``state`` holds parameters of ``entry`` for the encoder."""
+    return any(entry.param_key(k) for k in encoder_keys(state, entry))
 
 
 def weightless_keys() -> tuple[str, ...]:

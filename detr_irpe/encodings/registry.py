@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
 __all__ = [
+    "BACKBONE_PREFIX",
     "BUILTIN_ENCODINGS",
     "always_weighted",
     "KINDS",
@@ -47,6 +48,7 @@ __all__ = [
     "encoding_names",
     "encodings",
     "get_encoding",
+    "in_backbone",
     "parse_encoding",
     "register_encoding",
 ]
@@ -54,6 +56,11 @@ __all__ = [
 KINDS = ("absolute", "attention")
 # Where a model can take encodings (model.encodings keys).
 PLACES = ("encoder", "backbone")
+# The state-dict / module prefix of a detector's backbone: an attention encoding's
+# parameters and modules under it are model.encodings.backbone's (a ViT backbone's), never
+# the encoder's (model.rpe / model.rope). An absolute encoding's are the encoder's wherever
+# they sit (DETR keeps its learned one in backbone.1).
+BACKBONE_PREFIX = "backbone."
 
 # The built-in encodings: registry name -> the module whose import registers it.
 BUILTIN_ENCODINGS: dict[str, str] = {
@@ -68,6 +75,12 @@ _REGISTRY: dict[str, PositionEncoding] = {}
 
 def _no_keys(key: str) -> bool:
     return False
+
+
+def in_backbone(name: str) -> bool:
+    """Whether a state-dict key or module name is in the detector's backbone
+    (:data:`BACKBONE_PREFIX`): an attention encoding there is the backbone place's."""
+    return name.startswith(BACKBONE_PREFIX)
 
 
 def always_weighted(spec: Any) -> bool:

@@ -28,7 +28,7 @@ from detr_irpe.rope import (
     parse_rope,
 )
 
-from .registry import PositionEncoding, register_encoding
+from .registry import PositionEncoding, in_backbone, register_encoding
 from .response import DEFAULT_EXTENT, response_vectors
 
 __all__ = ["NO_FREQUENCIES", "ROPE", "describe", "rope_response"]
@@ -61,7 +61,8 @@ def _facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
     """RoPE-Mixed's learned frequencies (``(2, nheads, D / 2)``: they show the head count
     too) or none; RoPE-Axial has no weights, so a state dict without frequencies may be
     either."""
-    freqs = [v for k, v in state.items() if is_rope_key(k) and k.endswith(".freqs")]
+    freqs = [v for k, v in state.items() if is_rope_key(k) and k.endswith(".freqs")
+             and not in_backbone(k)]  # a ViT backbone's are model.encodings.backbone's
     if not freqs:
         return {"model.rope": NO_FREQUENCIES}
     heads = int(freqs[0].shape[1]) if len(freqs[0].shape) == 3 else None
@@ -116,13 +117,14 @@ def _response(attn: nn.Module, extent: int | None, query, key) -> dict[str, np.n
 
 
 def model_rope(model: nn.Module) -> RoPEConfig | None:
-    """The rotary encoding of a built model's attention layers (None: none has one).
+    """The rotary encoding of a built model's attention layers outside its backbone (None:
+    none has one; a ViT backbone's is model.encodings.backbone's, not model.rope).
 
     Raises:
         ValueError: its layers have different ones (no config builds such a model).
     """
-    found = {RoPEConfig(m.variant, m.theta) for m in model.modules()
-             if isinstance(m, RotaryEncoding)}
+    found = {RoPEConfig(m.variant, m.theta) for name, m in model.named_modules()
+             if isinstance(m, RotaryEncoding) and not in_backbone(name)}
     if len(found) > 1:
         raise ValueError(f"the model's attention layers have different rotary encodings: "
                          f"{sorted(describe(r) for r in found)}")

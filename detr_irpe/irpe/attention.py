@@ -166,6 +166,10 @@ class IRPEMultiheadAttention(nn.Module):
             each may rotate q and k after the rotary module and add a ``(h, L, L)`` term to
             the content logits. Kept as ``encodings.<i>`` (no key when empty). A logit term
             moves the call off the blocked core (to the fused or explicit path).
+        skip: leading extra tokens (e.g. a ViT's class token) before the ``H * W`` grid
+            tokens: they take part in the attention but have no grid position (iRPE gives
+            them its skip bucket, RoPE and the plugin encodings leave them out). None: the
+            iRPE config's ``skip`` (0 without iRPE); with iRPE both must agree.
 
     Parameters (names as in ``nn.MultiheadAttention`` and the public iRPE checkpoints):
         ``in_proj_weight (3C, C)``, ``in_proj_bias (3C)``, ``out_proj.{weight,bias}`` and the
@@ -183,6 +187,7 @@ class IRPEMultiheadAttention(nn.Module):
         block_rows: int | None = None,
         rope: nn.Module | None = None,
         encodings: Sequence[nn.Module] = (),
+        skip: int | None = None,
     ) -> None:
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads != 0:
@@ -198,6 +203,12 @@ class IRPEMultiheadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.dropout = float(dropout)
         self.rpe = parse_rpe(rpe)
+        rpe_skip = self.rpe.skip if self.rpe is not None else 0
+        if skip is not None and (isinstance(skip, bool) or not isinstance(skip, int) or skip < 0):
+            raise ValueError(f"skip must be a non-negative integer or None, got {skip!r}")
+        if skip is not None and self.rpe is not None and skip != rpe_skip:
+            raise ValueError(f"skip={skip} but the iRPE config {self.rpe} has skip={rpe_skip}")
+        self.skip = rpe_skip if skip is None else skip
         self.impl = _check_impl(impl)
         self.block_rows = block_rows
         if impl == "sdpa" and self.rpe is not None and "v" in self.rpe.rpe_on:
@@ -266,7 +277,7 @@ class IRPEMultiheadAttention(nn.Module):
                 f"query's shape {tuple(query.shape)}, got {tuple(key.shape)}"
             )
         height, width = _hw(hw)
-        skip = self.rpe.skip if self.rpe is not None else 0
+        skip = self.skip
         if height <= 0 or width <= 0 or query.shape[1] != skip + height * width:
             raise ValueError(
                 f"sequence length {query.shape[1]} does not match hw=({height}, {width})"
@@ -310,7 +321,7 @@ class IRPEMultiheadAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k ``(B, h, L, D)`` rotated by the rotary module and the plugin encodings that
         rotate (unchanged without any)."""
-        skip = self.rpe.skip if self.rpe is not None else 0
+        skip = self.skip
         if self.rope is not None:
             q, k = self.rope(q, k, _hw(hw), skip)
         for module in self.encodings:
@@ -324,7 +335,7 @@ class IRPEMultiheadAttention(nn.Module):
 
     def _plugin_logits(self, hw: tuple[int, int], like: torch.Tensor) -> torch.Tensor | None:
         """The plugin encodings' logit terms summed: ``(h, L, L)`` / ``(1, L, L)``, or None."""
-        skip = self.rpe.skip if self.rpe is not None else 0
+        skip = self.skip
         out = None
         for module in self.encodings:
             if module.biases_logits:

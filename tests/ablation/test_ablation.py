@@ -543,6 +543,26 @@ def test_encodings_grids_change_only_the_encoding(name: str, base: str, seeds: l
         assert run.config.to_dict() == published.to_dict()
 
 
+def test_the_vit_encodings_grid_adds_a_backbone_axis() -> None:
+    """demo_encodings_vit_rtdetr: the six encoder rows of demo_encodings_rtdetr times the
+    backbone encodings (learned, iRPE, RoPE-Mixed) of a ViT-nano; each run is the demo
+    config with the ViT, its encoder keys and its backbone key, nothing else."""
+    grid = load_grid("demo_encodings_vit_rtdetr")
+    backbone = ["learned", IRPE, "rope-mixed"]
+    assert [v.name for v in grid.variants] == [
+        f"{row},backbone={b}" for row in ENCODING_ROWS for b in backbone]
+    assert grid.seeds == [42] and grid.baseline == "sine,backbone=learned"
+    assert grid.eval_sizes == load_grid("demo_encodings_rtdetr").eval_sizes
+    for run in grid.runs:
+        row, value = run.variant.name.split(",backbone=")
+        expected = load_config("synthetic_demo_rtdetr", [
+            "train.epochs=7", "train.lr_drop=6", "train.eval_every=7", "model.backbone=vit_nano",
+            *(f"{k}={v}" for k, v in zip(ENCODING_KEYS, ENCODING_ROWS[row])),
+            f"model.encodings.backbone=[{value}]", f"train.seed={run.seed}",
+            f"train.output_dir={run.output_dir}"])
+        assert run.config.to_dict() == expected.to_dict(), run.variant.name
+
+
 def test_variants_times_one_axis_names(tmp_path, tiny_dataset) -> None:
     grid = load_grid(_fake_grid(
         tmp_path, tiny_dataset, seeds=[1], baseline="none,position_embedding=sine",
@@ -627,6 +647,8 @@ _DEMO_GRID_TEST_SIZE = (
 # demo_encodings_rtdetr 107 s in all, measured there with the machine shared (load ~5).
 # demo_canvases 45 s and demo_canvases_rtdetr 67 s with their canvases too (shared
 # 2-core "Intel(R) Xeon(R) Processor" as lscpu names it, load ~2.7).
+# demo_encodings_vit_rtdetr (18 runs with a ViT backbone) 113 s on an "Intel(R) Xeon(R)
+# Processor" (2 cores, shared with a training run).
 @pytest.mark.parametrize("name", [
     name if name == "demo" else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(p.stem for p in GRID_DIR.glob("demo*.yaml"))

@@ -22,7 +22,9 @@ RECIPES = {
     "dab_detr_irpe_tiny": ("dab", "rpe-2.0-product-ctx-1-k"),
     "dn_detr_irpe_tiny": ("dab", "rpe-2.0-product-ctx-1-k"),
     "rtdetr_tiny": ("rtdetr", "rpe-2.0-product-ctx-1-k"),
+    "rtdetr_vit_tiny": ("rtdetr", "rpe-2.0-product-ctx-1-k"),
     "dfine_tiny": ("dfine", "rpe-2.0-product-ctx-1-k"),
+    "dfine_vit_tiny": ("dfine", "rpe-2.0-product-ctx-1-k"),
 }
 
 
@@ -57,3 +59,4 @@ def test_a_tiny_config_trains_and_evaluates_through_the_tool(name: str, tiny_dat
     records = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     assert len(records) == load_config(name).train.epochs
     assert len(records[-1]["test_coco_eval_bbox"]) == 12
+

@@ -17,13 +17,17 @@ from detr_irpe.models.postprocess import TopKPostProcess
 from detr_irpe.models.rtdetr.build import load_backbone_weights as load_presnet_weights
 from detr_irpe.models.rtdetr.hybrid_encoder import HybridEncoder
 from detr_irpe.models.rtdetr.presnet import PResNet
+from detr_irpe.models.vit import build_config_backbone, is_vit_backbone
 from detr_irpe.structures import IMAGENET_MEAN, IMAGENET_STD
 
 
 def build_backbone(cfg: DFINEModelConfig, *, load_weights: bool = True) -> nn.Module:
-    """HGNetv2 (timm) or ResNet-vd of ``cfg``, with ``cfg.backbone_weights`` loaded when
-    ``load_weights``."""
+    """HGNetv2 (timm), ResNet-vd or ViT of ``cfg``, with ``cfg.backbone_weights`` loaded
+    when ``load_weights``."""
     idx = tuple(cfg.backbone_return_idx)
+    if is_vit_backbone(cfg.backbone):
+        # the ViT adapter gives the maps of the returned stages' strides (stage k: 2 ** (k + 2))
+        return build_config_backbone(cfg, cfg.detection_strides(), load_weights=load_weights)
     size = cfg.hgnetv2_size
     if size is not None:
         backbone = HGNetv2(size, idx, cfg.freeze_at, cfg.freeze_stem_only, cfg.freeze_norm,

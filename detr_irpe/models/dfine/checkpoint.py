@@ -25,6 +25,7 @@ from detr_irpe.models.dfine.keys import (
     published_size,
 )
 from detr_irpe.models.rtdetr.checkpoint import CHECKPOINT as RTDETR_CHECKPOINT
+from detr_irpe.models.vit import STATE_KEY, bare_state_error
 
 __all__ = ["CHECKPOINT"]
 
@@ -58,8 +59,11 @@ def _implied_config(path: str | Path, state: Mapping[str, Tensor], meta: Mapping
     """A file without this project's config: refused, naming the configs that fit.
 
     Raises:
-        CheckpointError: always (D-FINE and DEIM files have the same keys).
+        CheckpointError: always (D-FINE and DEIM files have the same keys; a ViT
+            backbone's size and encodings are not in its keys).
     """
+    if STATE_KEY in state:
+        raise bare_state_error(f"checkpoint {path}", "D-FINE")
     try:
         size = published_size(architecture(state, str(path)))
     except CheckpointError:

@@ -38,11 +38,12 @@ from detr_irpe.models.rtdetr.config import (
 )
 from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
 from detr_irpe.models.rtdetr.presnet import DEPTHS
+from detr_irpe.models.vit import check_backbone, is_vit_backbone, resolve_encodings
 
 # variant -> the activation of the decoder's FFNs and MLP heads, and the name shown
 VARIANTS = {"dfine": ("relu", "D-FINE"), "deim": ("silu", "DEIM")}
 SIZES = ("n", "s", "m", "l", "x")
-# backbones: HGNetv2 (timm) of each size, or RT-DETR's ResNet-vd
+# backbones: HGNetv2 (timm) of each size, or RT-DETR's ResNet-vd (or a ViT: VIT_BACKBONES)
 HGNETV2_BACKBONES = tuple(f"hgnetv2_{s}" for s in HGNETV2_CHANNELS)
 RESNET_BACKBONES = tuple(f"resnet{d}vd" for d in DEPTHS)
 BACKBONES = HGNETV2_BACKBONES + RESNET_BACKBONES
@@ -95,7 +96,11 @@ class DFINEModelConfig(ModelConfig):
     # fine-tuning public weights) or "xavier".
     rpe_init: str = "zero"
     # The backbone: hgnetv2_b0 .. hgnetv2_b6 (HGNetv2 from timm; N / S: b0, M: b2, L: b4,
-    # X: b5) or resnet18vd / resnet34vd / resnet50vd / resnet101vd (RT-DETR's ResNet-vd).
+    # X: b5), resnet18vd / resnet34vd / resnet50vd / resnet101vd (RT-DETR's ResNet-vd), or
+    # a ViT whose adapter gives the maps of backbone_return_idx (DEIMv2's form; vit_tiny,
+    # vit_small, vit_base, vit_nano or a registered one; docs/dfine.md, "A ViT backbone").
+    # A ViT's attention takes model.encodings.backbone; without that key it has [learned]
+    # (timm's absolute embedding, the pretrained ViTs' own; [] or none: no encoding).
     backbone: str = "hgnetv2_b4"
     # The backbone stages whose maps the encoder fuses (0..3: strides 4, 8, 16, 32; N:
     # [2, 3], the others [1, 2, 3]). AIFI runs on the last one.
@@ -103,14 +108,14 @@ class DFINEModelConfig(ModelConfig):
     # HGNetv2's learnable affine blocks; null: the size's default (on for b0-b3).
     use_lab: bool | None = None
     # Frozen backbone parameters: -1 none, k >= 0 the stem (and, without freeze_stem_only,
-    # stages 0..k). D-FINE L / X: 0.
+    # stages 0..k; a ViT: 0 only, its patch embedding). D-FINE L / X: 0.
     freeze_at: int = -1
     # With freeze_at >= 0: freeze the stem only (the published HGNetv2 setting).
     freeze_stem_only: bool = True
     # Backbone BatchNorm with fixed statistics (D-FINE L / X) or trained.
     freeze_norm: bool = False
-    # ImageNet weights of the backbone: an HGNetv2 (PPHGNetV2_B*_stage1.pth) or PResNet
-    # state-dict file; null: random (a checkpoint loaded over the model brings its own).
+    # ImageNet weights of the backbone: an HGNetv2 (PPHGNetV2_B*_stage1.pth), PResNet or
+    # (a ViT backbone) timm ViT state-dict file; null: random (a checkpoint loaded over the model brings its own).
     backbone_weights: str | None = None
     # Width of the hybrid encoder (N: 128, X: 384).
     enc_hidden_dim: int = 256
@@ -164,6 +169,7 @@ class DFINEModelConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        resolve_encodings(self)
         if isinstance(self.backbone_weights, str) and self.backbone_weights.strip().lower() in (
                 "", "none"):
             self.backbone_weights = None
@@ -201,6 +207,9 @@ class DFINEModelConfig(ModelConfig):
     def rpe_layer_count(self) -> int:
         return self.enc_layers
 
+    def backbone_takes_encodings(self) -> bool:
+        return is_vit_backbone(self.backbone)
+
     def encoder_width(self) -> int:
         return self.enc_hidden_dim
 
@@ -224,8 +233,7 @@ class DFINEModelConfig(ModelConfig):
             _fail(key("variant"), self.variant, f"must be one of {', '.join(VARIANTS)}")
         if self.size is not None and self.size not in SIZES:
             _fail(key("size"), self.size, f"must be one of {', '.join(SIZES)} or null")
-        if self.backbone not in BACKBONES:
-            _fail(key("backbone"), self.backbone, f"must be one of {', '.join(BACKBONES)}")
+        check_backbone(self, key, BACKBONES)
         idx = self.backbone_return_idx
         if (not isinstance(idx, list) or not idx or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in idx)

@@ -12,10 +12,11 @@ from typing import Any
 from torch import Tensor
 
 from detr_irpe.errors import CheckpointError
-from detr_irpe.irpe import is_rpe_key
 from detr_irpe.models.dfine.config import SIZES, DFINEModelConfig
 from detr_irpe.models.hgnetv2 import HGNETV2_CHANNELS
+from detr_irpe.models.rtdetr.keys import has_encoder_rpe
 from detr_irpe.models.rtdetr.presnet import DEPTHS
+from detr_irpe.models.vit import STATE_KEY, bare_state_error
 
 # keys every D-FINE state dict of this layout has (a DEIM one too)
 SIGNATURE_KEYS = (
@@ -47,6 +48,8 @@ def _count(state: Mapping[str, object], pattern: str) -> int:
 
 def _backbone(state: Mapping[str, Tensor], source: str) -> tuple[str, tuple[int, ...]]:
     """``(model.backbone, output channels of its four stages)``."""
+    if STATE_KEY in state:
+        raise bare_state_error(source, "D-FINE")
     if "backbone.stem.stem1.conv.weight" in state:
         found = (state["backbone.stem.stem1.conv.weight"].shape[0],
                  state["backbone.stem.stem4.conv.weight"].shape[0],
@@ -160,5 +163,5 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def has_rpe(state: Mapping[str, object]) -> bool:
-    """Whether the AIFI layer has iRPE tables."""
-    return any(is_rpe_key(k) for k in state)
+    """Whether the AIFI layer has iRPE tables (a ViT backbone's are not its)."""
+    return has_encoder_rpe(state)

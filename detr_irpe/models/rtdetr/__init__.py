@@ -25,7 +25,8 @@ FAMILY = register_family(DetectorFamily(
     build_postprocessor=build_postprocessor,
     model_types=(RTDETR,),
     describe=lambda m: (f"RT-DETR-R{m.depth}" if m.backbone == "presnet"
-                        else f"RT-DETR-HGNetv2-{m.backbone.removeprefix('hgnetv2_').upper()}"),
+                        else f"RT-DETR-HGNetv2-{m.backbone.removeprefix('hgnetv2_').upper()}"
+                        if m.backbone.startswith("hgnetv2_") else f"RT-DETR-{m.backbone}"),
     checkpoint=CHECKPOINT,
     hf=HF,
     onnx_wrapper=onnx_wrapper,

@@ -20,6 +20,7 @@ from detr_irpe.models.rtdetr.decoder import RTDETRDecoder
 from detr_irpe.models.rtdetr.hybrid_encoder import HybridEncoder
 from detr_irpe.models.rtdetr.model import RTDETR
 from detr_irpe.models.rtdetr.presnet import PResNet
+from detr_irpe.models.vit import build_config_backbone, is_vit_backbone
 from detr_irpe.structures import IMAGENET_MEAN, IMAGENET_STD
 
 logger = logging.getLogger(__name__)
@@ -27,9 +28,12 @@ logger = logging.getLogger(__name__)
 
 def build_rtdetr(cfg: RTDETRModelConfig, *, load_weights: bool = True) -> RTDETR:
     """The model of ``cfg`` (checked); with ``load_weights``, ``cfg.backbone_weights``
-    (a PResNet state-dict file, e.g. the published ImageNet ResNet-vd) goes into the backbone."""
+    (a PResNet state-dict file, e.g. the published ImageNet ResNet-vd, an HGNetv2 file, or a
+    timm ViT file for a ViT backbone) goes into the backbone."""
     cfg.check()
-    if cfg.backbone == "presnet":
+    if is_vit_backbone(cfg.backbone):
+        backbone = build_config_backbone(cfg, (8, 16, 32), load_weights=load_weights)
+    elif cfg.backbone == "presnet":
         backbone = PResNet(cfg.depth, cfg.variant, 4, (1, 2, 3), cfg.freeze_at,
                            cfg.freeze_norm)
         if load_weights and cfg.backbone_weights:

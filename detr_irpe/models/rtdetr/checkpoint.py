@@ -16,8 +16,11 @@ from detr_irpe.checkpoint.layout import resize_linear_head, resized_rows
 from detr_irpe.encodings.model import implied_encodings
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import CheckpointSupport
-from detr_irpe.irpe import is_rpe_key
-from detr_irpe.models.rtdetr.keys import infer_model_config, is_rtdetr_state_dict
+from detr_irpe.models.rtdetr.keys import (
+    has_encoder_rpe,
+    infer_model_config,
+    is_rtdetr_state_dict,
+)
 
 __all__ = ["CHECKPOINT", "score_heads"]
 
@@ -50,7 +53,7 @@ def _num_classes(state: Mapping[str, Tensor]) -> int | None:
 
 def _facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
     try:
-        cfg = infer_model_config(state, rpe=_ANY_RPE if any(map(is_rpe_key, state)) else "none")
+        cfg = infer_model_config(state, rpe=_ANY_RPE if has_encoder_rpe(state) else "none")
     except CheckpointError:
         return {}
     facts = {f"model.{key}": getattr(cfg, key) for key in _FACT_KEYS}
@@ -59,7 +62,7 @@ def _facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
 
 
 def _layout_name(state: Mapping[str, Any]) -> str:
-    return "irpe_rtdetr" if any(is_rpe_key(k) for k in state) else "rtdetr"
+    return "irpe_rtdetr" if has_encoder_rpe(state) else "rtdetr"
 
 
 def _implied_config(path: str | Path, state: Mapping[str, Tensor], meta: Mapping[str, Any]
@@ -70,7 +73,7 @@ def _implied_config(path: str | Path, state: Mapping[str, Tensor], meta: Mapping
     Raises:
         CheckpointError: iRPE tables (their setting is not in the shapes).
     """
-    if any(is_rpe_key(k) for k in state):
+    if has_encoder_rpe(state):
         raise CheckpointError(
             f"checkpoint {path} (irpe_rtdetr layout) has iRPE tables but no config: pass "
             "--config with the model it was trained as, e.g. --config rtdetr_r50_irpe")

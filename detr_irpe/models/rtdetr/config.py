@@ -23,10 +23,11 @@ from detr_irpe.irpe.encodings import RPE_INIT_MODES
 from detr_irpe.models.hgnetv2 import HGNETV2_SIZES
 from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
 from detr_irpe.models.rtdetr.presnet import DEPTHS, VARIANTS
+from detr_irpe.models.vit import check_backbone, is_vit_backbone, resolve_encodings
 
 # loss.classification: RT-DETR's varifocal loss or DEIM's matchability-aware loss
 CLASSIFICATION_LOSSES = ("vfl", "mal")
-# model.backbone: the published ResNet-vd, or an HGNetv2 of timm
+# model.backbone: the published ResNet-vd, or an HGNetv2 of timm (or a ViT: VIT_BACKBONES)
 BACKBONES = ("presnet", *(f"hgnetv2_{size}" for size in HGNETV2_SIZES))
 
 # What the model's input images are: normalised as ImageNet's (this package's data) or not.
@@ -74,9 +75,14 @@ class RTDETRModelConfig(ModelConfig):
     hidden_dim: int = 256
     # Attention heads of the AIFI layer and of the decoder's attentions.
     nheads: int = 8
-    # The backbone: "presnet" (ResNet-vd of model.depth, the published RT-DETR) or an
+    # The backbone: "presnet" (ResNet-vd of model.depth, the published RT-DETR), an
     # HGNetv2 of timm, "hgnetv2_b0" ... "hgnetv2_b6" (D-FINE / DEIM's; the timm extra;
-    # docs/rtdetr.md). model.freeze_at / freeze_norm / backbone_weights apply to either.
+    # docs/rtdetr.md), or a ViT with a feature adapter to strides 8 / 16 / 32: vit_tiny,
+    # vit_small, vit_base (timm's / DeiT's sizes), vit_nano (small images, from scratch)
+    # or a registered one (docs/rtdetr.md, "A ViT backbone"). A ViT's attention takes
+    # model.encodings.backbone; without that key it has [learned] (timm's absolute
+    # embedding, the pretrained ViTs' own; [] or none: no encoding). model.freeze_at /
+    # backbone_weights apply to every backbone (a ViT: -1 or 0, a timm ViT file).
     backbone: str = "presnet"
     # ResNet-vd depth of the backbone: 18, 34, 50 or 101.
     depth: int = 50
@@ -129,12 +135,14 @@ class RTDETRModelConfig(ModelConfig):
     # std, as this package's data pipeline gives them; the model maps them back to [0, 1],
     # the published model's input) or "none" ([0, 1] pixels).
     input_normalization: str = "imagenet"
-    # ImageNet weights of the backbone: a PResNet state-dict file (null: random; a
-    # checkpoint loaded over the model brings its own).
+    # ImageNet weights of the backbone: a PResNet state-dict file, an HGNetv2 file, or for a
+    # ViT backbone a timm / DeiT ViT file of its size (.safetensors or .pth; null: random;
+    # a checkpoint loaded over the model brings its own).
     backbone_weights: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        resolve_encodings(self)
         # "none" means random, as model.backbone_weights does for the other families
         if isinstance(self.backbone_weights, str) and self.backbone_weights.strip().lower() in (
                 "", "none"):
@@ -148,6 +156,9 @@ class RTDETRModelConfig(ModelConfig):
 
     def rpe_layer_count(self) -> int:
         return self.enc_layers
+
+    def backbone_takes_encodings(self) -> bool:
+        return is_vit_backbone(self.backbone)
 
     def encoder_width(self) -> int:
         return self.enc_hidden_dim
@@ -177,8 +188,7 @@ class RTDETRModelConfig(ModelConfig):
 
         if self.depth not in DEPTHS:
             _fail(key("depth"), self.depth, f"must be one of {', '.join(map(str, DEPTHS))}")
-        if self.backbone not in BACKBONES:
-            _fail(key("backbone"), self.backbone, f"must be one of {', '.join(BACKBONES)}")
+        check_backbone(self, key, BACKBONES)
         if self.variant not in VARIANTS:
             _fail(key("variant"), self.variant, f"must be one of {', '.join(VARIANTS)}")
         for name in ("freeze_norm", "aux_loss"):

@@ -9,26 +9,37 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
+from detr_irpe.encodings.registry import in_backbone
 from detr_irpe.errors import CheckpointError
 from detr_irpe.irpe import is_rpe_key
 from detr_irpe.models.rtdetr.config import RTDETRModelConfig
 from detr_irpe.models.rtdetr.presnet import DEPTHS
+from detr_irpe.models.vit import STATE_KEY, bare_state_error
 
 # keys every RT-DETR state dict of this layout has
 SIGNATURE_KEYS = (
     "encoder.encoder.0.layers.0.self_attn.in_proj_weight",
     "decoder.dec_score_head.0.weight",
     "decoder.enc_score_head.weight",
-    "backbone.res_layers.0.blocks.0.branch2a.conv.weight",
     # D-FINE's deformable attention has no value projection: its files (with a ResNet-vd
     # backbone too) are not RT-DETR's
     "decoder.decoder.layers.0.cross_attn.value_proj.weight",
 )
+# and one of its backbones: the published ResNet-vd, or a ViT (model.backbone: vit_*)
+PRESNET_KEY = "backbone.res_layers.0.blocks.0.branch2a.conv.weight"
+VIT_KEY = STATE_KEY
 
 
 def is_rtdetr_state_dict(state: Mapping[str, object]) -> bool:
-    """Whether ``state`` has RT-DETR's key layout (:data:`SIGNATURE_KEYS`)."""
-    return all(k in state for k in SIGNATURE_KEYS)
+    """Whether ``state`` has RT-DETR's key layout (:data:`SIGNATURE_KEYS` and a PResNet or
+    ViT backbone)."""
+    return all(k in state for k in SIGNATURE_KEYS) and (PRESNET_KEY in state or VIT_KEY in state)
+
+
+def has_encoder_rpe(state: Mapping[str, object]) -> bool:
+    """Whether the encoder's attention has iRPE tables (a ViT backbone's are not
+    ``model.rpe``)."""
+    return any(is_rpe_key(k) and not in_backbone(k) for k in state)
 
 
 def _count(state: Mapping[str, object], pattern: str) -> int:
@@ -53,8 +64,12 @@ def infer_model_config(state: Mapping[str, Tensor], source: str = "checkpoint",
             size cannot be read.
     """
     if not is_rtdetr_state_dict(state):
-        raise CheckpointError(f"{source}: not an RT-DETR state dict (missing "
-                              f"{[k for k in SIGNATURE_KEYS if k not in state]})")
+        missing = [k for k in SIGNATURE_KEYS if k not in state]
+        if PRESNET_KEY not in state and VIT_KEY not in state:
+            missing.append(f"{PRESNET_KEY} or {VIT_KEY}")
+        raise CheckpointError(f"{source}: not an RT-DETR state dict (missing {missing})")
+    if VIT_KEY in state:
+        raise bare_state_error(source, "RT-DETR")
     blocks = tuple(_count(state, rf"backbone\.res_layers\.{i}\.blocks\.(\d+)\..*")
                    for i in range(4))
     bottleneck = any(".branch2c." in k for k in state if k.startswith("backbone."))
@@ -80,7 +95,7 @@ def infer_model_config(state: Mapping[str, Tensor], source: str = "checkpoint",
     if not (dec_layers and levels and points and points * 2 * heads * levels == offsets):
         raise CheckpointError(f"{source}: cannot read the decoder's layers / levels / points "
                               f"({dec_layers} / {levels} / sampling_offsets {offsets})")
-    has_rpe = any(is_rpe_key(k) for k in state)
+    has_rpe = has_encoder_rpe(state)
     if has_rpe and "rpe" not in overrides:
         raise CheckpointError(f"{source}: the AIFI layer has iRPE tables; name their method "
                               "(model.rpe, e.g. rpe-2.0-product-ctx-1-k)")

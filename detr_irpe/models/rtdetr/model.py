@@ -15,7 +15,6 @@ from torch import Tensor, nn
 
 from detr_irpe.models.rtdetr.decoder import RTDETRDecoder
 from detr_irpe.models.rtdetr.hybrid_encoder import HybridEncoder
-from detr_irpe.models.rtdetr.presnet import PResNet
 from detr_irpe.structures import ImageBatch
 
 
@@ -23,7 +22,9 @@ class BackboneEncoderDecoder(nn.Module):
     """Backbone, encoder and decoder of a real-time DETR (RT-DETR; D-FINE reuses it).
 
     Args:
-        backbone: images ``(B, 3, H, W)`` -> feature maps, finest first.
+        backbone: images ``(B, 3, H, W)`` -> feature maps at strides 8, 16, 32, finest
+            first (:class:`~.presnet.PResNet`, an HGNetv2, or a
+            :class:`~detr_irpe.models.vit.ViTBackbone`).
         encoder: those maps -> fused maps of ``hidden_dim`` channels.
         decoder: fused maps (+ targets and a generator in training) -> predictions.
         input_mean, input_std: the normalisation of the images it is given (this package's
@@ -112,7 +113,7 @@ class RTDETR(BackboneEncoderDecoder):
     proposals; :meth:`RTDETRDecoder.forward`).
     """
 
-    def __init__(self, backbone: PResNet, encoder: HybridEncoder, decoder: RTDETRDecoder,
+    def __init__(self, backbone: nn.Module, encoder: HybridEncoder, decoder: RTDETRDecoder,
                  input_mean: Sequence[float] | None = None,
                  input_std: Sequence[float] | None = None) -> None:
         super().__init__(backbone, encoder, decoder, input_mean, input_std)

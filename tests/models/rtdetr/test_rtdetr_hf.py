@@ -273,6 +273,7 @@ def test_settings_this_model_lacks_are_named(change, named):
     ({"num_levels": 4}, "model.num_levels=4"),
     ({"eval_idx": 0}, "model.eval_idx=0"),
     ({"pe_temperature": 100.5}, "model.pe_temperature=100.5"),
+    ({"backbone": "vit_tiny"}, "model.backbone=vit_tiny"),
 ])
 def test_models_transformers_cannot_hold_are_refused(change, said):
     assert HF.refusal({}, SimpleNamespace(model=RTDETRModelConfig())) is None
