@@ -260,15 +260,16 @@ def _mismatch_error(
 ) -> CheckpointError:
     """One error naming the file, the keys, and the config keys that explain them
     (``model``: the model, for its exact rotary encoding)."""
-    other_family = _other_family_error(path, meta, state, model)
-    if other_family is not None:
-        return other_family
     weightless = weightless_keys()
     differences = [
         (key, *exact_shorthand_values(key, state, model, meta, (a, b))) if key in weightless
         else (key, a, b)
         for key, a, b in explain_mismatch(state, target)]
     names = [key for key, _, _ in differences]
+    if "model.family" not in names:  # e.g. a plugin family's file: its layout is unknown
+        other_family = _other_family_error(path, meta, state, model)
+        if other_family is not None:
+            return other_family
     if names == ["model.rpe"]:
         saved = _saved_rpe(meta)
         trained = f" (trained with model.rpe={saved!r})" if saved else ""

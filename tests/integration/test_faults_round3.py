@@ -252,7 +252,7 @@ def test_a_run_converted_with_another_familys_config_is_refused(
     status = load_tool("convert_checkpoint").main([str(run), str(out), "--config", "rtdetr_tiny"])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error: " in line]
     assert status == 2 and len(errors) == 1, errors
-    assert "is a model.family=detr model and this config builds model.family=rtdetr" in errors[0]
+    assert "model.family: checkpoint detr, model rtdetr" in errors[0]
     assert not out.exists()
 
 
