@@ -21,6 +21,12 @@ map, so there is no decoder-attention figure for them)::
 
     detr-irpe-visualize selected-queries --checkpoint CKPT.pth --image img.jpg
 
+D-FINE / DEIM models (``model.family=dfine``) also show their selected queries and, per
+detection, each box edge's distribution over the bins in every decoder layer as
+Fine-grained Distribution Refinement refines it (``all`` writes both)::
+
+    detr-irpe-visualize distributions --checkpoint CKPT.pth --image img.jpg --top-k 4
+
 A figure the model's family does not offer is refused with one line (exit status 2);
 ``all`` skips it with one line saying why.
 
@@ -64,6 +70,10 @@ from detr_irpe.cli.args import (
 )
 
 DEFAULT_DIR = Path("outputs/visualize")
+# detections of the distributions figure (one row each); the most a figure draws is
+# detr_irpe.visualization.distributions.MAX_TOP_K (not imported: --help runs without torch)
+DISTRIBUTIONS_TOP_K = 4
+DISTRIBUTIONS_MAX_TOP_K = 20
 
 
 def _point(text: str) -> tuple[float, float]:
@@ -72,6 +82,17 @@ def _point(text: str) -> tuple[float, float]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected x,y pixel coordinates, got {text!r}") from None
     return x, y
+
+
+def _top_k(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= DISTRIBUTIONS_MAX_TOP_K:
+        raise argparse.ArgumentTypeError(
+            f"between 1 and {DISTRIBUTIONS_MAX_TOP_K} (one figure row each), got {value}")
+    return value
 
 
 def _cell(text: str) -> tuple[int, int]:
@@ -108,7 +129,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     add_device_argument(parser)
 
 
-def _image_args(parser: argparse.ArgumentParser, detections: bool = True) -> None:
+def _image_args(parser: argparse.ArgumentParser, detections: bool = True,
+                threshold: bool = True) -> None:
     _model_args(parser)
     parser.add_argument("--image", type=Path, required=True, help="image file")
     parser.add_argument("--size", type=int, default=None,
@@ -118,8 +140,9 @@ def _image_args(parser: argparse.ArgumentParser, detections: bool = True) -> Non
     parser.add_argument("--names", type=Path, default=None,
                         help="category names: JSON (id -> name, list, or COCO categories) or "
                              "text (line i = id i); default: checkpoint, dataset or COCO")
-    parser.add_argument("--threshold", type=float, default=0.7,
-                        help="keep detections with score >= this (%(default)s)")
+    if threshold:
+        parser.add_argument("--threshold", type=float, default=0.7,
+                            help="keep detections with score >= this (%(default)s)")
     if detections:
         parser.add_argument("--out", type=Path, default=None, help="PNG path")
         parser.add_argument("--max-detections", type=int, default=8)
@@ -164,8 +187,17 @@ def _add_image_commands(sub, common: argparse.ArgumentParser) -> None:
     _image_args(p)
     p.add_argument("--max-queries", type=int, default=None,
                    help="draw only this many, the best-scoring (default: all)")
+    p = sub.add_parser("distributions", parents=[common],
+                       help="D-FINE / DEIM: per detection, each box edge's distribution over "
+                            "the bins in every decoder layer (FDR) and its offset")
+    _image_args(p, detections=False, threshold=False)
+    p.add_argument("--out", type=Path, default=None, help="PNG path")
+    p.add_argument("--top-k", type=_top_k, default=DISTRIBUTIONS_TOP_K,
+                   help="the best-scoring detections (distinct queries) drawn, one row each "
+                        f"(%(default)s; 1 to {DISTRIBUTIONS_MAX_TOP_K})")
     p = sub.add_parser("all", parents=[common],
-                       help="predictions, encoder (+ iRPE split) and decoder figures")
+                       help="predictions, encoder (+ iRPE split) and decoder figures, and "
+                            "the family's own (D-FINE / DEIM: distributions)")
     _image_args(p, detections=False)
     p.add_argument("--out-dir", type=Path, default=None, help=f"folder (default {DEFAULT_DIR})")
     p.add_argument("--layer", type=int, default=-1, help="encoder layer (-1: the last)")
@@ -236,6 +268,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _distributions(args: argparse.Namespace, program) -> list[Path]:
+    """``distributions``: the edge distributions of the ``--top-k`` best detections."""
+    from detr_irpe import visualization as vis
+    from detr_irpe.utils.files import ensure_writable_folder
+
+    if args.out is not None:
+        # before the model is loaded
+        ensure_writable_folder(args.out.parent, "output folder", "choose another --out")
+    model, image, names, category_ids = program._image_run(args)
+    record = vis.edge_distributions(model, image, top_k=args.top_k, category_ids=category_ids)
+    out = args.out or DEFAULT_DIR / f"{image.name}_distributions.png"
+    vis.plot_edge_distributions(image, record, names, out=out)
+    return [out]
+
+
+def _all(args: argparse.Namespace, program) -> list[Path]:
+    """``all``: the standard figures (as :func:`detr_irpe.cli.programs.visualize.run`
+    writes them), and for a D-FINE / DEIM model the distributions figure, of one model
+    loaded once."""
+    from detr_irpe import visualization as vis
+
+    model, image, names, category_ids = program._image_run(args)
+    out_dir = args.out_dir or DEFAULT_DIR
+    paths = vis.save_attention_maps(model, image, out_dir, category_names=names,
+                                    category_ids=category_ids, threshold=args.threshold,
+                                    layer=args.layer, prefix=f"{image.name}_")
+    written = list(paths.values())
+    if vis.has_edge_distributions(model):
+        queries = getattr(model, "module", model).decoder.num_queries
+        record = vis.edge_distributions(model, image, top_k=min(DISTRIBUTIONS_TOP_K, queries),
+                                        category_ids=category_ids)
+        out = out_dir / f"{image.name}_distributions.png"
+        vis.plot_edge_distributions(image, record, names, out=out)
+        written.append(out)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_tool_logging(logging.INFO if args.verbose else logging.WARNING)
@@ -247,14 +316,21 @@ def main(argv: list[str] | None = None) -> int:
         # after the arguments: --help and their errors come back without torch
         from detr_irpe.cli.programs import visualize as program
 
-        for path in program.run(args, DEFAULT_DIR):
+        if args.command == "distributions":
+            paths = _distributions(args, program)
+        elif args.command == "all":
+            paths = _all(args, program)
+        else:
+            paths = program.run(args, DEFAULT_DIR)
+        for path in paths:
             print(path)
         return 0
 
     return run_main(body, tool="detr-irpe-visualize")
 
 
-__all__ = ["ANCHOR_MIN_DETECTIONS", "DEFAULT_DIR", "build_parser", "main"]
+__all__ = ["ANCHOR_MIN_DETECTIONS", "DEFAULT_DIR", "DISTRIBUTIONS_MAX_TOP_K",
+           "DISTRIBUTIONS_TOP_K", "build_parser", "main"]
 
 
 if __name__ == "__main__":  # python -m detr_irpe.cli.visualize

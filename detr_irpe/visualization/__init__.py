@@ -15,6 +15,9 @@ pyplot). Submodules are imported lazily, so ``import detr_irpe.visualization`` i
   anchors through the decoder layers); :func:`anchor_boxes`.
 - RT-DETR's query selection: :func:`plot_selected_queries` (the encoder proposals the
   decoder started from, coloured by score).
+- D-FINE / DEIM's Fine-grained Distribution Refinement: :func:`edge_distributions` (per
+  detection, each edge's distribution over the bins in every decoder layer, and its
+  offset), :func:`plot_edge_distributions`.
 - iRPE: :func:`plot_bucket_layout`, :func:`plot_rpe_tables`.
 - relative-position response (iRPE and RoPE side by side): :func:`position_responses`,
   :func:`plot_position_response`.
@@ -50,6 +53,12 @@ _LAZY = {
     "has_selected_queries": "queries",
     "plot_selected_queries": "queries",
     "selected_queries": "queries",
+    "EdgeDistributions": "distributions",
+    "LayerDistributions": "distributions",
+    "edge_distributions": "distributions",
+    "has_edge_distributions": "distributions",
+    "plot_edge_distributions": "distributions",
+    "recording_layers": "distributions",
     "attention_support": "attention",
     "bucket_layout": "irpe_plots",
     "plot_bucket_layout": "irpe_plots",

@@ -23,9 +23,13 @@ Distribution Refinement (Peng et al., ICLR 2025, section 3).
 4. Scores: ``dec_score_head[i]`` plus the localisation quality estimate (:class:`LQE`)
    of the layer's distributions.
 
-At evaluation the decoder stops at ``eval_idx``. ``activation`` is the FFN's and every
-MLP's (``query_pos_head``, ``enc_bbox_head``, ``pre_bbox_head``, ``dec_bbox_head``,
-LQE): ReLU in D-FINE, SiLU in DEIM.
+At evaluation the decoder stops at ``eval_idx``. With ``record_layers`` set (an attribute,
+off by default: the outputs are then exactly the usual ones), the eval-mode outputs also
+carry every decoded layer's distribution logits and the fixed reference boxes, for the
+``distributions`` figure (:mod:`detr_irpe.visualization.distributions`).
+
+``activation`` is the FFN's and every MLP's (``query_pos_head``, ``enc_bbox_head``,
+``pre_bbox_head``, ``dec_bbox_head``, LQE): ReLU in D-FINE, SiLU in DEIM.
 
 Key names are the published ``DFINETransformer``'s: ``input_proj.{l}.{conv,norm}`` (only
 where a map's width differs from the decoder's), ``decoder.layers.{i}.{self_attn,
@@ -224,6 +228,8 @@ class DFINEDecoder(nn.Module):
         self.label_noise = label_noise
         self.box_noise = box_noise
         self.activation = activation
+        # opt-in, eval mode only: also return every decoded layer's corners (forward)
+        self.record_layers = False
 
         self.input_proj = nn.ModuleList()
         for lvl in range(num_levels):
@@ -314,9 +320,13 @@ class DFINEDecoder(nn.Module):
                 shapes: list[tuple[int, int]], attn_mask: Tensor | None) -> dict[str, list]:
         """-> per decoded layer (eval: only ``eval_idx``): ``boxes`` ``(B, P + Q, 4)``,
         ``logits``, ``corners`` ``(B, P + Q, 4 (reg_max + 1))``, ``refs`` (the fixed
-        reference boxes); and ``pre`` = ``(boxes, logits)`` of ``pre_bbox_head``."""
+        reference boxes); and ``pre`` = ``(boxes, logits)`` of ``pre_bbox_head``; with
+        ``record_layers`` in eval mode ``layer_corners``, the corners of every layer up to
+        ``eval_idx``."""
         weights = weighting_function(self.reg_max, self.up, self.reg_scale)
-        out: dict[str, list] = {"boxes": [], "logits": [], "corners": [], "refs": []}
+        out: dict[str, list] = {"boxes": [], "logits": [], "corners": [], "refs": [],
+                                "layer_corners": []}
+        record = self.record_layers and not self.training
         reference = ref_unact.sigmoid()
         previous_x: Tensor | float = 0.0
         previous_corners: Tensor | float = 0.0
@@ -330,6 +340,8 @@ class DFINEDecoder(nn.Module):
                 initial = pre_boxes.detach()
             corners = self.dec_bbox_head[i](x + previous_x) + previous_corners
             boxes = distance_to_box(initial, integral(corners, weights), self.reg_scale)
+            if record:
+                out["layer_corners"].append(corners)
             if self.training or i == self.eval_idx:
                 out["logits"].append(self.decoder.lqe_layers[i](self.dec_score_head[i](x),
                                                                 corners))
@@ -355,7 +367,11 @@ class DFINEDecoder(nn.Module):
         Returns:
             ``pred_logits`` ``(B, Q, C)``, ``pred_boxes`` ``(B, Q, 4)`` cxcywh in [0, 1]; in
             eval mode also ``enc_topk_boxes`` / ``enc_topk_logits`` (the selected
-            proposals, in query order). In training (the published keys) also
+            proposals, in query order); with ``record_layers`` in eval mode also
+            ``layer_corners`` ``(eval_idx + 1, B, Q, 4 (reg_max + 1))`` (the distribution
+            logits of every decoded layer, the last one that of ``pred_boxes``) and
+            ``ref_points`` ``(B, Q, 4)`` (their fixed reference boxes, cxcywh). In training
+            (the published keys) also
             ``pred_corners`` ``(B, Q, 4 (reg_max + 1))``, ``ref_points`` ``(B, Q, 4)``,
             ``up``, ``reg_scale``, and with ``aux_loss``: ``aux_outputs`` (every layer but
             the last: ``pred_logits``, ``pred_boxes``, ``pred_corners``, ``ref_points``,
@@ -395,6 +411,9 @@ class DFINEDecoder(nn.Module):
         out = {"pred_logits": dec["logits"][-1], "pred_boxes": dec["boxes"][-1]}
         if not self.training:
             out["enc_topk_boxes"], out["enc_topk_logits"] = enc_boxes, enc_logits
+            if dec["layer_corners"]:
+                out["layer_corners"] = torch.stack(dec["layer_corners"])
+                out["ref_points"] = dec["refs"][-1]
             return out
         out.update(pred_corners=dec["corners"][-1], ref_points=dec["refs"][-1], up=self.up,
                    reg_scale=self.reg_scale)
