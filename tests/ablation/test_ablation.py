@@ -433,6 +433,7 @@ def test_shipped_grids_load() -> None:
         assert grid.runs, path
         if path.stem.startswith("demo"):
             demo_base = ("synthetic_demo_rtdetr.yaml" if path.stem.endswith("_rtdetr")
+                         else "synthetic_demo_dfine.yaml" if path.stem.endswith("_dfine")
                          else "synthetic_demo.yaml")
             assert grid.base.name == demo_base and grid.launcher == "local"
             # the dataset tools/demo.py generates (README: 1600 + 200 images, seed 0)
@@ -440,7 +441,8 @@ def test_shipped_grids_load() -> None:
         elif path.stem == "canvases_rtdetr":  # fine-tunes the published R18, SLURM jobs
             assert grid.base.name == "rtdetr_r18.yaml" and grid.launcher == "slurm"
         else:
-            published = "rtdetr_r50.yaml" if path.stem == "encodings_rtdetr" else "detr_r50.yaml"
+            published = {"encodings_rtdetr": "rtdetr_r50.yaml",
+                         "encodings_dfine": "dfine_s.yaml"}.get(path.stem, "detr_r50.yaml")
             assert grid.base.name == published and grid.launcher == "torchrun"
     ratio = load_grid("ratio")  # a shipped grid by name, from any folder
     # Product buckets per ratio (irpe.md): 49, 81, 121, 169; D = 32, shared, 6 layers.
@@ -512,6 +514,9 @@ ENCODING_KEYS = ("model.position_embedding", "model.rpe", "model.rope")
     ("demo_encodings", "synthetic_demo", [42, 7, 1], ["48", "64", "96", "128", "192", "96x192"]),
     ("demo_encodings_rtdetr", "synthetic_demo_rtdetr", [42, 7, 1],
      ["32", "48", "64", "96", "128", "64x128"]),
+    ("encodings_dfine", "dfine_s", [42], ["320", "480", "640", "960", "1280", "640x1280"]),
+    ("demo_encodings_dfine", "synthetic_demo_dfine", [42, 7, 1],
+     ["32", "48", "64", "96", "128", "64x128"]),
 ])
 def test_encodings_grids_change_only_the_encoding(name: str, base: str, seeds: list[int],
                                                   sizes: list[str]) -> None:
@@ -535,7 +540,8 @@ def test_encodings_grids_change_only_the_encoding(name: str, base: str, seeds: l
             f"train.seed={run.seed}", f"train.output_dir={run.output_dir}"])
         assert run.config.to_dict() == expected.to_dict(), run.variant.name
     # the published iRPE model is the iRPE + sine row
-    irpe = {"detr_r50": "detr_r50_irpe", "rtdetr_r50": "rtdetr_r50_irpe"}.get(base)
+    irpe = {"detr_r50": "detr_r50_irpe", "rtdetr_r50": "rtdetr_r50_irpe",
+            "dfine_s": "dfine_s_irpe"}.get(base)
     if irpe is not None:
         (run,) = [r for r in grid.runs if r.variant.name == "irpe+sine"]
         published = load_config(irpe, [f"train.seed={run.seed}",
