@@ -201,6 +201,9 @@ def _add_image_commands(sub, common: argparse.ArgumentParser) -> None:
     _image_args(p, detections=False)
     p.add_argument("--out-dir", type=Path, default=None, help=f"folder (default {DEFAULT_DIR})")
     p.add_argument("--layer", type=int, default=-1, help="encoder layer (-1: the last)")
+    p.add_argument("--top-k", type=_top_k, default=DISTRIBUTIONS_TOP_K,
+                   help="D-FINE / DEIM: the detections of the distributions figure "
+                        f"(%(default)s; 1 to {DISTRIBUTIONS_MAX_TOP_K})")
 
 
 def _add_other_commands(sub, common: argparse.ArgumentParser) -> None:
@@ -268,43 +271,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _distributions(args: argparse.Namespace, program) -> list[Path]:
-    """``distributions``: the edge distributions of the ``--top-k`` best detections."""
-    from detr_irpe import visualization as vis
-    from detr_irpe.utils.files import ensure_writable_folder
-
-    if args.out is not None:
-        # before the model is loaded
-        ensure_writable_folder(args.out.parent, "output folder", "choose another --out")
-    model, image, names, category_ids = program._image_run(args)
-    record = vis.edge_distributions(model, image, top_k=args.top_k, category_ids=category_ids)
-    out = args.out or DEFAULT_DIR / f"{image.name}_distributions.png"
-    vis.plot_edge_distributions(image, record, names, out=out)
-    return [out]
-
-
-def _all(args: argparse.Namespace, program) -> list[Path]:
-    """``all``: the standard figures (as :func:`detr_irpe.cli.programs.visualize.run`
-    writes them), and for a D-FINE / DEIM model the distributions figure, of one model
-    loaded once."""
-    from detr_irpe import visualization as vis
-
-    model, image, names, category_ids = program._image_run(args)
-    out_dir = args.out_dir or DEFAULT_DIR
-    paths = vis.save_attention_maps(model, image, out_dir, category_names=names,
-                                    category_ids=category_ids, threshold=args.threshold,
-                                    layer=args.layer, prefix=f"{image.name}_")
-    written = list(paths.values())
-    if vis.has_edge_distributions(model):
-        queries = getattr(model, "module", model).decoder.num_queries
-        record = vis.edge_distributions(model, image, top_k=min(DISTRIBUTIONS_TOP_K, queries),
-                                        category_ids=category_ids)
-        out = out_dir / f"{image.name}_distributions.png"
-        vis.plot_edge_distributions(image, record, names, out=out)
-        written.append(out)
-    return written
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_tool_logging(logging.INFO if args.verbose else logging.WARNING)
@@ -316,13 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         # after the arguments: --help and their errors come back without torch
         from detr_irpe.cli.programs import visualize as program
 
-        if args.command == "distributions":
-            paths = _distributions(args, program)
-        elif args.command == "all":
-            paths = _all(args, program)
-        else:
-            paths = program.run(args, DEFAULT_DIR)
-        for path in paths:
+        for path in program.run(args, DEFAULT_DIR):
             print(path)
         return 0
 

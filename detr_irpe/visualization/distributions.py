@@ -35,6 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from matplotlib import colormaps
@@ -47,8 +48,6 @@ from detr_irpe.data.inputs import InputImage
 from detr_irpe.errors import ConfigError
 from detr_irpe.family import family_of_model
 from detr_irpe.models.box_ops import box_cxcywh_to_xyxy
-from detr_irpe.models.dfine.decoder import DFINEDecoder
-from detr_irpe.models.dfine.distribution import weighting_function
 from detr_irpe.structures import ImageBatch
 
 from ._mpl import fit_suptitle, hide_ticks, new_figure, save_figure
@@ -72,9 +71,13 @@ MAX_TOP_K = 20
 CROP_MARGIN = 0.25
 
 
-def _dfine_decoder(model: nn.Module) -> DFINEDecoder | None:
+def _dfine_decoder(model: nn.Module) -> Any:
+    """The model's decoder when it is D-FINE's (it records its layers and has bin values,
+    ``detr_irpe.models.dfine.decoder``), else None; asked, not imported, as the family
+    registry has it."""
     decoder = getattr(getattr(model, "module", model), "decoder", None)
-    return decoder if isinstance(decoder, DFINEDecoder) else None
+    return decoder if hasattr(decoder, "record_layers") and hasattr(decoder, "bin_values") \
+        else None
 
 
 def has_edge_distributions(model: nn.Module) -> bool:
@@ -82,7 +85,7 @@ def has_edge_distributions(model: nn.Module) -> bool:
     return _dfine_decoder(model) is not None
 
 
-def _checked_decoder(model: nn.Module) -> DFINEDecoder:
+def _checked_decoder(model: nn.Module) -> Any:
     decoder = _dfine_decoder(model)
     if decoder is None:
         family = family_of_model(model)
@@ -94,7 +97,7 @@ def _checked_decoder(model: nn.Module) -> DFINEDecoder:
 
 
 @contextmanager
-def recording_layers(model: nn.Module) -> Iterator[DFINEDecoder]:
+def recording_layers(model: nn.Module) -> Iterator[Any]:
     """Within the block, the model's eval-mode outputs also carry ``layer_corners`` and
     ``ref_points`` (:meth:`~detr_irpe.models.dfine.decoder.DFINEDecoder.forward`); the
     decoder's previous setting is restored afterwards, also on errors.
@@ -218,8 +221,7 @@ def edge_distributions(model: nn.Module, image: InputImage | Tensor, top_k: int 
     finally:
         model.train(was_training)
     corners = outputs["layer_corners"][:, 0].detach().cpu()  # (layers, Q, 4 (R + 1))
-    bins = weighting_function(decoder.reg_max, decoder.up.detach().cpu().to(corners.dtype),
-                              decoder.reg_scale.detach().cpu().to(corners.dtype))
+    bins = decoder.bin_values(corners.dtype)
     num_layers, num_queries = corners.shape[:2]
     probabilities = corners.reshape(num_layers, num_queries, 4, bins.shape[0]).softmax(-1)
     offsets = probabilities @ bins

@@ -27,6 +27,7 @@ from .attention import (
     encoder_attention_modules,
     model_device,
 )
+from .distributions import edge_distributions, has_edge_distributions, plot_edge_distributions
 from .figures import (
     detections_from_outputs,
     plot_decoder_attention,
@@ -88,6 +89,7 @@ def save_attention_maps(
     rpe_contribution: bool = True,
     prefix: str = "",
     max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+    distributions_top_k: int = 4,
 ) -> dict[str, Path]:
     """Predictions, encoder attention (+ iRPE contribution) and decoder attention as PNGs.
 
@@ -111,12 +113,15 @@ def save_attention_maps(
         prefix: file-name prefix.
         max_pixels: an image file declaring more pixels is refused before decoding
             (``cfg.data.max_image_pixels``).
+        distributions_top_k: D-FINE / DEIM: the best detections of the edge-distribution
+            figure (at most the model's queries).
 
     Returns:
         ``{"predictions", "encoder_attention", "rpe_contribution" (when written),
         "decoder_attention" (a family with dense decoder cross-attention), and the
         family's own figures: for a dab-decoder model (DAB-DETR / DN-DETR)
-        "anchor_attention" and "anchor_refinement", for RT-DETR "selected_queries"}`` ->
+        "anchor_attention" and "anchor_refinement", for RT-DETR "selected_queries", for
+        D-FINE / DEIM "selected_queries" and "distributions"}`` ->
         PNG path. A figure the model lacks is skipped with one logged warning saying why.
     """
     out_dir = Path(out_dir)
@@ -170,6 +175,12 @@ def save_attention_maps(
     if has_selected_queries(outputs):
         written["selected_queries"] = out_dir / f"{prefix}selected_queries.png"
         plot_selected_queries(prepared, outputs, out=written["selected_queries"])
+    if has_edge_distributions(model):
+        queries = getattr(model, "module", model).decoder.num_queries
+        edges = edge_distributions(model, prepared, top_k=min(distributions_top_k, queries),
+                                   category_ids=category_ids)
+        written["distributions"] = out_dir / f"{prefix}distributions.png"
+        plot_edge_distributions(prepared, edges, category_names, out=written["distributions"])
     logger.info("attention maps of %s written to %s", prepared.name, out_dir)
     return written
 

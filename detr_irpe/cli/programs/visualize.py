@@ -192,6 +192,29 @@ def _image_figure(args: argparse.Namespace, default_dir: Path) -> list[Path]:
     return written
 
 
+def _distributions(args: argparse.Namespace, default_dir: Path) -> list[Path]:
+    """``distributions``: the edge distributions of the ``--top-k`` best detections."""
+    if args.out is not None:
+        # before the model is loaded
+        ensure_writable_folder(args.out.parent, "output folder", "choose another --out")
+    model, image, names, category_ids = _image_run(args)
+    record = vis.edge_distributions(model, image, top_k=args.top_k, category_ids=category_ids)
+    out = args.out or default_dir / f"{image.name}_distributions.png"
+    vis.plot_edge_distributions(image, record, names, out=out)
+    return [out]
+
+
+def _all(args: argparse.Namespace, default_dir: Path) -> list[Path]:
+    """``all``: the figures of :func:`~detr_irpe.visualization.save_attention_maps` (the
+    family's own included) of one model loaded once."""
+    model, image, names, category_ids = _image_run(args)
+    paths = vis.save_attention_maps(model, image, args.out_dir or default_dir,
+                                    category_names=names, category_ids=category_ids,
+                                    threshold=args.threshold, layer=args.layer,
+                                    prefix=f"{image.name}_", distributions_top_k=args.top_k)
+    return list(paths.values())
+
+
 def _canvas_encoder(args: argparse.Namespace, default_dir: Path) -> list[Path]:
     """``canvas-encoder``: one row per config, its model with random weights (the
     encodings are fixed functions of the grid) on one random square image."""
@@ -231,12 +254,9 @@ def run(args: argparse.Namespace, default_dir: Path) -> list[Path]:
     if args.command == "position-response":
         return _position_response(args, default_dir)
     if args.command == "all":
-        model, image, names, category_ids = _image_run(args)
-        paths = vis.save_attention_maps(model, image, args.out_dir or default_dir,
-                                        category_names=names, category_ids=category_ids,
-                                        threshold=args.threshold,
-                                        layer=args.layer, prefix=f"{image.name}_")
-        return list(paths.values())
+        return _all(args, default_dir)
+    if args.command == "distributions":
+        return _distributions(args, default_dir)
     return _image_figure(args, default_dir)
 
 

@@ -54,7 +54,7 @@ FAMILY = register_family(DetectorFamily(
     checkpoint=CHECKPOINT,
     onnx_wrapper=onnx_wrapper,
     sigmoid_classes=True,
-    figures=("selected-queries",),
+    figures=("selected-queries", "distributions"),
     benchmark_targets={"D-FINE": "dfine_l"},
     attention=AttentionSupport(
         encoder=encoder_attention, grid_stride=DFINE.STRIDE,

@@ -355,6 +355,12 @@ class DFINEDecoder(nn.Module):
             previous_x = x.detach()
         return out
 
+    def bin_values(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The values ``W(n)`` of the ``reg_max + 1`` bins of every edge distribution (on
+        the CPU, in ``dtype``): what a distribution's integral weighs its bins with."""
+        return weighting_function(self.reg_max, self.up.detach().cpu().to(dtype),
+                                  self.reg_scale.detach().cpu().to(dtype))
+
     def forward(self, feats: list[Tensor], targets: list[dict] | None = None,
                 generator: torch.Generator | None = None) -> dict:
         """

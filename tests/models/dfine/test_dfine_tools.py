@@ -78,7 +78,7 @@ def test_visualize_the_aifi_attention_and_the_selected_queries(run: Path, tiny_d
     ckpt = run / "checkpoint_last.pth"
     loaded = model_from_checkpoint(ckpt)
     assert available_figures(loaded.model) == ["predictions", "encoder-attention",
-                                               "selected-queries"]
+                                               "selected-queries", "distributions"]
     image = next((tiny_dataset / "val").iterdir())
     for kind in ("encoder-attention", "selected-queries", "predictions"):
         out = tmp_path / kind
