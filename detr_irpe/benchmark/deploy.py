@@ -47,8 +47,10 @@ from detr_irpe.benchmark.model import (
     quick_overrides,
     row_name,
 )
+from detr_irpe.benchmark.profile import profile_inference
 from detr_irpe.checkpoint.hf_folder import write_hf_folder
 from detr_irpe.config import load_config
+from detr_irpe.engine.speed import count_flops
 from detr_irpe.errors import DetrIrpeError
 from detr_irpe.export import IMAGE_INPUT, OUTPUTS, export_onnx, onnx_wrapper
 from detr_irpe.family import get_family
@@ -133,8 +135,11 @@ def run_deploy_benchmark(
         ``{"rows": [...], "notes": [...]}``: one row per (target, rpe, runtime) with
         ``target``, ``config``, ``rpe``, ``runtime``, ``batch``, ``image_hw``,
         ``latency_s`` (median wall seconds per call), ``latency_s_all``, ``cpu_s`` (median
-        process CPU seconds), ``images_per_s``, ``max_diff_logits`` / ``max_diff_boxes``
-        (against the PyTorch row; 0 for it); ``notes``: the rows left out and why.
+        process CPU seconds), ``images_per_s``, ``gflops_per_image`` (the eager model's
+        FLOPs of one image at the size, in billions), ``max_diff_logits`` / ``max_diff_boxes``
+        (against the PyTorch row; 0 for it); ``notes``: the rows left out and why;
+        ``profiles``: per model, the eager inference's time per module
+        (:func:`~detr_irpe.benchmark.profile.profile_inference`).
     """
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -148,6 +153,7 @@ def run_deploy_benchmark(
         notes.append(f"transformers rows left out: {', '.join(missing_hf)} not installed")
     images = torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(0))
     runners: list[StepRunner] = []
+    profiles: list[dict[str, Any]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="detr_irpe_deploy_") as tmp:
             folder = Path(work_dir) if work_dir is not None else Path(tmp)
@@ -157,9 +163,17 @@ def run_deploy_benchmark(
                 if progress is not None:
                     progress(f"building {label} ({config}) for CPU inference at "
                              f"{batch} x {height}x{width}")
-                cfg, model, _, _ = build_benchmark_model(rpe, torch.device("cpu"),
-                                                         _overrides(config, quick), config)
+                cfg, model, _, postprocessor = build_benchmark_model(
+                    rpe, torch.device("cpu"), _overrides(config, quick), config)
                 wrapper = onnx_wrapper(model.eval())
+                # the model's work per image at this size (every runtime computes the same)
+                flops = count_flops(model, images[0]) / 1e9
+                # where the eager model's time goes, post-processing included
+                if progress is not None:
+                    progress(f"profiling {label}'s eager inference by module")
+                profiles.append({**profile_inference(model, postprocessor, images,
+                                                     repeats=repeats, warmup=warmup),
+                                 "label": label})
                 calls: dict[str, Callable[[torch.Tensor], tuple]] = {
                     "PyTorch": wrapper,
                     # batch norms folded, RepVGG merged, channels-last (--runtime fused)
@@ -192,6 +206,7 @@ def run_deploy_benchmark(
                         runners.append(StepRunner(
                             {"target": name, "config": config, "rpe": rpe, "runtime": runtime,
                              "batch": batch, "image_hw": [height, width],
+                             "gflops_per_image": flops,
                              "max_diff_logits": logits, "max_diff_boxes": boxes},
                             _timed_call(call, images)))
             interleave(runners, warmup + repeats, torch.device("cpu"), progress)
@@ -202,7 +217,8 @@ def run_deploy_benchmark(
         walls, cpus = runner.walls[warmup:], runner.cpus[warmup:]
         rows.append({**runner.row, "latency_s": median(walls), "latency_s_all": walls,
                      "cpu_s": median(cpus), "images_per_s": batch / median(walls)})
-    return {"rows": rows, "notes": notes, "threads": threads, "dynamic": dynamic}
+    return {"rows": rows, "notes": notes, "threads": threads, "dynamic": dynamic,
+            "profiles": profiles}
 
 
 def _hf_call(model: torch.nn.Module) -> Callable[[torch.Tensor], tuple]:
@@ -227,17 +243,24 @@ def deploy_table(section: Mapping[str, Any]) -> str:
     """Markdown: one row per (target, rpe, runtime); ``x PyTorch`` is the latency against
     this project's PyTorch row of the same model."""
     rows = section["rows"]
+    roofline = "peaks" in section  # roofline.attach_roofline ran
+    extra = " GFLOPs/img | GFLOP/s | % fp32 matmul peak | % fp32 conv peak |" if roofline else ""
     lines = ["| model | config | runtime | images | latency ms | CPU ms | img/s | x PyTorch "
-             "| max abs diff logits | max abs diff boxes |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| max abs diff logits | max abs diff boxes |" + extra,
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" * 4 if roofline
+                                                                 else "")]
     for r in rows:
         base = next((b for b in rows if (b["target"], b["rpe"], b["runtime"])
                      == (r["target"], r["rpe"], "PyTorch")), None)
         x = "n/a" if base is None else f"{r['latency_s'] / base['latency_s']:.3f}"
+        cells = ""
+        if roofline:
+            cells = (f" {r['gflops_per_image']:.2f} | {r['gflops_per_s']:.1f} | "
+                     f"{100 * r['share_matmul']:.1f} | {100 * r['share_conv']:.1f} |")
         lines.append(
             f"| {row_name(r)} | {r['config']} | {r['runtime']} | {r['batch']} x "
             f"{r['image_hw'][0]}x{r['image_hw'][1]} | {1000 * r['latency_s']:.1f} | "
             f"{1000 * r['cpu_s']:.1f} | {r['images_per_s']:.2f} | {x} | "
-            f"{r['max_diff_logits']:.1e} | {r['max_diff_boxes']:.1e} |")
+            f"{r['max_diff_logits']:.1e} | {r['max_diff_boxes']:.1e} |" + cells)
     notes = [f"- {n}" for n in section.get("notes", [])]
     return "\n".join(lines + ([""] + notes if notes else []))

@@ -36,12 +36,16 @@ from detr_irpe.engine.optim import build_optimizer
 from detr_irpe.engine.trainer import model_outputs, targets_to, weighted_loss
 from detr_irpe.models import build_model
 
-__all__ = ["PHASES", "profile_table", "profile_training_step"]
+__all__ = ["INFERENCE_PHASES", "PHASES", "inference_profile_table", "profile_inference",
+           "profile_table", "profile_training_step"]
 
 logger = logging.getLogger(__name__)
 
 PHASES = ("data", "to_device", "backbone", "encoder", "decoder", "heads", "matcher", "loss",
           "backward", "optimizer")
+# the phases of one eager inference call (profile_inference): the decoder's deformable
+# sampling (RT-DETR, D-FINE) is its own phase, the rest of the decoder "decoder"
+INFERENCE_PHASES = ("backbone", "encoder", "decoder", "deformable", "heads", "postprocess")
 
 
 class _Clock:
@@ -176,4 +180,76 @@ def profile_table(results: Sequence[dict[str, Any]]) -> str:
         lines.append(f"| {phase} | " + " | ".join(cells) + " |")
     lines.append("| **sum** | " + " | ".join(f"**{1000 * r['total_s']:.1f}** | 100 %" for r in results)
                  + " |")
+    return "\n".join(lines)
+
+
+def _part(model: nn.Module, name: str) -> nn.Module | None:
+    """``model.<name>`` or ``model.transformer.<name>`` (DETR / DAB keep theirs there)."""
+    found = getattr(model, name, None)
+    if isinstance(found, nn.Module):
+        return found
+    inner = getattr(model, "transformer", None)
+    found = getattr(inner, name, None)
+    return found if isinstance(found, nn.Module) else None
+
+
+def profile_inference(model: nn.Module, postprocessor: Any, images: torch.Tensor,
+                      repeats: int = 5, warmup: int = 1) -> dict[str, Any]:
+    """Median seconds per phase (:data:`INFERENCE_PHASES`) of ``repeats`` eager inference
+    calls of ``model`` (eval mode, ``no_grad``) on ``images`` ``(B, 3, H, W)``, the
+    post-processing included: forward hooks on the backbone, the encoder, the decoder
+    and each deformable-attention module inside the decoder (counted apart from the
+    decoder), the rest of the forward pass is "heads".
+
+    Returns:
+        ``{"phases": {phase: median s}, "total_s": median forward + post-processing,
+        "image_hw", "batch", "model"}``.
+    """
+    clock = _Clock(images.device)
+    model = model.eval()
+    hooks = []
+    decoder = _part(model, "decoder")
+    for module, name in ((_part(model, "backbone"), "backbone"),
+                         (_part(model, "encoder"), "encoder"), (decoder, "decoder")):
+        if module is not None:
+            hooks += _hook_module(module, name, clock)
+    deformable = [m for m in (decoder.modules() if decoder is not None else [])
+                  if "Deformable" in type(m).__name__]
+    for module in deformable:
+        hooks += _hook_module(module, "deformable", clock)
+    batch, _, height, width = images.shape
+    sizes = torch.tensor([[height, width]] * batch)
+    rows: list[dict[str, float]] = []
+    try:
+        with torch.no_grad():
+            for i in range(warmup + repeats):
+                with clock.phase("forward"):
+                    outputs = model(list(images))
+                with clock.phase("postprocess"):
+                    postprocessor(outputs, sizes)
+                t = clock.take()
+                t["decoder"] = t.get("decoder", 0.0) - t.get("deformable", 0.0)
+                t["heads"] = t.pop("forward") - t.get("backbone", 0.0) - \
+                    t.get("encoder", 0.0) - t["decoder"] - t.get("deformable", 0.0)
+                if i >= warmup:
+                    rows.append(t)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"phases": {p: median([r.get(p, 0.0) for r in rows]) for p in INFERENCE_PHASES},
+            "total_s": median([sum(r.values()) for r in rows]), "batch": batch,
+            "image_hw": [height, width], "model": type(model).__name__}
+
+
+def inference_profile_table(results: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one column pair per profiled model (``label`` key), ms and share."""
+    head = "| phase | " + " | ".join(f"{r.get('label', r['model'])} ms | share"
+                                     for r in results) + " |"
+    lines = [head, "|---|" + "---:|---:|" * len(results)]
+    for phase in INFERENCE_PHASES:
+        cells = [f"{1000 * r['phases'][phase]:.1f} | {100 * r['phases'][phase] / r['total_s']:.0f} %"
+                 for r in results]
+        lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+    lines.append("| **sum** | " + " | ".join(f"**{1000 * r['total_s']:.1f}** | 100 %"
+                                            for r in results) + " |")
     return "\n".join(lines)

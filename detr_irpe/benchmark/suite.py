@@ -26,6 +26,7 @@ from detr_irpe.benchmark import model as model_bench
 from detr_irpe.benchmark import op as op_bench
 from detr_irpe.benchmark import profile as profile_bench
 from detr_irpe.benchmark import reference as reference_bench
+from detr_irpe.benchmark import roofline as roofline_bench
 from detr_irpe.benchmark.common import environment
 from detr_irpe.errors import ConfigError
 from detr_irpe.utils.files import atomic_write_text
@@ -290,6 +291,10 @@ def run_suite(
             onnx_targets, options.models, options.onnx_batch, *options.onnx_hw,
             threads=options.threads, repeats=options.onnx_repeats, warmup=options.onnx_warmup,
             dynamic=options.onnx_dynamic, quick=options.quick, progress=progress)
+        if progress is not None:
+            progress("measuring the machine's peak GFLOP/s (roofline)")
+        results["onnx"] = roofline_bench.attach_roofline(
+            results["onnx"], options.threads, quick=options.quick)
     if {"data", "eval", "profile"} & set(options.sections):
         root = Path(options.data_root)
         if options.quick and options.data_root == SuiteOptions.data_root:
@@ -416,6 +421,15 @@ def suite_markdown(results: dict[str, Any]) -> str:
                   f"{'dynamic' if section['dynamic'] else 'static'} ONNX graph, "
                   "no post-processing, one interleaved run)\n",
                   deploy_bench.deploy_table(section)]
+        if section.get("profiles"):
+            parts += ["\nWhere the eager PyTorch inference's time goes, by module (median of "
+                      "the same repeats; deformable: the decoder's multi-scale deformable "
+                      "sampling, decoder: the rest of it; heads: the rest of the forward "
+                      "pass):\n", profile_bench.inference_profile_table(section["profiles"])]
+        if "peaks" in section:
+            parts += [f"\nThe machine's measured peaks ({section['threads']} threads; the "
+                      "roofline columns above are each row's model FLOPs x images per "
+                      "second over them):\n", roofline_bench.peak_table(section["peaks"])]
     if "profile" in results:
         rows = results["profile"]["rows"]
         parts += [f"\n### Where a training iteration's time goes: {rows[0]['config']}, batch "

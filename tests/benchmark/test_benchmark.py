@@ -328,3 +328,72 @@ def test_onnx_section_three_runtimes_same_outputs(tmp_path: Path) -> None:
     text = suite_markdown(results)
     assert "CPU inference: the exported model in ONNX Runtime" in text
     assert "| RT-DETR | rtdetr_r50 | transformers | 1 x 64x64 |" in text
+
+
+# ----------------------------------------------------------------- the roofline
+def test_roofline_rates_and_shares_follow_from_the_flops_and_the_latency() -> None:
+    from detr_irpe.benchmark import roofline
+
+    peaks = {"matmul_fp32": 100.0, "conv3x3_fp32": 50.0, "matmul_bf16": None}
+    rows = roofline.roofline_rows([{"gflops_per_image": 4.0, "images_per_s": 2.5}], peaks)
+    assert rows[0]["gflops_per_s"] == pytest.approx(10.0)
+    assert rows[0]["share_matmul"] == pytest.approx(0.1)
+    assert rows[0]["share_conv"] == pytest.approx(0.2)
+    table = roofline.peak_table(peaks)
+    assert "| float32 matrix product | 100.0 |" in table and "n/a (no native bf16)" in table
+
+
+def test_measured_peaks_are_positive_and_bf16_only_where_asked() -> None:
+    from detr_irpe.benchmark import roofline
+
+    plain = roofline.measure_peaks(threads=1, repeats=1, quick=True, bf16=False)
+    assert plain["matmul_fp32"] > 0 and plain["conv3x3_fp32"] > 0
+    assert plain["matmul_bf16"] is None
+    assert roofline.measure_peaks(threads=1, repeats=1, quick=True,
+                                  bf16=True)["matmul_bf16"] > 0
+
+
+def test_deploy_rows_carry_the_models_flops_per_image(monkeypatch) -> None:
+    """The FLOPs of a row are its model's at the measured size: a hand count of one
+    convolution the model runs bounds them from below, and the roofline table shows them."""
+    from detr_irpe.benchmark import deploy, roofline
+
+    monkeypatch.setattr(deploy, "_missing", lambda *modules: list(modules))
+    section = deploy.run_deploy_benchmark({"RT-DETR": "rtdetr_r50"}, ["none"], height=64,
+                                          width=64, threads=1, repeats=1, warmup=0, quick=True)
+    flops = {r["gflops_per_image"] for r in section["rows"]}
+    assert len(flops) == 1
+    # ResNet-vd's stem starts with a 3x3 / 2 convolution 3 -> 32 (R18-vd's quick width
+    # or more) at 32 x 32 outputs: 2 * 3 * 9 * 32 * 32 * 32 FLOPs at the least
+    assert flops.pop() * 1e9 > 2 * 3 * 9 * 32 * 32 * 32
+    section = {**section, "peaks": {"matmul_fp32": 1.0, "conv3x3_fp32": 1.0,
+                                    "matmul_bf16": None}}
+    section["rows"] = roofline.roofline_rows(section["rows"], section["peaks"])
+    table = deploy.deploy_table(section)
+    assert "| GFLOPs/img | GFLOP/s | % fp32 matmul peak | % fp32 conv peak |" in table
+    (profile,) = section["profiles"]
+    assert profile["label"] == "RT-DETR" and profile["phases"]["deformable"] > 0
+
+
+@pytest.mark.parametrize(("config", "deformable"), [("rtdetr_tiny", True), ("synthetic_tiny", False)])
+def test_the_inference_profile_splits_the_forward_pass_by_module(config, deformable) -> None:
+    from detr_irpe.benchmark.profile import (
+        INFERENCE_PHASES,
+        inference_profile_table,
+        profile_inference,
+    )
+    from detr_irpe.config import load_config
+    from detr_irpe.models import build_model
+
+    cfg = load_config(config, ["model.num_classes=3", "model.backbone_weights=none"])
+    model, _, postprocessor = build_model(cfg, load_backbone_weights=False)
+    images = torch.rand(1, 3, 64, 64)
+    result = profile_inference(model, postprocessor, images, repeats=2, warmup=1)
+    phases = result["phases"]
+    assert set(phases) == set(INFERENCE_PHASES)
+    assert all(phases[p] > 0 for p in ("backbone", "encoder", "decoder", "postprocess"))
+    assert (phases["deformable"] > 0) == deformable
+    # medians of parts need not add up to the median of sums, but each is within it
+    assert max(phases.values()) <= result["total_s"] * 1.5
+    table = inference_profile_table([{**result, "label": config}])
+    assert f"| phase | {config} ms | share |" in table and "| deformable |" in table
