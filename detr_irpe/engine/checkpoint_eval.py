@@ -14,6 +14,7 @@ per layout: ``canvas_<label>/`` folders, ``canvases.json`` and ``canvases.md`` (
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -194,12 +195,14 @@ def _evaluate_at(loaded: LoadedModel, model: Any, cfg: Config, checkpoint: Path,
         distributed=info.distributed, seed=cfg.train.seed,
     )
     evaluator, timer = CocoEvaluator(val_ds.coco), ForwardTimer(info.device)
+    start = time.perf_counter()
     losses, summary = evaluate(
         model, criterion, postprocessor, loader, evaluator, info.device,
         amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5, timer=timer,
     )
+    pipeline_seconds = time.perf_counter() - start
     first = val_ds[0][0].to(info.device) if len(val_ds) else None
-    speed = speed_record(timer, loaded.model, first)
+    speed = speed_record(timer, loaded.model, first, pipeline_seconds)
     table = per_class_table(evaluator)
     label = "" if size is None else f" at test size {size.label}" \
         if isinstance(size, EvalSize) else f" on canvases {size.label}"

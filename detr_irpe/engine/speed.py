@@ -77,13 +77,22 @@ def count_flops(model: nn.Module, image: torch.Tensor) -> int:
 
 
 def speed_record(timer: ForwardTimer, model: nn.Module, image: torch.Tensor | None,
-                 ) -> dict[str, Any]:
+                 pipeline_seconds: float | None = None) -> dict[str, Any]:
     """The ``speed`` entry of ``metrics.json``: ``images_per_second`` (model forward +
     post-processing), ``images``, ``seconds``, ``parameters``, ``gflops`` (one image of
-    ``input_size`` ``[H, W]``; None without an image)."""
+    ``input_size`` ``[H, W]``; None without an image); with ``pipeline_seconds`` (the
+    wall time of the whole evaluation: reading and decoding, resizing, batching, the
+    model, post-processing, COCO scoring) also ``pipeline_images_per_second`` and
+    ``model_share`` (the model's share of that time; the rest is the pipeline's)."""
     rate = timer.images_per_second
     flops = count_flops(model, image) if image is not None else None
+    pipeline = {}
+    if pipeline_seconds is not None and pipeline_seconds > 0:
+        pipeline = {"pipeline_seconds": round(pipeline_seconds, 4),
+                    "pipeline_images_per_second": round(timer.images / pipeline_seconds, 3),
+                    "model_share": round(timer.seconds / pipeline_seconds, 4)}
     return {
+        **pipeline,
         "images_per_second": None if rate is None else round(rate, 3),
         "images": timer.images, "seconds": round(timer.seconds, 4),
         "parameters": count_parameters(model),
@@ -104,7 +113,12 @@ def format_speed(record: dict[str, Any]) -> str:
     if record.get("gflops") is not None:
         height, width = record["input_size"]
         parts.append(f"{record['gflops']:.2f} GFLOPs at {height}x{width}")
-    return "speed: " + ", ".join(parts)
+    line = "speed: " + ", ".join(parts)
+    if record.get("pipeline_images_per_second"):
+        line += (f"; the whole evaluation {record['pipeline_images_per_second']:.1f} images/s "
+                 "(reading, resizing, batching, model, post-processing, COCO scoring), the "
+                 f"model {100 * record['model_share']:.0f} % of its time")
+    return line
 
 
 __all__ = ["ForwardTimer", "count_flops", "count_parameters", "format_speed", "speed_record"]

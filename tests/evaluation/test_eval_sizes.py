@@ -132,6 +132,13 @@ def test_eval_at_several_sizes_equals_one_eval_per_size(checkpoint, tiny_dataset
     assert speed["parameters"] == sum(p.numel() for p in model.parameters())
     assert speed["images"] == 4 and speed["images_per_second"] > 0
     assert speed["gflops"] > 0 and speed["input_size"] == [48, 48]
+    # the whole evaluation (data, model, post-processing, COCO scoring) contains the
+    # model's time: its rate is lower, the model's share of it in (0, 1]
+    assert speed["pipeline_seconds"] >= speed["seconds"] > 0
+    assert 0 < speed["model_share"] <= 1
+    assert speed["pipeline_images_per_second"] == pytest.approx(
+        speed["images"] / speed["pipeline_seconds"], rel=1e-2)
+    assert speed["pipeline_images_per_second"] <= speed["images_per_second"]
 
 
 def test_train_eval_only_takes_sizes(checkpoint, tiny_dataset, tmp_path) -> None:
