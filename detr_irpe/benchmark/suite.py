@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from detr_irpe.benchmark import contention as contention_bench
 from detr_irpe.benchmark import data as data_bench
 from detr_irpe.benchmark import deploy as deploy_bench
 from detr_irpe.benchmark import encoding_steps as encoding_bench
@@ -38,7 +39,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("op", "model", "encodings", "onnx", "profile", "data", "eval")
+SECTIONS = ("op", "contention", "model", "encodings", "onnx", "profile", "data", "eval")
 PRECISIONS = ("none", "bf16", "fp16")
 # CPU targets (docs/benchmarks.md): iRPE-DETR step / plain DETR step, ctx-product-k layer / plain MHA,
 # qkv layer time and activation memory / plain MHA
@@ -278,6 +279,11 @@ def run_suite(
             section["sweep"] = sweep
             section["plot"] = str(plot)
         results["op"] = section
+    if "contention" in options.sections and dev.type == "cpu":
+        results["contention"] = contention_bench.run_contention_benchmark(
+            thread_counts=sorted({1, options.threads}), batch=options.op_batch,
+            height=options.op_hw[0], width=options.op_hw[1], dim=options.op_dim,
+            heads=options.op_heads, repeats=options.op_repeats, progress=progress)
     if "model" in options.sections:
         results["model"] = _model_level(options, progress)
     if "encodings" in options.sections:
@@ -414,6 +420,12 @@ def suite_markdown(results: dict[str, Any]) -> str:
                   f"with each encoding of its encoder, {model}, median of "
                   f"{opts.get('encoding_repeats')} steps after {opts.get('encoding_warmup')} "
                   "(one interleaved run)\n", encoding_bench.encoding_step_table(rows)]
+    if "contention" in results:
+        size = results["contention"]["size"]
+        parts += [f"\n### Attention on a shared CPU: one encoder attention layer (B {size[0]}, "
+                  f"{size[1]} x {size[2]}, {size[3]} wide, {size[4]} heads, forward + backward, "
+                  "dropout 0.1), quiet and next to a competing one-thread process\n",
+                  contention_bench.contention_table(results["contention"])]
     if "onnx" in results:
         section = results["onnx"]
         parts += [f"\n### CPU inference: the exported model in ONNX Runtime vs PyTorch and "

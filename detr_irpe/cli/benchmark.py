@@ -5,6 +5,7 @@ data and eval levels; prints markdown tables::
 
     detr-irpe-benchmark                                     # CPU, 2 threads, every level
     detr-irpe-benchmark --threads 1 --only op               # one attention layer + L sweep
+    detr-irpe-benchmark --only contention                   # that layer next to a busy process
     detr-irpe-benchmark --only model --model-repeats 5
     detr-irpe-benchmark --only model --targets DETR,RT-DETR # two detectors' rows only
     detr-irpe-benchmark --only encodings                    # none / sine / iRPE / RoPE steps
@@ -33,7 +34,7 @@ from detr_irpe.cli.args import new_parser, run_main, setup_tool_logging
 from detr_irpe.errors import ConfigError
 
 # the sections of the suite (detr_irpe.benchmark.SECTIONS, named here without importing torch)
-SECTIONS = ("op", "model", "encodings", "onnx", "profile", "data", "eval")
+SECTIONS = ("op", "contention", "model", "encodings", "onnx", "profile", "data", "eval")
 
 
 def _hw(text: str) -> tuple[int, int]:

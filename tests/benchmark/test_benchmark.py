@@ -397,3 +397,37 @@ def test_the_inference_profile_splits_the_forward_pass_by_module(config, deforma
     assert max(phases.values()) <= result["total_s"] * 1.5
     table = inference_profile_table([{**result, "label": config}])
     assert f"| phase | {config} ms | share |" in table and "| deformable |" in table
+
+
+# ----------------------------------------------------------------- contention
+def test_the_competing_process_runs_during_the_block_and_is_reaped() -> None:
+    from detr_irpe.benchmark.contention import competing_process
+
+    with competing_process() as proc:
+        assert proc is not None and proc.poll() is None  # busy, not finished
+        pid = proc.pid
+    assert proc.poll() is not None  # stopped and reaped
+    import os
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with competing_process(False) as none:
+        assert none is None
+
+
+def test_contention_rows_and_table() -> None:
+    from detr_irpe.benchmark.contention import (
+        CONTENTION_VARIANTS,
+        contention_table,
+        run_contention_benchmark,
+    )
+
+    section = run_contention_benchmark(thread_counts=(1,), batch=1, height=4, width=5, dim=32,
+                                       heads=4, repeats=1, warmup=0)
+    rows = section["rows"]
+    assert [r["variant"] for r in rows] == list(CONTENTION_VARIANTS)
+    for r in rows:
+        assert r["quiet_ms"] > 0 and r["contended_ms"] > 0
+        assert r["slowdown"] == pytest.approx(r["contended_ms"] / r["quiet_ms"])
+    table = contention_table(section)
+    assert "| nn.MultiheadAttention (need_weights=False, training, dropout 0.1) | 1 |" in table
+    assert table.count("\n") == 1 + len(rows)
