@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from dfine_reference import naive_bin_values
 from helpers import load_tool, randomise
 from PIL import Image
 
@@ -67,25 +68,8 @@ def image(picture):
 
 
 def naive_weights(reg_max: int, up: float, reg_scale: float) -> torch.Tensor:
-    """W(n), n = 0 .. N, written from docs/dfine.md: a = up * reg_scale, s = (a + 1)^(2 /
-    (N - 2)); W(0) = -2a, W(n) = -(s^(N/2 - n) - 1) below N/2, W(N/2) = 0, W(n) = s^(n -
-    N/2) - 1 above, W(N) = 2a."""
-    a = up * reg_scale
-    s = (a + 1) ** (2 / (reg_max - 2))
-    half = reg_max // 2
-    values = []
-    for n in range(reg_max + 1):
-        if n == 0:
-            values.append(-2 * a)
-        elif n == reg_max:
-            values.append(2 * a)
-        elif n < half:
-            values.append(-(s ** (half - n) - 1))
-        elif n == half:
-            values.append(0.0)
-        else:
-            values.append(s ** (n - half) - 1)
-    return torch.tensor(values, dtype=torch.float64)
+    """W(n) of :func:`dfine_reference.naive_bin_values`, as a float64 tensor."""
+    return torch.tensor(naive_bin_values(reg_max, up, reg_scale), dtype=torch.float64)
 
 
 def naive_softmax(logits: list[float]) -> list[float]:

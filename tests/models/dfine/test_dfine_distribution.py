@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from dfine_reference import naive_bin_values
 from torch.testing import assert_close
 
 from detr_irpe.models.dfine.distribution import (
@@ -20,23 +21,8 @@ F64 = torch.float64
 
 
 def naive_weights(reg_max: int, up: float, reg_scale: float) -> list[float]:
-    """W(0..N) from the definition: ends +-2a, inner +-(s^k - 1), s = (a+1)^(2/(N-2))."""
-    a = abs(up) * abs(reg_scale)
-    s = (a + 1) ** (2 / (reg_max - 2))
-    half = reg_max // 2
-    values = []
-    for n in range(reg_max + 1):
-        if n == 0:
-            values.append(-2 * a)
-        elif n == reg_max:
-            values.append(2 * a)
-        elif n < half:
-            values.append(-(s ** (half - n) - 1))
-        elif n == half:
-            values.append(0.0)
-        else:
-            values.append(s ** (n - half) - 1)
-    return values
+    """W(0..N) from the definition (:func:`dfine_reference.naive_bin_values`)."""
+    return naive_bin_values(reg_max, up, reg_scale)
 
 
 def naive_targets(ref: list[float], box: list[float], reg_max: int, up: float,

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from dfine_reference import naive_bin_values
 from helpers import ROOT
 
 from detr_irpe.models.dfine import distribution
@@ -41,23 +42,8 @@ def _settings(case: str) -> tuple[int, float, float]:
 
 
 def _naive_weights(reg_max: int, up: float, scale: float) -> list[float]:
-    """Paper Eq. 4, one value at a time."""
-    a = abs(up) * abs(scale)
-    c = (a + 1) ** (2 / (reg_max - 2))
-    half = reg_max // 2
-    values = []
-    for n in range(reg_max + 1):
-        if n == 0:
-            values.append(-2 * a)
-        elif n == reg_max:
-            values.append(2 * a)
-        elif n < half:
-            values.append(-(c ** (half - n) - 1))
-        elif n == half:
-            values.append(0.0)
-        else:
-            values.append(c ** (n - half) - 1)
-    return values
+    """Paper Eq. 4, one value at a time (:func:`dfine_reference.naive_bin_values`)."""
+    return naive_bin_values(reg_max, up, scale)
 
 
 @pytest.mark.parametrize("case", CASES)
