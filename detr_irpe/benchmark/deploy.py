@@ -8,6 +8,8 @@ calls interleaved round-robin (:func:`~detr_irpe.benchmark.model.interleave`):
   ``onnx_wrapper`` (``images -> (pred_logits, pred_boxes)``: the graph that is exported);
 - ``PyTorch fused``: the same in its inference form (batch norms folded into the
   convolutions, RepVGG blocks merged, channels-last: ``--runtime fused``);
+- ``PyTorch fused bf16`` (CPUs with native bf16 only: AVX512-BF16 / AMX): that under
+  bfloat16 autocast, as ``train.amp=auto`` evaluates there;
 - ``ONNX Runtime``: that model exported by :func:`detr_irpe.export.export_onnx` (a dynamic
   graph by default: any size, encodings and anchors computed inside it) and run by
   ``onnxruntime`` (``CPUExecutionProvider``, ``intra_op_num_threads`` = the threads);
@@ -50,6 +52,7 @@ from detr_irpe.benchmark.model import (
 from detr_irpe.benchmark.profile import profile_inference
 from detr_irpe.checkpoint.hf_folder import write_hf_folder
 from detr_irpe.config import load_config
+from detr_irpe.engine.precision import native_bf16_cpu
 from detr_irpe.engine.speed import count_flops
 from detr_irpe.errors import DetrIrpeError
 from detr_irpe.export import IMAGE_INPUT, OUTPUTS, export_onnx, onnx_wrapper
@@ -178,6 +181,8 @@ def run_deploy_benchmark(
                     "PyTorch": wrapper,
                     # batch norms folded, RepVGG merged, channels-last (--runtime fused)
                     "PyTorch fused": onnx_wrapper(inference_form(model))}
+                if native_bf16_cpu():  # what train.amp=auto evaluates with on this CPU
+                    calls["PyTorch fused bf16"] = _bf16(calls["PyTorch fused"])
                 stem = f"{config}_{rpe}".replace("/", "_")
                 if not missing_onnx:
                     if progress is not None:
@@ -219,6 +224,15 @@ def run_deploy_benchmark(
                      "cpu_s": median(cpus), "images_per_s": batch / median(walls)})
     return {"rows": rows, "notes": notes, "threads": threads, "dynamic": dynamic,
             "profiles": profiles}
+
+
+def _bf16(call: Callable[[torch.Tensor], tuple]) -> Callable[[torch.Tensor], tuple]:
+    """``call`` under CPU bfloat16 autocast, its outputs back in float32."""
+    def run(images: torch.Tensor) -> tuple:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return tuple(t.float() for t in call(images))
+
+    return run
 
 
 def _hf_call(model: torch.nn.Module) -> Callable[[torch.Tensor], tuple]:
