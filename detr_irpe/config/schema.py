@@ -249,6 +249,23 @@ class DataConfig:
     # From this epoch (0-based) on the batches keep train_size; null: never (RT-DETR v1's
     # recipe; RT-DETRv2 stops at 71 of 72).
     batch_scales_stop_epoch: int | None = None
+    # data.augmentation=rtdetr: DEIM's / D-FINE's epoch policy [e0, e1, e2] (0-based,
+    # non-decreasing; docs/data.md, "Dense O2O"): before e0 and from e2 on only the flip
+    # and the square resize run (no photometric distortion, zoom-out, IoU crop or Mosaic);
+    # on [e0, e1) Mosaic with probability mosaic_prob (a Mosaic sample skips zoom-out and
+    # IoU crop); on [e1, e2) RT-DETR's ops without Mosaic. null: RT-DETR's ops every epoch.
+    aug_policy_epochs: list[int] | None = None
+    # The probability of Mosaic (four images on a 2 x 2 canvas, then a random affine map)
+    # for a training sample of an epoch in [e0, e1) of aug_policy_epochs (DEIM: 0.5).
+    mosaic_prob: float = 0.0
+    # Mosaic: each of the four images is resized to this shorter side before pasting.
+    mosaic_side: int = 320
+    # The probability that a training batch of an epoch in mixup_epochs is blended with
+    # itself rolled by one (batch MixUp, ratio uniform in [0.45, 0.55]; every image keeps
+    # the boxes of both; DEIM: 0.5).
+    mixup_prob: float = 0.0
+    # [first, stop): the epochs (0-based) of batch MixUp (DEIM: [4, e1]).
+    mixup_epochs: list[int] = field(default_factory=lambda: [0, 0])
     # Data-loader worker processes per training process.
     num_workers: int = 2
     # Decode every image once and keep it in memory (small datasets only).
@@ -293,6 +310,39 @@ class DataConfig:
                 raise ConfigError(f"data.{key} holds {small[0]}, below the smallest input side a "
                                   f"detector here reads ({low} px)")
         at_least("data.num_workers", self.num_workers, 0)
+        self._check_dense_o2o()
+
+    def _check_dense_o2o(self) -> None:
+        """The Dense O2O keys: aug_policy_epochs, mosaic_*, mixup_*."""
+        for key in ("mosaic_prob", "mixup_prob"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0.0 <= value <= 1.0):
+                raise ConfigError(f"data.{key} must be a probability in [0, 1], got {value!r}")
+        positive("data.mosaic_side", self.mosaic_side)
+        epochs = self.aug_policy_epochs
+        if epochs is not None:
+            self._epoch_list("data.aug_policy_epochs", epochs, 3)
+            if self.augmentation != "rtdetr":
+                raise ConfigError(
+                    f"data.aug_policy_epochs is only for data.augmentation=rtdetr (its ops are "
+                    f"RT-DETR's); got augmentation {self.augmentation!r}: remove the key or "
+                    "set it to null")
+        elif self.mosaic_prob > 0:
+            raise ConfigError(
+                f"data.mosaic_prob={self.mosaic_prob} needs data.aug_policy_epochs (Mosaic "
+                "applies on its epochs [e0, e1)); set it, or mosaic_prob to 0")
+        self._epoch_list("data.mixup_epochs", self.mixup_epochs, 2)
+
+    @staticmethod
+    def _epoch_list(key: str, epochs: Any, length: int) -> None:
+        """``epochs``: ``length`` non-decreasing integer epochs >= 0, else a ConfigError
+        naming ``key``."""
+        if (not isinstance(epochs, (list, tuple)) or len(epochs) != length
+                or not all(isinstance(e, int) and not isinstance(e, bool) for e in epochs)):
+            raise ConfigError(f"{key} must be a list of {length} integer epochs, got {epochs!r}")
+        if any(e < 0 for e in epochs) or any(a > b for a, b in zip(epochs, epochs[1:])):
+            raise ConfigError(f"{key} must be non-decreasing epochs >= 0, got {list(epochs)}")
 
 
 @dataclass

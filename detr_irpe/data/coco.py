@@ -49,6 +49,7 @@ from torchvision import tv_tensors
 
 from detr_irpe.config import DataConfig
 from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS, read_image
+from detr_irpe.data.policy import EpochPolicy
 from detr_irpe.data.transforms import Transform, build_transforms, drop_degenerate, to_model_input
 from detr_irpe.errors import DatasetError, ImageReadError
 
@@ -501,6 +502,10 @@ class CocoDetection(Dataset):
             ``remap_categories``.
         remap_categories: without ``category_ids``, the file's own category ids in
             increasing order.
+        policy: the per-epoch transforms (``data.aug_policy_epochs``, Mosaic;
+            :mod:`detr_irpe.data.policy`) of a sample read with :meth:`get_for_epoch`
+            (as ``KeyedDataset`` does with a sample key); ``dataset[i]`` keeps
+            ``transforms``.
 
     Attributes:
         coco: the pycocotools ``COCO`` of the validated annotations.
@@ -520,10 +525,12 @@ class CocoDetection(Dataset):
         max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
         category_ids: Sequence[int] | None = None,
         remap_categories: bool = False,
+        policy: EpochPolicy | None = None,
     ) -> None:
         self.images_dir = Path(images_dir)
         self.ann_file = Path(ann_file)
         self.transforms = transforms
+        self.policy = policy
         self.strict = strict
         self.max_image_pixels = max_image_pixels
         self.coco = load_coco_annotations(self.ann_file, self.images_dir, strict=strict)
@@ -653,17 +660,45 @@ class CocoDetection(Dataset):
         }
         return drop_degenerate(target)
 
-    def get_sample(self, index: int) -> tuple[Tensor, dict[str, Any]]:
-        """Decode, augment and convert one sample; no substitution of unreadable images."""
+    def load_raw(self, index: int) -> tuple[tv_tensors.Image, dict[str, Any]]:
+        """The un-augmented ``(image, target)`` of ``index`` (:meth:`load_image`,
+        :meth:`load_target`); raises :class:`ImageReadError`."""
         image = self.load_image(index)
         target = self.load_target(index, image.shape[-2], image.shape[-1])
-        image = tv_tensors.Image(image)
-        if self.transforms is not None:
-            image, target = self.transforms(image, target)
+        return tv_tensors.Image(image), target
+
+    def _load_raw_readable(self, index: int) -> tuple[tv_tensors.Image, dict[str, Any]]:
+        """:meth:`load_raw` of ``index`` or, when unreadable, of the next readable index."""
+        return self._substituted(index, self.load_raw)
+
+    def get_sample(self, index: int, epoch: int | None = None) -> tuple[Tensor, dict[str, Any]]:
+        """Decode, augment and convert one sample; no substitution of unreadable images
+        (but of Mosaic's other images). With ``epoch`` and a ``policy``, that epoch's
+        transforms, Mosaic included."""
+        image, target = self.load_raw(index)
+        transforms = self.transforms
+        if self.policy is not None and epoch is not None:
+            if self.policy.draw_mosaic(epoch):
+                others = [self._load_raw_readable(i) for i in self.policy.draw_others(len(self))]
+                image, target = self.policy.mosaic([(image, target), *others])
+                transforms = self.policy.after_mosaic
+            else:
+                transforms = self.policy.transforms(epoch)
+        if transforms is not None:
+            image, target = transforms(image, target)
         return to_model_input(image, target)
+
+    def get_for_epoch(self, index: int, epoch: int) -> tuple[Tensor, dict[str, Any]]:
+        """``dataset[index]`` with the transforms of ``epoch`` (``policy``); what
+        ``KeyedDataset`` returns for a :class:`~detr_irpe.data.sampling.SampleKey`."""
+        return self._substituted(index, lambda current: self.get_sample(current, epoch))
 
     def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Any]]:
         """The sample of ``index``; an unreadable image is replaced by the next readable one."""
+        return self._substituted(index, self.get_sample)
+
+    def _substituted(self, index: int, load: Any) -> Any:
+        """``load(index)``, or of the next readable index when its image is unreadable."""
         index = int(index)
         if index < 0:
             index += len(self)
@@ -672,7 +707,7 @@ class CocoDetection(Dataset):
             if current in self._unreadable and not self.strict:
                 continue
             try:
-                return self.get_sample(current)
+                return load(current)
             except ImageReadError as err:
                 if self.strict:
                     raise DatasetError(f"{err} (data.strict=true)") from None
@@ -696,7 +731,8 @@ def build_dataset(
     """The ``"train"`` or ``"val"`` dataset of a data config.
 
     Paths are ``cfg_data.root / train_ann`` and ``root / train_images`` (resp.
-    ``val_*``). ``transforms="default"`` uses :func:`build_transforms`; pass
+    ``val_*``). ``transforms="default"`` uses :func:`build_transforms` (and, for the
+    training split, the epoch policy of ``data.aug_policy_epochs``); pass
     ``None`` to get un-augmented images. ``category_ids`` (a model's
     ``model.category_ids``) remaps the labels to class indices; without them
     ``data.remap_categories`` takes the file's own ids in increasing order.
@@ -706,12 +742,16 @@ def build_dataset(
     root = Path(cfg_data.root)
     ann = root / (cfg_data.train_ann if split == "train" else cfg_data.val_ann)
     images = root / (cfg_data.train_images if split == "train" else cfg_data.val_images)
+    policy = None
     if isinstance(transforms, str):
         transforms = build_transforms(cfg_data, split)
+        if split == "train":  # data.aug_policy_epochs: the transforms of each epoch
+            policy = EpochPolicy.from_config(cfg_data)
     return CocoDetection(
         images, ann, transforms=transforms, cache_images=cfg_data.cache_images,
         strict=cfg_data.strict, max_image_pixels=cfg_data.max_image_pixels,
         category_ids=category_ids, remap_categories=cfg_data.remap_categories,
+        policy=policy,
     )
 
 

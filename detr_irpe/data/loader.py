@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from detr_irpe.config import DataConfig
+from detr_irpe.data.mixup import batch_mixup_ratio, mixup_batch
 from detr_irpe.data.sampling import DistributedEpochSampler, EpochSampler, KeyedDataset, mix_seed
 from detr_irpe.data.transforms import batch_scale, resize_batch
 from detr_irpe.structures import ImageBatch
@@ -157,10 +158,23 @@ def batch_scales_of(cfg: DataConfig, epoch: int) -> list[int]:
     return list(cfg.batch_scales) if stop is None or epoch < stop else []
 
 
+def mixup_prob_of(cfg: DataConfig, epoch: int) -> float:
+    """The probability of batch MixUp in ``epoch``: ``data.mixup_prob`` on the epochs
+    ``[first, stop)`` of ``data.mixup_epochs``, else 0."""
+    first, stop = cfg.mixup_epochs
+    return float(cfg.mixup_prob) if first <= epoch < stop else 0.0
+
+
 def epoch_batches(loader: DataLoader, epoch: int, start_batch: int = 0,
-                  scales: Sequence[int] = ()) -> Iterator[Any]:
+                  scales: Sequence[int] = (), mixup_prob: float = 0.0) -> Iterator[Any]:
     """The batches of ``epoch`` of a :func:`build_dataloader` loader from batch
     ``start_batch`` on, for exact mid-epoch resume.
+
+    With ``mixup_prob`` (:func:`mixup_prob_of`) a batch is blended with itself rolled by
+    one (:func:`~detr_irpe.data.mixup.mixup_batch`) when
+    :func:`~detr_irpe.data.mixup.batch_mixup_ratio` of the loader's seed, the epoch and
+    the batch's number draws a ratio, before the resize below; a batch of one image is
+    left alone (it would only repeat its own boxes).
 
     With ``scales`` (:func:`batch_scales_of`) every batch is resized to a square of a
     side drawn from them by :func:`~detr_irpe.data.transforms.batch_scale` of the
@@ -176,12 +190,19 @@ def epoch_batches(loader: DataLoader, epoch: int, start_batch: int = 0,
     loader.sampler.set_epoch(epoch, start=start_batch * loader.batch_size)
     with torch.random.fork_rng(devices=[]):
         iterator = iter(loader)
-    if not scales:
+    if not scales and mixup_prob <= 0.0:
         yield from iterator
         return
     seed = loader.sampler.seed
     for number, (images, targets) in enumerate(iterator, start=start_batch):
-        yield resize_batch(images, targets, batch_scale(scales, seed, epoch, number))
+        ratio = batch_mixup_ratio(mixup_prob, seed, epoch, number)
+        if ratio is not None and len(targets) > 1:
+            images, targets = mixup_batch(images, targets, ratio)
+        if scales:
+            images, targets = resize_batch(images, targets, batch_scale(scales, seed, epoch,
+                                                                        number))
+        yield images, targets
 
 
-__all__ = ["batch_scales_of", "build_dataloader", "collate_fn", "epoch_batches"]
+__all__ = ["batch_scales_of", "build_dataloader", "collate_fn", "epoch_batches",
+           "mixup_prob_of"]

@@ -2,7 +2,10 @@
 a batch is blended with the previous one (the batch rolled by one), and keeps the boxes
 of both, so one-to-one matching sees more targets per image.
 
-Not yet wired into the loader or the config (``data.mixup_*``); see docs/data.md."""
+Wired in :func:`~detr_irpe.data.loader.epoch_batches`: on the epochs ``[first, stop)`` of
+``data.mixup_epochs`` a batch is mixed with probability ``data.mixup_prob``
+(:func:`batch_mixup_ratio`, drawn from the loader's seed, the epoch and the batch's number,
+so a resumed run and every process draw alike), before the multi-scale resize."""
 
 from __future__ import annotations
 
@@ -11,10 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from detr_irpe.data.sampling import mix_seed
 from detr_irpe.structures import ImageBatch
 
 # Per-box target fields concatenated when two images' boxes are merged.
 _PER_BOX = ("boxes", "labels", "area", "iscrowd")
+# Tells MixUp's per-batch draws apart from the batch scale's (same seed, epoch, batch).
+MIXUP_STREAM = 0x6D6978
 
 
 def mixup_batch(images: ImageBatch, targets: list[dict[str, Any]], ratio: float
@@ -54,4 +60,16 @@ def draw_mixup_ratio(generator: torch.Generator, low: float = 0.45, high: float 
     return float(low + (high - low) * u)
 
 
-__all__ = ["draw_mixup_ratio", "mixup_batch"]
+def batch_mixup_ratio(prob: float, seed: int, epoch: int, batch: int) -> float | None:
+    """Whether batch ``batch`` of ``epoch`` is mixed (probability ``prob``) and with which
+    ratio (:func:`draw_mixup_ratio`), or None: drawn from ``(seed, epoch, batch)`` alone,
+    like :func:`~detr_irpe.data.transforms.batch_scale`."""
+    if prob <= 0.0:
+        return None
+    generator = torch.Generator().manual_seed(mix_seed(seed, epoch, batch, MIXUP_STREAM))
+    if float(torch.rand((), generator=generator, dtype=torch.float64)) >= prob:
+        return None
+    return draw_mixup_ratio(generator)
+
+
+__all__ = ["batch_mixup_ratio", "draw_mixup_ratio", "mixup_batch"]

@@ -5,8 +5,11 @@ then a random affine map (rotation +-10 degrees, translation 0.1, scale 0.5-1.5,
 Boxes follow: shifted with their image, mapped by the affine transform (the box around
 the four mapped corners), clipped to the canvas; empty boxes are dropped.
 
-Randomness comes from torch's global generator, like the rest of ``transforms``. Not yet
-wired into the dataset or the epoch policy (``data.mosaic_*``); see docs/data.md."""
+Randomness comes from torch's global generator, like the rest of ``transforms``. Wired
+through the epoch policy (:mod:`detr_irpe.data.policy`): on the epochs ``[e0, e1)`` of
+``data.aug_policy_epochs`` a training sample becomes, with probability
+``data.mosaic_prob``, the Mosaic of itself and three other random items of the dataset
+(``data.mosaic_side``); see docs/data.md, "Dense O2O"."""
 
 from __future__ import annotations
 

@@ -60,7 +60,9 @@ def seeded_call(key: SampleKey, fn: Callable[[int], T]) -> T:
 
 class KeyedDataset(Dataset):
     """The one way a dataset gets :class:`SampleKey` indexing: ``wrapped[key]`` runs
-    ``dataset[key.index]`` under :func:`seeded_call`; plain ints pass through.
+    ``dataset[key.index]`` under :func:`seeded_call` (or, for a dataset class with a
+    ``get_for_epoch(index, epoch)`` method, that method with the key's epoch: the
+    per-epoch augmentation policy of ``data.aug_policy_epochs``); plain ints pass through.
 
     Attribute access falls through to the wrapped dataset.
     """
@@ -73,6 +75,10 @@ class KeyedDataset(Dataset):
 
     def __getitem__(self, key: int | SampleKey) -> Any:
         if isinstance(key, SampleKey):
+            # looked up on the class: an attribute a wrapper forwards is not its own
+            if callable(getattr(type(self.dataset), "get_for_epoch", None)):
+                get_for_epoch = self.dataset.get_for_epoch  # type: ignore[attr-defined]
+                return seeded_call(key, lambda index: get_for_epoch(index, key.epoch))
             return seeded_call(key, self.dataset.__getitem__)
         return self.dataset[key]
 

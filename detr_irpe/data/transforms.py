@@ -364,12 +364,20 @@ class SquareResize:
         return f"SquareResize({self.size})"
 
 
-def rtdetr_train_transforms(train_size: int) -> Transform:
-    """RT-DETR's training recipe up to the batch-level multi-scale resize."""
+def rtdetr_train_transforms(train_size: int, photometric: bool = True,
+                            zoom_out: bool = True, iou_crop: bool = True) -> Transform:
+    """RT-DETR's training recipe up to the batch-level multi-scale resize; the flags
+    leave out ops as the epoch policy of ``data.aug_policy_epochs`` does
+    (:mod:`detr_irpe.data.policy`)."""
+    ops: list[Transform] = []
+    if photometric:
+        ops.append(RandomPhotometricDistort(p=0.5))
+    if zoom_out:
+        ops.append(RandomZoomOut(fill=0))
+    if iou_crop:
+        ops.append(RandomIoUCrop(p=0.8))
     return T.Compose([
-        RandomPhotometricDistort(p=0.5),
-        RandomZoomOut(fill=0),
-        RandomIoUCrop(p=0.8),
+        *ops,
         SanitizeBoxes(min_size=1),
         T.RandomHorizontalFlip(p=0.5),
         SquareResize(train_size),

@@ -33,7 +33,7 @@ from detr_irpe.checkpoint import FORMAT, check_state_fits, load_weights
 from detr_irpe.config import Config, ConfigError, save_config, upgrade_config_dict
 from detr_irpe.data import build_dataloader, build_dataset, epoch_batches
 from detr_irpe.data.coco import sparse_ids_warning
-from detr_irpe.data.loader import batch_scales_of
+from detr_irpe.data.loader import batch_scales_of, mixup_prob_of
 from detr_irpe.data.report import check_training_data
 from detr_irpe.engine.distributed import (
     DistInfo,
@@ -675,7 +675,8 @@ class TrainingRun:
         cfg, num_steps = self.cfg, self.epoch_steps(position.epoch)
         micro_done = position.batch_in_epoch * cfg.train.accumulate_steps
         batches = epoch_batches(self.parts.train_loader, position.epoch, micro_done,
-                                batch_scales_of(cfg.data, position.epoch))
+                                batch_scales_of(cfg.data, position.epoch),
+                                mixup_prob_of(cfg.data, position.epoch))
         if num_steps < self.parts.steps_per_epoch:  # a cut last epoch: its first num_steps steps
             left = max(num_steps - position.batch_in_epoch, 0)
             batches = itertools.islice(batches, left * cfg.train.accumulate_steps)
