@@ -1,25 +1,30 @@
-"""The RT-DETR-iRPE demo config (``tools/demo.py --config synthetic_demo_rtdetr``): what it
-ships and a run of it end to end at test size (docs/training.md, "RT-DETR at demo scale";
-the runs: docs/results/rtdetr_demo.md)."""
+"""The RT-DETR-iRPE and D-FINE-iRPE demo configs (``tools/demo.py --config
+synthetic_demo_rtdetr`` / ``synthetic_demo_dfine``): what they ship and a run of each end
+to end at test size (docs/training.md, "RT-DETR at demo scale", docs/dfine.md; the runs:
+docs/results/rtdetr_demo.md, docs/results/dfine_demo.md)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+
 from detr_irpe.cli import demo
 from detr_irpe.cli.programs import demo as demo_program
 from detr_irpe.config import load_config
 
-CONFIG = "synthetic_demo_rtdetr"
+# each demo config and its family
+CONFIGS = {"synthetic_demo_rtdetr": "rtdetr", "synthetic_demo_dfine": "dfine"}
 
 
-def test_the_rtdetr_demo_config_holds_its_default_budgets_schedule() -> None:
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_the_rtdetr_demo_config_holds_its_default_budgets_schedule(config: str) -> None:
     """Its train.epochs / train.lr_drop are those tools/demo.py sets for the default budget,
     and its lr schedule is the one train.lr_drop drives (a multistep schedule would ignore
     the drop the demo computes)."""
-    cfg = load_config(CONFIG)
-    assert cfg.model.family == "rtdetr"
+    cfg = load_config(config)
+    assert cfg.model.family == CONFIGS[config]
     assert cfg.train.lr_schedule == "step"
     assert (cfg.train.epochs, cfg.train.lr_drop) == demo_program.schedule_for(
         demo_program.NUM_TRAIN, cfg.train.batch_size, demo.DEFAULT_STEPS,
@@ -39,17 +44,18 @@ _TEST_SIZE = (
 _FROM_DATA = {"num_classes", "category_ids"}
 
 
-def test_the_shipped_rtdetr_demo_config_trains_end_to_end(tiny_dataset: Path, tmp_path: Path,
-                                                          capsys) -> None:
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_the_shipped_rtdetr_demo_config_trains_end_to_end(config: str, tiny_dataset: Path,
+                                                          tmp_path: Path, capsys) -> None:
     """``tools/demo.py --config synthetic_demo_rtdetr`` trains 2 steps, evaluates (the EMA
     weights) and draws its predictions and curves; the run's config is the shipped one but
     for the test widths and the step budget."""
     out = tmp_path / "demo"
-    status = demo.main(["--config", CONFIG, "--data", str(tiny_dataset), "--output-dir",
+    status = demo.main(["--config", config, "--data", str(tiny_dataset), "--output-dir",
                         str(out), "--steps", "2", "--num-images", "1", "--no-progress",
                         "--set", *_TEST_SIZE])
     assert status == 0
-    shipped = load_config(CONFIG).to_dict()
+    shipped = load_config(config).to_dict()
     ran = load_config(out / "config.yaml").to_dict()
     assert ran["loss"] == shipped["loss"]
     sized = {o.split("=", 1)[0].split(".", 1)[1] for o in _TEST_SIZE if o.startswith("model.")}
