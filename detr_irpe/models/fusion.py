@@ -75,11 +75,21 @@ def fold_conv_norm(conv: nn.Conv2d, norm: nn.Module) -> nn.Conv2d:
     return fused
 
 
+def _timm_pairs() -> dict[type, tuple[tuple[str, str], ...]]:
+    """timm's HGNetv2 conv block (D-FINE / DEIM's backbone): forward applies ``bn`` to
+    ``conv``'s output, then the activation and the learnable affine block."""
+    try:  # optional: the timm extra (D-FINE / DEIM backbones, model.backbone=timm:...)
+        from timm.models.hgnet import ConvBNAct
+    except ImportError:
+        return {}
+    return {ConvBNAct: (("conv", "bn"),)}
+
+
 def _pairs(module: nn.Module) -> tuple[tuple[str, str], ...]:
     if hasattr(module, "fusable_pairs"):
         return tuple(module.fusable_pairs())
-    return next((pairs for cls, pairs in _TORCHVISION_PAIRS.items()
-                 if isinstance(module, cls)), ())
+    known = {**_TORCHVISION_PAIRS, **_timm_pairs()}
+    return next((pairs for cls, pairs in known.items() if isinstance(module, cls)), ())
 
 
 def _fold_pair(module: nn.Module, conv_name: str, norm_name: str) -> bool:

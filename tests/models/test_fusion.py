@@ -121,3 +121,23 @@ def test_rtdetr_inference_form_has_the_same_features_and_outputs(trainable_bn: b
         ours, theirs = fused(images), model(images)
     for key in ("pred_logits", "pred_boxes"):
         torch.testing.assert_close(ours[key], theirs[key])
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_dfine_inference_form_folds_the_hgnetv2_blocks_too(frozen: bool) -> None:
+    """D-FINE / DEIM (timm's HGNetv2 ConvBNAct blocks, frozen or trainable BN; the GELAN
+    fusion blocks): every norm folded, the encoder's maps equal in float64."""
+    pytest.importorskip("timm")
+    torch.manual_seed(0)
+    cfg = load_config("dfine_tiny", ["model.num_classes=3", "model.backbone_weights=none",
+                                     f"model.freeze_norm={str(frozen).lower()}"])
+    model = _random_statistics(build_model(cfg, load_backbone_weights=False)[0])
+    model = model.double().eval()
+    fused = fuse_for_inference(copy.deepcopy(model))
+    assert _norms(model) > 0 and _norms(fused) == 0
+    images = torch.rand(2, 3, 64, 64, dtype=torch.float64)
+    with torch.no_grad():
+        for a, b in zip(model.encoder(model.backbone(images)),
+                        fused.encoder(fused.backbone(images))):
+            torch.testing.assert_close(b, a)
+
