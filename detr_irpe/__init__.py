@@ -11,9 +11,20 @@ Public entry points (imported lazily so ``import detr_irpe`` stays cheap):
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.1.0"
+
+# OpenMP threads wait for each other at the end of every parallel region. libgomp's
+# default (torch's OpenMP on Linux) spins 300 000 times first: on a CPU shared with another
+# busy process the attention cores' many short parallel regions then slowed down up to
+# 13x where nn.MultiheadAttention slowed 2x; a spin of 10 000 kept them at about 2x (below
+# nn.MultiheadAttention's time) at no measurable cost on a quiet machine
+# (docs/benchmarks.md, "Attention on a shared CPU"). It must be set before torch loads
+# the OpenMP runtime, so here, and only where the user has chosen no policy of their own.
+if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "10000"
 
 _LAZY = {
     "load_config": "detr_irpe.config",

@@ -454,3 +454,21 @@ def test_a_native_bf16_cpu_gets_a_bf16_row_close_to_float32(monkeypatch) -> None
     assert math.isfinite(rows["PyTorch fused bf16"]["max_diff_boxes"])
     assert rows["PyTorch fused bf16"]["latency_s"] > 0
 
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, "10000"),                                   # the package's short spin
+    ({"GOMP_SPINCOUNT": "300000"}, "300000"),        # the user's own choice is kept
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, None),           # a policy of their own: untouched
+])
+def test_importing_the_package_shortens_the_openmp_spin_unless_chosen(env, expected) -> None:
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = "import os, detr_irpe; print(os.environ.get('GOMP_SPINCOUNT'))"
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(expected)
