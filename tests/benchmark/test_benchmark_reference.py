@@ -90,6 +90,7 @@ def checkout(tmp_path: Path) -> Path:
     return make_checkout(tmp_path / "DETR-with-iRPE")
 
 
+@pytest.mark.slow  # end to end (seconds): make test-all / CI
 def test_reference_step_is_timed_and_nothing_is_left_behind(checkout: Path) -> None:
     resnet18 = torchvision.models.resnet18
     images, targets = synthetic_batch(1, 64, 64)

@@ -60,6 +60,7 @@ def test_the_budget_is_the_number_of_steps_trained(tiny_dataset: Path, tmp_path:
     assert run_state(out, load_config(out / "config.yaml")) is RunState.FINISHED
 
 
+@pytest.mark.slow  # end to end (seconds): make test-all / CI
 def test_fresh_clears_the_run_folder_in_use_and_nothing_else(tiny_dataset: Path,
                                                              tmp_path: Path) -> None:
     # --set train.output_dir wins over --output-dir, so that is the folder --fresh empties
@@ -127,6 +128,7 @@ def test_the_shipped_demo_config_runs_end_to_end(tiny_dataset: Path, tmp_path: P
         assert len(list((out / "figures").glob("*_anchor_refinement.png"))) == 1
 
 
+@pytest.mark.slow  # end to end (seconds): make test-all / CI
 def test_sizes_evaluates_the_last_checkpoint_at_each_test_size(tiny_dataset: Path,
                                                                tmp_path: Path, capsys) -> None:
     """``--sizes`` after the demo's training: the last checkpoint at each size into

@@ -45,6 +45,7 @@ _FROM_DATA = {"num_classes", "category_ids"}
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.slow  # end to end (seconds): make test-all / CI
 def test_the_shipped_rtdetr_demo_config_trains_end_to_end(config: str, tiny_dataset: Path,
                                                           tmp_path: Path, capsys) -> None:
     """``tools/demo.py --config synthetic_demo_rtdetr`` trains 2 steps, evaluates (the EMA

@@ -144,6 +144,7 @@ def test_usage_lines_name_the_program_as_typed() -> None:
         assert out.returncode == 0 and out.stdout.startswith(usage), (command, out.stdout[:80])
 
 
+@pytest.mark.slow  # end to end (seconds): make test-all / CI
 def test_the_synthetic_data_console_script(tmp_path: Path) -> None:
     """detr-irpe-synthetic (setup.cfg) generates the dataset a pip install can train on;
     python -m detr_irpe.data.synthetic says where the program is instead of doing nothing."""

@@ -101,6 +101,7 @@ def test_restored_optimizer_takes_the_config_lr_and_weight_decay() -> None:
     assert any("transformer_and_heads.initial_lr" in line for line in changed)
 
 
+@pytest.mark.slow  # end to end (seconds): make test-all / CI
 def test_resume_with_another_batch_size_keeps_the_drop_at_its_epoch(tiny_dataset, tmp_path):
     """1 epoch of 2 steps (batch 4), then resumed with batch 2 (4 steps per epoch): the
     lr of every optimizer step follows the formula of its (epoch, iteration)."""

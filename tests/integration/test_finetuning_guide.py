@@ -48,6 +48,7 @@ def _run(name: str, root: Path, out: Path, **kwargs) -> dict:
     return run_training(cfg, progress=False, **kwargs)
 
 
+@pytest.mark.slow  # end to end (seconds): make test-all / CI
 def test_the_example_at_tiny_scale(tiny_dataset: Path, tmp_path: Path,
                                    caplog: pytest.LogCaptureFixture) -> None:
     make = load_script("datasets/make_synthetic.py")

@@ -129,6 +129,7 @@ def test_predictor_and_hub_build_the_toy_from_its_checkpoint(toy_run: Path, plug
                                predictor.model.state_dict()["class_embed.weight"].cpu())
 
 
+@pytest.mark.slow  # end to end (seconds): make test-all / CI
 def test_a_checkpoint_of_a_plugin_family_does_not_import_it(toy_run: Path, tmp_path: Path,
                                                              capsys) -> None:
     """A fresh process does not run the plugin a checkpoint names: one line, exit 2."""

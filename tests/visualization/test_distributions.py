@@ -295,6 +295,7 @@ def test_figure_draws_the_numbers(dfine, image, tmp_path) -> None:
 # ------------------------------------------------------------------------- the tool
 
 
+@pytest.mark.slow  # end to end (seconds): make test-all / CI
 def test_tool_end_to_end(dfine, picture, tmp_path, capsys) -> None:
     model, cfg = dfine
     ckpt = tmp_path / "checkpoint.pth"

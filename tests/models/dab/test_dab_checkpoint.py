@@ -379,6 +379,7 @@ def test_convert_tool(dn_file, dn_source, batch, tmp_path, capsys) -> None:
     assert_close(ours["pred_logits"], theirs["pred_logits"])
 
 
+@pytest.mark.slow  # end to end (seconds): make test-all / CI
 def test_train_finetune_and_resume(dn_file, dn_source, tiny_dataset, tmp_path, caplog,
                                    capsys) -> None:
     """--finetune from the official file (to the tiny dataset's 4 classes, 6 in the file:
