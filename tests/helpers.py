@@ -371,3 +371,15 @@ def write_voc(coco_root: Path, out: Path, layout: str) -> Path:
             lists.mkdir(parents=True, exist_ok=True)
             (lists / f"{split}.txt").write_text("\n".join(stems) + "\n")
     return out
+
+
+def two_rectangles() -> np.ndarray:
+    """A 96 x 144 (h x w) uint8 picture: a red and a green rectangle on grey (the figure
+    tests' image)."""
+    import numpy as np  # (numpy comes with torch; imported where a test asks for it)
+
+    image = np.full((96, 144, 3), 60, dtype=np.uint8)
+    image[10:50, 20:70] = (220, 40, 40)
+    image[40:90, 90:140] = (40, 200, 60)
+    return image
+

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from dfine_reference import naive_bin_values
-from helpers import load_tool, randomise
+from helpers import load_tool, randomise, two_rectangles
 from PIL import Image
 
 from detr_irpe.cli import visualize as visualize_cli
@@ -55,10 +55,7 @@ def dfine():
 @pytest.fixture(scope="module")
 def picture() -> np.ndarray:
     """96 x 144 (h x w) uint8: two coloured rectangles on grey."""
-    image = np.full((96, 144, 3), 60, dtype=np.uint8)
-    image[10:50, 20:70] = (220, 40, 40)
-    image[40:90, 90:140] = (40, 200, 60)
-    return image
+    return two_rectangles()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import load_tiny_config
+from helpers import load_tiny_config, two_rectangles
 from PIL import Image
 
 from detr_irpe.cli.visualize import main as visualize_main
@@ -58,10 +58,7 @@ def model_and_cfg():
 @pytest.fixture(scope="module")
 def synthetic_image() -> np.ndarray:
     """96 x 144 (h x w) uint8: two coloured rectangles on grey (resized to 64 x 96)."""
-    image = np.full((96, 144, 3), 60, dtype=np.uint8)
-    image[10:50, 20:70] = (220, 40, 40)
-    image[40:90, 90:140] = (40, 200, 60)
-    return image
+    return two_rectangles()
 
 
 def assert_png(path: Path, min_bytes: int = 5000) -> None:

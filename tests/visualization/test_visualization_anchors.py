@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import load_tiny_config, randomise
+from helpers import load_tiny_config, randomise, two_rectangles
 from matplotlib.patches import Rectangle
 from PIL import Image
 
@@ -53,10 +53,7 @@ def dab():
 @pytest.fixture(scope="module")
 def picture() -> np.ndarray:
     """96 x 144 (h x w) uint8: two coloured rectangles on grey."""
-    image = np.full((96, 144, 3), 60, dtype=np.uint8)
-    image[10:50, 20:70] = (220, 40, 40)
-    image[40:90, 90:140] = (40, 200, 60)
-    return image
+    return two_rectangles()
 
 
 def naive_pixels(box: torch.Tensor, h0: int, w0: int) -> tuple[float, float, float, float]:

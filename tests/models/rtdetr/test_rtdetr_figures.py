@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, randomise
+from helpers import ROOT, randomise, two_rectangles
 from matplotlib import colormaps
 from PIL import Image
 
@@ -37,10 +37,7 @@ def rtdetr():
 @pytest.fixture(scope="module")
 def picture() -> np.ndarray:
     """96 x 144 (h x w) uint8: two coloured rectangles on grey; fed at 64 x 96."""
-    image = np.full((96, 144, 3), 60, dtype=np.uint8)
-    image[10:50, 20:70] = (220, 40, 40)
-    image[40:90, 90:140] = (40, 200, 60)
-    return image
+    return two_rectangles()
 
 
 def test_aifi_attention_is_captured_on_the_stride_32_grid(rtdetr, picture) -> None:
