@@ -42,7 +42,9 @@ def print_eval_result(result: Mapping[str, Any], *, tables: bool = True) -> None
     views = [(key, column) for key, column in (("sizes", "test size"), ("canvases", "canvas"))
              if result.get(key)]
     for key, column in views if tables else ():
-        rows = size_rows([r["size"] for r in result[key]], [r["summary"] for r in result[key]])
+        rows = [{**row, "note": r.get("note")} for row, r in zip(
+            size_rows([r["size"] for r in result[key]], [r["summary"] for r in result[key]]),
+            result[key])]
         print(f"COCO box AP for each {column}, in %")
         print(format_size_table(rows, column))
         for row in result[key]:

@@ -126,6 +126,9 @@ def run_evaluation(
                         continue
                     done.append((v, r))
                     table_rows += size_rows([v.label], [r["summary"]])
+                    padded = _padded_input(loaded.model, run_cfg, v)
+                    if padded is not None:
+                        table_rows[-1]["note"] = padded
                 if info.is_main:
                     write_size_table(table_rows, output_dir, checkpoint, table)
                 if failed:
@@ -137,14 +140,35 @@ def run_evaluation(
                             f"; the numbers at {kept} are in "
                             f"{output_dir / table.markdown_name}" if done else ""))
                 if done:
+                    notes = {row["size"]: row["note"] for row in table_rows if row.get("note")}
                     result = {**done[-1][1], **result, key: [
                         {"size": v.label, "summary": r["summary"], "speed": r["speed"],
-                         "output_dir": r["output_dir"]} for v, r in done]}
+                         "output_dir": r["output_dir"], "note": notes.get(v.label)}
+                        for v, r in done]}
             if failures:
                 raise ConfigError("; ".join(failures))
             return result
     finally:
         cleanup_distributed()
+
+
+def _padded_input(model: nn.Module, cfg: Config, view: Any) -> str | None:
+    """What the table says of a test size whose input the model pads (RT-DETR / D-FINE
+    pad each side to a multiple of their ``STRIDE``): ``"model input 64 x 64 (padded to a
+    multiple of 32)"``; None when it is fed as it is (or the size is not a fixed shape)."""
+    stride = getattr(getattr(model, "module", model), "STRIDE", None)
+    if not isinstance(view, EvalSize) or not stride:
+        return None
+    if view.shape is not None:
+        height, width = view.shape
+    elif cfg.data.augmentation == "rtdetr":  # squares
+        height = width = view.short
+    else:
+        return None
+    padded = (-(-height // stride) * stride, -(-width // stride) * stride)
+    if padded == (height, width):
+        return None
+    return f"model input {padded[0]} x {padded[1]} (padded to a multiple of {stride})"
 
 
 def _refuse_if_too_big(cfg: Config, size: EvalSize) -> None:

@@ -63,6 +63,9 @@ def format_size_table(rows: Sequence[dict[str, Any]], column: str = "test size")
         else:
             cells = ["n/a" if row[k] < 0 else f"{100 * row[k]:.1f}" for k in SIZE_STATS]
         lines.append(f"| {row['size']} | " + " | ".join(cells) + " |")
+    notes = [f"- {row['size']}: {row['note']}" for row in rows if row.get("note")]
+    if notes:
+        lines += ["", "Inputs the model pads:", *notes]
     if failures:
         lines += ["", "Failed:", *failures]
     return "\n".join(lines)

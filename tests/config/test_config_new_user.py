@@ -108,7 +108,10 @@ def test_more_queries_than_proposals_is_one_line_at_the_tools(tmp_path: Path, ti
     assert [r["size"] for r in rows] == ["16", "64"]
     assert "is more than the" in rows[0]["error"] and 0 <= rows[1]["AP"] <= 1
     assert (tmp_path / "eval" / "size_64" / "metrics.json").exists()
-    assert "| 16 | failed |" in (tmp_path / "eval" / "sizes.md").read_text()
+    table = (tmp_path / "eval" / "sizes.md").read_text()
+    assert "| 16 | failed |" in table
+    # 64 is a multiple of 32: fed as it is, no padding note
+    assert "Inputs the model pads:" not in table
     assert list(read_size_table(tmp_path / "eval")) == ["64"]
 
 
@@ -232,3 +235,29 @@ def test_drawing_an_extreme_aspect_ratio_stays_small() -> None:
     assert max(wide.shape[-2:]) <= MAX_DRAW_SIDE and wide.shape[-2] == 20
     small = draw_detections(torch.zeros(3, 40, 60, dtype=torch.uint8), none)
     assert tuple(small.shape[-2:]) == (320, 480)  # small images are still enlarged
+
+
+def test_a_size_the_model_pads_says_so_in_the_table(tmp_path: Path, tiny_dataset,
+                                                     capsys) -> None:
+    """RT-DETR at --sizes 48: the 48 x 48 images reach the model padded to 64 x 64; the
+    table (file and console) says so, and 64 gets no note."""
+    import torch
+    from helpers import load_tool
+
+    from detr_irpe.models import build_model
+
+    cfg = load_config("rtdetr_tiny", ["model.num_classes=4", "model.num_queries=5",
+                                      "model.backbone_weights=none"])
+    model = build_model(cfg, load_backbone_weights=False)[0]
+    path = tmp_path / "rt.pth"
+    torch.save({"model": model.state_dict(), "config": cfg.to_dict()}, path)
+    status = load_tool("eval").main([str(path), "--no-progress", "--output-dir",
+                                     str(tmp_path / "eval"), "--sizes", "48", "64", "--set",
+                                     f"data.root={tiny_dataset}"])
+    assert status == 0
+    note = "- 48: model input 64 x 64 (padded to a multiple of 32)"
+    assert note in (tmp_path / "eval" / "sizes.md").read_text()
+    assert note in capsys.readouterr().out
+    rows = json.loads((tmp_path / "eval" / "sizes.json").read_text())["sizes"]
+    assert rows[0]["note"] == note[len("- 48: "):] and "note" not in rows[1]
+
