@@ -152,19 +152,26 @@ def run_evaluation(
         cleanup_distributed()
 
 
+def _fixed_shape(cfg: Config, size: EvalSize) -> tuple[int, int] | None:
+    """``(height, width)`` of every image at test size ``size`` when it is one shape: an
+    ``HxW`` size, or ``S`` where the config evaluates on squares (``data.augmentation:
+    rtdetr``); None for a shorter side (each image keeps its aspect ratio)."""
+    if size.shape is not None:
+        return size.shape
+    if cfg.data.augmentation == "rtdetr":
+        return size.short, size.short
+    return None
+
+
 def _padded_input(model: nn.Module, cfg: Config, view: Any) -> str | None:
     """What the table says of a test size whose input the model pads (RT-DETR / D-FINE
     pad each side to a multiple of their ``STRIDE``): ``"model input 64 x 64 (padded to a
     multiple of 32)"``; None when it is fed as it is (or the size is not a fixed shape)."""
     stride = getattr(getattr(model, "module", model), "STRIDE", None)
-    if not isinstance(view, EvalSize) or not stride:
+    shape = _fixed_shape(cfg, view) if isinstance(view, EvalSize) else None
+    if not stride or shape is None:
         return None
-    if view.shape is not None:
-        height, width = view.shape
-    elif cfg.data.augmentation == "rtdetr":  # squares
-        height = width = view.short
-    else:
-        return None
+    height, width = shape
     padded = (-(-height // stride) * stride, -(-width // stride) * stride)
     if padded == (height, width):
         return None
@@ -175,10 +182,9 @@ def _refuse_if_too_big(cfg: Config, size: EvalSize) -> None:
     """ConfigError when one forward pass of an evaluation batch at test size ``size``
     cannot be held in this machine's memory (before anything is allocated)."""
     batch = cfg.train.batch_size
-    if size.shape is not None:
-        height, width = size.shape
-    elif cfg.data.augmentation == "rtdetr":  # squares
-        height = width = size.short
+    shape = _fixed_shape(cfg, size)
+    if shape is not None:
+        height, width = shape
     else:  # a portrait and a landscape image pad each other to the cap of both sides
         short, cap = size.capped(cfg.data.val_size, cfg.data.max_size)
         height, width = (cap, cap) if batch > 1 else (short, cap)
