@@ -85,10 +85,12 @@ def _timm_pairs() -> dict[type, tuple[tuple[str, str], ...]]:
     return {ConvBNAct: (("conv", "bn"),)}
 
 
-def _pairs(module: nn.Module) -> tuple[tuple[str, str], ...]:
+def _pairs(module: nn.Module, known: dict[type, tuple[tuple[str, str], ...]]
+           ) -> tuple[tuple[str, str], ...]:
+    """The (conv, norm) attribute pairs of ``module``: its own ``fusable_pairs()``, else
+    those of the ``known`` block classes it is an instance of."""
     if hasattr(module, "fusable_pairs"):
         return tuple(module.fusable_pairs())
-    known = {**_TORCHVISION_PAIRS, **_timm_pairs()}
     return next((pairs for cls, pairs in known.items() if isinstance(module, cls)), ())
 
 
@@ -125,11 +127,12 @@ def fuse_for_inference(model: nn.Module) -> nn.Module:
         raise ValueError("fuse_for_inference needs an eval-mode model (call model.eval() "
                          "first): training-mode batch norms use the batch's statistics")
     folded = merged = 0
+    known = {**_TORCHVISION_PAIRS, **_timm_pairs()}
     # children first, so that a merging block sees its branches folded already
     for module in reversed(list(model.modules())):
         if isinstance(module, nn.Sequential):
             folded += _fold_sequential(module)
-        for conv_name, norm_name in _pairs(module):
+        for conv_name, norm_name in _pairs(module, known):
             folded += _fold_pair(module, conv_name, norm_name)
         fuse = getattr(module, "fuse", None)
         if callable(fuse) and fuse():
