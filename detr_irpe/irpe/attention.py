@@ -18,6 +18,7 @@ explicit softmax path, and the row-blocked core of :mod:`.blocked`.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 
@@ -169,7 +170,9 @@ class IRPEMultiheadAttention(nn.Module):
         skip: leading extra tokens (e.g. a ViT's class token) before the ``H * W`` grid
             tokens: they take part in the attention but have no grid position (iRPE gives
             them its skip bucket, RoPE and the plugin encodings leave them out). None: the
-            iRPE config's ``skip`` (0 without iRPE); with iRPE both must agree.
+            iRPE config's ``skip`` (0 without iRPE). With iRPE: a config of skip 0 (what
+            every encoding string gives) takes this one, as the tokens are the attention's;
+            a config of another skip must agree.
 
     Parameters (names as in ``nn.MultiheadAttention`` and the public iRPE checkpoints):
         ``in_proj_weight (3C, C)``, ``in_proj_bias (3C)``, ``out_proj.{weight,bias}`` and the
@@ -203,9 +206,12 @@ class IRPEMultiheadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.dropout = float(dropout)
         self.rpe = parse_rpe(rpe)
-        rpe_skip = self.rpe.skip if self.rpe is not None else 0
         if skip is not None and (isinstance(skip, bool) or not isinstance(skip, int) or skip < 0):
             raise ValueError(f"skip must be a non-negative integer or None, got {skip!r}")
+        if skip and self.rpe is not None and self.rpe.skip == 0:
+            # a string's config (skip 0): the leading tokens are the attention's to say
+            self.rpe = dataclasses.replace(self.rpe, skip=skip)
+        rpe_skip = self.rpe.skip if self.rpe is not None else 0
         if skip is not None and self.rpe is not None and skip != rpe_skip:
             raise ValueError(f"skip={skip} but the iRPE config {self.rpe} has skip={rpe_skip}")
         self.skip = rpe_skip if skip is None else skip

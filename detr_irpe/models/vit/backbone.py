@@ -170,8 +170,8 @@ def build_vit_backbone(name: str, encodings: BackboneEncodings, *, weights: str 
     taps = spec.tap_blocks(len(strides))
     vit = VisionTransformer(
         spec.embed_dim, max(taps) + 1, spec.num_heads, spec.patch_size, spec.img_size,
-        spec.mlp_ratio, spec.class_token, spec.layer_scale, encodings.abs_pos, encodings.rpe,
-        encodings.rope, rpe_init, plugins=encodings.plugins)
+        spec.mlp_ratio, spec.class_token, spec.layer_scale, abs_pos=encodings.abs_pos,
+        attention=encodings.attention, rpe_init=rpe_init)
     if weights:
         load_timm_weights(vit, weights)
     logger.info("backbone %s: %d blocks of width %d, encodings %s, taps %s (strides %s), "

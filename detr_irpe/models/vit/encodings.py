@@ -14,18 +14,22 @@ kind; docs/position_encodings.md, "Encodings in the backbone"). What each means 
 - a registered plugin encoding (:class:`~detr_irpe.encodings.AttentionEncoding`): built
   into every block's attention, which tells it the class token to leave out.
 
+Every entry but the absolute one goes into every block's attention the same way, by its
+registry entry (as in the encoders: :meth:`PlaceEncodings.attention_args
+<detr_irpe.encodings.PlaceEncodings.attention_args>`), with the class token as the
+attention's ``skip``; nothing here names an encoding.
+
 ``sine`` has no ViT form here (timm's ViTs learn theirs) and is refused. An empty list (or
 ``none``) means no encoding at all: the attention sees an unordered set of patches.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from detr_irpe.encodings import PlaceEncodings, as_place
+from detr_irpe.encodings import PlaceEncodings, PositionEncoding, as_place
 from detr_irpe.errors import ConfigError
 
 __all__ = ["ABSOLUTE", "BACKBONE_KEY", "DEFAULT_ENCODINGS", "BackboneEncodings",
@@ -44,28 +48,22 @@ class BackboneEncodings:
 
     Attributes:
         abs_pos: ``"learned"`` or ``"none"``.
-        rpe: the iRPE string (canonical form, skip not included) or None.
-        rope: the RoPE string or None.
-        plugins: ``((registry entry, spec), ...)`` of registered attention encodings,
-            built into every block.
+        attention: ``((registry entry, spec), ...)`` of every other encoding (built-in or
+            registered), each built into every block's attention by its entry
+            (``attention_args`` or ``build``, as the encoders' attentions are). Those the
+            attention builds itself come first, then those that build a module, each in
+            the order given: the order the blocks build them in (and draw their starts
+            from the RNG).
     """
 
     abs_pos: str = "learned"
-    rpe: str | None = None
-    rope: str | None = None
-    plugins: tuple[tuple[Any, Any], ...] = ()
+    attention: tuple[tuple[PositionEncoding, Any], ...] = ()
 
     def entries(self) -> list[str]:
         """The list form (``["none"]`` when there is no encoding)."""
-        out = [e for e in (None if self.abs_pos == "none" else self.abs_pos, self.rpe, self.rope)
-               if e is not None]
-        out += [entry.describe(spec) for entry, spec in self.plugins]
+        out = [] if self.abs_pos == "none" else [self.abs_pos]
+        out += [entry.describe(spec) for entry, spec in self.attention]
         return out or ["none"]
-
-
-# the fields that hold an encoding string, named as the encodings' shorthand keys
-_STRING_FIELDS = tuple(f.name for f in dataclasses.fields(BackboneEncodings)
-                       if f.name not in ("abs_pos", "plugins"))
 
 
 def parse_backbone_encodings(entries: PlaceEncodings | Iterable[str] | str | None,
@@ -78,22 +76,11 @@ def parse_backbone_encodings(entries: PlaceEncodings | Iterable[str] | str | Non
             encoding a ViT cannot hold (``sine``).
     """
     place = as_place(entries, key)
-    values: dict[str, Any] = {"abs_pos": place.absolute}
     if place.absolute not in ABSOLUTE:
         raise ConfigError(
             f"{key}={place.describe()}: a ViT backbone's absolute encoding is learned "
             f"(timm's pos_embed) or none, not {place.absolute}")
-    plugins = []
-    for entry, spec in place.entries:
-        if entry.kind == "absolute":
-            continue
-        if entry.attention_args is not None and entry.legacy_key in _STRING_FIELDS:
-            # the built-in ones the trunk takes by string, in the field named as their
-            # shorthand key (iRPE: rpe; RoPE: rope)
-            values[entry.legacy_key] = entry.describe(spec)
-        elif entry.build is not None:
-            plugins.append((entry, spec))
-        else:
-            raise ConfigError(f"{key}={entry.describe(spec)}: this encoding builds no module "
-                              "a ViT block can hold")
-    return BackboneEncodings(plugins=tuple(plugins), **values)
+    attention = [(entry, spec) for entry, spec in place.entries if entry.kind != "absolute"]
+    # stable: the attention's own encodings (attention_args) before the modules (build)
+    attention.sort(key=lambda item: item[0].attention_args is None)
+    return BackboneEncodings(place.absolute, tuple(attention))

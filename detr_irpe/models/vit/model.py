@@ -7,10 +7,11 @@ optional class token and LayerScale), with the same parameter names (``patch_emb
 ``blocks.N.mlp.fc1``, ``norm``) except inside the attention: it is an
 :class:`~detr_irpe.irpe.IRPEMultiheadAttention` (``blocks.N.attn.in_proj_weight`` /
 ``in_proj_bias`` hold timm's ``qkv`` Linear, ``blocks.N.attn.out_proj`` its ``proj``), so
-that iRPE tables and RoPE come in as constructor arguments. :mod:`.weights` maps timm's
-files onto it.
+that the registry's attention encodings (iRPE tables, RoPE, a registered one) come in
+through its constructor. :mod:`.weights` maps timm's files onto it.
 
-What changed from timm: only the encodings this project adds (iRPE, RoPE) and that the
+What changed from timm: only the encodings this project adds (iRPE, RoPE, a registered
+one) and that the
 absolute embedding is always resampled to the input's grid (timm's
 ``dynamic_img_size=True``); inputs whose sides are no multiple of the patch are padded at
 the bottom / right (timm's ``dynamic_img_pad``). No dropout, no stochastic depth, no
@@ -27,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from detr_irpe.encodings import parse_encoding
-from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig, init_rpe_table
+from detr_irpe.encodings import PlaceEncodings, PositionEncoding
+from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table
 from detr_irpe.models.vit.encodings import ABSOLUTE
 
 __all__ = ["Block", "LayerScale", "Mlp", "PatchEmbed", "VisionTransformer",
@@ -114,30 +115,24 @@ class Block(nn.Module):
     Args:
         dim, num_heads, mlp_ratio: width C, heads h, MLP width ``C * mlp_ratio``.
         layer_scale: LayerScale start value (None: no LayerScale, no ``ls1`` / ``ls2`` keys).
-        rpe: iRPE config (its ``skip`` = the prefix tokens) or None.
-        rope: RoPE string or None.
-        num_prefix: leading tokens before the grid (the class token).
-        plugins: ``((registry entry, spec), ...)`` of plugin attention encodings
-            (:class:`~detr_irpe.encodings.AttentionEncoding`), one module each per block.
+        attention: ``((registry entry, spec), ...)`` of the attention encodings
+            (:attr:`~.encodings.BackboneEncodings.attention`), built into the attention by
+            their entries as the encoders' are (:meth:`PlaceEncodings.attention_args
+            <detr_irpe.encodings.PlaceEncodings.attention_args>`).
+        num_prefix: leading tokens before the grid (the class token): the attention's
+            ``skip``, left out of every encoding (iRPE's skip bucket, RoPE leaves them
+            unrotated, a plugin is told).
     """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0,
-                 layer_scale: float | None = None, rpe: RPEConfig | None = None,
-                 rope: str | None = None, num_prefix: int = 0,
-                 plugins: Sequence[tuple[Any, Any]] = ()) -> None:
+                 layer_scale: float | None = None,
+                 attention: Sequence[tuple[PositionEncoding, Any]] = (),
+                 num_prefix: int = 0) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
-        # the rotary encoding and the plugins as their registry entries build them
-        attention = [parse_encoding(rope, "the ViT's rotary encoding")] if rope else []
-        args: dict[str, Any] = {}
-        modules = []
-        for entry, spec in [*attention, *plugins]:
-            if entry.attention_args is not None:
-                args.update(entry.attention_args(spec, dim, num_heads))
-            else:
-                modules.append(entry.build(spec, dim, num_heads))
-        self.attn = IRPEMultiheadAttention(dim, num_heads, rpe=rpe, encodings=modules,
-                                           skip=num_prefix, **args)
+        self.attn = IRPEMultiheadAttention(
+            dim, num_heads, skip=num_prefix,
+            **PlaceEncodings(tuple(attention)).attention_args(dim, num_heads))
         self.ls1 = nn.Identity() if layer_scale is None else LayerScale(dim, layer_scale)
         self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
@@ -161,13 +156,13 @@ class VisionTransformer(nn.Module):
         img_size: the image side the absolute embedding is stored for (its grid is
             ``img_size / p`` squared; other grids are resampled to at every call).
         mlp_ratio: MLP width / C.
-        class_token: a learned class token before the patch tokens (skipped by iRPE / RoPE).
+        class_token: a learned class token before the patch tokens (no grid position: the
+            attention encodings leave it out).
         layer_scale: LayerScale start value, or None.
         abs_pos: ``"learned"`` (``pos_embed``) or ``"none"``.
-        rpe: iRPE string (e.g. ``"rpe-2.0-product-ctx-1-k"``) of every block, or None.
-        rope: RoPE string (``"rope-axial"``, ``"rope-mixed"``, ...) of every block, or None.
-        plugins: ``((registry entry, spec), ...)`` of plugin attention encodings in every
-            block (:attr:`~.encodings.BackboneEncodings.plugins`).
+        attention: ``((registry entry, spec), ...)`` of the attention encodings of every
+            block, built-in or registered (:attr:`~.encodings.BackboneEncodings.attention`:
+            ``parse_backbone_encodings(["rpe-2.0-product-ctx-1-k", "rope-mixed"])``).
         rpe_init: how iRPE tables start: ``"zero"`` (the blocks compute what they computed
             without iRPE: for pretrained weights) or ``"xavier"``.
         final_norm: keep the final LayerNorm ``norm``.
@@ -185,16 +180,20 @@ class VisionTransformer(nn.Module):
         class_token: bool = True,
         layer_scale: float | None = None,
         abs_pos: str = "learned",
-        rpe: str | None = None,
-        rope: str | None = None,
+        attention: Sequence[tuple[PositionEncoding, Any]] = (),
         rpe_init: str = "zero",
         final_norm: bool = True,
         in_chans: int = 3,
-        plugins: Sequence[tuple[Any, Any]] = (),
     ) -> None:
         super().__init__()
         if abs_pos not in ABSOLUTE:
             raise ValueError(f"abs_pos must be one of {', '.join(ABSOLUTE)}, got {abs_pos!r}")
+        attention = tuple(attention)
+        outside = [entry.describe(spec) for entry, spec in attention
+                   if entry.kind != "attention"]
+        if outside:
+            raise ValueError(f"attention: {', '.join(outside)} is no attention encoding "
+                             "(an absolute one is abs_pos)")
         if depth < 1 or patch_size < 1 or img_size < patch_size:
             raise ValueError(f"need depth >= 1 and img_size >= patch_size >= 1, got depth "
                              f"{depth}, patch_size {patch_size}, img_size {img_size}")
@@ -203,7 +202,6 @@ class VisionTransformer(nn.Module):
         self.patch_size = patch_size
         self.num_prefix = int(class_token)
         self.grid = (img_size // patch_size, img_size // patch_size)
-        rpe_cfg = None if rpe is None else RPEConfig.from_string(rpe, skip=self.num_prefix)
         self.patch_embed = PatchEmbed(patch_size, embed_dim, in_chans)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.pos_embed = None
@@ -211,8 +209,7 @@ class VisionTransformer(nn.Module):
             tokens = self.num_prefix + self.grid[0] * self.grid[1]
             self.pos_embed = nn.Parameter(torch.zeros(1, tokens, embed_dim))
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, layer_scale, rpe_cfg, rope, self.num_prefix,
-                  plugins)
+            Block(embed_dim, num_heads, mlp_ratio, layer_scale, attention, self.num_prefix)
             for _ in range(depth))
         self.norm = nn.LayerNorm(embed_dim, eps=LN_EPS) if final_norm else None
         self._init_weights(rpe_init)

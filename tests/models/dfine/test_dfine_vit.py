@@ -70,9 +70,11 @@ def test_each_backbone_encoding_builds_and_trains(encodings: list[str]) -> None:
     vit = model.backbone.vit
     attn = vit.blocks[0].attn
     assert (vit.pos_embed is not None) == (expected.abs_pos == "learned")
-    assert (attn.rpe is not None) == (expected.rpe is not None)
-    assert (attn.rope is not None) == (expected.rope is not None)
+    names = [entry.name for entry, _ in expected.attention]
+    assert (attn.rpe is not None) == ("irpe" in names)
+    assert (attn.rope is not None) == ("rope" in names)
     assert attn.skip == 1  # the class token: no grid position
+    assert attn.rpe is None or attn.rpe.skip == 1  # iRPE gives it the skip bucket
     model.train()
     for size in [(64, 96), (96, 64)]:
         model.zero_grad()
@@ -102,7 +104,7 @@ def test_the_shipped_config() -> None:
     model = load_config("dfine_vit_tiny").model
     assert (model.family, model.backbone, model.use_lab) == ("dfine", "vit_nano", None)
     assert model.backbone_takes_encodings()
-    assert parse_backbone_encodings(model.place("backbone")) == BackboneEncodings("learned", IRPE)
+    assert parse_backbone_encodings(model.place("backbone")).entries() == ["learned", IRPE]
     assert model.place("encoder").strings() == load_config("dfine_tiny").model.place(
         "encoder").strings()
 

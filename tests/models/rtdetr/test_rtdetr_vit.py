@@ -139,7 +139,7 @@ def test_presnet_stays_the_default() -> None:
     assert not model.backbone_takes_encodings()
     vit = load_config("rtdetr_vit_tiny").model
     assert vit.backbone == "vit_nano" and vit.backbone_takes_encodings()
-    assert parse_backbone_encodings(vit.place("backbone")) == BackboneEncodings("learned", IRPE)
+    assert parse_backbone_encodings(vit.place("backbone")).entries() == ["learned", IRPE]
     # without model.encodings.backbone a ViT has the learned embedding; [] / none: nothing
     bare = load_config("rtdetr_tiny", ["model.backbone=vit_nano"]).model
     assert bare.encodings["backbone"] == ["learned"]

@@ -2,19 +2,24 @@
 each one's forward / backward at two non-square sizes, the parameters it brings and where
 they train; a pretrained trunk with iRPE tables at zero computes exactly what it computed
 without; RoPE-Mixed at zero frequencies is the identity, at its start it is not; the
-list form a config gives and its errors."""
+list form a config gives and its errors; a registered plugin built as the built-in ones."""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
 
+from detr_irpe.encodings import as_place, get_encoding
 from detr_irpe.errors import ConfigError
+from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig
 from detr_irpe.models.vit import (
     BackboneEncodings,
     VisionTransformer,
     parse_backbone_encodings,
 )
+from detr_irpe.rope import RoPEConfig
 
 IRPE = "rpe-2.0-product-ctx-1-k"
 ENCODINGS = {
@@ -35,7 +40,7 @@ def _trunk(entries: list[str], class_token: bool = True, rpe_init: str = "xavier
     enc = parse_backbone_encodings(entries)
     torch.manual_seed(seed)
     return VisionTransformer(32, 2, 2, patch_size=8, img_size=32, class_token=class_token,
-                             abs_pos=enc.abs_pos, rpe=enc.rpe, rope=enc.rope, rpe_init=rpe_init)
+                             abs_pos=enc.abs_pos, attention=enc.attention, rpe_init=rpe_init)
 
 
 @pytest.mark.parametrize("class_token", [True, False])
@@ -138,19 +143,36 @@ def test_the_class_token_is_left_out_of_rope_and_gets_the_skip_bucket() -> None:
     assert not torch.allclose(q_rot[:, :, 2:], q[:, :, 2:])
 
 
-@pytest.mark.parametrize(("entries", "expected"), [
-    (None, BackboneEncodings("none")),
-    ([], BackboneEncodings("none")),
-    (["none"], BackboneEncodings("none")),
-    (["learned"], BackboneEncodings("learned")),
-    ("none", BackboneEncodings("none")),
-    ("rope-mixed-10", BackboneEncodings("none", rope="rope-mixed")),
-    ("rope-mixed-50", BackboneEncodings("none", rope="rope-mixed-50")),
-    (["learned", IRPE, "rope-axial"], BackboneEncodings("learned", IRPE, "rope-axial")),
-    ([IRPE, "rope-axial-100"], BackboneEncodings("none", IRPE, "rope-axial")),
+def _irpe(text: str = IRPE) -> tuple:
+    return get_encoding("irpe"), RPEConfig.from_string(text)
+
+
+def _rope(variant: str, theta: float) -> tuple:
+    return get_encoding("rope"), RoPEConfig(variant, theta)
+
+
+@pytest.mark.parametrize(("entries", "expected", "strings"), [
+    (None, BackboneEncodings("none"), ["none"]),
+    ([], BackboneEncodings("none"), ["none"]),
+    (["none"], BackboneEncodings("none"), ["none"]),
+    (["learned"], BackboneEncodings("learned"), ["learned"]),
+    ("none", BackboneEncodings("none"), ["none"]),
+    ("rope-mixed-10", BackboneEncodings("none", (_rope("mixed", 10.0),)), ["rope-mixed"]),
+    ("rope-mixed-50", BackboneEncodings("none", (_rope("mixed", 50.0),)), ["rope-mixed-50"]),
+    (["learned", IRPE, "rope-axial"],
+     BackboneEncodings("learned", (_irpe(), _rope("axial", 100.0))),
+     ["learned", IRPE, "rope-axial"]),
+    ([IRPE, "rope-axial-100"], BackboneEncodings("none", (_irpe(), _rope("axial", 100.0))),
+     [IRPE, "rope-axial"]),
+    (["rope-axial", "learned", IRPE],  # the order given, the absolute one apart
+     BackboneEncodings("learned", (_rope("axial", 100.0), _irpe())),
+     ["learned", "rope-axial", IRPE]),
 ])
-def test_the_list_form(entries, expected) -> None:
-    assert parse_backbone_encodings(entries) == expected
+def test_the_list_form(entries, expected, strings) -> None:
+    parsed = parse_backbone_encodings(entries)
+    assert parsed == expected
+    assert parsed.entries() == strings
+    assert parse_backbone_encodings(strings) == expected  # the list form reads back
 
 
 @pytest.mark.parametrize(("entries", "message"), [
@@ -170,8 +192,8 @@ def test_bad_lists_name_the_key(entries, message) -> None:
 
 def test_the_attention_skips_extra_tokens_without_irpe() -> None:
     """``IRPEMultiheadAttention(skip=...)``: leading tokens without a grid position for
-    RoPE alone (a ViT's class token); with iRPE it must agree with the config's skip."""
-    from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig
+    RoPE alone (a ViT's class token); with iRPE a config of skip 0 (a string's) takes it,
+    one of another skip must agree with it."""
     from detr_irpe.rope import build_rope
 
     attn = IRPEMultiheadAttention(16, 2, rope=build_rope("rope-axial", 8, 2), skip=1)
@@ -187,4 +209,64 @@ def test_the_attention_skips_extra_tokens_without_irpe() -> None:
     with pytest.raises(ValueError, match="skip must be a non-negative integer"):
         IRPEMultiheadAttention(16, 2, skip=-1)
     assert IRPEMultiheadAttention(16, 2, rpe=RPEConfig(skip=1)).skip == 1
+    taken = IRPEMultiheadAttention(16, 2, rpe=IRPE, skip=1)
+    assert (taken.skip, taken.rpe) == (1, RPEConfig.from_string(IRPE, skip=1))
+    assert IRPEMultiheadAttention(16, 2, rpe=IRPE, skip=0).rpe.skip == 0
     assert _trunk(["rope-axial"]).blocks[0].attn.skip == 1
+
+
+def test_a_plugin_and_the_built_in_encodings_go_through_the_same_path(monkeypatch) -> None:
+    """Every entry but the absolute one goes into each block's attention by its registry
+    entry, as the encoders' attention is built (``PlaceEncodings.attention_args``), with
+    the class token as the attention's skip: a registered plugin (the 2D ALiBi bias of
+    tests/plugins) next to iRPE and RoPE-Mixed. Each block's attention is the one the
+    encoders' builder gives (same modules, same keys, same outputs with the same weights),
+    and the plugin's term is in the block's computation."""
+    from helpers import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "plugins"))
+    alibi = importlib.import_module("alibi2d_encoding")
+    entries = ["alibi2d-0.5", "learned", IRPE, "rope-mixed"]
+    enc = parse_backbone_encodings(entries)
+    assert enc.abs_pos == "learned"
+    assert enc.attention == (_irpe(), _rope("mixed", 10.0), (alibi.ALIBI_2D, 0.5))
+    assert enc.entries() == ["learned", IRPE, "rope-mixed", "alibi2d-0.5"]
+
+    trunk = _trunk(entries).double().eval()
+    reference = IRPEMultiheadAttention(32, 2, skip=1, **as_place(entries).attention_args(32, 2))
+    reference = reference.double().eval()
+    shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    assert shapes == {"in_proj_weight": (96, 32), "in_proj_bias": (96,),
+                      "out_proj.weight": (32, 32), "out_proj.bias": (32,),
+                      "rpe_k.lookup_table_weight": (1, 16, 82),  # 9 x 9 buckets + the skip
+                      "rope.freqs": (2, 2, 8), "encodings.0.alibi_slopes": (2,)}
+    x = torch.randn(2, 1 + 4 * 6, 32, dtype=torch.float64)
+    for block in trunk.blocks:
+        attn = block.attn
+        assert (attn.skip, attn.rpe) == (1, RPEConfig.from_string(IRPE, skip=1))
+        assert type(attn.rope) is type(reference.rope)
+        assert [type(m) for m in attn.encodings] == [alibi.ALiBi2D]
+        assert {k: tuple(v.shape) for k, v in attn.state_dict().items()} == shapes
+        reference.load_state_dict(attn.state_dict())
+        with torch.no_grad():
+            assert torch.equal(attn(x, x, x, (4, 6))[0], reference(x, x, x, (4, 6))[0])
+
+    # the same encodings in another order: the same attention
+    reordered = _trunk([IRPE, "rope-mixed", "learned", "alibi2d-0.5"]).double().eval()
+    assert reordered.state_dict().keys() == trunk.state_dict().keys()
+
+    # the plugin's term is in the blocks: at zero slopes the trunk computes what the same
+    # weights compute without it (up to the other attention path a logit term takes)
+    without = _trunk(["learned", IRPE, "rope-mixed"]).double().eval()
+    missing, unexpected = without.load_state_dict(trunk.state_dict(), strict=False)
+    assert not missing and unexpected == [f"blocks.{i}.attn.encodings.0.alibi_slopes"
+                                          for i in range(trunk.depth)]
+    images = torch.randn(2, 3, 32, 48, dtype=torch.float64)
+    with torch.no_grad():
+        reference_out = without(images)
+        for block in trunk.blocks:  # slopes as after training (they start small)
+            block.attn.encodings[0].alibi_slopes.fill_(1.0)
+        assert not torch.allclose(trunk(images), reference_out, atol=1e-2)
+        for block in trunk.blocks:
+            block.attn.encodings[0].alibi_slopes.zero_()
+        torch.testing.assert_close(trunk(images), reference_out, rtol=1e-13, atol=1e-13)
