@@ -47,10 +47,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODELS = ("none", "rpe-2.0-product-ctx-1-k")
 # Smoke-test sizes (--quick): each setting applies to the targets whose model section has
 # the key (a ResNet-18 for DETR / DAB-DETR, an R18-vd for RT-DETR; narrow layers, few
-# queries), so every family's row runs in a fraction of a second.
+# queries; two decoder layers, the fewest transformers' D-FINE is built with), so every
+# family's row runs in a fraction of a second.
 QUICK_MODEL: dict[str, Any] = {
     "backbone": "resnet18", "depth": 18, "hidden_dim": 32, "enc_hidden_dim": 32, "nheads": 4,
-    "enc_layers": 1, "dec_layers": 1, "dim_feedforward": 64, "enc_dim_feedforward": 64,
+    "enc_layers": 1, "dec_layers": 2, "dim_feedforward": 64, "enc_dim_feedforward": 64,
     "num_queries": 5, "num_select": 5, "num_denoising": 10,
 }
 

@@ -33,7 +33,7 @@ from detr_irpe.models.backbone import FrozenBatchNorm2d
 logger = logging.getLogger(__name__)
 
 __all__ = ["HGNETV2_CHANNELS", "HGNETV2_SIZES", "HGNETV2_URLS", "LAB_SIZES", "HGNetv2",
-           "load_hgnetv2_weights"]
+           "hgnetv2_settings", "load_hgnetv2_weights"]
 
 HGNETV2_SIZES = ("b0", "b1", "b2", "b3", "b4", "b5", "b6")
 # size -> output channels of the four stages (strides 4, 8, 16, 32)
@@ -62,6 +62,25 @@ def _timm():
     return timm
 
 
+def _model_cfgs() -> Mapping[str, Mapping]:
+    """timm's settings of each HGNetv2 network (``timm.models.hgnet.model_cfgs``)."""
+    timm = _timm()
+    hgnet = importlib.import_module("timm.models.hgnet")
+    cfgs = getattr(hgnet, "model_cfgs", None)
+    if not isinstance(cfgs, Mapping) or "hgnetv2_b0" not in cfgs:
+        raise ConfigError(f"timm {timm.__version__} does not expose the HGNetv2 network "
+                          "settings; upgrade it (tested with timm 1.0.31): pip install -U timm")
+    return cfgs
+
+
+def hgnetv2_settings(size: str) -> tuple[list[int], list[list]]:
+    """``(stem widths, stages)`` of HGNetv2 ``size`` as timm builds it: the stem's two
+    output widths, and per stage ``[in, mid, out, blocks, downsample, light block, kernel,
+    layers per block]``."""
+    cfg = _model_cfgs()[f"hgnetv2_{size}"]
+    return list(cfg["stem_chs"]), [list(cfg[f"stage{i}"]) for i in range(1, 5)]
+
+
 def _network(size: str, use_lab: bool | None) -> nn.Module:
     """timm's ``hgnetv2_<size>`` without a classifier; ``use_lab`` None: the size's own
     setting (:data:`LAB_SIZES`), else built from timm's settings with that choice
@@ -70,11 +89,7 @@ def _network(size: str, use_lab: bool | None) -> nn.Module:
     if use_lab is None or use_lab == (size in LAB_SIZES):
         return timm.create_model(f"hgnetv2_{size}", pretrained=False, num_classes=0)
     hgnet = importlib.import_module("timm.models.hgnet")
-    if f"hgnetv2_{size}" not in getattr(hgnet, "model_cfgs", {}):
-        raise ConfigError(f"HGNetv2 with use_lab={use_lab}: timm {timm.__version__} does not "
-                          "expose the network settings; upgrade it (tested with timm "
-                          "1.0.31): pip install -U timm")
-    return hgnet.HighPerfGpuNet(hgnet.model_cfgs[f"hgnetv2_{size}"], num_classes=0,
+    return hgnet.HighPerfGpuNet(_model_cfgs()[f"hgnetv2_{size}"], num_classes=0,
                                 use_lab=use_lab)
 
 

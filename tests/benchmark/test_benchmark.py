@@ -472,3 +472,23 @@ def test_importing_the_package_shortens_the_openmp_spin_unless_chosen(env, expec
     out = subprocess.run([sys.executable, "-c", code], env={**base, **env},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == str(expected)
+
+
+@pytest.mark.slow
+def test_dfine_onnx_rows_include_transformers_dfine(tmp_path: Path, monkeypatch) -> None:
+    """D-FINE's row of the onnx section: its transformers row is DFineForObjectDetection,
+    with the same outputs as this project's model (the same weights)."""
+    from detr_irpe.benchmark import deploy
+
+    monkeypatch.setattr(deploy, "native_bf16_cpu", lambda: False)
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    pytest.importorskip("transformers")
+    section = deploy.run_deploy_benchmark({"D-FINE": "dfine_l"}, ["none"], height=64,
+                                          width=64, threads=1, repeats=1, quick=True,
+                                          work_dir=tmp_path)
+    runtimes = [r["runtime"] for r in section["rows"]]
+    assert "transformers" in runtimes and "ONNX Runtime" in runtimes, section["notes"]
+    for row in section["rows"]:
+        assert row["max_diff_logits"] < 1e-4 and row["max_diff_boxes"] < 1e-4, row
+    assert "| D-FINE | dfine_l | transformers |" in deploy.deploy_table(section)

@@ -24,6 +24,7 @@ from detr_irpe.models.dfine.checkpoint import CHECKPOINT
 from detr_irpe.models.dfine.config import DFINEModelConfig
 from detr_irpe.models.dfine.criterion import DFINECriterion, build_criterion
 from detr_irpe.models.dfine.export import onnx_wrapper
+from detr_irpe.models.dfine.hf import HF
 from detr_irpe.models.dfine.loss_config import DFINELossConfig
 from detr_irpe.models.dfine.model import DFINE
 from detr_irpe.models.postprocess import TopKPostProcess
@@ -52,6 +53,7 @@ FAMILY = register_family(DetectorFamily(
     model_types=(DFINE,),
     describe=lambda m: m.title,
     checkpoint=CHECKPOINT,
+    hf=HF,
     onnx_wrapper=onnx_wrapper,
     sigmoid_classes=True,
     figures=("selected-queries", "distributions"),

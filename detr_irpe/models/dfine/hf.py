@@ -1,0 +1,327 @@
+"""Hugging Face ``DFineForObjectDetection``: the D-FINE family's ``HFSupport`` (key names in
+:mod:`detr_irpe.models.dfine.hf_keys`; ``config.json`` both ways).
+
+transformers' D-FINE is the published model with its own HGNetv2 (``HGNetV2Config``,
+``model_type: hgnet_v2``): the stem and stage settings give the size (B0-B6, compared with
+timm's networks, the ones built here), ``out_indices`` the stages the encoder fuses
+(``model.backbone_return_idx``), and the other ``DFineConfig`` entries map one to one onto
+``model.*`` keys (:data:`_FIELDS`). Settings this project's D-FINE does not build are
+refused by name when a folder is read (:data:`_FIXED`, ...); a model transformers cannot
+hold (DEIM's SiLU heads, a ResNet-vd or ViT backbone, ...) when one is written
+(:func:`_refusal`; iRPE and RoPE are refused by the generic code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from detr_irpe.checkpoint.hf_folder import (
+    CONFIG_NAME,
+    id2label_names,
+    json_list,
+    json_number,
+    json_object,
+)
+from detr_irpe.errors import CheckpointError
+from detr_irpe.family import HFSupport
+from detr_irpe.models.dfine.hf_keys import (
+    convert_hf_dfine_state_dict,
+    hf_dfine_layout,
+    is_hf_dfine_state_dict,
+    to_hf_dfine_state_dict,
+)
+from detr_irpe.models.hgnetv2 import HGNETV2_SIZES, hgnetv2_settings
+
+__all__ = ["HF", "hf_dfine_config_json", "hf_dfine_model_config"]
+
+# model key <- DFineConfig key (the same meaning on both sides)
+_FIELDS = {
+    "enc_hidden_dim": "encoder_hidden_dim",
+    "enc_dim_feedforward": "encoder_ffn_dim",
+    "enc_layers": "encoder_layers",
+    "nheads": "encoder_attention_heads",
+    "expansion": "hidden_expansion",
+    "depth_mult": "depth_mult",
+    "hidden_dim": "d_model",
+    "dim_feedforward": "decoder_ffn_dim",
+    "dec_layers": "decoder_layers",
+    "num_queries": "num_queries",
+    "num_denoising": "num_denoising",
+    "label_noise": "label_noise_ratio",
+    "box_noise": "box_noise_scale",
+    "dropout": "dropout",
+    "aux_loss": "auxiliary_loss",
+    "eval_idx": "eval_idx",
+    "reg_max": "max_num_bins",
+    "reg_scale": "reg_scale",
+    "up": "up",
+}
+# DFineConfig settings that must have their published (default) value here:
+# key -> (value, why this project needs it)
+_FIXED = {
+    "activation_function": ("silu", "the fusion blocks' convs use SiLU"),
+    "encoder_activation_function": ("gelu", "the AIFI feed-forward uses GELU"),
+    "decoder_activation_function": (
+        "relu", "D-FINE's decoder feed-forward uses ReLU (a DEIM model, SiLU there, has no "
+        "form in transformers: its box heads are ReLU)"),
+    "normalize_before": (False, "the AIFI layer is post-norm"),
+    "learn_initial_query": (False, "the decoder starts from the selected proposals' features"),
+    "with_box_refine": (True, "every decoder layer refines the boxes"),
+    "layer_scale": (1, "the decoder layers after eval_idx have the same width"),
+    "top_prob_values": (4, "the LQE reads the top 4 probabilities of each edge"),
+    "lqe_hidden_dim": (64, "the LQE's hidden width is 64"),
+    "lqe_layers": (2, "the LQE is a 2-layer MLP"),
+    "decoder_offset_scale": (0.5, "the sampling offsets are scaled by 0.5"),
+    "decoder_method": ("default", "the deformable attention samples bilinearly"),
+    "layer_norm_eps": (1e-5, "the LayerNorms use eps 1e-5"),
+    "batch_norm_eps": (1e-5, "the BatchNorms use eps 1e-5"),
+}
+_BACKBONE_FIXED = {"num_channels": 3, "hidden_act": "relu"}
+_STAGES = ("stage1", "stage2", "stage3", "stage4")  # transformers' names of stages 0..3
+
+
+def _fail(key: str, value: Any, why: str) -> CheckpointError:
+    return CheckpointError(f"{CONFIG_NAME}: {key}={value!r}; {why}")
+
+
+def _backbone_config(size: str, use_lab: bool, return_idx: list[int]) -> dict[str, Any]:
+    """transformers' ``HGNetV2Config`` entries of HGNetv2 ``size`` (timm's network)."""
+    stem, stages = hgnetv2_settings(size)
+    return {
+        "model_type": "hgnet_v2",
+        **_BACKBONE_FIXED,
+        "embedding_size": stem[-1],
+        "stem_channels": [3, *stem],
+        "stage_in_channels": [s[0] for s in stages],
+        "stage_mid_channels": [s[1] for s in stages],
+        "stage_out_channels": [s[2] for s in stages],
+        "stage_num_blocks": [s[3] for s in stages],
+        "stage_downsample": [s[4] for s in stages],
+        "stage_light_block": [s[5] for s in stages],
+        "stage_kernel_size": [s[6] for s in stages],
+        "stage_numb_of_layers": [s[7] for s in stages],
+        "hidden_sizes": [s[2] for s in stages],
+        "depths": [s[3] for s in stages],
+        "use_learnable_affine_block": use_lab,
+        "out_features": [_STAGES[i] for i in return_idx],
+        "out_indices": [i + 1 for i in return_idx],
+    }
+
+
+_SIZE_KEYS = ("stem_channels", "stage_in_channels", "stage_mid_channels",
+              "stage_out_channels", "stage_num_blocks", "stage_downsample",
+              "stage_light_block", "stage_kernel_size", "stage_numb_of_layers")
+
+
+def _backbone(hf_config: Mapping[str, Any]) -> tuple[str, bool, list[int]]:
+    """``(HGNetv2 size, learnable affine blocks, stage indices)`` of ``backbone_config``."""
+    if hf_config.get("use_timm_backbone") or hf_config.get("backbone"):
+        raise _fail("backbone", hf_config.get("backbone"),
+                    "only transformers' own HGNetv2 (backbone_config) converts")
+    backbone = json_object(hf_config, "backbone_config")
+    kind = backbone.get("model_type", "hgnet_v2")
+    if kind != "hgnet_v2":
+        raise _fail("backbone_config.model_type", kind, "only hgnet_v2 (HGNetv2 B0-B6) converts")
+    for key, value in _BACKBONE_FIXED.items():
+        if backbone.get(key, value) != value:
+            raise _fail(f"backbone_config.{key}", backbone[key],
+                        f"the published HGNetv2 has {value!r}")
+    # absent entries have HGNetV2Config's defaults: B4's
+    default = _backbone_config("b4", False, [])
+    found = {key: json_list(backbone, key, default[key], "backbone_config.")
+             for key in _SIZE_KEYS}
+    size = next((s for s in HGNETV2_SIZES
+                 if all(_backbone_config(s, False, [])[k] == v for k, v in found.items())),
+                None)
+    if size is None:
+        raise _fail("backbone_config.stage_out_channels", backbone.get("stage_out_channels"),
+                    "the stem and stage settings are none of HGNetv2 B0-B6")
+    use_lab = bool(backbone.get("use_learnable_affine_block", False))
+    indices = json_list(backbone, "out_indices", [2, 3, 4], "backbone_config.")
+    if (not indices or indices != sorted(set(indices))
+            or not all(isinstance(i, int) and 1 <= i <= 4 for i in indices)):
+        raise _fail("backbone_config.out_indices", indices,
+                    "must be increasing stage numbers in 1..4 (stage1 .. stage4)")
+    return size, use_lab, [i - 1 for i in indices]
+
+
+def _strides(return_idx: list[int]) -> list[int]:
+    return [2 ** (i + 2) for i in return_idx]
+
+
+def hf_dfine_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``model.*`` values of this project's D-FINE that a ``DFineConfig``
+    ``config.json`` implies (``variant: dfine``).
+
+    Read: the backbone (size, learnable affine blocks, the fused stages), frozen
+    BatchNorm (``freeze_backbone_batch_norms``; the stem is frozen with it, as in the
+    published L / X recipes), the entries of :data:`_FIELDS`, the points per level, the
+    encoding temperature and the class count (``id2label``).
+
+    Raises:
+        CheckpointError: a setting this project's D-FINE does not build, naming it.
+    """
+    size, use_lab, return_idx = _backbone(hf_config)
+    for key, (value, why) in _FIXED.items():
+        if key in hf_config and hf_config[key] != value:
+            raise _fail(key, hf_config[key], why)
+    levels = len(return_idx)
+    heads = hf_config.get("encoder_attention_heads", 8)
+    if hf_config.get("decoder_attention_heads", heads) != heads:
+        raise _fail("decoder_attention_heads", hf_config["decoder_attention_heads"],
+                    f"differs from encoder_attention_heads={heads}; model.nheads is one "
+                    "value for both")
+    strides = _strides(return_idx)
+    if json_list(hf_config, "feat_strides", strides) != strides:
+        raise _fail("feat_strides", hf_config["feat_strides"],
+                    f"the stages {[_STAGES[i] for i in return_idx]} have strides {strides}")
+    if json_list(hf_config, "encode_proj_layers", [levels - 1]) != [levels - 1]:
+        raise _fail("encode_proj_layers", hf_config["encode_proj_layers"],
+                    f"the AIFI layer runs on the coarsest level only ([{levels - 1}])")
+    if hf_config.get("num_feature_levels", levels) != levels:
+        raise _fail("num_feature_levels", hf_config["num_feature_levels"],
+                    f"the decoder reads the encoder's {levels} levels")
+    widths = [_backbone_config(size, use_lab, return_idx)["stage_out_channels"][i]
+              for i in return_idx]
+    if json_list(hf_config, "encoder_in_channels", widths) != widths:
+        raise _fail("encoder_in_channels", hf_config["encoder_in_channels"],
+                    f"HGNetv2 {size.upper()} gives {widths}")
+    enc_hidden = hf_config.get("encoder_hidden_dim", 256)
+    if json_list(hf_config, "decoder_in_channels", [enc_hidden] * levels) != \
+            [enc_hidden] * levels:
+        raise _fail("decoder_in_channels", hf_config["decoder_in_channels"],
+                    f"the decoder reads the encoder's maps ({[enc_hidden] * levels})")
+    points = hf_config.get("decoder_n_points", 4)
+    points = [points] * levels if isinstance(points, int) and not isinstance(points, bool) \
+        else json_list(hf_config, "decoder_n_points", None)
+    frozen = bool(hf_config.get("freeze_backbone_batch_norms", True))
+    model: dict[str, Any] = {
+        "variant": "dfine", "size": None, "backbone": f"hgnetv2_{size}", "use_lab": use_lab,
+        "backbone_return_idx": return_idx, "freeze_norm": frozen,
+        "freeze_at": 0 if frozen else -1, "freeze_stem_only": True, "num_points": points,
+    }
+    model.update({ours: hf_config[theirs] for ours, theirs in _FIELDS.items()
+                  if theirs in hf_config})
+    if "positional_encoding_temperature" in hf_config:
+        model["pe_temperature"] = json_number(hf_config, "positional_encoding_temperature",
+                                              10000.0)
+    labels = id2label_names(hf_config)
+    if labels is not None:
+        model["num_classes"] = len(labels)
+    return model
+
+
+def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
+    """Why transformers' D-FINE cannot hold this (plain) model, or None."""
+    model = cfg.model
+    why = None
+    if model.variant != "dfine":
+        why = (f"model.variant={model.variant}",
+               "transformers' D-FINE has ReLU box heads, DEIM SiLU ones")
+    elif model.hgnetv2_size is None:
+        why = (f"model.backbone={model.backbone}", "transformers' D-FINE has an HGNetv2")
+    elif model.position_embedding != "sine":
+        why = (f"model.position_embedding={model.position_embedding}",
+               "transformers' AIFI layer adds the sine encoding")
+    elif not float(model.pe_temperature).is_integer():
+        why = (f"model.pe_temperature={model.pe_temperature}",
+               "DFineConfig's positional_encoding_temperature is an integer")
+    elif model.dec_layers < 2:
+        why = (f"model.dec_layers={model.dec_layers}",
+               "transformers' D-FINE ties its heads by a pattern that needs a second decoder "
+               "layer (it is not built with one; transformers 5.24)")
+    if why is None:
+        return None
+    return f"{why[0]} cannot be written for Hugging Face: {why[1]}"
+
+
+def _loss_config(loss: Any) -> dict[str, Any]:
+    """DFineConfig's loss and matcher entries of a D-FINE ``loss`` section (training in
+    transformers; absent entries keep transformers' defaults, the published values)."""
+    names = {
+        "matcher_alpha": "focal_alpha", "matcher_gamma": "focal_gamma",
+        "matcher_class_cost": "cost_class", "matcher_bbox_cost": "cost_bbox",
+        "matcher_giou_cost": "cost_giou", "focal_loss_alpha": "vfl_alpha",
+        "focal_loss_gamma": "vfl_gamma", "weight_loss_vfl": "class_weight",
+        "weight_loss_bbox": "bbox_weight", "weight_loss_giou": "giou_weight",
+        "weight_loss_fgl": "fgl_weight", "weight_loss_ddf": "ddf_weight",
+    }
+    if getattr(loss, "classification", "vfl") != "vfl":
+        names.pop("weight_loss_vfl")  # DEIM's MAL has no DFineConfig entry
+    return {theirs: float(getattr(loss, ours)) for theirs, ours in names.items()
+            if hasattr(loss, ours)}
+
+
+def hf_dfine_config_json(cfg: Any) -> dict[str, Any]:
+    """The ``DFineConfig`` ``config.json`` entries (labels aside) of ``cfg.model``.
+
+    The backbone is transformers' own HGNetv2, built without downloading anything
+    (``use_pretrained_backbone: false``). ``eval_size`` and ``anchor_image_size`` are null:
+    transformers then computes the encoding and the anchors for each input's size, as this
+    project does.
+    """
+    model = cfg.model
+    idx = list(model.backbone_return_idx)
+    levels = len(idx)
+    backbone = _backbone_config(model.hgnetv2_size, model.lab(), idx)
+    return {
+        "architectures": ["DFineForObjectDetection"],
+        "model_type": "d_fine",
+        "backbone_config": backbone,
+        "use_timm_backbone": False,
+        "use_pretrained_backbone": False,
+        "backbone": None,
+        "freeze_backbone_batch_norms": model.freeze_norm,
+        "encoder_hidden_dim": model.enc_hidden_dim,
+        "encoder_in_channels": [backbone["stage_out_channels"][i] for i in idx],
+        "feat_strides": _strides(idx),
+        "encoder_layers": model.enc_layers,
+        "encoder_ffn_dim": model.enc_dim_feedforward,
+        "encoder_attention_heads": model.nheads,
+        # one rate here for attention weights, residual branches and feed-forward
+        # activations; transformers has a setting for each
+        "dropout": model.dropout,
+        "attention_dropout": model.dropout,
+        "activation_dropout": model.dropout,
+        "encode_proj_layers": [levels - 1],
+        "positional_encoding_temperature": int(model.pe_temperature),
+        "eval_size": None,
+        "hidden_expansion": model.expansion,
+        "depth_mult": model.depth_mult,
+        "d_model": model.hidden_dim,
+        "num_queries": model.num_queries,
+        "decoder_in_channels": [model.enc_hidden_dim] * levels,
+        "decoder_ffn_dim": model.dim_feedforward,
+        "num_feature_levels": levels,
+        "decoder_n_points": list(model.num_points),
+        "decoder_layers": model.dec_layers,
+        "decoder_attention_heads": model.nheads,
+        "num_denoising": model.num_denoising,
+        "label_noise_ratio": model.label_noise,
+        "box_noise_scale": model.box_noise,
+        "anchor_image_size": None,
+        "auxiliary_loss": model.aux_loss,
+        "eval_idx": model.eval_idx,
+        "max_num_bins": model.reg_max,
+        "reg_scale": model.reg_scale,
+        "up": model.up,
+        **{key: value for key, (value, _) in _FIXED.items()},
+        "is_encoder_decoder": True,
+        "use_focal_loss": True,
+        **_loss_config(getattr(cfg, "loss", None)),
+    }
+
+
+HF = HFSupport(
+    model_type="d_fine",
+    base_config="dfine_l",
+    model_settings=hf_dfine_model_config,
+    from_hf_keys=lambda state: (convert_hf_dfine_state_dict(state), hf_dfine_layout(state)),
+    recognizes_hf_keys=is_hf_dfine_state_dict,
+    refusal=_refusal,
+    config_json=hf_dfine_config_json,
+    to_hf_keys=lambda state: to_hf_dfine_state_dict(state, "transformers4"),
+)
