@@ -106,3 +106,35 @@ def test_dynamic_onnx_export_equals_pytorch_at_two_sizes(run: Path, tmp_path: Pa
             expected = model(images)
         torch.testing.assert_close(logits, expected["pred_logits"], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(boxes, expected["pred_boxes"], atol=1e-4, rtol=1e-4)
+
+
+def test_a_hugging_face_folder_through_convert_eval_and_predict(run: Path, tiny_dataset: Path,
+                                                                tmp_path: Path) -> None:
+    """``convert --to hf --rpe none`` of the run writes a folder transformers' D-FINE loads
+    and runs as this package's model built from the folder does; eval and predict take the
+    folder as they take a checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "hf"
+    assert load_tool("convert_checkpoint").main(
+        [str(run / "checkpoint_last.pth"), str(folder), "--to", "hf", "--rpe", "none"]) == 0
+    hf = transformers.DFineForObjectDetection.from_pretrained(folder).double().eval()
+    ours = model_from_checkpoint(folder)
+    assert ours.cfg.model.family == "dfine" and ours.cfg.model.rpe == "none"
+    pixels = torch.rand(1, 3, 96, 96, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(4))
+    mean = torch.tensor([0.485, 0.456, 0.406], dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225], dtype=torch.float64).view(1, 3, 1, 1)
+    with torch.no_grad():
+        theirs = hf(pixel_values=pixels)
+        mine = ours.model.double().eval()((pixels - mean) / std)  # ImageNet-normalised here
+    torch.testing.assert_close(mine["pred_logits"], theirs.logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(mine["pred_boxes"], theirs.pred_boxes, rtol=0, atol=1e-6)
+    out = tmp_path / "eval"
+    assert load_tool("eval").main([str(folder), "--config", "dfine_tiny", "--no-progress",
+                                   "--output-dir", str(out), "--set",
+                                   f"data.root={tiny_dataset}"]) == 0
+    assert "bbox" in json.loads((out / "metrics.json").read_text())
+    pred = tmp_path / "pred"
+    assert load_tool("predict").main([str(folder), str(tiny_dataset / "val"), "--output-dir",
+                                      str(pred), "--score-threshold", "0"]) == 0
+    assert json.loads((pred / "detections.json").read_text())["detections"]
