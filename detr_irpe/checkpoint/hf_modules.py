@@ -30,6 +30,7 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,7 +40,7 @@ from detr_irpe.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LAYOUTS", "ModuleTable", "Rules", "conv_norm"]
+__all__ = ["LAYOUTS", "ModuleTable", "Rules", "conv_norm", "hybrid_layouts"]
 
 LAYOUTS = ("transformers4", "transformers5")
 Rules = tuple[tuple[re.Pattern[str], str], ...]
@@ -57,6 +58,37 @@ def conv_norm(ours: str, theirs: str, conv: str = "convolution", norm: str = "no
               our_norm: str = "norm") -> tuple[tuple[str, str], ...]:
     """The two rows of a conv + BatchNorm unit (``.conv`` / ``.{our_norm}`` here)."""
     return ((f"{ours}.conv", f"{theirs}.{conv}"), (f"{ours}.{our_norm}", f"{theirs}.{norm}"))
+
+
+def hybrid_layouts(ffn: tuple[str, str]) -> dict[str, Any]:
+    """The layout rules of a hybrid-encoder detector (RT-DETR, D-FINE): transformers 5
+    renames ``model.encoder.encoder.i.layers`` to ``model.encoder.aifi.i.layers``,
+    ``self_attn.out_proj`` to ``self_attn.o_proj`` and a layer's ``fc1`` / ``fc2`` to the
+    two names of ``ffn`` (e.g. ``("mlp.fc1", "mlp.fc2")``). Keyword arguments of
+    :class:`ModuleTable`."""
+    v5 = [re.escape(name) for name in ffn]
+    return {
+        "v4_to_v5": (
+            (re.compile(r"^model\.encoder\.encoder\.(\d+)\.layers\."),
+             r"model.encoder.aifi.\1.layers."),
+            (re.compile(r"\.self_attn\.out_proj\."), ".self_attn.o_proj."),
+            *((re.compile(rf"(\.layers\.\d+)\.fc{i}\."), rf"\1.{name}.")
+              for i, name in enumerate(ffn, 1)),
+        ),
+        "v5_to_v4": (
+            (re.compile(r"^model\.encoder\.aifi\.(\d+)\.layers\."),
+             r"model.encoder.encoder.\1.layers."),
+            (re.compile(r"\.self_attn\.o_proj\."), ".self_attn.out_proj."),
+            *((re.compile(rf"(\.layers\.\d+)\.{name}\."), rf"\1.fc{i}.")
+              for i, name in enumerate(v5, 1)),
+        ),
+        "layout_markers": {
+            "transformers4": re.compile(r"^model\.encoder\.encoder\.|\.self_attn\.out_proj\.|"
+                                        r"\.layers\.\d+\.fc[12]\."),
+            "transformers5": re.compile(r"^model\.encoder\.aifi\.|\.self_attn\.o_proj\.|"
+                                        rf"\.layers\.\d+\.(?:{'|'.join(v5)})\."),
+        },
+    }
 
 
 def _compile(template: str) -> re.Pattern[str]:

@@ -18,14 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-from detr_irpe.checkpoint.hf_folder import (
-    CONFIG_NAME,
-    id2label_names,
-    json_list,
-    json_number,
-    json_object,
-)
-from detr_irpe.errors import CheckpointError
+from detr_irpe.checkpoint.hf_folder import json_list, json_object
 from detr_irpe.family import HFSupport
 from detr_irpe.models.dfine.hf_keys import (
     convert_hf_dfine_state_dict,
@@ -34,41 +27,32 @@ from detr_irpe.models.dfine.hf_keys import (
     to_hf_dfine_state_dict,
 )
 from detr_irpe.models.hgnetv2 import HGNETV2_SIZES, hgnetv2_settings
+from detr_irpe.models.rtdetr.hf import (
+    HYBRID_FIELDS,
+    HYBRID_FIXED,
+    LOSS_NAMES,
+    check_fixed,
+    hybrid_config_json,
+    loss_entries,
+    one_head_count,
+    refusal_line,
+    shared_settings,
+)
+from detr_irpe.models.rtdetr.hf import config_error as _fail
 
 __all__ = ["HF", "hf_dfine_config_json", "hf_dfine_model_config"]
 
 # model key <- DFineConfig key (the same meaning on both sides)
-_FIELDS = {
-    "enc_hidden_dim": "encoder_hidden_dim",
-    "enc_dim_feedforward": "encoder_ffn_dim",
-    "enc_layers": "encoder_layers",
-    "nheads": "encoder_attention_heads",
-    "expansion": "hidden_expansion",
-    "depth_mult": "depth_mult",
-    "hidden_dim": "d_model",
-    "dim_feedforward": "decoder_ffn_dim",
-    "dec_layers": "decoder_layers",
-    "num_queries": "num_queries",
-    "num_denoising": "num_denoising",
-    "label_noise": "label_noise_ratio",
-    "box_noise": "box_noise_scale",
-    "dropout": "dropout",
-    "aux_loss": "auxiliary_loss",
-    "eval_idx": "eval_idx",
-    "reg_max": "max_num_bins",
-    "reg_scale": "reg_scale",
-    "up": "up",
-}
+_FIELDS = {**HYBRID_FIELDS, "depth_mult": "depth_mult", "eval_idx": "eval_idx",
+           "reg_max": "max_num_bins", "reg_scale": "reg_scale", "up": "up"}
 # DFineConfig settings that must have their published (default) value here:
 # key -> (value, why this project needs it)
 _FIXED = {
+    **HYBRID_FIXED,
     "activation_function": ("silu", "the fusion blocks' convs use SiLU"),
-    "encoder_activation_function": ("gelu", "the AIFI feed-forward uses GELU"),
     "decoder_activation_function": (
         "relu", "D-FINE's decoder feed-forward uses ReLU (a DEIM model, SiLU there, has no "
         "form in transformers: its box heads are ReLU)"),
-    "normalize_before": (False, "the AIFI layer is post-norm"),
-    "learn_initial_query": (False, "the decoder starts from the selected proposals' features"),
     "with_box_refine": (True, "every decoder layer refines the boxes"),
     "layer_scale": (1, "the decoder layers after eval_idx have the same width"),
     "top_prob_values": (4, "the LQE reads the top 4 probabilities of each edge"),
@@ -76,15 +60,9 @@ _FIXED = {
     "lqe_layers": (2, "the LQE is a 2-layer MLP"),
     "decoder_offset_scale": (0.5, "the sampling offsets are scaled by 0.5"),
     "decoder_method": ("default", "the deformable attention samples bilinearly"),
-    "layer_norm_eps": (1e-5, "the LayerNorms use eps 1e-5"),
-    "batch_norm_eps": (1e-5, "the BatchNorms use eps 1e-5"),
 }
 _BACKBONE_FIXED = {"num_channels": 3, "hidden_act": "relu"}
 _STAGES = ("stage1", "stage2", "stage3", "stage4")  # transformers' names of stages 0..3
-
-
-def _fail(key: str, value: Any, why: str) -> CheckpointError:
-    return CheckpointError(f"{CONFIG_NAME}: {key}={value!r}; {why}")
 
 
 def _backbone_config(size: str, use_lab: bool, return_idx: list[int]) -> dict[str, Any]:
@@ -165,15 +143,9 @@ def hf_dfine_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         CheckpointError: a setting this project's D-FINE does not build, naming it.
     """
     size, use_lab, return_idx = _backbone(hf_config)
-    for key, (value, why) in _FIXED.items():
-        if key in hf_config and hf_config[key] != value:
-            raise _fail(key, hf_config[key], why)
+    check_fixed(hf_config, _FIXED)
+    one_head_count(hf_config)
     levels = len(return_idx)
-    heads = hf_config.get("encoder_attention_heads", 8)
-    if hf_config.get("decoder_attention_heads", heads) != heads:
-        raise _fail("decoder_attention_heads", hf_config["decoder_attention_heads"],
-                    f"differs from encoder_attention_heads={heads}; model.nheads is one "
-                    "value for both")
     strides = _strides(return_idx)
     if json_list(hf_config, "feat_strides", strides) != strides:
         raise _fail("feat_strides", hf_config["feat_strides"],
@@ -203,14 +175,7 @@ def hf_dfine_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         "backbone_return_idx": return_idx, "freeze_norm": frozen,
         "freeze_at": 0 if frozen else -1, "freeze_stem_only": True, "num_points": points,
     }
-    model.update({ours: hf_config[theirs] for ours, theirs in _FIELDS.items()
-                  if theirs in hf_config})
-    if "positional_encoding_temperature" in hf_config:
-        model["pe_temperature"] = json_number(hf_config, "positional_encoding_temperature",
-                                              10000.0)
-    labels = id2label_names(hf_config)
-    if labels is not None:
-        model["num_classes"] = len(labels)
+    model.update(shared_settings(hf_config, _FIELDS))
     return model
 
 
@@ -233,36 +198,22 @@ def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
         why = (f"model.dec_layers={model.dec_layers}",
                "transformers' D-FINE ties its heads by a pattern that needs a second decoder "
                "layer (it is not built with one; transformers 5.24)")
-    if why is None:
-        return None
-    return f"{why[0]} cannot be written for Hugging Face: {why[1]}"
+    return refusal_line(why)
 
 
 def _loss_config(loss: Any) -> dict[str, Any]:
-    """DFineConfig's loss and matcher entries of a D-FINE ``loss`` section (training in
-    transformers; absent entries keep transformers' defaults, the published values)."""
-    names = {
-        "matcher_alpha": "focal_alpha", "matcher_gamma": "focal_gamma",
-        "matcher_class_cost": "cost_class", "matcher_bbox_cost": "cost_bbox",
-        "matcher_giou_cost": "cost_giou", "focal_loss_alpha": "vfl_alpha",
-        "focal_loss_gamma": "vfl_gamma", "weight_loss_vfl": "class_weight",
-        "weight_loss_bbox": "bbox_weight", "weight_loss_giou": "giou_weight",
-        "weight_loss_fgl": "fgl_weight", "weight_loss_ddf": "ddf_weight",
-    }
-    if getattr(loss, "classification", "vfl") != "vfl":
-        names.pop("weight_loss_vfl")  # DEIM's MAL has no DFineConfig entry
-    return {theirs: float(getattr(loss, ours)) for theirs, ours in names.items()
-            if hasattr(loss, ours)}
+    """DFineConfig's loss and matcher entries of a D-FINE ``loss`` section."""
+    names = {**LOSS_NAMES, "weight_loss_fgl": "fgl_weight", "weight_loss_ddf": "ddf_weight"}
+    if getattr(loss, "classification", "vfl") == "vfl":  # DEIM's MAL has no entry there
+        names["weight_loss_vfl"] = "class_weight"
+    return loss_entries(loss, names)
 
 
 def hf_dfine_config_json(cfg: Any) -> dict[str, Any]:
-    """The ``DFineConfig`` ``config.json`` entries (labels aside) of ``cfg.model``.
-
-    The backbone is transformers' own HGNetv2, built without downloading anything
-    (``use_pretrained_backbone: false``). ``eval_size`` and ``anchor_image_size`` are null:
-    transformers then computes the encoding and the anchors for each input's size, as this
-    project does.
-    """
+    """The ``DFineConfig`` ``config.json`` entries (labels aside) of ``cfg.model``: the
+    shared ones (:func:`~detr_irpe.models.rtdetr.hf.hybrid_config_json`), transformers'
+    HGNetv2 of the size, the levels, FDR's settings, the published values of
+    :data:`_FIXED` and the loss weights of ``cfg.loss``."""
     model = cfg.model
     idx = list(model.backbone_return_idx)
     levels = len(idx)
@@ -271,46 +222,19 @@ def hf_dfine_config_json(cfg: Any) -> dict[str, Any]:
         "architectures": ["DFineForObjectDetection"],
         "model_type": "d_fine",
         "backbone_config": backbone,
-        "use_timm_backbone": False,
-        "use_pretrained_backbone": False,
-        "backbone": None,
-        "freeze_backbone_batch_norms": model.freeze_norm,
-        "encoder_hidden_dim": model.enc_hidden_dim,
+        **hybrid_config_json(model),
         "encoder_in_channels": [backbone["stage_out_channels"][i] for i in idx],
         "feat_strides": _strides(idx),
-        "encoder_layers": model.enc_layers,
-        "encoder_ffn_dim": model.enc_dim_feedforward,
-        "encoder_attention_heads": model.nheads,
-        # one rate here for attention weights, residual branches and feed-forward
-        # activations; transformers has a setting for each
-        "dropout": model.dropout,
-        "attention_dropout": model.dropout,
-        "activation_dropout": model.dropout,
         "encode_proj_layers": [levels - 1],
-        "positional_encoding_temperature": int(model.pe_temperature),
-        "eval_size": None,
-        "hidden_expansion": model.expansion,
         "depth_mult": model.depth_mult,
-        "d_model": model.hidden_dim,
-        "num_queries": model.num_queries,
         "decoder_in_channels": [model.enc_hidden_dim] * levels,
-        "decoder_ffn_dim": model.dim_feedforward,
         "num_feature_levels": levels,
         "decoder_n_points": list(model.num_points),
-        "decoder_layers": model.dec_layers,
-        "decoder_attention_heads": model.nheads,
-        "num_denoising": model.num_denoising,
-        "label_noise_ratio": model.label_noise,
-        "box_noise_scale": model.box_noise,
-        "anchor_image_size": None,
-        "auxiliary_loss": model.aux_loss,
         "eval_idx": model.eval_idx,
         "max_num_bins": model.reg_max,
         "reg_scale": model.reg_scale,
         "up": model.up,
         **{key: value for key, (value, _) in _FIXED.items()},
-        "is_encoder_decoder": True,
-        "use_focal_loss": True,
         **_loss_config(getattr(cfg, "loss", None)),
     }
 

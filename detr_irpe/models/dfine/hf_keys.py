@@ -44,12 +44,12 @@ converts. The family's ``HFSupport`` is :mod:`detr_irpe.models.dfine.hf`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 
 from torch import Tensor
 
-from detr_irpe.checkpoint.hf_modules import LAYOUTS, ModuleTable, conv_norm
+from detr_irpe.checkpoint.hf_modules import LAYOUTS, ModuleTable, conv_norm, hybrid_layouts
+from detr_irpe.models.rtdetr.hf_keys import ATTENTIONS, hybrid_rows
 
 __all__ = [
     "LAYOUTS",
@@ -61,12 +61,10 @@ __all__ = [
 ]
 
 _BB = "model.backbone.model."
-_AIFI = "encoder.encoder.{i}.layers.{l}"
-_HF_AIFI = "model.encoder.aifi.{i}.layers.{l}"
-_DEC = "decoder.decoder.layers.{l}"
-_HF_DEC = "model.decoder.layers.{l}"
 _STAGE = "backbone.stages.{s}"
 _HF_STAGE = _BB + "encoder.stages.{s}"
+_BLOCK = ".blocks.{b}"
+_FFN = ("mlp.layers.0", "mlp.layers.1")
 # the units of a fusion block: here -> there
 _GELAN = {"cv1": "conv1", "cv2.0": "csp_rep1", "cv2.1": "conv2", "cv3.0": "csp_rep2",
           "cv3.1": "conv3", "cv4": "conv4"}
@@ -82,8 +80,10 @@ def _encoder_unit(ours: str, theirs: str) -> tuple[tuple[str, str], ...]:
     return conv_norm(ours, theirs, "conv", "norm")
 
 
-_BLOCK = ".blocks.{b}"
+_DEC = "decoder.decoder.layers.{l}"
+_HF_DEC = "model.decoder.layers.{l}"
 _MODULES: tuple[tuple[str, str], ...] = (
+    *hybrid_rows(_FFN),
     *_hgnet_unit("backbone.stem.{W}", _BB + "embedder.{W}"),
     *_hgnet_unit(f"{_STAGE}.downsample", f"{_HF_STAGE}.downsample"),
     *_hgnet_unit(f"{_STAGE}{_BLOCK}.layers.{{k}}", f"{_HF_STAGE}{_BLOCK}.layers.{{k}}"),
@@ -92,68 +92,30 @@ _MODULES: tuple[tuple[str, str], ...] = (
     *_hgnet_unit(f"{_STAGE}{_BLOCK}.aggregation.{{k}}",
                  f"{_HF_STAGE}{_BLOCK}.aggregation.{{k}}"),
     *conv_norm("encoder.input_proj.{i}", "model.encoder_input_proj.{i}", "0", "1"),
-    (f"{_AIFI}.self_attn.out_proj", f"{_HF_AIFI}.self_attn.o_proj"),
-    (f"{_AIFI}.norm1", f"{_HF_AIFI}.self_attn_layer_norm"),
-    (f"{_AIFI}.linear1", f"{_HF_AIFI}.mlp.layers.0"),
-    (f"{_AIFI}.linear2", f"{_HF_AIFI}.mlp.layers.1"),
-    (f"{_AIFI}.norm2", f"{_HF_AIFI}.final_layer_norm"),
-    *_encoder_unit("encoder.lateral_convs.{i}", "model.encoder.lateral_convs.{i}"),
     *_encoder_unit("encoder.downsample_convs.{i}.0.cv{c}",
                    "model.encoder.downsample_convs.{i}.conv{c}"),
     *(row for blocks in ("fpn_blocks", "pan_blocks") for ours, theirs in _GELAN.items()
       for unit in ("", ".conv{c}", ".bottlenecks.{j}.conv{c}")
       for row in _encoder_unit(f"encoder.{blocks}.{{i}}.{ours}{unit}",
                                f"model.encoder.{blocks}.{{i}}.{theirs}{unit}")),
-    *conv_norm("decoder.input_proj.{i}", "model.decoder_input_proj.{i}", "0", "1"),
-    (f"{_DEC}.self_attn.out_proj", f"{_HF_DEC}.self_attn.o_proj"),
-    (f"{_DEC}.cross_attn", f"{_HF_DEC}.encoder_attn"),
-    *((f"{_DEC}.cross_attn.{name}", f"{_HF_DEC}.encoder_attn.{name}")
-      for name in ("sampling_offsets", "attention_weights")),
-    (f"{_DEC}.norm1", f"{_HF_DEC}.self_attn_layer_norm"),
+    (f"{_DEC}.cross_attn", f"{_HF_DEC}.encoder_attn"),  # its num_points_scale
     *((f"{_DEC}.gateway.{name}", f"{_HF_DEC}.gateway.{name}") for name in ("gate", "norm")),
-    (f"{_DEC}.linear1", f"{_HF_DEC}.mlp.layers.0"),
-    (f"{_DEC}.linear2", f"{_HF_DEC}.mlp.layers.1"),
-    (f"{_DEC}.norm3", f"{_HF_DEC}.final_layer_norm"),
     ("decoder.decoder.lqe_layers.{l}.reg_conf.layers.{j}",
      "model.decoder.lqe_layers.{l}.reg_conf.layers.{j}"),
-    ("decoder.decoder", "model.decoder"),
+    ("decoder.decoder", "model.decoder"),  # FDR's up and reg_scale
     ("decoder.pre_bbox_head.layers.{j}", "model.decoder.pre_bbox_head.layers.{j}"),
-    ("decoder.query_pos_head.layers.{j}", "model.decoder.query_pos_head.layers.{j}"),
-    ("decoder.denoising_class_embed", "model.denoising_class_embed"),
     ("decoder.enc_output.proj", "model.enc_output.0"),
     ("decoder.enc_output.norm", "model.enc_output.1"),
-    ("decoder.enc_score_head", "model.enc_score_head"),
-    ("decoder.enc_bbox_head.layers.{j}", "model.enc_bbox_head.layers.{j}"),
-    ("decoder.dec_score_head.{l}", "model.decoder.class_embed.{l}"),
-    ("decoder.dec_bbox_head.{l}.layers.{j}", "model.decoder.bbox_embed.{l}.layers.{j}"),
 )
 
 TABLE = ModuleTable(
     title="D-FINE",
     hf_class="DFineForObjectDetection",
     modules=_MODULES,
-    attentions=((f"{_AIFI}.self_attn", f"{_HF_AIFI}.self_attn"),
-                (f"{_DEC}.self_attn", f"{_HF_DEC}.self_attn")),
+    attentions=ATTENTIONS,
     markers=("model.decoder.lqe_layers.",),
-    # the renaming transformers 5 applies when it loads a D-FINE file, and back
-    v4_to_v5=(
-        (re.compile(r"^model\.encoder\.encoder\.(\d+)\.layers\."), r"model.encoder.aifi.\1.layers."),
-        (re.compile(r"\.self_attn\.out_proj\."), ".self_attn.o_proj."),
-        (re.compile(r"(\.layers\.\d+)\.fc1\."), r"\1.mlp.layers.0."),
-        (re.compile(r"(\.layers\.\d+)\.fc2\."), r"\1.mlp.layers.1."),
-    ),
-    v5_to_v4=(
-        (re.compile(r"^model\.encoder\.aifi\.(\d+)\.layers\."), r"model.encoder.encoder.\1.layers."),
-        (re.compile(r"\.self_attn\.o_proj\."), ".self_attn.out_proj."),
-        (re.compile(r"(\.layers\.\d+)\.mlp\.layers\.0\."), r"\1.fc1."),
-        (re.compile(r"(\.layers\.\d+)\.mlp\.layers\.1\."), r"\1.fc2."),
-    ),
-    layout_markers={
-        "transformers4": re.compile(r"^model\.encoder\.encoder\.|\.self_attn\.out_proj\.|"
-                                    r"\.layers\.\d+\.fc[12]\."),
-        "transformers5": re.compile(r"^model\.encoder\.aifi\.|\.self_attn\.o_proj\.|"
-                                    r"\.layers\.\d+\.mlp\.layers\.[01]\."),
-    },
+    # the renaming transformers 5 applies when it loads a file, and back
+    **hybrid_layouts(_FFN),
     leaves=("weight", "bias", "running_mean", "running_var", "num_batches_tracked",
             "scale", "num_points_scale", "up", "reg_scale"),
     aliases={"decoder.up": "decoder.decoder.up", "decoder.reg_scale": "decoder.decoder.reg_scale"},

@@ -34,10 +34,12 @@ from detr_irpe.models.rtdetr.hf_keys import (
 )
 from detr_irpe.models.rtdetr.presnet import DEPTHS
 
-__all__ = ["HF", "hf_rtdetr_config_json", "hf_rtdetr_model_config"]
+__all__ = ["HF", "HYBRID_FIELDS", "HYBRID_FIXED", "LOSS_NAMES", "check_fixed", "config_error", "hf_rtdetr_config_json",
+           "hf_rtdetr_model_config", "hybrid_config_json", "loss_entries", "one_head_count",
+           "refusal_line", "shared_settings"]
 
-# model key <- RTDetrConfig key (the same meaning on both sides)
-_FIELDS = {
+# model key <- RTDetrConfig / DFineConfig key (the same meaning on both sides)
+HYBRID_FIELDS = {
     "enc_hidden_dim": "encoder_hidden_dim",
     "enc_dim_feedforward": "encoder_ffn_dim",
     "enc_layers": "encoder_layers",
@@ -47,25 +49,26 @@ _FIELDS = {
     "dim_feedforward": "decoder_ffn_dim",
     "dec_layers": "decoder_layers",
     "num_queries": "num_queries",
-    "num_points": "decoder_n_points",
     "num_denoising": "num_denoising",
     "label_noise": "label_noise_ratio",
     "box_noise": "box_noise_scale",
     "dropout": "dropout",
     "aux_loss": "auxiliary_loss",
 }
-# RTDetrConfig settings that must have their published (default) value here:
+_FIELDS = {**HYBRID_FIELDS, "num_points": "decoder_n_points"}
+# settings of both configs that must have their published (default) value here:
 # key -> (value, why this project needs it)
-_FIXED = {
+HYBRID_FIXED = {
     "activation_function": ("silu", "the CCFM convs use SiLU"),
     "encoder_activation_function": ("gelu", "the AIFI feed-forward uses GELU"),
     "decoder_activation_function": ("relu", "the decoder feed-forward uses ReLU"),
     "normalize_before": (False, "the AIFI layer is post-norm"),
     "learn_initial_query": (False, "the decoder starts from the selected proposals' features"),
-    "num_feature_levels": (3, "the decoder reads the encoder's three levels"),
     "layer_norm_eps": (1e-5, "the LayerNorms use eps 1e-5"),
     "batch_norm_eps": (1e-5, "the BatchNorms use eps 1e-5"),
 }
+_FIXED = {**HYBRID_FIXED,
+          "num_feature_levels": (3, "the decoder reads the encoder's three levels")}
 # transformers' ResNet-vd of each depth: (depths, layer type) and stage widths
 _BACKBONES = {
     18: ("basic", [64, 128, 256, 512]),
@@ -83,8 +86,105 @@ _BACKBONE_FIXED = {
 _OUT_FEATURES = ["stage2", "stage3", "stage4"]  # the stride 8 / 16 / 32 stages
 
 
-def _fail(key: str, value: Any, why: str) -> CheckpointError:
+def config_error(key: str, value: Any, why: str) -> CheckpointError:
+    """The one-line refusal of a ``config.json`` entry."""
     return CheckpointError(f"{CONFIG_NAME}: {key}={value!r}; {why}")
+
+
+_fail = config_error
+
+
+def check_fixed(hf_config: Mapping[str, Any], fixed: Mapping[str, tuple[Any, str]]) -> None:
+    """Refuse an entry of ``fixed`` (key -> (value, why)) that ``config.json`` sets otherwise."""
+    for key, (value, why) in fixed.items():
+        if key in hf_config and hf_config[key] != value:
+            raise config_error(key, hf_config[key], why)
+
+
+def one_head_count(hf_config: Mapping[str, Any]) -> None:
+    """``decoder_attention_heads`` must equal ``encoder_attention_heads`` (one
+    ``model.nheads`` here)."""
+    heads = hf_config.get("encoder_attention_heads", 8)
+    if hf_config.get("decoder_attention_heads", heads) != heads:
+        raise config_error("decoder_attention_heads", hf_config["decoder_attention_heads"],
+                           f"differs from encoder_attention_heads={heads}; model.nheads is "
+                           "one value for both")
+
+
+def shared_settings(hf_config: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
+    """``{model key: value}`` of ``fields`` (ours -> theirs), the encoding temperature and
+    the class count (``id2label``): what the hybrid-encoder families read alike."""
+    model = {ours: hf_config[theirs] for ours, theirs in fields.items() if theirs in hf_config}
+    if "positional_encoding_temperature" in hf_config:
+        model["pe_temperature"] = json_number(hf_config, "positional_encoding_temperature",
+                                              10000.0)
+    labels = id2label_names(hf_config)
+    if labels is not None:
+        model["num_classes"] = len(labels)
+    return model
+
+
+def refusal_line(why: tuple[str, str] | None) -> str | None:
+    """``"<setting> cannot be written for Hugging Face: <why>"`` (None: nothing refused)."""
+    return None if why is None else f"{why[0]} cannot be written for Hugging Face: {why[1]}"
+
+
+# loss and matcher entries of RTDetrConfig / DFineConfig <- the loss section's keys
+LOSS_NAMES = {
+    "matcher_alpha": "focal_alpha", "matcher_gamma": "focal_gamma",
+    "matcher_class_cost": "cost_class", "matcher_bbox_cost": "cost_bbox",
+    "matcher_giou_cost": "cost_giou", "focal_loss_alpha": "vfl_alpha",
+    "focal_loss_gamma": "vfl_gamma", "weight_loss_bbox": "bbox_weight",
+    "weight_loss_giou": "giou_weight",
+}
+
+
+def loss_entries(loss: Any, names: Mapping[str, str]) -> dict[str, Any]:
+    """The ``config.json`` loss entries of ``names`` (theirs -> ours) that ``loss`` has
+    (training in transformers; absent ones keep transformers' defaults, the published
+    values)."""
+    return {theirs: float(getattr(loss, ours)) for theirs, ours in names.items()
+            if hasattr(loss, ours)}
+
+
+def hybrid_config_json(model: Any) -> dict[str, Any]:
+    """The ``config.json`` entries RTDetrConfig and DFineConfig share, of ``cfg.model``.
+
+    The backbone is transformers' own, built without downloading anything
+    (``use_pretrained_backbone: false``; the folder holds every weight). ``eval_size`` and
+    ``anchor_image_size`` are null: transformers then computes the encoding and the anchors
+    for each input's size, as this project does.
+    """
+    return {
+        "use_timm_backbone": False,
+        "use_pretrained_backbone": False,
+        "backbone": None,
+        "freeze_backbone_batch_norms": model.freeze_norm,
+        "encoder_hidden_dim": model.enc_hidden_dim,
+        "encoder_layers": model.enc_layers,
+        "encoder_ffn_dim": model.enc_dim_feedforward,
+        "encoder_attention_heads": model.nheads,
+        # one rate here for attention weights, residual branches and feed-forward
+        # activations; transformers has a setting for each
+        "dropout": model.dropout,
+        "attention_dropout": model.dropout,
+        "activation_dropout": model.dropout,
+        "positional_encoding_temperature": int(model.pe_temperature),
+        "eval_size": None,
+        "hidden_expansion": model.expansion,
+        "d_model": model.hidden_dim,
+        "num_queries": model.num_queries,
+        "decoder_ffn_dim": model.dim_feedforward,
+        "decoder_layers": model.dec_layers,
+        "decoder_attention_heads": model.nheads,
+        "num_denoising": model.num_denoising,
+        "label_noise_ratio": model.label_noise,
+        "box_noise_scale": model.box_noise,
+        "anchor_image_size": None,
+        "auxiliary_loss": model.aux_loss,
+        "is_encoder_decoder": True,
+        "use_focal_loss": True,
+    }
 
 
 def _backbone_depth(hf_config: Mapping[str, Any]) -> int:
@@ -133,14 +233,8 @@ def hf_rtdetr_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         CheckpointError: a setting this project's RT-DETR does not build, naming it.
     """
     depth = _backbone_depth(hf_config)
-    for key, (value, why) in _FIXED.items():
-        if key in hf_config and hf_config[key] != value:
-            raise _fail(key, hf_config[key], why)
-    heads = hf_config.get("encoder_attention_heads", 8)
-    if hf_config.get("decoder_attention_heads", heads) != heads:
-        raise _fail("decoder_attention_heads", hf_config["decoder_attention_heads"],
-                    f"differs from encoder_attention_heads={heads}; model.nheads is one "
-                    "value for both")
+    check_fixed(hf_config, _FIXED)
+    one_head_count(hf_config)
     points = hf_config.get("decoder_n_points", 4)
     if not isinstance(points, int) or isinstance(points, bool):
         raise _fail("decoder_n_points", points, "must be one integer (points per level)")
@@ -162,14 +256,7 @@ def hf_rtdetr_model_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         "depth": depth, "variant": "d", "freeze_norm": frozen, "freeze_at": 0 if frozen else -1,
         "depth_mult": 1.0, "num_levels": 3, "eval_idx": -1,
     }
-    model.update({ours: hf_config[theirs] for ours, theirs in _FIELDS.items()
-                  if theirs in hf_config})
-    if "positional_encoding_temperature" in hf_config:
-        model["pe_temperature"] = json_number(hf_config, "positional_encoding_temperature",
-                                              10000.0)
-    labels = id2label_names(hf_config)
-    if labels is not None:
-        model["num_classes"] = len(labels)
+    model.update(shared_settings(hf_config, _FIELDS))
     return model
 
 
@@ -194,33 +281,13 @@ def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
     elif not float(model.pe_temperature).is_integer():
         why = (f"model.pe_temperature={model.pe_temperature}",
                "RTDetrConfig's positional_encoding_temperature is an integer")
-    if why is None:
-        return None
-    return f"{why[0]} cannot be written for Hugging Face: {why[1]}"
-
-
-def _loss_config(loss: Any) -> dict[str, Any]:
-    """RTDetrConfig's loss and matcher entries of an RT-DETR ``loss`` section (training in
-    transformers; the published values when the section is not RT-DETR's)."""
-    names = {
-        "matcher_alpha": "focal_alpha", "matcher_gamma": "focal_gamma",
-        "matcher_class_cost": "cost_class", "matcher_bbox_cost": "cost_bbox",
-        "matcher_giou_cost": "cost_giou", "focal_loss_alpha": "vfl_alpha",
-        "focal_loss_gamma": "vfl_gamma", "weight_loss_vfl": "vfl_weight",
-        "weight_loss_bbox": "bbox_weight", "weight_loss_giou": "giou_weight",
-    }
-    return {theirs: float(getattr(loss, ours)) for theirs, ours in names.items()
-            if hasattr(loss, ours)}
+    return refusal_line(why)
 
 
 def hf_rtdetr_config_json(cfg: Any) -> dict[str, Any]:
-    """The ``RTDetrConfig`` ``config.json`` entries (labels aside) of ``cfg.model``.
-
-    The backbone is transformers' own ResNet-vd, built without downloading anything
-    (``use_pretrained_backbone: false``; the folder holds every weight). ``eval_size`` and
-    ``anchor_image_size`` are null: transformers then computes the encoding and the anchors
-    for each input's size, as this project does.
-    """
+    """The ``RTDetrConfig`` ``config.json`` entries (labels aside) of ``cfg.model``: the
+    shared ones (:func:`hybrid_config_json`), transformers' ResNet-vd of the depth, the
+    published values of :data:`_FIXED` and the loss weights of ``cfg.loss``."""
     model = cfg.model
     layer_type, widths = _BACKBONES[model.depth]
     return {
@@ -235,49 +302,16 @@ def hf_rtdetr_config_json(cfg: Any) -> dict[str, Any]:
             "out_features": list(_OUT_FEATURES),
             "out_indices": [2, 3, 4],
         },
-        "use_timm_backbone": False,
-        "use_pretrained_backbone": False,
-        "backbone": None,
-        "freeze_backbone_batch_norms": model.freeze_norm,
-        "encoder_hidden_dim": model.enc_hidden_dim,
+        **hybrid_config_json(model),
         "encoder_in_channels": list(widths[1:]),
         "feat_strides": [8, 16, 32],
-        "encoder_layers": model.enc_layers,
-        "encoder_ffn_dim": model.enc_dim_feedforward,
-        "encoder_attention_heads": model.nheads,
-        # one rate here for attention weights, residual branches and feed-forward
-        # activations; transformers has a setting for each
-        "dropout": model.dropout,
-        "attention_dropout": model.dropout,
-        "activation_dropout": model.dropout,
         "encode_proj_layers": [2],
-        "positional_encoding_temperature": int(model.pe_temperature),
-        "encoder_activation_function": "gelu",
-        "activation_function": "silu",
-        "eval_size": None,
-        "normalize_before": False,
-        "hidden_expansion": model.expansion,
-        "d_model": model.hidden_dim,
-        "num_queries": model.num_queries,
         "decoder_in_channels": [model.enc_hidden_dim] * 3,
-        "decoder_ffn_dim": model.dim_feedforward,
-        "num_feature_levels": 3,
         "decoder_n_points": model.num_points,
-        "decoder_layers": model.dec_layers,
-        "decoder_attention_heads": model.nheads,
-        "decoder_activation_function": "relu",
-        "num_denoising": model.num_denoising,
-        "label_noise_ratio": model.label_noise,
-        "box_noise_scale": model.box_noise,
-        "learn_initial_query": False,
-        "anchor_image_size": None,
         "with_box_refine": True,
-        "auxiliary_loss": model.aux_loss,
-        "layer_norm_eps": 1e-5,
-        "batch_norm_eps": 1e-5,
-        "is_encoder_decoder": True,
-        "use_focal_loss": True,
-        **_loss_config(getattr(cfg, "loss", None)),
+        **{key: value for key, (value, _) in _FIXED.items()},
+        **loss_entries(getattr(cfg, "loss", None),
+                       {**LOSS_NAMES, "weight_loss_vfl": "vfl_weight"}),
     }
 
 

@@ -56,16 +56,17 @@ other models with other names). Reading and writing folders is
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 
 from torch import Tensor
 
-from detr_irpe.checkpoint.hf_modules import LAYOUTS, ModuleTable, conv_norm
+from detr_irpe.checkpoint.hf_modules import LAYOUTS, ModuleTable, conv_norm, hybrid_layouts
 
 __all__ = [
+    "ATTENTIONS",
     "LAYOUTS",
     "TABLE",
+    "hybrid_rows",
     "convert_hf_rtdetr_state_dict",
     "hf_rtdetr_layout",
     "is_hf_rtdetr_state_dict",
@@ -81,8 +82,44 @@ _DEC = "decoder.decoder.layers.{l}"
 _HF_DEC = "model.decoder.layers.{l}"
 _CSP = ("fpn_blocks", "pan_blocks")
 
+
+
+def hybrid_rows(ffn: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    """The module rows RT-DETR and D-FINE share (``ffn``: transformers 5's names of a
+    layer's two feed-forward linears): the AIFI layer, the lateral convs, the decoder's
+    input projections, self-attention, norms and feed-forward, and the heads."""
+    return (
+        (f"{_AIFI}.self_attn.out_proj", f"{_HF_AIFI}.self_attn.o_proj"),
+        (f"{_AIFI}.norm1", f"{_HF_AIFI}.self_attn_layer_norm"),
+        (f"{_AIFI}.linear1", f"{_HF_AIFI}.{ffn[0]}"),
+        (f"{_AIFI}.linear2", f"{_HF_AIFI}.{ffn[1]}"),
+        (f"{_AIFI}.norm2", f"{_HF_AIFI}.final_layer_norm"),
+        *conv_norm("encoder.lateral_convs.{i}", "model.encoder.lateral_convs.{i}",
+                   "conv", "norm"),
+        *conv_norm("decoder.input_proj.{i}", "model.decoder_input_proj.{i}", "0", "1"),
+        (f"{_DEC}.self_attn.out_proj", f"{_HF_DEC}.self_attn.o_proj"),
+        *((f"{_DEC}.cross_attn.{name}", f"{_HF_DEC}.encoder_attn.{name}")
+          for name in ("sampling_offsets", "attention_weights")),
+        (f"{_DEC}.norm1", f"{_HF_DEC}.self_attn_layer_norm"),
+        (f"{_DEC}.linear1", f"{_HF_DEC}.{ffn[0]}"),
+        (f"{_DEC}.linear2", f"{_HF_DEC}.{ffn[1]}"),
+        (f"{_DEC}.norm3", f"{_HF_DEC}.final_layer_norm"),
+        ("decoder.denoising_class_embed", "model.denoising_class_embed"),
+        ("decoder.query_pos_head.layers.{j}", "model.decoder.query_pos_head.layers.{j}"),
+        ("decoder.enc_score_head", "model.enc_score_head"),
+        ("decoder.enc_bbox_head.layers.{j}", "model.enc_bbox_head.layers.{j}"),
+        ("decoder.dec_score_head.{l}", "model.decoder.class_embed.{l}"),
+        ("decoder.dec_bbox_head.{l}.layers.{j}", "model.decoder.bbox_embed.{l}.layers.{j}"),
+    )
+
+
+# the two self-attentions, with a fused in_proj here and q / k / v projections there
+ATTENTIONS = ((f"{_AIFI}.self_attn", f"{_HF_AIFI}.self_attn"),
+              (f"{_DEC}.self_attn", f"{_HF_DEC}.self_attn"))
+_FFN = ("mlp.fc1", "mlp.fc2")
 # (project module template, transformers 5 module template); leaves are kept.
 _MODULES: tuple[tuple[str, str], ...] = (
+    *hybrid_rows(_FFN),
     *(row for k in (1, 2, 3)
       for row in conv_norm(f"backbone.conv1.conv1_{k}", f"{_BB}embedder.embedder.{k - 1}")),
     *(row for k, part in enumerate("abc")
@@ -90,14 +127,8 @@ _MODULES: tuple[tuple[str, str], ...] = (
     *conv_norm(f"{_BLOCK}.short", f"{_HF_BLOCK}.shortcut"),
     *conv_norm(f"{_BLOCK}.short.conv", f"{_HF_BLOCK}.shortcut.1"),
     ("encoder.input_proj.{i}.{j}", "model.encoder_input_proj.{i}.{j}"),
-    (f"{_AIFI}.self_attn.out_proj", f"{_HF_AIFI}.self_attn.o_proj"),
-    (f"{_AIFI}.norm1", f"{_HF_AIFI}.self_attn_layer_norm"),
-    (f"{_AIFI}.linear1", f"{_HF_AIFI}.mlp.fc1"),
-    (f"{_AIFI}.linear2", f"{_HF_AIFI}.mlp.fc2"),
-    (f"{_AIFI}.norm2", f"{_HF_AIFI}.final_layer_norm"),
-    *(row for name in ("lateral_convs", "downsample_convs")
-      for row in conv_norm(f"encoder.{name}.{{i}}", f"model.encoder.{name}.{{i}}",
-                           "conv", "norm")),
+    *conv_norm("encoder.downsample_convs.{i}", "model.encoder.downsample_convs.{i}",
+               "conv", "norm"),
     *(row for name in _CSP
       for row in conv_norm(f"encoder.{name}.{{i}}.conv{{c}}",
                            f"model.encoder.{name}.{{i}}.conv{{c}}", "conv", "norm")),
@@ -105,54 +136,24 @@ _MODULES: tuple[tuple[str, str], ...] = (
       for row in conv_norm(f"encoder.{name}.{{i}}.bottlenecks.{{j}}.conv{{c}}",
                            f"model.encoder.{name}.{{i}}.bottlenecks.{{j}}.conv{{c}}",
                            "conv", "norm")),
-    *conv_norm("decoder.input_proj.{i}", "model.decoder_input_proj.{i}", "0", "1"),
-    (f"{_DEC}.self_attn.out_proj", f"{_HF_DEC}.self_attn.o_proj"),
     *((f"{_DEC}.cross_attn.{name}", f"{_HF_DEC}.encoder_attn.{name}")
-      for name in ("sampling_offsets", "attention_weights", "value_proj", "output_proj")),
-    (f"{_DEC}.norm1", f"{_HF_DEC}.self_attn_layer_norm"),
+      for name in ("value_proj", "output_proj")),
     (f"{_DEC}.norm2", f"{_HF_DEC}.encoder_attn_layer_norm"),
-    (f"{_DEC}.linear1", f"{_HF_DEC}.mlp.fc1"),
-    (f"{_DEC}.linear2", f"{_HF_DEC}.mlp.fc2"),
-    (f"{_DEC}.norm3", f"{_HF_DEC}.final_layer_norm"),
-    ("decoder.denoising_class_embed", "model.denoising_class_embed"),
     ("decoder.tgt_embed", "model.weight_embedding"),
-    ("decoder.query_pos_head.layers.{j}", "model.decoder.query_pos_head.layers.{j}"),
     ("decoder.enc_output.{j}", "model.enc_output.{j}"),
-    ("decoder.enc_score_head", "model.enc_score_head"),
-    ("decoder.enc_bbox_head.layers.{j}", "model.enc_bbox_head.layers.{j}"),
-    ("decoder.dec_score_head.{l}", "model.decoder.class_embed.{l}"),
-    ("decoder.dec_bbox_head.{l}.layers.{j}", "model.decoder.bbox_embed.{l}.layers.{j}"),
 )
 
 TABLE = ModuleTable(
     title="RT-DETR",
     hf_class="RTDetrForObjectDetection",
     modules=_MODULES,
-    attentions=((f"{_AIFI}.self_attn", f"{_HF_AIFI}.self_attn"),
-                (f"{_DEC}.self_attn", f"{_HF_DEC}.self_attn")),
+    attentions=ATTENTIONS,
     # keys only an RTDetrForObjectDetection (or RTDetrModel) state dict has; D-FINE's
     # share them but have LQE layers
     markers=("model.encoder_input_proj.", "model.decoder_input_proj.", "model.enc_score_head."),
     not_markers=("model.decoder.lqe_layers.",),
-    # the renaming transformers 5 applies when it loads an RT-DETR file, and back
-    v4_to_v5=(
-        (re.compile(r"^model\.encoder\.encoder\.(\d+)\.layers\."),
-         r"model.encoder.aifi.\1.layers."),
-        (re.compile(r"\.self_attn\.out_proj\."), ".self_attn.o_proj."),
-        (re.compile(r"(\.layers\.\d+)\.(fc[12])\."), r"\1.mlp.\2."),
-    ),
-    v5_to_v4=(
-        (re.compile(r"^model\.encoder\.aifi\.(\d+)\.layers\."),
-         r"model.encoder.encoder.\1.layers."),
-        (re.compile(r"\.self_attn\.o_proj\."), ".self_attn.out_proj."),
-        (re.compile(r"(\.layers\.\d+)\.mlp\.(fc[12])\."), r"\1.\2."),
-    ),
-    layout_markers={
-        "transformers4": re.compile(r"^model\.encoder\.encoder\.|\.self_attn\.out_proj\.|"
-                                    r"\.layers\.\d+\.fc[12]\."),
-        "transformers5": re.compile(r"^model\.encoder\.aifi\.|\.self_attn\.o_proj\.|"
-                                    r"\.layers\.\d+\.mlp\.fc[12]\."),
-    },
+    # the renaming transformers 5 applies when it loads a file, and back
+    **hybrid_layouts(_FFN),
     hint=" (ResNet-vd 18/34/50/101; RTDetrV2 and D-FINE are other models)",
 )
 

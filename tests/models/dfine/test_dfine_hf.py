@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from dfine_weights import synthetic_state_dict
+from hf_reference import F64, assert_same_outputs
 
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
@@ -46,11 +47,8 @@ from detr_irpe.models.dfine.hf_keys import (  # noqa: E402
 from detr_irpe.models.dfine.loss_config import DFINELossConfig  # noqa: E402
 from detr_irpe.models.rtdetr.hf import HF as RTDETR_HF  # noqa: E402
 
-F64 = torch.float64
 NUM_LABELS = 5
 QUERIES = 100  # of the 125 proposals a 160 x 160 image gives D-FINE-N (strides 16, 32)
-TOL = {"rtol": 0.0, "atol": 1e-9}
-TOL_ANCHORS = {"rtol": 0.0, "atol": 1e-6}
 
 # The published HGNetv2 networks in transformers' terms, written from the PP-HGNetV2 table
 # (stem widths; per stage: in, mid, out, blocks, downsample, light, kernel, layers), not
@@ -107,35 +105,6 @@ def images() -> torch.Tensor:
     return torch.rand(1, 3, 160, 160, generator=torch.Generator().manual_seed(0), dtype=F64)
 
 
-@torch.no_grad()
-def transformers_outputs(model: DFineForObjectDetection, x: torch.Tensor,
-                         float32_anchors: bool) -> dict[str, torch.Tensor]:
-    if float32_anchors:
-        generate = model.model.generate_anchors
-
-        def anchors_in_float32(shapes=None, grid_size=0.05, device="cpu", dtype=torch.float32):
-            anchors, valid = generate(shapes, grid_size, device=device, dtype=torch.float32)
-            return anchors.to(dtype), valid
-
-        model.model.generate_anchors = anchors_in_float32
-    try:
-        out = model(pixel_values=x)
-    finally:
-        model.model.__dict__.pop("generate_anchors", None)
-    return {"pred_logits": out.logits, "pred_boxes": out.pred_boxes}
-
-
-@torch.no_grad()
-def assert_same_outputs(ours: torch.nn.Module, theirs: DFineForObjectDetection,
-                        x: torch.Tensor) -> None:
-    mine = ours(x)
-    assert mine["pred_logits"].shape == (1, QUERIES, NUM_LABELS)
-    for float32_anchors, tol in ((True, TOL), (False, TOL_ANCHORS)):
-        reference = transformers_outputs(theirs, x, float32_anchors)
-        for key in ("pred_logits", "pred_boxes"):
-            torch.testing.assert_close(mine[key], reference[key], **tol)
-
-
 def project_model(size: str = "n") -> tuple[torch.nn.Module, SimpleNamespace]:
     model_cfg = DFINEModelConfig.for_size(size, num_classes=NUM_LABELS, num_queries=QUERIES)
     # fed [0, 1] pixels here, as transformers' model is
@@ -155,7 +124,7 @@ def test_project_model_written_for_transformers_gives_its_outputs(tmp_path):
     assert loaded.config.num_labels == NUM_LABELS
     assert not loaded.config.freeze_backbone_batch_norms  # N trains its backbone norms
     assert loaded.config.id2label[3] == "class3"
-    assert_same_outputs(model, loaded.double().eval(), images())
+    assert_same_outputs(model, loaded.double().eval(), images(), (1, QUERIES, NUM_LABELS))
 
 
 def test_transformers_model_read_gives_its_outputs(tmp_path):
@@ -177,7 +146,7 @@ def test_transformers_model_read_gives_its_outputs(tmp_path):
         "n", num_classes=NUM_LABELS, num_queries=QUERIES).replace(size=None)
     model = build_dfine(model_cfg.replace(input_normalization="none"), load_weights=False)
     model.load_state_dict(state, strict=True)
-    assert_same_outputs(model.double().eval(), hf.double(), images())
+    assert_same_outputs(model.double().eval(), hf.double(), images(), (1, QUERIES, NUM_LABELS))
 
 
 def test_attention_rows_are_q_k_v():

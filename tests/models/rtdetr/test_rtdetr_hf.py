@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hf_reference import F64, assert_same_outputs
 from rtdetr_weights import synthetic_state_dict
 
 pytest.importorskip("transformers")
@@ -55,10 +56,7 @@ from detr_irpe.models.rtdetr.hf_keys import (  # noqa: E402
     to_hf_rtdetr_state_dict,
 )
 
-F64 = torch.float64
 NUM_LABELS = 5
-TOL = {"rtol": 0.0, "atol": 1e-9}
-TOL_ANCHORS = {"rtol": 0.0, "atol": 1e-6}
 # transformers' ResNet-vd of each depth, written from its documentation (not from hf.py)
 RESNETS = {
     18: {"depths": [2, 2, 2, 2], "layer_type": "basic", "hidden_sizes": [64, 128, 256, 512]},
@@ -86,35 +84,6 @@ def transformers_config(depth: int, num_labels: int = NUM_LABELS) -> RTDetrConfi
 
 def images(height: int = 160, width: int = 160) -> torch.Tensor:
     return torch.randn(1, 3, height, width, generator=torch.Generator().manual_seed(0), dtype=F64)
-
-
-@torch.no_grad()
-def transformers_outputs(model: RTDetrForObjectDetection, x: torch.Tensor,
-                         float32_anchors: bool) -> dict[str, torch.Tensor]:
-    if float32_anchors:
-        generate = model.model.generate_anchors
-
-        def anchors_in_float32(shapes, grid_size=0.05, device="cpu", dtype=torch.float32):
-            anchors, valid = generate(shapes, grid_size, device=device, dtype=torch.float32)
-            return anchors.to(dtype), valid
-
-        model.model.generate_anchors = anchors_in_float32
-    try:
-        out = model(pixel_values=x)
-    finally:
-        model.model.__dict__.pop("generate_anchors", None)
-    return {"pred_logits": out.logits, "pred_boxes": out.pred_boxes}
-
-
-@torch.no_grad()
-def assert_same_outputs(ours: torch.nn.Module, theirs: RTDetrForObjectDetection,
-                        x: torch.Tensor) -> None:
-    mine = ours(x)
-    assert mine["pred_logits"].shape == (1, 300, NUM_LABELS)
-    for float32_anchors, tol in ((True, TOL), (False, TOL_ANCHORS)):
-        reference = transformers_outputs(theirs, x, float32_anchors)
-        for key in ("pred_logits", "pred_boxes"):
-            torch.testing.assert_close(mine[key], reference[key], **tol)
 
 
 def project_r18() -> tuple[torch.nn.Module, SimpleNamespace]:
@@ -146,7 +115,7 @@ def test_project_model_written_for_transformers_gives_its_outputs(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert not info.get("mismatched_keys")
     assert loaded.config.num_labels == NUM_LABELS and not loaded.config.freeze_backbone_batch_norms
-    assert_same_outputs(model, loaded.double().eval(), images())
+    assert_same_outputs(model, loaded.double().eval(), images(), (1, 300, NUM_LABELS))
 
 
 def test_transformers_model_converted_gives_its_outputs(tmp_path):
@@ -168,7 +137,7 @@ def test_transformers_model_converted_gives_its_outputs(tmp_path):
     assert model_cfg == RTDETRModelConfig.for_depth(18, num_classes=NUM_LABELS)
     model = build_rtdetr(model_cfg.replace(input_normalization="none"))  # [0, 1] pixels
     model.load_state_dict(state, strict=True)
-    assert_same_outputs(model.double().eval(), hf.double(), images())
+    assert_same_outputs(model.double().eval(), hf.double(), images(), (1, 300, NUM_LABELS))
 
 
 def test_attention_rows_are_q_k_v():
@@ -326,7 +295,7 @@ def test_early_top_level_heads_are_the_heads(r18_hf_keys, caplog):
                        heads["model.decoder.bbox_embed.0.layers.1.bias"])
     # both copies: model.decoder's wins, a differing top-level copy is reported
     other = {k: v + 1 for k, v in top_level.items()}
-    with caplog.at_level(logging.WARNING, logger="detr_irpe.models.rtdetr.hf_keys"):
+    with caplog.at_level(logging.WARNING, logger="detr_irpe.checkpoint.hf_modules"):
         both = convert_hf_rtdetr_state_dict({**rest, **heads, **other})
     assert torch.equal(both["decoder.dec_score_head.1.bias"],
                        heads["model.decoder.class_embed.1.bias"])
