@@ -14,6 +14,15 @@ fresh full-size ``(B h, L, L)`` buffer costs page faults, more than the arithmet
 it (timings: docs/benchmarks.md), and the explicit path needs several of them per layer.
 Activation memory drops from O(B h L^2) to O(B h L D).
 
+With two or more intra-op threads on the CPU the blocks are shared out to worker threads,
+one intra-op thread each, taken from a queue (:func:`_for_each_block`): the operations of
+one block need no thread barrier with another's, so on a shared machine a thread whose
+core is busy with another process delays only its own block (issue 41: the per-operation
+barriers of the serial loop made it slow down 2.1-2.3x next to a competing process where
+``nn.MultiheadAttention`` slows down 1.5x; docs/benchmarks.md). The keep-masks are drawn
+before any block runs and the sums over blocks (``dK``, ``dV``, the tables' gradients) are
+added in block order, so every call gives the same bits whichever thread ran which block.
+
 ``lookup_t`` is the RPE-K gather ``P[n, i, ids[i, j]]`` or the RPE-Q transposed lookup
 ``P[n, j, ids[j, i]]`` (a flat index ``j K + ids[j, i]``); ``P`` may have one row per head
 and image (contextual mode), per head or one shared (bias mode), and broadcasts.
@@ -21,6 +30,9 @@ and image (contextual mode), per head or one shared (bias mode), and broadcasts.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +101,73 @@ def _to_term(ds, m, num_heads):
     return ds.view(n // num_heads, num_heads, *ds.shape[1:]).sum(0)
 
 
+def _blocks(length: int, block_rows: int) -> list[tuple[int, int]]:
+    return [(r0, min(length, r0 + block_rows)) for r0 in range(0, length, block_rows)]
+
+
+# the worker threads of the blocks (created on first use; one per intra-op thread); a
+# forked child has none of its parent's threads and starts its own
+_POOL: list[ThreadPoolExecutor | None] = [None]
+os.register_at_fork(after_in_child=lambda: _POOL.__setitem__(0, None))
+
+
+def _workers(count: int) -> ThreadPoolExecutor:
+    pool = _POOL[0]
+    if pool is None or pool._max_workers != count:  # noqa: SLF001 (its own size)
+        if pool is not None:
+            pool.shutdown(wait=True)
+        pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="irpe-blocks")
+        _POOL[0] = pool
+    return pool
+
+
+def _threads_for(device: torch.device, blocks: int) -> int:
+    """How many threads share out the blocks: one block per thread at a time on the CPU
+    with two or more intra-op threads and two or more blocks (1: the serial loop, whose
+    operations use the intra-op threads themselves). Not while tracing or compiling."""
+    threads = torch.get_num_threads()
+    if (device.type != "cpu" or threads < 2 or blocks < 2 or torch.jit.is_tracing()
+            or torch.compiler.is_compiling()):
+        return 1
+    return min(threads, blocks)
+
+
+def _for_each_block(function: Callable[[int], None], blocks: int, threads: int) -> None:
+    """``function(b)`` for every block ``b``: in order on this thread (``threads`` 1), or
+    taken from a shared queue by ``threads`` worker threads whose operations run on one
+    intra-op thread each (issue 41: no thread barrier between the blocks' operations, so
+    a thread whose core is taken by another process holds up only the block it runs, and
+    the others take the remaining blocks). torch's thread count is process-wide: it is 1
+    while the workers run (this thread only waits) and restored afterwards."""
+    if threads <= 1:
+        for b in range(blocks):
+            function(b)
+        return
+    grad = torch.is_grad_enabled()  # thread-local: off in an autograd Function's passes
+
+    def run(b: int) -> None:
+        with torch.set_grad_enabled(grad):
+            function(b)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        futures = [_workers(threads).submit(run, b) for b in range(blocks)]
+        wait(futures)
+        for future in futures:
+            future.result()  # the first error, if any
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _sum_in_order(parts: list[torch.Tensor | None], into: torch.Tensor) -> None:
+    """``into += parts[0] + parts[1] + ...`` in block order (the same sum every run,
+    whichever thread computed which block)."""
+    for part in parts:
+        if part is not None:
+            into.add_(part)
+
+
 class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pad, terms, num_heads, dropout_p, block_rows, *tensors):
@@ -99,17 +178,21 @@ class _BlockedAttention(torch.autograd.Function):
         kt = k.transpose(1, 2)
         out = v.new_empty(n, length, v.shape[-1])
         buckets = [v.new_empty(n, length, w.shape[-2]) for w in tables]  # (N, L, K), small
-        keeps = []
-        for r0 in range(0, length, block_rows):
-            r1 = min(length, r0 + block_rows)
+        blocks = _blocks(length, block_rows)
+        # the keep-masks are drawn here, block by block, before any block runs: the same
+        # random numbers in the same order whichever thread runs which block
+        keeps = [keep_mask((n, r1 - r0, length), dropout_p, q.device) for r0, r1 in blocks] \
+            if dropout_p > 0.0 else []
+        scale = keep_scale(dropout_p, q.device) if dropout_p > 0.0 else 1.0
+
+        def block(b: int) -> None:
+            r0, r1 = blocks[b]
             rows = r1 - r0
             # the backward recomputes this softmax bit for bit (one fused kernel; a saved
             # log-sum-exp would lose the logits of fully padded rows next to the pad value)
             a = torch.softmax(_logits(q, kt, pad, terms, scores, r0, r1, num_heads), dim=-1)
             if dropout_p > 0.0:
-                keep = keep_mask(a.shape, dropout_p, a.device)
-                a.mul_(keep).mul_(keep_scale(dropout_p, a.device))
-                keeps.append(keep)
+                a.mul_(keeps[b]).mul_(scale)
             o = torch.bmm(a, v)
             for index, table, per_bucket in zip(terms.value_index, tables, buckets):
                 kb = table.shape[-2]
@@ -119,6 +202,8 @@ class _BlockedAttention(torch.autograd.Function):
                 o.add_(torch.matmul(bucket.view(batch, num_heads, rows, kb), table)
                        .view(n, rows, -1))
             out[:, r0:r1] = o
+
+        _for_each_block(block, len(blocks), _threads_for(q.device, len(blocks)))
         ctx.save_for_backward(q, k, v, out, pad, *tensors, *buckets)
         ctx.terms, ctx.num_heads, ctx.dropout_p, ctx.block_rows = (
             terms, num_heads, dropout_p, block_rows)
@@ -141,18 +226,32 @@ class _BlockedAttention(torch.autograd.Function):
         d_scores = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) for p in scores]
         d_tables = [torch.zeros_like(w) for w in tables]
         scale = keep_scale(p_drop, q.device) if p_drop > 0.0 else 1.0
-        for block, r0 in enumerate(range(0, length, block_rows)):
-            r1 = min(length, r0 + block_rows)
+        blocks = _blocks(length, block_rows)
+        threads = _threads_for(q.device, len(blocks))
+        # the sums over blocks: into the gradients themselves on one thread, else one
+        # part per block, added in block order afterwards
+        parts: dict[str, list] = {name: [None] * len(blocks) for name in ("dk", "dv")}
+        parts.update({f"t{j}": [None] * len(blocks) for j in range(tv)})
+        parts.update({f"s{j}": [None] * len(blocks) for j in range(t)})
+
+        def target(name: str, b: int, like: torch.Tensor) -> torch.Tensor:
+            if threads == 1:
+                return like
+            parts[name][b] = torch.zeros_like(like)
+            return parts[name][b]
+
+        def block(b: int) -> None:
+            r0, r1 = blocks[b]
             rows = r1 - r0
             g_blk = grad_out[:, r0:r1]
             a = torch.softmax(_logits(q, kt, pad, terms, scores, r0, r1, heads), dim=-1)
             if p_drop > 0.0:
-                keep = ctx.keeps[block]
+                keep = ctx.keeps[b]
                 ad = a * keep
                 ad.mul_(scale)
             else:
                 ad = a
-            dv.baddbmm_(ad.transpose(1, 2), g_blk)
+            target("dv", b, dv).baddbmm_(ad.transpose(1, 2), g_blk)
             da = torch.bmm(g_blk, vt)
             g4 = g_blk.reshape(batch, heads, rows, -1)
             for j, (index, table) in enumerate(zip(terms.value_index, tables)):
@@ -163,20 +262,30 @@ class _BlockedAttention(torch.autograd.Function):
                 bucket = buckets[j][:, r0:r1]
                 gw = torch.matmul(bucket.reshape(batch, heads, rows, kb).transpose(-2, -1), g4)
                 gw = gw.sum(0)
-                d_tables[j] += gw.sum(0, keepdim=True) if table.shape[0] == 1 else gw
+                target(f"t{j}", b, d_tables[j]).add_(
+                    gw.sum(0, keepdim=True) if table.shape[0] == 1 else gw)
             if p_drop > 0.0:
                 da.mul_(keep).mul_(scale)
             ds = da.sub_(delta[:, r0:r1, None]).mul_(a)  # softmax backward, in place
             dq[:, r0:r1] = torch.bmm(ds, k)
-            dk.baddbmm_(ds.transpose(1, 2), q[:, r0:r1])
-            for (index, transposed), p, d in zip(terms.logit_index, scores, d_scores):
+            target("dk", b, dk).baddbmm_(ds.transpose(1, 2), q[:, r0:r1])
+            for j, ((index, transposed), p, d) in enumerate(zip(terms.logit_index, scores,
+                                                                d_scores)):
                 m = p.shape[0]
                 dsm = _to_term(ds, m, heads)
-                if transposed:
-                    d.view(m, -1).index_add_(1, index[r0 * length:r1 * length],
-                                             dsm.reshape(m, -1))
-                else:
+                if transposed:  # spread over every row of d: a sum over the blocks
+                    target(f"s{j}", b, d).view(m, -1).index_add_(
+                        1, index[r0 * length:r1 * length], dsm.reshape(m, -1))
+                else:  # rows r0:r1 of d, this block's own
                     d[:, r0:r1].scatter_add_(-1, index[r0:r1].expand(m, rows, length), dsm)
+
+        _for_each_block(block, len(blocks), threads)
+        _sum_in_order(parts["dk"], dk)
+        _sum_in_order(parts["dv"], dv)
+        for j in range(tv):
+            _sum_in_order(parts[f"t{j}"], d_tables[j])
+        for j in range(t):
+            _sum_in_order(parts[f"s{j}"], d_scores[j])
         return (dq, dk, dv, None, None, None, None, None, *d_scores, *d_tables)
 
 

@@ -486,10 +486,14 @@ def test_projection_branches_and_no_bias() -> None:
     torch.testing.assert_close(plain(y, y, y, (3, 4))[0], mha(y, y, y)[0])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rpe", [None, "rpe-2.0-product-ctx-1-k", "rpe-1.9-cross-ctx-0-qkv",
                                  "rpe-2.0-euc-bias-0-qk"])
-def test_blocked_core_equals_explicit_over_several_blocks(rpe: str) -> None:
-    """The benchmarked CPU training path (row blocks, last one partial) vs the explicit one."""
+def test_blocked_core_equals_explicit_over_several_blocks(rpe: str, threads: int) -> None:
+    """The benchmarked CPU training path (row blocks, last one partial) vs the explicit one;
+    with 2 threads the blocks are shared out to worker threads (their sums over blocks
+    added in block order)."""
+    torch.set_num_threads(threads)  # restored by conftest
     module = IRPEMultiheadAttention(16, 2, rpe=rpe).double()
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -511,11 +515,14 @@ def test_blocked_core_equals_explicit_over_several_blocks(rpe: str) -> None:
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rpe", [None, "rpe-2.0-product-ctx-1-k", "rpe-1.9-cross-ctx-0-qkv"])
-def test_blocked_core_with_dropout_equals_explicit(rpe: str, monkeypatch) -> None:
+def test_blocked_core_with_dropout_equals_explicit(rpe: str, threads: int, monkeypatch) -> None:
     """Training with attention dropout: the same keep-mask given to both paths (the
-    explicit path draws it for the whole (B, h, L, L), the blocked core per row block)
-    gives the same output and gradients, so the blocked backward scales like its forward."""
+    explicit path draws it for the whole (B, h, L, L), the blocked core per row block, in
+    block order before any block runs, also when worker threads run the blocks) gives the
+    same output and gradients, so the blocked backward scales like its forward."""
+    torch.set_num_threads(threads)
     from detr_irpe.irpe import blocked as blocked_module
     from detr_irpe.irpe import dropout as dropout_module
 
@@ -561,3 +568,45 @@ def test_blocked_core_with_dropout_equals_explicit(rpe: str, monkeypatch) -> Non
     plain.load_state_dict(module.state_dict())
     assert not torch.allclose(plain(query, query, value, (4, 5), key_padding_mask=mask)[0],
                               results[0][0])
+
+
+def test_blocked_core_on_worker_threads_is_deterministic_and_restores_threads(
+        monkeypatch) -> None:
+    """With 2 intra-op threads the blocks run on the worker threads, with 1 intra-op
+    thread each while they run; the output and gradients are the same bits on every call
+    (sums over blocks in block order, masks drawn before), torch's thread count is
+    restored, and an error in a block reaches the caller (threads restored too)."""
+    import threading
+
+    from detr_irpe.irpe import blocked as blocked_module
+
+    torch.set_num_threads(2)
+    seen = []
+    original = blocked_module._logits
+
+    def recording(*args):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return original(*args)
+
+    monkeypatch.setattr(blocked_module, "_logits", recording)
+    module = IRPEMultiheadAttention(16, 2, dropout=0.1, rpe="rpe-2.0-product-ctx-1-k",
+                                    impl="blocked", block_rows=4).train()
+    _randomise_tables(module)
+    x = torch.randn(2, 20, 16, requires_grad=True)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        out, _ = module(x, x, x, (4, 5))
+        runs.append((out, torch.autograd.grad(out.square().sum(), [x, *module.parameters()])))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert seen and all(name.startswith("irpe-blocks") and n == 1 for name, n in seen)
+    assert torch.get_num_threads() == 2
+
+    def failing(*args):
+        raise RuntimeError("block failed")
+
+    monkeypatch.setattr(blocked_module, "_logits", failing)
+    with pytest.raises(RuntimeError, match="block failed"):
+        module(x, x, x, (4, 5))
+    assert torch.get_num_threads() == 2
