@@ -17,6 +17,11 @@ structure, never guessed from names:
 - a module with a ``fuse()`` method merges itself after its children were folded
   (RT-DETR's RepVGG block: the 1x1 branch added into the 3x3 kernel).
 
+One module is replaced by a faster one that computes the same numbers exactly: a 2 x 2 max
+pool of stride 1 without padding (HGNetv2's stem, D-FINE / DEIM), as the maximum of the four
+shifted views of its input (:class:`PairMax2d`): PyTorch's CPU max pool took 20 ms of
+D-FINE-L's 390 ms at 640 x 640 on a contiguous map, three elementwise maxima 2 ms.
+
 The folded model computes the same function to float32 rounding (tested against the
 training form) and has other state-dict keys: it is for inference only and is never saved.
 """
@@ -34,7 +39,8 @@ from detr_irpe.models.backbone import FrozenBatchNorm2d
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fold_conv_norm", "fuse_for_inference", "inference_form", "is_batch_norm"]
+__all__ = ["PairMax2d", "fold_conv_norm", "fuse_for_inference", "inference_form",
+           "is_batch_norm"]
 
 # torchvision's ResNet blocks: forward applies bnN to convN's output (N = 1, 2, 3)
 _TORCHVISION_PAIRS = {BasicBlock: (("conv1", "bn1"), ("conv2", "bn2")),
@@ -112,9 +118,39 @@ def _fold_sequential(seq: nn.Sequential) -> int:
     return folded
 
 
+class PairMax2d(nn.Module):
+    """``nn.MaxPool2d(2, stride=1)`` (no padding; ``ceil_mode`` makes no difference at
+    stride 1) as the maximum of the four shifted views: the same values, exactly."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top = torch.maximum(x[..., :-1, :-1], x[..., :-1, 1:])
+        return torch.maximum(top, torch.maximum(x[..., 1:, :-1], x[..., 1:, 1:]))
+
+
+def _is_pair_max(module: nn.Module) -> bool:
+    """A 2 x 2 max pool of stride 1 without padding, dilation or indices."""
+    def pair(value) -> tuple:
+        return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+
+    return (type(module) is nn.MaxPool2d and pair(module.kernel_size) == (2, 2)
+            and pair(module.stride) == (1, 1) and pair(module.padding) == (0, 0)
+            and pair(module.dilation) == (1, 1) and not module.return_indices)
+
+
+def _replace_pools(model: nn.Module) -> int:
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if _is_pair_max(child):
+                setattr(module, name, PairMax2d())
+                replaced += 1
+    return replaced
+
+
 def fuse_for_inference(model: nn.Module) -> nn.Module:
-    """Fold every batch norm that directly follows a convolution into it and merge the
-    blocks that can merge (``fuse()``), in place; ``model`` must be in eval mode.
+    """Fold every batch norm that directly follows a convolution into it, merge the
+    blocks that can merge (``fuse()``) and replace 2 x 2 stride-1 max pools by
+    :class:`PairMax2d`, in place; ``model`` must be in eval mode.
 
     Returns:
         ``model`` (for chaining).
@@ -137,8 +173,9 @@ def fuse_for_inference(model: nn.Module) -> nn.Module:
         fuse = getattr(module, "fuse", None)
         if callable(fuse) and fuse():
             merged += 1
-    logger.info("inference form: %d batch norms folded into convolutions, %d blocks merged",
-                folded, merged)
+    pools = _replace_pools(model)
+    logger.info("inference form: %d batch norms folded into convolutions, %d blocks merged, "
+                "%d max pools replaced", folded, merged, pools)
     return model
 
 

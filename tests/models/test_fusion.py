@@ -14,7 +14,7 @@ from torch import nn
 from detr_irpe.config import load_config
 from detr_irpe.models import build_model
 from detr_irpe.models.backbone import FrozenBatchNorm2d
-from detr_irpe.models.fusion import fold_conv_norm, fuse_for_inference, is_batch_norm
+from detr_irpe.models.fusion import PairMax2d, fold_conv_norm, fuse_for_inference, is_batch_norm
 from detr_irpe.models.rtdetr.hybrid_encoder import RepVggBlock
 from detr_irpe.structures import ImageBatch
 
@@ -135,9 +135,30 @@ def test_dfine_inference_form_folds_the_hgnetv2_blocks_too(frozen: bool) -> None
     model = model.double().eval()
     fused = fuse_for_inference(copy.deepcopy(model))
     assert _norms(model) > 0 and _norms(fused) == 0
+    # the stem's 2 x 2 stride-1 max pool is the shifted-maximum module
+    assert any(isinstance(m, nn.MaxPool2d) for m in model.modules())
+    assert not any(isinstance(m, nn.MaxPool2d) for m in fused.modules())
+    assert any(isinstance(m, PairMax2d) for m in fused.modules())
     images = torch.rand(2, 3, 64, 64, dtype=torch.float64)
     with torch.no_grad():
         for a, b in zip(model.encoder(model.backbone(images)),
                         fused.encoder(fused.backbone(images))):
             torch.testing.assert_close(b, a)
+
+
+@pytest.mark.parametrize("ceil_mode", [False, True])
+@pytest.mark.parametrize("shape", [(1, 3, 5, 7), (2, 4, 8, 8), (1, 2, 2, 9)])
+def test_pair_max_is_the_max_pool_exactly(shape, ceil_mode) -> None:
+    """The 2 x 2 stride-1 max pool and its replacement: the same values and shape, in both
+    memory layouts; other pools are left alone."""
+    x = torch.randn(*shape)
+    pool = nn.MaxPool2d(2, stride=1, ceil_mode=ceil_mode)
+    for layout in (torch.contiguous_format, torch.channels_last):
+        y = x.contiguous(memory_format=layout)
+        assert torch.equal(PairMax2d()(y), pool(y))
+    kept = nn.Sequential(nn.MaxPool2d(3, stride=1), nn.MaxPool2d(2, stride=2),
+                         nn.MaxPool2d(2, stride=1, padding=1), nn.MaxPool2d(2, stride=1))
+    fuse_for_inference(kept.eval())
+    assert [type(m).__name__ for m in kept] == ["MaxPool2d", "MaxPool2d", "MaxPool2d",
+                                                "PairMax2d"]
 
