@@ -139,6 +139,10 @@ def test_dfine_inference_form_folds_the_hgnetv2_blocks_too(frozen: bool) -> None
     assert any(isinstance(m, nn.MaxPool2d) for m in model.modules())
     assert not any(isinstance(m, nn.MaxPool2d) for m in fused.modules())
     assert any(isinstance(m, PairMax2d) for m in fused.modules())
+    # activations after a folded norm run in place (the training form's do not)
+    relus = [m for m in fused.modules() if isinstance(m, nn.ReLU)]
+    assert relus and all(m.inplace for m in relus)
+    assert not any(m.inplace for m in model.modules() if isinstance(m, nn.ReLU))
     images = torch.rand(2, 3, 64, 64, dtype=torch.float64)
     with torch.no_grad():
         for a, b in zip(model.encoder(model.backbone(images)),

@@ -14,11 +14,14 @@ from torch import Tensor, nn
 ACTIVATIONS = ("relu", "silu", "gelu")
 
 
-def activation_fn(name: str | None):
-    """``None`` (identity) or one of :data:`ACTIVATIONS` as a function."""
+def activation_fn(name: str | None, inplace: bool = False):
+    """``None`` (identity) or one of :data:`ACTIVATIONS` as a function; ``inplace``: one
+    that overwrites its input where PyTorch has such a form (ReLU, SiLU; the inference
+    form, :mod:`detr_irpe.models.fusion`)."""
     if name is None:
         return _identity
-    table = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu}
+    table = {"relu": F.relu_ if inplace else F.relu,
+             "silu": _silu_ if inplace else F.silu, "gelu": F.gelu}
     if name not in table:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {name!r}")
     return table[name]
@@ -26,6 +29,10 @@ def activation_fn(name: str | None):
 
 def _identity(x: Tensor) -> Tensor:
     return x
+
+
+def _silu_(x: Tensor) -> Tensor:
+    return F.silu(x, inplace=True)
 
 
 class ConvNormLayer(nn.Module):
@@ -64,6 +71,14 @@ class ConvNormLayer(nn.Module):
     def fusable_pairs(self) -> list[tuple[str, str]]:
         """The norm follows the conv (:func:`detr_irpe.models.fusion.fuse_for_inference`)."""
         return [("conv", "norm")]
+
+    def fuse(self) -> bool:
+        """Once the norm is folded into the conv (the inference form), the activation
+        runs in place on the conv's fresh output (one allocation less per call; such a
+        model is for inference without gradients). Nothing is merged: returns False."""
+        if isinstance(self.norm, nn.Identity):
+            self._act = activation_fn(self.act_name, inplace=True)
+        return False
 
     def extra_repr(self) -> str:
         return f"act={self.act_name}"
