@@ -31,6 +31,7 @@ and image (contextual mode), per head or one shared (bias mode), and broadcasts.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -105,10 +106,20 @@ def _blocks(length: int, block_rows: int) -> list[tuple[int, int]]:
     return [(r0, min(length, r0 + block_rows)) for r0 in range(0, length, block_rows)]
 
 
-# the worker threads of the blocks (created on first use; one per intra-op thread); a
-# forked child has none of its parent's threads and starts its own
+# the worker threads of the blocks (created on first use; one per intra-op thread), and
+# the lock of the process-wide thread count while they run; a forked child has none of its
+# parent's threads and starts anew
 _POOL: list[ThreadPoolExecutor | None] = [None]
-os.register_at_fork(after_in_child=lambda: _POOL.__setitem__(0, None))
+_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _LOCK
+    _POOL[0] = None
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _workers(count: int) -> ThreadPoolExecutor:
@@ -149,15 +160,16 @@ def _for_each_block(function: Callable[[int], None], blocks: int, threads: int) 
         with torch.set_grad_enabled(grad):
             function(b)
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        futures = [_workers(threads).submit(run, b) for b in range(blocks)]
-        wait(futures)
-        for future in futures:
-            future.result()  # the first error, if any
-    finally:
-        torch.set_num_threads(previous)
+    with _LOCK:  # one caller at a time sets and restores the process-wide thread count
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            futures = [_workers(threads).submit(run, b) for b in range(blocks)]
+            wait(futures)
+            for future in futures:
+                future.result()  # the first error, if any
+        finally:
+            torch.set_num_threads(previous)
 
 
 def _sum_in_order(parts: list[torch.Tensor | None], into: torch.Tensor) -> None:
