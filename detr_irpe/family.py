@@ -190,6 +190,11 @@ class DetectorFamily:
         aliases: older spellings of the name (``model.decoder`` values).
         attention: where the attention figures find its attention modules (None: it has
             no attention figures; ``visualize all`` skips them).
+        selected_queries: ``model -> the module whose num_queries picks the queries from
+            the encoder's proposals`` (top-k, no learned query embedding: RT-DETR, D-FINE),
+            or None for that module when a model has learned queries; None: the family's
+            queries are learned (DETR). A mosaic canvas of k images is evaluated with k
+            times the queries and detections of such a model (docs/evaluation.md).
     """
 
     name: str
@@ -209,6 +214,7 @@ class DetectorFamily:
     benchmark_targets: Mapping[str, str] = field(default_factory=dict)
     aliases: Sequence[str] = ()
     attention: AttentionSupport | None = None
+    selected_queries: Callable[[nn.Module], nn.Module | None] | None = None
 
     def name_of(self, model_cfg: Any) -> str:
         """The name of one configuration of this family (``DN-DAB-DETR``)."""

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from detr_irpe.evaluation.size_table import (
     size_rows,
     write_size_table,
 )
+from detr_irpe.family import get_family
 from detr_irpe.models import LoadedModel, build_postprocessor, model_from_checkpoint
 from detr_irpe.sizes import EvalSize
 
@@ -126,9 +128,9 @@ def run_evaluation(
                         continue
                     done.append((v, r))
                     table_rows += size_rows([v.label], [r["summary"]])
-                    padded = _padded_input(loaded.model, run_cfg, v)
-                    if padded is not None:
-                        table_rows[-1]["note"] = padded
+                    note = r.get("note") or _padded_input(loaded.model, run_cfg, v)
+                    if note is not None:
+                        table_rows[-1]["note"] = note
                 if info.is_main:
                     write_size_table(table_rows, output_dir, checkpoint, table)
                 if failed:
@@ -199,6 +201,39 @@ def _refuse_if_too_big(cfg: Config, size: EvalSize) -> None:
             f"than {machine}; give a smaller size or --set train.batch_size=1")
 
 
+@contextmanager
+def _canvas_queries(loaded: LoadedModel, model: Any, postprocessor: nn.Module,
+                    view: EvalSize | CanvasLayout | None) -> Iterator[str | None]:
+    """On a mosaic canvas of ``k`` images, a model whose queries are selected from the
+    encoder's proposals (its family's ``selected_queries``: RT-DETR, D-FINE) runs with
+    ``k`` times its queries and keeps ``k`` times the detections, one set per image, as it
+    would on the ``k`` images alone; restored afterwards. Yields the table's note for the
+    layout (None: nothing to say)."""
+    factor = view.images_per_canvas if isinstance(view, CanvasLayout) else 1
+    if factor == 1:
+        yield None
+        return
+    family = get_family(loaded.cfg.model.family)
+    module = getattr(model, "module", model)
+    decoder = (family.selected_queries(module) if family.selected_queries is not None
+               and isinstance(module, nn.Module) else None)
+    if decoder is None:
+        yield (f"queries not scaled with the {factor} images: "
+               + ("learned queries" if isinstance(module, nn.Module) else "an exported graph"))
+        return
+    queries, kept = decoder.num_queries, getattr(postprocessor, "num_select", None)
+    decoder.num_queries = queries * factor
+    if kept is not None:
+        postprocessor.num_select = kept * factor
+    try:
+        yield (f"{decoder.num_queries} queries ({factor} x {queries}: one set per image of "
+               "the canvas)")
+    finally:
+        decoder.num_queries = queries
+        if kept is not None:
+            postprocessor.num_select = kept
+
+
 def _evaluate_at(loaded: LoadedModel, model: Any, cfg: Config, checkpoint: Path,
                  output_dir: Path, info: DistInfo, progress: bool,
                  size: EvalSize | CanvasLayout | None) -> dict[str, Any]:
@@ -226,10 +261,12 @@ def _evaluate_at(loaded: LoadedModel, model: Any, cfg: Config, checkpoint: Path,
     )
     evaluator, timer = CocoEvaluator(val_ds.coco), ForwardTimer(info.device)
     start = time.perf_counter()
-    losses, summary = evaluate(
-        model, criterion, postprocessor, loader, evaluator, info.device,
-        amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5, timer=timer,
-    )
+    with _canvas_queries(loaded, model, postprocessor, size) as note:
+        losses, summary = evaluate(
+            model, criterion, postprocessor, loader, evaluator, info.device,
+            amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5,
+            timer=timer,
+        )
     pipeline_seconds = time.perf_counter() - start
     first = val_ds[0][0].to(info.device) if len(val_ds) else None
     speed = speed_record(timer, loaded.model, first, pipeline_seconds)
@@ -246,7 +283,7 @@ def _evaluate_at(loaded: LoadedModel, model: Any, cfg: Config, checkpoint: Path,
         write_eval_outputs(evaluator, summary, losses, output_dir, extra)
         evaluator.save_pr_arrays(output_dir / "precision.npz")
     return {"summary": summary, "per_class_table": table, "losses": losses, "speed": speed,
-            "output_dir": str(output_dir), "config": cfg, "rank": info.rank}
+            "output_dir": str(output_dir), "config": cfg, "rank": info.rank, "note": note}
 
 
 __all__ = ["run_evaluation"]

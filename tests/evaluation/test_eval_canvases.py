@@ -171,3 +171,54 @@ def test_train_eval_only_and_demo_take_canvases(checkpoint, tiny_dataset, tmp_pa
     # the demo refuses a bad layout in one line, before anything runs
     assert demo_main(["--canvases", "mosaic2x2", "pad2x2"]) == 2
     assert "error: --canvases: canvas 'pad2x2'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- queries on mosaics
+@pytest.mark.parametrize(("config", "scaled"), [("rtdetr_tiny", True), ("dfine_tiny", True),
+                                                ("detr_irpe_tiny", False)])
+def test_a_mosaic_of_k_images_gets_k_times_the_selected_queries(config, scaled) -> None:
+    """RT-DETR / D-FINE select their queries from the proposals: on a mosaic of k images
+    they run with k x num_queries and keep k x num_select (restored afterwards); DETR's
+    queries are learned and stay, which the note says."""
+    from types import SimpleNamespace
+
+    from detr_irpe.config import load_config
+    from detr_irpe.engine.checkpoint_eval import _canvas_queries
+    from detr_irpe.family import get_family
+
+    if config == "dfine_tiny":
+        pytest.importorskip("timm")
+    cfg = load_config(config, ["model.num_classes=3"])
+    model, _, post = build_model(cfg, load_backbone_weights=False)
+    loaded = SimpleNamespace(cfg=cfg)
+    decoder = get_family(cfg.model.family).selected_queries
+    decoder = decoder(model) if decoder is not None else None
+    before = (getattr(decoder, "num_queries", None), getattr(post, "num_select", None))
+    with _canvas_queries(loaded, model, post, parse_canvas("mosaic3x3")) as note:
+        if scaled:
+            assert decoder.num_queries == 9 * before[0] and post.num_select == 9 * before[1]
+            assert note.startswith(f"{9 * before[0]} queries (9 x {before[0]}")
+        else:
+            assert decoder is None and "not scaled" in note and "learned" in note
+    assert (getattr(decoder, "num_queries", None), getattr(post, "num_select", None)) == before
+    for layout in ("mosaic1x1", "pad3x3-c"):  # one image per canvas: nothing changes
+        with _canvas_queries(loaded, model, post, parse_canvas(layout)) as note:
+            assert note is None and getattr(decoder, "num_queries", None) == before[0]
+
+
+def test_rtdetr_mosaic_evaluation_notes_its_queries(tiny_dataset, tmp_path) -> None:
+    """The canvases' table and JSON say how many queries a mosaic ran with."""
+    from detr_irpe.config import load_config
+
+    cfg = load_config("rtdetr_tiny", [f"data.root={tiny_dataset}", "model.num_classes=4"])
+    model, _, _ = build_model(cfg, load_backbone_weights=False)
+    path = tmp_path / "rtdetr.pth"
+    atomic_save({"format": FORMAT, "model": model.state_dict(), "config": cfg.to_dict()}, path)
+    out = tmp_path / "out"
+    assert eval_main([str(path), "--canvases", "mosaic1x1", "mosaic2x1", "--output-dir",
+                      str(out), "--no-progress", "--device", "cpu", "--set",
+                      f"data.root={tiny_dataset}"]) == 0
+    rows = json.loads((out / "canvases.json").read_text())["canvases"]
+    assert rows[0].get("note") is None
+    assert rows[1]["note"].startswith(f"{2 * cfg.model.num_queries} queries (2 x ")
+    assert "2 x" in (out / "canvases.md").read_text()

@@ -28,6 +28,7 @@ from detr_irpe.models.dfine.hf import HF
 from detr_irpe.models.dfine.loss_config import DFINELossConfig
 from detr_irpe.models.dfine.model import DFINE
 from detr_irpe.models.postprocess import TopKPostProcess
+from detr_irpe.models.rtdetr.decoder import selected_queries
 from detr_irpe.models.rtdetr.model import encoder_attention
 
 
@@ -56,6 +57,7 @@ FAMILY = register_family(DetectorFamily(
     hf=HF,
     onnx_wrapper=onnx_wrapper,
     sigmoid_classes=True,
+    selected_queries=selected_queries,
     figures=("selected-queries", "distributions"),
     benchmark_targets={"D-FINE": "dfine_l"},
     attention=AttentionSupport(

@@ -11,6 +11,7 @@ from detr_irpe.family import AttentionSupport, DetectorFamily, register_family
 from detr_irpe.models.rtdetr.build import build, build_detector, build_postprocessor
 from detr_irpe.models.rtdetr.checkpoint import CHECKPOINT
 from detr_irpe.models.rtdetr.config import RTDETRLossConfig, RTDETRModelConfig
+from detr_irpe.models.rtdetr.decoder import selected_queries
 from detr_irpe.models.rtdetr.export import onnx_wrapper
 from detr_irpe.models.rtdetr.hf import HF
 from detr_irpe.models.rtdetr.model import RTDETR, encoder_attention
@@ -31,6 +32,7 @@ FAMILY = register_family(DetectorFamily(
     hf=HF,
     onnx_wrapper=onnx_wrapper,
     sigmoid_classes=True,
+    selected_queries=selected_queries,
     figures=("selected-queries",),
     benchmark_targets={"RT-DETR": "rtdetr_r50"},
     attention=AttentionSupport(

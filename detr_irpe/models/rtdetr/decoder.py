@@ -336,3 +336,13 @@ class RTDETRDecoder(nn.Module):
                                          for lg, b in zip(dn_logits, dn_boxes)]
                 out["dn_meta"] = dn_meta
         return out
+
+
+def selected_queries(model: nn.Module) -> nn.Module | None:
+    """The decoder of an RT-DETR / D-FINE ``model`` whose ``num_queries`` top-k proposals
+    are its queries; None when it learns its initial queries (``tgt_embed``: their number
+    is fixed by the weights)."""
+    decoder = getattr(model, "decoder", None)
+    if decoder is None or not hasattr(decoder, "num_queries"):
+        return None
+    return None if getattr(decoder, "tgt_embed", None) is not None else decoder
