@@ -52,9 +52,10 @@ REFERENCE_TARGETS = {"none": 0.90, "bf16": 0.60}
 QUICK_NOTE = ("QUICK MODE: smoke-test sizes, the numbers are meaningless; the CPU targets are "
               "judged only at full size (run without --quick)")
 # tiny sizes for smoke tests (--quick): the models' in model_bench.QUICK_MODEL; the same
-# tiny DETR in the reference code's argument names
-_QUICK_REFERENCE = {"backbone": "resnet18", "hidden_dim": 32, "nheads": 4, "enc_layers": 1,
-                    "dec_layers": 1, "dim_feedforward": 64, "num_queries": 5}
+# tiny DETR in the reference code's argument names (the same values)
+_QUICK_REFERENCE = {key: model_bench.QUICK_MODEL[key] for key in (
+    "backbone", "hidden_dim", "nheads", "enc_layers", "dec_layers", "dim_feedforward",
+    "num_queries")}
 _QUICK_DATA = ["data.train_scales=[64]", "data.crop_resize_scales=[48]",
                "data.crop_size=[32,48]", "data.max_size=96"]
 

@@ -164,7 +164,8 @@ def test_suite_reference_rows_targets_and_tables(checkout: Path, tmp_path: Path)
     assert [(r["rpe"], r["amp"]) for r in model["reference_rows"]] == [
         ("none", "none"), ("rpe-2.0-product-ctx-1-k", "none")]
     assert [c["rpe"] for c in model["reference_outputs"]] == ["none", "rpe-2.0-product-ctx-1-k"]
-    assert all(c["logits"] == 0.0 and c["missing"] == 0 for c in model["reference_outputs"])
+    assert all(c["logits"] == 0.0 and c["missing"] == 0 for c in model["reference_outputs"]), \
+        model["reference_outputs"]
     assert results["targets"] == []  # quick mode: no verdicts, only the ratios behind them
     targets = {t["target"]: t for t in target_ratios(results)}
     fp32 = targets["DETR training step, rpe-2.0-product-ctx-1-k: this project in fp32 vs the "
