@@ -119,8 +119,8 @@ def _backbone(hf_config: Mapping[str, Any]) -> tuple[str, bool, list[int]]:
                     "the stem and stage settings are none of HGNetv2 B0-B6")
     use_lab = bool(backbone.get("use_learnable_affine_block", False))
     indices = json_list(backbone, "out_indices", [2, 3, 4], "backbone_config.")
-    if (not indices or indices != sorted(set(indices))
-            or not all(isinstance(i, int) and 1 <= i <= 4 for i in indices)):
+    if (not indices or not all(isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= 4
+                               for i in indices) or indices != sorted(set(indices))):
         raise _fail("backbone_config.out_indices", indices,
                     "must be increasing stage numbers in 1..4 (stage1 .. stage4)")
     return size, use_lab, [i - 1 for i in indices]

@@ -258,6 +258,8 @@ def test_loss_settings_are_written():
      "backbone_config.stage_out_channels=[1, 2, 3, 4]"),
     ({"backbone_config": {"model_type": "hgnet_v2", "out_indices": [0, 2]}},
      "backbone_config.out_indices=[0, 2]"),
+    ({"backbone_config": {"model_type": "hgnet_v2", "out_indices": [2, "x"]}},
+     "backbone_config.out_indices=[2, 'x']"),
     ({"backbone_config": {"model_type": "hgnet_v2", "hidden_act": "gelu"}},
      "backbone_config.hidden_act='gelu'"),
 ])
