@@ -1,7 +1,8 @@
 """A grid's ``eval_canvases`` (docs/ablations.md, "Grid size apart from object size"): the
 key, the commands that carry ``--canvases``, the table "AP (%) on canvases", the
 multi-scale range in the header, ``finetune`` / ``launcher: slurm``, and the shipped COCO
-grid ``canvases_rtdetr`` run at tiny scale (its fine-tuning, training and evaluations)."""
+grids ``canvases_rtdetr`` and ``canvases_dfine`` run at tiny scale (their fine-tuning,
+training and evaluations)."""
 
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def test_multi_scale_range_in_the_header(tmp_path, tiny_dataset) -> None:
 
 
 @pytest.mark.parametrize(("name", "low", "high", "own"), [
-    ("demo_canvases", 64, 96, 96), ("demo_canvases_rtdetr", 48, 80, 64)])
+    ("demo_canvases", 64, 96, 96), ("demo_canvases_rtdetr", 48, 80, 64),
+    ("demo_canvases_dfine", 48, 80, 64)])
 def test_demo_canvas_grids_train_multi_scale_around_their_test_size(name, low, high,
                                                                      own) -> None:
     """The demo grids of the question train on a range (DETR: shorter sides per image;
@@ -146,23 +148,25 @@ def test_finetune_and_submit_keys(tmp_path, tiny_dataset) -> None:
     assert train.overrides == list(grid.runs[0].overrides)
 
 
-def test_coco_grid_launches_one_submit_job_per_run() -> None:
-    grid = load_grid("canvases_rtdetr")
-    assert grid.base.name == "rtdetr_r18.yaml" and grid.launcher == "slurm"
-    assert grid.finetune == "rtdetr_r18" and len(grid.runs) == 18
+@pytest.mark.parametrize(("name", "published"), [("canvases_rtdetr", "rtdetr_r18"),
+                                                ("canvases_dfine", "dfine_s")])
+def test_coco_grid_launches_one_submit_job_per_run(name, published) -> None:
+    grid = load_grid(name)
+    assert grid.base.name == f"{published}.yaml" and grid.launcher == "slurm"
+    assert grid.finetune == published and len(grid.runs) == 18
     assert [s.label for s in grid.eval_sizes][:4] == ["480", "640", "800", "1024"]
     for run in grid.runs:
         command = schedule.launch_command(grid, run)
         args, rest = submit_tool.build_parser().parse_known_args(command[3:])
         train = train_tool.build_parser().parse_args(rest)
-        assert args.gpus_per_node == 4 and train.finetune == "rtdetr_r18"
-        assert train.config.endswith("rtdetr_r18.yaml") and train.canvases
+        assert args.gpus_per_node == 4 and train.finetune == published
+        assert train.config.endswith(f"{published}.yaml") and train.canvases
         assert run.config.train.epochs == 6 and run.config.model.rpe_init == "zero"
 
 
 # ----------------------------------------------------------------------------- tiny COCO grid
-# The COCO grid's runs at test size: rtdetr_tiny instead of RT-DETR-R18, the tiny dataset,
-# one epoch; fine-tuned from a tiny published-like checkpoint (sine, the grid's finetune
+# The COCO grids' runs at test size: rtdetr_tiny instead of RT-DETR-R18 (dfine_tiny
+# instead of D-FINE-S), the tiny dataset, one epoch; fine-tuned from a tiny published-like checkpoint (sine, the grid's finetune
 # key pointed at it), then the scheduler's evaluation (as the job would do) at the shipped
 # sizes and canvases of the first variants.
 _COCO_TEST_SIZE = ("train.epochs=1", "train.batch_size=4", "train.num_threads=1",
@@ -173,29 +177,34 @@ _COCO_TEST_SIZE = ("train.epochs=1", "train.batch_size=4", "train.num_threads=1"
 # Two variants 43-48 s, all six 143 s (an evaluation process per run at 5 sizes and 7
 # canvases; a shared 2-core "Intel(R) Xeon(R) Processor" as lscpu names it, load ~2.7),
 # so both are slow tests.
+# D-FINE's grid: its two variants at dfine_tiny, about the same time.
 @pytest.mark.slow
-@pytest.mark.parametrize("variants", [["sine", "rope-mixed"], None])  # None: all six
-def test_coco_grid_runs_at_tiny_scale(variants, tiny_dataset, tmp_path) -> None:
+@pytest.mark.parametrize(("name", "tiny", "variants"), [
+    ("canvases_rtdetr", "rtdetr_tiny", ["sine", "rope-mixed"]),
+    ("canvases_rtdetr", "rtdetr_tiny", None),  # None: all six
+    ("canvases_dfine", "dfine_tiny", ["sine", "irpe"])])
+def test_coco_grid_runs_at_tiny_scale(name, tiny, variants, tiny_dataset, tmp_path) -> None:
     from detr_irpe.engine.runner import run_training
     from detr_irpe.models import build_model
 
-    published = load_config("rtdetr_tiny", [f"data.root={tiny_dataset}", "model.rpe=none",
-                                            "model.backbone_weights=none",
-                                            "model.num_classes=3"])
+    if tiny.startswith("dfine"):
+        pytest.importorskip("timm")
+    published = load_config(tiny, [f"data.root={tiny_dataset}", "model.rpe=none",
+                                   "model.backbone_weights=none", "model.num_classes=3"])
     weights = tmp_path / "published.pth"
     atomic_save({"format": FORMAT, "model": build_model(published, load_backbone_weights=False)[0]
                  .state_dict(), "config": published.to_dict()}, weights)
     grid_file = tmp_path / "grid.yaml"
-    keys = {"_base_": str(load_grid("canvases_rtdetr").path), "finetune": str(weights),
+    keys = {"_base_": str(load_grid(name).path), "finetune": str(weights),
             "launcher": "local", "nproc_per_node": 1, "submit": []}
     if variants:
         keys["variants"] = [v for v in yaml.safe_load(
-            load_grid("canvases_rtdetr").path.parent.joinpath("encodings.yaml").read_text()
+            load_grid(name).path.parent.joinpath("encodings.yaml").read_text()
         )["variants"] if v["name"] in variants]
         keys["baseline"] = "sine"
     grid_file.write_text(yaml.safe_dump(keys))
     args = ([f"data.root={tiny_dataset}", *_COCO_TEST_SIZE], str(tmp_path / "out"))
-    grid = load_grid(grid_file, *args, seeds=[42], base="rtdetr_tiny")
+    grid = load_grid(grid_file, *args, seeds=[42], base=tiny)
     for run in grid.runs:
         run_training(run.config, finetune=grid.finetune, progress=False)
     assert {run_state(r.output_dir, r.config) for r in grid.runs} == {RunState.FINISHED}
