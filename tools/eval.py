@@ -7,9 +7,7 @@
 All options: python tools/eval.py --help (detr_irpe/cli/eval.py).
 """
 
-import sys
-
-from detr_irpe.cli.eval import main
+from detr_irpe.cli.eval import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -8,9 +8,7 @@
 All options: python tools/train.py --help (detr_irpe/cli/train.py).
 """
 
-import sys
-
-from detr_irpe.cli.train import main
+from detr_irpe.cli.train import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

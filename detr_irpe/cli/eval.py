@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import NoReturn
 
 from detr_irpe.cli.args import (
     add_canvases_argument,
@@ -94,8 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(body)
 
 
-__all__ = ["build_parser", "main"]
+def run() -> NoReturn:
+    """The program (``detr-irpe-eval``, ``python -m``, ``tools/eval.py``): :func:`main`, then
+    the exit (:func:`~detr_irpe.engine.distributed.exit_process`: a ``torchrun`` worker
+    ends without C++ static destructors)."""
+    status = main()
+    from detr_irpe.engine.distributed import exit_process  # torch: after the arguments
+
+    exit_process(status)
+
+
+__all__ = ["build_parser", "main", "run"]
 
 
 if __name__ == "__main__":  # python -m detr_irpe.cli.eval (torchrun -m)
-    raise SystemExit(main())
+    run()

@@ -68,6 +68,7 @@ stopped by SIGTERM / Ctrl-C after a checkpoint at that step (the same command re
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 from detr_irpe.cli.args import (
     add_canvases_argument,
@@ -124,8 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(body)
 
 
-__all__ = ["build_parser", "main"]
+def run() -> NoReturn:
+    """The program (``detr-irpe-train``, ``python -m``, ``tools/train.py``): :func:`main`, then
+    the exit (:func:`~detr_irpe.engine.distributed.exit_process`: a ``torchrun`` worker
+    ends without C++ static destructors)."""
+    status = main()
+    from detr_irpe.engine.distributed import exit_process  # torch: after the arguments
+
+    exit_process(status)
+
+
+__all__ = ["build_parser", "main", "run"]
 
 
 if __name__ == "__main__":  # python -m detr_irpe.cli.train (the ablation scheduler, torchrun -m)
-    raise SystemExit(main())
+    run()
