@@ -7,7 +7,9 @@
 All options: python tools/eval.py --help (detr_irpe/cli/eval.py).
 """
 
-from detr_irpe.cli.eval import run
+from detr_irpe.cli.eval import main, run
+
+__all__ = ["main", "run"]
 
 if __name__ == "__main__":
     run()

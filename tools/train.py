@@ -8,7 +8,9 @@
 All options: python tools/train.py --help (detr_irpe/cli/train.py).
 """
 
-from detr_irpe.cli.train import run
+from detr_irpe.cli.train import main, run
+
+__all__ = ["main", "run"]
 
 if __name__ == "__main__":
     run()
