@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 from detr_irpe import sizes
 from detr_irpe.canvas import CanvasLayout, parse_canvases
@@ -280,6 +281,16 @@ def run_main(body: Callable[[], int | None], *, tool: str | None = None) -> int:
     return int(status or 0)
 
 
+def run_program(main: Callable[[], int]) -> NoReturn:
+    """A program's entry point (its console command, ``python -m``, ``tools/*.py``):
+    ``main()``, then the exit through :func:`~detr_irpe.engine.distributed.exit_process`
+    (a ``torchrun`` worker ends without C++ static destructors)."""
+    status = main()
+    from detr_irpe.engine.distributed import exit_process  # torch: after the arguments
+
+    exit_process(status)
+
+
 def setup_tool_logging(level: int = logging.INFO) -> None:
     """Plain ``LEVEL name: message`` lines on stderr for tools that do not set up a run folder."""
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
@@ -299,6 +310,7 @@ __all__ = [
     "parse_device",
     "parse_sizes",
     "run_main",
+    "run_program",
     "setup_tool_logging",
     "sigterm_as_exception",
 ]

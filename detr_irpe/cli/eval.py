@@ -59,6 +59,7 @@ from detr_irpe.cli.args import (
     parse_canvas_flag,
     parse_sizes,
     run_main,
+    run_program,
 )
 
 
@@ -96,13 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> NoReturn:
-    """The program (``detr-irpe-eval``, ``python -m``, ``tools/eval.py``): :func:`main`, then
-    the exit (:func:`~detr_irpe.engine.distributed.exit_process`: a ``torchrun`` worker
-    ends without C++ static destructors)."""
-    status = main()
-    from detr_irpe.engine.distributed import exit_process  # torch: after the arguments
-
-    exit_process(status)
+    """``detr-irpe-eval``, ``python -m``, ``tools/eval.py``: :func:`.run_program`."""
+    run_program(main)
 
 
 __all__ = ["build_parser", "main", "run"]
