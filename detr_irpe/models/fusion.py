@@ -40,7 +40,6 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from detr_irpe.models.backbone import FrozenBatchNorm2d
-from detr_irpe.models.conv_act import ConvAct2d
 
 logger = logging.getLogger(__name__)
 
@@ -101,25 +100,16 @@ def _timm_pairs() -> dict[type, tuple[tuple[str, str], ...]]:
     return {} if block is None else {block: (("conv", "bn"),)}
 
 
-def _fuse_activations(model: nn.Module) -> int:
-    """After the folds, each convolution and the activation right after it become one
-    :class:`~detr_irpe.models.conv_act.ConvAct2d`: timm's HGNetv2 conv blocks here, and
-    every module with a ``fuse_activation()`` method (the hybrid encoders' conv units and
-    merged RepVGG blocks). A timm block whose conv cannot take it (timm's dynamic "same"
-    padding) runs its ReLU in place on the conv's fresh output instead."""
+def _activations_in_place(model: nn.Module) -> int:
+    """timm's HGNetv2 conv blocks whose norm is folded: their ReLU runs in place on the
+    conv's fresh output (as :meth:`ConvNormLayer.fuse` does for the hybrid encoder's)."""
     block = _timm_conv_bn_act()
     count = 0
-    for module in list(model.modules()):
-        fuse_activation = getattr(module, "fuse_activation", None)
-        if callable(fuse_activation):
-            count += bool(fuse_activation())
-        elif (block is not None and isinstance(module, block)
+    for module in model.modules():
+        if (block is not None and isinstance(module, block)
                 and isinstance(module.bn, nn.Identity) and type(module.act) is nn.ReLU):
-            if type(module.conv) is nn.Conv2d and module.conv.padding_mode == "zeros":
-                module.conv, module.act = ConvAct2d(module.conv, "relu"), nn.Identity()
-                count += 1
-            else:
-                module.act.inplace = True
+            module.act.inplace = True
+            count += 1
     return count
 
 
@@ -206,10 +196,10 @@ def fuse_for_inference(model: nn.Module) -> nn.Module:
         if callable(fuse) and fuse():
             merged += 1
     pools = _replace_pools(model)
-    activations = _fuse_activations(model)
+    in_place = _activations_in_place(model)
     logger.info("inference form: %d batch norms folded into convolutions, %d blocks merged, "
-                "%d max pools replaced, %d activations fused into their convolutions",
-                folded, merged, pools, activations)
+                "%d max pools replaced, %d activations in place", folded, merged, pools,
+                in_place)
     return model
 
 

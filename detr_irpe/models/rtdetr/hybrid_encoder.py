@@ -42,9 +42,7 @@ from torch import Tensor, nn
 from detr_irpe.encodings import PlaceEncodings, as_place
 from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table
 from detr_irpe.irpe.dropout import Dropout
-from detr_irpe.models.conv_act import ACTIVATIONS as CONV_ACTIVATIONS
-from detr_irpe.models.conv_act import ConvAct2d
-from detr_irpe.models.rtdetr.layers import ConvNormLayer, activation_fn, identity
+from detr_irpe.models.rtdetr.layers import ConvNormLayer, activation_fn
 
 # The absolute encodings of the AIFI layer: the 2D sin-cos encoding (published) or none.
 POSITION_EMBEDDINGS = ("sine", "none")
@@ -84,7 +82,6 @@ class RepVggBlock(nn.Module):
         super().__init__()
         self.conv1 = ConvNormLayer(channels, channels, 3, 1)
         self.conv2 = ConvNormLayer(channels, channels, 1, 1)
-        self.act_name = act
         self._act = activation_fn(act)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -106,18 +103,6 @@ class RepVggBlock(nn.Module):
         big.weight[:, :, 1:2, 1:2] += small.weight
         big.bias += small.bias
         self.conv2 = None
-        return True
-
-    def fuse_activation(self) -> bool:
-        """Once merged, the 3x3 conv and the block's activation as one call
-        (:class:`~detr_irpe.models.conv_act.ConvAct2d`); False where that does not apply."""
-        unit = self.conv1
-        if (self.conv2 is not None or unit.act_name is not None
-                or not isinstance(unit.norm, nn.Identity) or type(unit.conv) is not nn.Conv2d
-                or self.act_name not in CONV_ACTIVATIONS):
-            return False
-        unit.conv = ConvAct2d(unit.conv, self.act_name)
-        self._act = identity
         return True
 
 

@@ -11,9 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from detr_irpe.models.conv_act import ACTIVATIONS as CONV_ACTIVATIONS
-from detr_irpe.models.conv_act import ConvAct2d
-
 ACTIVATIONS = ("relu", "silu", "gelu")
 
 
@@ -22,7 +19,7 @@ def activation_fn(name: str | None, inplace: bool = False):
     that overwrites its input where PyTorch has such a form (ReLU, SiLU; the inference
     form, :mod:`detr_irpe.models.fusion`)."""
     if name is None:
-        return identity
+        return _identity
     table = {"relu": F.relu_ if inplace else F.relu,
              "silu": _silu_ if inplace else F.silu, "gelu": F.gelu}
     if name not in table:
@@ -30,8 +27,7 @@ def activation_fn(name: str | None, inplace: bool = False):
     return table[name]
 
 
-def identity(x: Tensor) -> Tensor:
-    """``x`` unchanged (the "no activation" of :func:`activation_fn`)."""
+def _identity(x: Tensor) -> Tensor:
     return x
 
 
@@ -83,16 +79,6 @@ class ConvNormLayer(nn.Module):
         if isinstance(self.norm, nn.Identity):
             self._act = activation_fn(self.act_name, inplace=True)
         return False
-
-    def fuse_activation(self) -> bool:
-        """Once the norm is folded, the conv and its activation as one call
-        (:class:`~detr_irpe.models.conv_act.ConvAct2d`); False where that does not apply."""
-        if (not isinstance(self.norm, nn.Identity) or self.act_name not in CONV_ACTIVATIONS
-                or type(self.conv) is not nn.Conv2d):
-            return False
-        self.conv = ConvAct2d(self.conv, self.act_name)
-        self._act = identity
-        return True
 
     def extra_repr(self) -> str:
         return f"act={self.act_name}"
