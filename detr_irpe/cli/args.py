@@ -140,7 +140,7 @@ def checked_overrides(overrides: Iterable[str]) -> list[str]:
 
 # detr_irpe.inference.runtime.RUNTIMES, named here without importing torch (a test keeps
 # the two equal)
-RUNTIMES = ("pytorch", "fused", "onnxruntime")
+RUNTIMES = ("pytorch", "fused", "compiled", "onnxruntime")
 
 
 def add_runtime_argument(parser: argparse.ArgumentParser, default: str) -> None:
@@ -149,9 +149,11 @@ def add_runtime_argument(parser: argparse.ArgumentParser, default: str) -> None:
         "--runtime", choices=RUNTIMES, default=default,
         help=f"what the forward pass runs in (default {default}): pytorch (the model as "
              "trained), fused (batch norms folded into the convolutions, RepVGG blocks "
-             "merged: the same outputs to float32 rounding, faster on the CPU) or "
-             "onnxruntime (exported once and cached, checked against PyTorch on the first "
-             "image; the onnx extra, CPU)")
+             "merged: the same outputs to float32 rounding, faster on the CPU), compiled "
+             "(the fused form through torch.compile, once per input size: the fastest "
+             "PyTorch form for many images of one size; the fused form where no compiler "
+             "is) or onnxruntime (exported once and cached, checked against PyTorch on the "
+             "first image; the onnx extra, CPU)")
 
 
 # What argparse reads as a (negative) value rather than an option, widened from its "-64"

@@ -59,8 +59,10 @@ class Predictor:
         runtime: what the forward pass runs in (:mod:`detr_irpe.inference.runtime`):
             ``pytorch`` (the model as it is), ``fused`` (its inference form: folded batch
             norms, merged RepVGG blocks; the same outputs to float32 rounding, faster on
-            the CPU) or ``onnxruntime`` (exported once and cached, checked against PyTorch
-            on the first image; the ``onnx`` extra, CPU). Post-processing is the same.
+            the CPU), ``compiled`` (the fused form through ``torch.compile``, once per
+            input size; the fused form where no compiler is) or ``onnxruntime`` (exported
+            once and cached, checked against PyTorch on the first image; the ``onnx``
+            extra, CPU). Post-processing is the same.
     """
 
     def __init__(
@@ -105,7 +107,7 @@ class Predictor:
         names come from the file, else COCO's for a 91-class model. Modules the saved
         config names (``model.import``) are imported only with ``trust_imports`` (or when
         ``overrides`` set ``model.import``): loading a checkpoint runs no code it names.
-        ``runtime``: ``pytorch``, ``fused`` or ``onnxruntime``
+        ``runtime``: ``pytorch``, ``fused``, ``compiled`` or ``onnxruntime``
         (:mod:`detr_irpe.inference.runtime`).
         """
         target = resolve_device(device)
