@@ -8,6 +8,9 @@ calls interleaved round-robin (:func:`~detr_irpe.benchmark.model.interleave`):
   ``onnx_wrapper`` (``images -> (pred_logits, pred_boxes)``: the graph that is exported);
 - ``PyTorch fused``: the same in its inference form (batch norms folded into the
   convolutions, RepVGG blocks merged, channels-last: ``--runtime fused``);
+- ``PyTorch compiled`` (with ``compiled``; where a compiler is): the inference form
+  through ``torch.compile`` with its weights frozen into the graph (``--runtime
+  compiled``), compiled before the timed calls (the compile time is a note);
 - ``PyTorch fused bf16`` (CPUs with native bf16 only: AVX512-BF16 / AMX): that under
   bfloat16 autocast, as ``train.amp=auto`` evaluates there;
 - ``ONNX Runtime``: that model exported by :func:`detr_irpe.export.export_onnx` (a dynamic
@@ -34,6 +37,7 @@ import dataclasses
 import importlib.util
 import logging
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,6 +61,7 @@ from detr_irpe.engine.speed import count_flops
 from detr_irpe.errors import DetrIrpeError
 from detr_irpe.export import IMAGE_INPUT, OUTPUTS, export_onnx, onnx_wrapper
 from detr_irpe.family import get_family
+from detr_irpe.inference.runtime import compiler_problem
 from detr_irpe.models.fusion import inference_form
 
 __all__ = ["DEFAULT_TARGETS", "RUNTIMES", "deploy_table", "run_deploy_benchmark"]
@@ -117,6 +122,7 @@ def run_deploy_benchmark(
     warmup: int = 1,
     dynamic: bool = True,
     quick: bool = False,
+    compiled: bool | None = None,
     work_dir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -131,6 +137,8 @@ def run_deploy_benchmark(
         repeats, warmup: timed / untimed calls of each runtime.
         dynamic: export a dynamic graph (any batch and size) instead of a static one.
         quick: smoke-test sizes (:func:`~detr_irpe.benchmark.model.quick_overrides`).
+        compiled: also the ``PyTorch compiled`` row (a compilation per model: about a
+            minute for D-FINE-L on 2 cores); default: unless ``quick``.
         work_dir: where the ``.onnx`` files and the transformers folders go (default: a
             temporary folder, removed afterwards).
 
@@ -144,6 +152,7 @@ def run_deploy_benchmark(
         ``profiles``: per model, the eager inference's time per module
         (:func:`~detr_irpe.benchmark.profile.profile_inference`).
     """
+    compiled = not quick if compiled is None else compiled
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     notes: list[str] = []
@@ -181,6 +190,14 @@ def run_deploy_benchmark(
                     "PyTorch": wrapper,
                     # batch norms folded, RepVGG merged, channels-last (--runtime fused)
                     "PyTorch fused": onnx_wrapper(inference_form(model))}
+                if compiled:
+                    problem = compiler_problem()
+                    if problem is None:
+                        calls["PyTorch compiled"] = torch.compile(
+                            onnx_wrapper(inference_form(model)), dynamic=False,
+                            options={"freezing": True})
+                    else:
+                        notes.append(f"{label}: no PyTorch compiled row ({problem})")
                 if native_bf16_cpu():  # what train.amp=auto evaluates with on this CPU
                     calls["PyTorch fused bf16"] = _bf16(calls["PyTorch fused"])
                 stem = f"{config}_{rpe}".replace("/", "_")
@@ -207,7 +224,12 @@ def run_deploy_benchmark(
                 with torch.no_grad():
                     reference = tuple(t.clone() for t in wrapper(images))
                     for runtime, call in calls.items():
-                        logits, boxes = _diff(reference, call(images))
+                        start = time.perf_counter()
+                        outputs = call(images)  # compiles the compiled row
+                        if runtime == "PyTorch compiled":
+                            notes.append(f"{label}: compiled in "
+                                         f"{time.perf_counter() - start:.0f} s (first call)")
+                        logits, boxes = _diff(reference, outputs)
                         runners.append(StepRunner(
                             {"target": name, "config": config, "rpe": rpe, "runtime": runtime,
                              "batch": batch, "image_hw": [height, width],

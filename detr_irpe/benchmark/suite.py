@@ -109,6 +109,8 @@ class SuiteOptions:
     onnx_repeats: int = 5
     onnx_warmup: int = 1
     onnx_dynamic: bool = True
+    # the PyTorch compiled row (a torch.compile per model; off in quick mode)
+    onnx_compiled: bool = True
     # the DETR-with-iRPE folder of a microsoft/Cream checkout: its step is measured in the
     # same run (precisions: reference_amp) and its outputs compared with this project's
     reference_code: str | None = None
@@ -130,7 +132,8 @@ class SuiteOptions:
             quick=True, op_batch=1, op_hw=(4, 5), op_dim=32, op_heads=4, op_repeats=1,
             sweep_grids=((4, 4), (4, 8), (8, 8)), naive_max_length=32, model_batch=1,
             model_hw=(64, 64), model_repeats=1, model_warmup=0, data_batches=2, eval_repeats=1,
-            onnx_hw=(64, 64), onnx_repeats=1, onnx_warmup=0, encoding_batch=1,
+            onnx_hw=(64, 64), onnx_repeats=1, onnx_warmup=0, onnx_compiled=False,
+            encoding_batch=1,
             encoding_hw=(64, 64), encoding_repeats=1, encoding_warmup=0,
         )
         base.update(kwargs)
@@ -297,7 +300,8 @@ def run_suite(
         results["onnx"] = deploy_bench.run_deploy_benchmark(
             onnx_targets, options.models, options.onnx_batch, *options.onnx_hw,
             threads=options.threads, repeats=options.onnx_repeats, warmup=options.onnx_warmup,
-            dynamic=options.onnx_dynamic, quick=options.quick, progress=progress)
+            dynamic=options.onnx_dynamic, quick=options.quick,
+            compiled=options.onnx_compiled, progress=progress)
         if progress is not None:
             progress("measuring the machine's peak GFLOP/s (roofline)")
         results["onnx"] = roofline_bench.attach_roofline(

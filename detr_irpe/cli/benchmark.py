@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--onnx-repeats", type=int, default=None, help="timed calls (5)")
     g.add_argument("--onnx-static", action="store_true",
                    help="export a static graph of the input's size instead of a dynamic one")
+    g.add_argument("--onnx-compiled", choices=("on", "off"), default=None,
+                   help="the PyTorch compiled row (torch.compile of the inference form, "
+                        "about a minute per model): on by default, off with --quick")
     g = p.add_argument_group("data / eval level")
     g.add_argument("--data", default=None,
                    help="synthetic dataset folder, generated when missing (datasets/synthetic)")
@@ -163,6 +166,8 @@ def suite_settings(args: argparse.Namespace) -> dict:
                       ("data", "data_root"), ("data_batches", "data_batches")):
         if getattr(args, flag) is not None:
             chosen[key] = getattr(args, flag)
+    if args.onnx_compiled is not None:
+        chosen["onnx_compiled"] = args.onnx_compiled == "on"
     for flag in ("models", "targets", "onnx_targets", "encodings", "encoding_targets"):
         if getattr(args, flag) is not None:
             chosen[flag] = _names(getattr(args, flag))

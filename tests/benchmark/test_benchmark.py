@@ -357,6 +357,39 @@ def test_measured_peaks_are_positive_and_bf16_only_where_asked() -> None:
                                   bf16=True)["matmul_bf16"] > 0
 
 
+def test_deploy_compiled_row_without_a_compiler_is_a_note(monkeypatch) -> None:
+    """Where torch.compile cannot run, the compiled row is left out with the reason."""
+    from detr_irpe.benchmark import deploy
+
+    monkeypatch.setattr(deploy, "_missing", lambda *modules: list(modules))
+    monkeypatch.setattr(deploy, "native_bf16_cpu", lambda: False)
+    monkeypatch.setattr(deploy, "compiler_problem", lambda: "InvalidCxxCompiler: none here")
+    section = deploy.run_deploy_benchmark({"RT-DETR": "rtdetr_r50"}, ["none"], height=64,
+                                          width=64, threads=1, repeats=1, warmup=0,
+                                          quick=True, compiled=True)
+    assert [r["runtime"] for r in section["rows"]] == ["PyTorch", "PyTorch fused"]
+    assert "RT-DETR: no PyTorch compiled row (InvalidCxxCompiler: none here)" in \
+        section["notes"]
+
+
+@pytest.mark.slow  # one torch.compile of the quick DETR (~20 s on 2 cores)
+def test_deploy_compiled_row_has_the_models_outputs(monkeypatch) -> None:
+    from detr_irpe.benchmark import deploy
+
+    monkeypatch.setattr(deploy, "_missing", lambda *modules: list(modules))
+    monkeypatch.setattr(deploy, "native_bf16_cpu", lambda: False)
+    if deploy.compiler_problem() is not None:
+        pytest.skip(f"no compiler here: {deploy.compiler_problem()}")
+    section = deploy.run_deploy_benchmark({"DETR": "detr_r50"}, ["none"], height=64,
+                                          width=64, threads=1, repeats=1, warmup=0,
+                                          quick=True, compiled=True)
+    rows = {r["runtime"]: r for r in section["rows"]}
+    assert list(rows) == ["PyTorch", "PyTorch fused", "PyTorch compiled"]
+    assert rows["PyTorch compiled"]["max_diff_logits"] < 1e-4
+    assert rows["PyTorch compiled"]["max_diff_boxes"] < 1e-4
+    assert any(n.startswith("DETR: compiled in ") for n in section["notes"])
+
+
 def test_deploy_rows_carry_the_models_flops_per_image(monkeypatch) -> None:
     """The FLOPs of a row are its model's at the measured size: a hand count of one
     convolution the model runs bounds them from below, and the roofline table shows them."""
@@ -492,3 +525,14 @@ def test_dfine_onnx_rows_include_transformers_dfine(tmp_path: Path, monkeypatch)
     for row in section["rows"]:
         assert row["max_diff_logits"] < 1e-4 and row["max_diff_boxes"] < 1e-4, row
     assert "| D-FINE | dfine_l | transformers |" in deploy.deploy_table(section)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], None), (["--onnx-compiled", "off"], False),
+                                                (["--quick", "--onnx-compiled", "on"], True)])
+def test_the_compiled_row_flag(argv, expected) -> None:
+    """--onnx-compiled sets the option (default: the suite's, on unless --quick)."""
+    from detr_irpe.cli.benchmark import build_parser, suite_settings
+
+    chosen = suite_settings(build_parser().parse_args(argv))
+    assert chosen.get("onnx_compiled") == expected
+    assert SuiteOptions().onnx_compiled and not SuiteOptions.quick_options().onnx_compiled

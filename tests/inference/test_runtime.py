@@ -1,7 +1,9 @@
 """One switch to the fast runtime (detr_irpe/inference/runtime.py): the Predictor and the
-predict tool run a model as trained, in its inference form (fused) or through ONNX
-Runtime, for every family, with the same post-processing and the same outputs to float32
-rounding."""
+predict tool run a model as trained, in its inference form (fused), compiled, or through
+ONNX Runtime, for every family, with the same post-processing and the same outputs to
+float32 rounding. A compile costs 20-60 s on 2 cores, so the compiled runtime's real
+compilations run in the slow set on the DETR tiny model (one input size); its fall-backs
+are in the default set."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from PIL import Image
 from detr_irpe.cli.args import RUNTIMES as CLI_RUNTIMES
 from detr_irpe.config import ConfigError, load_config
 from detr_irpe.inference import Predictor
-from detr_irpe.inference.runtime import RUNTIMES, OnnxRuntimeModel, build_runtime
+from detr_irpe.inference import runtime as runtime_module
+from detr_irpe.inference.runtime import RUNTIMES, CompiledModel, OnnxRuntimeModel, build_runtime
 from detr_irpe.models import build_model
 
 FAMILIES = {
@@ -49,6 +52,9 @@ def test_the_tools_name_the_runtimes_without_torch() -> None:
     with pytest.raises(ConfigError, match="unknown runtime 'tensorrt'"):
         build_runtime("tensorrt", model)
 
+
+# the runtimes that build in seconds (compiled: its own tests below)
+UNCOMPILED = [r for r in RUNTIMES if r != "compiled"]
 
 # one export each (8-15 s): DETR in the default set, the other families in the slow one
 EXPORT_CASES = [pytest.param(f, marks=() if f == "detr" else pytest.mark.slow) for f in FAMILIES]
@@ -110,7 +116,7 @@ def test_predict_tool_with_each_runtime(family: str, tmp_path: Path, monkeypatch
         Image.fromarray(image.permute(1, 2, 0).numpy().astype(np.uint8)).save(
             folder / f"{i}.png")
     counts = {}
-    for runtime in RUNTIMES:
+    for runtime in UNCOMPILED:
         out = tmp_path / runtime
         assert load_tool("predict").main([str(path), str(folder), "--output-dir", str(out),
                                           "--score-threshold", "0", "--no-draw",
@@ -129,7 +135,7 @@ def test_eval_tool_with_the_fused_and_onnxruntime_runtimes(tmp_path: Path, tiny_
     monkeypatch.setenv("DETR_IRPE_CACHE", str(tmp_path / "cache"))
     path = _checkpoint(tmp_path, "rtdetr")
     stats = {}
-    for runtime in RUNTIMES:
+    for runtime in UNCOMPILED:
         out = tmp_path / f"eval_{runtime}"
         assert load_tool("eval").main([str(path), "--no-progress", "--output-dir", str(out),
                                        "--runtime", runtime, "--set",
@@ -157,3 +163,101 @@ def test_onnxruntime_pads_rtdetr_inputs_to_its_stride(tmp_path: Path, monkeypatc
     got = runtime([image])
     for key in ("pred_logits", "pred_boxes"):
         torch.testing.assert_close(got[key], want[key], atol=2e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- compiled
+def _outputs_close(got: dict, want: dict) -> None:
+    for key in ("pred_logits", "pred_boxes"):
+        torch.testing.assert_close(got[key], want[key], atol=2e-4, rtol=1e-4, msg=key)
+
+
+def test_compiled_runtime_without_a_compiler_runs_the_fused_form(tmp_path: Path, monkeypatch,
+                                                                  caplog) -> None:
+    """No C++ compiler: a warning naming why, once, and the fused form's outputs (which
+    are the model's); torch.compile is not even tried."""
+    monkeypatch.setattr(runtime_module, "compiler_problem",
+                        lambda device="cpu": "InvalidCxxCompiler: no working C++ compiler")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.compile must not be called")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    base = Predictor.from_checkpoint(_checkpoint(tmp_path, "detr"), device="cpu")
+    x = base.preprocess(_images(1)[0])
+    with caplog.at_level("WARNING", logger="detr_irpe.inference.runtime"):
+        infer = build_runtime("compiled", base.model)
+    assert isinstance(infer, CompiledModel) and infer.eval() is infer
+    assert [r.message for r in caplog.records if "no working C++ compiler" in r.message]
+    with torch.no_grad():
+        _outputs_close(infer([x]), base.model([x]))
+
+
+def test_a_compile_that_fails_on_first_use_falls_back_once(tmp_path: Path, monkeypatch,
+                                                           caplog) -> None:
+    """The compiler fails when the first input arrives (Inductor's BackendCompilerFailed):
+    that call and every later one run the fused form, with one warning."""
+    monkeypatch.setattr(runtime_module, "compiler_problem", lambda device="cpu": None)
+    calls = []
+
+    def failing_compile(model, **kwargs):
+        assert kwargs["options"] == {"freezing": True} and kwargs["dynamic"] is False
+
+        def run(*args, **kw):
+            calls.append(1)
+            raise torch._dynamo.exc.BackendCompilerFailed(
+                failing_compile, RuntimeError("cannot build the kernel"), None)
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    base = Predictor.from_checkpoint(_checkpoint(tmp_path, "detr"), device="cpu")
+    x = base.preprocess(_images(1)[0])
+    infer = build_runtime("compiled", base.model)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="detr_irpe.inference.runtime"):
+        for _ in range(2):
+            _outputs_close(infer([x]), base.model([x]))
+    assert calls == [1] and "BackendCompilerFailed" in infer.fallback_reason
+    assert sum("running the fused form" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.slow  # one compilation (~20 s on 2 cores)
+def test_compiled_runtime_outputs_equal_the_model_s(tmp_path: Path) -> None:
+    """A real torch.compile of DETR's inference form: the model's outputs, and the second
+    call of the same size reuses the compiled code."""
+    if runtime_module.compiler_problem() is not None:
+        pytest.skip(f"no compiler here: {runtime_module.compiler_problem()}")
+    base = Predictor.from_checkpoint(_checkpoint(tmp_path, "detr"), device="cpu")
+    x = base.preprocess(_images(1)[0])
+    infer = build_runtime("compiled", base.model)
+    with torch.no_grad():
+        want = base.model([x])
+        _outputs_close(infer([x]), want)
+        _outputs_close(infer([x]), want)
+    assert infer.fallback_reason is None and len(infer._sizes) == 1
+
+
+@pytest.mark.slow  # a compilation in each tool (~20 s each; the second from Inductor's cache)
+def test_predict_and_eval_tools_with_the_compiled_runtime(tmp_path: Path, tiny_dataset: Path
+                                                          ) -> None:
+    """``--runtime compiled`` in predict (one image) and eval: the detections and the COCO
+    numbers of the model as trained."""
+    path = _checkpoint(tmp_path, "detr")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    image = _images(1)[0]
+    Image.fromarray(image.permute(1, 2, 0).numpy().astype(np.uint8)).save(folder / "0.png")
+    found = {}
+    for runtime in ("pytorch", "compiled"):
+        out = tmp_path / f"predict_{runtime}"
+        assert load_tool("predict").main([str(path), str(folder), "--output-dir", str(out),
+                                          "--score-threshold", "0", "--no-draw",
+                                          "--runtime", runtime, "--no-progress"]) == 0
+        found[runtime] = json.loads((out / "detections.json").read_text())["detections"]
+    assert len(found["compiled"]) == len(found["pytorch"]) > 0
+    stats = {}
+    for runtime in ("pytorch", "compiled"):
+        out = tmp_path / f"eval_{runtime}"
+        assert load_tool("eval").main([str(path), "--no-progress", "--output-dir", str(out),
+                                       "--runtime", runtime, "--set",
+                                       f"data.root={tiny_dataset}", "train.batch_size=1"]) == 0
+        stats[runtime] = json.loads((out / "metrics.json").read_text())["bbox"]["stats"]
+    assert stats["compiled"] == pytest.approx(stats["pytorch"], abs=1e-3)
