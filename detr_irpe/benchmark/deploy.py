@@ -61,7 +61,7 @@ from detr_irpe.engine.speed import count_flops
 from detr_irpe.errors import DetrIrpeError
 from detr_irpe.export import IMAGE_INPUT, OUTPUTS, export_onnx, onnx_wrapper
 from detr_irpe.family import get_family
-from detr_irpe.inference.runtime import compiler_problem
+from detr_irpe.inference.runtime import compile_frozen, compiler_problem
 from detr_irpe.models.fusion import inference_form
 
 __all__ = ["DEFAULT_TARGETS", "RUNTIMES", "deploy_table", "run_deploy_benchmark"]
@@ -193,9 +193,8 @@ def run_deploy_benchmark(
                 if compiled:
                     problem = compiler_problem()
                     if problem is None:
-                        calls["PyTorch compiled"] = torch.compile(
-                            onnx_wrapper(inference_form(model)), dynamic=False,
-                            options={"freezing": True})
+                        calls["PyTorch compiled"] = compile_frozen(
+                            onnx_wrapper(inference_form(model)))
                     else:
                         notes.append(f"{label}: no PyTorch compiled row ({problem})")
                 if native_bf16_cpu():  # what train.amp=auto evaluates with on this CPU
