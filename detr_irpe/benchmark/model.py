@@ -223,7 +223,7 @@ def interleave(runners: Sequence[StepRunner], steps: int, device: torch.device,
     """
     for i in range(steps):
         if progress is not None:
-            progress(f"training-step round {i + 1} of {steps} over {len(runners)} models")
+            progress(f"timed round {i + 1} of {steps} over {len(runners)} rows")
         for runner in runners:
             sync(device)
             if device.type == "cuda":
