@@ -36,6 +36,7 @@ from detr_irpe.errors import (
     exit_status_for_signal,
 )
 from detr_irpe.sizes import EvalSize, parse_eval_sizes
+from detr_irpe.utils.process import exit_process
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -285,12 +286,9 @@ def run_main(body: Callable[[], int | None], *, tool: str | None = None) -> int:
 
 def run_program(main: Callable[[], int]) -> NoReturn:
     """A program's entry point (its console command, ``python -m``, ``tools/*.py``):
-    ``main()``, then the exit through :func:`~detr_irpe.engine.distributed.exit_process`
+    ``main()``, then the exit through :func:`~detr_irpe.utils.process.exit_process`
     (a ``torchrun`` worker ends without C++ static destructors)."""
-    status = main()
-    from detr_irpe.engine.distributed import exit_process  # torch: after the arguments
-
-    exit_process(status)
+    exit_process(main())
 
 
 def setup_tool_logging(level: int = logging.INFO) -> None:

@@ -19,19 +19,16 @@ same host is known gone when its process is.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import gc
 import logging
 import os
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -40,11 +37,9 @@ from detr_irpe.errors import DetrIrpeError, LostRankError, RunFolderError
 from detr_irpe.run_folder.lock import RunLock
 from detr_irpe.utils.device import resolve_device
 from detr_irpe.utils.dist import all_gather_object, is_dist
+from detr_irpe.utils.process import joined_group_of_several
 
 logger = logging.getLogger(__name__)
-
-# whether this process joined a process group of two or more processes (exit_process)
-_JOINED_GROUP_OF_SEVERAL = [False]
 
 
 @dataclass(frozen=True)
@@ -101,7 +96,8 @@ def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistInf
             timeout=datetime.timedelta(minutes=timeout_minutes),
             device_id=target if target.type == "cuda" else None,
         )
-    _JOINED_GROUP_OF_SEVERAL[0] = _JOINED_GROUP_OF_SEVERAL[0] or world_size > 1
+    if world_size > 1:
+        joined_group_of_several()  # the program ends through exit_process
     # who is who, to name a rank that goes away (lost_rank_as_error)
     peers = tuple(all_gather_object(f"{socket.gethostname()}:{os.getpid()}"))
     logger.info(
@@ -122,25 +118,6 @@ def cleanup_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
-
-
-def exit_process(status: int) -> NoReturn:
-    """End the process with ``status``, as ``sys.exit`` does; for a program's entry point.
-
-    In a process that was one of several in a process group (a ``torchrun`` worker), the
-    exit handlers run, the output is flushed and the process ends without the C++ static
-    destructors: on a busy 2-core machine about one finished run in 40-60 had a worker
-    abort after its last line in them ("terminate called without an active exception",
-    SIGABRT after the interpreter had finished, measured with the 2-process CPU training
-    of the test suite), and torchrun then reports the whole run as failed."""
-    if not _JOINED_GROUP_OF_SEVERAL[0]:
-        sys.exit(status)
-    atexit._run_exitfuncs()  # noqa: SLF001 (the handlers os._exit would skip)
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(status)
 
 
 # What gloo and NCCL say when the other end of a collective went away.
@@ -241,7 +218,6 @@ def lock_run_folder(folder: str | Path, is_main: bool) -> RunLock | None:
 __all__ = [
     "DistInfo",
     "cleanup_distributed",
-    "exit_process",
     "init_distributed",
     "lock_run_folder",
     "lost_rank_as_error",

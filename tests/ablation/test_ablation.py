@@ -438,8 +438,10 @@ def test_shipped_grids_load() -> None:
             assert grid.base.name == demo_base and grid.launcher == "local"
             # the dataset tools/demo.py generates (README: 1600 + 200 images, seed 0)
             assert grid.synthetic_data == {"num_train": 1600, "num_val": 200, "seed": 0}
-        elif path.stem == "canvases_rtdetr":  # fine-tunes the published R18, SLURM jobs
-            assert grid.base.name == "rtdetr_r18.yaml" and grid.launcher == "slurm"
+        elif path.stem in ("canvases_rtdetr", "canvases_dfine"):  # fine-tune published
+            # weights (RT-DETR-R18, D-FINE-S) as SLURM jobs
+            published = {"canvases_rtdetr": "rtdetr_r18.yaml", "canvases_dfine": "dfine_s.yaml"}
+            assert grid.base.name == published[path.stem] and grid.launcher == "slurm"
         else:
             published = {"encodings_rtdetr": "rtdetr_r50.yaml",
                          "encodings_dfine": "dfine_s.yaml"}.get(path.stem, "detr_r50.yaml")
@@ -652,7 +654,8 @@ _DEMO_GRID_TEST_SIZE = (
 # sizes through the scheduler (one evaluation process per run): demo_encodings 80 s and
 # demo_encodings_rtdetr 107 s in all, measured there with the machine shared (load ~5).
 # demo_canvases 45 s and demo_canvases_rtdetr 67 s with their canvases too (shared
-# 2-core "Intel(R) Xeon(R) Processor" as lscpu names it, load ~2.7).
+# 2-core "Intel(R) Xeon(R) Processor" as lscpu names it, load ~2.7); demo_canvases_dfine
+# 98 s there (load ~4).
 # demo_encodings_vit_rtdetr (18 runs with a ViT backbone) 113 s on an "Intel(R) Xeon(R)
 # Processor" (2 cores, shared with a training run).
 @pytest.mark.parametrize("name", [

@@ -49,7 +49,8 @@ ALLOWED: dict[str, set[str]] = {
     "ablation": CONFIG | {"checkpoint", "data", "errors", "evaluation", "irpe", "models",
                           "encodings", "rope", "run_folder", "utils"},
     "benchmark": CONFIG | {"checkpoint", "data", "engine", "errors", "evaluation", "export",
-                           "irpe", "models", "encodings", "rope", "structures", "utils"},
+                           "inference", "irpe", "models", "encodings", "rope", "structures",
+                           "utils"},
     "cli": CONFIG | {"ablation", "benchmark", "checkpoint", "data", "engine", "errors", "evaluation",
                      "export", "inference", "irpe", "models", "encodings", "rope", "run_folder",
                      "structures", "utils", "visualization"},
@@ -61,11 +62,11 @@ LEAVES = {
     "detr_irpe.run_folder.experiment": set(),
 }
 # What may be imported inside a function: optional dependencies (extras) and a fast path
-# that may be missing, and the user's reference checkout (benchmark/reference.py), which is
+# that may be missing (torch._inductor: the compiled runtime, private to torch), and the user's reference checkout (benchmark/reference.py), which is
 # importable only while it is on sys.path.
 OPTIONAL = {"safetensors", "torch.utils.tensorboard", "faster_coco_eval", "onnxruntime",
             "timm", "torchvision.io", "models", "util.misc", "submitit", "wandb",
-            "transformers", "supervision"}
+            "transformers", "supervision", "torch._inductor"}
 # A tool's module (detr_irpe/cli/<tool>.py) imports its program (detr_irpe/cli/programs/)
 # inside main, after parsing: --help and argument errors need no torch (docs/architecture.md).
 PROGRAMS = "detr_irpe.cli.programs"

@@ -21,8 +21,9 @@ import detr_irpe
 from detr_irpe.config import CONFIG_DIR
 
 # Every console script setup.cfg declares, and the module whose main() it calls.
+# train and eval (the tools torchrun starts) end through run (cli.args.run_program)
 CONSOLE_SCRIPTS = {
-    f"detr-irpe-{name}": f"detr_irpe.cli.{name}:main"
+    f"detr-irpe-{name}": f"detr_irpe.cli.{name}:{'run' if name in ('train', 'eval') else 'main'}"
     for name in ("train", "eval", "predict", "visualize", "export", "convert", "ablate",
                  "submit", "benchmark", "synthetic", "data")
 }
