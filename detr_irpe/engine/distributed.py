@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import logging
 import os
 import socket
@@ -112,11 +111,7 @@ def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistInf
 
 
 def cleanup_distributed() -> None:
-    """Leave the process group; what still holds it (a DistributedDataParallel wrapper
-    and its reducer, kept alive by reference cycles) is collected first, so that the
-    group's threads end here and not at interpreter shutdown."""
     if dist.is_available() and dist.is_initialized():
-        gc.collect()
         dist.destroy_process_group()
 
 
