@@ -36,9 +36,9 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PYTEST)
 
-# the slow tests too (CI: .ci/run)
+# the slow tests too (CI: .ci/run); the 30 slowest tests listed at the end
 test-all: $(STAMP)
-	$(PYTEST) -m "not gpu"
+	$(PYTEST) -m "not gpu" --durations=30
 
 demo: $(STAMP)
 	$(PY) tools/demo.py
