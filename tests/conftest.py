@@ -5,14 +5,12 @@ training, tool and ablation tests run on."""
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_DATASET, load_tiny_config
+from helpers import TINY_DATASET, disk_header, load_tiny_config
 
 from detr_irpe.config import Config
 from detr_irpe.data.synthetic import generate_dataset
@@ -22,19 +20,8 @@ from detr_irpe.data.synthetic import generate_dataset
 torch.set_num_threads(1)
 
 
-# The slow set's largest tests write a few GB each into their tmp_path (grids of runs with
-# their checkpoints, Hugging Face exports of R50 models); setup.cfg removes each passing
-# test's folder when it ends. Below this much free space the suite may fail for want of it.
-SUITE_DISK_GB = 8
-
-
 def pytest_report_header(config: pytest.Config) -> str:
-    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
-    line = f"disk: {free:.1f} GB free in {tempfile.gettempdir()}"
-    if free < SUITE_DISK_GB:
-        line += (f" -- less than the {SUITE_DISK_GB} GB the slow tests may need at once;"
-                 " free some space or point --basetemp at a larger disk")
-    return line
+    return disk_header()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,6 +10,7 @@ import math
 import shutil
 import struct
 import subprocess
+import tempfile
 import time
 import zlib
 from collections.abc import Callable
@@ -383,3 +384,20 @@ def two_rectangles() -> np.ndarray:
     image[40:90, 90:140] = (40, 200, 60)
     return image
 
+
+# The slow set's largest tests write a few GB each into their tmp_path (grids of runs with
+# their checkpoints, Hugging Face exports of R50 models); setup.cfg removes each passing
+# test's folder when it ends (make test-all peaked at 4.1 GB). Below this much free space
+# the suite may fail for want of it.
+SUITE_DISK_GB = 8
+
+
+def disk_header() -> str:
+    """pytest's header line (tests/conftest.py): the free space where tmp_path lives."""
+    where = tempfile.gettempdir()
+    free = shutil.disk_usage(where).free / 2**30
+    line = f"disk: {free:.1f} GB free in {where}"
+    if free < SUITE_DISK_GB:
+        line += (f" -- less than the {SUITE_DISK_GB} GB the slow tests may need at once;"
+                 " free some space or point --basetemp at a larger disk")
+    return line

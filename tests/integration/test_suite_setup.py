@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+from collections import namedtuple
+
 import pytest
+from helpers import SUITE_DISK_GB, disk_header
 
 
 def test_a_passing_tests_tmp_path_is_removed_when_it_ends(pytestconfig: pytest.Config) -> None:
@@ -12,17 +16,12 @@ def test_a_passing_tests_tmp_path_is_removed_when_it_ends(pytestconfig: pytest.C
     assert pytestconfig.getini("tmp_path_retention_policy") == "failed"
 
 
-def test_the_report_header_warns_when_the_disk_is_nearly_full(pytestconfig, monkeypatch) -> None:
-    import shutil
-    from collections import namedtuple
-
-    import conftest
-
+def test_the_report_header_warns_when_the_disk_is_nearly_full(monkeypatch) -> None:
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 * 2**30, 0, 50 * 2**30))
-    assert conftest.pytest_report_header(pytestconfig).startswith("disk: 50.0 GB free in ")
-    assert "less than" not in conftest.pytest_report_header(pytestconfig)
+    assert disk_header().startswith("disk: 50.0 GB free in ")
+    assert "less than" not in disk_header()
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 * 2**30, 0, 2**29))
-    header = conftest.pytest_report_header(pytestconfig)
+    header = disk_header()
     assert header.startswith("disk: 0.5 GB free in ")
-    assert f"less than the {conftest.SUITE_DISK_GB} GB" in header and "--basetemp" in header
+    assert f"less than the {SUITE_DISK_GB} GB" in header and "--basetemp" in header
