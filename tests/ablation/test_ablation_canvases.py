@@ -176,7 +176,7 @@ _COCO_TEST_SIZE = ("train.epochs=1", "train.batch_size=4", "train.num_threads=1"
 
 # RT-DETR's grid with all six variants: 143 s (an evaluation process per run at 5 sizes
 # and 7 canvases; a shared 2-core "Intel(R) Xeon(R) Processor" as lscpu names it, load
-# ~2.7), the slowest test of CI; D-FINE's grid with two of its variants at dfine_tiny,
+# ~2.7), the slowest of the slow set here; D-FINE's grid with two of its variants at dfine_tiny,
 # 43-48 s. Both slow tests. (A two-variant RT-DETR case was dropped: the six include it.)
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "tiny", "variants"), [
