@@ -1,11 +1,12 @@
-"""detr_irpe: DETR with 2D image relative position encoding (iRPE) in the encoder.
+"""detr_irpe: detection transformers (DETR, DAB-DETR / DN-DETR, RT-DETR, D-FINE / DEIM)
+with a choice of position encodings (sine, iRPE, RoPE, a user's own) in their attention.
 
 Public entry points (imported lazily so ``import detr_irpe`` stays cheap):
 
 - :func:`load_config` -- typed config from ``configs/*.yaml`` plus overrides.
 - :func:`build_model` -- ``(model, criterion, postprocessor)`` from a config.
-- :func:`load_weights` -- a checkpoint's weights (own, public DETR / iRPE-DETR, Hugging
-  Face) into a model.
+- :func:`load_weights` -- a checkpoint's weights (own, the families' public releases,
+  Hugging Face) into a model.
 """
 
 from __future__ import annotations

@@ -13,17 +13,19 @@ The built-in families are imported the first time they are asked for (their fold
 the model code, which imports torch); a user's family registers itself when a module named
 in ``model.import`` is imported (docs/model.md, "A detector family of your own").
 
-This module imports nothing else of the package but :mod:`detr_irpe.errors`.
+The store is a :class:`~detr_irpe.registry.Registry`, as the backbones' and the
+encodings'. This module imports nothing else of the package but :mod:`detr_irpe.errors`
+and :mod:`detr_irpe.registry`.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from detr_irpe.errors import ConfigError
+from detr_irpe.registry import Registry
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttentionSupport",
     "BUILTIN_FAMILIES",
+    "FAMILIES",
     "DEFAULT_FAMILY",
     "CheckpointSupport",
     "DetectorFamily",
@@ -49,11 +52,20 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "dab": "detr_irpe.models.dab",
     "rtdetr": "detr_irpe.models.rtdetr",
     "dfine": "detr_irpe.models.dfine",
+    "deimv2": "detr_irpe.models.deimv2",
 }
 # The family of a config that names none (every config written before model.family).
 DEFAULT_FAMILY = "detr"
 
-_REGISTRY: dict[str, DetectorFamily] = {}
+FAMILIES: Registry[DetectorFamily] = Registry(
+    "detector family",
+    builtins=BUILTIN_FAMILIES,
+    replaces=True,  # a module reloaded in a notebook registers its family again
+    aliases=lambda family: family.aliases,
+    error=ConfigError,
+    key="model.family: ",
+    advice=", or register yours from a module named in model.import",
+)
 
 
 @dataclass(frozen=True)
@@ -136,7 +148,7 @@ class AttentionSupport:
 
     Attributes:
         encoder: ``model ->`` the encoder self-attention modules, in layer order: each an
-            :class:`~detr_irpe.irpe.IRPEMultiheadAttention` called with ``(query, key,
+            :class:`~detr_irpe.attention.MultiheadAttention` called with ``(query, key,
             value, hw, ...)`` on one ``H x W`` token grid (row-major), whose maps the
             encoder and iRPE-contribution figures draw ([]: no encoder figures).
         decoder: ``model ->`` the decoder cross-attention modules with dense weights
@@ -195,6 +207,10 @@ class DetectorFamily:
             or None for that module when a model has learned queries; None: the family's
             queries are learned (DETR). A mosaic canvas of k images is evaluated with k
             times the queries and detections of such a model (docs/evaluation.md).
+        resize_rule: ``data section -> resize rule`` (:mod:`detr_irpe.resize`): how its
+            images become model inputs (train and evaluation sizes, test sizes, canvases,
+            the memory estimate); None: the rule ``data.augmentation``'s recipe was
+            written for.
     """
 
     name: str
@@ -215,6 +231,7 @@ class DetectorFamily:
     aliases: Sequence[str] = ()
     attention: AttentionSupport | None = None
     selected_queries: Callable[[nn.Module], nn.Module | None] | None = None
+    resize_rule: Callable[[Any], Any] | None = None
 
     def name_of(self, model_cfg: Any) -> str:
         """The name of one configuration of this family (``DN-DAB-DETR``)."""
@@ -227,36 +244,17 @@ def register_family(family: DetectorFamily) -> DetectorFamily:
     Registering the same name again replaces the entry (a module reloaded in a notebook);
     a name that is another family's alias is refused.
     """
-    if not family.name.isidentifier():
-        raise ValueError(f"a family name must be an identifier, got {family.name!r}")
-    for other in _REGISTRY.values():
-        if other.name != family.name and family.name in other.aliases:
-            raise ValueError(f"family name {family.name!r} is an alias of {other.name!r}")
-    _REGISTRY[family.name] = family
-    return family
-
-
-def _load_builtin(name: str) -> None:
-    module = BUILTIN_FAMILIES.get(name)
-    if module is not None and name not in _REGISTRY:
-        importlib.import_module(module)
-
-
-def _load_builtins() -> None:
-    for name in BUILTIN_FAMILIES:
-        _load_builtin(name)
+    return FAMILIES.register(family.name, family)
 
 
 def family_names() -> list[str]:
     """Every family's name: the built-in ones and those registered so far."""
-    return sorted(set(BUILTIN_FAMILIES) | set(_REGISTRY))
+    return sorted(FAMILIES.names())
 
 
 def families() -> Iterator[DetectorFamily]:
     """Every family (the built-in ones loaded), in name order."""
-    _load_builtins()
-    for name in sorted(_REGISTRY):
-        yield _REGISTRY[name]
+    yield from sorted(FAMILIES.entries(), key=lambda family: family.name)
 
 
 def get_family(name: str) -> DetectorFamily:
@@ -265,16 +263,10 @@ def get_family(name: str) -> DetectorFamily:
     Raises:
         ConfigError: no such family, naming the registered ones.
     """
-    _load_builtin(name)
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    for family in families():
-        if name in family.aliases:
-            return family
-    raise ConfigError(
-        f"model.family: {name!r} is not a registered detector family; choose one of "
-        f"{', '.join(family_names())}, or register yours from a module named in model.import"
-    )
+    family = FAMILIES.find(name)
+    if family is None:
+        raise ConfigError(FAMILIES.unknown(name, family_names()))
+    return family
 
 
 def family_of_state(state: Mapping[str, Any]) -> DetectorFamily | None:

@@ -1,156 +1,177 @@
-"""Extension points: backbones and bucket methods by name, registered by a user's module.
+"""One registry style for the package's extension points: a name -> entry store.
 
-- **Backbones.** ``model.backbone=NAME`` picks a builder registered with
-  :func:`register_backbone`. The torchvision ResNets (``resnet18``, ``resnet34``,
-  ``resnet50``, ``resnet101``) are registered here; ``timm:NAME`` builds any model of the
-  optional ``timm`` package with ``features_only`` (``pip install 'detr_irpe[timm]'``).
-- **Bucket methods.** :func:`register_bucket_method` (from :mod:`detr_irpe.irpe.methods`,
-  which imports nothing else of the package) adds a method for RPE strings.
-- **Running a registration.** ``model.import`` lists modules that the config imports
-  before it checks ``model.backbone`` and ``model.rpe``, so every tool, every torchrun
-  worker and every model rebuilt from a checkpoint's saved config sees the
-  registrations (docs/model.md, "Your own backbone or bucket method").
+:class:`Registry` holds the backbones (:mod:`detr_irpe.models.backbone_registry`:
+``model.backbone``), the detector families (:mod:`detr_irpe.family`: ``model.family``) and
+the position encodings (:mod:`detr_irpe.encodings.registry`: ``model.encodings``). Each of
+them works the same way:
 
-This module imports no model code: :mod:`detr_irpe.models.backbone` registers the
-torchvision ResNets' builders when it is imported (their names are known here, so a
-config can name them before any model code is loaded).
+- ``register(name, entry)`` refuses a bad name, or a name taken by another entry unless
+  ``overwrite`` (the families and encodings replace by default: a module reloaded in a
+  notebook registers its entries again);
+- ``get(name)`` returns the entry, or raises one line naming the known names and how to
+  add one;
+- ``names()`` lists the built-in and registered names without importing anything;
+- the built-in entries are registered by their own modules, imported the first time an
+  entry is asked for (``builtins``: name -> module), so that naming one costs no import.
+
+A user's entries register themselves when a module named in ``model.import`` is imported
+(docs/model.md, "Your own backbone or bucket method").
+
+This module imports nothing of the package but :mod:`detr_irpe.errors`.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+import importlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Generic, TypeVar
 
-from detr_irpe.irpe.methods import BucketMethod, register_bucket_method
+__all__ = ["Registry", "identifier_name"]
 
-if TYPE_CHECKING:
-    from torch import nn
+T = TypeVar("T")
 
-__all__ = [
-    "TIMM_PREFIX",
-    "TORCHVISION_RESNETS",
-    "BackboneBody",
-    "BackboneBuilder",
-    "BucketMethod",
-    "backbone_names",
-    "check_backbone_name",
-    "register_backbone",
-    "register_bucket_method",
-    "registered_backbone",
-]
-
-TORCHVISION_RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101")
-TIMM_PREFIX = "timm:"
+# The backbone registry moved out of this module (issue 48): the names it held, for the
+# one-line error an old import gets.
+_MOVED = {name: "detr_irpe.models.backbone_registry" for name in (
+    "TIMM_PREFIX", "TORCHVISION_RESNETS", "BackboneBody", "BackboneBuilder", "backbone_names",
+    "check_backbone_name", "register_backbone", "registered_backbone")}
+_MOVED.update({"BucketMethod": "detr_irpe.irpe", "register_bucket_method": "detr_irpe.irpe"})
 
 
-@dataclass
-class BackboneBody:
-    """What a backbone builder returns.
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        raise ImportError(f"detr_irpe.registry.{name} is now {_MOVED[name]}.{name}; "
+                          f"import it from there")
+    raise AttributeError(f"module 'detr_irpe.registry' has no attribute {name!r}")
 
-    Attributes:
-        body: images ``(B, 3, H, W)`` -> one feature map ``(B, C, H / stride, W / stride)``
-            (sides rounded up). Its parameters are saved under ``backbone.0.body.``.
-        num_channels: C.
-        stride: the output stride (32 for a whole ResNet, 16 for DC5 or 3 stages, 8 for 2).
-        stem: parameter-name prefixes of ``body`` that ``model.freeze_stem`` keeps fixed
-            (the stem and the first stage; ResNet: ``conv1``, ``bn1``, ``layer1``).
+
+def identifier_name(name: object) -> str | None:
+    """Why ``name`` cannot name an entry (None: it can): a Python identifier is asked."""
+    if isinstance(name, str) and name.isidentifier():
+        return None
+    return f"must be an identifier, got {name!r}"
+
+
+class Registry(Generic[T]):
+    """Entries of one kind by name.
+
+    Args:
+        kind: what an entry is, for messages (``"backbone"``, ``"detector family"``).
+        builtins: built-in name -> the module whose import registers it.
+        check_name: ``name ->`` why it cannot be registered, or None.
+        replaces: registering a taken name replaces its entry without ``overwrite``.
+        aliases: ``entry ->`` other names :meth:`get` finds it by.
+        error: the exception :meth:`get` raises for an unknown name.
+        key: the config key shown before an unknown name (``"model.family: "``).
+        advice: how to add an entry, the end of the unknown-name error.
     """
 
-    body: nn.Module
-    num_channels: int
-    stride: int
-    stem: tuple[str, ...] = ()
+    def __init__(
+        self,
+        kind: str,
+        *,
+        builtins: Mapping[str, str] | None = None,
+        check_name: Callable[[str], str | None] = identifier_name,
+        replaces: bool = False,
+        aliases: Callable[[T], Iterable[str]] | None = None,
+        error: type[Exception] = ValueError,
+        key: str = "",
+        advice: str = "",
+    ) -> None:
+        self.kind = kind
+        self.builtins = dict(builtins or {})
+        self._check_name = check_name
+        self._replaces = replaces
+        self._aliases = aliases
+        self._error = error
+        self._key = key
+        self._advice = advice
+        self._entries: dict[str, T] = {}
 
+    # --------------------------------------------------------------------- registering
+    def register(self, name: str, entry: T, *, overwrite: bool = False) -> T:
+        """Make ``entry`` available as ``name``; returns it.
 
-class BackboneBuilder(Protocol):
-    """``builder(weights=..., frozen_bn=..., dilation=..., stages=...) -> BackboneBody``.
+        Raises:
+            ValueError: a bad name, another entry's alias, or (unless ``overwrite`` or the
+                registry replaces) a name taken by another entry, built in or registered.
+        """
+        why = self._check_name(name)
+        if why is not None:
+            raise ValueError(f"{self.kind} name {why}")
+        if self._aliases is not None:
+            for other_name, other in self._entries.items():
+                if other_name != name and name in self._aliases(other):
+                    raise ValueError(f"{self.kind} name {name!r} is an alias of {other_name!r}")
+        if not self._replaces:
+            self._load(name)  # a built-in name is taken by its built-in entry
+        old = self._entries.get(name)
+        if old is not None and old is not entry and not (overwrite or self._replaces):
+            raise ValueError(f"{self.kind} {name!r} is already registered; pass "
+                             "overwrite=True to replace it")
+        self._entries[name] = entry
+        return entry
 
-    Arguments (keywords), from the ``model`` section of the config:
-
-    - ``weights``: ``"none"`` (random, say so in a warning), ``"imagenet"`` (pretrained;
-      a download only here, where the user asked for it), the path of a local state dict,
-      or ``None`` (random, quietly: a checkpoint will be loaded over the model);
-    - ``frozen_bn``: BatchNorm with fixed statistics;
-    - ``dilation``: output stride 16 instead of 32 (DC5), where the network supports it;
-    - ``stages``: 4 (the whole network), 3 (stop one stage early, stride 16) or 2 (two
-      stages early, stride 8).
-
-    A builder that cannot honour a setting raises ``ValueError`` saying which.
-    """
-
-    def __call__(
-        self, *, weights: str | None, frozen_bn: bool, dilation: bool, stages: int
-    ) -> BackboneBody: ...
-
-
-_BACKBONES: dict[str, BackboneBuilder] = {}
-
-
-def register_backbone(
-    name: str, builder: BackboneBuilder | None = None, *, overwrite: bool = False
-) -> Callable[[BackboneBuilder], BackboneBuilder] | BackboneBuilder:
-    """Register ``builder`` as ``model.backbone=name`` (a decorator without ``builder``).
-
-    Raises:
-        ValueError: an empty name, a ``timm:`` name (those are built by timm), or a name
-            already taken by another builder (unless ``overwrite``).
-    """
-    if builder is None:
-        def decorate(function: BackboneBuilder) -> BackboneBuilder:
-            register_backbone(name, function, overwrite=overwrite)
-            return function
+    def decorator(self, name: str, *, overwrite: bool = False) -> Callable[[T], T]:
+        """``@registry.decorator(name)``: register the decorated object."""
+        def decorate(entry: T) -> T:
+            return self.register(name, entry, overwrite=overwrite)
         return decorate
-    if not isinstance(name, str) or not name.strip() or name != name.strip():
-        raise ValueError(f"backbone name must be a non-empty word, got {name!r}")
-    if name.startswith(TIMM_PREFIX):
-        raise ValueError(f"backbone names starting with {TIMM_PREFIX!r} are timm models; "
-                         "register under another name")
-    if not callable(builder):
-        raise ValueError(f"backbone {name!r}: builder must be a function, got {builder!r}")
-    old = _BACKBONES.get(name)
-    taken = old is not None or name in TORCHVISION_RESNETS
-    if taken and old is not builder and not overwrite:
-        raise ValueError(f"backbone {name!r} is already registered; pass overwrite=True to "
-                         "replace it")
-    _BACKBONES[name] = builder
-    return builder
 
+    # ----------------------------------------------------------------------- asking
+    def _load(self, name: str) -> None:
+        """Import the module of built-in ``name`` (while it is being imported: nothing)."""
+        module = self.builtins.get(name)
+        if module is not None and name not in self._entries:
+            importlib.import_module(module)
 
-def backbone_names() -> list[str]:
-    """The built-in and registered names (``timm:NAME`` are not listed: any timm model
-    works)."""
-    return list(dict.fromkeys([*TORCHVISION_RESNETS, *_BACKBONES]))
+    def load_builtins(self) -> None:
+        """Import every built-in entry's module (its entries register themselves)."""
+        for name in self.builtins:
+            self._load(name)
 
+    def names(self) -> list[str]:
+        """The built-in names, then the registered ones, in registration order (nothing
+        is imported)."""
+        return list(dict.fromkeys([*self.builtins, *self._entries]))
 
-def check_backbone_name(name: str) -> None:
-    """Refuse a name that is neither registered nor ``timm:NAME`` with timm installed.
+    def __contains__(self, name: object) -> bool:
+        return name in self.builtins or name in self._entries
 
-    Raises:
-        ValueError: naming the registered backbones, or the missing ``timm`` extra.
-    """
-    if isinstance(name, str) and name.startswith(TIMM_PREFIX):
-        if not name[len(TIMM_PREFIX):].strip():
-            raise ValueError(f"{name!r} names no timm model; e.g. timm:convnext_tiny")
-        if importlib.util.find_spec("timm") is None:
-            raise ValueError(f"{name!r} needs the optional timm package: "
-                             "pip install 'detr_irpe[timm]'")
-        return
-    if name not in _BACKBONES and name not in TORCHVISION_RESNETS:
-        raise ValueError(
-            f"{name!r} is not a registered backbone; choose one of "
-            f"{', '.join(backbone_names())} "
-            "or timm:NAME, or register one (detr_irpe.registry.register_backbone, in a "
-            "module named in model.import)"
-        )
+    def entries(self) -> Iterator[T]:
+        """Every entry (the built-in ones loaded), in registration order."""
+        self.load_builtins()
+        yield from list(self._entries.values())
 
+    def find(self, name: str) -> T | None:
+        """The entry named ``name`` (or one of its aliases), None when there is none."""
+        self._load(name)
+        if name in self._entries:
+            return self._entries[name]
+        if self._aliases is not None:
+            for entry in self.entries():
+                if name in self._aliases(entry):
+                    return entry
+        return None
 
-def registered_backbone(name: str) -> BackboneBuilder:
-    """The builder registered as ``name`` (checked as :func:`check_backbone_name`;
-    ``timm:NAME`` is built by :mod:`detr_irpe.models.timm_backbone`, not registered)."""
-    check_backbone_name(name)
-    if name not in _BACKBONES:
-        raise ValueError(f"backbone {name!r} has no registered builder yet (the torchvision "
-                         "ResNets register theirs when detr_irpe.models is imported)")
-    return _BACKBONES[name]
+    def get(self, name: str) -> T:
+        """The entry named ``name`` (or one of its aliases).
+
+        Raises:
+            error: no such entry: one line naming the known names.
+        """
+        entry = self.find(name)
+        if entry is None:
+            raise self._error(self.unknown(name))
+        return entry
+
+    def unknown(self, name: object, names: Iterable[str] | None = None) -> str:
+        """The one-line message for an unknown ``name`` (``names``: the choices shown)."""
+        shown = ", ".join(self.names() if names is None else names)
+        return (f"{self._key}{name!r} is not a registered {self.kind}; choose one of "
+                f"{shown}{self._advice}")
+
+    def store(self) -> dict[str, T]:
+        """The registered entries by name (the dict itself: tests hide and restore
+        entries in it)."""
+        return self._entries

@@ -78,6 +78,9 @@ def ref_bucket_ids(method: str, height: int, width: int, ratio: float, skip: int
 def _tables(params: dict[str, torch.Tensor], target: str, cross: bool):
     """The table(s) of one target as a list (one entry, or rows and cols for cross)."""
     names = [f"rpe_{target}.rp_rows", f"rpe_{target}.rp_cols"] if cross else [f"rpe_{target}"]
+    # the tables sit in the attention's iRPE entry (encodings.irpe.rpe_k...) or, as in the
+    # public checkpoints, on the attention itself (rpe_k...)
+    params = {k.removeprefix("encodings.irpe."): v for k, v in params.items()}
     out = []
     for name in names:
         if f"{name}.lookup_table_weight" in params:

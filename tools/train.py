@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train DETR with iRPE in the encoder (or evaluate with --eval-only).
+"""Train a detector of any family, with any position encodings (or evaluate with --eval-only).
 
     python tools/train.py --config synthetic_demo
     python tools/train.py --config detr_r50_irpe --set data.root=/data/coco train.amp=bf16

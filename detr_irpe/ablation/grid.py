@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from detr_irpe.canvas import CanvasLayout, parse_canvases
+from detr_irpe.canvas_layouts import CanvasLayout, parse_canvases
 from detr_irpe.config import (
     CONFIG_DIR,
     Config,
@@ -400,49 +400,13 @@ def load_grid(
         "command-line overrides", list(extra_overrides))
     _check_reserved(f"{where}: overrides", common, seeds is not None)
 
-    if "axes" not in data and "variants" not in data:
-        raise GridError(f"{where}: give 'axes' (override key -> list of values) and/or "
-                        "'variants' (list of {name, overrides})")
-    listed = _listed_variants(where, data["variants"]) if "variants" in data else []
-    axis = _axis_variants(where, data["axes"]) if "axes" in data else []
-    variants = _combine(listed, axis)
-    for v in variants:
-        # A variant's own seed would be overwritten by the grid's: always use seeds.
-        _check_reserved(f"{where}: variant {v.name!r}", v.overrides, True)
+    variants = _variants(where, data)
     names = [v.name for v in variants]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise GridError(f"{where}: variant name(s) used twice: {', '.join(dupes)}")
-    slugs: dict[str, str] = {}
-    for v in variants:
-        if v.slug in slugs:
-            raise GridError(f"{where}: variants {slugs[v.slug]!r} and {v.name!r} map to the same "
-                            f"folder {v.slug!r}; rename one")
-        slugs[v.slug] = v.name
-
     baseline = data.get("baseline", names[0])
     if baseline not in names:
         raise GridError(f"{where}: baseline {baseline!r} is not a variant; variants: "
                         f"{', '.join(names)}")
-    launcher = data.get("launcher", "local")
-    if launcher not in LAUNCHERS:
-        raise GridError(f"{where}: launcher {launcher!r} is not allowed; choose one of "
-                        f"{', '.join(LAUNCHERS)}")
-    nproc = data.get("nproc_per_node", 1)
-    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise GridError(f"{where}: nproc_per_node must be a positive integer, got {nproc!r}")
-    if nproc > 1 and launcher == "local":
-        raise GridError(f"{where}: nproc_per_node={nproc} needs launcher: torchrun or slurm")
-    finetune = data.get("finetune")
-    if finetune is not None and (not isinstance(finetune, str) or not finetune.strip()):
-        raise GridError(f"{where}: finetune must be a checkpoint (a published name such as "
-                        f"rtdetr_r18, a file or an http(s) address), got {finetune!r}")
-    submit = data.get("submit") or []
-    if not isinstance(submit, list) or not all(isinstance(a, (str, int)) for a in submit):
-        raise GridError(f"{where}: submit must be a list of detr-irpe-submit options (e.g. "
-                        f"[--partition, gpu, --timeout, 240]), got {submit!r}")
-    if submit and launcher != "slurm":
-        raise GridError(f"{where}: submit options need launcher: slurm (got {launcher})")
+    launcher, nproc, finetune, submit = _launch(where, data)
     out = output_dir if output_dir is not None else data.get("output_dir")
     if not out or not isinstance(out, (str, Path)):
         raise GridError(f"{where}: missing 'output_dir' (the folder of the grid's run folders)")
@@ -462,6 +426,55 @@ def load_grid(
     )
     grid.runs = _expand_runs(grid)
     return grid
+
+
+def _variants(where: str, data: Mapping[str, Any]) -> list[Variant]:
+    """The grid's variants: its listed ones combined with its axes' (names and folders
+    distinct; no variant sets the seed)."""
+    if "axes" not in data and "variants" not in data:
+        raise GridError(f"{where}: give 'axes' (override key -> list of values) and/or "
+                        "'variants' (list of {name, overrides})")
+    listed = _listed_variants(where, data["variants"]) if "variants" in data else []
+    axis = _axis_variants(where, data["axes"]) if "axes" in data else []
+    variants = _combine(listed, axis)
+    for v in variants:
+        # A variant's own seed would be overwritten by the grid's: always use seeds.
+        _check_reserved(f"{where}: variant {v.name!r}", v.overrides, True)
+    names = [v.name for v in variants]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise GridError(f"{where}: variant name(s) used twice: {', '.join(dupes)}")
+    slugs: dict[str, str] = {}
+    for v in variants:
+        if v.slug in slugs:
+            raise GridError(f"{where}: variants {slugs[v.slug]!r} and {v.name!r} map to the same "
+                            f"folder {v.slug!r}; rename one")
+        slugs[v.slug] = v.name
+    return variants
+
+
+def _launch(where: str, data: Mapping[str, Any]) -> tuple[str, int, str | None, list]:
+    """How the runs start: ``(launcher, nproc_per_node, finetune, submit options)``."""
+    launcher = data.get("launcher", "local")
+    if launcher not in LAUNCHERS:
+        raise GridError(f"{where}: launcher {launcher!r} is not allowed; choose one of "
+                        f"{', '.join(LAUNCHERS)}")
+    nproc = data.get("nproc_per_node", 1)
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise GridError(f"{where}: nproc_per_node must be a positive integer, got {nproc!r}")
+    if nproc > 1 and launcher == "local":
+        raise GridError(f"{where}: nproc_per_node={nproc} needs launcher: torchrun or slurm")
+    finetune = data.get("finetune")
+    if finetune is not None and (not isinstance(finetune, str) or not finetune.strip()):
+        raise GridError(f"{where}: finetune must be a checkpoint (a published name such as "
+                        f"rtdetr_r18, a file or an http(s) address), got {finetune!r}")
+    submit = data.get("submit") or []
+    if not isinstance(submit, list) or not all(isinstance(a, (str, int)) for a in submit):
+        raise GridError(f"{where}: submit must be a list of detr-irpe-submit options (e.g. "
+                        f"[--partition, gpu, --timeout, 240]), got {submit!r}")
+    if submit and launcher != "slurm":
+        raise GridError(f"{where}: submit options need launcher: slurm (got {launcher})")
+    return launcher, nproc, finetune, submit
 
 
 def _expand_runs(grid: Grid) -> list[RunSpec]:

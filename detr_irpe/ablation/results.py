@@ -41,6 +41,7 @@ from detr_irpe.evaluation.size_table import (
     TableFiles,
     read_size_table,
 )
+from detr_irpe.resize import resize_rule
 from detr_irpe.run_folder.checkpoints import LAST
 from detr_irpe.run_folder.log import read_log
 from detr_irpe.run_folder.status import RunState, final_evaluation, read_status, run_state
@@ -161,10 +162,9 @@ def run_canvas_table(folder: str | Path) -> dict[str, dict[str, float]]:
 
 def config_size_label(cfg: Config) -> str:
     """The label of the config's own test size (the size a run evaluates at while it
-    trains): ``data.eval_size`` (a square) with ``data.augmentation: rtdetr``, else the
-    shorter side ``data.val_size``."""
-    data = cfg.data
-    return str(data.eval_size if data.augmentation == "rtdetr" else data.val_size)
+    trains), as its resize rule says: ``data.eval_size`` (a square) for RT-DETR's rule,
+    the shorter side ``data.val_size`` for DETR's."""
+    return resize_rule(cfg).eval_label()
 
 
 def collect_run(run: RunSpec) -> RunResult:

@@ -485,6 +485,51 @@ def check_mismatches(grid: Grid) -> None:
         )
 
 
+def _runs_to_launch(grid: Grid, report: GridReport, retry_failed: bool) -> list[RunSpec]:
+    """The runs to train now; the others go to ``report`` (finished, running elsewhere,
+    failed before)."""
+    todo: list[RunSpec] = []
+    for run, state in grid_states(grid):
+        if state is RunState.FINISHED:
+            report.skipped_finished.append(run)
+        elif state is RunState.RUNNING:
+            report.busy.append(run)
+        elif state is RunState.FAILED and not retry_failed:
+            report.skipped_failed.append(run)
+        else:
+            todo.append(run)
+    logger.info(
+        "grid %s: %d runs; %d finished, %d to run%s%s", grid.name, len(grid.runs),
+        len(report.skipped_finished), len(todo),
+        f", {len(report.busy)} running elsewhere" if report.busy else "",
+        f", {len(report.skipped_failed)} failed before (not retried; --retry-failed)"
+        if report.skipped_failed else "",
+    )
+    return todo
+
+
+def _launch(grid: Grid, run: RunSpec, report: GridReport, count: str, show_output: bool
+            ) -> bool | None:
+    """Train one run under its claim; whether it finished (None: not launched, another
+    scheduler holds or finished it), recorded in ``report``."""
+    with _claimed(run, "it") as claimed:
+        if not claimed:
+            report.busy.append(run)
+            return None
+        if is_finished(run.output_dir, run.config.train.epochs):  # by another scheduler
+            report.skipped_finished.append(run)
+            return None
+        logger.info("run %s: %s -> %s", count, run.key, run.output_dir)
+        start = time.perf_counter()
+        finished = execute_run(grid, run, show_output=show_output)
+    (report.done if finished else report.failed).append(run)
+    if finished:
+        logger.info("run %s finished in %.0f s", run.key, time.perf_counter() - start)
+        if grid.evaluates_after and sizes_state(grid, run) != "done":
+            report.sizes_failed.append(run)
+    return finished
+
+
 def run_grid(
     grid: Grid,
     *,
@@ -513,23 +558,7 @@ def run_grid(
     """
     check_mismatches(grid)
     report = GridReport()
-    todo: list[RunSpec] = []
-    for run, state in grid_states(grid):
-        if state is RunState.FINISHED:
-            report.skipped_finished.append(run)
-        elif state is RunState.RUNNING:
-            report.busy.append(run)
-        elif state is RunState.FAILED and not retry_failed:
-            report.skipped_failed.append(run)
-        else:
-            todo.append(run)
-    logger.info(
-        "grid %s: %d runs; %d finished, %d to run%s%s", grid.name, len(grid.runs),
-        len(report.skipped_finished), len(todo),
-        f", {len(report.busy)} running elsewhere" if report.busy else "",
-        f", {len(report.skipped_failed)} failed before (not retried; --retry-failed)"
-        if report.skipped_failed else "",
-    )
+    todo = _runs_to_launch(grid, report, retry_failed)
     if max_runs is not None and max_runs < len(todo):
         report.not_started = todo[max_runs:]
         todo = todo[:max_runs]
@@ -543,21 +572,9 @@ def run_grid(
                    disable=None)
     try:
         for i, run in enumerate(todo, 1):
-            with _claimed(run, "it") as claimed:
-                if not claimed:
-                    report.busy.append(run)
-                    continue
-                if is_finished(run.output_dir, run.config.train.epochs):  # by another scheduler
-                    report.skipped_finished.append(run)
-                    continue
-                logger.info("run %d/%d: %s -> %s", i, len(todo), run.key, run.output_dir)
-                start = time.perf_counter()
-                finished = execute_run(grid, run, show_output=show_output)
-            (report.done if finished else report.failed).append(run)
-            if finished:
-                logger.info("run %s finished in %.0f s", run.key, time.perf_counter() - start)
-                if grid.evaluates_after and sizes_state(grid, run) != "done":
-                    report.sizes_failed.append(run)
+            finished = _launch(grid, run, report, f"{i}/{len(todo)}", show_output)
+            if finished is None:
+                continue
             if after_run is not None:
                 after_run(run, finished)
             if bar is not None:

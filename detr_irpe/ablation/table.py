@@ -23,6 +23,7 @@ from detr_irpe.ablation.results import (
 )
 from detr_irpe.config import CONFIG_DIR
 from detr_irpe.evaluation import COCO_STAT_NAMES
+from detr_irpe.resize import resize_rule
 from detr_irpe.utils.files import atomic_write_text
 
 RESULTS_MD = "results.md"
@@ -72,17 +73,11 @@ def _span(values: Sequence[int]) -> str:
 
 
 def _training_sizes(cfg) -> str:
-    """The training sizes of a config: the range of ``data.train_scales`` (shorter sides
-    drawn per image), or with ``data.augmentation: rtdetr`` the ``train_size`` square and
-    the range of ``data.batch_scales`` (one drawn per batch) when it has more than one."""
-    data = cfg.data
-    if data.augmentation != "rtdetr":
-        return _span(data.train_scales)
-    if len(set(data.batch_scales)) > 1:
-        stop = ("" if data.batch_scales_stop_epoch is None
-                else f" until epoch {data.batch_scales_stop_epoch}")
-        return f"{data.train_size} (batches at {_span(data.batch_scales)}{stop})"
-    return str(data.train_size)
+    """The training sizes of a config, as its resize rule says: the range of
+    ``data.train_scales`` (shorter sides drawn per image), or for RT-DETR's rule the
+    ``train_size`` square and the range of ``data.batch_scales`` (one drawn per batch)
+    when it has more than one."""
+    return resize_rule(cfg).describe_training()
 
 
 def as_run(grid: Grid, rows: Sequence[VariantRow]) -> str:
@@ -94,8 +89,7 @@ def as_run(grid: Grid, rows: Sequence[VariantRow]) -> str:
     per_step = [c.train.batch_size * grid.nproc_per_node * c.train.accumulate_steps
                 for c in configs]
     train_px = [_training_sizes(c) for c in configs]
-    eval_px = [c.data.eval_size if c.data.augmentation == "rtdetr" else c.data.val_size
-               for c in configs]
+    eval_px = [resize_rule(c).eval_side for c in configs]
     steps = [r.iterations for row in rows for r in row.runs if r.state.value == "finished"]
     done = (f"{_values(steps)} optimizer steps per finished run" if steps
             else "no run finished yet")

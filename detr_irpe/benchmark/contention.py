@@ -18,13 +18,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from detr_irpe.benchmark.op import run_benchmark
 
-__all__ = ["CONTENTION_VARIANTS", "competing_process", "contention_table",
+__all__ = ["CONTENTION_VARIANTS", "ContentionSettings", "competing_process", "contention_table",
            "run_contention_benchmark"]
 
 # nn.MultiheadAttention, this project's plain encoder attention and its iRPE one, each in
@@ -54,20 +55,37 @@ def competing_process(enabled: bool = True) -> Iterator[subprocess.Popen | None]
         proc.wait()
 
 
+@dataclass(frozen=True)
+class ContentionSettings:
+    """The layer of :func:`run_contention_benchmark` and its timing (its keywords):
+    ``(batch, height * width tokens, dim)`` inputs of a layer with ``heads`` heads,
+    ``repeats`` timed and ``warmup`` untimed forward + backward passes."""
+
+    batch: int = 2
+    height: int = 25
+    width: int = 38
+    dim: int = 256
+    heads: int = 8
+    repeats: int = 5
+    warmup: int = 1
+
+
 def run_contention_benchmark(
     thread_counts: Sequence[int] = (1, 2),
     variants: Sequence[str] = CONTENTION_VARIANTS,
-    batch: int = 2, height: int = 25, width: int = 38, dim: int = 256, heads: int = 8,
-    repeats: int = 5, warmup: int = 1,
+    settings: ContentionSettings | None = None,
     progress: Callable[[str], None] | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """Median forward + backward ms of each variant, per thread count, quiet and with a
-    competing process.
+    competing process (``settings``: :class:`ContentionSettings`; ``options``: its fields
+    as keywords, over ``settings``).
 
     Returns:
         ``{"rows": [{"variant", "name", "threads", "quiet_ms", "contended_ms",
         "slowdown"}], "size": [B, H, W, dim, heads]}``.
     """
+    s = replace(settings or ContentionSettings(), **options)
     previous = torch.get_num_threads()
     rows = []
     try:
@@ -79,8 +97,9 @@ def run_contention_benchmark(
                     progress(f"attention with {threads} thread(s), "
                              f"{'a competing process running' if contended else 'quiet'}")
                 with competing_process(contended):
-                    results = run_benchmark(batch, height, width, dim, heads, repeats=repeats,
-                                            warmup=warmup, variants=variants)
+                    results = run_benchmark(s.batch, s.height, s.width, s.dim, s.heads,
+                                            repeats=s.repeats, warmup=s.warmup,
+                                            variants=variants)
                 measured[contended] = {r.key: r for r in results}
             for key in variants:
                 quiet, busy = measured[False][key], measured[True][key]
@@ -89,7 +108,7 @@ def run_contention_benchmark(
                              "slowdown": busy.median_ms / quiet.median_ms})
     finally:
         torch.set_num_threads(previous)
-    return {"rows": rows, "size": [batch, height, width, dim, heads]}
+    return {"rows": rows, "size": [s.batch, s.height, s.width, s.dim, s.heads]}
 
 
 def contention_table(section: dict[str, Any]) -> str:

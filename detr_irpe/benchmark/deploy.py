@@ -39,6 +39,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,8 @@ from detr_irpe.family import get_family
 from detr_irpe.inference.runtime import compile_frozen, compiler_problem
 from detr_irpe.models.fusion import inference_form
 
-__all__ = ["DEFAULT_TARGETS", "RUNTIMES", "deploy_table", "run_deploy_benchmark"]
+__all__ = ["DEFAULT_TARGETS", "RUNTIMES", "DeploySettings", "deploy_table",
+           "run_deploy_benchmark"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,26 +113,11 @@ def _diff(ours: tuple[torch.Tensor, torch.Tensor], theirs: tuple[torch.Tensor, t
     return tuple(float((a.float() - b.float()).abs().max()) for a, b in zip(ours, theirs))
 
 
-def run_deploy_benchmark(
-    targets: Mapping[str, str],
-    models: Sequence[str] = DEFAULT_MODELS,
-    batch: int = 1,
-    height: int = 640,
-    width: int = 640,
-    threads: int = 2,
-    repeats: int = 5,
-    warmup: int = 1,
-    dynamic: bool = True,
-    quick: bool = False,
-    compiled: bool | None = None,
-    work_dir: str | Path | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Inference latency of each target in each runtime (see the module docstring).
+@dataclass(frozen=True)
+class DeploySettings:
+    """How :func:`run_deploy_benchmark` measures (its keywords).
 
-    Args:
-        targets: ``{row name: config name}`` (benchmark targets of the registry).
-        models: ``model.rpe`` values; transformers' rows only for ``none``.
+    Attributes:
         batch, height, width: the input ``(batch, 3, height, width)``, a fixed random
             tensor (seed 0).
         threads: torch's and ONNX Runtime's intra-op threads.
@@ -138,9 +125,38 @@ def run_deploy_benchmark(
         dynamic: export a dynamic graph (any batch and size) instead of a static one.
         quick: smoke-test sizes (:func:`~detr_irpe.benchmark.model.quick_overrides`).
         compiled: also the ``PyTorch compiled`` row (a compilation per model: about a
-            minute for D-FINE-L on 2 cores); default: unless ``quick``.
+            minute for D-FINE-L on 2 cores); default (None): unless ``quick``.
         work_dir: where the ``.onnx`` files and the transformers folders go (default: a
             temporary folder, removed afterwards).
+    """
+
+    batch: int = 1
+    height: int = 640
+    width: int = 640
+    threads: int = 2
+    repeats: int = 5
+    warmup: int = 1
+    dynamic: bool = True
+    quick: bool = False
+    compiled: bool | None = None
+    work_dir: str | Path | None = None
+
+
+def run_deploy_benchmark(
+    targets: Mapping[str, str],
+    models: Sequence[str] = DEFAULT_MODELS,
+    settings: DeploySettings | None = None,
+    progress: Callable[[str], None] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Inference latency of each target in each runtime (see the module docstring).
+
+    Args:
+        targets: ``{row name: config name}`` (benchmark targets of the registry).
+        models: ``model.rpe`` values; transformers' rows only for ``none``.
+        settings: how to measure (:class:`DeploySettings`); ``options``: its fields as
+            keywords (``height=64, repeats=1``), over ``settings``.
+        progress: called with a line before each step.
 
     Returns:
         ``{"rows": [...], "notes": [...]}``: one row per (target, rpe, runtime) with
@@ -152,99 +168,131 @@ def run_deploy_benchmark(
         ``profiles``: per model, the eager inference's time per module
         (:func:`~detr_irpe.benchmark.profile.profile_inference`).
     """
-    compiled = not quick if compiled is None else compiled
+    s = replace(settings or DeploySettings(), **options)
+    if s.compiled is None:
+        s = replace(s, compiled=not s.quick)
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    notes: list[str] = []
-    missing_onnx = _missing("onnx", "onnxscript", "onnxruntime")
-    if missing_onnx:
-        notes.append(f"ONNX Runtime rows left out: {', '.join(missing_onnx)} not installed "
-                     "(pip install 'detr_irpe[onnx]')")
-    missing_hf = _missing("transformers", "safetensors")
-    if missing_hf:
-        notes.append(f"transformers rows left out: {', '.join(missing_hf)} not installed")
-    images = torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(0))
-    runners: list[StepRunner] = []
-    profiles: list[dict[str, Any]] = []
+    torch.set_num_threads(s.threads)
+    run = _DeployRun(s, progress)
     try:
         with tempfile.TemporaryDirectory(prefix="detr_irpe_deploy_") as tmp:
-            folder = Path(work_dir) if work_dir is not None else Path(tmp)
-            folder.mkdir(parents=True, exist_ok=True)
+            run.folder = Path(s.work_dir) if s.work_dir is not None else Path(tmp)
+            run.folder.mkdir(parents=True, exist_ok=True)
             for (name, config), rpe in [(t, r) for t in targets.items() for r in models]:
-                label = row_name({"target": name, "rpe": rpe})
-                if progress is not None:
-                    progress(f"building {label} ({config}) for CPU inference at "
-                             f"{batch} x {height}x{width}")
-                cfg, model, _, postprocessor = build_benchmark_model(
-                    rpe, torch.device("cpu"), _overrides(config, quick), config)
-                wrapper = onnx_wrapper(model.eval())
-                # the model's work per image at this size (every runtime computes the same)
-                flops = count_flops(model, images[0]) / 1e9
-                # where the eager model's time goes, post-processing included
-                if progress is not None:
-                    progress(f"profiling {label}'s eager inference by module")
-                profiles.append({**profile_inference(model, postprocessor, images,
-                                                     repeats=repeats, warmup=warmup),
-                                 "label": label})
-                calls: dict[str, Callable[[torch.Tensor], tuple]] = {
-                    "PyTorch": wrapper,
-                    # batch norms folded, RepVGG merged, channels-last (--runtime fused)
-                    "PyTorch fused": onnx_wrapper(inference_form(model))}
-                if compiled:
-                    problem = compiler_problem()
-                    if problem is None:
-                        calls["PyTorch compiled"] = compile_frozen(
-                            onnx_wrapper(inference_form(model)))
-                    else:
-                        notes.append(f"{label}: no PyTorch compiled row ({problem})")
-                if native_bf16_cpu():  # what train.amp=auto evaluates with on this CPU
-                    calls["PyTorch fused bf16"] = _bf16(calls["PyTorch fused"])
-                stem = f"{config}_{rpe}".replace("/", "_")
-                if not missing_onnx:
-                    if progress is not None:
-                        progress(f"exporting {label} to ONNX")
-                    try:
-                        path = export_onnx(model, folder / f"{stem}.onnx", (height, width),
-                                           batch=batch, dynamic=dynamic)
-                        calls["ONNX Runtime"] = _onnx_session(path, threads)
-                    except DetrIrpeError as err:
-                        notes.append(f"{label}: no ONNX Runtime row ({err})")
-                family = get_family(cfg.model.family)
-                if not missing_hf and rpe == "none" and family.hf is not None:
-                    try:
-                        calls["transformers"] = _hf_call(
-                            _transformers_model(model, cfg, folder / f"{stem}_hf"))
-                    except (DetrIrpeError, OSError, ValueError) as err:
-                        notes.append(f"{label}: no transformers row ({type(err).__name__}: "
-                                     f"{str(err).splitlines()[0] if str(err) else ''})")
-                elif not missing_hf and rpe == "none":
-                    notes.append(f"{label}: model.family={family.name} has no Hugging Face "
-                                 "model")
-                with torch.no_grad():
-                    reference = tuple(t.clone() for t in wrapper(images))
-                    for runtime, call in calls.items():
-                        start = time.perf_counter()
-                        outputs = call(images)  # compiles the compiled row
-                        if runtime == "PyTorch compiled":
-                            notes.append(f"{label}: compiled in "
-                                         f"{time.perf_counter() - start:.0f} s (first call)")
-                        logits, boxes = _diff(reference, outputs)
-                        runners.append(StepRunner(
-                            {"target": name, "config": config, "rpe": rpe, "runtime": runtime,
-                             "batch": batch, "image_hw": [height, width],
-                             "gflops_per_image": flops,
-                             "max_diff_logits": logits, "max_diff_boxes": boxes},
-                            _timed_call(call, images)))
-            interleave(runners, warmup + repeats, torch.device("cpu"), progress)
+                run.add_model(name, config, rpe)
+            interleave(run.runners, s.warmup + s.repeats, torch.device("cpu"), progress)
     finally:
         torch.set_num_threads(previous_threads)
     rows = []
-    for runner in runners:
-        walls, cpus = runner.walls[warmup:], runner.cpus[warmup:]
+    for runner in run.runners:
+        walls, cpus = runner.walls[s.warmup:], runner.cpus[s.warmup:]
         rows.append({**runner.row, "latency_s": median(walls), "latency_s_all": walls,
-                     "cpu_s": median(cpus), "images_per_s": batch / median(walls)})
-    return {"rows": rows, "notes": notes, "threads": threads, "dynamic": dynamic,
-            "profiles": profiles}
+                     "cpu_s": median(cpus), "images_per_s": s.batch / median(walls)})
+    return {"rows": rows, "notes": run.notes, "threads": s.threads, "dynamic": s.dynamic,
+            "profiles": run.profiles}
+
+
+class _DeployRun:
+    """One deployment benchmark's state: the input, the runners of every (model, runtime)
+    row, the eager profiles and the notes of the rows left out."""
+
+    def __init__(self, settings: DeploySettings, progress: Callable[[str], None] | None
+                 ) -> None:
+        self.s = settings
+        self.progress = progress or (lambda line: None)
+        self.notes: list[str] = []
+        self.missing_onnx = _missing("onnx", "onnxscript", "onnxruntime")
+        if self.missing_onnx:
+            self.notes.append(f"ONNX Runtime rows left out: {', '.join(self.missing_onnx)} "
+                              "not installed (pip install 'detr_irpe[onnx]')")
+        self.missing_hf = _missing("transformers", "safetensors")
+        if self.missing_hf:
+            self.notes.append(f"transformers rows left out: {', '.join(self.missing_hf)} "
+                              "not installed")
+        self.images = torch.randn(settings.batch, 3, settings.height, settings.width,
+                                  generator=torch.Generator().manual_seed(0))
+        self.runners: list[StepRunner] = []
+        self.profiles: list[dict[str, Any]] = []
+        self.folder = Path()
+
+    def add_model(self, name: str, config: str, rpe: str) -> None:
+        """Build one model, profile its eager inference and add a runner per runtime."""
+        s = self.s
+        label = row_name({"target": name, "rpe": rpe})
+        self.progress(f"building {label} ({config}) for CPU inference at "
+                      f"{s.batch} x {s.height}x{s.width}")
+        cfg, model, _, postprocessor = build_benchmark_model(
+            rpe, torch.device("cpu"), _overrides(config, s.quick), config)
+        wrapper = onnx_wrapper(model.eval())
+        # the model's work per image at this size (every runtime computes the same)
+        flops = count_flops(model, self.images[0]) / 1e9
+        # where the eager model's time goes, post-processing included
+        self.progress(f"profiling {label}'s eager inference by module")
+        self.profiles.append({**profile_inference(model, postprocessor, self.images,
+                                                  repeats=s.repeats, warmup=s.warmup),
+                              "label": label})
+        calls = {"PyTorch": wrapper, **self._pytorch_forms(model, label)}
+        stem = f"{config}_{rpe}".replace("/", "_")
+        calls.update(self._onnx(model, label, stem))
+        calls.update(self._transformers(model, cfg, label, stem, rpe))
+        with torch.no_grad():
+            reference = tuple(t.clone() for t in wrapper(self.images))
+            for runtime, call in calls.items():
+                start = time.perf_counter()
+                outputs = call(self.images)  # compiles the compiled row
+                if runtime == "PyTorch compiled":
+                    self.notes.append(f"{label}: compiled in "
+                                      f"{time.perf_counter() - start:.0f} s (first call)")
+                logits, boxes = _diff(reference, outputs)
+                self.runners.append(StepRunner(
+                    {"target": name, "config": config, "rpe": rpe, "runtime": runtime,
+                     "batch": s.batch, "image_hw": [s.height, s.width],
+                     "gflops_per_image": flops,
+                     "max_diff_logits": logits, "max_diff_boxes": boxes},
+                    _timed_call(call, self.images)))
+
+    def _pytorch_forms(self, model: torch.nn.Module, label: str) -> dict[str, Callable]:
+        """The inference form (batch norms folded, RepVGG merged, channels-last: --runtime
+        fused), compiled (where a compiler is) and under bf16 autocast (native bf16 CPUs)."""
+        calls: dict[str, Callable] = {"PyTorch fused": onnx_wrapper(inference_form(model))}
+        if self.s.compiled:
+            problem = compiler_problem()
+            if problem is None:
+                calls["PyTorch compiled"] = compile_frozen(onnx_wrapper(inference_form(model)))
+            else:
+                self.notes.append(f"{label}: no PyTorch compiled row ({problem})")
+        if native_bf16_cpu():  # what train.amp=auto evaluates with on this CPU
+            calls["PyTorch fused bf16"] = _bf16(calls["PyTorch fused"])
+        return calls
+
+    def _onnx(self, model: torch.nn.Module, label: str, stem: str) -> dict[str, Callable]:
+        if self.missing_onnx:
+            return {}
+        s = self.s
+        self.progress(f"exporting {label} to ONNX")
+        try:
+            path = export_onnx(model, self.folder / f"{stem}.onnx", (s.height, s.width),
+                               batch=s.batch, dynamic=s.dynamic)
+        except DetrIrpeError as err:
+            self.notes.append(f"{label}: no ONNX Runtime row ({err})")
+            return {}
+        return {"ONNX Runtime": _onnx_session(path, s.threads)}
+
+    def _transformers(self, model: torch.nn.Module, cfg: Any, label: str, stem: str,
+                      rpe: str) -> dict[str, Callable]:
+        if self.missing_hf or rpe != "none":
+            return {}
+        family = get_family(cfg.model.family)
+        if family.hf is None:
+            self.notes.append(f"{label}: model.family={family.name} has no Hugging Face model")
+            return {}
+        try:
+            return {"transformers": _hf_call(
+                _transformers_model(model, cfg, self.folder / f"{stem}_hf"))}
+        except (DetrIrpeError, OSError, ValueError) as err:
+            self.notes.append(f"{label}: no transformers row ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''})")
+            return {}
 
 
 def _bf16(call: Callable[[torch.Tensor], tuple]) -> Callable[[torch.Tensor], tuple]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from detr_irpe.attention import MultiheadAttention
 from detr_irpe.benchmark.common import markdown_table
 from detr_irpe.benchmark.model import (
     build_benchmark_model,
@@ -40,7 +41,6 @@ from detr_irpe.benchmark.model import (
 )
 from detr_irpe.encodings import encodings as registered_encodings
 from detr_irpe.errors import ConfigError
-from detr_irpe.irpe import IRPEMultiheadAttention
 
 __all__ = [
     "DEFAULT_ENCODINGS", "DEFAULT_ENCODING_TARGETS", "ENCODINGS",
@@ -103,7 +103,7 @@ class _PathRecorder:
     """Records the attention path (and the token count) of every call of one attention
     module's path choice: the module's own ``_impl_for``, wrapped on the instance."""
 
-    def __init__(self, module: IRPEMultiheadAttention) -> None:
+    def __init__(self, module: MultiheadAttention) -> None:
         self.paths: list[str] = []
         self.length: int | None = None
         choose = module._impl_for
@@ -118,8 +118,8 @@ class _PathRecorder:
         module._impl_for = recorded
 
 
-def _encoder_attention(model: torch.nn.Module) -> IRPEMultiheadAttention | None:
-    return next((m for m in model.modules() if isinstance(m, IRPEMultiheadAttention)), None)
+def _encoder_attention(model: torch.nn.Module) -> MultiheadAttention | None:
+    return next((m for m in model.modules() if isinstance(m, MultiheadAttention)), None)
 
 
 def run_encoding_step_benchmark(

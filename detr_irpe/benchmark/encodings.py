@@ -3,7 +3,7 @@
 Variants: no encoding (the fused SDPA path), then every benchmark row of the attention
 encodings of the registry (:mod:`detr_irpe.encodings`: iRPE ``rpe-2.0-product-ctx-1-k``
 with random tables, RoPE-Axial, RoPE-Mixed) and the first two together (iRPE +
-RoPE-Axial), all ``IRPEMultiheadAttention`` with ``impl="auto"``. Each repeat runs every variant once, in turn, so that a change in the
+RoPE-Axial), all ``MultiheadAttention`` with ``impl="auto"``. Each repeat runs every variant once, in turn, so that a change in the
 machine's load touches all of them alike; a variant's time is the median over repeats
 (wall and process-CPU time, as :func:`detr_irpe.benchmark.common.timed`). The ``impl``
 column is the path ``auto`` chose for a training step (docs/position_encodings.md).
@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from detr_irpe.attention import MultiheadAttention
 from detr_irpe.benchmark.common import markdown_table, median, sync
 from detr_irpe.encodings import as_place, encodings
-from detr_irpe.irpe.attention import IRPEMultiheadAttention
 
 __all__ = ["ENCODING_VARIANTS", "EncodingResult", "encoding_table", "run_encoding_benchmark"]
 
@@ -58,8 +58,9 @@ class EncodingResult:
         return asdict(self)
 
 
-def _module(strings: list[str], dim: int, heads: int) -> IRPEMultiheadAttention:
-    module = IRPEMultiheadAttention(dim, heads, **as_place(strings).attention_args(dim, heads))
+def _module(strings: list[str], dim: int, heads: int) -> MultiheadAttention:
+    module = MultiheadAttention(dim, heads,
+                                encodings=as_place(strings).attention_encodings(dim, heads))
     with torch.no_grad():
         for name, p in module.named_parameters():
             if "lookup_table" in name:
@@ -95,7 +96,7 @@ def run_encoding_benchmark(
     grad = torch.randn(batch, length, dim, device=dev)
     modules = {v: _module(ENCODING_VARIANTS[v], dim, heads).to(dev) for v in variants}
 
-    def step(module: IRPEMultiheadAttention) -> None:
+    def step(module: MultiheadAttention) -> None:
         module.zero_grad(set_to_none=True)
         query.grad = value.grad = None
         module(query, query, value, hw, key_padding_mask=mask)[0].backward(grad)

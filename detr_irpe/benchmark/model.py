@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -36,7 +36,7 @@ from detr_irpe.models import build_model
 from detr_irpe.structures import ImageBatch
 
 __all__ = [
-    "DEFAULT_MODELS", "QUICK_MODEL", "StepRunner", "benchmark_targets",
+    "DEFAULT_MODELS", "QUICK_MODEL", "ModelSettings", "StepRunner", "benchmark_targets",
     "build_benchmark_model", "interleave", "model_table", "quick_overrides", "row_name",
     "run_model_benchmark", "select_targets", "synthetic_batch", "target_of",
     "training_runner", "training_state_bytes",
@@ -272,22 +272,41 @@ def _time_inference(model, postprocessor, images, targets, dev, amp, warmup, rep
     return out
 
 
+@dataclass(frozen=True)
+class ModelSettings:
+    """How :func:`run_model_benchmark` measures (its keywords).
+
+    Attributes:
+        batch, height, width: images per step and their padded size.
+        device: ``cpu`` or ``cuda[:N]``.
+        train_repeats, train_warmup: timed / untimed optimizer steps.
+        infer_repeats, infer_warmup: timed / untimed inference batches.
+        amp: one ``train.amp`` value or several (``none``, ``bf16``, ``fp16``).
+        overrides: extra config overrides of every target (keys all their families have).
+        quick: smoke-test sizes (:func:`quick_overrides` of each target's config).
+    """
+
+    batch: int = 2
+    height: int = 512
+    width: int = 640
+    device: str = "cpu"
+    train_repeats: int = 3
+    train_warmup: int = 1
+    infer_repeats: int = 3
+    infer_warmup: int = 1
+    amp: str | Sequence[str] = "none"
+    overrides: Sequence[str] = ()
+    quick: bool = False
+
+
 def run_model_benchmark(
     models: Sequence[str] = DEFAULT_MODELS,
-    batch: int = 2,
-    height: int = 512,
-    width: int = 640,
-    device: str = "cpu",
-    train_repeats: int = 3,
-    train_warmup: int = 1,
-    infer_repeats: int = 3,
-    infer_warmup: int = 1,
-    amp: str | Sequence[str] = "none",
-    overrides: Sequence[str] = (),
-    progress: Callable[[str], None] | None = None,
-    extra_runners: Sequence[StepRunner] = (),
+    settings: ModelSettings | None = None,
+    *,
     targets: Mapping[str, str] | None = None,
-    quick: bool = False,
+    extra_runners: Sequence[StepRunner] = (),
+    progress: Callable[[str], None] | None = None,
+    **options: Any,
 ) -> list[dict[str, Any]]:
     """Training-step seconds, inference images/s and the loss after the timed steps, for
     each benchmark target, each ``model.rpe`` value and each precision.
@@ -304,15 +323,12 @@ def run_model_benchmark(
 
     Args:
         models: ``model.rpe`` values (``"none"`` = the published model).
-        batch, height, width: images per step and their padded size.
-        device: ``cpu`` or ``cuda[:N]``.
-        train_repeats, train_warmup: timed / untimed optimizer steps.
-        infer_repeats, infer_warmup: timed / untimed inference batches.
-        amp: one ``train.amp`` value or several (``none``, ``bf16``, ``fp16``).
-        overrides: extra config overrides of every target (keys all their families have).
+        settings: how to measure (:class:`ModelSettings`); ``options``: its fields as
+            keywords (``batch=1, height=64``), over ``settings``.
         targets: ``{row name: config name}`` (default: :func:`benchmark_targets`, every
             family's); every (target, rpe, amp) model is stepped in the one interleaved run.
-        quick: smoke-test sizes (:func:`quick_overrides` of each target's config).
+        extra_runners: stepped in the same rounds (their rows are the caller's).
+        progress: called with a line before each step.
 
     Returns:
         one dict per (target, model, amp): ``target``, ``config``, ``family``, ``rpe``,
@@ -323,43 +339,54 @@ def run_model_benchmark(
         steps after the first, i.e. its peak had it run alone, without the input batch,
         which all rows share), ``encoder_tokens``.
     """
-    dev = torch.device(device)
-    amps = [amp] if isinstance(amp, str) else list(amp)
+    s = replace(settings or ModelSettings(), **options)
+    dev = torch.device(s.device)
     targets = benchmark_targets() if targets is None else dict(targets)
-    images, batch_targets = synthetic_batch(batch, height, width)
+    images, batch_targets = synthetic_batch(s.batch, s.height, s.width)
     images = images.to(dev)
     batch_targets = [{k: v.to(dev) for k, v in t.items()} for t in batch_targets]
-    built, runners = [], []
+    built = _build_runners(models, targets, s, (images, batch_targets), progress)
+    runners = [runner for runner, _, _ in built]
+    interleave([*runners, *extra_runners], s.train_warmup + s.train_repeats, dev, progress)
+    results = []
+    for runner, model, postprocessor in built:
+        infer = _time_inference(model, postprocessor, images, batch_targets, dev,
+                                runner.row["amp"], s.infer_warmup, s.infer_repeats)
+        timing = runner.timing(s.train_warmup)
+        results.append({
+            **runner.row,
+            "batch": s.batch,
+            "image_hw": [s.height, s.width],
+            "encoder_tokens": -(-s.height // 32) * -(-s.width // 32),
+            **timing,
+            "train_images_per_s": s.batch / timing["train_step_s"],
+            "infer_batch_s": median(infer),
+            "infer_images_per_s": s.batch / median(infer),
+        })
+    return results
+
+
+def _build_runners(models: Sequence[str], targets: Mapping[str, str], s: ModelSettings,
+                   batch: tuple[Any, list[dict[str, Any]]],
+                   progress: Callable[[str], None] | None
+                   ) -> list[tuple[StepRunner, torch.nn.Module, torch.nn.Module]]:
+    """``(training runner, model, post-processor)`` of every (target, rpe, amp)."""
+    dev = torch.device(s.device)
+    amps = [s.amp] if isinstance(s.amp, str) else list(s.amp)
+    built = []
     for (name, config), rpe in [(t, r) for t in targets.items() for r in models]:
-        extra = [*(quick_overrides(config) if quick else ()), *overrides]
+        extra = [*(quick_overrides(config) if s.quick else ()), *s.overrides]
         for precision in amps:
             if progress is not None:
                 progress(f"building {row_name({'target': name, 'rpe': rpe})} ({config}) "
-                         f"amp={precision} at {batch} x {height}x{width}")
+                         f"amp={precision} at {s.batch} x {s.height}x{s.width}")
             cfg, model, criterion, postprocessor = build_benchmark_model(rpe, dev, extra, config)
-            built.append((model, postprocessor))
-            runners.append(training_runner(
+            runner = training_runner(
                 {"target": name, "config": config, "family": cfg.model.family, "rpe": rpe,
                  "amp": precision},
-                cfg, model, criterion, (images, batch_targets), dev))
-    interleave([*runners, *extra_runners], train_warmup + train_repeats, dev, progress)
-    results = []
-    for runner, (model, postprocessor) in zip(runners, built):
-        precision = runner.row["amp"]
-        infer = _time_inference(model, postprocessor, images, batch_targets, dev, precision,
-                                infer_warmup, infer_repeats)
-        timing = runner.timing(train_warmup)
-        results.append({
-            **runner.row,
-            "batch": batch,
-            "image_hw": [height, width],
-            "encoder_tokens": -(-height // 32) * -(-width // 32),
-            **timing,
-            "train_images_per_s": batch / timing["train_step_s"],
-            "infer_batch_s": median(infer),
-            "infer_images_per_s": batch / median(infer),
-        })
-    return results
+                cfg, model, criterion, batch, dev)
+            built.append((runner, model, postprocessor))
+    return built
 
 
 def model_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -14,7 +14,7 @@ Memory is reported two ways:
 
 Variants (keys): ``mha_sdpa`` (``nn.MultiheadAttention``, ``need_weights=False``: PyTorch's
 fused kernel), ``mha_weights`` (``need_weights=True``, as DETR calls it),
-``irpe_{method}_{on}`` (``IRPEMultiheadAttention`` with ``rpe-{ratio}-{method}-ctx-1-{on}``,
+``irpe_{method}_{on}`` (``MultiheadAttention`` with ``rpe-{ratio}-{method}-ctx-1-{on}``,
 random non-zero tables), ``naive_product_qkv`` (the O(L^2 D) dense gathers of
 :mod:`detr_irpe.irpe.naive`); a ``_drop`` suffix = training with DETR's attention dropout
 0.1 (``irpe_none_drop``: this project's plain encoder layer, ``rpe=none``); an
@@ -35,8 +35,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import nn
 
+from detr_irpe.attention import MultiheadAttention
 from detr_irpe.benchmark.common import median, sync, timed
-from detr_irpe.irpe.attention import IRPEMultiheadAttention
+from detr_irpe.encodings.irpe import IRPEEncoding, irpe_entry
 from detr_irpe.irpe.buckets import cached_bucket_ids
 from detr_irpe.irpe.naive import naive_irpe_attention
 from detr_irpe.utils.files import atomic_write
@@ -126,14 +127,15 @@ def _variant(key: str, dim: int, heads: int, hw: tuple[int, int], ratio: float,
     name = f"{rpe}/{p}/{explicit}"
     if name not in modules:
         impl = "explicit" if explicit else "auto"
-        modules[name] = IRPEMultiheadAttention(dim, heads, dropout=p, rpe=rpe, impl=impl)
+        entries = [] if rpe is None else [IRPEEncoding(rpe, dim // heads, heads)]
+        modules[name] = MultiheadAttention(dim, heads, dropout=p, impl=impl, encodings=entries)
         _random_tables(modules[name])
     module = modules[name]
     if kind == "irpe":
         label = "no iRPE (the project's plain DETR encoder layer)" if rpe is None else rpe
         notes = [suffix[2:]] if drop else []
         notes += ["explicit (L, L) path, not row-blocked"] if explicit else []
-        return (f"IRPEMultiheadAttention {label}" + (f" ({'; '.join(notes)})" if notes else ""),
+        return (f"MultiheadAttention {label}" + (f" ({'; '.join(notes)})" if notes else ""),
                 module, lambda q, v, m: module(q, q, v, hw, key_padding_mask=m)[0])
     if kind == "naive":
         return (f"naive O(L^2 D) {rpe}", module,
@@ -233,8 +235,8 @@ def _memory(
     dev = inputs[0].device
     exclude = {p.untyped_storage().data_ptr() for p in module.parameters()}
     exclude |= {t.untyped_storage().data_ptr() for t in inputs}
-    if isinstance(module, IRPEMultiheadAttention) and module.rpe is not None:
-        cfg = module.rpe
+    if (entry := irpe_entry(module)) is not None:
+        cfg = entry.rpe
         ids, _ = cached_bucket_ids(cfg.method, hw[0], hw[1], cfg.ratio, cfg.skip, dev)
         exclude.add(ids.untyped_storage().data_ptr())
     if dev.type != "cuda":

@@ -235,26 +235,7 @@ def run_suite(
     options: SuiteOptions, output_dir: str | Path, progress: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
     """Measure the requested sections; writes the sweep plot into ``output_dir``."""
-    unknown = [s for s in options.sections if s not in SECTIONS]
-    if unknown:
-        raise ConfigError(f"unknown benchmark section(s) {unknown}; choose from {list(SECTIONS)}")
-    # each row names one precision; "auto" would hide which one was measured
-    for flag, values in (("--amp", options.amp), ("--encoding-amp", options.encoding_amp)):
-        bad_amp = [a for a in values if a not in PRECISIONS]
-        if bad_amp:
-            raise ConfigError(f"{flag}: {bad_amp} not allowed; choose from {list(PRECISIONS)}")
-    # the reference code has no GradScaler, so float16 autocast is not offered for it
-    bad_amp = [a for a in options.reference_amp if a not in ("none", "bf16")]
-    if bad_amp:
-        raise ConfigError(f"--reference-amp: {bad_amp} not allowed; choose from none, bf16")
-    model_bench.select_targets(options.targets)
-    if "encodings" in options.sections:
-        encoding_targets = encoding_bench.encoding_targets(options.encoding_targets)
-        for name in options.encodings:
-            encoding_bench.encoding_overrides(name)
-    onnx_targets = model_bench.select_targets(options.onnx_targets, "--onnx-targets")
-    if options.reference_code:
-        reference_bench.check_reference_dir(options.reference_code)
+    encoding_targets, onnx_targets = _checked_targets(options)
     dev = torch.device(options.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda requested but CUDA is not available; use --device cpu")
@@ -267,27 +248,12 @@ def run_suite(
                                "options": opts}
     torch.manual_seed(0)
     if "op" in options.sections:
-        common = dict(batch=options.op_batch, dim=options.op_dim, heads=options.op_heads,
-                      device=options.device, dtype=_dtype(options.op_dtype), progress=progress)
-        rows = op_bench.run_benchmark(height=options.op_hw[0], width=options.op_hw[1],
-                                      repeats=options.op_repeats, **common)
-        section: dict[str, Any] = {"rows": [r.as_dict() for r in rows]}
-        if options.sweep:
-            sweep = op_bench.run_sweep(options.sweep_grids, naive_max_length=options.naive_max_length,
-                                       repeats=options.sweep_repeats, **common)
-            plot = op_bench.plot_sweep(
-                sweep, output_dir / "op_sweep.png",
-                title=f"one attention layer fwd+bwd, B={options.op_batch}, C={options.op_dim}, "
-                      f"{options.op_heads} heads, {options.device}, {options.threads} threads",
-            )
-            section["sweep"] = sweep
-            section["plot"] = str(plot)
-        results["op"] = section
+        results["op"] = _op_section(options, output_dir, progress)
     if "contention" in options.sections and dev.type == "cpu":
         results["contention"] = contention_bench.run_contention_benchmark(
-            thread_counts=sorted({1, options.threads}), batch=options.op_batch,
-            height=options.op_hw[0], width=options.op_hw[1], dim=options.op_dim,
-            heads=options.op_heads, repeats=options.op_repeats, progress=progress)
+            sorted({1, options.threads}), settings=contention_bench.ContentionSettings(
+                options.op_batch, *options.op_hw, dim=options.op_dim, heads=options.op_heads,
+                repeats=options.op_repeats), progress=progress)
     if "model" in options.sections:
         results["model"] = _model_level(options, progress)
     if "encodings" in options.sections:
@@ -297,15 +263,7 @@ def run_suite(
             warmup=options.encoding_warmup, amp=options.encoding_amp,
             full=options.encoding_full, progress=progress)}
     if "onnx" in options.sections:
-        results["onnx"] = deploy_bench.run_deploy_benchmark(
-            onnx_targets, options.models, options.onnx_batch, *options.onnx_hw,
-            threads=options.threads, repeats=options.onnx_repeats, warmup=options.onnx_warmup,
-            dynamic=options.onnx_dynamic, quick=options.quick,
-            compiled=options.onnx_compiled, progress=progress)
-        if progress is not None:
-            progress("measuring the machine's peak GFLOP/s (roofline)")
-        results["onnx"] = roofline_bench.attach_roofline(
-            results["onnx"], options.threads, quick=options.quick)
+        results["onnx"] = _onnx_section(options, onnx_targets, progress)
     if {"data", "eval", "profile"} & set(options.sections):
         root = Path(options.data_root)
         if options.quick and options.data_root == SuiteOptions.data_root:
@@ -327,17 +285,81 @@ def run_suite(
     return results
 
 
+def _checked_targets(options: SuiteOptions) -> tuple[Any, dict[str, str]]:
+    """Every option checked before anything is measured; ``(encoding targets, onnx
+    targets)``."""
+    unknown = [s for s in options.sections if s not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"unknown benchmark section(s) {unknown}; choose from {list(SECTIONS)}")
+    # each row names one precision; "auto" would hide which one was measured
+    for flag, values in (("--amp", options.amp), ("--encoding-amp", options.encoding_amp)):
+        bad_amp = [a for a in values if a not in PRECISIONS]
+        if bad_amp:
+            raise ConfigError(f"{flag}: {bad_amp} not allowed; choose from {list(PRECISIONS)}")
+    # the reference code has no GradScaler, so float16 autocast is not offered for it
+    bad_amp = [a for a in options.reference_amp if a not in ("none", "bf16")]
+    if bad_amp:
+        raise ConfigError(f"--reference-amp: {bad_amp} not allowed; choose from none, bf16")
+    model_bench.select_targets(options.targets)
+    encoding_targets: dict[str, str] = {}
+    if "encodings" in options.sections:
+        encoding_targets = encoding_bench.encoding_targets(options.encoding_targets)
+        for name in options.encodings:
+            encoding_bench.encoding_overrides(name)
+    onnx_targets = model_bench.select_targets(options.onnx_targets, "--onnx-targets")
+    if options.reference_code:
+        reference_bench.check_reference_dir(options.reference_code)
+    return encoding_targets, onnx_targets
+
+
+def _op_section(options: SuiteOptions, output_dir: Path,
+                progress: Callable[[str], None] | None) -> dict[str, Any]:
+    """One attention layer's rows, and its sweep over the grid sizes (plotted)."""
+    common = dict(batch=options.op_batch, dim=options.op_dim, heads=options.op_heads,
+                  device=options.device, dtype=_dtype(options.op_dtype), progress=progress)
+    rows = op_bench.run_benchmark(height=options.op_hw[0], width=options.op_hw[1],
+                                  repeats=options.op_repeats, **common)
+    section: dict[str, Any] = {"rows": [r.as_dict() for r in rows]}
+    if options.sweep:
+        sweep = op_bench.run_sweep(options.sweep_grids, naive_max_length=options.naive_max_length,
+                                   repeats=options.sweep_repeats, **common)
+        plot = op_bench.plot_sweep(
+            sweep, output_dir / "op_sweep.png",
+            title=f"one attention layer fwd+bwd, B={options.op_batch}, C={options.op_dim}, "
+                  f"{options.op_heads} heads, {options.device}, {options.threads} threads",
+        )
+        section["sweep"] = sweep
+        section["plot"] = str(plot)
+    return section
+
+
+def _onnx_section(options: SuiteOptions, onnx_targets: dict[str, str],
+                  progress: Callable[[str], None] | None) -> dict[str, Any]:
+    """The deployment rows, with the machine's roofline."""
+    section = deploy_bench.run_deploy_benchmark(
+        onnx_targets, options.models, deploy_bench.DeploySettings(
+            options.onnx_batch, *options.onnx_hw, threads=options.threads,
+            repeats=options.onnx_repeats, warmup=options.onnx_warmup,
+            dynamic=options.onnx_dynamic, quick=options.quick,
+            compiled=options.onnx_compiled), progress)
+    if progress is not None:
+        progress("measuring the machine's peak GFLOP/s (roofline)")
+    return roofline_bench.attach_roofline(section, options.threads, quick=options.quick)
+
+
 def _model_level(options: SuiteOptions, progress: Callable[[str], None] | None) -> dict:
     """This project's model rows; with ``reference_code`` the reference code's steps on
     the same batch, interleaved with ours, and its outputs with our weights."""
     def ours(extra_runners: Sequence[model_bench.StepRunner] = ()) -> list[dict[str, Any]]:
         return model_bench.run_model_benchmark(
-            options.models, options.model_batch, options.model_hw[0], options.model_hw[1],
-            options.device, options.model_repeats, options.model_warmup,
-            max(options.model_repeats, 1), 1 if options.model_warmup else 0, options.amp,
-            (), progress, extra_runners, targets=model_bench.select_targets(options.targets),
-            quick=options.quick,
-        )
+            options.models, model_bench.ModelSettings(
+                options.model_batch, *options.model_hw, device=options.device,
+                train_repeats=options.model_repeats, train_warmup=options.model_warmup,
+                infer_repeats=max(options.model_repeats, 1),
+                infer_warmup=1 if options.model_warmup else 0, amp=options.amp,
+                quick=options.quick),
+            targets=model_bench.select_targets(options.targets), extra_runners=extra_runners,
+            progress=progress)
 
     if not options.reference_code:
         return {"rows": ours()}
@@ -393,71 +415,14 @@ def suite_markdown(results: dict[str, Any]) -> str:
         f"python {env['python']}, commit {env['git_commit']}, {env['date']}"
         + (f" -- {QUICK_NOTE}" if opts["quick"] else ""),
     ]
-    if "op" in results:
-        h, w = opts["op_hw"]
-        parts += [
-            f"\n### Op level: one attention layer, forward + backward\n\nB={opts['op_batch']}, "
-            f"{h}x{w} (L={h * w}), C={opts['op_dim']}, {opts['op_heads']} heads, "
-            f"{opts['op_dtype']}, 10% of the last image's keys padded, median of "
-            f"{opts['op_repeats']} (naive: 1).\n",
-            op_bench.op_table(results["op"]["rows"]),
-        ]
-        if "sweep" in results["op"]:
-            sweep = results["op"]["sweep"]
-            parts += [f"\n### Op level vs L (median of {opts['sweep_repeats']}; plot "
-                      f"{Path(results['op']['plot']).name})\n", op_bench.sweep_table(sweep)]
-            if sweep["skipped"]:
-                parts.append("\n" + "\n".join(f"- {note}" for note in sweep["skipped"]))
-    if "model" in results:
-        parts += ["\n### Model level: training step and inference of each benchmark target "
-                  "of the family registry (one interleaved run)\n",
-                  model_bench.model_table(results["model"]["rows"])]
-        if results["model"].get("reference_rows"):
-            parts += ["\n### Model level: the reference DETR-with-iRPE code, same batch, same "
-                      "run\n", reference_bench.reference_table(_reference_rows(results["model"]["rows"]),
-                                                               results["model"]["reference_rows"]),
-                      "\n" + reference_bench.outputs_table(results["model"]["reference_outputs"])]
-    if "encodings" in results:
-        rows = results["encodings"]["rows"]
-        model = ("the published configs (R50)" if opts.get("encoding_full")
-                 else "the tiny model (ResNet-18 / R18-vd, 32 channels)")
-        parts += [f"\n### Model level, position encodings: the training step of each detector "
-                  f"with each encoding of its encoder, {model}, median of "
-                  f"{opts.get('encoding_repeats')} steps after {opts.get('encoding_warmup')} "
-                  "(one interleaved run)\n", encoding_bench.encoding_step_table(rows)]
-    if "contention" in results:
-        size = results["contention"]["size"]
-        parts += [f"\n### Attention on a shared CPU: one encoder attention layer (B {size[0]}, "
-                  f"{size[1]} x {size[2]}, {size[3]} wide, {size[4]} heads, forward + backward, "
-                  "dropout 0.1), quiet and next to a competing one-thread process\n",
-                  contention_bench.contention_table(results["contention"])]
-    if "onnx" in results:
-        section = results["onnx"]
-        parts += [f"\n### CPU inference: the exported model in ONNX Runtime vs PyTorch and "
-                  f"transformers ({section['threads']} threads, "
-                  f"{'dynamic' if section['dynamic'] else 'static'} ONNX graph, "
-                  "no post-processing, one interleaved run)\n",
-                  deploy_bench.deploy_table(section)]
-        if section.get("profiles"):
-            parts += ["\nWhere the eager PyTorch inference's time goes, by module (median of "
-                      "the same repeats; deformable: the decoder's multi-scale deformable "
-                      "sampling, decoder: the rest of it; heads: the rest of the forward "
-                      "pass):\n", profile_bench.inference_profile_table(section["profiles"])]
-        if "peaks" in section:
-            parts += [f"\nThe machine's measured peaks ({section['threads']} threads; the "
-                      "roofline columns above are each row's model FLOPs x images per "
-                      "second over them):\n", roofline_bench.peak_table(section["peaks"])]
-    if "profile" in results:
-        rows = results["profile"]["rows"]
-        parts += [f"\n### Where a training iteration's time goes: {rows[0]['config']}, batch "
-                  f"{rows[0]['batch_size']}, median of {rows[0]['steps']} steps (ms)\n",
-                  profile_bench.profile_table(rows)]
-    if "data" in results:
-        parts += ["\n### Data loader (training split, decode + augmentation + collate)\n",
-                  data_bench.data_table(results["data"]["rows"])]
-    if "eval" in results:
-        parts += ["\n### COCO evaluation (CocoEvaluator, synthetic val split)\n",
-                  eval_bench.eval_table(results["eval"])]
+    for name, markdown in _SECTION_MARKDOWN:
+        if name in results:
+            parts += markdown(results, opts)
+    return "\n".join(parts + _targets_markdown(results, opts)) + "\n"
+
+
+def _targets_markdown(results: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    parts: list[str] = []
     if opts["quick"]:
         parts += ["\n### CPU targets\n", f"Not judged: {QUICK_NOTE}."]
     elif results.get("targets"):
@@ -467,7 +432,99 @@ def suite_markdown(results: dict[str, Any]) -> str:
         parts += [f"| {t['target']} | {t['limit']:.2f}x | {t['ratio']:.2f}x | "
                   + ("" if t.get("ratio_wall") is None else f"{t['ratio_wall']:.2f}x")
                   + f" | {'yes' if t['met'] else 'NO'} |" for t in results["targets"]]
-    return "\n".join(parts) + "\n"
+    return parts
+
+
+def _op_markdown(results: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    h, w = opts["op_hw"]
+    parts = [
+        f"\n### Op level: one attention layer, forward + backward\n\nB={opts['op_batch']}, "
+        f"{h}x{w} (L={h * w}), C={opts['op_dim']}, {opts['op_heads']} heads, "
+        f"{opts['op_dtype']}, 10% of the last image's keys padded, median of "
+        f"{opts['op_repeats']} (naive: 1).\n",
+        op_bench.op_table(results["op"]["rows"]),
+    ]
+    if "sweep" in results["op"]:
+        sweep = results["op"]["sweep"]
+        parts += [f"\n### Op level vs L (median of {opts['sweep_repeats']}; plot "
+                  f"{Path(results['op']['plot']).name})\n", op_bench.sweep_table(sweep)]
+        if sweep["skipped"]:
+            parts.append("\n" + "\n".join(f"- {note}" for note in sweep["skipped"]))
+    return parts
+
+
+def _model_markdown(results: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    section = results["model"]
+    parts = ["\n### Model level: training step and inference of each benchmark target "
+             "of the family registry (one interleaved run)\n",
+             model_bench.model_table(section["rows"])]
+    if section.get("reference_rows"):
+        parts += ["\n### Model level: the reference DETR-with-iRPE code, same batch, same "
+                  "run\n", reference_bench.reference_table(_reference_rows(section["rows"]),
+                                                           section["reference_rows"]),
+                  "\n" + reference_bench.outputs_table(section["reference_outputs"])]
+    return parts
+
+
+def _encodings_markdown(results: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    rows = results["encodings"]["rows"]
+    model = ("the published configs (R50)" if opts.get("encoding_full")
+             else "the tiny model (ResNet-18 / R18-vd, 32 channels)")
+    return [f"\n### Model level, position encodings: the training step of each detector "
+            f"with each encoding of its encoder, {model}, median of "
+            f"{opts.get('encoding_repeats')} steps after {opts.get('encoding_warmup')} "
+            "(one interleaved run)\n", encoding_bench.encoding_step_table(rows)]
+
+
+def _contention_markdown(results: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    size = results["contention"]["size"]
+    return [f"\n### Attention on a shared CPU: one encoder attention layer (B {size[0]}, "
+            f"{size[1]} x {size[2]}, {size[3]} wide, {size[4]} heads, forward + backward, "
+            "dropout 0.1), quiet and next to a competing one-thread process\n",
+            contention_bench.contention_table(results["contention"])]
+
+
+def _onnx_markdown(results: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    section = results["onnx"]
+    parts = [f"\n### CPU inference: the exported model in ONNX Runtime vs PyTorch and "
+             f"transformers ({section['threads']} threads, "
+             f"{'dynamic' if section['dynamic'] else 'static'} ONNX graph, "
+             "no post-processing, one interleaved run)\n",
+             deploy_bench.deploy_table(section)]
+    if section.get("profiles"):
+        parts += ["\nWhere the eager PyTorch inference's time goes, by module (median of "
+                  "the same repeats; deformable: the decoder's multi-scale deformable "
+                  "sampling, decoder: the rest of it; heads: the rest of the forward "
+                  "pass):\n", profile_bench.inference_profile_table(section["profiles"])]
+    if "peaks" in section:
+        parts += [f"\nThe machine's measured peaks ({section['threads']} threads; the "
+                  "roofline columns above are each row's model FLOPs x images per "
+                  "second over them):\n", roofline_bench.peak_table(section["peaks"])]
+    return parts
+
+
+def _profile_markdown(results: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    rows = results["profile"]["rows"]
+    return [f"\n### Where a training iteration's time goes: {rows[0]['config']}, batch "
+            f"{rows[0]['batch_size']}, median of {rows[0]['steps']} steps (ms)\n",
+            profile_bench.profile_table(rows)]
+
+
+def _data_markdown(results: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    return ["\n### Data loader (training split, decode + augmentation + collate)\n",
+            data_bench.data_table(results["data"]["rows"])]
+
+
+def _eval_markdown(results: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    return ["\n### COCO evaluation (CocoEvaluator, synthetic val split)\n",
+            eval_bench.eval_table(results["eval"])]
+
+
+# the sections' tables, in the order of the report
+_SECTION_MARKDOWN: tuple[tuple[str, Callable[[dict[str, Any], dict[str, Any]], list[str]]], ...] = (
+    ("op", _op_markdown), ("model", _model_markdown), ("encodings", _encodings_markdown),
+    ("contention", _contention_markdown), ("onnx", _onnx_markdown),
+    ("profile", _profile_markdown), ("data", _data_markdown), ("eval", _eval_markdown))
 
 
 def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path, Path]:

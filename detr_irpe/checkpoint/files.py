@@ -38,7 +38,7 @@ from detr_irpe.checkpoint.hf_folder import (
     read_hf_folder,
 )
 from detr_irpe.checkpoint.hf_keys import is_hf_state_dict
-from detr_irpe.checkpoint.layout import layout_of, strip_ddp_prefix
+from detr_irpe.checkpoint.layout import current_keys, layout_of
 from detr_irpe.checkpoint.safe import (
     FORMAT,
     format_keys,
@@ -130,7 +130,7 @@ def split_checkpoint(obj: Any, path: str | Path) -> tuple[dict[str, Tensor], dic
     path = Path(path)
     state, fmt = _model_state(obj, path)
     _check_tensors(state, path)
-    state = strip_ddp_prefix(state)
+    state = current_keys(state)
     meta = _empty_meta(path, fmt)
     if isinstance(obj, Mapping) and ema_weights(obj) is not None:
         meta["weights"] = "ema"
@@ -163,7 +163,7 @@ def _from_hf_if_needed(
 
 def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     state, header = load_safetensors(path)
-    state = strip_ddp_prefix(state)
+    state = current_keys(state)
     if header.get("format") == FORMAT:
         meta = _empty_meta(path, FORMAT)
         meta.update(

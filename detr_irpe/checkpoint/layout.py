@@ -1,9 +1,12 @@
 """Key layouts of DETR state dicts: recognising them, describing them, converting them.
 
-This project's key layout *is* the public one: facebookresearch/detr files, the
-iRPE-DETR model-zoo files and the DAB-DETR / DN-DETR files of IDEA-Research load
-without renaming (``transformer.encoder.layers.N.self_attn.rpe_k.lookup_table_weight``
-are the iRPE tables). What differs between files is the container (see
+This project's key layout is the public one but for the attention's encodings:
+facebookresearch/detr files and the DAB-DETR / DN-DETR files of IDEA-Research load
+without renaming; the iRPE-DETR model-zoo files' tables
+(``transformer.encoder.layers.N.self_attn.rpe_k.lookup_table_weight``) and this
+project's older files are renamed on reading to the attention's entries
+(``...self_attn.encodings.irpe.rpe_k.lookup_table_weight``; :func:`current_keys`,
+:mod:`detr_irpe.attention.keys`). What else differs between files is the container (see
 :mod:`detr_irpe.checkpoint.files`), a ``module.`` prefix from DDP, and Hugging Face's
 names (converted in :mod:`detr_irpe.checkpoint.hf_keys` / ``hf_dab_keys``).
 
@@ -26,11 +29,13 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from detr_irpe.encodings.model import state_facts
+from detr_irpe.attention import MultiheadAttention
+from detr_irpe.encodings.irpe import IRPEEncoding
+from detr_irpe.encodings.model import current_encoding_keys, state_facts
 from detr_irpe.encodings.registry import in_backbone
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import family_of_state
-from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table, is_rpe_key, parse_rpe
+from detr_irpe.irpe import init_rpe_table, is_rpe_key, parse_rpe
 
 HEAD_KEYS = ("class_embed.weight", "class_embed.bias")
 # DN-DETR's label embedding: a row per class, then the matching queries' content.
@@ -69,6 +74,21 @@ def strip_ddp_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
     if state and all(k.startswith("module.") for k in state):
         return {k.removeprefix("module."): v for k, v in state.items()}
     return state
+
+
+def current_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A state dict as read from a file, in the current key layout: without a DDP
+    ``module.`` prefix, the attention encodings' old keys (``self_attn.rpe_k.*`` and the
+    rotary frequencies: this project's files before issue 48, the public iRPE
+    checkpoints) renamed by :func:`detr_irpe.attention.keys.upgrade_keys`.
+
+    Raises:
+        CheckpointError: a state dict with both layouts of one key.
+    """
+    try:
+        return current_encoding_keys(strip_ddp_prefix(state))
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
 
 
 # ------------------------------------------------------------------- what a layout implies
@@ -252,7 +272,8 @@ def _encoder_attention_prefixes(state: Mapping[str, Tensor]) -> list[str]:
 
 def _new_tables(d_model: int, nheads: int, rpe: Any, rpe_init: str) -> dict[str, Tensor]:
     """Fresh tables of one encoder attention, started as a new model's (``rpe_init``)."""
-    attention = IRPEMultiheadAttention(d_model, nheads, rpe=rpe)
+    attention = MultiheadAttention(d_model, nheads,
+                                   encodings=[IRPEEncoding(rpe, d_model // nheads, nheads)])
     tables = {}
     for name, param in attention.named_parameters():
         if is_rpe_key(name):
@@ -353,6 +374,7 @@ __all__ = [
     "HEAD_KEYS",
     "LABEL_KEY",
     "add_rpe_tables",
+    "current_keys",
     "architecture",
     "convert_state_dict",
     "drop_rpe_tables",

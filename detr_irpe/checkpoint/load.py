@@ -14,14 +14,21 @@ Rules (:func:`load_state`):
   ``model.rpe_init``, xavier like the reference recipe, or zero, in which case the model
   computes exactly the plain DETR), logged;
 - encoding parameters that differ from the model's, or that the model does not have:
-  error (``model.rope: checkpoint rope-mixed, model none``);
+  error naming the config key (``model.rpe: checkpoint rpe-..., model none``);
 - an encoding without weights other than the one the saved config names: logged
   (RoPE-Axial and the sine encoding; the tools that build a model from a checkpoint
   refuse the difference, :mod:`~detr_irpe.checkpoint.saved_config`);
+- the attention encodings' keys of older files (``self_attn.rpe_k.*``, the rotary
+  frequencies, a plugin's ``self_attn.encodings.<i>.*``) are renamed to the model's
+  entries first (:mod:`detr_irpe.attention.keys`);
+- the buffers an encoding computes from its setting (RoPE-DINOv3's periods) are no
+  weights: a file's that the model does not have (another ``model.encodings``) or whose
+  values differ from the model's (another base) are dropped, logged; a file without them
+  leaves the model's;
 - ``num_batches_tracked`` of a trainable-BN checkpoint: dropped; so are the entries a
   published file stores that the model computes (its family's ``derived_keys``: D-FINE's
-  anchors);
-- a tensor with NaN or infinite values: error naming the file and the tensor;
+  anchors, +inf at the invalid ones by design), before any value is checked;
+- any other tensor with NaN or infinite values: error naming the file and the tensor;
 - any other missing, unexpected or mis-shaped key: error. Every error names the file,
   the first keys of each kind and the config keys that explain the difference
   (``model.hidden_dim: checkpoint 256, model 128``).
@@ -52,6 +59,7 @@ from detr_irpe.checkpoint.safe import format_keys
 from detr_irpe.checkpoint.zoo import ZOO
 from detr_irpe.config.schema import import_names
 from detr_irpe.encodings import encodings
+from detr_irpe.encodings.model import current_encoding_keys, is_computed_key
 from detr_irpe.encodings.registry import in_backbone
 from detr_irpe.errors import CheckpointError
 from detr_irpe.family import family_of_model, family_of_state
@@ -79,6 +87,35 @@ def _drop_derived(state: dict[str, Tensor], target: Mapping[str, Tensor]) -> lis
     return dropped
 
 
+def _drop_computed(state: dict[str, Tensor], target: Mapping[str, Tensor], path: Any
+                   ) -> list[str]:
+    """Remove the buffers an encoding computes from its setting (RoPE-DINOv3's periods)
+    where they are no weights of this model: the model has no such encoding (its
+    ``model.encodings`` differ from the file's), or its own differ (another base, which
+    the model keeps); logged."""
+    dropped = [k for k, v in state.items() if is_computed_key(k) and (
+        k not in target or v.shape != target[k].shape
+        or (not target[k].is_meta  # a check on the meta device: no values to compare
+            and not torch.allclose(v.double(), target[k].double(), rtol=1e-6, atol=0)))]
+    for key in dropped:
+        del state[key]
+    if dropped:
+        logger.info("checkpoint %s: %d buffers its encodings computed are not loaded (this "
+                    "model's encodings compute their own or none: model.encodings): %s",
+                    path, len(dropped), format_keys(dropped))
+    return dropped
+
+
+def without_derived(state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+    """``state`` without the entries its family's models compute (``derived_keys``: the
+    anchors a published D-FINE file stores for its eval size), for a tool that writes the
+    weights in this project's layout; and the keys dropped."""
+    family = family_of_state(state)
+    derived = family.checkpoint.derived_keys if family and family.checkpoint else ()
+    dropped = [k for k in derived if k in state]
+    return {k: v for k, v in state.items() if k not in dropped}, dropped
+
+
 def _saved_rpe(meta: Mapping[str, Any]) -> str | None:
     """The iRPE setting a checkpoint was trained with, if its file says so."""
     cfg = meta.get("config")
@@ -98,12 +135,10 @@ def _missing_encoding_parameters(
     it): they keep the values the model was built with. ``{encoding name: keys}``."""
     missing: dict[str, list[str]] = {}
     for entry in encodings():
-        if not entry.fresh_start:
-            continue
         # the encoder's and a ViT backbone's (model.encodings.backbone) each on their own
         for place in (False, True):
-            model_keys = [k for k in target if entry.param_key(k) and in_backbone(k) == place]
-            if not model_keys or any(entry.param_key(k) and in_backbone(k) == place
+            model_keys = [k for k in target if entry.fresh_key(k, place) and in_backbone(k) == place]
+            if not model_keys or any(entry.fresh_key(k, place) and in_backbone(k) == place
                                      for k in state):
                 continue
             logger.info("checkpoint %s has no %s parameters in the %s (trained without it): "
@@ -318,6 +353,16 @@ def check_published(state: Mapping[str, Tensor], meta: Mapping[str, Any]) -> Non
         "there)")
 
 
+def _current(state: Mapping[str, Tensor], model: nn.Module, meta: Mapping[str, Any]
+             ) -> dict[str, Tensor]:
+    """``state`` in the current key layout for ``model`` (the old encoding keys, and a
+    plugin's old ``encodings.<i>`` by the model's plugin names)."""
+    try:
+        return current_encoding_keys(state, model)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {meta.get('path')}: {err}") from None
+
+
 def check_state_fits(model: nn.Module, state: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
     """Refuse a state dict that does not fit ``model`` key for key and shape for shape
     (a resumed run loads its own checkpoint whole: no head or table is left out).
@@ -330,6 +375,7 @@ def check_state_fits(model: nn.Module, state: Mapping[str, Tensor], meta: Mappin
     """
     model = unwrap_model(model)
     target = model.state_dict()
+    state = _current(state, model, meta)
     problems = key_problems(state, target, set())
     if problems:
         raise _mismatch_error(meta.get("path"), meta, state, target, problems, model)
@@ -378,18 +424,22 @@ def load_state(
     model = unwrap_model(model)
     path = meta.get("path")
     target = model.state_dict()
-    state = dict(state)
+    state = _current(state, model, meta)
     check_published(state, meta)
+    # first: the entries the model computes are no weights (D-FINE's published anchors
+    # hold +inf at the invalid ones by design)
+    dropped = (_drop_bn_counters(state, target) + _drop_derived(state, target)
+               + _drop_computed(state, target, path))
     broken = next((k for k, v in state.items() if isinstance(v, Tensor)
                    and v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
     if broken is not None:
         raise CheckpointError(f"checkpoint {path}: {broken} holds NaN or infinite values; "
                               "these weights cannot make predictions (a diverged run, or a "
                               "damaged file)")
-    dropped = _drop_bn_counters(state, target) + _drop_derived(state, target)
     missing = _missing_encoding_parameters(state, target, path)
     reinitialized, last_rows = _take_off_class_head(state, target, path, strict_head)
     left = {k for keys in missing.values() for k in keys}
+    left |= {k for k in target if k not in state and is_computed_key(k)}
     problems = key_problems(state, target, left | set(reinitialized))
     if problems:
         raise _mismatch_error(path, meta, state, target, problems, model)
@@ -418,4 +468,5 @@ def load_weights(
     return load_state(model, state, meta, strict_head=strict_head)
 
 
-__all__ = ["check_published", "check_state_fits", "key_problems", "load_state", "load_weights"]
+__all__ = ["check_published", "check_state_fits", "key_problems", "load_state", "load_weights",
+           "without_derived"]

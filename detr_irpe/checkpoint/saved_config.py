@@ -16,8 +16,8 @@
   not imported yet is a :class:`CheckpointError` naming them and the two ways to allow
   them: ``--set model.import=...`` (the user's own list, which replaces the saved one)
   or ``trust_imports`` (``--trust-imports``: import what the checkpoint names).
-- **Encodings without weights** (``model.rope``: RoPE-Axial; ``model.position_embedding``:
-  the sine encoding): a given config that differs from the checkpoint's saved config in
+- **Encodings without weights** (RoPE-Axial, the sine encoding: their registry entries
+  say which): a given config that differs from the checkpoint's saved config in
   one of them is a :class:`CheckpointError` naming the key and both values (the weights
   would load, into a model that is not the one trained); an override that sets the key
   is the user's choice and only logged.

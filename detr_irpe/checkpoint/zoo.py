@@ -16,7 +16,13 @@ cache by :mod:`detr_irpe.checkpoint.download`, only when a user names it.
   address, which could not be tried from here). Their files carry no config and D-FINE's
   and DEIM's have the same keys: the name says which network (ReLU or SiLU) it is.
 
-Their published COCO numbers are in docs/checkpoints.md and docs/dfine.md.
+- DEIMv2 S / M / L / X, the ViT sizes (Intellindust-AI-Lab/DEIMv2 0fff8d4, the README's
+  COCO "checkpoint" column: Google Drive files, fetched as DEIM's, not tried from here).
+  The same weights are on the Hugging Face Hub (``Intellindust/DEIMv2_DINOv3_{S,M,L,X}_COCO``,
+  a ``model.safetensors`` written by ``PyTorchModelHubMixin``); those files are not named
+  here: which of the decoder's tied ``up`` / ``reg_scale`` names they keep was not seen.
+
+Their published COCO numbers are in docs/checkpoints.md, docs/dfine.md and docs/deimv2.md.
 
 ``check_hash``: the DETR file name ends in the first hex digits of its SHA-256, which
 the download verifies (as ``torch.hub``'s ``check_hash`` does); the iRPE and RT-DETR file
@@ -62,6 +68,13 @@ _DEIM_DRIVE_IDS = {
     "l": "1PIRf02XkrA2xAD3wEiKE2FaamZgSGTAr",
     "x": "1dPtbgtGgq1Oa7k_LgH1GXPelg1IVeu0j",
 }
+# the DEIMv2 COCO files of the DEIMv2 README (Intellindust-AI-Lab/DEIMv2 0fff8d4)
+_DEIMV2_DRIVE_IDS = {
+    "s": "1MDOh8UXD39DNSew6rDzGFp1tAVpSGJdL",
+    "m": "1nPKDHrotusQ748O1cQXJfi5wdShq6bKp",
+    "l": "1dRJfVHr9HtpdvaHlnQP460yPVHynMray",
+    "x": "1pTiQaBGt8hwtO0mbYlJ8nE-HGztGafS7",
+}
 
 _IRPE = ("irpe",)
 ZOO: dict[str, ZooEntry] = {
@@ -87,6 +100,9 @@ ZOO.update({f"dfine_{size}": ZooEntry(f"dfine_{size}", f"{_DFINE_RELEASE}/dfine_
 ZOO.update({f"deim_{size}": ZooEntry(f"deim_{size}", _DRIVE.format(file_id), False,
                                      f"deim_dfine_hgnetv2_{size}_coco.pth", family="dfine")
             for size, file_id in _DEIM_DRIVE_IDS.items()})
+ZOO.update({f"deimv2_{size}": ZooEntry(f"deimv2_{size}", _DRIVE.format(file_id), False,
+                                       f"deimv2_dinov3_{size}_coco.pth", family="deimv2")
+            for size, file_id in _DEIMV2_DRIVE_IDS.items()})
 
 
 def zoo_entry(name: str) -> ZooEntry:

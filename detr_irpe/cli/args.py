@@ -27,7 +27,7 @@ from types import FrameType
 from typing import NoReturn
 
 from detr_irpe import sizes
-from detr_irpe.canvas import CanvasLayout, parse_canvases
+from detr_irpe.canvas_layouts import CanvasLayout, parse_canvases
 from detr_irpe.errors import (
     EXIT_SIGINT,
     EXIT_USER_ERROR,

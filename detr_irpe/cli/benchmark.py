@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--render", action="store_true",
                    help="measure nothing: rebuild results.md, targets and plot from the "
                         "results.json in --output-dir")
+    for add_group in (_op_arguments, _model_arguments, _encoding_arguments, _onnx_arguments,
+                      _data_arguments):
+        add_group(p)
+    return p
+
+
+def _op_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("op level")
     g.add_argument("--op-size", type=_hw, default=None, help="attention grid HxW (25x38)")
     g.add_argument("--op-batch", type=int, default=None)
@@ -73,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sweep-repeats", type=int, default=None, help="(1)")
     g.add_argument("--naive-max-length", type=int, default=None,
                    help="largest L of the naive O(L^2 D) variant in the sweep (1024)")
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model level")
     g.add_argument("--model-size", type=_hw, default=None,
                    help="padded image size HxW (512x640; COCO: 800x1216)")
@@ -98,11 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reference-amp", default="none",
                    help="comma-separated precisions of the reference rows out of none, bf16 "
                         "(%(default)s: its own float32; bf16 wraps its forward in autocast)")
+
+
+def _encoding_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("encodings level (a detector's step with each position encoding)")
     g.add_argument("--encodings", default=None,
                    help="comma-separated rows: none and each registered encoding's "
-                        "benchmark rows (built in: sine, irpe, rope-axial, rope-mixed), or "
-                        "rows joined by + (irpe+sine); default: none and every row")
+                        "benchmark rows (the built-in ones: docs/benchmarks.md), or rows "
+                        "joined by + (irpe+sine); default: none and every row")
     g.add_argument("--encoding-targets", default=None,
                    help="comma-separated benchmark targets: DETR, DAB-DETR, DN-DETR, RT-DETR "
                         "(DETR,RT-DETR)")
@@ -117,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--encoding-amp", default="none",
                    help="comma-separated precisions out of none (fp32), bf16, fp16 "
                         "(%(default)s)")
+
+
+def _onnx_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("onnx level (CPU inference of the exported model)")
     g.add_argument("--onnx-targets", default=None,
                    help="comma-separated benchmark targets exported and run in ONNX Runtime, "
@@ -130,12 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--onnx-compiled", choices=("on", "off"), default=None,
                    help="the PyTorch compiled row (torch.compile of the inference form, "
                         "about a minute per model): on by default, off with --quick")
+
+
+def _data_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data / eval level")
     g.add_argument("--data", default=None,
                    help="synthetic dataset folder, generated when missing (datasets/synthetic)")
     g.add_argument("--data-batches", type=int, default=None, help="timed batches (30)")
     g.add_argument("--workers", type=int, default=0, help="data-loader workers (%(default)s)")
-    return p
 
 
 def suite_settings(args: argparse.Namespace) -> dict:

@@ -36,6 +36,18 @@ from detr_irpe.cli.args import add_config_arguments, new_parser, run_main
 # two equal
 FORMATS = ("yolo", "voc")
 SPLITS = ("train", "val", "both")
+# detr_irpe.data.images.DEFAULT_MAX_IMAGE_PIXELS (a test keeps the two equal)
+MAX_IMAGE_PIXELS = 89_478_485
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r:.40} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
@@ -84,6 +96,13 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--tolerance", type=float, default=1e-3,
                         help="YOLO: how far past [0, 1] a coordinate may reach before it is a "
                              "problem; it is clipped (default: %(default)s)")
+    parser.add_argument("--follow-links-outside", action="store_true",
+                        help="read files and folders of SOURCE that symbolic links (or "
+                             "data.yaml paths) lead outside it; without it each is refused")
+    parser.add_argument("--max-image-pixels", type=_positive_int, default=MAX_IMAGE_PIXELS,
+                        help="an image declaring more pixels is a problem, found from its "
+                             "header before any decoding (default: %(default)s, the "
+                             "data.max_image_pixels that training reads)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""Train DETR with iRPE in the encoder (or evaluate a checkpoint with --eval-only).
+"""Train a detector of any family, with any position encodings (or evaluate a checkpoint
+with --eval-only).
 
 A config is a YAML file in configs/ (a name or a path); --set changes any key.
 Default recipe (configs/detr_r50_irpe.yaml): DETR-R50 + rpe-2.0-product-ctx-1-k,

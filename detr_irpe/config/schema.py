@@ -19,6 +19,8 @@ from detr_irpe import sizes
 from detr_irpe.config.checks import (
     at_least,
     check_category_ids,
+    check_mosaic_side,
+    check_query_proposals,
     choice,
     pixel_sizes,
     positive,
@@ -28,6 +30,7 @@ from detr_irpe.encodings import PlaceEncodings, parse_place, sync_model_encoding
 from detr_irpe.errors import ConfigError
 from detr_irpe.family import DEFAULT_FAMILY, get_family
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
+from detr_irpe.resize import resize_rule
 
 __all__ = [
     "AMP_MODES",
@@ -49,7 +52,11 @@ __all__ = [
 # "auto": bf16 autocast on a CPU with native bf16 support, float32 ("none") elsewhere.
 AMP_MODES = ("none", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
+# data.augmentation: the recipes of random ops (docs/data.md); the resize is the family's
+# resize rule (detr_irpe/resize.py)
 AUGMENTATIONS = ("detr", "simple", "rtdetr")
+# The recipes whose ops the epoch policy of data.aug_policy_epochs switches (RT-DETR's).
+EPOCH_POLICY_AUGMENTATIONS = ("rtdetr",)
 # train.lr_schedule: the factor of the base lrs over the run (docs/training.md, "The recipe").
 LR_SCHEDULES = ("step", "multistep", "cosine", "flatcosine")
 # Scalar loggers of a training run (train.loggers); log.txt and train.log are always written.
@@ -116,9 +123,17 @@ class ModelConfig:
         sync_model_encodings(self)
         backbone = self.place("backbone")
         if backbone.entries and not self.backbone_takes_encodings():
+            names = self.encoding_backbones()
+            name = self.backbone if isinstance(getattr(self, "backbone", None), str) else None
+            case = (f"; names are lower case: {name.lower()!r}" if name and name != name.lower()
+                    and name.lower() in names else "")
+            which = (f"; the ViTs: {', '.join(names)}, or one registered with "
+                     f"detr_irpe.models.vit.register_vit_backbone{case}" if names else "")
             raise ConfigError(
                 f"model.encodings.backbone=[{', '.join(backbone.strings())}]: this config's "
-                "backbone has no attention to put them in (a ViT backbone does); drop them")
+                f"backbone has no attention to put them in (model.backbone="
+                f"{getattr(self, 'backbone', None)!r} is not a ViT{which}); choose a ViT, or "
+                "drop them")
         choice("model.rpe_init", self.rpe_init, RPE_INIT_MODES)
         for key in ("hidden_dim", "nheads"):
             positive(f"model.{key}", getattr(self, key))
@@ -154,6 +169,12 @@ class ModelConfig:
         """Whether the backbone this section builds has attention layers that take
         ``model.encodings.backbone`` (a family with a ViT backbone says so)."""
         return False
+
+    def encoding_backbones(self) -> list[str]:
+        """The ``model.backbone`` names of this family that take
+        ``model.encodings.backbone`` (its ViTs), named when another backbone is given
+        them; none by default."""
+        return []
 
     def check_encoder_widths(self, width: int, width_name: str = "hidden_dim",
                              prefix: str = "model") -> None:
@@ -226,6 +247,10 @@ class DataConfig:
     # "rtdetr": RT-DETR's (photometric distortion, zoom-out, IoU crop, flip, a square
     # resize to train_size, batches resized to one of batch_scales; docs/data.md).
     augmentation: str = "detr"
+    # The probability that a training image is mirrored left-right, in every augmentation
+    # (detr, simple, rtdetr and the D-FINE / DEIM epoch policy, Mosaic samples included).
+    # 0 turns flips off: for digits, text and other classes a mirror changes.
+    hflip_prob: float = 0.5
     # data.augmentation=detr / simple: the shorter sides a training image is resized to
     # (one drawn per image).
     train_scales: list[int] = field(default_factory=lambda: list(range(480, 801, 32)))
@@ -258,7 +283,9 @@ class DataConfig:
     # The probability of Mosaic (four images on a 2 x 2 canvas, then a random affine map)
     # for a training sample of an epoch in [e0, e1) of aug_policy_epochs (DEIM: 0.5).
     mosaic_prob: float = 0.0
-    # Mosaic: each of the four images is resized to this shorter side before pasting.
+    # Mosaic: each of the four images is resized to this shorter side before pasting. With
+    # mosaic_prob > 0 at most 4 x the largest training input side (train_size,
+    # batch_scales) or 320 if that is more: the canvas is resized to the input anyway.
     mosaic_side: int = 320
     # The probability that a training batch of an epoch in mixup_epochs is blended with
     # itself rolled by one (batch MixUp, ratio uniform in [0.45, 0.55]; every image keeps
@@ -266,6 +293,25 @@ class DataConfig:
     mixup_prob: float = 0.0
     # [first, stop): the epochs (0-based) of batch MixUp (DEIM: [4, e1]).
     mixup_epochs: list[int] = field(default_factory=lambda: [0, 0])
+    # The probability that a training batch of an epoch in copyblend_epochs gets DEIMv2's
+    # CopyBlend when batch MixUp was not drawn for it: objects of the batch pasted, with
+    # some context, into random places of every image, blended half and half, their boxes
+    # added (docs/deimv2.md, "Training"; DEIMv2: 0.5). Needs data.augmentation=rtdetr
+    # (equal-size batches without padding).
+    copyblend_prob: float = 0.0
+    # [first, stop): the epochs (0-based) of CopyBlend (DEIMv2: [4, e2], e2 the end of the
+    # augmentation policy).
+    copyblend_epochs: list[int] = field(default_factory=lambda: [0, 0])
+    # CopyBlend copies only objects whose target area (pixels of the image as the
+    # transforms left it) is at least this.
+    copyblend_area_threshold: float = 100.0
+    # CopyBlend: objects pasted into each image (at most as many as the batch has).
+    copyblend_objects: int = 3
+    # CopyBlend: paste a random number of objects in [1, copyblend_objects] instead.
+    copyblend_random_objects: bool = False
+    # CopyBlend: [low, high] of the context each pasted box is grown by on every side (a
+    # share of its width / height, drawn per object); null: the box alone.
+    copyblend_expand: list[float] | None = field(default_factory=lambda: [0.1, 0.25])
     # Data-loader worker processes per training process.
     num_workers: int = 2
     # Decode every image once and keep it in memory (small datasets only).
@@ -312,27 +358,72 @@ class DataConfig:
         at_least("data.num_workers", self.num_workers, 0)
         self._check_dense_o2o()
 
+    def augmentation_stop_epoch(self) -> int | None:
+        """The epoch (0-based) from which the training augmentation stops, as D-FINE /
+        DEIM's solver reads it (its collate's ``stop_epoch``): ``batch_scales_stop_epoch``,
+        else the last epoch of ``aug_policy_epochs``; None when neither is set
+        (``train.best_stage1``; docs/training.md, "The two-stage ending")."""
+        if self.batch_scales_stop_epoch is not None:
+            return self.batch_scales_stop_epoch
+        return self.aug_policy_epochs[2] if self.aug_policy_epochs is not None else None
+
     def _check_dense_o2o(self) -> None:
         """The Dense O2O keys: aug_policy_epochs, mosaic_*, mixup_*."""
-        for key in ("mosaic_prob", "mixup_prob"):
+        for key in ("hflip_prob", "mosaic_prob", "mixup_prob"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                     0.0 <= value <= 1.0):
                 raise ConfigError(f"data.{key} must be a probability in [0, 1], got {value!r}")
         positive("data.mosaic_side", self.mosaic_side)
+        check_mosaic_side(self)
         epochs = self.aug_policy_epochs
         if epochs is not None:
             self._epoch_list("data.aug_policy_epochs", epochs, 3)
-            if self.augmentation != "rtdetr":
+            if self.augmentation not in EPOCH_POLICY_AUGMENTATIONS:
                 raise ConfigError(
-                    f"data.aug_policy_epochs is only for data.augmentation=rtdetr (its ops are "
-                    f"RT-DETR's); got augmentation {self.augmentation!r}: remove the key or "
-                    "set it to null")
+                    f"data.aug_policy_epochs is only for data.augmentation="
+                    f"{' / '.join(EPOCH_POLICY_AUGMENTATIONS)} (its ops are RT-DETR's); got "
+                    f"augmentation {self.augmentation!r}: remove the key or set it to null")
         elif self.mosaic_prob > 0:
             raise ConfigError(
                 f"data.mosaic_prob={self.mosaic_prob} needs data.aug_policy_epochs (Mosaic "
                 "applies on its epochs [e0, e1)); set it, or mosaic_prob to 0")
         self._epoch_list("data.mixup_epochs", self.mixup_epochs, 2)
+        self._check_copyblend()
+
+    def _check_copyblend(self) -> None:
+        """The copyblend_* keys."""
+        value = self.copyblend_prob
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0.0 <= value <= 1.0):
+            raise ConfigError(f"data.copyblend_prob must be a probability in [0, 1], got "
+                              f"{value!r}")
+        self._epoch_list("data.copyblend_epochs", self.copyblend_epochs, 2)
+        threshold = self.copyblend_area_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+                0.0 <= threshold < float("inf")):
+            raise ConfigError(f"data.copyblend_area_threshold must be a number >= 0, got "
+                              f"{threshold!r}")
+        objects = self.copyblend_objects
+        if isinstance(objects, bool) or not isinstance(objects, int) or objects < 1:
+            raise ConfigError(f"data.copyblend_objects must be an integer >= 1, got {objects!r}")
+        if not isinstance(self.copyblend_random_objects, bool):
+            raise ConfigError(f"data.copyblend_random_objects must be true or false, got "
+                              f"{self.copyblend_random_objects!r}")
+        expand = self.copyblend_expand
+        if expand is not None and (
+                not isinstance(expand, (list, tuple)) or len(expand) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                           for v in expand)
+                or not 0.0 <= expand[0] <= expand[1] <= 10.0):
+            raise ConfigError(f"data.copyblend_expand must be [low, high] with 0 <= low <= high "
+                              f"<= 10, or null, got {expand!r}")
+        if self.copyblend_prob > 0 and resize_rule(self).name != "square":
+            raise ConfigError(
+                f"data.copyblend_prob={self.copyblend_prob} needs square training images "
+                f"without padding (data.augmentation=rtdetr: CopyBlend pastes between "
+                f"equal-size images); got augmentation {self.augmentation!r}: set "
+                f"copyblend_prob to 0")
 
     @staticmethod
     def _epoch_list(key: str, epochs: Any, length: int) -> None:
@@ -417,6 +508,13 @@ class TrainConfig:
     # lr_backbone and no_decay_norm_bias (docs/training.md, "Parameter groups").
     param_groups: list[dict[str, str | float]] = field(default_factory=list)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    # D-FINE / DEIM's two-stage ending (docs/training.md, "The two-stage ending"): at the
+    # epoch the augmentation stops (data.batch_scales_stop_epoch, else the last of
+    # data.aug_policy_epochs) training starts again from the best evaluated epoch before
+    # it (its weights, EMA and optimizer state: checkpoint_best_stage1.pth); with
+    # train.ema, again after each later evaluation that does not beat the best AP since
+    # the last reload. Does nothing when the stop is not inside the run.
+    best_stage1: bool = False
     # Seeds torch, NumPy, Python's random and the data order and augmentation.
     seed: int = 42
     # Mixed precision: none (float32), bf16, fp16 (CUDA) or auto (bf16 where the CPU or
@@ -532,7 +630,23 @@ class Config:
             self.loss = family.loss_config()
         elif not isinstance(self.loss, family.loss_config):
             self.loss = _loss_as(family.loss_config, self.loss)
+        # a data section on its own (build_dataset, the loader) finds its family's resize
+        # rule through this note (detr_irpe.resize.resize_rule); not a key of the file
+        self.data.family = self.model.family
         check_sizes(self)
+        check_query_proposals(self)
+        self._check_best_stage1()
+
+    def _check_best_stage1(self) -> None:
+        """train.best_stage1 needs an evaluation before the augmentation stops."""
+        stop, train = self.data.augmentation_stop_epoch(), self.train
+        if train.best_stage1 and stop is not None and 0 < stop < train.epochs and (
+                train.eval_every > stop):
+            raise ConfigError(
+                f"train.best_stage1 reloads the best epoch before the augmentation stops at "
+                f"epoch {stop + 1} (data.batch_scales_stop_epoch / aug_policy_epochs), but "
+                f"train.eval_every={train.eval_every} evaluates no epoch before it: lower "
+                "train.eval_every or set train.best_stage1=false")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data, keyed as in YAML (``model.import``)."""

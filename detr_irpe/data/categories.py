@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from detr_irpe.config import Config
 from detr_irpe.data.coco import build_dataset
@@ -45,25 +46,64 @@ def default_category_names(num_classes: int | None) -> dict[int, str]:
     return dict(COCO_CATEGORY_NAMES) if num_classes == COCO_NUM_CLASSES else {}
 
 
+# The largest category names file read (a names file of COCO's 80 names is 1 KB).
+MAX_NAMES_FILE_BYTES = 16 << 20
+
+
+def _name_entries(path: Path, pairs: Iterable[tuple[Any, Any]]) -> dict[int, str]:
+    """``{id: name}`` of ``(id, name)`` pairs: ids whole numbers (or their strings) in
+    int64, names strings or numbers; :class:`DatasetError` naming the first other one."""
+    out: dict[int, str] = {}
+    for key, name in pairs:
+        try:
+            cat_id = int(key) if isinstance(key, (int, str)) and not isinstance(key, bool) else None
+        except ValueError:
+            cat_id = None
+        if cat_id is None or not -(2**63) <= cat_id < 2**63:
+            raise DatasetError(f"category names file {path}: id {str(key)[:40]!r} is not a "
+                               "whole number")
+        if not isinstance(name, (str, int, float)) or isinstance(name, bool):
+            raise DatasetError(f"category names file {path}: the name of id {cat_id} is a "
+                               f"{type(name).__name__}, not a string")
+        out[cat_id] = str(name)
+    return out
+
+
 def _read_names_file(path: str | Path) -> dict[int, str]:
     """JSON (``{"id": name}``, a list, or COCO ``categories``) or text (one name a line,
-    line i = id i)."""
+    line i = id i): a regular file of at most :data:`MAX_NAMES_FILE_BYTES`."""
     path = Path(path)
     try:
-        text = path.read_text()
+        if not path.is_file():
+            raise DatasetError(f"category names file {path}: not a file")
+        if path.stat().st_size > MAX_NAMES_FILE_BYTES:
+            raise DatasetError(f"category names file {path}: larger than "
+                               f"{MAX_NAMES_FILE_BYTES >> 20} MiB")
+        with open(path, "rb") as f:
+            text = f.read(MAX_NAMES_FILE_BYTES + 1).decode("utf-8-sig")
     except OSError as err:
-        raise DatasetError(f"category names file {path}: {err}") from err
+        raise DatasetError(f"category names file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"category names file {path}: not UTF-8 text (the byte at offset "
+                           f"{err.start})") from None
     if path.suffix == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise DatasetError(f"category names file {path} is not valid JSON: {err}") from err
+            raise DatasetError(f"category names file {path} is not valid JSON: {err}") from None
+        except RecursionError:
+            raise DatasetError(f"category names file {path}: JSON nested too deep") from None
         if isinstance(data, Mapping) and "categories" in data:
-            return {int(c["id"]): str(c["name"]) for c in data["categories"]}
+            cats = data["categories"]
+            if not isinstance(cats, list) or not all(
+                    isinstance(c, Mapping) and "id" in c and "name" in c for c in cats):
+                raise DatasetError(f"category names file {path}: 'categories' must be a list "
+                                   "of {'id': ..., 'name': ...}")
+            return _name_entries(path, ((c["id"], c["name"]) for c in cats))
         if isinstance(data, Mapping):
-            return {int(k): str(v) for k, v in data.items()}
+            return _name_entries(path, data.items())
         if isinstance(data, list):
-            return {i: str(v) for i, v in enumerate(data)}
+            return _name_entries(path, enumerate(data))
         raise DatasetError(f"{path}: expected a mapping id -> name, a list, or COCO categories")
     return {i: line.strip() for i, line in enumerate(text.splitlines()) if line.strip()}
 

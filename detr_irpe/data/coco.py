@@ -187,9 +187,10 @@ def _check_categories(ann_file: Path, categories: list[Any]) -> dict[int, dict[s
                 f"{ann_file}: category entry #{i} ({cat!r:.80}) must have keys 'id' and 'name'"
             )
         cat_id = cat["id"]
-        if not isinstance(cat_id, int) or isinstance(cat_id, bool) or cat_id < 0:
-            raise DatasetError(
-                f"{ann_file}: category {cat_id!r}: id must be a non-negative integer"
+        if not isinstance(cat_id, int) or isinstance(cat_id, bool) or not 0 <= cat_id < 2**63:
+            raise DatasetError(  # (ids become int64 tensors: 2**63 and above cannot)
+                f"{ann_file}: category {cat_id!r:.40}: id must be a non-negative integer "
+                "below 2**63"
             )
         if cat_id in out:
             raise DatasetError(f"{ann_file}: duplicate category id {cat_id}")

@@ -25,9 +25,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from detr_irpe.config import DataConfig
+from detr_irpe.data.copyblend import CopyBlendSettings, batch_copyblend, copyblend_batch
 from detr_irpe.data.mixup import batch_mixup_ratio, mixup_batch
 from detr_irpe.data.sampling import DistributedEpochSampler, EpochSampler, KeyedDataset, mix_seed
 from detr_irpe.data.transforms import batch_scale, resize_batch
+from detr_irpe.resize import resize_rule
 from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.dist import get_rank, get_world_size, is_dist
 
@@ -150,12 +152,10 @@ def build_dataloader(
 
 
 def batch_scales_of(cfg: DataConfig, epoch: int) -> list[int]:
-    """The sides the training batches of ``epoch`` are resized to (``data.batch_scales``
-    with ``augmentation: rtdetr`` before ``data.batch_scales_stop_epoch``), or [] for none."""
-    if cfg.augmentation != "rtdetr":
-        return []
-    stop = cfg.batch_scales_stop_epoch
-    return list(cfg.batch_scales) if stop is None or epoch < stop else []
+    """The sides the training batches of ``epoch`` are resized to, as the config's resize
+    rule says (RT-DETR's: ``data.batch_scales`` before ``data.batch_scales_stop_epoch``),
+    or [] for none."""
+    return resize_rule(cfg).batch_scales(epoch)
 
 
 def mixup_prob_of(cfg: DataConfig, epoch: int) -> float:
@@ -165,8 +165,26 @@ def mixup_prob_of(cfg: DataConfig, epoch: int) -> float:
     return float(cfg.mixup_prob) if first <= epoch < stop else 0.0
 
 
+def copyblend_prob_of(cfg: DataConfig, epoch: int) -> float:
+    """The probability of CopyBlend in ``epoch``: ``data.copyblend_prob`` on the epochs
+    ``[first, stop)`` of ``data.copyblend_epochs``, else 0."""
+    first, stop = cfg.copyblend_epochs
+    return float(cfg.copyblend_prob) if first <= epoch < stop else 0.0
+
+
+def copyblend_settings_of(cfg: DataConfig) -> CopyBlendSettings:
+    """CopyBlend's parameters from the ``data.copyblend_*`` keys."""
+    expand = cfg.copyblend_expand
+    return CopyBlendSettings(
+        area_threshold=float(cfg.copyblend_area_threshold), max_objects=cfg.copyblend_objects,
+        expand=None if expand is None else (float(expand[0]), float(expand[1])),
+        random_count=cfg.copyblend_random_objects)
+
+
 def epoch_batches(loader: DataLoader, epoch: int, start_batch: int = 0,
-                  scales: Sequence[int] = (), mixup_prob: float = 0.0) -> Iterator[Any]:
+                  scales: Sequence[int] = (), mixup_prob: float = 0.0,
+                  copyblend_prob: float = 0.0, copyblend: CopyBlendSettings | None = None
+                  ) -> Iterator[Any]:
     """The batches of ``epoch`` of a :func:`build_dataloader` loader from batch
     ``start_batch`` on, for exact mid-epoch resume.
 
@@ -175,6 +193,12 @@ def epoch_batches(loader: DataLoader, epoch: int, start_batch: int = 0,
     :func:`~detr_irpe.data.mixup.batch_mixup_ratio` of the loader's seed, the epoch and
     the batch's number draws a ratio, before the resize below; a batch of one image is
     left alone (it would only repeat its own boxes).
+
+    With ``copyblend_prob`` (:func:`copyblend_prob_of`) a batch for which MixUp was not
+    drawn gets CopyBlend (:func:`~detr_irpe.data.copyblend.copyblend_batch`, settings
+    ``copyblend``, default the published ones) when
+    :func:`~detr_irpe.data.copyblend.batch_copyblend` of the loader's seed, the epoch and
+    the batch's number says so, also before the resize, as DEIMv2's collate does.
 
     With ``scales`` (:func:`batch_scales_of`) every batch is resized to a square of a
     side drawn from them by :func:`~detr_irpe.data.transforms.batch_scale` of the
@@ -190,19 +214,25 @@ def epoch_batches(loader: DataLoader, epoch: int, start_batch: int = 0,
     loader.sampler.set_epoch(epoch, start=start_batch * loader.batch_size)
     with torch.random.fork_rng(devices=[]):
         iterator = iter(loader)
-    if not scales and mixup_prob <= 0.0:
+    if not scales and mixup_prob <= 0.0 and copyblend_prob <= 0.0:
         yield from iterator
         return
     seed = loader.sampler.seed
     for number, (images, targets) in enumerate(iterator, start=start_batch):
         ratio = batch_mixup_ratio(mixup_prob, seed, epoch, number)
-        if ratio is not None and len(targets) > 1:
-            images, targets = mixup_batch(images, targets, ratio)
+        if ratio is not None:
+            if len(targets) > 1:
+                images, targets = mixup_batch(images, targets, ratio)
+        else:
+            blend = batch_copyblend(copyblend_prob, seed, epoch, number)
+            if blend is not None:
+                images, targets = copyblend_batch(images, targets, *blend,
+                                                  copyblend or CopyBlendSettings())
         if scales:
             images, targets = resize_batch(images, targets, batch_scale(scales, seed, epoch,
                                                                         number))
         yield images, targets
 
 
-__all__ = ["batch_scales_of", "build_dataloader", "collate_fn", "epoch_batches",
-           "mixup_prob_of"]
+__all__ = ["batch_scales_of", "build_dataloader", "collate_fn", "copyblend_prob_of",
+           "copyblend_settings_of", "epoch_batches", "mixup_prob_of"]

@@ -50,19 +50,22 @@ class EpochPolicy:
         train_size: the square side of RT-DETR's resize.
         mosaic_prob: the probability of Mosaic for a sample of ``[e0, e1)``.
         mosaic_side: the shorter side of each of Mosaic's four images.
+        hflip_prob: the probability of the flip in every stage (a Mosaic sample's too).
     """
 
     def __init__(self, epochs: Sequence[int], train_size: int, mosaic_prob: float = 0.0,
-                 mosaic_side: int = 320) -> None:
+                 mosaic_side: int = 320, hflip_prob: float = 0.5) -> None:
         if len(epochs) != 3 or any(a > b for a, b in zip(epochs, epochs[1:])):
             raise ValueError(f"policy epochs must be 3 non-decreasing epochs, got {epochs}")
         self.epochs = [int(e) for e in epochs]
         self.mosaic_prob = float(mosaic_prob)
-        self.full = rtdetr_train_transforms(train_size)
+        self.hflip_prob = float(hflip_prob)
+        self.full = rtdetr_train_transforms(train_size, hflip_prob=hflip_prob)
         self.plain = rtdetr_train_transforms(train_size, photometric=False, zoom_out=False,
-                                             iou_crop=False)
+                                             iou_crop=False, hflip_prob=hflip_prob)
         # after Mosaic: photometric distortion, flip and resize (no zoom-out, no IoU crop)
-        self.after_mosaic = rtdetr_train_transforms(train_size, zoom_out=False, iou_crop=False)
+        self.after_mosaic = rtdetr_train_transforms(train_size, zoom_out=False, iou_crop=False,
+                                                    hflip_prob=hflip_prob)
         self.mosaic = Mosaic(side=mosaic_side)
 
     @classmethod
@@ -70,7 +73,8 @@ class EpochPolicy:
         """The policy of ``data.aug_policy_epochs``, or None when it is not set."""
         if cfg.aug_policy_epochs is None:
             return None
-        return cls(cfg.aug_policy_epochs, cfg.train_size, cfg.mosaic_prob, cfg.mosaic_side)
+        return cls(cfg.aug_policy_epochs, cfg.train_size, cfg.mosaic_prob, cfg.mosaic_side,
+                   cfg.hflip_prob)
 
     def stage(self, epoch: int) -> str:
         return policy_stage(self.epochs, epoch)
@@ -94,7 +98,7 @@ class EpochPolicy:
 
     def __repr__(self) -> str:
         return (f"EpochPolicy(epochs={self.epochs}, mosaic_prob={self.mosaic_prob}, "
-                f"{self.mosaic!r})")
+                f"hflip_prob={self.hflip_prob}, {self.mosaic!r})")
 
 
 __all__ = ["MOSAIC", "PLAIN", "RTDETR", "STAGES", "EpochPolicy", "policy_stage"]

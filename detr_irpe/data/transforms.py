@@ -8,7 +8,7 @@ the per-box fields ``labels``, ``area`` and ``iscrowd`` alongside (see
 the result into the model's float input and the target format of
 ``docs/architecture.md`` (normalised cxcywh boxes, ``size``).
 
-The recipe (docs/data.md, "Recipe"): random horizontal flip (p 0.5), then with
+The recipe (docs/data.md, "Recipe"): random horizontal flip (p ``data.hflip_prob``, 0.5), then with
 p 0.5 either (a) resize the shorter side to a random choice of ``train_scales``
 with the longer side about ``max_size`` (:func:`resized_hw`), or (b) resize to a
 random choice of ``crop_resize_scales``, crop a random ``[crop_min, crop_max]``
@@ -19,7 +19,8 @@ RT-DETR's recipe (``data.augmentation: rtdetr``, docs/data.md): photometric dist
 (p 0.5), zoom-out onto a black canvas up to 4x the side (p 0.5), an SSD-style IoU crop
 (p 0.8), dropping boxes smaller than 1 pixel, flip, then a resize to a ``train_size``
 square (aspect ratio not kept) and the box check again; validation resizes to an
-``eval_size`` square. The multi-scale part of that recipe resizes whole batches
+``eval_size`` square. Which evaluation resize a config gets is its resize rule's answer
+(:mod:`detr_irpe.resize`). The multi-scale part of that recipe resizes whole batches
 (:func:`batch_scale`, :func:`resize_batch`), in :func:`~detr_irpe.data.loader.epoch_batches`.
 
 All randomness comes from torch's global CPU generator (as in
@@ -39,6 +40,7 @@ from torchvision import tv_tensors
 
 from detr_irpe.config import DataConfig
 from detr_irpe.data.sampling import mix_seed
+from detr_irpe.resize import Resize, resize_rule
 from detr_irpe.sizes import EvalSize
 from detr_irpe.structures import IMAGENET_MEAN, IMAGENET_STD, ImageBatch
 
@@ -58,11 +60,15 @@ def resized_hw(height: int, width: int, size: int, max_size: int | None = None) 
     300x640 -> 625x1333). Rounding up can put the longer side over ``max_size``,
     by at most ``long / (2 * short)`` pixels (one or two for photographs). The
     longer side is ``int(size * long / short)``; an image whose shorter side
-    already equals ``size`` keeps its size.
+    already equals ``size`` keeps its size. An image so elongated that its shorter side
+    would round to 0 pixels (4000 x 20 or 1 x 5000 at ``max_size`` 64) becomes 1 pixel
+    by ``max_size``: the models take it, where a side of 0 cannot be resized to.
     """
     short, long = min(height, width), max(height, width)
     if max_size is not None and long / short * size > max_size:
         size = int(round(max_size * short / long))
+        if size < 1:
+            return (max_size, 1) if width < height else (1, max_size)
     if short == size:
         return height, width
     if width < height:
@@ -223,14 +229,21 @@ def eval_input(image: Tensor, size: int | None, max_size: int | None = None) -> 
     return F.normalize(pixels, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD))
 
 
+def horizontal_flip(p: float = 0.5) -> Transform:
+    """A left-right mirror with probability ``p`` (``data.hflip_prob``). The draw is made
+    even at ``p`` 0, so turning flips off leaves every other random draw as it was."""
+    return T.RandomHorizontalFlip(p=float(p))
+
+
 def detr_train_transforms(
     train_scales: Sequence[int], crop_resize_scales: Sequence[int], crop_size: Sequence[int],
-    max_size: int,
+    max_size: int, hflip_prob: float = 0.5,
 ) -> Transform:
-    """The DETR training recipe: flip, then multi-scale resize or resize-crop-resize."""
+    """The DETR training recipe: flip (probability ``hflip_prob``), then multi-scale
+    resize or resize-crop-resize."""
     return T.Compose(
         [
-            T.RandomHorizontalFlip(p=0.5),
+            horizontal_flip(hflip_prob),
             T.RandomChoice(
                 [
                     RandomResize(train_scales, max_size),
@@ -247,9 +260,11 @@ def detr_train_transforms(
     )
 
 
-def simple_train_transforms(train_scales: Sequence[int], max_size: int) -> Transform:
-    """Flip + resize to a random choice of ``train_scales`` (the CPU demo)."""
-    return T.Compose([T.RandomHorizontalFlip(p=0.5), RandomResize(train_scales, max_size)])
+def simple_train_transforms(train_scales: Sequence[int], max_size: int,
+                            hflip_prob: float = 0.5) -> Transform:
+    """Flip (probability ``hflip_prob``) + resize to a random choice of ``train_scales``
+    (the CPU demo)."""
+    return T.Compose([horizontal_flip(hflip_prob), RandomResize(train_scales, max_size)])
 
 
 def val_transforms(val_size: int, max_size: int) -> Transform:
@@ -365,10 +380,11 @@ class SquareResize:
 
 
 def rtdetr_train_transforms(train_size: int, photometric: bool = True,
-                            zoom_out: bool = True, iou_crop: bool = True) -> Transform:
+                            zoom_out: bool = True, iou_crop: bool = True,
+                            hflip_prob: float = 0.5) -> Transform:
     """RT-DETR's training recipe up to the batch-level multi-scale resize; the flags
     leave out ops as the epoch policy of ``data.aug_policy_epochs`` does
-    (:mod:`detr_irpe.data.policy`)."""
+    (:mod:`detr_irpe.data.policy`); the flip's probability is ``hflip_prob``."""
     ops: list[Transform] = []
     if photometric:
         ops.append(RandomPhotometricDistort(p=0.5))
@@ -379,7 +395,7 @@ def rtdetr_train_transforms(train_size: int, photometric: bool = True,
     return T.Compose([
         *ops,
         SanitizeBoxes(min_size=1),
-        T.RandomHorizontalFlip(p=0.5),
+        horizontal_flip(hflip_prob),
         SquareResize(train_size),
         SanitizeBoxes(min_size=1),
     ])
@@ -408,45 +424,60 @@ def resize_batch(images: ImageBatch, targets: list[Target], size: int
     return ImageBatch(tensors, mask), [{**t, "size": square} for t in targets]
 
 
-def eval_size_transforms(cfg: DataConfig, size: EvalSize) -> Transform:
-    """The val transforms at one test size (docs/evaluation.md, "Test sizes"): ``S``
+def resize_transform(resize: Resize) -> Transform:
+    """The transform of one evaluation resize (:class:`~detr_irpe.resize.Resize`, as a
+    resize rule gives it): the shorter side capped (:func:`val_transforms`), a square
+    (:class:`SquareResize`) or an exact shape (:class:`FixedResize`)."""
+    if resize.shape is not None:
+        return FixedResize(*resize.shape)
+    if resize.square is not None:
+        return SquareResize(resize.square)
+    assert resize.short is not None and resize.cap is not None
+    return val_transforms(resize.short, resize.cap)
+
+
+def resize_image(image: Tensor, resize: Resize) -> Tensor:
+    """:func:`eval_input` of one uint8 ``(3, H, W)`` image under an evaluation resize."""
+    if resize.short is not None:
+        return eval_input(image, resize.short, resize.cap)
+    side = resize.shape if resize.shape is not None else (resize.square, resize.square)
+    image = F.resize(image, list(side), antialias=True)
+    return eval_input(image, None)
+
+
+def eval_size_transforms(cfg: DataConfig | Any, size: EvalSize) -> Transform:
+    """The val transforms at one test size (docs/evaluation.md, "Test sizes"), as the
+    config's resize rule says (``cfg``: a whole config or its ``data`` section): ``S``
     resizes the shorter side to ``S`` with the longer side capped at ``data.max_size *
-    S / data.val_size`` (``data.augmentation: rtdetr``, evaluated on squares: an ``S x S``
-    resize); ``HxW`` resizes to exactly that shape."""
-    if size.shape is not None:
-        return FixedResize(*size.shape)
-    if cfg.augmentation == "rtdetr":  # evaluated on squares: S means S x S
-        return FixedResize(size.short, size.short)
-    return val_transforms(*size.capped(cfg.val_size, cfg.max_size))
+    S / data.val_size`` (a rule that evaluates on squares: an ``S x S`` resize); ``HxW``
+    resizes to exactly that shape."""
+    return resize_transform(resize_rule(cfg).eval_resize(size))
 
 
 def build_transforms(cfg: DataConfig, split: str) -> Transform:
     """The geometric transforms of ``split`` ("train" or "val") for a data config."""
-    if split == "val":
-        if cfg.augmentation == "rtdetr":
-            return SquareResize(cfg.eval_size)
-        return val_transforms(cfg.val_size, cfg.max_size)
+    if split == "val":  # the resize rule's evaluation resize
+        return resize_transform(resize_rule(cfg).eval_resize())
     if split != "train":
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     if cfg.augmentation == "detr":
         return detr_train_transforms(
-            cfg.train_scales, cfg.crop_resize_scales, cfg.crop_size, cfg.max_size
+            cfg.train_scales, cfg.crop_resize_scales, cfg.crop_size, cfg.max_size,
+            cfg.hflip_prob,
         )
     if cfg.augmentation == "simple":
-        return simple_train_transforms(cfg.train_scales, cfg.max_size)
+        return simple_train_transforms(cfg.train_scales, cfg.max_size, cfg.hflip_prob)
     if cfg.augmentation == "rtdetr":
-        return rtdetr_train_transforms(cfg.train_size)
+        return rtdetr_train_transforms(cfg.train_size, hflip_prob=cfg.hflip_prob)
     raise ValueError(f"data.augmentation {cfg.augmentation!r}: choose 'detr', 'simple' or "
                      "'rtdetr'")
 
 
-def eval_image(image: Tensor, cfg: DataConfig) -> Tensor:
-    """:func:`eval_input` as ``data.*`` says: an ``eval_size`` square for
-    ``augmentation: rtdetr``, else the shorter side ``val_size`` (longer about ``max_size``)."""
-    if cfg.augmentation == "rtdetr":
-        image = F.resize(image, [cfg.eval_size, cfg.eval_size], antialias=True)
-        return eval_input(image, None)
-    return eval_input(image, cfg.val_size, cfg.max_size)
+def eval_image(image: Tensor, cfg: DataConfig | Any) -> Tensor:
+    """:func:`eval_input` as the config's resize rule says (``cfg``: a whole config or its
+    ``data`` section): an ``eval_size`` square for RT-DETR's rule, else the shorter side
+    ``val_size`` (longer about ``max_size``)."""
+    return resize_image(image, resize_rule(cfg).eval_resize())
 
 
 __all__ = [
@@ -470,7 +501,10 @@ __all__ = [
     "eval_input",
     "eval_size_transforms",
     "filter_boxes",
+    "horizontal_flip",
     "resize_batch",
+    "resize_image",
+    "resize_transform",
     "resized_hw",
     "rtdetr_train_transforms",
     "simple_train_transforms",

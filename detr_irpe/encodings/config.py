@@ -23,7 +23,7 @@ from typing import Any
 
 from detr_irpe.errors import ConfigError
 
-from .registry import PLACES, PositionEncoding, encodings, parse_encoding
+from .registry import BUILTIN_ENCODINGS, PLACES, PositionEncoding, encodings, parse_encoding
 
 __all__ = [
     "NONE",
@@ -63,22 +63,37 @@ class PlaceEncodings:
     def strings(self) -> list[str]:
         return [e.describe(s) for e, s in self.entries]
 
-    def attention_args(self, width: int, heads: int) -> dict[str, Any]:
-        """Keyword arguments of :class:`~detr_irpe.irpe.IRPEMultiheadAttention` for an
-        attention ``width`` wide with ``heads`` heads: the built-in encodings' own
-        (``rpe=``, ``rope=``) and ``encodings=[modules]`` of the plugin ones."""
-        args: dict[str, Any] = {}
-        plugins = []
+    def attention_encodings(self, width: int, heads: int, own_only: bool = False
+                            ) -> list[Any]:
+        """The entries of the encoding list of an attention ``width`` wide with ``heads``
+        heads (:class:`~detr_irpe.attention.MultiheadAttention`'s ``encodings``): one
+        module per attention encoding, the built-in ones first (their terms and rotations
+        come first, as they always did), each named by its registry name. ``own_only``:
+        without the encodings one module of which serves a whole stack
+        (:meth:`shared_encodings`)."""
+        built = []
+        for entry, spec in sorted((item for item in self.entries if item[0].kind == "attention"
+                                   and not (own_only and item[0].shared)),
+                                  key=lambda item: item[0].name not in BUILTIN_ENCODINGS):
+            module = entry.build(spec, width, heads)
+            if not module.name:
+                module.name = entry.name
+            built.append(module)
+        return built
+
+    def shared_encodings(self, width: int, heads: int) -> dict[str, Any]:
+        """``{name: module}`` of the attention encodings that serve a whole stack with one
+        module (:attr:`~.registry.PositionEncoding.shared`; RoPE-DINOv3's ``rope_embed``):
+        the stack's owner keeps each under its name and hands it to every attention
+        (``MultiheadAttention(..., layout=AttentionLayout(shared=...))``)."""
+        out = {}
         for entry, spec in self.entries:
-            if entry.kind != "attention":
-                continue
-            if entry.attention_args is not None:
-                args.update(entry.attention_args(spec, width, heads))
-            else:
-                plugins.append(entry.build(spec, width, heads))
-        if plugins:
-            args["encodings"] = plugins
-        return args
+            if entry.kind == "attention" and entry.shared:
+                module = entry.build(spec, width, heads)
+                if not module.name:
+                    module.name = entry.name
+                out[entry.shared] = module
+        return out
 
     def parameter_count(self, width: int, heads: int) -> int:
         """Parameters its encodings add to one attention ``width`` wide."""

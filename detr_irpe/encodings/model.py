@@ -1,7 +1,7 @@
 """Questions about built models and state dicts that every encoding answers for itself.
 
 The rest of the package asks these instead of naming an encoding: which parameters are
-an encoding's (and never decay, or start their own way), what a state dict shows of the
+an encoding's (and never decay), what a state dict shows of the
 encodings, what the weightless ones are (only a saved config says them), which
 encodings Hugging Face folders cannot hold, and the logit terms the figures draw.
 """
@@ -14,17 +14,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from detr_irpe.attention.keys import upgrade_keys
+
 from .config import PlaceEncodings
 from .registry import PositionEncoding, encodings, in_backbone
 from .response import DEFAULT_EXTENT
 
 __all__ = [
+    "current_encoding_keys",
     "encoder_has",
     "encoder_keys",
     "encoding_of_key",
     "hf_refusals",
     "implied_encodings",
-    "keeps_own_init",
+    "is_computed_key",
+    "legacy_renames",
     "logit_bias_response",
     "no_decay_parameters",
     "position_responses",
@@ -41,11 +45,10 @@ def encoding_of_key(key: str) -> PositionEncoding | None:
     return None
 
 
-def keeps_own_init(key: str) -> bool:
-    """Whether a parameter is an encoding's that a model's reset leaves as it was started
-    (every encoding's but iRPE's tables, which follow ``model.rpe_init``)."""
-    entry = encoding_of_key(key)
-    return entry is not None and entry.keeps_own_init
+def is_computed_key(key: str) -> bool:
+    """Whether a state-dict key is a buffer an encoding computes from its setting
+    (RoPE-DINOv3's ``periods``): no weight (:attr:`PositionEncoding.computed_key`)."""
+    return any(entry.computed_key(key) for entry in encodings())
 
 
 def no_decay_parameters(model: nn.Module) -> set[str]:
@@ -110,7 +113,8 @@ def position_responses(attn: nn.Module, extent: int | None = None, query=None, k
     for entry in encodings():
         if entry.response is not None:
             out.update(entry.response(attn, extent, query, key))
-    for module in getattr(attn, "encodings", ()):
+    entries = getattr(attn, "encodings", None)
+    for module in entries.values() if isinstance(entries, nn.ModuleDict) else ():
         if getattr(module, "biases_logits", False):
             out[getattr(module, "title", type(module).__name__)] = logit_bias_response(
                 module, extent)
@@ -126,3 +130,21 @@ def logit_bias_response(module: nn.Module, extent: int) -> Any:
         bias = module.logit_bias((side, side), 0, torch.float64, torch.device("cpu"))
     bias = bias.expand(module.num_heads, side * side, side * side)
     return bias[:, centre].reshape(module.num_heads, side, side).cpu().numpy()
+
+
+def legacy_renames() -> dict[str, str]:
+    """``{old child of an attention: its path now}`` of every registered encoding
+    (``{"rpe_k": "encodings.irpe.rpe_k", ...}``), for
+    :func:`detr_irpe.attention.keys.upgrade_keys`."""
+    renames = {}
+    for entry in encodings():
+        for old, inner in entry.legacy_children.items():
+            renames[old] = ".".join(p for p in ("encodings", entry.name, inner) if p)
+    return renames
+
+
+def current_encoding_keys(state: Mapping[str, Any], model: nn.Module | None = None
+                          ) -> dict[str, Any]:
+    """``state`` with every registered encoding's old keys renamed
+    (:func:`detr_irpe.attention.keys.upgrade_keys`; ``model``: also a plugin's old index)."""
+    return upgrade_keys(state, legacy_renames(), model)

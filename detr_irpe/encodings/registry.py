@@ -3,7 +3,8 @@
 A *position encoding* tells an attention where its tokens are. Each one is one entry
 (:class:`PositionEncoding`), registered by its own module: the absolute ones
 (:mod:`.absolute`: ``sine``, ``learned``), iRPE (:mod:`.irpe`: every ``rpe-...`` string)
-and the rotary ones (:mod:`.rope`: ``rope-axial``, ``rope-mixed``), and a user's own from a
+and the rotary ones (:mod:`.rope`: ``rope-axial``, ``rope-mixed``; :mod:`.rope_dinov3`:
+``rope-dinov3``), and a user's own from a
 module named in ``model.import`` (docs/position_encodings.md, "An encoding of your own").
 
 An entry answers every question the rest of the package asks of an encoding: which
@@ -23,17 +24,19 @@ Where an encoding acts (:data:`KINDS`):
 - ``attention``: inside the attention, given the token grid ``(H, W)``: terms on the
   logits or values (iRPE, a distance bias) or a rotation of q and k (RoPE).
 
-This module imports nothing of the package but :mod:`detr_irpe.errors`.
+The store is a :class:`~detr_irpe.registry.Registry`, as the backbones' and the families'.
+This module imports nothing of the package but :mod:`detr_irpe.errors` and
+:mod:`detr_irpe.registry`.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from detr_irpe.errors import ConfigError
+from detr_irpe.registry import Registry
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -68,9 +71,15 @@ BUILTIN_ENCODINGS: dict[str, str] = {
     "learned": "detr_irpe.encodings.absolute",
     "irpe": "detr_irpe.encodings.irpe",
     "rope": "detr_irpe.encodings.rope",
+    "rope_dinov3": "detr_irpe.encodings.rope_dinov3",
 }
 
-_REGISTRY: dict[str, PositionEncoding] = {}
+ENCODINGS: Registry[PositionEncoding] = Registry(
+    "position encoding",
+    builtins=BUILTIN_ENCODINGS,
+    replaces=True,  # a module reloaded in a notebook registers its encoding again
+    error=ConfigError,
+)
 
 
 def _no_keys(key: str) -> bool:
@@ -97,8 +106,8 @@ class PositionEncoding:
     """Everything the package needs of one position encoding.
 
     Attributes:
-        name: the registry name (``"rope"``); also the submodule name of a plugin
-            encoding's module inside an attention (``self_attn.encodings.<name>``).
+        name: the registry name (``"rope"``); also the name of its module inside an
+            attention (``self_attn.encodings.<name>``).
         title: the name shown to people (``"RoPE"``).
         kind: ``"absolute"`` or ``"attention"`` (:data:`KINDS`).
         parse: ``text -> spec`` for the strings that are this encoding's (a spec is any
@@ -113,14 +122,20 @@ class PositionEncoding:
         model_spec: ``built model ->`` the spec of this encoding its attention layers hold
             (None: none holds it; ``ValueError`` when layers differ), for encodings a
             state dict cannot show exactly; None: not known from a built model.
-        build: ``(spec, width, heads) -> module`` added to the attention (kind
-            ``attention``, plugin encodings: see :class:`AttentionEncoding
-            <detr_irpe.encodings.attention.AttentionEncoding>`). None for absolute
-            encodings and for the built-in attention ones, which give ``attention_args``.
-        attention_args: ``(spec, width, heads) -> {keyword: value}`` of
-            :class:`~detr_irpe.irpe.IRPEMultiheadAttention` (iRPE: ``{"rpe": spec}``), for
-            the encodings the attention builds itself (their submodules are the public
-            checkpoints' keys).
+        build: ``(spec, width, heads) -> module``, the entry of the attention's encoding
+            list (kind ``attention``: an :class:`~detr_irpe.attention.AttentionEncoding`,
+            built-in or plugin). None for absolute encodings.
+        legacy_children: ``{old child: path in the entry}``: the attention's own
+            submodules that held this encoding's parameters before issue 48 (iRPE:
+            ``rpe_k`` -> ``encodings.irpe.rpe_k``; RoPE: ``rope`` ->
+            ``encodings.rope``), for the key migration of :mod:`detr_irpe.attention.keys`.
+        shared: the name one module of it takes when it serves every attention of a
+            stack, kept once by the stack's owner (RoPE-DINOv3: ``rope_embed``, the
+            published DINOv3 key; :meth:`~.config.PlaceEncodings.shared_encodings`);
+            None: every attention keeps its own entry.
+        computed_key: whether a state-dict key is a buffer it computes from its setting
+            (RoPE-DINOv3's ``periods``): no weight, so a file's such entry is dropped by
+            a model without it (logged) and a model with it keeps its own.
         check: ``(spec, width, heads) -> why it cannot run on that attention`` or None.
         param_key: whether a state-dict key is one of its parameters.
         no_weight_decay: its parameters never decay (RoPE-Mixed's frequencies).
@@ -128,10 +143,13 @@ class PositionEncoding:
             ``width`` wide with ``heads`` heads (0: none).
         fresh_start: a checkpoint without any of its parameters loads into a model with
             them, which keep the values the model was built with (iRPE tables added to a
-            plain model; RoPE-Mixed added for fine-tuning); false: a missing-keys error.
+            plain model; RoPE-Mixed added for fine-tuning); false: a missing-keys error;
+            ``"backbone"``: so only for its :attr:`backbone_key` parameters (``learned``:
+            a ViT's ``pos_embed``; a DEIMv2 ViT's starts at zero).
+        backbone_key: whether a state-dict key in the backbone is one of its parameters
+            where :attr:`param_key` does not say so (``learned``: a ViT's ``pos_embed``);
+            read only for the backbone place.
         about: what it is, in a few words, for messages (``"rotary position encodings"``).
-        keeps_own_init: a model's reset leaves its parameters as the encoding started
-            them (false for iRPE's tables: ``model.rpe_init`` says how they start).
         weightless: ``spec ->`` whether it has no weights (only a saved config says a
             checkpoint was trained with it).
         state_facts: ``state -> {config key: shown value}``: what a state dict without a
@@ -162,12 +180,14 @@ class PositionEncoding:
     legacy_default: str = "none"
     model_spec: Callable[[nn.Module], Any] | None = None
     build: Callable[[Any, int, int], nn.Module] | None = None
-    attention_args: Callable[[Any, int, int], dict[str, Any]] | None = None
+    legacy_children: Mapping[str, str] = field(default_factory=dict)
+    shared: str | None = None
+    computed_key: Callable[[str], bool] = _no_keys
     check: Callable[[Any, int, int], str | None] = lambda spec, width, heads: None
     param_key: Callable[[str], bool] = _no_keys
     no_weight_decay: bool = False
-    keeps_own_init: bool = True
-    fresh_start: bool = False
+    fresh_start: bool | str = False
+    backbone_key: Callable[[str], bool] = _no_keys
     parameter_count: Callable[[Any, int, int], int] = lambda spec, width, heads: 0
     about: str = ""
     weightless: Callable[[Any], bool] = lambda spec: True
@@ -184,7 +204,7 @@ class PositionEncoding:
         if self.kind not in KINDS:
             raise ValueError(f"encoding {self.name!r}: kind must be one of {', '.join(KINDS)}, "
                              f"got {self.kind!r}")
-        if self.kind == "attention" and self.build is None and self.attention_args is None:
+        if self.kind == "attention" and self.build is None:
             raise ValueError(f"encoding {self.name!r}: an attention encoding needs "
                              "build=(spec, width, heads) -> module")
 
@@ -194,6 +214,14 @@ class PositionEncoding:
         not possible in general: an encoding with weights says so by ``weightless``
         returning False for every spec; the built-in ones are checked by tests)."""
         return self.weightless is not always_weighted
+
+    def fresh_key(self, key: str, backbone: bool) -> bool:
+        """Whether ``key`` is one of its parameters in the backbone place (``backbone``)
+        or the encoder's that start fresh where a file has none of them
+        (:attr:`fresh_start`)."""
+        if self.fresh_start is True:
+            return self.param_key(key) or (backbone and self.backbone_key(key))
+        return backbone and self.fresh_start == "backbone" and self.backbone_key(key)
 
     def holds_in_hf(self, spec: Any) -> bool:
         return self.hf is None or self.hf(spec)
@@ -207,22 +235,16 @@ def register_encoding(encoding: PositionEncoding) -> PositionEncoding:
     Raises:
         ValueError: a name that is not an identifier.
     """
-    if not encoding.name.isidentifier():
-        raise ValueError(f"an encoding name must be an identifier, got {encoding.name!r}")
-    _REGISTRY[encoding.name] = encoding
-    return encoding
-
-
-def _load_builtins() -> None:
-    for name, module in BUILTIN_ENCODINGS.items():
-        if name not in _REGISTRY:
-            importlib.import_module(module)
+    return ENCODINGS.register(encoding.name, encoding)
 
 
 def encodings() -> Iterator[PositionEncoding]:
-    """Every encoding: the built-in ones first, then the registered ones, in order."""
-    _load_builtins()
-    yield from _REGISTRY.values()
+    """Every encoding: the built-in ones first (in :data:`BUILTIN_ENCODINGS` order, whichever
+    module was imported first), then the registered ones, in order."""
+    entries = {entry.name: entry for entry in ENCODINGS.entries()}
+    for name in dict.fromkeys([*BUILTIN_ENCODINGS, *entries]):
+        if name in entries:
+            yield entries[name]
 
 
 def encoding_names() -> list[str]:
@@ -235,11 +257,7 @@ def get_encoding(name: str) -> PositionEncoding:
     Raises:
         ConfigError: no such encoding, naming the registered ones.
     """
-    _load_builtins()
-    if name not in _REGISTRY:
-        raise ConfigError(f"{name!r} is not a registered position encoding; registered: "
-                          f"{', '.join(_REGISTRY)}")
-    return _REGISTRY[name]
+    return ENCODINGS.get(name)
 
 
 def _syntax() -> str:

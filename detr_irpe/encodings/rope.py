@@ -2,9 +2,10 @@
 entry: ``rope-axial``, ``rope-mixed``, optionally with the frequency base
 (``rope-mixed-10``).
 
-The maths lives in :mod:`detr_irpe.rope`; the attention keeps the rotary module as its
-submodule ``rope`` (RoPE-Mixed's learned frequencies: ``self_attn.rope.freqs``, which never
-decay, as in the official rope-vit code). RoPE-Axial has no weights, so only a saved config
+The maths lives in :mod:`detr_irpe.rope`; the rotary module is an entry of the attention's
+encoding list, kept as ``encodings.rope`` (RoPE-Mixed's learned frequencies:
+``self_attn.encodings.rope.freqs``, which never decay, as in the official rope-vit code;
+files that hold them as ``self_attn.rope.freqs`` are migrated on reading). RoPE-Axial has no weights, so only a saved config
 says a checkpoint was trained with it.
 """
 
@@ -31,16 +32,26 @@ from detr_irpe.rope import (
 from .registry import PositionEncoding, in_backbone, register_encoding
 from .response import DEFAULT_EXTENT, response_vectors
 
-__all__ = ["NO_FREQUENCIES", "ROPE", "describe", "rope_response"]
+__all__ = ["NO_FREQUENCIES", "ROPE", "describe", "rope_response", "rotation_response"]
 
 # What a state dict without RoPE-Mixed's frequencies shows of the rotary encoding.
 NO_FREQUENCIES = "none or rope-axial"
 
 
 def _parse(text: str) -> RoPEConfig | None:
-    if not text.lower().startswith("rope-"):
+    if not text.lower().startswith("rope-") or _other_rotary(text):
         return None
     return parse_rope(text)
+
+
+def _other_rotary(text: str) -> bool:
+    """A ``rope-<variant>`` string of another registered entry (``rope-dinov3``)."""
+    variant = text.lower().split("-")[1]
+    return variant not in ROPE_VARIANTS and variant in OTHER_VARIANTS
+
+
+# rope-<variant> strings that other entries take (their modules add themselves)
+OTHER_VARIANTS: set[str] = set()
 
 
 def describe(spec: RoPEConfig) -> str:
@@ -69,10 +80,20 @@ def _facts(state: Mapping[str, Tensor]) -> dict[str, Any]:
     return {"model.rope": "rope-mixed", "model.nheads": heads}
 
 
+def _find(module: nn.Module) -> RotaryEncoding | None:
+    """The rotary entry of an attention (or the module itself when it is one)."""
+    if isinstance(module, RotaryEncoding):
+        return module
+    entries = getattr(module, "encodings", None)
+    if not isinstance(entries, nn.ModuleDict):
+        return None
+    return next((m for m in entries.values() if isinstance(m, RotaryEncoding)), None)
+
+
 def _rotary(module: nn.Module) -> RotaryEncoding:
-    rope = module if isinstance(module, RotaryEncoding) else getattr(module, "rope", None)
-    if not isinstance(rope, RotaryEncoding):
-        raise ConfigError(f"{type(module).__name__} has no rotary encoding (rope is None)")
+    rope = _find(module)
+    if rope is None:
+        raise ConfigError(f"{type(module).__name__} has no rotary encoding")
     return rope
 
 
@@ -83,7 +104,8 @@ def rope_response(module: nn.Module, extent: int = DEFAULT_EXTENT,
     ``[-R, R]^2``, per head (it depends on the offset only).
 
     Args:
-        module: an ``IRPEMultiheadAttention`` with a rotary module, or the rotary module.
+        module: a :class:`~detr_irpe.attention.MultiheadAttention` with a rotary entry,
+            or the rotary module.
         extent: R.
         query, key: ``(h, D)`` or ``(D,)`` unscaled vectors (ones if None: the response is
             then ``2 sum_j cos(angle_j(offset))``).
@@ -92,7 +114,15 @@ def rope_response(module: nn.Module, extent: int = DEFAULT_EXTENT,
         float64 ``(h, 2R + 1, 2R + 1)``; ``[:, R + dy, R + dx]`` the term for a key at
         ``key - query = (dy, dx)``.
     """
-    rope = _rotary(module)
+    return rotation_response(_rotary(module), extent, query, key)
+
+
+def rotation_response(rope: nn.Module, extent: int = DEFAULT_EXTENT,
+                      query: torch.Tensor | None = None,
+                      key: torch.Tensor | None = None) -> np.ndarray:
+    """:func:`rope_response` of a rotating entry itself (any module called as
+    ``rope(q, k, (H, W))`` with ``num_heads`` / ``head_dim``: RoPE-Axial / -Mixed,
+    RoPE-DINOv3) on the ``(2R + 1)^2`` grid centred on the query."""
     heads, dim = rope.num_heads, rope.head_dim
     side = 2 * int(extent) + 1
     length = side * side
@@ -100,7 +130,7 @@ def rope_response(module: nn.Module, extent: int = DEFAULT_EXTENT,
     k = response_vectors(key, heads, dim, "key")
     centre = extent * side + extent
     with torch.no_grad():
-        rope64 = copy.deepcopy(rope).to("cpu", torch.float64)  # the original left as it is
+        rope64 = copy.deepcopy(rope).to("cpu", torch.float64).eval()  # the original kept
         q_grid = q[None, :, None, :].expand(1, heads, length, dim)
         k_grid = k[None, :, None, :].expand(1, heads, length, dim)
         q_rot, k_rot = rope64(q_grid, k_grid, (side, side))
@@ -109,8 +139,8 @@ def rope_response(module: nn.Module, extent: int = DEFAULT_EXTENT,
 
 
 def _response(attn: nn.Module, extent: int | None, query, key) -> dict[str, np.ndarray]:
-    rope = attn if isinstance(attn, RotaryEncoding) else getattr(attn, "rope", None)
-    if not isinstance(rope, RotaryEncoding):
+    rope = _find(attn)
+    if rope is None:
         return {}
     return {f"RoPE-{rope.variant}": rope_response(
         attn, DEFAULT_EXTENT if extent is None else extent, query, key)}
@@ -134,7 +164,8 @@ def model_rope(model: nn.Module) -> RoPEConfig | None:
 ROPE = register_encoding(PositionEncoding(
     name="rope", title="RoPE", kind="attention", parse=_parse, describe=describe,
     syntax="rope-axial[-THETA] | rope-mixed[-THETA]", legacy_key="rope", check=_check,
-    attention_args=lambda spec, width, heads: {"rope": build_rope(spec, width // heads, heads)},
+    build=lambda spec, width, heads: build_rope(spec, width // heads, heads),
+    legacy_children={"rope": ""},
     param_key=is_rope_key, no_weight_decay=True, fresh_start=True,
     about="rotary position encodings",
     # RoPE-Mixed learns (2, h, D / 2) frequencies: one per channel pair and axis

@@ -1,5 +1,5 @@
 """A checkpoint's evaluation on the val split, at the config's size, at several test
-sizes or on canvases (:mod:`detr_irpe.canvas`): the program of ``detr-irpe-eval``, ``detr-irpe-train --eval-only`` / ``--sizes``
+sizes or on canvases (:mod:`detr_irpe.canvas_layouts`): the program of ``detr-irpe-eval``, ``detr-irpe-train --eval-only`` / ``--sizes``
 and the demo's re-evaluation.
 
 Each evaluation writes ``results.json``, ``metrics.json`` (the 12 COCOeval numbers as
@@ -14,155 +14,296 @@ per layout: ``canvas_<label>/`` folders, ``canvases.json`` and ``canvases.md`` (
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from detr_irpe import sizes
-from detr_irpe.canvas import CanvasLayout
+from detr_irpe.canvas_layouts import CanvasLayout
 from detr_irpe.config import Config
 from detr_irpe.data import build_dataloader, build_dataset
-from detr_irpe.data.canvas import CanvasDataset
-from detr_irpe.data.transforms import eval_size_transforms
+from detr_irpe.data.canvas_dataset import CanvasDataset
+from detr_irpe.data.transforms import resize_transform
 from detr_irpe.engine.distributed import (
     DistInfo,
     cleanup_distributed,
     init_distributed,
     lost_rank_as_error,
 )
+from detr_irpe.engine.evaluation import EvalResult, EvalSettings, evaluate_model
 from detr_irpe.engine.logger import FILE_ONLY, setup_logging
-from detr_irpe.engine.runner import apply_process_settings
-from detr_irpe.engine.speed import ForwardTimer, format_speed, speed_record
-from detr_irpe.engine.trainer import evaluate
-from detr_irpe.errors import ConfigError
-from detr_irpe.evaluation import CocoEvaluator, format_summary, per_class_table, write_eval_outputs
+from detr_irpe.engine.speed import format_speed, speed_record
+from detr_irpe.engine.start import apply_process_settings
+from detr_irpe.errors import ConfigError, DatasetError, DetrIrpeError
+from detr_irpe.evaluation import format_summary, per_class_table, write_eval_outputs
 from detr_irpe.evaluation.size_table import (
     CANVAS_TABLE,
     SIZE_TABLE,
+    TableFiles,
     failed_row,
     size_rows,
     write_size_table,
 )
 from detr_irpe.family import get_family
 from detr_irpe.models import LoadedModel, build_postprocessor, model_from_checkpoint
+from detr_irpe.resize import resize_rule
 from detr_irpe.sizes import EvalSize
 
 logger = logging.getLogger(__name__)
 
-def run_evaluation(
-    cfg: Config | None,
-    checkpoint: str | Path,
-    output_dir: str | Path,
-    *,
-    overrides: Sequence[str] = (),
-    progress: bool = True,
-    sizes: Sequence[EvalSize] = (),
-    canvases: Sequence[CanvasLayout] = (),
-    trust_imports: bool = False,
-    runtime: Callable[[nn.Module], Any] | None = None,
-) -> dict[str, Any]:
+View = EvalSize | CanvasLayout
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """How :func:`run_evaluation` evaluates a checkpoint.
+
+    Attributes:
+        overrides: ``--set`` overrides of the config (``model.num_classes`` among them:
+            the class count is not the checkpoint head's).
+        sizes: test sizes, one evaluation each (none: the config's size).
+        canvases: canvas layouts, one evaluation each.
+        progress: a progress bar (rank 0, a terminal only).
+        trust_imports: import the modules a saved config's ``model.import`` names.
+        runtime: ``(model, config) -> what runs the forward passes``
+            (:func:`detr_irpe.inference.runtime.build_runtime`, e.g. the model's inference
+            form, or ONNX Runtime traced at the config's evaluation size: a callable that
+            is no module gets no losses); None: the model itself.
+    """
+
+    overrides: Sequence[str] = ()
+    sizes: Sequence[EvalSize] = ()
+    canvases: Sequence[CanvasLayout] = ()
+    progress: bool = True
+    trust_imports: bool = False
+    runtime: Callable[[nn.Module, Any], Any] | None = None
+
+
+def run_evaluation(cfg: Config | None, checkpoint: str | Path, output_dir: str | Path,
+                   options: EvalOptions | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint (this project's or a public DETR / iRPE-DETR one) on the
     val split of the config's data.
 
     The model is :func:`~detr_irpe.models.model_from_checkpoint` of ``checkpoint`` with
-    ``cfg`` (``None``: the checkpoint's own config) and ``overrides``: its class count
-    comes from the checkpoint's head unless ``model.num_classes`` is among the
-    overrides. Without ``sizes`` one evaluation at ``data.val_size`` / ``data.max_size``
-    into ``output_dir``; with ``sizes`` one per test size, with ``canvases`` one per
-    canvas layout (module docstring; both may be given). Works under ``torchrun``
-    (results gathered from all ranks). ``runtime``: ``model -> what runs the forward
-    passes`` (:func:`detr_irpe.inference.runtime.build_runtime`, e.g. the model's inference
-    form, or ONNX Runtime: a callable that is no module gets no losses); None: the model
-    itself.
+    ``cfg`` (``None``: the checkpoint's own config) and ``options.overrides``: its class
+    count comes from the checkpoint's head unless ``model.num_classes`` is among the
+    overrides. Without test sizes one evaluation at the config's size (its resize rule)
+    into ``output_dir``; with ``options.sizes`` one per test size, with
+    ``options.canvases`` one per canvas layout (module docstring; both may be given).
+    Works under ``torchrun`` (results gathered from all ranks).
 
     Returns:
         ``{"summary", "per_class_table", "losses", "speed", "output_dir", "config",
-        "rank"}`` of the evaluation at the config's size, or with ``sizes`` / ``canvases``
+        "rank"}`` of the evaluation at the config's size, or with sizes / canvases
         those of the last test size (without sizes: the last layout) plus ``"sizes"`` /
-        ``"canvases"``: one ``{"size",
-        "summary", "speed", "output_dir"}`` per test size or layout (``"size"``: its
-        label).
+        ``"canvases"``: one ``{"size", "summary", "speed", "output_dir"}`` per test size
+        or layout (``"size"``: its label).
 
     Raises:
         ConfigError: the evaluation failed at some test sizes or layouts (e.g. fewer
             proposals than RT-DETR's queries at a small size): raised after the others
             were evaluated, their table written with a ``failed`` row for each of these.
     """
+    options = options or EvalOptions()
     checkpoint = Path(checkpoint)
-    loaded = model_from_checkpoint(checkpoint, cfg, overrides, trust_imports=trust_imports)
+    loaded = model_from_checkpoint(checkpoint, cfg, options.overrides,
+                                   trust_imports=options.trust_imports)
     info = init_distributed(loaded.cfg.train.device)
     try:
         with lost_rank_as_error(info):
-            output_dir = Path(output_dir)
-            if info.is_main:
-                output_dir.mkdir(parents=True, exist_ok=True)
-            setup_logging(output_dir, info.rank, filename="eval.log")
-            run_cfg = apply_process_settings(loaded.cfg, info)
-            logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
-            model = loaded.model.to(info.device)
-            if runtime is not None:
-                model = runtime(model)
-            if not sizes and not canvases:
-                return _evaluate_at(loaded, model, run_cfg, checkpoint, output_dir, info,
-                                    progress, None)
-            result: dict[str, Any] = {"output_dir": str(output_dir)}
-            failures = []  # one line per kind of view with failed ones
-            for key, views, table in (("sizes", sizes, SIZE_TABLE),
-                                      ("canvases", canvases, CANVAS_TABLE)):
-                if not views:
-                    continue
-                done, table_rows, failed = [], [], {}
-                for v in views:
-                    try:
-                        r = _evaluate_at(loaded, model, run_cfg, checkpoint,
-                                         output_dir / f"{table.folder_prefix}{v.label}", info,
-                                         progress, v)
-                    except ConfigError as err:  # this size (layout) only: the others stand
-                        logger.info("%s %s failed: %s", table.column, v.label, err)
-                        table_rows.append(failed_row(v.label, str(err)))
-                        failed[v.label] = str(err)
-                        continue
-                    done.append((v, r))
-                    table_rows += size_rows([v.label], [r["summary"]])
-                    note = r.get("note") or _padded_input(loaded.model, run_cfg, v)
-                    if note is not None:
-                        table_rows[-1]["note"] = note
-                if info.is_main:
-                    write_size_table(table_rows, output_dir, checkpoint, table)
-                if failed:
-                    first = next(iter(failed))
-                    kept = ", ".join(v.label for v, _ in done)
-                    failures.append(
-                        f"the evaluation failed at {table.column} {', '.join(failed)} "
-                        f"({first}: {failed[first]})" + (
-                            f"; the numbers at {kept} are in "
-                            f"{output_dir / table.markdown_name}" if done else ""))
-                if done:
-                    notes = {row["size"]: row["note"] for row in table_rows if row.get("note")}
-                    result = {**done[-1][1], **result, key: [
-                        {"size": v.label, "summary": r["summary"], "speed": r["speed"],
-                         "output_dir": r["output_dir"], "note": notes.get(v.label)}
-                        for v, r in done]}
-            if failures:
-                raise ConfigError("; ".join(failures))
-            return result
+            session = _Session.open(loaded, checkpoint, Path(output_dir), info, options)
+            if not options.sizes and not options.canvases:
+                return session.evaluate(None, session.output_dir)
+            return session.evaluate_views(options.sizes, options.canvases)
     finally:
         cleanup_distributed()
 
 
+@dataclass
+class _ViewsDone:
+    """The evaluations of one kind of view (test sizes or canvas layouts): those done
+    (with their results), the table's rows, and the failed ones (label: error)."""
+
+    table: TableFiles
+    done: list[tuple[View, dict[str, Any]]] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def failure(self, output_dir: Path) -> str | None:
+        """The error line naming the failed views (and where the others' numbers are)."""
+        if not self.failed:
+            return None
+        first = next(iter(self.failed))
+        kept = ", ".join(v.label for v, _ in self.done)
+        return (f"the evaluation failed at {self.table.column} {', '.join(self.failed)} "
+                f"({first}: {self.failed[first]})" + (
+                    f"; the numbers at {kept} are in "
+                    f"{output_dir / self.table.markdown_name}" if self.done else ""))
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The result's ``"sizes"`` / ``"canvases"`` list."""
+        notes = {row["size"]: row["note"] for row in self.rows if row.get("note")}
+        return [{"size": v.label, "summary": r["summary"], "speed": r["speed"],
+                 "output_dir": r["output_dir"], "note": notes.get(v.label)}
+                for v, r in self.done]
+
+
+@dataclass
+class _Session:
+    """A loaded checkpoint ready to be evaluated in this process: ``model`` is the loaded
+    model on the device, or its runtime; ``cfg`` the loaded config with its precision
+    resolved."""
+
+    loaded: LoadedModel
+    model: Any
+    cfg: Config
+    checkpoint: Path
+    output_dir: Path
+    info: DistInfo
+    progress: bool
+
+    @classmethod
+    def open(cls, loaded: LoadedModel, checkpoint: Path, output_dir: Path, info: DistInfo,
+             options: EvalOptions) -> _Session:
+        """The output folder and ``eval.log``, this process's settings, the model on the
+        device (in ``options.runtime``)."""
+        if info.is_main:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(output_dir, info.rank, filename="eval.log")
+        run_cfg = apply_process_settings(loaded.cfg, info)
+        logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
+        model = loaded.model.to(info.device)
+        if options.runtime is not None:
+            model = options.runtime(model, loaded.cfg)
+        return cls(loaded, model, run_cfg, checkpoint, output_dir, info, options.progress)
+
+    def evaluate_views(self, test_sizes: Sequence[EvalSize],
+                       canvases: Sequence[CanvasLayout]) -> dict[str, Any]:
+        """One evaluation per test size and per canvas layout, each kind's table written;
+        the result of :func:`run_evaluation` (the ConfigError of the failed ones raised
+        after every view was tried)."""
+        result: dict[str, Any] = {"output_dir": str(self.output_dir)}
+        failures = []  # one line per kind of view with failed ones
+        for key, views, table in (("sizes", test_sizes, SIZE_TABLE),
+                                  ("canvases", canvases, CANVAS_TABLE)):
+            if not views:
+                continue
+            outcome = self._evaluate_each(views, table)
+            if self.info.is_main:
+                write_size_table(outcome.rows, self.output_dir, self.checkpoint, table)
+            failure = outcome.failure(self.output_dir)
+            if failure is not None:
+                failures.append(failure)
+            if outcome.done:
+                result = {**outcome.done[-1][1], **result, key: outcome.entries()}
+        if failures:
+            raise ConfigError("; ".join(failures))
+        return result
+
+    def _evaluate_each(self, views: Sequence[View], table: TableFiles) -> _ViewsDone:
+        """Each view evaluated into its folder; one that fails (a user-fixable problem,
+        or a failed allocation in a single process) is a failed row, the others stand."""
+        outcome = _ViewsDone(table)
+        for view in views:
+            try:
+                r = self.evaluate(view, self.output_dir / f"{table.folder_prefix}{view.label}")
+            except (ConfigError, DatasetError, RuntimeError, MemoryError) as err:
+                error = self._view_failure(err)
+                logger.info("%s %s failed: %s", table.column, view.label, error)
+                outcome.rows.append(failed_row(view.label, str(error)))
+                outcome.failed[view.label] = str(error)
+                continue
+            outcome.done.append((view, r))
+            outcome.rows += size_rows([view.label], [r["summary"]])
+            note = r.get("note") or _padded_input(self.loaded.model, self.cfg, view)
+            if note is not None:
+                outcome.rows[-1]["note"] = note
+        return outcome
+
+    def _view_failure(self, err: BaseException) -> BaseException:
+        """The error that fails this view only (re-raised otherwise): a user-fixable one,
+        or a failed allocation as a one-line ConfigError. A failed allocation on one
+        process of several is raised: the others would wait."""
+        if isinstance(err, (ConfigError, DatasetError)):
+            return err
+        if isinstance(err, DetrIrpeError) or self.info.distributed or not _out_of_memory(err):
+            raise err
+        return _memory_error(err)
+
+    def evaluate(self, view: View | None, output_dir: Path) -> dict[str, Any]:
+        """One evaluation into ``output_dir``, at the config's size (``view=None``), at a
+        test size or on the canvases of a layout."""
+        cfg, info = self.cfg, self.info
+        val_ds = _val_dataset(cfg, view)
+        if info.is_main:  # after the checks: a refused size or layout leaves no folder
+            output_dir.mkdir(parents=True, exist_ok=True)
+        # a runtime that gives only logits and boxes (no module: ONNX Runtime) has no losses
+        criterion = (self.loaded.criterion.to(info.device) if isinstance(self.model, nn.Module)
+                     else None)
+        # scored: the outputs that are categories of the evaluated data
+        postprocessor = build_postprocessor(cfg, categories=val_ds.category_names)
+        loader = build_dataloader(
+            val_ds, cfg.train.batch_size, train=False, num_workers=cfg.data.num_workers,
+            distributed=info.distributed, seed=cfg.train.seed,
+        )
+        with _canvas_queries(self.loaded, self.model, postprocessor, view) as note:
+            evaluation = evaluate_model(self.model, criterion, postprocessor, val_ds, loader,
+                                        EvalSettings.of_config(cfg, info.device, self.progress),
+                                        timed=True)
+        first = val_ds[0][0].to(info.device) if len(val_ds) else None
+        speed = speed_record(evaluation.timer, self.loaded.model, first, evaluation.seconds)
+        table = per_class_table(evaluation.evaluator)
+        if info.is_main:
+            self._write(evaluation, speed, table, view, output_dir)
+        return {"summary": evaluation.summary, "per_class_table": table,
+                "losses": evaluation.losses, "speed": speed, "output_dir": str(output_dir),
+                "config": cfg, "rank": info.rank, "note": note}
+
+    def _write(self, evaluation: EvalResult, speed: dict[str, Any], table: str,
+               view: View | None, output_dir: Path) -> None:
+        """``eval.log``'s record (the program prints the tables on stdout:
+        ``print_eval_result``), and the evaluation's files in ``output_dir``."""
+        label = "" if view is None else f" at test size {view.label}" \
+            if isinstance(view, EvalSize) else f" on canvases {view.label}"
+        logger.info("evaluation of %s%s:\n%s\n%s\n%s", self.checkpoint, label,
+                    format_summary(evaluation.summary), table, format_speed(speed),
+                    extra=FILE_ONLY)
+        extra: dict[str, Any] = {"checkpoint": str(self.checkpoint), "speed": speed}
+        if view is not None:
+            extra["test_size" if isinstance(view, EvalSize) else "canvas"] = view.label
+        write_eval_outputs(evaluation.evaluator, evaluation.summary, evaluation.losses,
+                           output_dir, extra)
+        evaluation.evaluator.save_pr_arrays(output_dir / "precision.npz")
+
+
+def _val_dataset(cfg: Config, view: View | None) -> Any:
+    """The val split at the config's size, at a test size or laid out on the canvases of
+    a layout (labels as the model's class indices: remapped categories follow
+    ``model.category_ids``); refused before anything is allocated when one batch cannot
+    be held in this machine's memory, or when its categories do not fit the head."""
+    if isinstance(view, EvalSize):
+        _refuse_if_too_big(cfg, view)
+    transforms = "default" if not isinstance(view, EvalSize) \
+        else resize_transform(resize_rule(cfg).eval_resize(view))
+    val_ds = build_dataset(cfg.data, "val", transforms=transforms,
+                           category_ids=cfg.model.category_ids)
+    if isinstance(view, CanvasLayout):
+        val_ds = CanvasDataset(val_ds, view)
+        _refuse_canvases_if_too_big(cfg, val_ds)
+    val_ds.check_num_classes(cfg.model.num_classes)
+    return val_ds
+
+
 def _fixed_shape(cfg: Config, size: EvalSize) -> tuple[int, int] | None:
-    """``(height, width)`` of every image at test size ``size`` when it is one shape: an
-    ``HxW`` size, or ``S`` where the config evaluates on squares (``data.augmentation:
-    rtdetr``); None for a shorter side (each image keeps its aspect ratio)."""
-    if size.shape is not None:
-        return size.shape
-    if cfg.data.augmentation == "rtdetr":
-        return size.short, size.short
-    return None
+    """``(height, width)`` of every image at test size ``size`` when it is one shape (the
+    config's resize rule: an ``HxW`` size, or ``S`` where the rule evaluates on squares);
+    None for a shorter side (each image keeps its aspect ratio)."""
+    return resize_rule(cfg).fixed_shape(size)
 
 
 def _padded_input(model: nn.Module, cfg: Config, view: Any) -> str | None:
@@ -184,21 +325,60 @@ def _refuse_if_too_big(cfg: Config, size: EvalSize) -> None:
     """ConfigError when one forward pass of an evaluation batch at test size ``size``
     cannot be held in this machine's memory (before anything is allocated)."""
     batch = cfg.train.batch_size
-    shape = _fixed_shape(cfg, size)
-    if shape is not None:
-        height, width = shape
-    else:  # a portrait and a landscape image pad each other to the cap of both sides
-        short, cap = size.capped(cfg.data.val_size, cfg.data.max_size)
-        height, width = (cap, cap) if batch > 1 else (short, cap)
+    height, width = resize_rule(cfg).largest_input(size, batch)
+    _refuse_batch(cfg, f"test size {size.label}", batch, "images", height, width,
+                  "give a smaller size")
+
+
+def _refuse_canvases_if_too_big(cfg: Config, canvases: CanvasDataset) -> None:
+    """ConfigError when one forward pass of an evaluation batch of ``canvases`` cannot be
+    held in this machine's memory: checked when the canvases are laid out (sizes only,
+    no pixel read), before any of them is built."""
+    if not len(canvases):
+        return
+    batch = min(cfg.train.batch_size, len(canvases))
+    shapes = [shape for shape, _ in canvases.canvases]
+    if batch > 1:  # canvases of different shapes pad each other to the largest sides
+        height, width = max(h for h, _ in shapes), max(w for _, w in shapes)
+    else:
+        height, width = max(shapes, key=lambda s: s[0] * s[1])
+    _refuse_batch(cfg, f"canvas {canvases.layout.label}", batch, "canvases", height, width,
+                  "give a smaller layout (fewer rows / columns) or a smaller "
+                  f"{resize_rule(cfg).eval_key}")
+
+
+def _refuse_batch(cfg: Config, what: str, batch: int, items: str, height: int, width: int,
+                  advice: str) -> None:
     needed = sizes.forward_bytes(batch=batch, height=height, width=width,
                                  stride=cfg.model.feature_stride(), nheads=cfg.model.nheads,
                                  irpe=cfg.model.rpe != "none")
     limit, machine = sizes.memory_limit()
     if needed > limit:
+        batch_of = f"a batch of {batch} {items}" if batch > 1 else f"one of the {items}"
+        also = " or --set train.batch_size=1" if batch > 1 else ""
         raise ConfigError(
-            f"test size {size.label}: a batch of {batch} images of up to {height} x {width} "
-            f"pixels needs at least {sizes.format_bytes(needed)} in one forward pass, more "
-            f"than {machine}; give a smaller size or --set train.batch_size=1")
+            f"{what}: {batch_of} of up to {height} x {width} pixels needs at least "
+            f"{sizes.format_bytes(needed)} in one forward pass, more than {machine}; "
+            f"{advice}{also}")
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is a failed allocation: Python's MemoryError, torch's on a GPU,
+    or the CPU allocator's RuntimeError."""
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+
+
+def _memory_error(err: BaseException) -> ConfigError:
+    """The one-line ConfigError of a failed allocation (the estimates are lower bounds:
+    a size that passed them may still not fit)."""
+    lines = str(err).strip().splitlines() or [type(err).__name__]
+    detail = lines[0]
+    if "you tried to allocate" in detail:  # the CPU allocator's useful part
+        detail = detail[detail.index("you tried to allocate"):].split(".")[0]
+    return ConfigError(f"ran out of memory ({detail[:200]}); give a smaller size or layout "
+                       "or --set train.batch_size=1")
 
 
 @contextmanager
@@ -234,56 +414,4 @@ def _canvas_queries(loaded: LoadedModel, model: Any, postprocessor: nn.Module,
             postprocessor.num_select = kept
 
 
-def _evaluate_at(loaded: LoadedModel, model: Any, cfg: Config, checkpoint: Path,
-                 output_dir: Path, info: DistInfo, progress: bool,
-                 size: EvalSize | CanvasLayout | None) -> dict[str, Any]:
-    """One evaluation, at the config's size (``size=None``), at a test size or on the
-    canvases of a layout, of ``model`` (the loaded model or a runtime of it)."""
-    if isinstance(size, EvalSize):
-        _refuse_if_too_big(cfg, size)
-    if info.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    transforms = "default" if not isinstance(size, EvalSize) \
-        else eval_size_transforms(cfg.data, size)
-    # labels as the model's class indices (remapped categories: model.category_ids)
-    val_ds = build_dataset(cfg.data, "val", transforms=transforms,
-                           category_ids=cfg.model.category_ids)
-    if isinstance(size, CanvasLayout):
-        val_ds = CanvasDataset(val_ds, size)
-    val_ds.check_num_classes(cfg.model.num_classes)
-    # a runtime that gives only logits and boxes (no module: ONNX Runtime) has no losses
-    criterion = loaded.criterion.to(info.device) if isinstance(model, nn.Module) else None
-    # scored: the outputs that are categories of the evaluated data
-    postprocessor = build_postprocessor(cfg, categories=val_ds.category_names)
-    loader = build_dataloader(
-        val_ds, cfg.train.batch_size, train=False, num_workers=cfg.data.num_workers,
-        distributed=info.distributed, seed=cfg.train.seed,
-    )
-    evaluator, timer = CocoEvaluator(val_ds.coco), ForwardTimer(info.device)
-    start = time.perf_counter()
-    with _canvas_queries(loaded, model, postprocessor, size) as note:
-        losses, summary = evaluate(
-            model, criterion, postprocessor, loader, evaluator, info.device,
-            amp=cfg.train.amp, progress=progress, print_freq=cfg.train.print_freq * 5,
-            timer=timer,
-        )
-    pipeline_seconds = time.perf_counter() - start
-    first = val_ds[0][0].to(info.device) if len(val_ds) else None
-    speed = speed_record(timer, loaded.model, first, pipeline_seconds)
-    table = per_class_table(evaluator)
-    label = "" if size is None else f" at test size {size.label}" \
-        if isinstance(size, EvalSize) else f" on canvases {size.label}"
-    if info.is_main:
-        # into eval.log only: the program prints the tables on stdout (print_eval_result)
-        logger.info("evaluation of %s%s:\n%s\n%s\n%s", checkpoint, label, format_summary(summary),
-                    table, format_speed(speed), extra=FILE_ONLY)
-        extra = {"checkpoint": str(checkpoint), "speed": speed}
-        if size is not None:
-            extra["test_size" if isinstance(size, EvalSize) else "canvas"] = size.label
-        write_eval_outputs(evaluator, summary, losses, output_dir, extra)
-        evaluator.save_pr_arrays(output_dir / "precision.npz")
-    return {"summary": summary, "per_class_table": table, "losses": losses, "speed": speed,
-            "output_dir": str(output_dir), "config": cfg, "rank": info.rank, "note": note}
-
-
-__all__ = ["run_evaluation"]
+__all__ = ["EvalOptions", "run_evaluation"]

@@ -19,18 +19,13 @@ import torch
 from detr_irpe import sizes
 from detr_irpe.config import Config, ConfigError
 from detr_irpe.data import build_dataloader, build_dataset
+from detr_irpe.engine.classes import resolve_num_classes, with_num_classes
 from detr_irpe.engine.distributed import DistInfo
 from detr_irpe.engine.logger import check_loggers
 from detr_irpe.engine.optim import build_optimizer
 from detr_irpe.engine.precision import check_amp_device
-from detr_irpe.engine.runner import (
-    apply_process_settings,
-    check_resume_config,
-    resolve_num_classes,
-    resolve_start,
-    with_num_classes,
-)
 from detr_irpe.engine.speed import count_parameters
+from detr_irpe.engine.start import apply_process_settings, check_resume_config, resolve_start
 from detr_irpe.engine.trainer import model_outputs, targets_to, weighted_loss
 from detr_irpe.models import build_model
 from detr_irpe.utils.device import resolve_device

@@ -10,7 +10,12 @@ After update ``n`` (counted from 1) every floating-point entry of the state dict
 so the average follows the weights closely at first (``d_1`` is about
 ``decay / warmup``) and ever more slowly, ``d_n -> decay``. ``warmup = 0`` uses
 ``decay`` from the first update. Integer buffers (batch norm's counters) keep the
-values of the copy the average started from. The average is of the bare module: a
+values of the copy the average started from. A tensor the state dict lists under two
+names (D-FINE's ``decoder.up`` and ``decoder.decoder.up``, one parameter shared by two
+modules) is averaged once. The entries a model names in ``EMA_FIXED`` (D-FINE's
+``decoder.reg_scale``, an integer tensor in the published code, whose EMA averages
+floating-point entries only) keep the values of the copy too, also when an average is
+loaded. The average is of the bare module: a
 model wrapped in ``DistributedDataParallel`` is averaged through its ``.module``, and
 since every rank holds the same weights after each step, every rank's average is the
 same.
@@ -63,11 +68,23 @@ class ModelEma:
     def from_config(cls, model: nn.Module, cfg: EmaConfig) -> ModelEma:
         return cls(model, cfg.decay, cfg.warmup)
 
+    def _fixed(self) -> dict[str, Tensor]:
+        """The entries the module names in ``EMA_FIXED`` and every other name of the same
+        tensors: ``{key: tensor shared with the module}``."""
+        state = self.module.state_dict(keep_vars=True)
+        fixed = {id(state[k]) for k in getattr(self.module, "EMA_FIXED", ()) if k in state}
+        return {k: v for k, v in state.items() if id(v) in fixed}
+
     def _averaged(self) -> list[tuple[str, Tensor]]:
-        """The floating-point entries of the average's state dict (tensors shared with it)."""
+        """The floating-point entries of the average's state dict (tensors shared with it),
+        each tensor once (under its first name), less the fixed ones."""
         if self._pairs is None:
-            self._pairs = [(k, v) for k, v in self.module.state_dict(keep_vars=True).items()
-                           if v.is_floating_point()]
+            seen = {id(v) for v in self._fixed().values()}
+            self._pairs = []
+            for key, value in self.module.state_dict(keep_vars=True).items():
+                if value.is_floating_point() and id(value) not in seen:
+                    seen.add(id(value))
+                    self._pairs.append((key, value))
         return self._pairs
 
     @torch.no_grad()
@@ -98,6 +115,7 @@ class ModelEma:
             raise CheckpointError(
                 f"{where}: its 'ema' entry is not {{'module': state dict, 'updates': int}}; "
                 f"keys {sorted(map(str, state))}")
+        kept = {k: v.detach().clone() for k, v in self._fixed().items()}
         try:
             self.module.load_state_dict(module)
         except RuntimeError as err:
@@ -105,7 +123,21 @@ class ModelEma:
             raise CheckpointError(
                 f"{where}: its EMA weights do not fit the model of this config ({first})"
             ) from None
+        self._restore_fixed(kept, where)
         self.updates = updates
+
+    @torch.no_grad()
+    def _restore_fixed(self, kept: Mapping[str, Tensor], where: str) -> None:
+        """Put back the fixed entries as they were before a load; an average saved while
+        they were averaged (and shared ones twice) held other values: logged."""
+        fixed = self._fixed()
+        changed = [k for k, v in kept.items() if not torch.equal(fixed[k], v)]
+        for key, value in kept.items():
+            fixed[key].copy_(value)
+        if changed:
+            logger.warning("%s: its EMA holds %s at other values than the weights (saved "
+                           "before the average left them alone); the weights' values are "
+                           "used", where, ", ".join(changed))
 
 
 __all__ = ["ModelEma", "ema_decay"]

@@ -148,7 +148,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         sum(len(g["params"]) for g in groups) - len(backbone), cfg.lr, len(backbone),
         cfg.lr_backbone, cfg.weight_decay,
         f" (0 for {sum(len(g['params']) for g in groups if g['name'].endswith(NO_DECAY))} "
-        "bias, norm and rotary-frequency tensors)" if no_decay else "",
+        "bias, norm and position-encoding tensors)" if no_decay else "",
     )
     # The fused kernel updates every tensor in one pass: the same AdamW maths, several
     # times faster than the per-tensor loop on the CPU for a model with many small tensors.
@@ -229,11 +229,18 @@ def schedule_factor(cfg: TrainConfig, epoch: int, batch_in_epoch: int, steps_per
     return factor * warmup_factor(iteration, cfg.warmup_iters)
 
 
+# The published DEIM solver builds the LinearWarmup of its configs/base/optimizer.yml
+# (warmup_duration 500) before FlatCosine takes over; the warm-up's constructor sets every
+# group to lr / 500, the lr of the first optimizer step. FlatCosine sets every later one.
+FLAT_COSINE_FIRST_STEP_FACTOR = 1.0 / 500
+
+
 def flat_cosine_factor(cfg: TrainConfig, steps_per_epoch: int, iteration: int) -> float:
     """DEIM's FlatCosine (``engine/optim/lr_scheduler.py`` of the published code), as its
     training loop applies it: after optimizer step ``i`` (0-based, counted over the run)
-    the lr becomes ``f(i)`` for the next step, and the first step runs at the base lr
-    (nothing has set it yet). With ``w`` = ``warmup_iters``, ``F`` = ``lr_flat_epochs``,
+    the lr becomes ``f(i)`` for the next step; the first step runs at
+    :data:`FLAT_COSINE_FIRST_STEP_FACTOR` (1 / 500) times the base lr, which the published
+    solver's linear warm-up sets before FlatCosine replaces it. With ``w`` = ``warmup_iters``, ``F`` = ``lr_flat_epochs``,
     ``N`` = ``lr_no_aug_epochs`` and ``T`` = ``epochs`` in steps (each rounded down, as
     published), ``r`` = ``lr_min_ratio``::
 
@@ -243,7 +250,7 @@ def flat_cosine_factor(cfg: TrainConfig, steps_per_epoch: int, iteration: int) -
              = r + (1 - r) (1 + cos(pi (i - F) / (T - F - N))) / 2   otherwise
     """
     if iteration == 0:
-        return 1.0
+        return FLAT_COSINE_FIRST_STEP_FACTOR
     i = iteration - 1
     total = int(steps_per_epoch * cfg.epochs)
     flat = int(steps_per_epoch * cfg.lr_flat_epochs)
@@ -288,6 +295,7 @@ def build_lr_scheduler(
 
 
 __all__ = [
+    "FLAT_COSINE_FIRST_STEP_FACTOR",
     "NO_DECAY",
     "always_no_decay_names",
     "apply_config_hyperparameters",

@@ -1,13 +1,15 @@
-"""One training step, the training loop with its hooks and one evaluation pass (DDP,
-AMP, gradient accumulation, non-finite guard, progress).
+"""One training step and the training loop with its hooks (DDP, AMP, gradient
+accumulation, non-finite guard, progress); the evaluation pass is
+:mod:`detr_irpe.engine.evaluation`'s.
 
-The loops work on the model, criterion and post-processor of ``build_model`` and
-batches ``(ImageBatch, list[target])`` of the data loaders. The training loop
+The loop works on the model and criterion of ``build_model`` and batches
+``(ImageBatch, list[target])`` of the data loaders. The training loop
 (:func:`train`, :func:`train_one_epoch`) does the optimizer steps and the lr schedule
 and keeps the position and the running sums in a :class:`LoopState`; everything else
 (logging, EMA, evaluation, checkpoints, the signal stop, a user's own) is a
 :class:`TrainHook` it calls at fixed points: :mod:`detr_irpe.engine.hooks` holds the
-generic ones, :mod:`detr_irpe.engine.runner` those of a run and strings them together.
+generic ones, :mod:`detr_irpe.engine.run_hooks` those of a run, and
+:mod:`detr_irpe.engine.runner` strings them together.
 
 A training step does not wait for the device except where the matcher needs it
 (scipy solves the assignment on the host: the cost matrices are copied once per
@@ -22,23 +24,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LRScheduler
-from tqdm import tqdm
 
 from detr_irpe.engine.logger import MetricTracker, RunClock, timed
 from detr_irpe.engine.precision import autocast_context
-from detr_irpe.engine.speed import ForwardTimer
 from detr_irpe.errors import NonFiniteError
 from detr_irpe.run_folder.checkpoints import epoch_label
 from detr_irpe.structures import ImageBatch
-from detr_irpe.utils.dist import all_reduce_mean, get_world_size, is_main_process
+from detr_irpe.utils.dist import all_reduce_mean, get_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -438,7 +437,7 @@ class LoopState:
         epoch_stats: at ``after_epoch``, the averages the last epoch returned.
         train_seconds: at ``after_epoch``, the seconds the last epoch's steps took.
         evaluation: at ``after_epoch``, the evaluation of the last epoch, set by a hook
-            that evaluates (the runner's: :class:`~detr_irpe.engine.runner.EpochEvaluation`);
+            that evaluates (the runner's: :class:`~detr_irpe.engine.run_hooks.EpochEvaluation`);
             None when it was not evaluated.
     """
 
@@ -506,6 +505,10 @@ def train_one_epoch(loop: LoopState, batches: Iterable[Batch], num_steps: int) -
     optimizer steps), one optimizer step per ``loop.settings.accumulate_steps`` batches,
     calling ``loop.hooks`` as :class:`TrainHook` says.
 
+    Before the first step, a criterion with a ``set_epoch(epoch)`` method is told the
+    epoch (DEIMv2's matcher switches its cost at an epoch), also when a resumed run
+    enters an epoch in its middle.
+
     Each step: :func:`train_step`; its losses kept on the device; ``lr_scheduler`` stepped
     (its counter is the iteration: :func:`~detr_irpe.engine.optim.build_lr_scheduler`);
     ``position`` advanced; ``data_time`` (seconds the step waited for its batches) and
@@ -526,6 +529,9 @@ def train_one_epoch(loop: LoopState, batches: Iterable[Batch], num_steps: int) -
     position, settings = loop.position, loop.settings
     loop.model.train()
     loop.criterion.train()
+    epoch_hook = getattr(loop.criterion, "set_epoch", None)
+    if callable(epoch_hook):  # a criterion whose loss follows the epoch (DEIMv2's matcher)
+        epoch_hook(position.epoch)
     loop.num_steps = num_steps
     loop.pending = PendingLosses(loop.criterion.weight_dict)
     if loop.run_clock is None:  # the steps of this epoch and of the epochs after it
@@ -577,87 +583,6 @@ def train(loop: LoopState, source: EpochSource) -> None:
         loop.call_hooks("after_train")
 
 
-# ----------------------------------------------------------------------------- evaluation
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    criterion: nn.Module | None,
-    postprocessor: Callable,
-    loader: Iterable[Batch],
-    evaluator: Any,
-    device: torch.device,
-    *,
-    amp: str = "none",
-    progress: bool = False,
-    print_freq: int = 50,
-    timer: ForwardTimer | None = None,
-) -> tuple[dict[str, float], dict[str, Any]]:
-    """Losses and COCO bbox metrics on ``loader``.
-
-    Args:
-        evaluator: a fresh ``CocoEvaluator`` of the loader's dataset; results of
-            all processes are gathered by its ``synchronize``.
-        timer: times the model's forward pass and the post-processing of each batch
-            (not the data loading, the losses or the scoring).
-        criterion: None for a model whose outputs carry no loss terms (a runtime of
-            :mod:`detr_irpe.inference.runtime` that gives only logits and boxes): no
-            losses then.
-
-    Returns:
-        ``(losses, summary)``: averages of every loss term over the processes,
-        as in training; and ``evaluator.summarize()`` (``stats``: the 12 COCOeval
-        numbers, ``AP``, ``AP50``, ...).
-    """
-    model.eval()
-    pending = None
-    if criterion is not None:
-        criterion.eval()
-        pending = PendingLosses(criterion.weight_dict, check_finite=False)
-    num_batches = len(loader) if hasattr(loader, "__len__") else None
-    iterable: Iterable = loader
-    if progress and is_main_process():
-        iterable = tqdm(loader, total=num_batches, desc="eval", dynamic_ncols=True,
-                        disable=None, leave=False)
-    start = time.perf_counter()
-    for k, (images, targets) in enumerate(iterable):
-        images = images.to(device, non_blocking=True)
-        targets = targets_to(targets, device)
-        orig_sizes = torch.stack([t["orig_size"] for t in targets])
-        with timer.measure(len(targets)) if timer is not None else contextlib.nullcontext():
-            outputs = model_outputs(model, images, device, amp, targets)
-        if pending is not None:
-            pending.add(0, k, 0.0, criterion(outputs, targets))
-        with timer.measure(0) if timer is not None else contextlib.nullcontext():
-            results = postprocessor(_outputs_in_float32(outputs), orig_sizes)
-        evaluator.update(
-            {
-                int(t["image_id"]): {key: val.cpu() for key, val in r.items()}
-                for t, r in zip(targets, results)
-            }
-        )
-        if print_freq > 0 and num_batches and (k + 1) % print_freq == 0:
-            logger.info("eval [%d/%d] %.3f s/it", k + 1, num_batches,
-                        (time.perf_counter() - start) / (k + 1))
-    tracker = MetricTracker()
-    for record in pending.read() if pending is not None else ():
-        record.pop("lr")
-        tracker.update(**record)
-    evaluator.synchronize()
-    summary = evaluator.summarize()
-    return tracker.averages(), summary
-
-
-def _outputs_in_float32(outputs: Any) -> Any:
-    """Model outputs back in float32 (they may be bf16/fp16 under autocast)."""
-    if torch.is_tensor(outputs):
-        return outputs.float() if outputs.is_floating_point() else outputs
-    if isinstance(outputs, dict):
-        return {k: _outputs_in_float32(v) for k, v in outputs.items()}
-    if isinstance(outputs, list):
-        return [_outputs_in_float32(v) for v in outputs]
-    return outputs
-
-
 __all__ = [
     "EpochSource",
     "LoopState",
@@ -668,7 +593,6 @@ __all__ = [
     "UpdateSettings",
     "check_finite_loss",
     "check_finite_outputs",
-    "evaluate",
     "loss_and_backward",
     "loss_record",
     "model_outputs",

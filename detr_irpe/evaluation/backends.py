@@ -125,24 +125,39 @@ def _pycocotools_results(coco_gt: COCO, detections: list[dict[str, Any]]) -> COC
     })
 
 
+def _with_areas(coco_dt: Any, areas: Sequence[float] | None) -> Any:
+    """``coco_dt`` (results loaded in the order of the entries, ids 1, 2, ...) with the
+    ``area`` of entry ``i`` set to ``areas[i]``; both libraries set it to the box's
+    width x height when they load results, and read it back when they evaluate."""
+    if areas is not None:
+        for number, area in enumerate(areas, start=1):
+            coco_dt.anns[number]["area"] = float(area)
+    return coco_dt
+
+
 def run_cocoeval(
     coco_gt: Any,
     detections: list[dict[str, Any]],
     image_ids: Sequence[int],
     backend: str,
     iou_type: str = "bbox",
+    areas: Sequence[float] | None = None,
 ) -> CocoEvalRun:
     """Evaluate COCO result entries (``image_id``, ``category_id``, ``bbox`` xywh, ``score``).
 
     ``coco_gt`` must already be the backend's COCO class (:func:`ground_truth_for`);
     only ``image_ids`` are evaluated. The entries are copied: both libraries add
-    ``id`` / ``area`` / ``segmentation`` keys to the results they load.
+    ``id`` / ``area`` / ``segmentation`` keys to the results they load. ``areas``: one
+    per entry, the area that the small / medium / large split compares (None: the box's
+    width x height, which both libraries compute).
     """
     detections = [dict(entry) for entry in detections]
+    if areas is not None and len(areas) != len(detections):
+        raise ValueError(f"{len(areas)} areas for {len(detections)} detections")
     if backend == "faster":
         faster = _faster_module()
         lines: list[str] = []
-        coco_dt = coco_gt.loadRes(detections)
+        coco_dt = _with_areas(coco_gt.loadRes(detections), areas)
         coco_eval = faster.COCOeval_faster(
             coco_gt, coco_dt, iou_type, print_function=lambda *a: lines.append(" ".join(map(str, a)))
         )
@@ -152,7 +167,7 @@ def run_cocoeval(
         coco_eval.summarize()
         text = "\n".join(lines)
     else:
-        coco_dt = _pycocotools_results(coco_gt, detections)
+        coco_dt = _with_areas(_pycocotools_results(coco_gt, detections), areas)
         coco_eval = COCOeval(coco_gt, coco_dt, iou_type)
         coco_eval.params.imgIds = list(image_ids)
         output = io.StringIO()

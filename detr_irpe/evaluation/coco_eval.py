@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,14 +99,22 @@ class CocoEvaluator:
         iou_type: only ``"bbox"`` is supported.
         backend: ``"auto"`` (faster-coco-eval when installed, else pycocotools),
             ``"pycocotools"`` or ``"faster"``.
+        detection_areas: ``(image_id, [xywh, ...]) -> [area, ...]``: the areas of an
+            image's detections that COCO's small / medium / large split compares, where
+            they are not the boxes' own (a canvas: the areas in the original images'
+            pixels, :meth:`detr_irpe.data.canvas_dataset.CanvasDataset.original_areas`). None:
+            width x height, as COCO.
     """
 
-    def __init__(self, coco_gt: COCO, iou_type: str = "bbox", backend: str = "auto") -> None:
+    def __init__(self, coco_gt: COCO, iou_type: str = "bbox", backend: str = "auto",
+                 detection_areas: Callable[[int, Sequence[Sequence[float]]], Sequence[float]]
+                 | None = None) -> None:
         if iou_type != "bbox":
             raise ValueError(f"iou_type {iou_type!r} is not supported; only 'bbox'")
         self.coco_gt = coco_gt
         self.iou_type = iou_type
         self.backend = resolve_backend(backend)
+        self.detection_areas = detection_areas
         self._backend_gt: Any = None  # coco_gt as the backend's COCO class, built on first use
         self.category_ids = sorted(coco_gt.getCatIds())
         self._valid = set(self.category_ids)
@@ -169,10 +177,14 @@ class CocoEvaluator:
     def _evaluate(self) -> dict[str, Any]:
         image_ids = self.image_ids
         detections = [entry for image_id in image_ids for entry in self.results[image_id]]
+        areas = None
+        if self.detection_areas is not None:
+            areas = [area for image_id in image_ids for area in self.detection_areas(
+                image_id, [entry["bbox"] for entry in self.results[image_id]])]
         if self._backend_gt is None:
             self._backend_gt = ground_truth_for(self.coco_gt, self.backend)
         run: CocoEvalRun = run_cocoeval(
-            self._backend_gt, detections, image_ids, self.backend, self.iou_type
+            self._backend_gt, detections, image_ids, self.backend, self.iou_type, areas
         )
         self.coco_eval = run.coco_eval
         names = {cat_id: str(cat.get("name", cat_id)) for cat_id, cat in self.coco_gt.cats.items()}

@@ -35,12 +35,13 @@ class TableFiles:
     key: str  # the list of rows in the JSON file
     column: str  # the first column's header
     section: str  # the section of docs/evaluation.md that explains the rows
+    notes: str  # the heading of the rows' notes under the table
 
 
 SIZE_TABLE = TableFiles(SIZES_JSON, SIZES_MARKDOWN, SIZES_FIGURE, "size_", "sizes",
-                        "test size", "Test sizes")
+                        "test size", "Test sizes", "Inputs the model pads:")
 CANVAS_TABLE = TableFiles("canvases.json", "canvases.md", "canvases.png", "canvas_",
-                          "canvases", "canvas", "Canvases")
+                          "canvases", "canvas", "Canvases", "Queries on mosaics:")
 
 
 def size_rows(labels: Sequence[str], summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -50,9 +51,15 @@ def size_rows(labels: Sequence[str], summaries: Sequence[dict[str, Any]]) -> lis
             for label, summary in zip(labels, summaries)]
 
 
-def format_size_table(rows: Sequence[dict[str, Any]], column: str = "test size") -> str:
+def format_size_table(rows: Sequence[dict[str, Any]], column: str = "test size",
+                      notes_heading: str | None = None) -> str:
     """The markdown table of :func:`size_rows`, AP in percent; ``column``: the first
-    column's header."""
+    column's header; ``notes_heading``: the line above the rows' notes (None: the one of
+    the table whose first column is ``column``: for test sizes the input a padding model
+    is fed, for canvases the queries on a mosaic)."""
+    if notes_heading is None:
+        notes_heading = CANVAS_TABLE.notes if column == CANVAS_TABLE.column \
+            else SIZE_TABLE.notes
     lines = [f"| {column} | " + " | ".join(f"{k} (%)" for k in SIZE_STATS) + " |",
              "|---|" + "---:|" * len(SIZE_STATS)]
     failures = []
@@ -65,7 +72,7 @@ def format_size_table(rows: Sequence[dict[str, Any]], column: str = "test size")
         lines.append(f"| {row['size']} | " + " | ".join(cells) + " |")
     notes = [f"- {row['size']}: {row['note']}" for row in rows if row.get("note")]
     if notes:
-        lines += ["", "Inputs the model pads:", *notes]
+        lines += ["", notes_heading, *notes]
     if failures:
         lines += ["", "Failed:", *failures]
     return "\n".join(lines)
@@ -87,7 +94,7 @@ def write_size_table(rows: Sequence[dict[str, Any]], folder: Path, checkpoint: P
     atomic_write_text(folder / table.markdown_name,
                       f"COCO box AP of {checkpoint} for each {table.column} (docs/evaluation.md, "
                       f"\"{table.section}\"), in %:\n\n"
-                      f"{format_size_table(rows, table.column)}\n")
+                      f"{format_size_table(rows, table.column, table.notes)}\n")
 
 
 def read_size_table(folder: Path, table: TableFiles = SIZE_TABLE

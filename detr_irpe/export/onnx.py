@@ -13,7 +13,7 @@ sigmoid and the top-k (query, class) pairs; box conversion) stays outside the gr
 docs/deployment.md shows both.
 
 While exporting, the iRPE attention takes its export form (see
-:func:`detr_irpe.irpe.attention.choose_impl`): plain gather / scatter-add ops, and bucket
+:func:`detr_irpe.attention.choose_impl`): plain gather / scatter-add ops, and bucket
 ids computed by traced tensor ops from the feature-map size, so a ``dynamic`` export
 serves any image size (and batch size) with the ids computed inside the graph.
 """
@@ -31,12 +31,14 @@ import torch
 from torch import Tensor, nn
 
 from detr_irpe import sizes
+from detr_irpe.attention import MultiheadAttention
+from detr_irpe.encodings.irpe import irpe_entry
 from detr_irpe.errors import ExportError
 from detr_irpe.family import family_of_model
-from detr_irpe.irpe import IRPEMultiheadAttention
 from detr_irpe.models.position_encoding import PositionEmbeddingLearned
 from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.files import atomic_write
+from detr_irpe.utils.torch_logs import torch_logs_to_debug
 
 logger = logging.getLogger(__name__)
 
@@ -163,11 +165,11 @@ def check_input_size(
     batch = max(batch, _DYNAMIC_TRACE_BATCH) if dynamic else batch
     extra: dict = {}
     if model is not None:
-        attention = next((m for m in model.modules() if isinstance(m, IRPEMultiheadAttention)),
+        attention = next((m for m in model.modules() if isinstance(m, MultiheadAttention)),
                          None)
         extra = {"stride": onnx_wrapper(model).stride,
                  "nheads": getattr(attention, "num_heads", 1),
-                 "irpe": getattr(attention, "rpe", None) is not None}
+                 "irpe": attention is not None and irpe_entry(attention) is not None}
     limit, machine = sizes.memory_limit()
     total = sizes.forward_bytes(batch=batch, height=size[0], width=size[1], **extra)
     if total <= limit:
@@ -209,10 +211,14 @@ def _to_onnx_bytes(
     The two slow steps run one after the other so that each is logged as it starts and
     ends (a DETR-R50 takes about a minute): tracing the model into an ``ExportedProgram``
     (what ``torch.onnx.export`` does first, non-strict), then translating it into ONNX.
-    The dynamic shapes go to both, so the symbolic dimensions keep their names.
+    The dynamic shapes go to both, so the symbolic dimensions keep their names. The
+    exporter's own log lines and warnings go to logging at DEBUG
+    (:func:`~detr_irpe.utils.torch_logs.torch_logs_to_debug`).
     """
     try:
-        with torch.no_grad():
+        # torch's own lines (fake_tensor's tracebacks of a failed trace, onnxscript's notes
+        # on each optimisation) go to logging at DEBUG: the console keeps one line
+        with torch.no_grad(), torch_logs_to_debug():
             started = _stage_start(1, "trace the model (torch.export)")
             traced = torch.export.export(wrapper, (images,), dynamic_shapes=dynamic_shapes,
                                          strict=False)

@@ -24,8 +24,9 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,9 @@ class PredictionReport:
         skipped: ``{"id", "file_name", "reason"}`` of the images that were not.
         json: the results file written.
         drawn: the PNG files written.
+        below_threshold: ``{"file_name", "best_score"}`` of the images read that have no
+            detection at the score threshold (``best_score``: their highest score, None
+            when the model gave none).
     """
 
     detections: list[dict[str, Any]] = field(default_factory=list)
@@ -69,6 +73,39 @@ class PredictionReport:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     json: Path | None = None
     drawn: list[Path] = field(default_factory=list)
+    below_threshold: list[dict[str, Any]] = field(default_factory=list)
+
+
+def threshold_hint(report: PredictionReport, score_threshold: float,
+                   option: str = "score_threshold") -> str | None:
+    """One line for the images of ``report`` left without a detection at
+    ``score_threshold``: how many, their best score and a threshold that keeps it, named
+    as ``option`` (the caller's knob, e.g. ``--score-threshold``); None when every image
+    has a detection."""
+    empty = report.below_threshold
+    if not empty:
+        return None
+    scored = [e for e in empty if e["best_score"] is not None]
+    count = len(report.images)
+    if count == 1:
+        which = "the image has no detection"
+    elif len(empty) == count:
+        which = f"none of the {count} images has a detection"
+    else:
+        which = f"{len(empty)} of the {count} images have no detection"
+    line = f"{which} with score >= {score_threshold:g}"
+    if not scored:
+        return line + " (the model gave no scores)"
+    top = max(scored, key=lambda e: e["best_score"])
+    best = float(top["best_score"])
+    keep = math.floor(round(best * 100, 6)) / 100  # round: 0.29 * 100 is 28.999...
+    if keep > best:  # a score just under a hundredth
+        keep -= 0.01
+    where = "" if len(report.images) == 1 else f", in {top['file_name']}"
+    line += f" (best score {best:.3f}{where})"
+    if keep > 0:
+        line += f"; lower {option} to see weaker ones, e.g. {option} {keep:.2f}"
+    return line
 
 
 def collect_images(inputs: Iterable[str | Path]) -> list[ImageSource]:
@@ -198,18 +235,40 @@ def _write_outputs(
     atomic_write_text(report.json, "{\n" + body + "\n}\n")
 
 
+@dataclass(frozen=True)
+class PredictSettings:
+    """How :func:`predict_files` detects and writes (its keywords).
+
+    Attributes:
+        score_threshold: detections with a lower score are left out.
+        batch_size: images per forward pass.
+        draw: also write ``<stem>.png`` with the boxes drawn (never with ``format_only``).
+        format_only: write the plain results list ``results.json`` (module docstring).
+        strict: the first unreadable image raises :class:`ImageReadError` instead of
+            being skipped.
+        progress: show a progress bar.
+        threshold_option: how the hint names the threshold: images left without a
+            detection at ``score_threshold`` get one warning for the whole run
+            (:func:`threshold_hint`), e.g. ``--score-threshold`` for a tool.
+    """
+
+    score_threshold: float = 0.5
+    batch_size: int = 4
+    draw: bool = True
+    format_only: bool = False
+    strict: bool = False
+    progress: bool = False
+    threshold_option: str = "score_threshold"
+
+
 def predict_files(
     predictor: Predictor,
     sources: Sequence[ImageSource] | Sequence[Path],
     output_dir: str | Path,
+    settings: PredictSettings | None = None,
     *,
-    score_threshold: float = 0.5,
-    batch_size: int = 4,
-    draw: bool = True,
-    format_only: bool = False,
-    strict: bool = False,
     skipped: Sequence[Mapping[str, Any]] = (),
-    progress: bool = False,
+    **options: Any,
 ) -> PredictionReport:
     """Detect objects in every image; write the results file (and PNGs) into ``output_dir``.
 
@@ -217,20 +276,17 @@ def predict_files(
         predictor: the model.
         sources: the images (plain paths get ids 1, 2, ... in order).
         output_dir: created if needed.
-        score_threshold: detections with a lower score are left out.
-        batch_size: images per forward pass.
-        draw: also write ``<stem>.png`` with the boxes drawn (never with ``format_only``).
-        format_only: write the plain results list ``results.json`` (module docstring).
-        strict: the first unreadable image raises :class:`ImageReadError` instead of
-            being skipped.
+        settings: how (:class:`PredictSettings`); ``options``: its fields as keywords
+            (``score_threshold=0.3``), over ``settings``.
         skipped: images already left out by the caller (e.g. missing files of an
             annotation file), listed with the others.
-        progress: show a progress bar.
 
     Raises:
         ImageReadError: no image could be read (the results file is written first, with
             the reasons), or any could not with ``strict``.
     """
+    o = replace(settings or PredictSettings(), **options)
+    score_threshold, format_only = o.score_threshold, o.format_only
     sources = [s if isinstance(s, ImageSource) else ImageSource(Path(s), i + 1, str(s))
                for i, s in enumerate(sources)]
     output_dir = Path(output_dir)
@@ -238,25 +294,32 @@ def predict_files(
     report = PredictionReport(skipped=[dict(item) for item in skipped])
     stems: dict[str, int] = {}
     max_pixels = predictor.cfg.data.max_image_pixels
-    batches = [sources[i:i + batch_size] for i in range(0, len(sources), batch_size)]
+    batches = [sources[i:i + o.batch_size] for i in range(0, len(sources), o.batch_size)]
     iterator: Iterable = batches
-    if progress:
+    if o.progress:
         iterator = tqdm(batches, desc="predict", unit="batch", disable=None)
     for chunk in iterator:
-        readable = _read_batch(chunk, max_pixels, strict, report)
+        readable = _read_batch(chunk, max_pixels, o.strict, report)
         detections = predictor.detect([image for _, image in readable])
         for (source, image), det in zip(readable, detections):
             keep = det["scores"] >= score_threshold
+            if not bool(keep.any()):
+                best = float(det["scores"].max()) if det["scores"].numel() else None
+                report.below_threshold.append({"file_name": source.file_name,
+                                               "best_score": best})
             det = {key: value[keep] for key, value in det.items()}
             report.detections += _results_entries(predictor, source, det, not format_only)
             report.images.append({"id": source.image_id, "file_name": source.file_name,
                                   "height": int(image.shape[-2]), "width": int(image.shape[-1])})
-            if draw and not format_only:
+            if o.draw and not format_only:
                 report.drawn.append(_draw(predictor, image, det, source, output_dir, stems))
     _write_outputs(predictor, report, output_dir, score_threshold, format_only)
     logger.info("%d images read, %d skipped, %d detections (score >= %.2f) -> %s",
                 len(report.images), len(report.skipped), len(report.detections),
                 score_threshold, report.json)
+    hint = threshold_hint(report, score_threshold, o.threshold_option)
+    if hint is not None:
+        logger.warning("%s", hint)
     if not report.images:
         reasons = "; ".join(f"{s['file_name']}: {s['reason']}" for s in report.skipped[:3])
         raise ImageReadError(
@@ -269,8 +332,10 @@ def predict_files(
 __all__ = [
     "IMAGE_SUFFIXES",
     "ImageSource",
+    "PredictSettings",
     "PredictionReport",
     "collect_images",
     "images_from_annotations",
     "predict_files",
+    "threshold_hint",
 ]

@@ -10,12 +10,19 @@ zones and metrics take them) and as COCO results JSON (what ``pycocotools``'
 
     predictor = Predictor.from_checkpoint("outputs/run/checkpoint_best.pth")
     results = predictor(["a.jpg", "b.jpg"], score_threshold=0.3)
-    detections = as_supervision(results[0])          # sv.Detections of a.jpg
+    detections = as_supervision(results[0], predictor.category_names)  # sv.Detections
     write_coco_results("results.json", results, image_ids=[1, 2])
 
 A result is the dict :meth:`Predictor.__call__` returns for one image: ``boxes`` ``(K, 4)``
 xyxy in the image's pixels, ``scores`` ``(K,)``, ``labels`` ``(K,)`` category ids and
 ``label_names``.
+
+supervision numbers classes ``0..K-1`` (``DetectionDataset.from_yolo`` loads a YOLO
+folder's class ``k`` as ``class_id`` ``k``; ``from_coco`` numbers the categories in
+order), while this package's models predict category ids (``detr-irpe-data convert``
+writes YOLO class ``k`` as category id ``k + 1``). :func:`as_supervision` therefore gives
+``class_id`` as the category's index among the dataset's categories and keeps the id in
+``data["category_id"]``.
 """
 
 from __future__ import annotations
@@ -50,13 +57,45 @@ def _arrays(result: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return boxes, scores, labels
 
 
-def as_supervision(result: Mapping[str, Any]) -> Any:
+def _class_indices(labels: np.ndarray, categories: Mapping[int, Any] | Sequence[int] | None
+                   ) -> np.ndarray:
+    """The 0-based index of each category id in ``categories`` (their order), or, without
+    categories, ``id - 1`` (the numbering ``detr-irpe-data convert`` writes: 1..K)."""
+    if categories is None or len(categories) == 0:
+        if len(labels) and int(labels.min()) < 1:
+            raise ValueError(
+                f"category id {int(labels.min())} has no 0-based index without the dataset's "
+                "categories: pass them, e.g. as_supervision(result, predictor.category_names)")
+        return labels - 1
+    ids = [int(c) for c in categories]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"categories hold a category id twice: {ids}")
+    index = {c: k for k, c in enumerate(ids)}
+    missing = sorted({int(c) for c in labels.tolist()} - set(index))
+    if missing:
+        raise ValueError(f"category id {missing[0]} is not among the {len(ids)} categories "
+                         f"given ({ids[:10]}{' ...' if len(ids) > 10 else ''})")
+    return np.asarray([index[int(c)] for c in labels.tolist()], dtype=np.int64)
+
+
+def as_supervision(result: Mapping[str, Any],
+                   categories: Mapping[int, Any] | Sequence[int] | None = None) -> Any:
     """One image's result as ``supervision.Detections``: ``xyxy`` ``(K, 4)`` float32 in
-    the image's pixels, ``confidence`` ``(K,)``, ``class_id`` ``(K,)`` the category ids,
+    the image's pixels, ``confidence`` ``(K,)``, ``class_id`` ``(K,)`` the 0-based class
+    index supervision's datasets and metrics use, ``data["category_id"]`` the category ids
     and ``data["class_name"]`` the names (what supervision's label annotator shows).
+
+    Args:
+        result: one image's result of :meth:`Predictor.__call__`.
+        categories: the dataset's category ids in its order (``class_id`` ``k`` is the
+            ``k``-th), or a mapping whose keys are (``predictor.category_names``, a COCO
+            file's ``{id: name}``). None (or empty): ``class_id = category id - 1``, the
+            numbering of a dataset ``detr-irpe-data convert`` wrote (ids 1..K in the
+            YOLO / VOC class order).
 
     Raises:
         ConfigError: supervision is not installed (the ``formats`` extra).
+        ValueError: a category id that is not among ``categories`` (or below 1 without them).
     """
     try:
         # optional: the formats extra (setup.cfg)
@@ -67,9 +106,12 @@ def as_supervision(result: Mapping[str, Any]) -> Any:
         raise ConfigError("as_supervision needs the supervision package: pip install "
                           "'detr_irpe[formats]' (or pip install supervision)") from None
     boxes, scores, labels = _arrays(result)
+    data: dict[str, np.ndarray] = {"category_id": labels}
     names = result.get("label_names")
-    data = {} if names is None else {"class_name": np.asarray(list(names), dtype=str)}
-    return supervision.Detections(xyxy=boxes, confidence=scores, class_id=labels, data=data)
+    if names is not None:
+        data["class_name"] = np.asarray(list(names), dtype=str).reshape(-1)
+    return supervision.Detections(xyxy=boxes, confidence=scores,
+                                  class_id=_class_indices(labels, categories), data=data)
 
 
 def as_coco_results(results: Sequence[Mapping[str, Any]], image_ids: Sequence[int]

@@ -32,7 +32,7 @@ from detr_irpe.config import Config
 from detr_irpe.data.categories import default_category_names
 from detr_irpe.data.images import to_uint8_image
 from detr_irpe.data.transforms import eval_image
-from detr_irpe.inference.runtime import build_runtime
+from detr_irpe.inference.runtime import build_runtime, trace_size_for
 from detr_irpe.models import build_postprocessor, model_from_checkpoint
 from detr_irpe.models.box_ops import clip_boxes_to_image
 from detr_irpe.utils.device import resolve_device
@@ -61,8 +61,9 @@ class Predictor:
             norms, merged RepVGG blocks; the same outputs to float32 rounding, faster on
             the CPU), ``compiled`` (the fused form through ``torch.compile``, once per
             input size; the fused form where no compiler is) or ``onnxruntime`` (exported
-            once and cached, checked against PyTorch on the first image; the ``onnx``
-            extra, CPU). Post-processing is the same.
+            once per model and settings at the config's evaluation size and cached,
+            checked against PyTorch on the first image; the ``onnx`` extra, CPU).
+            Post-processing is the same.
     """
 
     def __init__(
@@ -78,8 +79,10 @@ class Predictor:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.runtime = runtime
-        # what detect() runs: the model itself, its inference form, or ONNX Runtime
-        self._infer = build_runtime(runtime, self.model, device=self.device)
+        # what detect() runs: the model itself, its inference form, or ONNX Runtime (its
+        # graph traced at the size the config evaluates at, where that is one size)
+        self._infer = build_runtime(runtime, self.model, device=self.device,
+                                    trace_size=trace_size_for(cfg))
         self.cfg = cfg
         self.category_names = {int(k): str(v) for k, v in (category_names or {}).items()}
         self.score_threshold = float(score_threshold)

@@ -3,16 +3,17 @@
 - :func:`bucket_ids` -- bucket id of every (query, key) pair of an ``H x W`` map.
 - :class:`RPEConfig` -- the settings, incl. the model-zoo strings ``rpe-2.0-product-ctx-1-k``.
 - :func:`register_bucket_method` -- add a bucket method of one's own (``rpe-2.0-NAME-...``).
-- :class:`IRPEMultiheadAttention` -- batch-first multi-head attention with iRPE;
-  :func:`choose_impl` -- which of its computations a call uses; :func:`is_rpe_key` --
-  which state-dict keys are its tables.
+- :func:`is_rpe_key` -- which state-dict keys are iRPE tables.
 - :func:`init_rpe_table` -- how a new table starts (:data:`RPE_INIT_MODES`).
+
+The attention that adds the iRPE terms is :class:`detr_irpe.attention.MultiheadAttention`
+with an ``IRPEEncoding`` entry (:mod:`detr_irpe.encodings.irpe`) or an ``rpe-...`` string
+in its ``encodings`` list.
 """
 
-from .attention import IRPEMultiheadAttention, choose_impl, is_rpe_key
 from .buckets import bucket_ids, num_buckets, piecewise_index
 from .config import Mode, RPEConfig, parse_rpe
-from .encodings import RPE_INIT_MODES, init_rpe_table, table_parameter_count
+from .encodings import RPE_INIT_MODES, init_rpe_table, is_rpe_key, table_parameter_count
 from .functional import (
     attend_values,
     gather_buckets,
@@ -26,12 +27,10 @@ __all__ = [
     "BUILT_IN_METHODS",
     "BucketMethod",
     "RPE_INIT_MODES",
-    "IRPEMultiheadAttention",
     "Mode",
     "RPEConfig",
     "attend_values",
     "bucket_ids",
-    "choose_impl",
     "gather_buckets",
     "gather_buckets_add_",
     "gather_buckets_transposed",

@@ -22,12 +22,22 @@ __all__ = [
     "RPEEncoding",
     "build_encoding",
     "init_rpe_table",
+    "is_rpe_key",
     "table_parameter_count",
 ]
 
 # How a new table starts: "xavier" (DETR's reset of every matrix, the published
 # iRPE-DETR recipe) or "zero" (a model then computes exactly the model without iRPE).
 RPE_INIT_MODES = ("xavier", "zero")
+# The submodules that hold iRPE tables: rpe_q, rpe_k, rpe_v.
+_TABLE_PREFIX = "rpe_"
+
+
+def is_rpe_key(key: str) -> bool:
+    """True for the state-dict keys of iRPE tables, e.g.
+    ``transformer.encoder.layers.0.self_attn.encodings.irpe.rpe_k.lookup_table_weight``
+    (and the public checkpoints' ``...self_attn.rpe_k.lookup_table_weight``)."""
+    return f".{_TABLE_PREFIX}" in key or key.startswith(_TABLE_PREFIX)
 
 
 def init_rpe_table(table: torch.Tensor, mode: str) -> None:
@@ -135,7 +145,7 @@ class RPEEncoding(nn.Module):
     def lookup_terms(
         self, x: torch.Tensor, ids: torch.Tensor, transposed_ids: torch.Tensor | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
-        """``[(scores, index, transposed)]`` for :func:`~detr_irpe.irpe.blocked.blocked_attention`
+        """``[(scores, index, transposed)]`` for :func:`~detr_irpe.attention.blocked.blocked_attention`
         (the lookup of :meth:`pair_term`, left to the caller)."""
         if transposed_ids is None:
             return [(self.bucket_scores(x), ids, False)]

@@ -1,9 +1,9 @@
 """The backbone (any registered one; the torchvision ResNets here), frozen BatchNorm, DC5
 and the DETR ``Joiner``.
 
-:class:`Backbone` builds its body through :mod:`detr_irpe.registry` (``model.backbone``
-names a registered builder or ``timm:NAME``); this module also holds the builder of the
-ResNets, :func:`resnet_body`.
+:class:`Backbone` builds its body through :mod:`detr_irpe.models.backbone_registry`
+(``model.backbone`` names a registered builder or ``timm:NAME``); this module also holds
+the builder of the ResNets, :func:`resnet_body`.
 
 Adapted from DETR's ``backbone.py``: same module names (so that public
 checkpoints load: ``backbone.0.body.conv1.weight``, ``backbone.0.body.layer1.0...``),
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -32,8 +33,8 @@ import torchvision
 from torch import Tensor, nn
 
 from detr_irpe.checkpoint import CheckpointError, key_problems, read_checkpoint
-from detr_irpe.models.timm_backbone import timm_builder
-from detr_irpe.registry import (
+from detr_irpe.models.backbone_registry import (
+    BACKBONES,
     TIMM_PREFIX,
     TORCHVISION_RESNETS,
     BackboneBody,
@@ -41,6 +42,7 @@ from detr_irpe.registry import (
     register_backbone,
     registered_backbone,
 )
+from detr_irpe.models.timm_backbone import timm_builder
 from detr_irpe.structures import ImageBatch
 
 logger = logging.getLogger(__name__)
@@ -144,7 +146,8 @@ def _resnet(
 def resnet_body(
     name: str, *, weights: str | None, frozen_bn: bool, dilation: bool, stages: int
 ) -> BackboneBody:
-    """The builder of the torchvision ResNets (see :class:`~detr_irpe.registry.BackboneBuilder`):
+    """The builder of the torchvision ResNets (see
+    :class:`~detr_irpe.models.backbone_registry.BackboneBuilder`):
     the stem and ``layer1`` to ``layer{stages}`` as an ``nn.Sequential`` (DETR's names)."""
     if stages not in (2, 3, 4):
         raise ValueError(f"backbone stages must be 2, 3 or 4, got {stages}")
@@ -196,13 +199,11 @@ def _torchvision_resnet(name: str) -> BackboneBuilder:
 
 
 def _register_torchvision_resnets() -> None:
-    """The built-in builders, unless a user's module replaced one (``overwrite=True``)
-    before this module was imported."""
+    """The built-in builders (registered once: a reload of this module keeps them, and a
+    user's replacements, ``overwrite=True``)."""
     for name in TORCHVISION_RESNETS:
-        try:
-            registered_backbone(name)
-        except ValueError:
-            register_backbone(name, _torchvision_resnet(name), overwrite=True)
+        if name not in BACKBONES.store():
+            register_backbone(name, _torchvision_resnet(name))
 
 
 _register_torchvision_resnets()
@@ -221,7 +222,8 @@ class Backbone(nn.Module):
 
     Args:
         name: a registered backbone (``resnet18`` | ``resnet34`` | ``resnet50`` |
-            ``resnet101`` built in, others through :func:`~detr_irpe.registry.register_backbone`)
+            ``resnet101`` built in, others through
+            :func:`~detr_irpe.models.backbone_registry.register_backbone`)
             or ``timm:NAME``.
         weights: ``none`` (random init, logged as a warning), ``imagenet``
             (pretrained weights; may download), the path of a local state dict, or
@@ -257,7 +259,7 @@ class Backbone(nn.Module):
             weights=weights, frozen_bn=frozen_bn, dilation=dilation, stages=stages)
         if not isinstance(built, BackboneBody):
             raise TypeError(f"backbone builder of {name!r} returned {type(built).__name__}, "
-                            "not a detr_irpe.registry.BackboneBody")
+                            "not a detr_irpe.models.backbone_registry.BackboneBody")
         self.body = built.body
         self.num_channels = int(built.num_channels)
         self.stride = int(built.stride)
@@ -301,3 +303,16 @@ class Joiner(nn.Sequential):
         features, mask = self[0](batch.tensors, batch.mask)
         pos = self[1](mask).to(features.dtype)
         return features, mask, pos
+
+
+def backbone_state_of(obj: object, path: str | Path, what: str) -> Mapping[str, Tensor]:
+    """The state dict of a backbone weights file: the mapping itself, or the one under
+    ``model`` / ``state_dict``; a one-line error naming the file and ``what`` otherwise."""
+    if isinstance(obj, Mapping):
+        for key in ("model", "state_dict"):
+            if isinstance(obj.get(key), Mapping):
+                return obj[key]
+        if all(isinstance(v, Tensor) for v in obj.values()):
+            return obj
+    raise CheckpointError(f"{path}: not {'an' if what[0] in 'AEHIOU' else 'a'} {what} state dict "
+                          "(expected a mapping of tensors, or one under 'model' / 'state_dict')")

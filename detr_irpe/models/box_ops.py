@@ -105,3 +105,10 @@ def elementwise_generalized_box_iou(boxes1: Tensor, boxes2: Tensor, eps: float =
     Equals ``generalized_box_iou(a, b).diagonal()`` without the ``N x N`` matrix.
     """
     return _giou(boxes1, boxes2, eps)
+
+
+def inverse_sigmoid(x: Tensor, eps: float = 1e-5) -> Tensor:
+    """``log(x / (1 - x))`` of ``x`` clamped to [0, 1], both ratio terms at least ``eps``
+    (RT-DETR's published clamping, so that boxes touching the image border stay finite)."""
+    x = x.clamp(0.0, 1.0)
+    return torch.log(x.clamp(min=eps) / (1 - x).clamp(min=eps))

@@ -12,9 +12,11 @@ from torch import nn
 
 from detr_irpe.config import Config, LossConfig, ModelConfig
 from detr_irpe.encodings.model import encoding_of_key
+from detr_irpe.encodings.registry import in_backbone
 from detr_irpe.family import get_family
 
-__all__ = ["build_detector", "build_model", "build_postprocessor", "count_parameters"]
+__all__ = ["build_detector", "build_model", "build_postprocessor", "count_parameters",
+           "describe_encodings"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +27,16 @@ def _sections(cfg: Config | ModelConfig, loss: LossConfig | None) -> tuple[Model
     if isinstance(cfg, Config):
         return cfg.model, cfg.loss
     return cfg, loss if loss is not None else get_family(cfg.family).loss_config()
+
+
+def describe_encodings(m: ModelConfig) -> str:
+    """``encoder encodings: sine + rpe-...``, with ``; backbone encodings: ...`` when the
+    backbone has attention that takes them (a ViT's): the log line of :func:`build_model`
+    and the export summary."""
+    text = f"encoder encodings: {m.place('encoder').describe()}"
+    if m.backbone_takes_encodings():
+        text += f"; backbone encodings: {m.place('backbone').describe()}"
+    return text
 
 
 def build_detector(cfg: Config | ModelConfig, *, load_backbone_weights: bool = True) -> nn.Module:
@@ -69,11 +81,13 @@ def build_model(
     family = get_family(m.family)
     model, criterion, postprocessor = family.build(m, loss, load_backbone_weights, categories)
     counts = count_parameters(model)
+    in_encodings = f"{counts['encoder_encodings']} in the encoder's encodings"
+    if m.backbone_takes_encodings():
+        in_encodings += f", {counts['backbone_encodings']} in the backbone's"
     logger.info(
-        "%s (%s, encoder encodings: %s): %d parameters, %d trainable, %d in encodings",
+        "%s (%s, %s): %d parameters, %d trainable, %s",
         family.name_of(m), getattr(m, "backbone", type(model).__name__),
-        ", ".join(m.place("encoder").strings()) or "none",
-        counts["total"], counts["trainable"], counts["encodings"],
+        describe_encodings(m), counts["total"], counts["trainable"], in_encodings,
     )
     return model, criterion, postprocessor
 
@@ -83,18 +97,28 @@ def _count(params) -> int:
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
-    """``{"total", "trainable", "encodings", <encoding name>...}`` parameter counts
-    (``encodings``: of every position encoding; then one count per encoding with
-    parameters, e.g. ``irpe``)."""
+    """``{"total", "trainable", "encodings", "encoder_encodings", "backbone_encodings",
+    <encoding name>...}`` parameter counts.
+
+    ``encodings`` counts every position encoding's parameters, the sum of
+    ``encoder_encodings`` (``model.encodings.encoder``'s, absolute ones included wherever
+    they sit) and ``backbone_encodings`` (the attention encodings inside the backbone: a
+    ViT's, ``model.encodings.backbone``); then one count per encoding with parameters
+    (``irpe``), over both places.
+    """
     named = list(model.named_parameters())
     counts = {
         "total": _count(p for _, p in named),
         "trainable": _count(p for _, p in named if p.requires_grad),
         "encodings": 0,
+        "encoder_encodings": 0,
+        "backbone_encodings": 0,
     }
     for name, param in named:
         entry = encoding_of_key(name)
         if entry is not None:
             counts[entry.name] = counts.get(entry.name, 0) + param.numel()
             counts["encodings"] += param.numel()
+            place = "backbone" if entry.kind == "attention" and in_backbone(name) else "encoder"
+            counts[f"{place}_encodings"] += param.numel()
     return counts

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from detr_irpe.errors import CheckpointError, ConfigError
-from detr_irpe.models.backbone import FrozenBatchNorm2d
+from detr_irpe.models.backbone import FrozenBatchNorm2d, backbone_state_of
 
 logger = logging.getLogger(__name__)
 
@@ -165,17 +165,6 @@ class HGNetv2(nn.Module):
         return outs
 
 
-def _state_of(obj: object, path: str) -> Mapping[str, Tensor]:
-    if isinstance(obj, Mapping):
-        for key in ("model", "state_dict"):
-            if isinstance(obj.get(key), Mapping):
-                return obj[key]
-        if all(isinstance(v, Tensor) for v in obj.values()):
-            return obj
-    raise CheckpointError(f"{path}: not an HGNetv2 state dict (expected a mapping of "
-                          "tensors, or one under 'model' / 'state_dict')")
-
-
 def load_hgnetv2_weights(backbone: HGNetv2, path: str | Path) -> None:
     """Load an HGNetv2 file into ``backbone`` by name: a published ImageNet file
     (``PPHGNetV2_B0_stage1.pth``), or a D-FINE / DEIM checkpoint's ``backbone.*`` keys.
@@ -193,7 +182,7 @@ def load_hgnetv2_weights(backbone: HGNetv2, path: str | Path) -> None:
     except Exception as err:  # a broken file: one line naming it
         raise CheckpointError(f"{path}: cannot be read as a weights file ({type(err).__name__}: "
                               f"{err})") from None
-    state = _state_of(obj, path)
+    state = backbone_state_of(obj, path, "HGNetv2")
     if any(k.startswith("backbone.") for k in state):
         state = {k.removeprefix("backbone."): v for k, v in state.items()
                  if k.startswith("backbone.")}

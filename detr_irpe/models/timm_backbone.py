@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from detr_irpe.checkpoint import key_problems, read_checkpoint
 from detr_irpe.errors import CheckpointError, ConfigError
-from detr_irpe.registry import BackboneBody, BackboneBuilder
+from detr_irpe.models.backbone_registry import BackboneBody, BackboneBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ def _timm() -> Any:
 
 
 def timm_builder(name: str) -> BackboneBuilder:
-    """The :class:`~detr_irpe.registry.BackboneBuilder` of timm model ``name``."""
+    """The :class:`~detr_irpe.models.backbone_registry.BackboneBuilder` of timm model
+    ``name``."""
 
     def build(*, weights: str | None, frozen_bn: bool, dilation: bool, stages: int
               ) -> BackboneBody:

@@ -1,12 +1,14 @@
 """2D rotary position encodings (RoPE-Axial, RoPE-Mixed; Heo et al., ECCV 2024), usable
-without DETR (imports nothing else of the package).
+without DETR (imports nothing else of the package but the attention it is an entry of,
+:mod:`detr_irpe.attention`).
 
 - :func:`build_rope` / :func:`parse_rope` -- ``"rope-axial"``, ``"rope-mixed-10"`` -> a module.
 - :class:`RoPEAxial`, :class:`RoPEMixed` -- rotate ``(B, h, L, D)`` queries and keys of an
-  ``H x W`` token grid; pass one as ``IRPEMultiheadAttention(..., rope=...)``.
+  ``H x W`` token grid; pass one in ``MultiheadAttention(..., encodings=[...])``.
 - :func:`grid_coordinates`, :func:`axial_angles`, :func:`mixed_angles`,
   :func:`init_mixed_frequencies`, :func:`rotate_pairs` -- the pure functions underneath.
-- :func:`is_rope_key` -- which state-dict keys are rotary parameters (RoPE-Mixed's ``freqs``).
+- :func:`is_rope_key` -- which state-dict keys are rotary parameters (RoPE-Mixed's
+  ``encodings.rope.freqs``).
 """
 
 from .config import ROPE_VARIANTS, RoPEConfig, build_rope, parse_rope

@@ -61,8 +61,8 @@ def parse_rope(spec: str | RoPEConfig | None) -> RoPEConfig | None:
 
 
 def build_rope(spec: str | RoPEConfig | None, head_dim: int, num_heads: int) -> nn.Module | None:
-    """The rotary module of an encoding string, for
-    ``IRPEMultiheadAttention(..., rope=...)``; None for None / ``"none"``.
+    """The rotary module of an encoding string, an entry of
+    ``MultiheadAttention(..., encodings=[...])``; None for None / ``"none"``.
 
     RoPE-Mixed draws its starting directions from torch's global RNG (seed it first for a
     reproducible model).

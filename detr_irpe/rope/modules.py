@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from detr_irpe.attention.encoding import AttentionEncoding
+
 from .frequencies import (
     AXIAL_THETA,
     MIXED_THETA,
@@ -23,18 +25,20 @@ from .rotation import compute_dtype, rotate_pairs
 
 __all__ = ["RoPEAxial", "RoPEMixed", "RotaryEncoding", "is_rope_key"]
 
-# The attribute IRPEMultiheadAttention keeps its rotary module under.
-_ATTRIBUTE = "rope"
+# The name an attention keeps its rotary entry under (``self_attn.encodings.rope``).
+_NAME = "rope"
 
 
 def is_rope_key(key: str) -> bool:
-    """True for the state-dict keys of a rotary module's parameters, e.g.
-    ``transformer.encoder.layers.0.self_attn.rope.freqs`` (only RoPE-Mixed has any)."""
-    return f".{_ATTRIBUTE}." in key or key.startswith(f"{_ATTRIBUTE}.")
+    """True for the state-dict keys of a rotary entry's parameters, e.g.
+    ``transformer.encoder.layers.0.self_attn.encodings.rope.freqs`` (only RoPE-Mixed has
+    any)."""
+    return f".encodings.{_NAME}." in key or key.startswith(f"encodings.{_NAME}.")
 
 
-class RotaryEncoding(nn.Module):
-    """Base of the 2D rotary encodings: subclasses give the angles of every token.
+class RotaryEncoding(AttentionEncoding):
+    """Base of the 2D rotary encodings, an entry of an attention's encoding list that
+    rotates q and k: subclasses give the angles of every token.
 
     Args:
         head_dim: D (a multiple of 4).
@@ -43,15 +47,15 @@ class RotaryEncoding(nn.Module):
     """
 
     variant = ""
+    name = _NAME
+    rotates = True
 
     def __init__(self, head_dim: int, num_heads: int, theta: float) -> None:
-        super().__init__()
         if num_heads <= 0:
             raise ValueError(f"num_heads must be positive, got {num_heads}")
         if not theta > 0.0:
             raise ValueError(f"RoPE theta must be positive, got {theta}")
-        self.head_dim = check_head_dim(head_dim)
-        self.num_heads = num_heads
+        super().__init__(check_head_dim(head_dim), num_heads)
         self.theta = float(theta)
 
     def extra_repr(self) -> str:
@@ -84,6 +88,11 @@ class RotaryEncoding(nn.Module):
             return tuple(torch.cat([x[..., :skip, :], rotate_pairs(x[..., skip:, :], cos, sin)],
                                    dim=-2) for x in (q, k))
         return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, hw: tuple[int, int], skip: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's hook: :meth:`forward`."""
+        return self(q, k, hw, skip)
 
 
 class RoPEAxial(RotaryEncoding):

@@ -10,14 +10,21 @@ A training checkpoint is a dict that ``torch.load(weights_only=True)`` accepts
      "best_epoch": ``epoch`` of the checkpoint with best_ap | None,
      "metrics": the epoch's running loss sums so far (MetricTracker.state_dict()),
      "rng": [per-rank RNG states], "world_size": int, "batch_size": int,
-     "config": Config.to_dict(), "category_names": {category_id: name}}
+     "config": Config.to_dict(), "category_names": {category_id: name},
+     "ema": {"module": state_dict, "updates": n} (train.ema),
+     "best_stage1": {"baseline_ap": float | None, "reload_pending": bool}}
+
+(``best_stage1``: where the two-stage ending of ``train.best_stage1`` stands,
+:mod:`detr_irpe.engine.best_stage1`.)
 
 Files in a run folder:
 
 - ``checkpoint_last.pth``: the newest complete checkpoint;
 - ``checkpoint_prev.pth``: the one before it (kept so that a damaged ``last``
   still leaves a good checkpoint to resume from);
-- ``checkpoint_best.pth``: the one with the best validation AP.
+- ``checkpoint_best.pth``: the one with the best validation AP;
+- ``checkpoint_best_stage1.pth`` (``train.best_stage1``): the best one before the
+  augmentation stopped, kept from the stop epoch on for the reloads of stage 2.
 
 Every file is written to a temporary file in the same folder, flushed and
 fsync'ed, then renamed over the target with ``os.replace``; a process killed
@@ -53,6 +60,7 @@ VERSION = 1
 LAST = "checkpoint_last.pth"
 PREV = "checkpoint_prev.pth"
 BEST = "checkpoint_best.pth"
+BEST_STAGE1 = "checkpoint_best_stage1.pth"
 
 _TRAINING_KEYS = ("model", "optimizer", "epoch", "iteration")
 # Names of the temporary files of an unfinished save (see write_temp, _rotate, link_best).
@@ -113,20 +121,37 @@ def link_best(folder: str | Path, source: str = LAST) -> Path:
         WriteError: on an ``OSError`` while copying; the old best file stays.
     """
     folder = Path(folder)
-    src, best = folder / source, folder / BEST
-    link = best.with_name(f".{best.name}.link")
+    return _link(folder / source, folder / BEST)
+
+
+def keep_best_stage1(folder: str | Path) -> Path:
+    """Make ``checkpoint_best_stage1.pth`` the current ``checkpoint_best.pth`` of
+    ``folder`` (a hard link, or a copy), at the epoch the augmentation stops
+    (``train.best_stage1``): later bests replace ``checkpoint_best.pth``, not it.
+
+    Raises:
+        WriteError: on an ``OSError`` while copying; the old file stays.
+    """
+    folder = Path(folder)
+    return _link(folder / BEST, folder / BEST_STAGE1)
+
+
+def _link(src: Path, dst: Path) -> Path:
+    """``dst`` becomes ``src``'s file at once (a hard link renamed over it; a copy
+    written atomically where the file system has no hard links)."""
+    link = dst.with_name(f".{dst.name}.link")
     try:
         link.unlink(missing_ok=True)
         os.link(src, link)
-        os.replace(link, best)
+        os.replace(link, dst)
     except OSError:
         link.unlink(missing_ok=True)
         try:
-            atomic_save(safe_load(src), best)
+            atomic_save(safe_load(src), dst)
         except OSError as err:  # the WriteError of a full disk
-            raise write_error(best, err, _RESUME_ADVICE) from None
-    fsync_dir(folder)
-    return best
+            raise write_error(dst, err, _RESUME_ADVICE) from None
+    fsync_dir(dst.parent)
+    return dst
 
 
 def is_best_checkpoint(state: Mapping[str, Any]) -> bool:
@@ -266,6 +291,7 @@ def epoch_label(index: int, total_epochs: int | None = None) -> str:
 
 __all__ = [
     "BEST",
+    "BEST_STAGE1",
     "LAST",
     "PREV",
     "VERSION",
@@ -274,6 +300,7 @@ __all__ = [
     "find_resume_checkpoint",
     "has_checkpoint",
     "is_best_checkpoint",
+    "keep_best_stage1",
     "link_best",
     "read_training_checkpoint",
     "remove_stale_temp_files",

@@ -65,8 +65,6 @@ _LAZY = {
     "rpe_table_maps": "irpe_plots",
     "model_rpe_table_maps": "irpe_plots",
     "plot_rpe_tables": "irpe_plots",
-    "irpe_response": "position_response",
-    "rope_response": "position_response",
     "position_responses": "position_response",
     "encoder_position_responses": "position_response",
     "plot_position_response": "position_response",

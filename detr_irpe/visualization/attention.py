@@ -401,7 +401,7 @@ def _recompute(calls: dict[str, tuple[nn.Module, dict[str, Any]]], outputs: dict
                 if rpe_split:
                     if not hasattr(module, "attention_logits"):
                         raise ValueError(f"{type(module).__name__} has no attention_logits; "
-                                         "the iRPE split needs IRPEMultiheadAttention")
+                                         "the iRPE split needs MultiheadAttention")
                     c, r = module.attention_logits(
                         arguments["query"], arguments["key"], arguments["hw"],
                         key_padding_mask=arguments.get("key_padding_mask"),

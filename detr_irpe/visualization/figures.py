@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -213,18 +214,30 @@ def _scale(image: InputImage, record: AttentionRecord, batch_index: int) -> tupl
     return h0 / h, w0 / w
 
 
-def _show_map(ax, image: InputImage, record: AttentionRecord, batch_index: int,
-              data: np.ndarray, cmap: str = "inferno", diverging: bool = False,
-              vmax: float | None = None, normalise: bool = False):
-    """An ``(H, W)`` map blended over the image (grey) with alpha :data:`MAP_ALPHA`.
+@dataclass(frozen=True)
+class MapScale:
+    """How :func:`_show_map` colours a map (its keywords).
 
-    Colours span ``[0, vmax]`` (``[-vmax, vmax]`` when ``diverging``); ``vmax`` defaults
-    to the largest ``|value|`` of the non-padded cells. With ``normalise`` the map is
-    divided by that maximum and the colours span ``[0, 1]``.
+    Colours span ``[0, vmax]`` (``[-vmax, vmax]`` and ``RdBu_r`` when ``diverging``, else
+    ``cmap``); ``vmax`` defaults to the largest ``|value|`` of the non-padded cells. With
+    ``normalise`` the map is divided by that maximum and the colours span ``[0, 1]``.
+    """
+
+    cmap: str = "inferno"
+    diverging: bool = False
+    vmax: float | None = None
+    normalise: bool = False
+
+
+def _show_map(ax, image: InputImage, record: AttentionRecord, batch_index: int,
+              data: np.ndarray, **scale: Any):
+    """An ``(H, W)`` map blended over the image (grey) with alpha :data:`MAP_ALPHA`,
+    coloured as :class:`MapScale` (``scale``: its fields) says.
 
     Returns:
         ``(artist, peak)``: the map's ``AxesImage`` and the maximum it was scaled by.
     """
+    cmap, diverging, vmax, normalise = astuple(MapScale(**scale))
     h0, w0 = image.original_size
     grey = image.display.mean(axis=2)
     ax.imshow(grey, cmap="gray", vmin=0, vmax=255, extent=(0, w0, h0, 0))

@@ -28,6 +28,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from torch import nn
 
+from detr_irpe.encodings.irpe import irpe_entry
 from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.buckets import bucket_ids
 from detr_irpe.irpe.config import RPEConfig, parse_rpe
@@ -180,6 +181,7 @@ def _table_values(table: nn.Module, target: str) -> tuple[torch.Tensor, str]:
 
 
 def _module_rpe(attn: nn.Module) -> RPEConfig | None:
+    attn = irpe_entry(attn) or attn
     for name in ("rpe", "rpe_config", "config"):
         value = getattr(attn, name, None)
         if isinstance(value, (RPEConfig, str)):
@@ -193,7 +195,8 @@ def rpe_table_maps(
     """The tables of one iRPE attention module laid out on the offset grid.
 
     Args:
-        attn: an ``IRPEMultiheadAttention`` (tables in ``rpe_q`` / ``rpe_k`` / ``rpe_v``).
+        attn: a :class:`~detr_irpe.attention.MultiheadAttention` with an iRPE entry (tables
+            in its ``rpe_q`` / ``rpe_k`` / ``rpe_v``), or the entry.
         rpe: its setting; read from the module when None.
         extent: half-size R of the grid of key - query offsets ``[-R, R]^2``.
 
@@ -202,6 +205,7 @@ def rpe_table_maps(
         cross ``k.rows`` / ``k.cols`` ...) and what is shown: ``"k norm"`` (ctx mode,
         ``||W[h, :, b]||``) or ``"k bias"`` (bias mode, ``T[h, b]``).
     """
+    attn = irpe_entry(attn) or attn
     rpe = parse_rpe(rpe) if rpe is not None else _module_rpe(attn)
     if rpe is None:
         raise ConfigError(

@@ -6,8 +6,10 @@ that says why."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,7 +41,7 @@ from .queries import has_selected_queries, plot_selected_queries
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_attention_maps", "has_irpe", "distinct_points"]
+__all__ = ["MapSettings", "save_attention_maps", "has_irpe", "distinct_points"]
 
 
 def has_irpe(model: nn.Module) -> bool:
@@ -48,8 +50,18 @@ def has_irpe(model: nn.Module) -> bool:
         modules = encoder_attention_modules(model)
     except ConfigError:  # a family without attention figures
         return False
-    return any(getattr(attention, "rpe_k", None) is not None
-               or getattr(attention, "rpe_q", None) is not None for attention in modules)
+    return any(_has_logit_tables(attention) for attention in modules)
+
+
+def _has_logit_tables(attention: nn.Module) -> bool:
+    """Whether an attention's iRPE (its ``encodings.irpe`` entry, or the attention
+    itself in the layout before issue 48) has q or k tables."""
+    entries = getattr(attention, "encodings", None)
+    irpe = attention
+    if isinstance(entries, nn.ModuleDict) and "irpe" in entries:
+        irpe = entries["irpe"]
+    return (getattr(irpe, "rpe_k", None) is not None
+            or getattr(irpe, "rpe_q", None) is not None)
 
 
 def _attention_layers(model: nn.Module) -> tuple[bool, bool]:
@@ -71,25 +83,57 @@ def _eval_outputs(model: nn.Module, inputs: list[Tensor]) -> dict:
         model.train(was_training)
 
 
+@dataclass(frozen=True)
+class MapSettings:
+    """The options of :func:`save_attention_maps` (its keywords).
+
+    Reading the image:
+        size, max_size: eval-time resize (``cfg.data.val_size`` / ``cfg.data.max_size``);
+            ``size=None`` feeds the image at its own size.
+        normalized: a ``(3, H, W)`` tensor image is already normalised.
+        max_pixels: an image file declaring more pixels is refused before decoding
+            (``cfg.data.max_image_pixels``).
+
+    The detections shown:
+        category_names: id -> name (or a list) for the labels.
+        category_ids: the model's ``model.category_ids`` when it was trained on remapped
+            categories (labels then show the original ids' names).
+        threshold: detections kept at score >= threshold ...
+        min_detections: ... but at least this many (an untrained model scores low) ...
+        max_detections: ... and at most this many.
+
+    The figures:
+        layer: encoder layer of the encoder figures (-1 = last).
+        points: encoder reference points ``(x, y)`` in image pixels; default the centres of
+            the kept detections (the image centre when there are none).
+        rpe_contribution: also write the iRPE-split figure (models with iRPE on q / k only).
+        prefix: file-name prefix.
+        distributions_top_k: D-FINE / DEIM: the best detections of the edge-distribution
+            figure (at most the model's queries).
+    """
+
+    size: int | None = 800
+    max_size: int | None = 1333
+    normalized: bool = False
+    max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
+    category_names: Mapping[int, str] | Sequence[str] | None = None
+    category_ids: Sequence[int] | None = None
+    threshold: float = 0.7
+    min_detections: int = 3
+    max_detections: int = 6
+    layer: int = -1
+    points: Sequence[tuple[float, float]] | None = None
+    rpe_contribution: bool = True
+    prefix: str = ""
+    distributions_top_k: int = 4
+
+
 def save_attention_maps(
     model: nn.Module,
     image: str | Path | np.ndarray | Tensor | InputImage,
     out_dir: str | Path,
-    *,
-    size: int | None = 800,
-    max_size: int | None = 1333,
-    normalized: bool = False,
-    category_names: Mapping[int, str] | Sequence[str] | None = None,
-    category_ids: Sequence[int] | None = None,
-    threshold: float = 0.7,
-    min_detections: int = 3,
-    max_detections: int = 6,
-    layer: int = -1,
-    points: Sequence[tuple[float, float]] | None = None,
-    rpe_contribution: bool = True,
-    prefix: str = "",
-    max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
-    distributions_top_k: int = 4,
+    settings: MapSettings | None = None,
+    **options: Any,
 ) -> dict[str, Path]:
     """Predictions, encoder attention (+ iRPE contribution) and decoder attention as PNGs.
 
@@ -98,23 +142,8 @@ def save_attention_maps(
         image: a path, ``(H, W, 3)`` uint8 array, ``(3, H, W)`` tensor (uint8 / [0, 1], or
             normalised with ``normalized=True``) or a prepared :class:`InputImage`.
         out_dir: folder for the figures (created).
-        size, max_size: eval-time resize (``cfg.data.val_size`` / ``cfg.data.max_size``);
-            ``size=None`` feeds the image at its own size.
-        category_names: id -> name (or a list) for the labels.
-        category_ids: the model's ``model.category_ids`` when it was trained on remapped
-            categories (labels then show the original ids' names).
-        threshold: detections kept at score >= threshold ...
-        min_detections: ... but at least this many (an untrained model scores low) ...
-        max_detections: ... and at most this many.
-        layer: encoder layer of the encoder figures (-1 = last).
-        points: encoder reference points ``(x, y)`` in image pixels; default the centres of
-            the kept detections (the image centre when there are none).
-        rpe_contribution: also write the iRPE-split figure (models with iRPE on q / k only).
-        prefix: file-name prefix.
-        max_pixels: an image file declaring more pixels is refused before decoding
-            (``cfg.data.max_image_pixels``).
-        distributions_top_k: D-FINE / DEIM: the best detections of the edge-distribution
-            figure (at most the model's queries).
+        settings: the options (:class:`MapSettings`); ``options``: its fields as keywords
+            (``size=..., threshold=...``), over ``settings``.
 
     Returns:
         ``{"predictions", "encoder_attention", "rpe_contribution" (when written),
@@ -124,65 +153,89 @@ def save_attention_maps(
         D-FINE / DEIM "selected_queries" and "distributions"}`` ->
         PNG path. A figure the model lacks is skipped with one logged warning saying why.
     """
+    opts = replace(settings or MapSettings(), **options)
     out_dir = Path(out_dir)
     prepared = image if isinstance(image, InputImage) else prepare_image(
-        image, size=size, max_size=max_size, normalized=normalized, max_pixels=max_pixels)
+        image, size=opts.size, max_size=opts.max_size, normalized=opts.normalized,
+        max_pixels=opts.max_pixels)
     family = family_of_model(model)
-    who = family.title if family is not None else type(model).__name__
-    inputs = [prepared.tensor.to(model_device(model))]
-    has_encoder, has_decoder = _attention_layers(model)
-    split = rpe_contribution and has_irpe(model)
-    record = None
-    if has_encoder or has_decoder:
-        record = capture_attention(model, inputs,
-                                   encoder_layers=[layer] if has_encoder else "none",
-                                   decoder_layers=[-1] if has_decoder else "none",
-                                   rpe_split=split)
-        outputs = record.outputs
-    else:
-        logger.warning("encoder-attention, decoder-attention skipped: %s registers no "
-                       "attention modules", who)
-        outputs = _eval_outputs(model, inputs)
+    split = opts.rpe_contribution and has_irpe(model)
+    record, outputs = _run(model, prepared, family, opts.layer, split)
     detections = detections_from_outputs(
-        outputs, prepared.original_size, threshold=threshold, max_detections=max_detections,
-        min_detections=min_detections, category_ids=category_ids,
+        outputs, prepared.original_size, threshold=opts.threshold,
+        max_detections=opts.max_detections, min_detections=opts.min_detections,
+        category_ids=opts.category_ids,
         sigmoid=family.sigmoid_classes if family is not None else None)
-    if record is not None and points is None:
-        points = distinct_points(detections.centres(), prepared, record, limit=4)
-        if not points:
-            h0, w0 = prepared.original_size
-            points = [(w0 / 2.0, h0 / 2.0)]
-    written: dict[str, Path] = {}
-    written["predictions"] = out_dir / f"{prefix}predictions.png"
-    plot_predictions(prepared, detections, category_names, out=written["predictions"])
-    if record is not None and record.encoder:
-        written["encoder_attention"] = out_dir / f"{prefix}encoder_attention.png"
-        plot_encoder_attention(prepared, record, points, layer=layer,
-                               out=written["encoder_attention"])
-        if split:
-            written["rpe_contribution"] = out_dir / f"{prefix}rpe_contribution.png"
-            plot_rpe_contribution(prepared, record, points, layer=layer,
-                                  out=written["rpe_contribution"])
-    if record is not None and record.decoder:
-        written["decoder_attention"] = out_dir / f"{prefix}decoder_attention.png"
-        plot_decoder_attention(prepared, record, detections, category_names,
-                               out=written["decoder_attention"])
-    elif record is not None:
-        logger.warning("decoder-attention skipped: %s", family.attention.no_decoder_figure)
+    figures = _Figures(prepared, detections, opts, out_dir)
+    figures.plot("predictions", plot_predictions, prepared, detections, opts.category_names)
     if record is not None:
-        written.update(_anchor_figures(prepared, record, detections, category_names,
-                                       out_dir, prefix))
+        figures.attention(record, split, family)
     if has_selected_queries(outputs):
-        written["selected_queries"] = out_dir / f"{prefix}selected_queries.png"
-        plot_selected_queries(prepared, outputs, out=written["selected_queries"])
+        figures.plot("selected_queries", plot_selected_queries, prepared, outputs)
     if has_edge_distributions(model):
         queries = getattr(model, "module", model).decoder.num_queries
-        edges = edge_distributions(model, prepared, top_k=min(distributions_top_k, queries),
-                                   category_ids=category_ids)
-        written["distributions"] = out_dir / f"{prefix}distributions.png"
-        plot_edge_distributions(prepared, edges, category_names, out=written["distributions"])
+        edges = edge_distributions(model, prepared,
+                                   top_k=min(opts.distributions_top_k, queries),
+                                   category_ids=opts.category_ids)
+        figures.plot("distributions", plot_edge_distributions, prepared, edges,
+                     opts.category_names)
     logger.info("attention maps of %s written to %s", prepared.name, out_dir)
-    return written
+    return figures.written
+
+
+def _run(model: nn.Module, prepared: InputImage, family, layer: int, split: bool
+         ) -> tuple[AttentionRecord | None, dict]:
+    """The model's outputs on the image, with its attention recorded where the family
+    registers attention modules (``(None, outputs)`` otherwise, said in a warning)."""
+    inputs = [prepared.tensor.to(model_device(model))]
+    has_encoder, has_decoder = _attention_layers(model)
+    if not (has_encoder or has_decoder):
+        who = family.title if family is not None else type(model).__name__
+        logger.warning("encoder-attention, decoder-attention skipped: %s registers no "
+                       "attention modules", who)
+        return None, _eval_outputs(model, inputs)
+    record = capture_attention(model, inputs,
+                               encoder_layers=[layer] if has_encoder else "none",
+                               decoder_layers=[-1] if has_decoder else "none",
+                               rpe_split=split)
+    return record, record.outputs
+
+
+class _Figures:
+    """The figures of one image, written under ``out_dir`` as they are plotted."""
+
+    def __init__(self, image: InputImage, detections, opts: MapSettings, out_dir: Path) -> None:
+        self.image, self.detections, self.opts, self.out_dir = image, detections, opts, out_dir
+        self.written: dict[str, Path] = {}
+
+    def plot(self, name: str, plot: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        out = self.out_dir / f"{self.opts.prefix}{name}.png"
+        plot(*args, out=out, **kwargs)
+        self.written[name] = out
+
+    def attention(self, record: AttentionRecord, split: bool, family) -> None:
+        """The encoder (and iRPE-split) figures at the reference points, the decoder
+        figure and the anchor figures, as far as the record holds them."""
+        image, opts = self.image, self.opts
+        if record.encoder:
+            points = opts.points
+            if points is None:
+                points = distinct_points(self.detections.centres(), image, record, limit=4)
+                if not points:
+                    h0, w0 = image.original_size
+                    points = [(w0 / 2.0, h0 / 2.0)]
+            self.plot("encoder_attention", plot_encoder_attention, image, record, points,
+                      layer=opts.layer)
+            if split:
+                self.plot("rpe_contribution", plot_rpe_contribution, image, record, points,
+                          layer=opts.layer)
+        if record.decoder:
+            self.plot("decoder_attention", plot_decoder_attention, image, record,
+                      self.detections, opts.category_names)
+        else:
+            logger.warning("decoder-attention skipped: %s", family.attention.no_decoder_figure)
+        self.written.update(_anchor_figures(image, record, self.detections,
+                                            opts.category_names, self.out_dir, opts.prefix))
 
 
 def _anchor_figures(image: InputImage, record: AttentionRecord, detections,

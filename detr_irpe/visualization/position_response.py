@@ -1,11 +1,10 @@
 """The relative-position response of a head: the attention-logit term each position
 encoding adds for a key at offset ``(dy, dx) = key - query``, drawn side by side.
 
-Each encoding computes its own term (its registry entry's ``response``,
-:mod:`detr_irpe.encodings`): iRPE from the module's bucket ids and tables
-(:func:`~detr_irpe.encodings.irpe.irpe_response`), RoPE as the rotated content logit of one
-query / key vector pair (its entry's ``response``), a plugin's from
-its own. The query / key vectors ``(h, D)`` are what a caller chooses: e.g. the mean of a
+Each encoding computes its own term (its registry entry's ``response``, in its module
+of :mod:`detr_irpe.encodings`, e.g. :func:`~detr_irpe.encodings.irpe.irpe_response`): iRPE
+from the module's bucket ids and tables, a rotary encoding as the rotated content logit of
+one query / key vector pair, a plugin's from its own. The query / key vectors ``(h, D)`` are what a caller chooses: e.g. the mean of a
 layer's projected queries over an image; the default is the all-ones vector (a data-free
 view of the encoding). Offsets are shown as in :mod:`.irpe_plots`: the panel cell at
 ``(dy, dx)`` is the key at ``key - query``.
@@ -21,10 +20,8 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
-from detr_irpe.encodings.irpe import irpe_response
 from detr_irpe.encodings.model import position_responses as encoding_responses
 from detr_irpe.encodings.response import DEFAULT_EXTENT
-from detr_irpe.encodings.rope import rope_response
 from detr_irpe.errors import ConfigError
 
 from ._mpl import fit_suptitle, new_figure, save_figure
@@ -32,8 +29,8 @@ from .attention import encoder_attention_modules
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_EXTENT", "encoder_position_responses", "irpe_response",
-           "plot_position_response", "position_responses", "rope_response"]
+__all__ = ["DEFAULT_EXTENT", "encoder_position_responses", "plot_position_response",
+           "position_responses"]
 
 
 def position_responses(attn: nn.Module, extent: int | None = None,

@@ -422,6 +422,7 @@ def test_tool_reports_a_bad_grid(tmp_path, capsys) -> None:
     assert "model.rpe" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # every shipped grid built (11 s on a Zen 3)
 def test_shipped_grids_load() -> None:
     files = sorted(GRID_DIR.glob("*.yaml"))
     names = {f.stem for f in files}

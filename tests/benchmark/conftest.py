@@ -14,11 +14,11 @@ from detr_irpe import family as registry
 @pytest.fixture(autouse=True, scope="module")
 def _builtin_families_only() -> Iterator[None]:
     list(registry.families())  # the built-in ones loaded
-    hidden = {name: family for name, family in registry._REGISTRY.items()
+    hidden = {name: family for name, family in registry.FAMILIES.store().items()
               if name not in registry.BUILTIN_FAMILIES}
     for name in hidden:
-        del registry._REGISTRY[name]
+        del registry.FAMILIES.store()[name]
     yield
     # a module imported meanwhile keeps its (newer) registration
     for name, family in hidden.items():
-        registry._REGISTRY.setdefault(name, family)
+        registry.FAMILIES.store().setdefault(name, family)

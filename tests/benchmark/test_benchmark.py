@@ -17,7 +17,7 @@ from detr_irpe.benchmark import profile as profile_bench
 from detr_irpe.benchmark.suite import QUICK_NOTE, target_ratios
 
 # the built-in families' rows, in the registry's order (the default family's first)
-BUILTIN_TARGETS = ("DETR", "DAB-DETR", "DN-DETR", "D-FINE", "RT-DETR")
+BUILTIN_TARGETS = ("DETR", "DAB-DETR", "DN-DETR", "DEIMv2", "D-FINE", "RT-DETR")
 IRPE = "rpe-2.0-product-ctx-1-k"
 
 
@@ -53,9 +53,10 @@ def test_quick_suite_structure(quick_results) -> None:
     assert [(r["target"], r["rpe"], r["amp"]) for r in rows] == [
         (target, rpe, amp) for target in BUILTIN_TARGETS
         for rpe in ("none", IRPE) for amp in ("none", "bf16")]
-    assert [r["family"] for r in rows[::4]] == ["detr", "dab", "dab", "dfine", "rtdetr"]
+    assert [r["family"] for r in rows[::4]] == ["detr", "dab", "dab", "deimv2", "dfine",
+                                                "rtdetr"]
     assert [r["config"] for r in rows[::4]] == ["detr_r50", "dab_detr_r50", "dn_detr_r50",
-                                                "dfine_l", "rtdetr_r50"]
+                                                "deimv2_s", "dfine_l", "rtdetr_r50"]
     for row in rows:
         assert row["train_step_s"] > 0 and row["infer_images_per_s"] > 0
         assert len(row["train_step_s_all"]) == 1
@@ -133,7 +134,7 @@ def test_tool_cli_quick_op_only(tmp_path: Path, capsys) -> None:
     assert tool.main(["--quick", "--only", "op", "--no-sweep", "--threads", "1",
                       "--output-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "IRPEMultiheadAttention rpe-2.0-product-ctx-1-k" in printed
+    assert "MultiheadAttention rpe-2.0-product-ctx-1-k" in printed
     assert "judged only at full size" in printed and "| met |" not in printed
     results = json.loads((tmp_path / "results.json").read_text())
     assert "model" not in results and "sweep" not in results["op"]
@@ -202,14 +203,14 @@ def test_targets_are_every_family_s_benchmark_targets(monkeypatch) -> None:
     assert targets["RT-DETR"] == "rtdetr_r50" and targets["DN-DETR"] == "dn_detr_r50"
     assert select_targets(["RT-DETR", "DETR"]) == {"RT-DETR": "rtdetr_r50", "DETR": "detr_r50"}
     with pytest.raises(ConfigError, match=r"--targets: \['detr'\] not allowed; choose from "
-                                          r"DETR, DAB-DETR, DN-DETR, D-FINE, RT-DETR"):
+                                          r"DETR, DAB-DETR, DN-DETR, DEIMv2, D-FINE, RT-DETR"):
         select_targets(["detr"])
     # a family registered later brings its rows; a row name taken twice is refused
     extra = replace(registry.get_family("rtdetr"), name="zz", benchmark_targets={
         "RT-DETR-R18": "rtdetr_r18"})
-    monkeypatch.setitem(registry._REGISTRY, "zz", extra)
+    monkeypatch.setitem(registry.FAMILIES.store(), "zz", extra)
     assert benchmark_targets()["RT-DETR-R18"] == "rtdetr_r18"
-    monkeypatch.setitem(registry._REGISTRY, "zz", replace(extra, benchmark_targets={
+    monkeypatch.setitem(registry.FAMILIES.store(), "zz", replace(extra, benchmark_targets={
         "DETR": "rtdetr_r18"}))
     with pytest.raises(ConfigError, match="benchmark target 'DETR' of model.family=zz"):
         benchmark_targets()
@@ -252,7 +253,7 @@ def test_a_plugin_family_s_targets_are_measured(monkeypatch, tmp_path: Path) -> 
 
     config = tmp_path / "toy.yaml"
     config.write_text("model:\n  import: [toy_family]\n  family: toy\n  grid: 2\n")
-    monkeypatch.setitem(registry._REGISTRY, "toy", replace(
+    monkeypatch.setitem(registry.FAMILIES.store(), "toy", replace(
         toy_family.FAMILY, benchmark_targets={"Toy": str(config)}))
     targets = select_targets(["Toy", "DETR"])
     rows = run_model_benchmark(["none"], batch=1, height=64, width=64, train_repeats=1,

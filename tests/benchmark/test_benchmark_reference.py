@@ -174,8 +174,8 @@ def test_suite_reference_rows_targets_and_tables(checkout: Path, tmp_path: Path)
                    "reference code in fp32"]
     assert (fp32["limit"], bf16["limit"]) == (0.90, 0.60)
     # every family's rows are in the same run; the reference code is DETR's only
-    assert {r["target"] for r in model["rows"]} == {"DETR", "DAB-DETR", "DN-DETR", "D-FINE",
-                                                     "RT-DETR"}
+    assert {r["target"] for r in model["rows"]} == {"DETR", "DAB-DETR", "DN-DETR", "DEIMv2",
+                                                     "D-FINE", "RT-DETR"}
     ours = {(r["rpe"], r["amp"]): r for r in model["rows"] if r["target"] == "DETR"}
     base = model["reference_rows"][1]
     assert fp32["ratio"] == pytest.approx(

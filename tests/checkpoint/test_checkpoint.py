@@ -18,6 +18,7 @@ from torch.testing import assert_close
 from detr_irpe.checkpoint import atomic_save, load_weights, read_checkpoint
 from detr_irpe.cli.convert import main as convert_main
 from detr_irpe.config import Config, load_config
+from detr_irpe.encodings.model import current_encoding_keys
 from detr_irpe.errors import CheckpointError
 from detr_irpe.models import build_model, model_from_checkpoint
 
@@ -86,7 +87,10 @@ def test_r50_layout_equals_reference_doc() -> None:
     assert len(layout) == 464
     assert sum(torch.Size(s).numel() for _, s in layout) == 41646560
     model = r50("model.rpe=rpe-2.0-product-ctx-1-k")
-    assert [(k, tuple(v.shape)) for k, v in model.state_dict().items()] == layout
+    # the public tables (self_attn.rpe_k...) are the attention's iRPE entry's
+    # (self_attn.encodings.irpe.rpe_k...): the key migration maps one onto the other
+    public = current_encoding_keys(dict(layout))
+    assert [(k, tuple(v.shape)) for k, v in model.state_dict().items()] == list(public.items())
     plain = r50("model.rpe=none").state_dict()
     assert [(k, tuple(v.shape)) for k, v in plain.items()] == [
         (k, s) for k, s in layout if ".rpe_" not in k
@@ -138,7 +142,8 @@ def test_plain_detr_into_irpe_model(tmp_path: Path, caplog) -> None:
         info = load_weights(model, path)
     assert info["format"] == "detr"
     assert info["missing"].get("irpe", []) == [
-        f"transformer.encoder.layers.{i}.self_attn.rpe_k.lookup_table_weight" for i in range(2)
+        f"transformer.encoder.layers.{i}.self_attn.encodings.irpe.rpe_k.lookup_table_weight"
+        for i in range(2)
     ]
     assert "no iRPE parameters" in caplog.text
     assert_close(
@@ -388,7 +393,8 @@ def test_convert_tool(tmp_path: Path, capsys) -> None:
     old_w = plain.class_embed.weight
     assert_close(model.class_embed.weight[:4], old_w[:4])
     assert_close(model.class_embed.weight[-1], old_w[-1])  # the no-object row is kept
-    assert not model.transformer.encoder.layers[0].self_attn.rpe_k.lookup_table_weight.any()
+    assert not model.transformer.encoder.layers[0].self_attn.entry("irpe").rpe_k \
+        .lookup_table_weight.any()
     assert convert_main(args + ["--force"]) == 0  # xavier tables, as a fresh model's
     tables = [v for k, v in torch.load(out, weights_only=True)["model"].items() if ".rpe_" in k]
     assert all(t.any() for t in tables) and not torch.equal(tables[0], tables[1])

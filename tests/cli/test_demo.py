@@ -98,6 +98,7 @@ _TEST_SIZE = (
 )
 
 
+@pytest.mark.slow  # the demo's config trained (10 s on a Zen 3)
 def test_the_shipped_demo_config_runs_end_to_end(tiny_dataset: Path, tmp_path: Path,
                                                 capsys) -> None:
     """``tools/demo.py`` with its default config (the DN-DETR-iRPE demo) trains, evaluates

@@ -69,7 +69,7 @@ def test_square_batch_recipes_are_checked_at_their_own_sizes() -> None:
 @pytest.mark.parametrize("value", ["''", "5"])
 def test_a_family_that_names_none_is_refused(value: str) -> None:
     with pytest.raises(ConfigError, match=r"model\.family must name a detector family "
-                                          r"\(dab, detr, dfine, rtdetr"):
+                                          r"\(dab, deimv2, detr, dfine, rtdetr"):
         load_config("detr_irpe_tiny", [f"model.family={value}"])
 
 

@@ -15,7 +15,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detr_irpe.cli.train import main as train_main
 from detr_irpe.config import CONFIG_DIR, ConfigError, load_config
-from detr_irpe.engine.runner import resolve_num_classes, run_training
+from detr_irpe.engine.classes import resolve_num_classes
+from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import RunFolderError
 from detr_irpe.run_folder.experiment import experiment_differences
 from detr_irpe.utils.device import resolve_device, why_no_gpu

@@ -26,7 +26,8 @@ from detr_irpe.checkpoint.hf_folder import hf_config_dict
 from detr_irpe.config import ConfigError
 from detr_irpe.data import build_dataset
 from detr_irpe.data.coco import sparse_ids_warning
-from detr_irpe.engine.runner import run_training, warn_sparse_category_ids
+from detr_irpe.engine.classes import warn_sparse_category_ids
+from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import DatasetError
 from detr_irpe.inference import Predictor
 from detr_irpe.inference.files import predict_files
@@ -214,7 +215,7 @@ def test_sparse_ids_warning_text() -> None:
 def test_unremapped_sparse_data_trains_as_before_with_a_warning(sparse_dataset, tmp_path,
                                                                 caplog) -> None:
     out = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, logger="detr_irpe.engine.runner"):
+    with caplog.at_level(logging.WARNING, logger="detr_irpe.engine.classes"):
         _train(sparse_dataset, out)
     warnings = [r.getMessage() for r in caplog.records if "category ids" in r.getMessage()]
     assert len(warnings) == 1 and "head gets 1001 outputs" in warnings[0]
@@ -246,7 +247,7 @@ def test_a_huge_category_id_points_at_remapping_not_at_num_classes(sparse_datase
 def test_remapped_run_does_not_warn(sparse_dataset, tmp_path, caplog) -> None:
     cfg = load_tiny_config(f"data.root={sparse_dataset}", "data.remap_categories=true")
     train = build_dataset(cfg.data, "train", transforms=None)
-    with caplog.at_level(logging.WARNING, logger="detr_irpe.engine.runner"):
+    with caplog.at_level(logging.WARNING, logger="detr_irpe.engine.classes"):
         warn_sparse_category_ids([train], train.num_classes)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 

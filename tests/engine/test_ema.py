@@ -191,3 +191,78 @@ def test_resuming_without_ema_drops_it_and_turning_it_on_starts_one(data, tmp_pa
         run_training(_cfg(data, out, "train.epochs=2"), progress=False, resume=out / LAST)
     assert "holds no EMA of the weights" in caplog.text
     assert read_training_checkpoint(out / LAST)["ema"]["updates"] == 4  # epoch 1's steps
+
+
+# ----------------------------------------------------------------------------- tied tensors
+def _tied(model: nn.Module) -> list[list[str]]:
+    """The state-dict keys naming one tensor, in groups of two or more."""
+    groups: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(value), []).append(key)
+    return [keys for keys in groups.values() if len(keys) > 1]
+
+
+def _dfine_tiny() -> nn.Module:
+    from detr_irpe.config import load_config
+    from detr_irpe.models import build_model
+
+    torch.manual_seed(0)
+    model, _, _ = build_model(load_config("dfine_tiny", ["model.num_classes=3"]),
+                              load_backbone_weights=False)
+    return model.double()
+
+
+def test_tied_tensors_are_averaged_once_and_reg_scale_not_at_all() -> None:
+    """D-FINE's ``up`` and ``reg_scale`` are each one parameter under two names. After n
+    updates towards ever new weights, every entry (the tied ones under both names) is the
+    closed-form average of its source, in float64; reg_scale keeps the value it started
+    with (the published EMA does not average it: an integer tensor there)."""
+    model = _dfine_tiny()
+    assert sorted(map(sorted, _tied(model))) == [
+        ["decoder.decoder.reg_scale", "decoder.reg_scale"], ["decoder.decoder.up", "decoder.up"]]
+    ema = ModelEma(model, decay=0.9, warmup=3)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    scale = max(float(v.abs().max()) for v in expected.values() if v.is_floating_point())
+    generator = torch.Generator().manual_seed(1)
+    for n in range(1, 6):
+        with torch.no_grad():  # every floating-point tensor (a tied one once) moves
+            for value in {id(v): v for v in model.state_dict(keep_vars=True).values()}.values():
+                if value.is_floating_point():
+                    value.copy_(torch.randn(value.shape, generator=generator,
+                                            dtype=value.dtype))
+                    scale = max(scale, float(value.abs().max()))
+        d = 0.9 * (1 - math.exp(-n / 3))
+        for key, value in model.state_dict().items():
+            if value.is_floating_point() and not key.endswith("reg_scale"):
+                expected[key] = d * expected[key] + (1 - d) * value
+        ema.update(model)
+    got = ema.module.state_dict()
+    # every value is a convex combination of values of magnitude <= scale; each update
+    # rounds a multiply and an add (the formula here two of each): at most 4 float64
+    # roundings of size <= eps * scale per update, 5 updates
+    bound = 5 * 4 * torch.finfo(torch.float64).eps * scale
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=bound, msg=key)
+    assert got["decoder.reg_scale"].item() == got["decoder.decoder.reg_scale"].item() == 4.0
+    assert got["decoder.up"].item() != model.decoder.up.item()  # averaged, not copied
+
+
+def test_an_average_saved_with_reg_scale_averaged_loads_with_the_weights_value(caplog) -> None:
+    """An EMA saved before the fix (reg_scale averaged twice: near 8 at the start) keeps
+    loading; its reg_scale is the weights' 4 again, logged."""
+    model = _dfine_tiny()
+    old = ModelEma(model, decay=0.9, warmup=0).state_dict()
+    old["module"] = dict(old["module"])
+    for key in ("decoder.reg_scale", "decoder.decoder.reg_scale"):
+        old["module"][key] = torch.tensor([7.6], dtype=torch.float64)
+    old["updates"] = 3
+    ema = ModelEma(model, decay=0.9, warmup=0)
+    with caplog.at_level("WARNING"):
+        ema.load_state_dict(old, "old.pth")
+    assert ema.updates == 3 and ema.module.decoder.reg_scale.item() == 4.0
+    assert "old.pth: its EMA holds decoder.reg_scale" in caplog.text
+    # an average saved now loads as it is, without a warning
+    caplog.clear()
+    again = ModelEma(model, decay=0.9, warmup=0)
+    again.load_state_dict(ema.state_dict(), "new.pth")
+    assert "new.pth" not in caplog.text

@@ -74,6 +74,7 @@ def straight_run(tiny_data, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # two training runs (8 s on a Zen 3)
 def test_resume_at_epoch_boundary_equals_straight_run(tiny_data, straight_run, tmp_path):
     run_training(_cfg(tiny_data, tmp_path, "train.epochs=1"), progress=False)
     assert read_training_checkpoint(tmp_path / LAST)["epoch"] == 1

@@ -11,11 +11,11 @@ import pytest
 import torch
 from helpers import load_tiny_config
 
-from detr_irpe.canvas import CanvasLayout, parse_canvas, parse_canvases
+from detr_irpe.canvas_layouts import CanvasLayout, parse_canvas, parse_canvases
 from detr_irpe.checkpoint import FORMAT, atomic_save
 from detr_irpe.cli.eval import main as eval_main
 from detr_irpe.data import build_dataset
-from detr_irpe.data.canvas import CanvasDataset
+from detr_irpe.data.canvas_dataset import CanvasDataset
 from detr_irpe.evaluation import CocoEvaluator
 from detr_irpe.models import build_model
 
@@ -206,7 +206,7 @@ def test_a_mosaic_of_k_images_gets_k_times_the_selected_queries(config, scaled) 
             assert note is None and getattr(decoder, "num_queries", None) == before[0]
 
 
-def test_rtdetr_mosaic_evaluation_notes_its_queries(tiny_dataset, tmp_path) -> None:
+def test_rtdetr_mosaic_evaluation_notes_its_queries(tiny_dataset, tmp_path, capsys) -> None:
     """The canvases' table and JSON say how many queries a mosaic ran with."""
     from detr_irpe.config import load_config
 
@@ -221,4 +221,189 @@ def test_rtdetr_mosaic_evaluation_notes_its_queries(tiny_dataset, tmp_path) -> N
     rows = json.loads((out / "canvases.json").read_text())["canvases"]
     assert rows[0].get("note") is None
     assert rows[1]["note"].startswith(f"{2 * cfg.model.num_queries} queries (2 x ")
-    assert "2 x" in (out / "canvases.md").read_text()
+    table = (out / "canvases.md").read_text()
+    # the notes of a canvas table are about queries, not padding (issue 47.7)
+    assert "\nQueries on mosaics:\n- mosaic2x1: " in table and "2 x" in table
+    assert "pads" not in table
+    printed = capsys.readouterr().out  # the table the tool prints, too
+    assert "\nQueries on mosaics:\n- mosaic2x1: " in printed and "pads" not in printed
+
+
+# ------------------------------------------------------- the size split (issue 47.1)
+# Objects (w, h) in the original images' pixels: small (< 32^2), medium and large (> 96^2)
+_OBJECTS = ((14, 18), (24, 30), (50, 44), (70, 60), (130, 100), (150, 120))
+
+
+def _objects_of_every_size(root: Path) -> Path:
+    """A COCO-format val split of 320 x 240 and 300 x 200 images (shrunk 2x and 1.67x to
+    the trained size of ``_SIZE_SPLIT``) with small, medium and large objects."""
+    import numpy as np
+    from PIL import Image
+
+    (root / "images").mkdir(parents=True)
+    images, annotations = [], []
+    for i, (width, height) in enumerate(((320, 240), (300, 200), (320, 240), (300, 200))):
+        pixels = np.full((height, width, 3), 100 + 20 * i, dtype=np.uint8)
+        Image.fromarray(pixels).save(root / "images" / f"{i}.png")
+        images.append({"id": 10 + i, "file_name": f"{i}.png", "height": height,
+                       "width": width})
+        for k, (w, h) in enumerate(_OBJECTS[i % 2::2]):  # one of each size per image
+            x, y = 5 + 10 * k + 3 * i, 4 + 20 * k
+            annotations.append({"id": len(annotations) + 1, "image_id": 10 + i,
+                                "category_id": 1 + k, "bbox": [x, y, w, h], "area": w * h,
+                                "iscrowd": 0})
+    categories = [{"id": k, "name": f"c{k}"} for k in (1, 2, 3)]
+    (root / "ann.json").write_text(json.dumps(
+        {"images": images, "annotations": annotations, "categories": categories}))
+    return root
+
+
+_SIZE_SPLIT = ("data.train_ann=ann.json", "data.train_images=images", "data.val_ann=ann.json",
+               "data.val_images=images", "data.val_size=120", "data.max_size=200",
+               "model.num_classes=4")
+
+
+class _Oracle:
+    """A 'model' that answers from the targets it is handed (as a denoising model gets
+    them): each object found with a box off by a few % of its side and falling scores,
+    and, interleaved by score, false detections of small, medium and large size in the
+    original image's pixels. Its answers are a function of the normalised targets, the
+    same for an image alone and for that image as a mosaic1x1 canvas."""
+
+    # (cx, cy, w, h) normalised by the image: at 320 x 240 an area of 0.6k, 2.8k, 11k px
+    FALSE = ((0.85, 0.85, 0.08, 0.1), (0.75, 0.2, 0.17, 0.2), (0.7, 0.7, 0.35, 0.4))
+
+    def __init__(self) -> None:
+        self.seen = 0  # objects answered so far: the batches come in the same order
+
+    def eval(self) -> _Oracle:
+        return self
+
+    def __call__(self, images, targets):
+        rows = []
+        for target in targets:
+            found = []
+            for box, label in zip(target["boxes"].tolist(), target["labels"].tolist()):
+                cx, cy, w, h = box
+                off = (0.0, 0.3, 0.04, 0.12, 0.2)[self.seen % 5]  # IoU 1 down to ~0.5
+                found.append((label, (cx + off * w, cy - off * h / 2, w, h),
+                              8.0 - 0.4 * self.seen))
+                self.seen += 1
+            for j, box in enumerate(self.FALSE):  # scored among the objects
+                found.append((1 + j, box, 7.0 - 1.5 * j - 0.2 * len(rows)))
+            rows.append(found)
+        queries = max(len(r) for r in rows)
+        logits = torch.full((len(rows), queries, 5), 0.0)
+        logits[..., -1] = 20.0  # unused queries: "no object"
+        boxes = torch.full((len(rows), queries, 4), 0.5)
+        for b, found in enumerate(rows):
+            for q, (label, box, score) in enumerate(found):
+                logits[b, q, -1] = 0.0
+                logits[b, q, label] = score
+                boxes[b, q] = torch.tensor(box)
+        return {"pred_logits": logits, "pred_boxes": boxes}
+
+
+def test_mosaic1x1_gives_the_plain_evaluation_s_twelve_numbers(tmp_path) -> None:
+    """Issue 47.1: the small / medium / large split of a canvas is the plain evaluation's.
+    The images are shrunk to the trained size (2x, 1.67x), so the detections' area in
+    canvas pixels is 1/4 - 1/2.8 of their area in the original image: measured on the
+    canvas, the false medium and large ones would fall into the smaller ranges."""
+    from detr_irpe.engine.checkpoint_eval import EvalOptions, run_evaluation
+
+    root = _objects_of_every_size(tmp_path / "data")
+    cfg = load_tiny_config(f"data.root={root}", *_SIZE_SPLIT)
+    model, _, _ = build_model(cfg, load_backbone_weights=False)
+    path = tmp_path / "tiny.pth"
+    atomic_save({"format": FORMAT, "model": model.state_dict(), "config": cfg.to_dict()}, path)
+
+    def oracle(_model, _cfg):
+        return _Oracle()
+
+    plain = run_evaluation(None, path, tmp_path / "plain",
+                           EvalOptions(progress=False, runtime=oracle))
+    canvas = run_evaluation(None, path, tmp_path / "canvas", EvalOptions(
+        progress=False, runtime=oracle, canvases=parse_canvases(["mosaic1x1"], "canvases")))
+    expected = plain["summary"]
+    # the data exercises every range: neither nothing nor everything found in any of them
+    assert all(0.05 < expected[k] < 0.95 for k in ("APs", "APm", "APl")), expected["stats"]
+    got = canvas["canvases"][0]["summary"]
+    # COCOeval's numbers are ratios of counts: equal unless a comparison flips
+    assert got["stats"] == pytest.approx(expected["stats"], abs=1e-9)
+
+
+def _detections_in_original_pixels(coco, image_id: int) -> list[tuple[int, list[float], float]]:
+    """``(category, xywh, score)``: every object of ``image_id`` with a box shifted by
+    0-30 % of its width, and false ones of 20 x 24, 55 x 50 and 110 x 100 pixels (small,
+    medium, large) in the image's empty bottom right corner, scored among them."""
+    info = coco.imgs[image_id]
+    found = []
+    for j, ann in enumerate(sorted(coco.imgToAnns[image_id], key=lambda a: a["id"])):
+        x, y, w, h = ann["bbox"]
+        off = (0.0, 0.3, 0.1, 0.2)[(j + image_id) % 4]
+        found.append((ann["category_id"], [x + off * w, y, w, h], 0.9 - 0.1 * j))
+    for j, (w, h) in enumerate(((20, 24), (55, 50), (110, 100))):
+        found.append((1 + j, [info["width"] - w - 2, info["height"] - h - 2, w, h],
+                      0.85 - 0.1 * j - 0.01 * image_id))
+    return found
+
+
+@pytest.mark.parametrize("label", ["mosaic2x2", "mosaic1x2", "pad2x2-c"])
+@pytest.mark.parametrize("backend", ["pycocotools", "faster"])
+def test_on_canvases_every_detection_keeps_its_size_range(label, backend, tmp_path) -> None:
+    """The same detections scored on the original images and moved onto canvases (shrunk
+    to the trained size, shifted by their cell) get the same AP and AP_S / AP_M / AP_L, and
+    the recall at 100 detections per image (AR1 and AR10 count per canvas)."""
+    from detr_irpe.evaluation import faster_coco_eval_available
+
+    if backend == "faster" and not faster_coco_eval_available():
+        pytest.skip("faster-coco-eval is not installed")
+    root = _objects_of_every_size(tmp_path / "data")
+    base = build_dataset(load_tiny_config(f"data.root={root}", *_SIZE_SPLIT).data, "val")
+    canvases = CanvasDataset(base, parse_canvas(label))
+    plain = CocoEvaluator(base.coco, backend=backend)
+    moved = CocoEvaluator(canvases.coco, backend=backend,
+                          detection_areas=canvases.original_areas)
+    on_canvas: dict[int, list] = {}
+    for canvas_id, (_, places) in enumerate(canvases.canvases, start=1):
+        for place in places:
+            image_id = base.ids[place.index]
+            found = _detections_in_original_pixels(base.coco, image_id)
+            plain.update({image_id: _prediction(found)})
+            sx = place.width / base.coco.imgs[image_id]["width"]
+            sy = place.height / base.coco.imgs[image_id]["height"]
+            on_canvas.setdefault(canvas_id, []).extend(
+                (cat, [x * sx + place.left, y * sy + place.top, w * sx, h * sy], score)
+                for cat, (x, y, w, h), score in found)
+    moved.update({k: _prediction(found) for k, found in on_canvas.items()})
+    expected, got = plain.summarize(), moved.summarize()
+    assert all(0.05 < expected[k] < 0.95 for k in ("APs", "APm", "APl")), expected["stats"]
+    for name in ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR100", "ARs", "ARm", "ARl"):
+        assert got[name] == pytest.approx(expected[name], abs=1e-9), name
+
+
+def _prediction(found) -> dict[str, torch.Tensor]:
+    """COCO xywh -> the evaluator's xyxy prediction."""
+    boxes = torch.tensor([[x, y, x + w, y + h] for _, (x, y, w, h), _ in found],
+                         dtype=torch.float64)
+    return {"boxes": boxes, "scores": torch.tensor([s for *_, s in found]),
+            "labels": torch.tensor([c for c, *_ in found])}
+
+
+def test_a_detection_is_measured_by_the_image_it_lies_on(tmp_path) -> None:
+    """``original_areas``: the area on the canvas divided by the area scale of the placed
+    image under the box's centre, or of the closest one (the empty part of a cell)."""
+    root = _objects_of_every_size(tmp_path / "data")
+    base = build_dataset(load_tiny_config(f"data.root={root}", *_SIZE_SPLIT).data, "val")
+    canvases = CanvasDataset(base, parse_canvas("mosaic1x4"))
+    (height, width), places = canvases.canvases[0]
+    assert [p.original for p in places] == [(240, 320), (200, 300), (240, 320), (200, 300)]
+    assert [(p.height, p.width) for p in places] == [(120, 160), (120, 180)] * 2
+    boxes = [[p.left + 10, 20, 30, 40] for p in places]  # 30 x 40 canvas pixels in each
+    expected = [1200 / (120 * 160 / (240 * 320)), 1200 / (120 * 180 / (200 * 300))] * 2
+    assert canvases.original_areas(1, boxes) == pytest.approx(expected, rel=1e-12)
+    # the first cell is 180 wide, its image 160: a centre at 165 is 5 px off the first
+    # image and 15 px off the second
+    assert (width, places[1].left) == (4 * 180, 180)
+    assert canvases.original_areas(1, [[163, 50, 4, 4]]) == pytest.approx([16 / 0.25],
+                                                                          rel=1e-12)

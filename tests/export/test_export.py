@@ -14,10 +14,12 @@ import torch
 from helpers import CHEBYSHEV, ROOT, load_tiny_config, randomise
 from torch import nn
 
+from detr_irpe.attention import MultiheadAttention
 from detr_irpe.checkpoint import FORMAT, atomic_save
 from detr_irpe.cli.export import main
+from detr_irpe.encodings.irpe import IRPEEncoding
+from detr_irpe.errors import ExportError
 from detr_irpe.export import OUTPUTS, export_onnx, run_onnx
-from detr_irpe.irpe import IRPEMultiheadAttention
 from detr_irpe.models import TopKPostProcess, build_model
 from detr_irpe.models.from_checkpoint import model_from_checkpoint
 from detr_irpe.structures import ImageBatch
@@ -78,6 +80,7 @@ def _pytorch_outputs(checkpoint: Path, images: torch.Tensor) -> tuple[torch.Tens
     return out["pred_logits"], out["pred_boxes"]
 
 
+@pytest.mark.slow  # a DETR-R50 export (14 s on a Zen 3)
 def test_cli_writes_onnx_with_named_input_and_outputs(exported) -> None:
     path, status, printed, _ = exported
     assert status == 0 and path.is_file() and "opset 18" in printed
@@ -162,7 +165,7 @@ def test_unsupported_setting_is_one_line_exit_2(checkpoint: Path, tmp_path: Path
 class _FeatureMapAttention(nn.Module):
     """``(B, C, H, W)`` -> ``(B, H*W, C)`` through one iRPE attention, with ``hw`` from the shape."""
 
-    def __init__(self, attn: IRPEMultiheadAttention) -> None:
+    def __init__(self, attn: MultiheadAttention) -> None:
         super().__init__()
         self.attn = attn
 
@@ -177,7 +180,7 @@ class _FeatureMapAttention(nn.Module):
                                  f"rpe-2.0-{CHEBYSHEV}-ctx-0-qk"])
 def test_dynamic_attention_computes_bucket_ids_in_the_graph(tmp_path: Path, rpe: str) -> None:
     """One attention layer exported with symbolic H, W runs at sizes it was not traced at."""
-    attn = IRPEMultiheadAttention(16, 2, rpe=rpe)
+    attn = MultiheadAttention(16, 2, encodings=[IRPEEncoding(rpe, 8, 2)])
     _randomise_tables(attn)
     module = _FeatureMapAttention(attn).eval()
     dims = {0: torch.export.Dim("batch", min=1), 2: torch.export.Dim("height", min=2),
@@ -285,3 +288,39 @@ def test_dab_decoder_dynamic_export_runs_at_other_sizes(tmp_path: Path) -> None:
             expected = model(ImageBatch.from_images(list(images)))
         torch.testing.assert_close(logits, expected["pred_logits"], **TOL)
         torch.testing.assert_close(boxes, expected["pred_boxes"], **TOL)
+
+
+def test_the_check_allows_what_float32_itself_loses_and_no_more(monkeypatch) -> None:
+    """A larger model's float32 outputs are further from its float64 outputs (D-FINE-S at
+    640 x 640: ~3e-4): the check takes that rounding into account, and a graph that differs
+    by more than a few times it is still refused."""
+    from detr_irpe.cli.programs import export as program  # noqa: PLC0415
+
+    model, _, _ = build_model(load_tiny_config("model.num_classes=3"))
+    model.eval()
+    images = torch.randn(1, 3, *SIZE)
+    wrapper = program.onnx_wrapper(model).eval()
+    with torch.no_grad():
+        want = wrapper(images)
+    # the tiny model's own float32 error is real and far below the fixed tolerance
+    own = program._float32_error(wrapper, images, want)
+    assert 0.0 < own < program.CHECK_TOLERANCE
+
+    def graph_off_by(delta):
+        return lambda path, imgs: tuple(t + delta for t in wrapper(imgs))
+
+    monkeypatch.setattr(program.torch, "randn", lambda *shape: images.clone())
+    # a big model: PyTorch's float32 loses 2e-4, the graph is 5e-4 off: within 4 x
+    monkeypatch.setattr(program, "_float32_error", lambda *a: 2e-4)
+    monkeypatch.setattr(program, "run_onnx", graph_off_by(5e-4))
+    line = program._check_against_pytorch(model, Path("m.onnx"), SIZE, 1)
+    assert "tolerance 8.0e-04" in line
+    # the same graph where float32 loses nothing beyond the fixed tolerance: refused
+    monkeypatch.setattr(program, "_float32_error", lambda *a: 1e-5)
+    with pytest.raises(ExportError, match=r"differ by up to 5\.\d+e-04 \(tolerance 1\.0e-04\)"):
+        program._check_against_pytorch(model, Path("m.onnx"), SIZE, 1)
+    # a wrong graph is refused whatever float32 loses
+    monkeypatch.setattr(program, "_float32_error", lambda *a: 2e-4)
+    monkeypatch.setattr(program, "run_onnx", graph_off_by(1e-2))
+    with pytest.raises(ExportError, match="the file may be wrong"):
+        program._check_against_pytorch(model, Path("m.onnx"), SIZE, 1)

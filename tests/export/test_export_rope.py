@@ -15,11 +15,11 @@ import torch
 from helpers import load_tiny_config, randomise
 from torch import nn
 
+from detr_irpe.attention import MultiheadAttention
 from detr_irpe.checkpoint import FORMAT, atomic_save
 from detr_irpe.cli.export import main
 from detr_irpe.config import load_config
 from detr_irpe.export import export_onnx, run_onnx
-from detr_irpe.irpe import IRPEMultiheadAttention
 from detr_irpe.models import build_model
 from detr_irpe.models.from_checkpoint import model_from_checkpoint
 from detr_irpe.rope import is_rope_key
@@ -47,8 +47,8 @@ RTDETR_SHAPES = [(1, 3, 128, 128), (2, 3, 96, 160)]
 TOL = dict(atol=1e-4, rtol=1e-4)
 
 
-def _encoder_attentions(model: nn.Module) -> list[IRPEMultiheadAttention]:
-    return [m for m in model.modules() if isinstance(m, IRPEMultiheadAttention)]
+def _encoder_attentions(model: nn.Module) -> list[MultiheadAttention]:
+    return [m for m in model.modules() if isinstance(m, MultiheadAttention)]
 
 
 def _forward(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,16 +62,14 @@ def _assert_rotation_matters(model: nn.Module, images: torch.Tensor, forward) ->
     """The rotation changes the outputs by far more than TOL: without it the comparison
     would not see a wrong or missing rotation in the graph."""
     attentions = _encoder_attentions(model)
-    assert attentions and all(a.rope is not None for a in attentions)
+    assert attentions and all("rope" in a.encodings for a in attentions)
     with_rope = forward(model, images)[0]
-    ropes = [a.rope for a in attentions]
+    ropes = [a.encodings.pop("rope") for a in attentions]  # the last entry of each list
     try:
-        for a in attentions:
-            a.rope = None
         without = forward(model, images)[0]
     finally:
         for a, rope in zip(attentions, ropes):
-            a.rope = rope
+            a.encodings["rope"] = rope
     assert (with_rope - without).abs().max() > 100 * TOL["atol"]
 
 

@@ -15,10 +15,12 @@ import torch
 from helpers import AXIS_STEPS, CHEBYSHEV, ROOT, load_tiny_config
 from irpe_reference import ref_attention, ref_bucket_ids
 
-from detr_irpe import registry
+from detr_irpe.attention import MultiheadAttention
 from detr_irpe.config import config_from_dict
+from detr_irpe.encodings.irpe import IRPEEncoding
 from detr_irpe.errors import CheckpointError, ConfigError
-from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig
+from detr_irpe.irpe import RPEConfig
+from detr_irpe.models import backbone_registry as registry
 from detr_irpe.models import build_model, model_from_checkpoint
 from detr_irpe.structures import ImageBatch
 
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from detr_irpe.irpe import register_bucket_method
-from detr_irpe.registry import BackboneBody, register_backbone
+from detr_irpe.models.backbone_registry import BackboneBody, register_backbone
 
 
 @register_backbone("{backbone}")
@@ -85,9 +87,9 @@ def test_model_import_registers_a_users_backbone_and_bucket_method(
     frozen = {n: p.requires_grad for n, p in build_model(cfg)[0].backbone[0].body.named_parameters()}
     assert frozen == {"stem.weight": False, "stem.bias": False,
                       "stage.weight": True, "stage.bias": True}
-    attention = model.transformer.encoder.layers[0].self_attn
-    assert attention.rpe.method.name == "plugin_cwd_cheb"
-    assert attention.rpe_k.lookup_table_weight.shape[-1] == 5  # 2 * 2.0 + 1 buckets
+    irpe = model.transformer.encoder.layers[0].self_attn.entry("irpe")
+    assert irpe.rpe.method.name == "plugin_cwd_cheb"
+    assert irpe.rpe_k.lookup_table_weight.shape[-1] == 5  # 2 * 2.0 + 1 buckets
     out = model(_batch())
     assert out["pred_logits"].shape == (2, 4, 4) and torch.isfinite(out["pred_boxes"]).all()
 
@@ -208,20 +210,22 @@ def test_attention_with_a_registered_method_matches_the_dense_reference(
     rpe: str, impl: str,
 ) -> None:
     """Forward and gradients (float64) against the python-loop ids and dense attention."""
-    module = IRPEMultiheadAttention(16, 2, rpe=rpe, impl=impl).double().eval()
+    module = MultiheadAttention(16, 2, encodings=[IRPEEncoding(rpe, 8, 2)], impl=impl).double().eval()
     with torch.no_grad():
         for name, p in module.named_parameters():
             if "lookup_table" in name:
                 p.normal_(0.0, 0.5)
-    cfg, hw = module.rpe, (3, 4)
+    cfg, hw = module.encodings["irpe"].rpe, (3, 4)
     method = cfg.method.name
     if method == AXIS_STEPS:  # the state-dict keys of a two-table method are cross's
-        assert {k.split(".")[1] for k in module.state_dict() if "lookup_table" in k} == {
+        assert {k.split(".")[3] for k in module.state_dict() if "lookup_table" in k} == {
             "rp_rows", "rp_cols"}
     ids = torch.tensor(ref_bucket_ids(method, *hw, cfg.ratio)[0])
     query = torch.randn(2, 12, 16, dtype=torch.float64, requires_grad=True)
     value = torch.randn(2, 12, 16, dtype=torch.float64, requires_grad=True)
-    params = {k: v.detach().clone().requires_grad_(True) for k, v in module.state_dict().items()}
+    # the reference reads the tables by their names in the attention (``rpe_k...``)
+    params = {k.removeprefix("encodings.irpe."): v.detach().clone().requires_grad_(True)
+              for k, v in module.state_dict().items()}
     ref_out, _ = ref_attention(params, 2, cfg.rpe_on, method, ids, query, query, value)
     out, _ = module(query, query, value, hw, need_weights=False)
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-7)
@@ -230,7 +234,8 @@ def test_attention_with_a_registered_method_matches_the_dense_reference(
     want = torch.autograd.grad((ref_out * grad).sum(), [query, value, *params.values()],
                                allow_unused=True)
     want_by_name = dict(zip(["query", "value", *params], want))
-    names = ["query", "value", *(n for n, _ in module.named_parameters())]
+    names = ["query", "value", *(n.removeprefix("encodings.irpe.")
+                                 for n, _ in module.named_parameters())]
     for name, g in zip(names, got):
         torch.testing.assert_close(g, want_by_name[name], atol=1e-10, rtol=1e-7, msg=name)
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers import ROOT, wait_for_file
 
-from detr_irpe.engine import runner
+from detr_irpe.engine import run_hooks, runner
 from detr_irpe.engine.interrupt import (
     SAME_REQUEST_S,
     StopOnSignal,
@@ -577,7 +577,7 @@ def test_ranks_agree_on_a_stop_only_where_a_step_waits_anyway(tiny_dataset, tmp_
     monkeypatch.setattr(runner, "init_distributed",
                         lambda device: dataclasses.replace(real_init(device), world_size=2))
     steps, agreed_after = [], []
-    monkeypatch.setattr(runner, "agreed_stop",
+    monkeypatch.setattr(run_hooks, "agreed_stop",
                         lambda local, device: agreed_after.append(len(steps)) or local)
     handle = register_optimizer_step_pre_hook(lambda *args: steps.append(1))
     try:

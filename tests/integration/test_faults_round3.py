@@ -61,7 +61,7 @@ def test_train_refuses_groups_for_the_fullest_image_before_building_the_model(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from detr_irpe import sizes
-    from detr_irpe.engine import runner
+    from detr_irpe.engine import parts
 
     objects = _fullest_image(tiny_dataset)
     assert objects >= 2, "the check needs an image with several objects"
@@ -73,7 +73,7 @@ def test_train_refuses_groups_for_the_fullest_image_before_building_the_model(
     def never(*args, **kwargs):
         raise AssertionError("the model must not be built for sizes that cannot work")
 
-    monkeypatch.setattr(runner, "build_model", never)
+    monkeypatch.setattr(parts, "build_model", never)
     status = load_tool("train").main([
         "--config", "synthetic_tiny", "--set", f"data.root={tiny_dataset}",
         f"train.output_dir={tmp_path / 'out'}", *DN, f"model.denoising.groups={groups}"])
@@ -450,7 +450,7 @@ def test_convert_rpe_none_drops_the_tables_and_every_tool_loads_the_result(
 ) -> None:
     import torch
 
-    from detr_irpe.irpe.attention import is_rpe_key
+    from detr_irpe.irpe import is_rpe_key
     from detr_irpe.models import model_from_checkpoint
 
     source = tmp_path / "irpe.pth"
@@ -575,14 +575,14 @@ def test_a_run_warns_with_the_figures_of_its_head(
     import logging
     from types import SimpleNamespace
 
-    from detr_irpe.engine import runner
+    from detr_irpe.engine import parts, start
 
     data = SimpleNamespace(num_classes=1001, category_ids=None, max_objects=1,
                            ann_file="train.json",
                            category_names={0: "a", 500: "b", 1000: "c"})
     cfg = load_tiny_config(f"model.decoder={decoder}", f"train.output_dir={tmp_path}")
-    with caplog.at_level(logging.WARNING, logger="detr_irpe.engine.runner"):
-        runner._settle_config(cfg, runner.StartState(), SimpleNamespace(is_main=True),
+    with caplog.at_level(logging.WARNING, logger="detr_irpe.engine.classes"):
+        parts._settle_config(cfg, start.StartState(), SimpleNamespace(is_main=True),
                               [data, data])
     said = " ".join(r.getMessage() for r in caplog.records if "category ids" in r.getMessage())
     assert "1001 outputs" in said, said

@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from detr_irpe.checkpoint import FORMAT, atomic_save
 from detr_irpe.cli.eval import main as eval_main
 from detr_irpe.cli.train import main as train_main
-from detr_irpe.engine import checkpoint_eval as eval_cli
+from detr_irpe.engine import evaluation as eval_pass
 from detr_irpe.engine.distributed import DistInfo, lost_rank_as_error
 from detr_irpe.engine.trainer import check_finite_loss
 from detr_irpe.errors import (
@@ -236,7 +236,7 @@ class _DefaultHandlerWouldKill(Exception):
 
 def test_sigterm_during_an_evaluation_exits_143_with_one_line(checkpoint, tmp_path, monkeypatch,
                                                              capsys) -> None:
-    real_evaluate = eval_cli.evaluate
+    real_evaluate = eval_pass.evaluate
 
     def evaluate_then_sigterm(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # arrives at the next bytecode: mid-evaluation
@@ -245,7 +245,7 @@ def test_sigterm_during_an_evaluation_exits_143_with_one_line(checkpoint, tmp_pa
     def fallback(signum, frame):
         raise _DefaultHandlerWouldKill
 
-    monkeypatch.setattr(eval_cli, "evaluate", evaluate_then_sigterm)
+    monkeypatch.setattr(eval_pass, "evaluate", evaluate_then_sigterm)
     previous = signal.signal(signal.SIGTERM, fallback)
     try:
         status = eval_main([str(checkpoint), "--output-dir", str(tmp_path / "eval"),

@@ -18,40 +18,47 @@ PACKAGE = ROOT / "detr_irpe"
 # listed here fails the test: a new part states its place.
 # The config and what it checks names and sizes with (registry, sizes, the family
 # registry): importable by every part that may import the config.
-CONFIG = {"canvas", "config", "family", "registry", "sizes"}
+CONFIG = {"canvas_layouts", "config", "family", "registry", "resize", "sizes"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "structures": set(),
     "irpe": set(),
-    "rope": set(),
-    # the encoding registry: its entries wrap irpe/ and rope/
-    "encodings": {"errors", "irpe", "rope"},
+    # the attention that hosts every encoding (its entries' interface; the iRPE maths of
+    # the value terms)
+    "attention": {"irpe"},
+    "rope": {"attention"},
+    # the encoding registry: its entries wrap irpe/ and rope/, entries of the attention
+    "encodings": {"attention", "errors", "irpe", "registry", "rope"},
     "utils": {"errors"},
     "sizes": set(),
     # canvas layouts (labels, placement): the size-list parser of sizes
-    "canvas": {"sizes"},
-    "registry": {"irpe"},
-    "family": {"errors"},
-    "config": {"errors", "family", "irpe", "registry", "encodings", "rope", "sizes", "utils"},
-    "checkpoint": CONFIG | {"errors", "irpe", "encodings", "rope", "utils"},
-    "models": CONFIG | {"checkpoint", "errors", "irpe", "encodings", "rope", "structures", "utils"},
+    "canvas_layouts": {"sizes"},
+    # the resize rules (detr_irpe/resize.py): test sizes, and the family that gives the rule
+    "resize": {"family", "sizes"},
+    # the one registry style (name -> entry) of backbones, families and encodings
+    "registry": {"errors"},
+    "family": {"errors", "registry"},
+    "config": {"attention", "errors", "family", "irpe", "registry", "encodings", "resize", "rope", "sizes",
+               "utils"},
+    "checkpoint": CONFIG | {"attention", "errors", "irpe", "encodings", "rope", "utils"},
+    "models": CONFIG | {"attention", "checkpoint", "errors", "irpe", "encodings", "rope", "structures", "utils"},
     "data": CONFIG | {"errors", "structures", "utils"},
     "evaluation": {"data", "errors", "utils"},
     "run_folder": CONFIG | {"checkpoint", "errors", "utils"},
-    "engine": CONFIG | {"checkpoint", "data", "errors", "evaluation", "irpe", "models",
+    "engine": CONFIG | {"attention", "checkpoint", "data", "errors", "evaluation", "irpe", "models",
                         "encodings", "rope", "run_folder", "structures", "utils"},
-    "export": CONFIG | {"checkpoint", "errors", "irpe", "models", "encodings", "rope", "structures",
+    "export": CONFIG | {"attention", "checkpoint", "errors", "irpe", "models", "encodings", "rope", "structures",
                         "utils"},
-    "visualization": CONFIG | {"checkpoint", "data", "errors", "evaluation", "irpe", "models",
+    "visualization": CONFIG | {"attention", "checkpoint", "data", "errors", "evaluation", "irpe", "models",
                                "encodings", "rope", "run_folder", "structures", "utils"},
     "inference": CONFIG | {"checkpoint", "data", "errors", "export", "models", "structures",
                            "utils", "visualization"},
-    "ablation": CONFIG | {"checkpoint", "data", "errors", "evaluation", "irpe", "models",
+    "ablation": CONFIG | {"attention", "checkpoint", "data", "errors", "evaluation", "irpe", "models",
                           "encodings", "rope", "run_folder", "utils"},
-    "benchmark": CONFIG | {"checkpoint", "data", "engine", "errors", "evaluation", "export",
+    "benchmark": CONFIG | {"attention", "checkpoint", "data", "engine", "errors", "evaluation", "export",
                            "inference", "irpe", "models", "encodings", "rope", "structures",
                            "utils"},
-    "cli": CONFIG | {"ablation", "benchmark", "checkpoint", "data", "engine", "errors", "evaluation",
+    "cli": CONFIG | {"attention", "ablation", "benchmark", "checkpoint", "data", "engine", "errors", "evaluation",
                      "export", "inference", "irpe", "models", "encodings", "rope", "run_folder",
                      "structures", "utils", "visualization"},
 }
@@ -66,7 +73,7 @@ LEAVES = {
 # importable only while it is on sys.path.
 OPTIONAL = {"safetensors", "torch.utils.tensorboard", "faster_coco_eval", "onnxruntime",
             "timm", "torchvision.io", "models", "util.misc", "submitit", "wandb",
-            "transformers", "supervision", "torch._inductor"}
+            "transformers", "supervision", "torch._inductor", "defusedxml"}
 # A tool's module (detr_irpe/cli/<tool>.py) imports its program (detr_irpe/cli/programs/)
 # inside main, after parsing: --help and argument errors need no torch (docs/architecture.md).
 PROGRAMS = "detr_irpe.cli.programs"

@@ -14,9 +14,10 @@ import pytest
 import torch
 from helpers import ROOT, load_tool
 
+from detr_irpe.attention import MultiheadAttention
 from detr_irpe.config import ConfigError, load_config
 from detr_irpe.encodings import get_encoding
-from detr_irpe.irpe import IRPEMultiheadAttention
+from detr_irpe.encodings.irpe import IRPEEncoding
 
 PLUGINS = ROOT / "tests" / "plugins"
 IRPE = "rpe-2.0-product-ctx-1-k"
@@ -31,7 +32,7 @@ def plugin_path(monkeypatch: pytest.MonkeyPatch):
     return alibi2d_encoding
 
 
-def _naive(attn: IRPEMultiheadAttention, x: torch.Tensor, hw: tuple[int, int],
+def _naive(attn: MultiheadAttention, x: torch.Tensor, hw: tuple[int, int],
            pad: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention written out, with the distance bias built by loops over the grid
     (independent of the plugin's vectorised form)."""
@@ -40,7 +41,7 @@ def _naive(attn: IRPEMultiheadAttention, x: torch.Tensor, hw: tuple[int, int],
     q, k, v = torch.nn.functional.linear(x, attn.in_proj_weight, attn.in_proj_bias).chunk(3, -1)
     q, k, v = (t.reshape(batch, length, heads, dim).transpose(1, 2) for t in (q, k, v))
     logits = q @ k.transpose(-1, -2) / dim ** 0.5
-    slopes = attn.encodings[0].alibi_slopes
+    slopes = attn.encodings["alibi2d"].alibi_slopes
     cells = [(r, c) for r in range(hw[0]) for c in range(hw[1])]
     rows = []
     for ri, ci in cells:
@@ -61,9 +62,9 @@ def test_the_attention_adds_the_plugin_s_term_forward_and_backward(
     """Against the naive softmax (iRPE tables at zero add nothing, so the same reference
     holds with them); padding masked; gradients of the input and the slopes agree."""
     torch.manual_seed(0)
-    extra = {"rpe": IRPE} if with_irpe else {}
-    attn = IRPEMultiheadAttention(16, 2, impl=impl, encodings=[plugin_path.ALiBi2D(8, 2)],
-                                  **extra).double()
+    irpe = [IRPEEncoding(IRPE, 8, 2)] if with_irpe else []
+    attn = MultiheadAttention(16, 2, impl=impl,
+                              encodings=[*irpe, plugin_path.ALiBi2D(8, 2)]).double()
     hw = (3, 4)
     x = torch.randn(2, 12, 16, dtype=torch.float64, requires_grad=True)
     pad = torch.zeros(2, 12, dtype=torch.bool)
@@ -71,20 +72,20 @@ def test_the_attention_adds_the_plugin_s_term_forward_and_backward(
     out, _ = attn(x, x, x, hw, key_padding_mask=pad)
     ref = _naive(attn, x, hw, pad)
     torch.testing.assert_close(out, ref)
-    grads = torch.autograd.grad(out.square().sum(), (x, attn.encodings[0].alibi_slopes))
-    refs = torch.autograd.grad(ref.square().sum(), (x, attn.encodings[0].alibi_slopes))
+    grads = torch.autograd.grad(out.square().sum(), (x, attn.encodings["alibi2d"].alibi_slopes))
+    refs = torch.autograd.grad(ref.square().sum(), (x, attn.encodings["alibi2d"].alibi_slopes))
     for a, b in zip(grads, refs):
         torch.testing.assert_close(a, b)
     assert grads[1].abs().sum() > 0  # the slopes learn
 
 
 def test_the_plugin_s_term_moves_the_attention_off_the_blocked_core(plugin_path) -> None:
-    attn = IRPEMultiheadAttention(16, 2, rpe=IRPE, dropout=0.1,
-                                  encodings=[plugin_path.ALiBi2D(8, 2)])
+    attn = MultiheadAttention(16, 2, dropout=0.1,
+                              encodings=[IRPEEncoding(IRPE, 8, 2), plugin_path.ALiBi2D(8, 2)])
     x = torch.randn(1, 12, 16)
     assert attn._impl_for(x[:, None], x[:, None], False) == "explicit"
     with pytest.raises(ValueError, match="plugin encoding's logit term"):
-        IRPEMultiheadAttention(16, 2, impl="blocked", encodings=[plugin_path.ALiBi2D(8, 2)])(
+        MultiheadAttention(16, 2, impl="blocked", encodings=[plugin_path.ALiBi2D(8, 2)])(
             x, x, x, (3, 4))
 
 
@@ -114,7 +115,7 @@ def test_the_plugin_reaches_the_aifi_layer_of_rtdetr_and_dfine(plugin_path, conf
     cfg = load_config(config, [*ALIBI, "model.num_classes=3", "model.backbone_weights=none"])
     model, criterion, _ = build_model(cfg, load_backbone_weights=False)
     slopes = {k: v for k, v in model.named_parameters() if k.endswith(".alibi_slopes")}
-    assert list(slopes) == ["encoder.encoder.0.layers.0.self_attn.encodings.0.alibi_slopes"]
+    assert list(slopes) == ["encoder.encoder.0.layers.0.self_attn.encodings.alibi2d.alibi_slopes"]
     torch.manual_seed(0)
     batch = ImageBatch(torch.rand(2, 3, 64, 64), torch.zeros(2, 64, 64, dtype=torch.bool))
     targets = [{"labels": torch.tensor([1]), "boxes": torch.tensor([[0.5, 0.5, 0.3, 0.3]])}
@@ -159,7 +160,7 @@ def test_train_eval_sizes_export_figure(alibi_run: Path, tiny_dataset: Path, plu
     assert loaded.cfg.model.imports == ["alibi2d_encoding"]
     assert loaded.cfg.model.encodings["encoder"] == ["sine", "alibi2d-0.5"]
     slopes = [k for k in loaded.model.state_dict() if k.endswith(".alibi_slopes")]
-    assert slopes == ["transformer.encoder.layers.0.self_attn.encodings.0.alibi_slopes"]
+    assert slopes == ["transformer.encoder.layers.0.self_attn.encodings.alibi2d.alibi_slopes"]
     # the slopes trained, in a group without weight decay
     start = plugin_path.ALiBi2D(8, 4, 0.5).alibi_slopes
     assert not torch.equal(loaded.model.state_dict()[slopes[0]], start)

@@ -25,6 +25,7 @@ RECIPES = {
     "rtdetr_vit_tiny": ("rtdetr", "rpe-2.0-product-ctx-1-k"),
     "dfine_tiny": ("dfine", "rpe-2.0-product-ctx-1-k"),
     "dfine_vit_tiny": ("dfine", "rpe-2.0-product-ctx-1-k"),
+    "deimv2_tiny": ("deimv2", "none"),
 }
 
 

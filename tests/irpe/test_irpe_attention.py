@@ -1,4 +1,5 @@
-"""IRPEMultiheadAttention against the dense float64 reference and nn.MultiheadAttention."""
+"""The attention with an iRPE entry against the dense float64 reference and
+nn.MultiheadAttention."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import torch
 from irpe_reference import ref_attention, ref_bucket_ids
 from torch import nn
 
+from detr_irpe.attention import MultiheadAttention, choose_impl
+from detr_irpe.attention import blocked as blocked_module
+from detr_irpe.attention import multihead as attention_module
+from detr_irpe.encodings.irpe import IRPEEncoding
 from detr_irpe.irpe import (
-    IRPEMultiheadAttention,
     RPEConfig,
     attend_values,
     gather_buckets,
@@ -16,11 +20,10 @@ from detr_irpe.irpe import (
     gather_buckets_transposed,
     scatter_buckets,
 )
-from detr_irpe.irpe import attention as attention_module
 from detr_irpe.irpe import buckets as buckets_module
 from detr_irpe.irpe import functional as functional_module
-from detr_irpe.irpe.attention import choose_impl
 from detr_irpe.irpe.buckets import transposed_flat_ids
+from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.naive import naive_irpe_attention
 
 METHODS = ["euc", "quant", "cross", "product"]
@@ -32,6 +35,28 @@ CASES = [
     for shared in (0, 1)
     if not (mode == "bias" and "v" in on)
 ]
+
+
+def _attention(dim: int, heads: int, rpe=None, **kwargs) -> MultiheadAttention:
+    """The attention with the iRPE setting ``rpe`` (a string or an RPEConfig; None: plain)
+    as the first entry of its encoding list."""
+    entries = [] if parse_rpe(rpe) is None else [IRPEEncoding(rpe, dim // heads, heads)]
+    entries += list(kwargs.pop("encodings", ()))
+    return MultiheadAttention(dim, heads, encodings=entries, **kwargs)
+
+
+def _irpe(module: MultiheadAttention) -> IRPEEncoding | None:
+    return module.encodings["irpe"] if "irpe" in module.encodings else None
+
+
+def _ref_name(name: str) -> str:
+    """A parameter's name as the reference reads it (the tables as ``rpe_k...``)."""
+    return name.removeprefix("encodings.irpe.")
+
+
+def _ref_params(module: MultiheadAttention, grad: bool = False) -> dict[str, torch.Tensor]:
+    return {_ref_name(k): v.detach().clone().requires_grad_(grad)
+            for k, v in module.state_dict().items()}
 
 
 def _randomise_tables(module: nn.Module, scale: float = 0.5) -> None:
@@ -56,28 +81,28 @@ def _ref_ids(cfg: RPEConfig, height: int, width: int) -> torch.Tensor:
     return torch.tensor(ids)
 
 
-def _with_impl(module: IRPEMultiheadAttention, impl: str) -> IRPEMultiheadAttention:
+def _with_impl(module: MultiheadAttention, impl: str) -> MultiheadAttention:
     """A copy of ``module`` (same parameters, dtype and mode) computed by ``impl``."""
-    other = IRPEMultiheadAttention(
-        module.embed_dim, module.num_heads, dropout=module.dropout, rpe=module.rpe,
+    other = _attention(
+        module.embed_dim, module.num_heads, dropout=module.dropout, rpe=_irpe(module).rpe,
         bias=module.in_proj_bias is not None, impl=impl,
     ).to(module.in_proj_weight.dtype).train(module.training)
     other.load_state_dict(module.state_dict())
     return other
 
 
-def _paths(module: IRPEMultiheadAttention) -> list[tuple[IRPEMultiheadAttention, bool]]:
+def _paths(module: MultiheadAttention) -> list[tuple[MultiheadAttention, bool]]:
     """``(module, need_weights)`` for every computation path ``module``'s settings allow."""
-    impls = ["explicit", "blocked"] + (["sdpa"] if module.rpe_v is None else [])
+    impls = ["explicit", "blocked"] + (["sdpa"] if _irpe(module).rpe_v is None else [])
     return [(_with_impl(module, impl), False) for impl in impls] + [(module, True)]
 
 
-def _check_against_reference(module: IRPEMultiheadAttention, hw, batch=2, atol=1e-10):
+def _check_against_reference(module: MultiheadAttention, hw, batch=2, atol=1e-10):
     """Forward (every impl), weights, and gradients of inputs and all parameters."""
-    cfg = module.rpe
+    cfg = _irpe(module).rpe
     length = cfg.skip + hw[0] * hw[1]
     query, value, mask = _inputs(batch, length, module.embed_dim)
-    params = {k: v.detach().clone().requires_grad_(True) for k, v in module.state_dict().items()}
+    params = _ref_params(module, grad=True)
     ref_out, ref_w = ref_attention(
         params, module.num_heads, cfg.rpe_on, cfg.method.value, _ref_ids(cfg, *hw),
         query, query, value, mask,
@@ -93,7 +118,7 @@ def _check_against_reference(module: IRPEMultiheadAttention, hw, batch=2, atol=1
             torch.testing.assert_close(w, ref_w, atol=atol, rtol=1e-7)
         else:
             assert w is None
-        names = [n for n, _ in path.named_parameters()]
+        names = [_ref_name(n) for n, _ in path.named_parameters()]
         grads = torch.autograd.grad(
             (out * grad_out).sum(), [query, value, *path.parameters()], allow_unused=True
         )
@@ -105,14 +130,14 @@ def _check_against_reference(module: IRPEMultiheadAttention, hw, batch=2, atol=1
 @pytest.mark.parametrize("method,mode,on,shared", CASES)
 def test_matches_dense_reference(method: str, mode: str, on: str, shared: int) -> None:
     rpe = f"rpe-1.9-{method}-{mode}-{shared}-{on}"
-    module = IRPEMultiheadAttention(16, 2, rpe=rpe).double().eval()
+    module = _attention(16, 2, rpe=rpe).double().eval()
     _randomise_tables(module)
     _check_against_reference(module, (3, 4))
 
 
 @pytest.mark.parametrize("ratio", [2.0, 2.5, 3.0])
 def test_matches_dense_reference_other_ratios(ratio: float) -> None:
-    module = IRPEMultiheadAttention(16, 2, rpe=f"rpe-{ratio}-product-ctx-0-qkv").double().eval()
+    module = _attention(16, 2, rpe=f"rpe-{ratio}-product-ctx-0-qkv").double().eval()
     _randomise_tables(module)
     _check_against_reference(module, (4, 5), batch=1)
 
@@ -121,7 +146,7 @@ def test_matches_dense_reference_other_ratios(ratio: float) -> None:
                                  "rpe-2.0-euc-ctx-1-qkv"])
 def test_matches_dense_reference_batch_one(rpe: str) -> None:
     # B = 1 makes per-head bias tables (h, L, L) look like full (B h, L, L) logits
-    module = IRPEMultiheadAttention(16, 2, rpe=rpe).double().eval()
+    module = _attention(16, 2, rpe=rpe).double().eval()
     _randomise_tables(module)
     _check_against_reference(module, (3, 4), batch=1)
 
@@ -129,7 +154,7 @@ def test_matches_dense_reference_batch_one(rpe: str) -> None:
 def test_cross_with_two_extra_tokens() -> None:
     cfg = RPEConfig(ratio=2.0, method="cross", mode="ctx", shared_head=False, rpe_on="qkv",
                     skip=2)
-    module = IRPEMultiheadAttention(16, 2, rpe=cfg).double().eval()
+    module = _attention(16, 2, rpe=cfg).double().eval()
     _randomise_tables(module)
     _check_against_reference(module, (2, 5))
 
@@ -139,11 +164,11 @@ def test_cross_with_two_extra_tokens() -> None:
 def test_export_form_matches_reference(monkeypatch, rpe: str) -> None:
     """While exporting: bucket ids traced uncached, plain gather / scatter ops, no blocked core."""
     cfg = RPEConfig.from_string(rpe, skip=1)
-    module = IRPEMultiheadAttention(16, 2, rpe=cfg).double().eval()
+    module = _attention(16, 2, rpe=cfg).double().eval()
     _randomise_tables(module)
     hw = (3, 4)
     query, value, mask = _inputs(2, 13, 16)
-    params = {k: v.detach() for k, v in module.state_dict().items()}
+    params = _ref_params(module)
     ref, _ = ref_attention(params, 2, cfg.rpe_on, cfg.method.value, _ref_ids(cfg, *hw),
                            query, query, value, mask)
     def not_while_exporting(*args, **kwargs):
@@ -161,7 +186,7 @@ def test_export_form_matches_reference(monkeypatch, rpe: str) -> None:
 
 def test_naive_benchmark_baseline_matches_reference() -> None:
     for rpe in ("rpe-2.0-product-ctx-0-qkv", "rpe-1.9-cross-bias-1-qk"):
-        module = IRPEMultiheadAttention(16, 2, rpe=rpe).double().eval()
+        module = _attention(16, 2, rpe=rpe).double().eval()
         _randomise_tables(module)
         query, value, mask = _inputs(2, 12, 16)
         fast, _ = module(query, query, value, (3, 4), key_padding_mask=mask)
@@ -173,8 +198,8 @@ def test_class_token_skip_outside_detr() -> None:
     """ViT-style use: a class token before the patches gets its own bucket (skip=1)."""
     cfg = RPEConfig(ratio=1.9, method="product", mode="ctx", shared_head=False, rpe_on="qkv",
                     skip=1)
-    module = IRPEMultiheadAttention(16, 2, rpe=cfg).double().eval()
-    assert module.rpe_k.lookup_table_weight.shape == (2, 8, 50)  # 49 + the skip bucket
+    module = _attention(16, 2, rpe=cfg).double().eval()
+    assert _irpe(module).rpe_k.lookup_table_weight.shape == (2, 8, 50)  # 49 + the skip bucket
     _randomise_tables(module)
     _check_against_reference(module, (3, 3))
     with pytest.raises(ValueError, match=r"skip=1 extra tokens: expected 1 \+ 3 \* 3 = 10"):
@@ -184,7 +209,7 @@ def test_class_token_skip_outside_detr() -> None:
 
 @pytest.mark.parametrize("rpe", [None, "rpe-2.0-product-ctx-0-qkv", "rpe-1.9-cross-bias-1-qk"])
 def test_zero_tables_equal_nn_multihead_attention(rpe) -> None:
-    module = IRPEMultiheadAttention(32, 4, rpe=rpe).eval()
+    module = _attention(32, 4, rpe=rpe).eval()
     mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
     mha_keys = set(mha.state_dict())
     mha.load_state_dict({k: v for k, v in module.state_dict().items() if k in mha_keys})
@@ -200,17 +225,17 @@ def test_zero_tables_equal_nn_multihead_attention(rpe) -> None:
 
 
 def test_initialisation_like_nn_multihead_attention() -> None:
-    module = IRPEMultiheadAttention(64, 8, rpe="rpe-2.0-product-ctx-0-qkv")
+    module = _attention(64, 8, rpe="rpe-2.0-product-ctx-0-qkv")
     assert torch.count_nonzero(module.in_proj_bias) == 0
     assert torch.count_nonzero(module.out_proj.bias) == 0
     bound = (6.0 / (64 + 3 * 64)) ** 0.5  # xavier_uniform on (3C, C)
     assert module.in_proj_weight.abs().max() <= bound and module.in_proj_weight.std() > 0.5 * bound / 3**0.5
     for name in ("rpe_q", "rpe_k", "rpe_v"):
-        assert torch.count_nonzero(getattr(module, name).lookup_table_weight) == 0
+        assert torch.count_nonzero(getattr(_irpe(module), name).lookup_table_weight) == 0
 
 
 def test_sdpa_path_equals_explicit_path_float32() -> None:
-    module = IRPEMultiheadAttention(64, 4, rpe="rpe-2.0-product-ctx-0-qk").eval()
+    module = _attention(64, 4, rpe="rpe-2.0-product-ctx-0-qk").eval()
     _randomise_tables(module)
     query, value, mask = _inputs(2, 30, 64, torch.float32)
     with torch.no_grad():  # the automatic choice: SDPA without gradients
@@ -220,8 +245,8 @@ def test_sdpa_path_equals_explicit_path_float32() -> None:
     torch.testing.assert_close(fast, auto)
     slow, _ = module(query, query, value, (5, 6), key_padding_mask=mask, need_weights=True)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
-    g_fast = torch.autograd.grad(fast.sum(), [query, sdpa.rpe_k.lookup_table_weight])
-    g_slow = torch.autograd.grad(slow.sum(), [query, module.rpe_k.lookup_table_weight])
+    g_fast = torch.autograd.grad(fast.sum(), [query, _irpe(sdpa).rpe_k.lookup_table_weight])
+    g_slow = torch.autograd.grad(slow.sum(), [query, _irpe(module).rpe_k.lookup_table_weight])
     for a, b in zip(g_fast, g_slow):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
@@ -229,7 +254,7 @@ def test_sdpa_path_equals_explicit_path_float32() -> None:
 def _auto(**changes) -> str:
     """``choose_impl("auto", ...)`` for CPU float32 inference with RPE-K, plus ``changes``."""
     args = dict(device_type="cpu", dtype=torch.float32, need_weights=False, dropout_p=0.0,
-                rpe_logits=True, rpe_values=False, logits_need_grad=False, exporting=False)
+                pair_logits=True, value_terms=False, logits_need_grad=False, exporting=False)
     return choose_impl("auto", **{**args, **changes})
 
 
@@ -238,41 +263,41 @@ def test_auto_impl_choice() -> None:
     # CPU float training-type calls: the row-blocked core
     assert _auto(logits_need_grad=True) == "blocked"
     assert _auto(dropout_p=0.1) == "blocked"
-    assert _auto(rpe_values=True) == "blocked"
-    assert _auto(rpe_logits=False, dropout_p=0.1) == "blocked"
-    assert _auto(rpe_logits=False) == "sdpa"
+    assert _auto(value_terms=True) == "blocked"
+    assert _auto(pair_logits=False, dropout_p=0.1) == "blocked"
+    assert _auto(pair_logits=False) == "sdpa"
     assert _auto(dtype=torch.float64, logits_need_grad=True) == "blocked"
     # where SDPA cannot add the terms or would copy a mask that needs a gradient
-    assert _auto(device_type="cuda", rpe_values=True) == "explicit"
+    assert _auto(device_type="cuda", value_terms=True) == "explicit"
     assert _auto(device_type="cuda", logits_need_grad=True, dropout_p=0.1) == "sdpa"
     assert _auto(dtype=torch.bfloat16, logits_need_grad=True) == "explicit"
-    assert _auto(dtype=torch.bfloat16, rpe_values=True) == "explicit"
+    assert _auto(dtype=torch.bfloat16, value_terms=True) == "explicit"
     # CPU half-precision training: SDPA's math kernel would draw the dropout mask with
-    # bernoulli_; the explicit path uses the cheaper detr_irpe.irpe.dropout (with or
+    # bernoulli_; the explicit path uses the cheaper detr_irpe.attention.dropout (with or
     # without iRPE terms); inference keeps the fused kernel
     assert _auto(dtype=torch.bfloat16, dropout_p=0.1) == "explicit"
-    assert _auto(dtype=torch.bfloat16, rpe_logits=False, dropout_p=0.1) == "explicit"
+    assert _auto(dtype=torch.bfloat16, pair_logits=False, dropout_p=0.1) == "explicit"
     assert _auto(dtype=torch.bfloat16) == "sdpa"
-    assert _auto(dtype=torch.bfloat16, rpe_logits=False) == "sdpa"
+    assert _auto(dtype=torch.bfloat16, pair_logits=False) == "sdpa"
     # exporters get plain ops: neither the blocked core's loop nor SDPA
     assert _auto(exporting=True) == "explicit"
     assert _auto(exporting=True, logits_need_grad=True, dropout_p=0.1) == "explicit"
-    assert _auto(exporting=True, rpe_logits=False) == "explicit"
+    assert _auto(exporting=True, pair_logits=False) == "explicit"
     # only the explicit path returns weights, whatever impl says
     assert _auto(need_weights=True, logits_need_grad=True) == "explicit"
     assert choose_impl("sdpa", device_type="cpu", dtype=torch.float32, need_weights=True,
-                       dropout_p=0.0, rpe_logits=True, rpe_values=False,
+                       dropout_p=0.0, pair_logits=True, value_terms=False,
                        logits_need_grad=False) == "explicit"
 
 
 def test_impl_is_validated() -> None:
     with pytest.raises(ValueError, match="allowed: auto, sdpa, explicit, blocked"):
-        IRPEMultiheadAttention(16, 2, impl="flash")
+        _attention(16, 2, impl="flash")
     with pytest.raises(ValueError, match="impl='sdpa' cannot add iRPE terms to the values"):
-        IRPEMultiheadAttention(16, 2, rpe="rpe-2.0-product-ctx-1-qkv", impl="sdpa")
+        _attention(16, 2, rpe="rpe-2.0-product-ctx-1-qkv", impl="sdpa")
     with pytest.raises(ValueError, match="block_rows"):
-        IRPEMultiheadAttention(16, 2, impl="blocked", block_rows=0)
-    module = IRPEMultiheadAttention(16, 2, rpe="rpe-2.0-product-ctx-1-k", impl="blocked")
+        _attention(16, 2, impl="blocked", block_rows=0)
+    module = _attention(16, 2, rpe="rpe-2.0-product-ctx-1-k", impl="blocked")
     x = torch.randn(1, 12, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"impl='blocked' computes in float32 / float64"):
         module.to(torch.bfloat16)(x, x, x, (3, 4))
@@ -294,7 +319,7 @@ def test_impl_runs_the_named_path(monkeypatch, impl: str) -> None:
                         recorded("blocked", attention_module.blocked_attention))
     monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention",
                         recorded("sdpa", attention_module.F.scaled_dot_product_attention))
-    module = IRPEMultiheadAttention(16, 2, dropout=0.1, rpe="rpe-2.0-product-ctx-1-k",
+    module = _attention(16, 2, dropout=0.1, rpe="rpe-2.0-product-ctx-1-k",
                                     impl=impl).train()
     query, value, mask = _inputs(2, 12, 16, torch.float32)
     out, _ = module(query, query, value, (3, 4), key_padding_mask=mask)
@@ -307,7 +332,7 @@ def test_impl_runs_the_named_path(monkeypatch, impl: str) -> None:
 
 
 def test_attention_logits_split() -> None:
-    module = IRPEMultiheadAttention(32, 4, rpe="rpe-2.0-product-ctx-0-qk").double().eval()
+    module = _attention(32, 4, rpe="rpe-2.0-product-ctx-0-qk").double().eval()
     _randomise_tables(module)
     query, value, mask = _inputs(2, 12, 32)
     content, rpe = module.attention_logits(query, query, (3, 4), key_padding_mask=mask)
@@ -315,13 +340,13 @@ def test_attention_logits_split() -> None:
     logits = (content + rpe).masked_fill(mask[:, None, None, :], float("-inf"))
     _, w = module(query, query, value, (3, 4), key_padding_mask=mask, need_weights=True)
     torch.testing.assert_close(torch.softmax(logits, -1), w)
-    plain = IRPEMultiheadAttention(32, 4).double()
+    plain = _attention(32, 4).double()
     _, zeros = plain.attention_logits(query, query, (3, 4))
     assert torch.count_nonzero(zeros) == 0
 
 
 def test_dropout_only_in_training() -> None:
-    module = IRPEMultiheadAttention(32, 4, dropout=0.5, rpe="rpe-2.0-product-ctx-1-qkv")
+    module = _attention(32, 4, dropout=0.5, rpe="rpe-2.0-product-ctx-1-qkv")
     _randomise_tables(module)
     query, value, mask = _inputs(2, 12, 32, torch.float32)
     module.eval()
@@ -335,7 +360,7 @@ def test_dropout_only_in_training() -> None:
 
 
 def test_fully_padded_row_has_no_nan() -> None:
-    module = IRPEMultiheadAttention(16, 2, rpe="rpe-2.0-product-ctx-1-qkv").eval()
+    module = _attention(16, 2, rpe="rpe-2.0-product-ctx-1-qkv").eval()
     query, value, _ = _inputs(1, 6, 16, torch.float32)
     mask = torch.ones(1, 6, dtype=torch.bool)
     for need_weights in (False, True):
@@ -348,7 +373,7 @@ def test_fully_padded_row_has_no_nan() -> None:
 @pytest.mark.parametrize("rpe", ["rpe-2.0-product-ctx-1-k", "rpe-2.0-product-ctx-0-qkv",
                                  "rpe-1.9-cross-bias-0-qk"])
 def test_low_precision_close_to_float32(dtype: torch.dtype, rpe: str) -> None:
-    module = IRPEMultiheadAttention(64, 4, rpe=rpe).eval()
+    module = _attention(64, 4, rpe=rpe).eval()
     _randomise_tables(module, 0.2)
     query, value, mask = _inputs(2, 30, 64, torch.float32, pad=True)
     ref, _ = module(query, query, value, (5, 6), key_padding_mask=mask)
@@ -437,13 +462,13 @@ def test_half_precision_bucket_sums_accumulate_in_float32() -> None:
 def test_cuda_matches_reference(dtype: torch.dtype) -> None:
     for rpe in ("rpe-2.0-product-ctx-1-k", "rpe-2.0-product-ctx-0-qkv", "rpe-1.9-cross-bias-0-qk",
                 "rpe-1.9-euc-ctx-1-qkv"):
-        module = IRPEMultiheadAttention(64, 4, rpe=rpe).double().eval()
+        module = _attention(64, 4, rpe=rpe).double().eval()
         _randomise_tables(module, 0.2)
         hw = (5, 7)
         query, value, mask = _inputs(2, 35, 64)
-        params = {k: v.detach() for k, v in module.state_dict().items()}
-        ref, _ = ref_attention(params, 4, module.rpe.rpe_on, module.rpe.method.value,
-                               _ref_ids(module.rpe, *hw), query, query, value, mask)
+        params = _ref_params(module)
+        ref, _ = ref_attention(params, 4, _irpe(module).rpe.rpe_on, _irpe(module).rpe.method.value,
+                               _ref_ids(_irpe(module).rpe, *hw), query, query, value, mask)
         cuda = module.to("cuda", dtype)
         q, v = query.detach().to("cuda", dtype), value.detach().to("cuda", dtype)
         tol = 1e-4 if dtype is torch.float32 else 2e-2
@@ -455,7 +480,7 @@ def test_cuda_matches_reference(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("rpe", ["rpe-2.0-product-ctx-1-k", "rpe-2.0-product-ctx-0-qkv",
                                  "rpe-1.9-quant-bias-0-qk"])
 def test_cpu_autocast_bfloat16(rpe: str) -> None:
-    module = IRPEMultiheadAttention(64, 4, rpe=rpe)
+    module = _attention(64, 4, rpe=rpe)
     _randomise_tables(module, 0.2)
     query, value, mask = _inputs(2, 30, 64, torch.float32)
     ref, _ = module(query, query, value, (5, 6), key_padding_mask=mask)
@@ -469,7 +494,7 @@ def test_cpu_autocast_bfloat16(rpe: str) -> None:
 def test_projection_branches_and_no_bias() -> None:
     """query is key is value / query is key / all distinct give the same result; bias=False."""
     for bias in (True, False):
-        module = IRPEMultiheadAttention(16, 2, rpe="rpe-2.0-product-ctx-0-qkv", bias=bias)
+        module = _attention(16, 2, rpe="rpe-2.0-product-ctx-0-qkv", bias=bias)
         module = module.double().eval()
         _randomise_tables(module)
         x = torch.randn(2, 12, 16, dtype=torch.float64)
@@ -479,7 +504,7 @@ def test_projection_branches_and_no_bias() -> None:
         torch.testing.assert_close(shared_qk, same)
         torch.testing.assert_close(distinct, same)
         assert (module.in_proj_bias is None) == (not bias)
-    plain = IRPEMultiheadAttention(16, 2, bias=False).eval()
+    plain = _attention(16, 2, bias=False).eval()
     mha = nn.MultiheadAttention(16, 2, bias=False, batch_first=True).eval()
     mha.load_state_dict(plain.state_dict())
     y = torch.randn(2, 12, 16)
@@ -494,7 +519,7 @@ def test_blocked_core_equals_explicit_over_several_blocks(rpe: str, threads: int
     with 2 threads the blocks are shared out to worker threads (their sums over blocks
     added in block order)."""
     torch.set_num_threads(threads)  # restored by conftest
-    module = IRPEMultiheadAttention(16, 2, rpe=rpe).double()
+    module = _attention(16, 2, rpe=rpe).double()
     with torch.no_grad():
         for name, p in module.named_parameters():
             if "lookup_table" in name:
@@ -505,7 +530,7 @@ def test_blocked_core_equals_explicit_over_several_blocks(rpe: str, threads: int
     mask[-1, -5:] = True
     results = []
     for impl in ("explicit", "blocked"):
-        other = IRPEMultiheadAttention(16, 2, rpe=rpe, impl=impl, block_rows=6).double()
+        other = _attention(16, 2, rpe=rpe, impl=impl, block_rows=6).double()
         other.load_state_dict(module.state_dict())
         out, _ = other(query, query, value, (4, 5), key_padding_mask=mask)
         grads = torch.autograd.grad(out.pow(2).sum(), [query, value, *other.parameters()])
@@ -523,8 +548,7 @@ def test_blocked_core_with_dropout_equals_explicit(rpe: str, threads: int, monke
     block order before any block runs, also when worker threads run the blocks) gives the
     same output and gradients, so the blocked backward scales like its forward."""
     torch.set_num_threads(threads)
-    from detr_irpe.irpe import blocked as blocked_module
-    from detr_irpe.irpe import dropout as dropout_module
+    from detr_irpe.attention import dropout as dropout_module
 
     batch, heads, length, p = 2, 2, 20, 0.3
     torch.manual_seed(0)
@@ -545,7 +569,7 @@ def test_blocked_core_with_dropout_equals_explicit(rpe: str, threads: int, monke
 
     monkeypatch.setattr(dropout_module, "keep_mask", explicit_mask)
     monkeypatch.setattr(blocked_module, "keep_mask", block_mask)
-    module = IRPEMultiheadAttention(16, heads, dropout=p, rpe=rpe).double()
+    module = _attention(16, heads, dropout=p, rpe=rpe).double()
     _randomise_tables(module)
     query = torch.randn(batch, length, 16, dtype=torch.float64, requires_grad=True)
     value = torch.randn(batch, length, 16, dtype=torch.float64, requires_grad=True)
@@ -553,7 +577,7 @@ def test_blocked_core_with_dropout_equals_explicit(rpe: str, threads: int, monke
     mask[-1, -5:] = True
     results = []
     for impl in ("explicit", "blocked"):
-        other = IRPEMultiheadAttention(16, heads, dropout=p, rpe=rpe, impl=impl,
+        other = _attention(16, heads, dropout=p, rpe=rpe, impl=impl,
                                        block_rows=6).double().train()
         other.load_state_dict(module.state_dict())
         out, _ = other(query, query, value, (4, 5), key_padding_mask=mask)
@@ -564,7 +588,7 @@ def test_blocked_core_with_dropout_equals_explicit(rpe: str, threads: int, monke
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b)
     # and the mask mattered: without dropout the output differs
-    plain = IRPEMultiheadAttention(16, heads, rpe=rpe, impl="explicit").double()
+    plain = _attention(16, heads, rpe=rpe, impl="explicit").double()
     plain.load_state_dict(module.state_dict())
     assert not torch.allclose(plain(query, query, value, (4, 5), key_padding_mask=mask)[0],
                               results[0][0])
@@ -578,7 +602,6 @@ def test_blocked_core_on_worker_threads_is_deterministic_and_restores_threads(
     restored, and an error in a block reaches the caller (threads restored too)."""
     import threading
 
-    from detr_irpe.irpe import blocked as blocked_module
 
     torch.set_num_threads(2)
     seen = []
@@ -589,7 +612,7 @@ def test_blocked_core_on_worker_threads_is_deterministic_and_restores_threads(
         return original(*args)
 
     monkeypatch.setattr(blocked_module, "_logits", recording)
-    module = IRPEMultiheadAttention(16, 2, dropout=0.1, rpe="rpe-2.0-product-ctx-1-k",
+    module = _attention(16, 2, dropout=0.1, rpe="rpe-2.0-product-ctx-1-k",
                                     impl="blocked", block_rows=4).train()
     _randomise_tables(module)
     x = torch.randn(2, 20, 16, requires_grad=True)

@@ -9,9 +9,10 @@ import torch
 from helpers import AXIS_STEPS, CHEBYSHEV
 from irpe_reference import TWO_TABLE_METHODS, ref_bucket_ids, ref_g
 
+from detr_irpe.attention import MultiheadAttention
+from detr_irpe.encodings.irpe import IRPEEncoding
 from detr_irpe.irpe import (
     BUILT_IN_METHODS,
-    IRPEMultiheadAttention,
     RPEConfig,
     bucket_ids,
     is_rpe_key,
@@ -158,7 +159,7 @@ def test_table_parameter_count_counts_the_tables_a_module_creates(
     """``table_parameter_count`` (config estimates, results tables) against the entries of
     the tables an attention module actually holds."""
     rpe = RPEConfig(ratio=1.9, method=method, mode=mode, shared_head=shared_head, rpe_on=rpe_on)
-    module = IRPEMultiheadAttention(24, 3, rpe=rpe)
+    module = MultiheadAttention(24, 3, encodings=[IRPEEncoding(rpe, 8, 3)])
     tables = {k: v for k, v in module.state_dict().items() if is_rpe_key(k)}
     assert len(tables) == len(rpe_on) * (2 if method in TWO_TABLE_METHODS else 1)
     assert table_parameter_count(rpe, 3, 24) == sum(t.numel() for t in tables.values())

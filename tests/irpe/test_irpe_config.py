@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig, parse_rpe
+from detr_irpe.attention import MultiheadAttention
+from detr_irpe.encodings.irpe import IRPEEncoding
+from detr_irpe.encodings.model import current_encoding_keys
+from detr_irpe.irpe import RPEConfig, parse_rpe
 
 # table keys and shapes of the public iRPE-DETR checkpoints (embed_dim 256, 8 heads)
 OFFICIAL_TABLES = {
@@ -50,14 +53,17 @@ MHA_KEYS = {
 
 @pytest.mark.parametrize("rpe", sorted(OFFICIAL_TABLES))
 def test_state_dict_layout_matches_official(rpe: str) -> None:
-    module = IRPEMultiheadAttention(256, 8, rpe=rpe)
+    """The tables have the official names and shapes inside the attention's iRPE entry
+    (``encodings.irpe.rpe_k...``); the official keys load after the key migration."""
+    module = MultiheadAttention(256, 8, encodings=[IRPEEncoding(rpe, 32, 8)])
     state = module.state_dict()
-    expected = {**MHA_KEYS, **OFFICIAL_TABLES[rpe]}
+    expected = {**MHA_KEYS, **{f"encodings.irpe.{k}": v for k, v in OFFICIAL_TABLES[rpe].items()}}
     assert list(state)[:4] == list(MHA_KEYS)
     assert {k: tuple(v.shape) for k, v in state.items()} == expected
-    # a checkpoint with these keys loads strictly and reproduces the outputs
-    other = IRPEMultiheadAttention(256, 8, rpe=rpe)
-    loaded = {k: torch.randn(v.shape) for k, v in state.items()}
+    # a checkpoint with the official keys loads strictly and reproduces the outputs
+    other = MultiheadAttention(256, 8, encodings=[IRPEEncoding(rpe, 32, 8)])
+    official = {**MHA_KEYS, **OFFICIAL_TABLES[rpe]}
+    loaded = current_encoding_keys({k: torch.randn(shape) for k, shape in official.items()})
     other.load_state_dict(loaded, strict=True)
     module.load_state_dict(loaded, strict=True)
     x = torch.randn(1, 12, 256)
@@ -65,12 +71,12 @@ def test_state_dict_layout_matches_official(rpe: str) -> None:
 
 
 def test_no_buffers_in_state_dict_after_forward() -> None:
-    module = IRPEMultiheadAttention(32, 4, rpe="rpe-2.0-product-ctx-1-k")
+    module = MultiheadAttention(32, 4, encodings=[IRPEEncoding("rpe-2.0-product-ctx-1-k", 8, 4)])
     before = dict(module.__dict__)
     x = torch.randn(1, 12, 32)
     module(x, x, x, (3, 4))
     module(x, x, x, (4, 3))
-    assert set(module.state_dict()) == {*MHA_KEYS, "rpe_k.lookup_table_weight"}
+    assert set(module.state_dict()) == {*MHA_KEYS, "encodings.irpe.rpe_k.lookup_table_weight"}
     assert module.__dict__.keys() == before.keys()
 
 
@@ -108,11 +114,11 @@ def test_bad_strings_raise(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RPEConfig.from_string(text)
     with pytest.raises(ValueError, match=message):
-        IRPEMultiheadAttention(32, 4, rpe=text)
+        IRPEEncoding(text, 8, 4)
 
 
 def test_shape_errors_are_informative() -> None:
-    module = IRPEMultiheadAttention(32, 4, rpe="rpe-2.0-product-ctx-1-k")
+    module = MultiheadAttention(32, 4, encodings=[IRPEEncoding("rpe-2.0-product-ctx-1-k", 8, 4)])
     x = torch.randn(2, 12, 32)
     with pytest.raises(ValueError, match=r"sequence length 12 does not match hw=\(3, 5\)"):
         module(x, x, x, (3, 5))
@@ -125,4 +131,4 @@ def test_shape_errors_are_informative() -> None:
     with pytest.raises(ValueError, match="key_padding_mask"):
         module(x, x, x, (3, 4), key_padding_mask=torch.zeros(2, 11, dtype=torch.bool))
     with pytest.raises(ValueError, match="multiple of num_heads"):
-        IRPEMultiheadAttention(30, 4)
+        MultiheadAttention(30, 4)

@@ -98,7 +98,7 @@ def test_every_family_trains_a_step_with_each_encoding(family: str, encoding: st
     assert len(attentions) == 2
     rope = "rope-axial" if "rope-axial" in encoding else "rope-mixed" if "rope-mixed" in encoding else None
     rope_type = {"rope-axial": RoPEAxial, "rope-mixed": RoPEMixed}.get(rope, type(None))
-    assert all(type(a.rope) is rope_type for a in attentions)
+    assert all(type(a.entry("rope")) is rope_type for a in attentions)
     names = [n for n, _ in model.named_parameters()]
     assert any(map(is_rpe_key, names)) == encoding.startswith("irpe")
     assert sum(map(is_rope_key, names)) == (2 if rope == "rope-mixed" else 0)
@@ -118,7 +118,7 @@ def test_every_family_trains_a_step_with_each_encoding(family: str, encoding: st
         grad = attention.in_proj_weight.grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
         if rope == "rope-mixed":
-            assert attention.rope.freqs.grad.abs().sum() > 0
+            assert attention.entry("rope").freqs.grad.abs().sum() > 0
 
 
 def test_rope_changes_the_encoder_output_and_none_does_not_see_positions() -> None:
@@ -203,8 +203,8 @@ def test_encoder_layer_with_rope_equals_the_naive_layer(kind: str, spec: str) ->
     else:
         out = layer(x, hw, pos)
     params = {n: p.detach().clone().requires_grad_(True) for n, p in layer.named_parameters()}
-    rope = layer.self_attn.rope
-    angle = (mixed_angle_fn(params["self_attn.rope.freqs"]) if isinstance(rope, RoPEMixed)
+    rope = layer.self_attn.entry("rope")
+    angle = (mixed_angle_fn(params["self_attn.encodings.rope.freqs"]) if isinstance(rope, RoPEMixed)
              else axial_angle_fn(16 // 4, rope.theta))
     x_ref, pos_ref = x.detach().clone().requires_grad_(True), pos.detach().clone().requires_grad_(True)
     expected = _naive_encoder_layer(params, 4, hw, angle, x_ref, pos_ref, mask, activation)
@@ -256,7 +256,7 @@ def test_rope_mixed_frequencies_keep_their_layout_after_the_reset(family: str) -
     directions (a xavier draw would not)."""
     torch.manual_seed(0)
     model = build_model(_config(family, "model.rope=rope-mixed"), load_backbone_weights=False)[0]
-    freqs = [a.rope.freqs.detach().double() for a in _self_attentions(model)]
+    freqs = [a.entry("rope").freqs.detach().double() for a in _self_attentions(model)]
     assert len(freqs) == 2
     d, theta = 4, 10.0
     expected = torch.tensor([theta ** (-4 * m / d) for m in range(d // 4)], dtype=torch.float64)

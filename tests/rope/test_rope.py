@@ -1,6 +1,6 @@
 """2D RoPE (detr_irpe.rope): equal to the official rope-vit functions (tests/reference_data), to the
 paper's formulas (forward and gradients, float64), relative in the 2D offset; inside
-IRPEMultiheadAttention on every computation path, with and without iRPE; ONNX export with
+MultiheadAttention on every computation path, with and without iRPE; ONNX export with
 a dynamic grid."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 from helpers import ROOT
 from rope_reference import axial_angle_fn, mixed_angle_fn, naive_rope, naive_rope_attention
 
-from detr_irpe.irpe import IRPEMultiheadAttention
+from detr_irpe.attention import MultiheadAttention
+from detr_irpe.encodings.irpe import IRPEEncoding
 from detr_irpe.rope import (
     RoPEAxial,
     RoPEConfig,
@@ -239,11 +240,26 @@ def test_head_dim_must_divide_by_four() -> None:
 # ------------------------------------------------------------------ inside the attention
 
 
+def _entries(rpe, rope, dim: int, heads: int) -> list:
+    """The encoding list: iRPE ``rpe`` (a string, or None) and then the rotary ``rope``."""
+    return ([] if rpe is None else [IRPEEncoding(rpe, dim // heads, heads)]) + (
+        [] if rope is None else [rope])
+
+
+def _irpe(module: MultiheadAttention):
+    return module.encodings["irpe"].rpe if "irpe" in module.encodings else None
+
+
+def _rope(module: MultiheadAttention):
+    return module.encodings["rope"] if "rope" in module.encodings else None
+
+
 def _attention(rope_spec: str | None, rpe: str | None = None, impl: str = "auto",
-               dim: int = 16, heads: int = 2) -> IRPEMultiheadAttention:
+               dim: int = 16, heads: int = 2) -> MultiheadAttention:
     torch.manual_seed(3)
     rope = build_rope(rope_spec, dim // heads, heads)
-    module = IRPEMultiheadAttention(dim, heads, rpe=rpe, impl=impl, rope=rope).double().eval()
+    module = MultiheadAttention(dim, heads, impl=impl,
+                                encodings=_entries(rpe, rope, dim, heads)).double().eval()
     with torch.no_grad():
         for name, p in module.named_parameters():
             if "lookup_table" in name or name.endswith("bias") or is_rope_key(name):
@@ -251,11 +267,12 @@ def _attention(rope_spec: str | None, rpe: str | None = None, impl: str = "auto"
     return module
 
 
-def _copy(module: IRPEMultiheadAttention, impl: str) -> IRPEMultiheadAttention:
-    rope = module.rope
-    other = IRPEMultiheadAttention(
-        module.embed_dim, module.num_heads, rpe=module.rpe, impl=impl,
-        rope=None if rope is None else type(rope)(rope.head_dim, rope.num_heads, rope.theta),
+def _copy(module: MultiheadAttention, impl: str) -> MultiheadAttention:
+    rope = _rope(module)
+    rope = None if rope is None else type(rope)(rope.head_dim, rope.num_heads, rope.theta)
+    other = MultiheadAttention(
+        module.embed_dim, module.num_heads, impl=impl,
+        encodings=_entries(_irpe(module), rope, module.embed_dim, module.num_heads),
     ).double().eval()
     other.load_state_dict(module.state_dict())
     return other
@@ -278,7 +295,7 @@ def test_attention_with_rope_equals_naive_on_every_path(spec: str) -> None:
     if spec == "rope-axial":
         angle = axial_angle_fn(8, 100.0)
     else:
-        angle = mixed_angle_fn(params["rope.freqs"])
+        angle = mixed_angle_fn(params["encodings.rope.freqs"])
     ref = naive_rope_attention(params, 2, hw, angle, query, value, mask)
     grad_out = torch.randn_like(ref)
     names = list(params)
@@ -321,7 +338,7 @@ def test_rope_rotates_the_content_term_only(spec: str) -> None:
     """attention_logits: content = s (R q)(R k)^T from the paper's formula; the iRPE part
     is the one the same module computes without RoPE (unrotated q / k)."""
     module = _attention(spec, "rpe-2.0-product-ctx-0-qk")
-    plain = IRPEMultiheadAttention(16, 2, rpe=module.rpe).double()
+    plain = MultiheadAttention(16, 2, encodings=_entries(_irpe(module), None, 16, 2)).double()
     plain.load_state_dict({k: v for k, v in module.state_dict().items() if not is_rope_key(k)})
     hw = (3, 4)
     query, _, _ = _inputs(12)
@@ -333,30 +350,32 @@ def test_rope_rotates_the_content_term_only(spec: str) -> None:
     q = (query @ w[:dim].T + b[:dim]).reshape(2, 12, 2, 8).transpose(1, 2)
     k = (query @ w[dim:2 * dim].T + b[dim:2 * dim]).reshape(2, 12, 2, 8).transpose(1, 2)
     angle = (axial_angle_fn(8, 100.0) if spec == "rope-axial"
-             else mixed_angle_fn(module.rope.freqs.detach()))
+             else mixed_angle_fn(_rope(module).freqs.detach()))
     ref = naive_rope(q, hw, angle) @ naive_rope(k, hw, angle).transpose(-1, -2) / math.sqrt(8)
     torch.testing.assert_close(content, ref)
     assert not torch.allclose(content, plain_content)
 
 
 def test_rope_none_adds_nothing_and_mixed_adds_its_frequencies() -> None:
-    base = set(IRPEMultiheadAttention(32, 4, rpe="rpe-2.0-product-ctx-1-k").state_dict())
-    none = IRPEMultiheadAttention(32, 4, rpe="rpe-2.0-product-ctx-1-k", rope=None)
-    assert set(none.state_dict()) == base and none.rope is None
-    axial = IRPEMultiheadAttention(32, 4, rope=build_rope("rope-axial", 8, 4))
+    base = set(MultiheadAttention(32, 4, encodings=_entries("rpe-2.0-product-ctx-1-k", None, 32, 4)
+                                  ).state_dict())
+    none = MultiheadAttention(32, 4, encodings=_entries("rpe-2.0-product-ctx-1-k", None, 32, 4))
+    assert set(none.state_dict()) == base and _rope(none) is None
+    axial = MultiheadAttention(32, 4, encodings=[build_rope("rope-axial", 8, 4)])
     assert set(axial.state_dict()) == {"in_proj_weight", "in_proj_bias", "out_proj.weight",
                                        "out_proj.bias"}
-    mixed = IRPEMultiheadAttention(32, 4, rpe="rpe-2.0-product-ctx-1-k",
-                                   rope=build_rope("rope-mixed", 8, 4))
-    assert set(mixed.state_dict()) == base | {"rope.freqs"}
-    assert [k for k in mixed.state_dict() if is_rope_key(k)] == ["rope.freqs"]
-    assert not is_rope_key("rpe_k.lookup_table_weight") and is_rope_key("a.self_attn.rope.freqs")
+    mixed = MultiheadAttention(32, 4, encodings=_entries("rpe-2.0-product-ctx-1-k",
+                                                         build_rope("rope-mixed", 8, 4), 32, 4))
+    assert set(mixed.state_dict()) == base | {"encodings.rope.freqs"}
+    assert [k for k in mixed.state_dict() if is_rope_key(k)] == ["encodings.rope.freqs"]
+    assert not is_rope_key("encodings.irpe.rpe_k.lookup_table_weight")
+    assert is_rope_key("a.self_attn.encodings.rope.freqs")
 
 
 def test_rope_none_output_unchanged() -> None:
-    """rope=None computes exactly what it computed before: equal to the same module's
-    forward with the rotary module switched off on the fly, and to nn.MultiheadAttention."""
-    module = IRPEMultiheadAttention(16, 2).double().eval()
+    """Without a rotary entry the attention computes exactly what it computed before:
+    equal to nn.MultiheadAttention."""
+    module = MultiheadAttention(16, 2).double().eval()
     mha = torch.nn.MultiheadAttention(16, 2, batch_first=True).double().eval()
     mha.load_state_dict(module.state_dict())
     query, value, mask = _inputs(12)
@@ -366,10 +385,10 @@ def test_rope_none_output_unchanged() -> None:
 
 
 def test_attention_rejects_a_rope_for_other_heads() -> None:
-    with pytest.raises(ValueError, match="head dim 16, the attention's is 8"):
-        IRPEMultiheadAttention(32, 4, rope=build_rope("rope-axial", 16, 2))
-    with pytest.raises(ValueError, match="for 2 heads, the attention has 4"):
-        IRPEMultiheadAttention(32, 4, rope=build_rope("rope-mixed", 8, 2))
+    with pytest.raises(ValueError, match="is for 2 heads of 16, the attention has 4 of 8"):
+        MultiheadAttention(32, 4, encodings=[build_rope("rope-axial", 16, 2)])
+    with pytest.raises(ValueError, match="is for 2 heads of 8, the attention has 4 of 8"):
+        MultiheadAttention(32, 4, encodings=[build_rope("rope-mixed", 8, 2)])
 
 
 def test_extra_tokens_stay_unrotated() -> None:
@@ -388,7 +407,7 @@ def test_extra_tokens_stay_unrotated() -> None:
 class _GridAttention(torch.nn.Module):
     """A feature map ``(B, C, H, W)`` through the attention, for exporting with dynamic H, W."""
 
-    def __init__(self, attention: IRPEMultiheadAttention) -> None:
+    def __init__(self, attention: MultiheadAttention) -> None:
         super().__init__()
         self.attention = attention
 
@@ -405,7 +424,8 @@ def test_onnx_export_with_dynamic_grid(tmp_path: Path, spec: str, rpe: str | Non
     pytest.importorskip("onnxscript")
     ort = pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
-    attention = IRPEMultiheadAttention(16, 2, rpe=rpe, rope=build_rope(spec, 8, 2)).eval()
+    attention = MultiheadAttention(16, 2, encodings=_entries(rpe, build_rope(spec, 8, 2), 16, 2)
+                                   ).eval()
     with torch.no_grad():
         for name, p in attention.named_parameters():
             if "lookup_table" in name or is_rope_key(name):

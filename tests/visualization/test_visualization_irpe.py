@@ -11,9 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
+from detr_irpe.attention import MultiheadAttention
 from detr_irpe.cli.visualize import main as visualize_main
+from detr_irpe.encodings.irpe import IRPEEncoding
 from detr_irpe.errors import RunFolderError
-from detr_irpe.irpe import IRPEMultiheadAttention, bucket_ids
+from detr_irpe.irpe import bucket_ids
 from detr_irpe.run_folder.log import read_log
 from detr_irpe.visualization import (
     plot_bucket_layout,
@@ -59,11 +61,11 @@ def test_bucket_layout_ids_equal_bucket_ids(tmp_path, ratio, grid, point):
 # --------------------------------------------------------------------------- tables
 
 
-def _product_attention(rpe: str) -> IRPEMultiheadAttention:
-    attn = IRPEMultiheadAttention(16, 2, rpe=rpe)
+def _product_attention(rpe: str) -> MultiheadAttention:
+    attn = MultiheadAttention(16, 2, encodings=[IRPEEncoding(rpe, 8, 2)])
     with torch.no_grad():
         for target in "qkv":
-            table = getattr(attn, f"rpe_{target}")
+            table = getattr(attn.encodings["irpe"], f"rpe_{target}")
             if table is None:
                 continue
             weight = table.lookup_table_weight
@@ -102,10 +104,11 @@ def test_rpe_table_maps_product_ctx():
 
 
 def test_rpe_table_maps_bias_and_cross(tmp_path):
-    attn = IRPEMultiheadAttention(16, 2, rpe="rpe-1.9-cross-bias-1-k")
+    attn = MultiheadAttention(16, 2, encodings=[IRPEEncoding("rpe-1.9-cross-bias-1-k", 8, 2)])
     with torch.no_grad():
-        attn.rpe_k.rp_rows.lookup_table_bias.copy_(torch.arange(7.0) - 3)
-        attn.rpe_k.rp_cols.lookup_table_bias.copy_(10 * (torch.arange(7.0) - 3))
+        tables = attn.encodings["irpe"].rpe_k
+        tables.rp_rows.lookup_table_bias.copy_(torch.arange(7.0) - 3)
+        tables.rp_cols.lookup_table_bias.copy_(10 * (torch.arange(7.0) - 3))
     maps = rpe_table_maps(attn, extent=2)
     assert set(maps) == {"k.rows bias", "k.cols bias"}
     rows = maps["k.rows bias"][0]

@@ -10,22 +10,21 @@ import pytest
 import torch
 from PIL import Image
 
+from detr_irpe.attention import MultiheadAttention
+from detr_irpe.encodings.irpe import IRPEEncoding, irpe_response
+from detr_irpe.encodings.rope import rope_response
 from detr_irpe.errors import ConfigError
-from detr_irpe.irpe import IRPEMultiheadAttention
 from detr_irpe.rope import build_rope, magnitudes
-from detr_irpe.visualization import (
-    irpe_response,
-    plot_position_response,
-    position_responses,
-    rope_response,
-)
+from detr_irpe.visualization import plot_position_response, position_responses
 
 DIM, HEADS = 16, 2
 
 
-def _attention(rpe: str | None, rope: str | None = None) -> IRPEMultiheadAttention:
-    module = IRPEMultiheadAttention(DIM, HEADS, rpe=rpe,
-                                    rope=build_rope(rope, DIM // HEADS, HEADS)).double()
+def _attention(rpe: str | None, rope: str | None = None) -> MultiheadAttention:
+    rotary = build_rope(rope, DIM // HEADS, HEADS)
+    entries = (([IRPEEncoding(rpe, DIM // HEADS, HEADS)] if rpe is not None else [])
+               + ([rotary] if rotary is not None else []))
+    module = MultiheadAttention(DIM, HEADS, encodings=entries).double()
     with torch.no_grad():
         for name, p in module.named_parameters():
             if "lookup_table" in name or name.endswith("freqs"):
@@ -66,11 +65,11 @@ def _naive_rope_response(attn, extent: int, q: torch.Tensor, k: torch.Tensor) ->
             for dx in range(-extent, extent + 1):
                 total = 0.0
                 for j in range(half):
-                    if attn.rope.variant == "axial":
-                        f = math.pow(attn.rope.theta, -(j % quarter) / quarter)
+                    if attn.encodings["rope"].variant == "axial":
+                        f = math.pow(attn.encodings["rope"].theta, -(j % quarter) / quarter)
                         d = (dx if j < quarter else dy) * f
                     else:
-                        fx, fy = attn.rope.freqs[0, h, j].item(), attn.rope.freqs[1, h, j].item()
+                        fx, fy = attn.encodings["rope"].freqs[0, h, j].item(), attn.encodings["rope"].freqs[1, h, j].item()
                         d = dx * fx + dy * fy
                     q0, q1 = q[h, 2 * j].item(), q[h, 2 * j + 1].item()
                     k0, k1 = k[h, 2 * j].item(), k[h, 2 * j + 1].item()
@@ -87,7 +86,7 @@ def test_rope_response_equals_the_formula(rope: str) -> None:
     response = rope_response(attn, extent=4, query=q, key=k)
     torch.testing.assert_close(torch.from_numpy(response), _naive_rope_response(attn, 4, q, k))
     # the default vectors are ones: at offset 0 the logit is s * |ones|^2 = sqrt(D)
-    ones = rope_response(attn.rope, extent=2)
+    ones = rope_response(attn.encodings["rope"], extent=2)
     assert ones.shape == (HEADS, 5, 5)
     torch.testing.assert_close(torch.from_numpy(ones[:, 2, 2]),
                                torch.full((HEADS,), math.sqrt(DIM // HEADS), dtype=torch.float64))

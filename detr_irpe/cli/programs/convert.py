@@ -20,6 +20,7 @@ from detr_irpe.checkpoint import (
 )
 from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.checkpoint.hf_folder import write_hf_folder
+from detr_irpe.checkpoint.load import without_derived
 from detr_irpe.config import config_from_dict
 from detr_irpe.errors import CheckpointError
 from detr_irpe.models.from_checkpoint import check_weights_fit
@@ -76,10 +77,16 @@ def convert(args: argparse.Namespace, target: str) -> list[str]:
     config = args.config if args.config is not None else source.config
     # the config of the file as read (before the conversion changed its class count)
     config = _updated_config(_saved_config(source.path, config, args, meta, original), args)
+    # a file under a published name must be that file as read; what the conversion made
+    # of it (--rpe none took the iRPE tables out) is no longer the published file
+    check_published(original, meta)
     if config is not None:  # the weights must be the model the written config says
-        check_weights_fit(state, meta, config_from_dict(config))
-    else:
-        check_published(original, meta)
+        converted = {k: v for k, v in meta.items() if k != "published"}
+        check_weights_fit(state, converted, config_from_dict(config))
+    # what the model computes (D-FINE's published anchors) is written by no layout
+    state, derived = without_derived(state)
+    if derived:
+        notes.append(f"dropped {', '.join(derived)} (computed by the model for each input)")
     names = meta.get("category_names")
     if target == "hf":
         _write_hf(state, config, meta, args.output)

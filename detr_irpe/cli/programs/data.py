@@ -9,6 +9,7 @@ from detr_irpe.cli.common import load_config_from_args, setup_tool_logging
 from detr_irpe.data.convert import convert_dataset
 from detr_irpe.data.report import (
     DataReport,
+    check_report_folder,
     format_report,
     raise_on_problems,
     report_file,
@@ -23,6 +24,8 @@ def _report(args: argparse.Namespace) -> int:
     cfg = load_config_from_args(args)
     if args.ann is None and cfg is None:
         raise ConfigError("report needs --config (its dataset and model) or --ann FILE")
+    if args.out is not None:
+        check_report_folder(args.out)  # before anything is read
     reports: list[tuple[str, DataReport]] = []
     if args.ann is not None:
         reports.append((args.ann.stem, report_file(args.ann, cfg, args.images)))
@@ -43,7 +46,8 @@ def _convert(args: argparse.Namespace) -> int:
     result = convert_dataset(
         args.format, args.source, args.out, names=args.names, images=args.images,
         labels=args.labels, val_fraction=args.val_fraction, seed=args.seed, fix=args.fix,
-        copy_images=args.copy_images, tolerance=args.tolerance)
+        copy_images=args.copy_images, tolerance=args.tolerance,
+        follow_links_outside=args.follow_links_outside, max_image_pixels=args.max_image_pixels)
     for split, (images, boxes) in result.splits.items():
         print(f"{split}: {plural(images, 'image')}, {plural(boxes, 'box', 'boxes')} -> "
               f"{result.root / 'annotations' / f'instances_{split}.json'}")

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import detr_irpe.visualization as vis
-from detr_irpe.canvas import CanvasLayout
+from detr_irpe.canvas_layouts import CanvasLayout
 from detr_irpe.cli.args import checked_overrides
 from detr_irpe.cli.programs.eval import evaluate_run_at_sizes
 from detr_irpe.config import load_config
 from detr_irpe.data import build_dataset
 from detr_irpe.data.synthetic import generate_dataset
-from detr_irpe.engine.checkpoint_eval import run_evaluation
+from detr_irpe.engine.checkpoint_eval import EvalOptions, run_evaluation
 from detr_irpe.engine.runner import run_training
 from detr_irpe.evaluation import format_summary, load_pr_arrays
 from detr_irpe.evaluation.report import format_ap
@@ -196,7 +196,8 @@ def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = (),
     summary, table = result["summary"], result["per_class_table"]
     last = out / "checkpoint_last.pth"
     if summary is None:  # the run had already finished: evaluate its checkpoint again
-        evaluation = run_evaluation(None, last, out / "eval", progress=not args.no_progress)
+        evaluation = run_evaluation(None, last, out / "eval",
+                                    EvalOptions(progress=not args.no_progress))
         summary, table = evaluation["summary"], evaluation["per_class_table"]
     val = build_dataset(cfg.data, "val", transforms=None)
     images_dir = Path(cfg.data.root) / cfg.data.val_images

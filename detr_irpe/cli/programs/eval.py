@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import detr_irpe.visualization as vis
-from detr_irpe.canvas import CanvasLayout
+from detr_irpe.canvas_layouts import CanvasLayout
 from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.cli.common import (
     checked_overrides,
@@ -21,14 +21,14 @@ from detr_irpe.cli.common import (
     print_eval_result,
 )
 from detr_irpe.config import Config, load_config
-from detr_irpe.engine.checkpoint_eval import run_evaluation
+from detr_irpe.engine.checkpoint_eval import EvalOptions, run_evaluation
 from detr_irpe.evaluation.size_table import (
     CANVAS_TABLE,
     EVAL_SIZES_DIR,
     SIZE_TABLE,
     size_rows,
 )
-from detr_irpe.inference.runtime import build_runtime
+from detr_irpe.inference.runtime import build_runtime, trace_size_for
 from detr_irpe.run_folder.checkpoints import LAST
 from detr_irpe.sizes import EvalSize
 from detr_irpe.utils.files import ensure_writable_folder
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 def plot_size_figure(result: Mapping[str, Any]) -> list[Path]:
-    """``sizes.png`` / ``canvases.png`` of a ``run_evaluation(..., sizes=..., canvases=...)``
+    """``sizes.png`` / ``canvases.png`` of a ``run_evaluation(..., EvalOptions(sizes=..., canvases=...))``
     result, in its folder: one per kind of evaluation the result holds."""
     written = []
     for table, what in ((SIZE_TABLE, "the test size"), (CANVAS_TABLE, "the canvas layout")):
@@ -60,8 +60,8 @@ def evaluate_run_at_sizes(cfg: Config, run_dir: Path, sizes: Sequence[EvalSize],
     (and on each canvas layout) into ``RUN_DIR/eval_sizes`` (sizes.json, sizes.md and
     sizes.png there; canvases.*): what ``detr-irpe-train --sizes`` and ``tools/demo.py
     --sizes`` do after the training."""
-    result = run_evaluation(cfg, run_dir / LAST, run_dir / EVAL_SIZES_DIR, progress=progress,
-                            sizes=sizes, canvases=canvases)
+    result = run_evaluation(cfg, run_dir / LAST, run_dir / EVAL_SIZES_DIR,
+                            EvalOptions(sizes=sizes, canvases=canvases, progress=progress))
     if result["rank"] == 0:
         plot_size_figure(result)
     return result
@@ -83,11 +83,14 @@ def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = (),
     ensure_writable_folder(output_dir, "output folder", "choose another --output-dir")
     runtime = None
     if args.runtime != "pytorch":
-        def runtime(model):
-            return build_runtime(args.runtime, model, device=next(model.parameters()).device)
-    result = run_evaluation(cfg, path, output_dir, overrides=overrides,
-                            progress=not args.no_progress, sizes=sizes, canvases=canvases,
-                            trust_imports=args.trust_imports, runtime=runtime)
+        def runtime(model, model_cfg):
+            # ONNX Runtime traces at the evaluation size of the config the model was built
+            # with (RT-DETR / D-FINE hold their 300 queries there), as predict does
+            return build_runtime(args.runtime, model, device=next(model.parameters()).device,
+                                 trace_size=trace_size_for(model_cfg))
+    result = run_evaluation(cfg, path, output_dir, EvalOptions(
+        overrides=overrides, sizes=sizes, canvases=canvases, progress=not args.no_progress,
+        trust_imports=args.trust_imports, runtime=runtime))
     if (sizes or canvases) and result["rank"] == 0:
         plot_size_figure(result)
     print_eval_result(result)

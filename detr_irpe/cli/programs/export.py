@@ -4,6 +4,7 @@ parsed: a checkpoint's model as an ONNX file, compared with PyTorch on request."
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 from pathlib import Path
 
@@ -19,27 +20,52 @@ from detr_irpe.export import (
     parse_size,
     run_onnx,
 )
+from detr_irpe.models.build import describe_encodings
 from detr_irpe.models.from_checkpoint import model_from_checkpoint
 from detr_irpe.utils.files import ensure_writable_folder
 
 # float32 outputs of ONNX Runtime and PyTorch agree to this on the tiny test models
 CHECK_TOLERANCE = 1e-4
+# A larger model's float32 outputs carry a larger rounding error (D-FINE-S at 640 x 640
+# differs from its own float64 outputs by about 3e-4): the graph may differ from PyTorch by
+# this many times PyTorch's own float32 error on the same images, where that is larger.
+CHECK_ROUNDING_FACTOR = 4.0
 
 logger = logging.getLogger(__name__)
 
 
+def _float32_error(wrapper: torch.nn.Module, images: torch.Tensor,
+                   expected: tuple[torch.Tensor, ...]) -> float:
+    """How far PyTorch's float32 outputs are from the same model's float64 outputs (0
+    when the model does not run in float64)."""
+    try:
+        with torch.no_grad():
+            exact = copy.deepcopy(wrapper).double()(images.double())
+    except (RuntimeError, TypeError) as err:  # an op without a float64 kernel
+        logger.debug("check: no float64 reference (%s)", err)
+        return 0.0
+    return max(float((a.double() - b).abs().max()) for a, b in zip(expected, exact))
+
+
 def _check_against_pytorch(model, path: Path, size: tuple[int, int], batch: int) -> str:
-    """Run ``path`` with onnxruntime and PyTorch on the same random images."""
+    """Run ``path`` with onnxruntime and PyTorch on the same random images; the tolerance
+    is :data:`CHECK_TOLERANCE`, or :data:`CHECK_ROUNDING_FACTOR` times PyTorch's own
+    float32 error where that is larger (a published model at its published size)."""
     images = torch.randn(batch, 3, *size)
+    wrapper = onnx_wrapper(model).eval()
     with torch.no_grad():
-        expected = onnx_wrapper(model).eval()(images)
+        expected = wrapper(images)
     got = run_onnx(path, images)
     diffs = [float((a - b).abs().max()) for a, b in zip(got, expected)]
-    if max(diffs) > CHECK_TOLERANCE:
+    tolerance = CHECK_TOLERANCE
+    if max(diffs) > tolerance:
+        tolerance = max(tolerance, CHECK_ROUNDING_FACTOR * _float32_error(wrapper, images,
+                                                                          expected))
+    if max(diffs) > tolerance:
         raise ExportError(f"{path}: onnxruntime and PyTorch differ by up to {max(diffs):.2e} "
-                          f"(tolerance {CHECK_TOLERANCE:.0e}); the file may be wrong")
+                          f"(tolerance {tolerance:.1e}); the file may be wrong")
     return (f"check: onnxruntime vs PyTorch, max |difference| {diffs[0]:.1e} (pred_logits), "
-            f"{diffs[1]:.1e} (pred_boxes)")
+            f"{diffs[1]:.1e} (pred_boxes); tolerance {tolerance:.1e}")
 
 
 def export(args: argparse.Namespace) -> list[str]:
@@ -61,8 +87,7 @@ def export(args: argparse.Namespace) -> list[str]:
     path = export_onnx(loaded.model, args.output, size, batch=args.batch, dynamic=args.dynamic,
                        opset=opset)
     shape = "N x 3 x H x W" if args.dynamic else f"{args.batch} x 3 x {size[0]} x {size[1]}"
-    encodings = loaded.cfg.model.place("encoder").describe()
-    lines = [f"{args.checkpoint} (encoder encodings: {encodings}) -> {path} "
+    lines = [f"{args.checkpoint} ({describe_encodings(loaded.cfg.model)}) -> {path} "
              f"(onnx opset {opset}, images {shape})"]
     if args.check:
         logger.info("check: running %s with onnxruntime and PyTorch on random images ...", path)
@@ -70,4 +95,4 @@ def export(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-__all__ = ["CHECK_TOLERANCE", "export"]
+__all__ = ["CHECK_ROUNDING_FACTOR", "CHECK_TOLERANCE", "export"]

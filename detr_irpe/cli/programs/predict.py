@@ -35,6 +35,7 @@ def run(args: argparse.Namespace, threshold: float, overrides: Sequence[str]) ->
         predictor, sources, args.output_dir, score_threshold=threshold,
         batch_size=args.batch_size, draw=not args.no_draw, format_only=args.format_only,
         strict=strict, skipped=skipped, progress=not args.no_progress,
+        threshold_option="--score-threshold",
     )
     print(f"{len(report.images)} images, {len(report.detections)} detections, "
           f"{len(report.skipped)} skipped -> {report.json}")

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from detr_irpe.canvas import CanvasLayout
+from detr_irpe.canvas_layouts import CanvasLayout
 from detr_irpe.checkpoint.download import resolve_checkpoint
 from detr_irpe.cli.common import device_override, load_config_from_args, print_eval_result
 from detr_irpe.cli.programs.eval import evaluate_run_at_sizes, plot_size_figure
 from detr_irpe.config import Config
-from detr_irpe.engine.checkpoint_eval import run_evaluation
+from detr_irpe.engine.checkpoint_eval import EvalOptions, run_evaluation
 from detr_irpe.engine.dry_run import dry_run
 from detr_irpe.engine.runner import run_training
 from detr_irpe.errors import ConfigError
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace, sizes: Sequence[EvalSize] = (),
     output_dir = Path(cfg.train.output_dir)
     if args.eval_only:
         result = run_evaluation(cfg, _eval_weights(args, output_dir), output_dir / "eval",
-                                progress=progress, sizes=sizes, canvases=canvases)
+                                EvalOptions(sizes=sizes, canvases=canvases, progress=progress))
     else:
         result = run_training(cfg, resume=_local(args.resume, progress),
                               finetune=_local(args.finetune, progress), progress=progress)

@@ -21,6 +21,7 @@ from detr_irpe.evaluation import load_pr_arrays
 from detr_irpe.evaluation.pr_arrays import find_pr_arrays
 from detr_irpe.family import families, family_of_model
 from detr_irpe.models import build_model, model_from_checkpoint
+from detr_irpe.resize import resize_rule
 from detr_irpe.structures import ImageBatch
 from detr_irpe.utils.device import resolve_device
 from detr_irpe.utils.files import ensure_writable_folder
@@ -60,11 +61,11 @@ def _image_run(args: argparse.Namespace
     (``model.category_ids``: None when the class indices are the ids)."""
     check_resize_flags(args.size, args.max_size)  # before the model is loaded
     model, cfg, stored_names = _load(args)
-    # square evaluation inputs (data.augmentation: rtdetr) unless --size asks otherwise
-    square = cfg.data.eval_size if cfg.data.augmentation == "rtdetr" and not args.size else None
-    image = prepare_image(args.image, size=args.size or cfg.data.val_size,
+    # the evaluation input of the config's resize rule (RT-DETR's: eval_size squares)
+    # unless --size asks for a shorter side
+    image = prepare_image(args.image, **resize_rule(cfg).image_input(args.size),
                           max_size=args.max_size or cfg.data.max_size,
-                          max_pixels=cfg.data.max_image_pixels, square=square)
+                          max_pixels=cfg.data.max_image_pixels)
     names = resolve_category_names(cfg, stored_names, args.names)
     return model, image, names, cfg.model.category_ids
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from detr_irpe.errors import DatasetError
-from detr_irpe.utils.files import atomic_write_text
+from detr_irpe.utils.files import atomic_write_text, write_error
 from detr_irpe.utils.text import plural
 
 __all__ = ["PROBLEMS_FILE", "Problem", "Problems"]
@@ -52,7 +52,10 @@ class Problems:
             return
         lines = [str(p) for p in self.found]
         listed = out_dir / PROBLEMS_FILE
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise write_error(listed, err) from None
         atomic_write_text(listed, "\n".join(lines) + "\n")
         more = (f"\n  ... and {len(lines) - SHOWN} more" if len(lines) > SHOWN else "")
         raise DatasetError(

@@ -14,7 +14,9 @@ The layouts found (:func:`find_voc_splits`):
 :func:`check_voc_split` reads every XML file once and lists each bad case on one line:
 an annotation file without an image, a file that is not XML, an object without a name
 or a box, a class not among ``--names``, a box outside the image (by its ``<size>``) or
-with its corners swapped; with ``fix`` it writes corrected copies instead.
+with its corners swapped; with ``fix`` it writes corrected copies instead. Files are
+read through :mod:`.guard` (inside the source, regular, bounded) and an XML file that
+declares entities is refused (as supervision's reader, defusedxml, refuses it), on one line.
 """
 
 from __future__ import annotations
@@ -23,9 +25,24 @@ import math
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from detr_irpe.data.convert.guard import (
+    MAX_LIST_BYTES,
+    MAX_XML_BYTES,
+    SourceFiles,
+    Unreadable,
+    decode_text,
+    excerpt,
+)
 from detr_irpe.data.convert.problems import Problems
-from detr_irpe.data.convert.yolo import IMAGE_SUFFIXES, SPLIT_NAMES, SourceSplit
+from detr_irpe.data.convert.yolo import (
+    SPLIT_NAMES,
+    ImageChecks,
+    SourceSplit,
+    check_image,
+    image_files,
+)
 from detr_irpe.errors import DatasetError
 
 __all__ = ["VocSource", "check_voc_split", "find_voc_splits"]
@@ -47,16 +64,24 @@ class VocSource:
     lists: tuple[Path | None, ...] = ()
 
 
-def _list_stems(path: Path) -> frozenset[str]:
+def _list_stems(path: Path, files: SourceFiles) -> frozenset[str]:
     # "stem" or, in the devkit's per-class lists, "stem  1"
-    return frozenset(line.split()[0] for line in path.read_text().splitlines() if line.strip())
+    try:
+        text = decode_text(files.read(path, MAX_LIST_BYTES, "image list"))
+    except Unreadable as err:
+        raise DatasetError(f"{path}: {err}") from None
+    return frozenset(line.split()[0] for line in text.splitlines() if line.strip())
 
 
 def find_voc_splits(source: str | Path, images: str | Path | None = None,
-                    labels: str | Path | None = None) -> VocSource:
+                    labels: str | Path | None = None, *,
+                    files: SourceFiles | None = None) -> VocSource:
     """The splits of the VOC dataset in ``source`` (layouts: module docstring);
-    ``images`` and ``labels`` (one split's folders) override what is found."""
+    ``images`` and ``labels`` (one split's folders) override what is found. ``files``:
+    which files may be read (default: those inside ``source``, ``images``, ``labels``)."""
     source = Path(source)
+    if files is None:
+        files = SourceFiles(source, (images, labels))
     if images is not None:
         image_dir = Path(images)
         split = SourceSplit("train", image_dir, Path(labels) if labels else image_dir)
@@ -69,6 +94,8 @@ def find_voc_splits(source: str | Path, images: str | Path | None = None,
         if not image_dir.is_dir():
             raise DatasetError(f"{source}: Annotations/ without JPEGImages/ (or images/); give "
                                "the image folder with --images DIR")
+        files.check_folder(annotations, "the annotation folder")
+        files.check_folder(image_dir, "the image folder")
         lists = source / "ImageSets" / "Main"
         found: dict[str, Path] = {}
         for name in SPLIT_LISTS:
@@ -79,7 +106,8 @@ def find_voc_splits(source: str | Path, images: str | Path | None = None,
         if not found:
             return VocSource((SourceSplit("train", image_dir, annotations),), (None,))
         return VocSource(tuple(SourceSplit(n, image_dir, annotations) for n in found),
-                         tuple(_list_stems(p) for p in found.values()), tuple(found.values()))
+                         tuple(_list_stems(p, files) for p in found.values()),
+                         tuple(found.values()))
     if any(p.suffix == ".xml" for p in source.iterdir()):
         return VocSource((SourceSplit("train", source, source),), (None,))
     raise DatasetError(f"{source}: no Pascal VOC layout found (Annotations/ + JPEGImages/, "
@@ -95,32 +123,77 @@ def _number(obj: ET.Element, tag: str) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+def _defusedxml() -> Any:
+    try:
+        # the formats extra (setup.cfg): supervision reads VOC files with it as well
+        import defusedxml
+        import defusedxml.ElementTree
+    except ImportError:
+        raise DatasetError("reading Pascal VOC files needs the defusedxml package: pip "
+                           "install 'detr_irpe[formats]'") from None
+    return defusedxml
+
+
+def _parse_xml(xml: Path, files: SourceFiles) -> ET.Element:
+    """The root element of ``xml``; :class:`Unreadable` saying why not (never its text)."""
+    defused = _defusedxml()
+    data = files.read(xml, MAX_XML_BYTES, "VOC annotation file")
+    try:
+        return defused.ElementTree.fromstring(data)
+    except ET.ParseError as err:
+        raise Unreadable(f"not a readable XML file ({err})") from None
+    except defused.DefusedXmlException as err:
+        name = getattr(err, "name", None)
+        shown = f" {excerpt(name)}" if name else ""
+        raise Unreadable(f"declares an XML entity{shown} (<!ENTITY>): refused, since an "
+                         "entity can expand without bound or read another file") from None
+    except RecursionError:
+        raise Unreadable("XML nested too deep to read") from None
+
+
 def check_voc_split(split: SourceSplit, stems: frozenset[str] | None, problems: Problems,
                     names: list[str] | None = None, fix_dir: Path | None = None,
-                    listed_in: Path | None = None) -> list[str]:
-    """Check every XML file of ``split`` (of the images in ``stems``, which ``listed_in``
-    names); each bad case is added to ``problems``. Returns the class names found, sorted
-    (``names`` when given).
+                    listed_in: Path | None = None, *, checks: ImageChecks | None = None
+                    ) -> list[str]:
+    """Check every image and XML file of ``split`` (of the images in ``stems``, which
+    ``listed_in`` names); each bad case is added to ``problems``. Returns the class names
+    found, sorted (``names`` when given).
 
     ``fix_dir``: write each XML file there, with the bad objects dropped and boxes clipped
-    to the image (what ``--fix`` converts).
+    to the image (what ``--fix`` converts). ``checks``: which files may be read, the
+    images' pixel limit, and the set the images refused are added to
+    (:class:`~.yolo.ImageChecks`).
     """
-    images = {p.stem: p for p in split.images.iterdir()
-              if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()}
+    checks = checks or ImageChecks()
+    files = checks.files if checks.files is not None else SourceFiles(
+        split.labels, follow_links_outside=True)
+    images: dict[str, Path] = {}
+    for path in image_files(split.images):
+        if stems is not None and path.stem not in stems:
+            continue
+        problem = check_image(path, files, checks.max_pixels)
+        if problem is None:
+            images[path.stem] = path
+            continue
+        problems.add(path, problem)
+        if checks.rejected is not None:
+            checks.rejected.add(path)
+    refused = {p.stem for p in checks.rejected or ()}
     found: set[str] = set()
     for xml in sorted(split.labels.glob("*.xml")):
         if stems is not None and xml.stem not in stems:
             continue
         if xml.stem not in images:
-            problems.add(xml, f"annotation file without an image (no {xml.stem}.jpg / .png / "
-                         f"... in {split.images})")
+            if xml.stem not in refused:
+                problems.add(xml, f"annotation file without an image (no {xml.stem}.jpg / "
+                             f".png / ... in {split.images})")
             continue
         try:
-            tree = ET.parse(xml)
-        except (ET.ParseError, OSError) as err:
-            problems.add(xml, f"not a readable XML file ({err})")
+            root = _parse_xml(xml, files)
+        except Unreadable as err:
+            problems.add(xml, str(err))
             continue
-        root = tree.getroot()
+        tree = ET.ElementTree(root)
         size = root.find("size")
         width = _number(size, "width") if size is not None else None
         height = _number(size, "height") if size is not None else None
@@ -141,7 +214,7 @@ def check_voc_split(split: SourceSplit, stems: frozenset[str] | None, problems: 
             fix_dir.mkdir(parents=True, exist_ok=True)
             tree.write(fix_dir / xml.name)
     for stem in sorted(stems or ()):
-        if stem not in images:
+        if stem not in images and stem not in refused:
             problems.add(listed_in or split.labels, f"{stem!r} has no image in {split.images}")
     return list(names) if names is not None else sorted(found)
 
@@ -152,7 +225,8 @@ def _check_object(obj: ET.Element, width: float | None, height: float | None,
     if not name:
         return "object without a <name>"
     if names is not None and name not in names:
-        return f"class {name!r} is not among the names ({', '.join(names[:10])})"
+        return (f"class {excerpt(name)} is not among the names "
+                f"({', '.join(excerpt(n) for n in names[:10])})")
     box = obj.find("bndbox")
     if box is None:
         return "object without a <bndbox>"

@@ -18,26 +18,48 @@ The layouts found (:func:`find_yolo_splits`), each a common export:
 (a label file without an image, a class id beyond the names, a box reaching outside
 ``[0, 1]``, an unreadable line); with ``fix`` it writes corrected copies instead (bad
 lines dropped, boxes clipped to ``[0, 1]``, polygons as their boxes).
+
+Every file is read through :mod:`.guard`: inside the source folder (unless links outside
+are followed), regular files of bounded size, YAML of bounded expansion; an image is
+checked by its header (readable, at most ``max_pixels``) before the conversion reads it.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from PIL import Image
 
+from detr_irpe.data.convert.guard import (
+    MAX_LABEL_BYTES,
+    MAX_NAMES_BYTES,
+    SourceFiles,
+    Unreadable,
+    check_yaml_size,
+    decode_text,
+    describe_line,
+    excerpt,
+    label_like,
+    read_limited,
+)
 from detr_irpe.data.convert.problems import Problems
+from detr_irpe.data.images import DEFAULT_MAX_IMAGE_PIXELS
 from detr_irpe.errors import DatasetError
 
 __all__ = [
+    "ImageChecks",
     "IMAGE_SUFFIXES",
     "SourceSplit",
     "YoloSource",
+    "check_image",
     "check_yolo_split",
     "find_yolo_splits",
+    "image_files",
     "read_names",
 ]
 
@@ -51,6 +73,12 @@ NOT_LABELS = {"classes.txt", "obj.names", "names.txt", "train.txt", "val.txt", "
 # What each tool calls a split, and ours.
 SPLIT_NAMES = {"train": "train", "val": "val", "valid": "val", "validation": "val",
                "test": "test"}
+# The most class names a names file may give.
+MAX_CLASSES = 100_000
+# Values per keypoint of a pose dataset's kpt_shape (x, y and optionally visibility).
+KEYPOINT_VALUES = (2, 3)
+# The most keypoints per object a kpt_shape may declare.
+MAX_KEYPOINTS = 1000
 
 
 @dataclass(frozen=True)
@@ -73,19 +101,47 @@ class YoloSource:
     pose_values: int = 0
 
 
-def read_names(path: Path) -> tuple[list[str], dict[str, Any]]:
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error without the snippet of the file PyYAML adds: the problem and where."""
+    what = str(getattr(err, "problem", None) or type(err).__name__)
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return ascii(what[:80])[1:-1] + where
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def read_names(path: Path, files: SourceFiles | None = None) -> tuple[list[str], dict[str, Any]]:
     """Class names of a ``data.yaml`` (``names``: a list or ``{id: name}``) or of a text
-    file (one name a line); and the YAML document (empty for a text file)."""
+    file (one name a line); and the YAML document (empty for a text file).
+
+    ``files``: the source's files, when the names file was found in it (it must resolve
+    inside); a file the user named is read wherever it is. Either way it must be a
+    regular file of at most :data:`~.guard.MAX_NAMES_BYTES`, UTF-8, and a YAML document
+    of bounded size once its aliases are expanded.
+    """
+    path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as err:
-        raise DatasetError(f"{path}: cannot read the class names ({err})") from None
+        data = (files.read(path, MAX_NAMES_BYTES, "names file") if files is not None
+                else read_limited(path, MAX_NAMES_BYTES, "names file"))
+        text = decode_text(data)
+    except Unreadable as err:
+        raise DatasetError(f"{path}: cannot read the class names: {err}") from None
     if path.suffix not in (".yaml", ".yml"):
-        return [line.strip() for line in text.splitlines() if line.strip()], {}
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+        if not names or len(names) > MAX_CLASSES:
+            raise DatasetError(f"{path}: {len(names):,} class names; a names file has one "
+                               f"name a line, 1 to {MAX_CLASSES:,} of them")
+        return names, {}
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise DatasetError(f"{path}: not valid YAML ({err})") from None
+        raise DatasetError(f"{path}: not valid YAML ({_yaml_problem(err)})") from None
+    except RecursionError:
+        raise DatasetError(f"{path}: YAML nested too deep to read") from None
+    check_yaml_size(doc, str(path))
     names = doc.get("names") if isinstance(doc, dict) else None
     if isinstance(names, dict) and all(isinstance(k, int) for k in names):
         if sorted(names) != list(range(len(names))):
@@ -94,7 +150,27 @@ def read_names(path: Path) -> tuple[list[str], dict[str, Any]]:
         names = [names[k] for k in sorted(names)]
     if not isinstance(names, list) or not names:
         raise DatasetError(f"{path}: needs 'names', a list of class names (or {{id: name}})")
+    if len(names) > MAX_CLASSES:
+        raise DatasetError(f"{path}: {len(names):,} class names, more than {MAX_CLASSES:,}")
+    for k, name in enumerate(names):
+        if not isinstance(name, (str, int, float)):
+            raise DatasetError(f"{path}: 'names' entry {k} is a {type(name).__name__}, not a "
+                               "class name")
     return [str(n) for n in names], doc
+
+
+def _pose_values(names_file: Path, doc: dict[str, Any]) -> int:
+    """The keypoint values after each box of a pose dataset (``kpt_shape: [K, 2 or 3]``),
+    0 without ``kpt_shape``."""
+    kpt = doc.get("kpt_shape")
+    if kpt is None:
+        return 0
+    if not (isinstance(kpt, list) and len(kpt) == 2 and all(map(_is_count, kpt))
+            and kpt[0] <= MAX_KEYPOINTS and kpt[1] in KEYPOINT_VALUES):
+        raise DatasetError(f"{names_file}: 'kpt_shape' must be [keypoints, values per "
+                           f"keypoint]: whole numbers, 1 to {MAX_KEYPOINTS} and 2 or 3; got "
+                           f"{excerpt(repr(kpt))}")
+    return int(kpt[0]) * int(kpt[1])
 
 
 def _labels_of(images: Path) -> Path:
@@ -110,20 +186,33 @@ def _labels_of(images: Path) -> Path:
     return images  # labels next to the images (CVAT, LabelImg)
 
 
-def _resolve(base: Path, root: Path, value: str) -> Path | None:
+def _resolve(base: Path, root: Path, value: str, files: SourceFiles | None = None,
+             where: str = "") -> Path | None:
     """A split's image folder from a data.yaml value: relative to its ``path`` (``base``),
-    the YAML's folder, or (Roboflow's ``../train/images``) without the leading ``../``."""
+    the YAML's folder, or (Roboflow's ``../train/images``) without the leading ``../``.
+    With ``files``, the first of those inside the source; one outside only when links
+    outside are followed (else :class:`DatasetError`, ``where`` naming the key)."""
     value = value.strip()
     candidates = [base / value, root / value, root / value.lstrip("./").removeprefix("../")]
     while value.startswith("../"):
         value = value[3:]
         candidates.append(root / value)
-    return next((c.resolve() for c in candidates if c.is_dir()), None)
+    found = [c.resolve() for c in candidates if c.is_dir()]
+    if files is None:
+        return next(iter(found), None)
+    inside = [c for c in found if files.outside(c) is None]
+    if found and not inside:
+        raise DatasetError(f"{where}: {found[0]} {files.why_not(found[0])}")
+    return next(iter(inside), None)
 
 
-def _yaml_splits(yaml_file: Path, doc: dict[str, Any]) -> list[SourceSplit]:
+def _yaml_splits(yaml_file: Path, doc: dict[str, Any],
+                 files: SourceFiles | None = None) -> list[SourceSplit]:
     root = yaml_file.parent
-    base = root / str(doc.get("path") or ".")
+    path = doc.get("path") or "."
+    if not isinstance(path, str):
+        raise DatasetError(f"{yaml_file}: 'path' must be a folder, got {excerpt(path)}")
+    base = root / path
     if not base.is_dir():
         base = root
     splits = []
@@ -132,13 +221,15 @@ def _yaml_splits(yaml_file: Path, doc: dict[str, Any]) -> list[SourceSplit]:
         if value is None or any(s.name == name for s in splits):
             continue
         if not isinstance(value, str):
-            raise DatasetError(f"{yaml_file}: '{key}' must be one image folder, got {value!r}")
+            raise DatasetError(f"{yaml_file}: '{key}' must be one image folder, got "
+                               f"{excerpt(value)}")
+        shown = ascii(value[:200])[1:-1] + ("..." if len(value) > 200 else "")
         if value.endswith(".txt"):
-            raise DatasetError(f"{yaml_file}: '{key}: {value}' is a list of image files; "
+            raise DatasetError(f"{yaml_file}: '{key}: {shown}' is a list of image files; "
                                "give the image folder (--images / --labels)")
-        images = _resolve(base, root, value)
+        images = _resolve(base, root, value, files, f"{yaml_file}: '{key}: {shown}'")
         if images is None:
-            raise DatasetError(f"{yaml_file}: '{key}: {value}' is not a folder (looked under "
+            raise DatasetError(f"{yaml_file}: '{key}: {shown}' is not a folder (looked under "
                                f"{base} and {root})")
         splits.append(SourceSplit(name, images, _labels_of(images)))
     return splits
@@ -168,29 +259,35 @@ def _folder_splits(source: Path) -> list[SourceSplit]:
 
 def find_yolo_splits(source: str | Path, names: str | Path | None = None,
                      images: str | Path | None = None,
-                     labels: str | Path | None = None) -> YoloSource:
+                     labels: str | Path | None = None, *,
+                     files: SourceFiles | None = None) -> YoloSource:
     """The class names and splits of the YOLO dataset in ``source`` (layouts: module
     docstring). ``names`` (a data.yaml or a text file), ``images`` and ``labels`` (one
-    split's folders) override what is found.
+    split's folders) override what is found. ``files``: which files may be read (default:
+    those inside ``source``, ``images`` and ``labels``).
 
     Raises:
-        DatasetError: no names, or no split, found; naming what was looked for.
+        DatasetError: no names, or no split, found; naming what was looked for. A names
+            file or split folder that resolves outside the source, or a names file that
+            cannot be read safely.
     """
     source = Path(source)
     if not source.is_dir():
         raise DatasetError(f"{source} is not a folder")
+    if files is None:
+        files = SourceFiles(source, (images, labels))
     names_file = Path(names) if names is not None else next(
         (source / n for n in NAMES_FILES if (source / n).is_file()), None)
     if names_file is None:
         raise DatasetError(f"{source}: no class names found (looked for {', '.join(NAMES_FILES)}); "
                            "give them with --names FILE (a data.yaml or one name a line)")
-    class_names, doc = read_names(names_file)
+    class_names, doc = read_names(names_file, files if names is None else None)
     if images is not None:
         image_dir = Path(images)
         splits = [SourceSplit("train", image_dir,
                               Path(labels) if labels is not None else _labels_of(image_dir))]
     elif doc and any(k in doc for k in SPLIT_NAMES):
-        splits = _yaml_splits(names_file, doc)
+        splits = _yaml_splits(names_file, doc, files)
     else:
         splits = _folder_splits(source)
     if not splits:
@@ -202,8 +299,8 @@ def find_yolo_splits(source: str | Path, names: str | Path | None = None,
             if not folder.is_dir():
                 raise DatasetError(f"{source}: the {split.name} {what} folder {folder} does "
                                    "not exist")
-    kpt = doc.get("kpt_shape") if doc else None
-    pose = int(kpt[0]) * int(kpt[1]) if isinstance(kpt, list) and len(kpt) == 2 else 0
+            files.check_folder(folder, f"the {split.name} {what} folder")
+    pose = _pose_values(names_file, doc) if doc else 0
     return YoloSource(tuple(class_names), tuple(splits), names_file, pose)
 
 
@@ -228,7 +325,9 @@ def _check_line(tokens: list[str], count: int, pose: int, tol: float
     values = [_number(t) for t in tokens]
     if any(v is None for v in values):
         bad = next(t for t, v in zip(tokens, values) if v is None)
-        return f"{bad!r} is not a finite number", None
+        if label_like(tokens):
+            return f"{excerpt(bad)} is not a finite number", None
+        return f"a value is not a finite number; {describe_line(tokens)}", None
     if len(values) in (4, 5) or (pose and len(values) == 4 + pose):
         cx, cy, w, h = values[:4]
         if w <= 0 or h <= 0:
@@ -250,41 +349,116 @@ def _check_line(tokens: list[str], count: int, pose: int, tol: float
     return problem, [(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1]
 
 
-def _image_stems(folder: Path) -> dict[str, list[str]]:
+def image_files(folder: Path) -> list[Path]:
+    """The entries of ``folder`` named like images (:data:`IMAGE_SUFFIXES`), sorted."""
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def check_image(path: Path, files: SourceFiles | None = None,
+                max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> str | None:
+    """What is wrong with the image ``path`` (None: nothing), from its header alone: it
+    resolves outside the source, is not a regular file, is not an image PIL reads, or
+    declares more than ``max_pixels`` pixels."""
+    problem = files.why_not(path) if files is not None else None
+    if problem is not None:
+        return problem
+    if not path.is_file():
+        return "not a regular file: not read"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                width, height = image.size
+    except Image.DecompressionBombError:
+        return (f"declares more than {2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels; refused "
+                "without decoding")
+    except Exception:  # PIL raises several unrelated types for files that are no images
+        return "not an image file (empty, corrupt, or a format PIL does not read)"
+    if width < 1 or height < 1:
+        return f"declares {width} x {height} pixels"
+    if max_pixels is not None and width * height > max_pixels:
+        return (f"declares {width} x {height} = {width * height:,} pixels, more than "
+                f"{max_pixels:,} (--max-image-pixels; training reads at most "
+                "data.max_image_pixels); refused without decoding")
+    return None
+
+
+def _image_stems(folder: Path, problems: Problems | None = None,
+                 files: SourceFiles | None = None,
+                 max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+                 rejected: set[Path] | None = None) -> dict[str, list[str]]:
+    """``{stem: [file names]}`` of the readable images of ``folder``; with ``problems``,
+    each image that is not (:func:`check_image`) is one, and lands in ``rejected``."""
     stems: dict[str, list[str]] = {}
-    for path in folder.iterdir():
-        if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file():
-            stems.setdefault(path.stem, []).append(path.name)
+    for path in image_files(folder):
+        if problems is None:
+            if path.is_file():
+                stems.setdefault(path.stem, []).append(path.name)
+            continue
+        problem = check_image(path, files, max_pixels)
+        if problem is not None:
+            problems.add(path, problem)
+            if rejected is not None:
+                rejected.add(path)
+            continue
+        stems.setdefault(path.stem, []).append(path.name)
     return stems
+
+
+@dataclass
+class ImageChecks:
+    """How a split's images are checked (:func:`check_image`) and what is read.
+
+    Attributes:
+        files: which files may be read (None: any, each still a regular file of bounded
+            size).
+        max_pixels: an image declaring more pixels is refused.
+        rejected: each image refused is added here (None: not kept).
+    """
+
+    files: SourceFiles | None = None
+    max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
+    rejected: set[Path] | None = None
 
 
 def check_yolo_split(split: SourceSplit, num_classes: int, problems: Problems, *,
                      tolerance: float = 1e-3, pose_values: int = 0,
-                     names_file: str = "the names") -> dict[str, list[str]]:
-    """Check every label file of ``split``; each bad case is added to ``problems``.
+                     names_file: str = "the names", checks: ImageChecks | None = None
+                     ) -> dict[str, list[str]]:
+    """Check every image and label file of ``split``; each bad case is added to
+    ``problems``.
 
-    Returns ``{label file name: corrected lines}`` for every label file of an image, the
-    lines as boxes ``class cx cy w h`` (6 decimals): bad lines dropped, boxes clipped to
-    ``[0, 1]``, polygons and pose lines replaced by their boxes (what ``--fix`` converts,
-    and what the conversion reads in any case).
+    ``checks``: which files may be read (label files: at most
+    :data:`~.guard.MAX_LABEL_BYTES`), the images' pixel limit, and the set the images
+    refused are added to (:class:`ImageChecks`).
+
+    Returns ``{label file name: corrected lines}`` for every label file of a readable
+    image, the lines as boxes ``class cx cy w h`` (6 decimals): bad lines dropped, boxes
+    clipped to ``[0, 1]``, polygons and pose lines replaced by their boxes (what ``--fix``
+    converts, and what the conversion reads in any case).
     """
-    stems = _image_stems(split.images)
+    checks = checks or ImageChecks()
+    files = checks.files if checks.files is not None else SourceFiles(
+        split.labels, follow_links_outside=True)
+    stems = _image_stems(split.images, problems, files, checks.max_pixels, checks.rejected)
+    refused = {p.stem for p in checks.rejected or ()}
     corrected: dict[str, list[str]] = {}
-    for stem, files in sorted(stems.items()):
-        if len(files) > 1:
-            problems.add(split.images / files[0], f"{len(files)} images share the stem "
-                         f"{stem!r} ({', '.join(sorted(files))}): a label file names one of them")
+    for stem, found in sorted(stems.items()):
+        if len(found) > 1:
+            problems.add(split.images / found[0], f"{len(found)} images share the stem "
+                         f"{stem!r} ({', '.join(sorted(found))}): a label file names one of them")
     for label in sorted(split.labels.glob("*.txt")):
         if label.name in NOT_LABELS:
             continue
         if label.stem not in stems:
-            problems.add(label, f"label file without an image (no {label.stem}.jpg / .png / "
-                         f"... in {split.images})")
+            if label.stem not in refused:
+                problems.add(label, f"label file without an image (no {label.stem}.jpg / "
+                             f".png / ... in {split.images})")
             continue
         try:
-            text = label.read_text()
-        except (OSError, UnicodeDecodeError) as err:
-            problems.add(label, f"unreadable ({err})")
+            text = decode_text(files.read(label, MAX_LABEL_BYTES, "label file"))
+        except Unreadable as err:
+            problems.add(label, str(err))
             continue
         lines = []
         for number, line in enumerate(text.splitlines(), 1):
@@ -293,11 +467,16 @@ def check_yolo_split(split: SourceSplit, num_classes: int, problems: Problems, *
                 continue
             where = f"{label} line {number}"
             class_id = _class_id(tokens[0])
+            quoted = label_like(tokens)
             if class_id is None:
-                problems.add(where, f"class id {tokens[0]!r} is not a whole number")
+                problems.add(where, f"class id {excerpt(tokens[0])} is not a whole number"
+                             if quoted else f"class id is not a whole number; "
+                             f"{describe_line(tokens)}")
                 continue
             if not 0 <= class_id < num_classes:
-                problems.add(where, f"class id {class_id} is beyond {names_file} "
+                shown = (str(class_id) if abs(class_id) < 10**9 else excerpt(tokens[0])
+                         ) if quoted else "(not quoted)"
+                problems.add(where, f"class id {shown} is beyond {names_file} "
                              f"({num_classes} classes: ids 0-{num_classes - 1})")
                 continue
             problem, box = _check_line(tokens[1:], len(tokens) - 1, pose_values, tolerance)

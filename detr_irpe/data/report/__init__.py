@@ -20,6 +20,7 @@ from detr_irpe.data.report.inputs import InputResize, input_resizes
 from detr_irpe.data.report.model import ModelView, model_view
 from detr_irpe.data.report.run import (
     REPORT_DIR,
+    check_report_folder,
     check_training_data,
     format_report,
     raise_on_problems,
@@ -40,6 +41,7 @@ __all__ = [
     "ModelView",
     "annotation_arrays",
     "build_report",
+    "check_report_folder",
     "check_training_data",
     "format_report",
     "input_resizes",

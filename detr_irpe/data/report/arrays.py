@@ -64,8 +64,17 @@ class AnnotationArrays:
         return int(self.ann_image.shape[0])
 
 
+# ids are stored as int64: an id outside its range counts as malformed
+_INT64 = range(-(2**63), 2**63)
+
+
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and value in _INT64
+
+
+def _name(category: Mapping[str, Any]) -> str:
+    name = category.get("name", category["id"])
+    return str(name) if isinstance(name, (str, int, float)) else f"<{type(name).__name__}>"
 
 
 def _size(value: Any) -> float:
@@ -134,7 +143,7 @@ def annotation_arrays(document: Mapping[str, Any],
         image, category, boxes, crowd, valid = _annotations_fast(anns)
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
         image, category, boxes, crowd, valid = _annotations_slow(anns)
-    categories = {int(c["id"]): str(c.get("name", c["id"]))
+    categories = {int(c["id"]): _name(c)
                   for c in document.get("categories") or []
                   if isinstance(c, Mapping) and _is_int(c.get("id"))}
     return AnnotationArrays(

@@ -13,7 +13,13 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter, ScalarFormatter
+from matplotlib.ticker import (
+    FixedFormatter,
+    FixedLocator,
+    MaxNLocator,
+    NullFormatter,
+    NullLocator,
+)
 
 from detr_irpe.data.report.checks import DataReport
 from detr_irpe.utils.files import atomic_write
@@ -22,6 +28,28 @@ __all__ = ["plot_report"]
 
 # Categories drawn by name; more are summarised by the rarest and the commonest.
 MAX_BARS = 40
+# Mantissas of the labelled ticks on a log axis, densest last: the first set giving at
+# least MIN_TICKS ticks in the range is used.
+_LOG_MANTISSAS = ((1.0,), (1.0, 2.0, 5.0), (1.0, 2.0, 3.0, 5.0, 7.0),
+                  (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0))
+MIN_TICKS = 4
+
+
+def log_ticks(low: float, high: float) -> list[float]:
+    """Round values (1, 2, 5, ... times a power of ten) to label a log axis on
+    ``[low, high]``: the sparsest set with at least ``MIN_TICKS`` of them there; on a
+    range too narrow for 3 of the densest, evenly spaced round values."""
+    ticks: list[float] = []
+    for mantissas in _LOG_MANTISSAS:
+        ticks = [m * 10.0 ** e for e in range(int(np.floor(np.log10(low))),
+                                             int(np.ceil(np.log10(high))) + 1)
+                 for m in mantissas if low <= m * 10.0 ** e <= high]
+        if len(ticks) >= MIN_TICKS:
+            return ticks
+    if len(ticks) < 3:  # under a factor of about 2: evenly spaced round values
+        ticks = [float(t) for t in MaxNLocator(MIN_TICKS).tick_values(low, high)
+                 if low <= t <= high]
+    return ticks
 
 
 def _sizes_panel(ax, report: DataReport) -> None:
@@ -32,13 +60,17 @@ def _sizes_panel(ax, report: DataReport) -> None:
         bins = np.geomspace(low, high, 50)
         ax.hist(sizes, bins=bins, color="tab:blue", alpha=0.8)
         ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
     for k, stride in enumerate(report.strides):
         ax.axvline(stride, color="tab:red", linestyle="--" if k else "-", linewidth=1.2,
                    label=f"stride {stride}: one cell" if k == 0 else f"stride {stride}")
     if report.strides:
         ax.legend(fontsize=8)
+    if sizes.size:  # within the limits the strides' lines set too
+        ticks = log_ticks(*ax.get_xlim())  # matplotlib labels only powers of ten
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(FixedFormatter([f"{t:g}" for t in ticks]))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(f"object side at the {evaluated} (sqrt of box area, px)")
     ax.set_ylabel("objects")
     share = report.stats.get("sizes", {}).get("share_below_one_cell")

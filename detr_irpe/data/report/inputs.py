@@ -1,7 +1,7 @@
 """How the images of a dataset become model inputs: the resize rules of the data config,
 as scale factors per image (the data report measures objects in input pixels).
 
-Two rules (docs/data.md, "Augmentation"): ``shorter`` resizes the shorter side to a size
+Two kinds of resize rule (:mod:`detr_irpe.resize`; docs/data.md, "The resize rule"): ``shorter`` resizes the shorter side to a size
 with the longer side capped at ``max_size`` (DETR's recipe, ``data.augmentation`` ``detr``
 and ``simple``, and every evaluation of those); ``square`` resizes to ``size x size``
 without keeping the aspect ratio (RT-DETR's, ``data.augmentation=rtdetr``). DETR's random
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from detr_irpe.config import DataConfig
+from detr_irpe.config import Config, DataConfig
+from detr_irpe.resize import resize_rule
 
 __all__ = ["InputResize", "input_resizes"]
 
@@ -64,11 +65,9 @@ class InputResize:
         return f"shorter side {sizes} px{cap}"
 
 
-def input_resizes(data: DataConfig) -> tuple[InputResize, InputResize]:
-    """``(training, evaluation)`` resize rules of a data config."""
-    if data.augmentation == "rtdetr":
-        train = sorted(set(data.batch_scales)) or [data.train_size]
-        return (InputResize("square", tuple(train)),
-                InputResize("square", (data.eval_size,)))
-    return (InputResize("shorter", tuple(sorted(set(data.train_scales))), data.max_size),
-            InputResize("shorter", (data.val_size,), data.max_size))
+def input_resizes(cfg: Config | DataConfig) -> tuple[InputResize, InputResize]:
+    """``(training, evaluation)`` resizes of a config (or its data section), as its resize
+    rule (:mod:`detr_irpe.resize`) says."""
+    rule = resize_rule(cfg)
+    train, evaluation, cap = rule.report_sizes()
+    return InputResize(rule.name, train, cap), InputResize(rule.name, evaluation, cap)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,12 +24,13 @@ from detr_irpe.data.report.checks import DataReport, build_report
 from detr_irpe.data.report.figure import plot_report
 from detr_irpe.data.report.inputs import input_resizes
 from detr_irpe.data.report.model import model_view
-from detr_irpe.errors import DatasetError
-from detr_irpe.utils.files import atomic_write_text
+from detr_irpe.errors import DatasetError, RunFolderError
+from detr_irpe.utils.files import atomic_write_text, write_error
 from detr_irpe.utils.text import plural
 
 __all__ = [
     "REPORT_DIR",
+    "check_report_folder",
     "check_training_data",
     "format_report",
     "raise_on_problems",
@@ -60,7 +63,7 @@ def report_document(document: dict[str, Any], cfg: Config | None, *, source: str
     arrays = annotation_arrays(document, dropped)
     train = evaluation = model = None
     if cfg is not None:
-        train, evaluation = input_resizes(cfg.data)
+        train, evaluation = input_resizes(cfg)
         model = model_view(cfg)
     report = build_report(arrays, source=source, model=model, train=train,
                           evaluation=evaluation, images_dir=images_dir,
@@ -73,7 +76,12 @@ def report_file(ann_file: str | Path, cfg: Config | None = None,
                 images_dir: str | Path | None = None) -> DataReport:
     """The report of a COCO annotation file (``images_dir``: also look for its images)."""
     started = time.perf_counter()
-    document = read_annotation_file(ann_file)
+    try:
+        document = read_annotation_file(ann_file)
+    except RecursionError:
+        raise DatasetError(f"{ann_file}: JSON nested deeper than Python parses (about "
+                           f"{sys.getrecursionlimit()} levels); not a COCO annotation file"
+                           ) from None
     report = report_document(document, cfg, source=str(ann_file), images_dir=images_dir)
     report.seconds = time.perf_counter() - started
     return report
@@ -137,11 +145,38 @@ def report_json(report: DataReport) -> dict[str, Any]:
             "stats": report.stats}
 
 
+def check_report_folder(folder: str | Path) -> Path:
+    """``folder`` if the report's files can be written there: a folder, or one that can
+    be made (nothing in its path is a file). Checked before a report is computed.
+
+    Raises:
+        RunFolderError: naming the folder and what is in the way.
+    """
+    folder = Path(folder)
+    existing = next(p for p in (folder, *folder.parents)
+                    if p.exists() or p.is_symlink() or p == Path(p.anchor or "."))
+    if not existing.is_dir():
+        where = "is" if existing == folder else f"is under {existing}, which is"
+        raise RunFolderError(f"the report folder {folder} {where} not a folder (a file or a "
+                             "broken link); give a folder for --out")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RunFolderError(f"the report folder {folder} cannot be written ({existing} is "
+                             "not writable)")
+    return folder
+
+
 def write_report(report: DataReport, folder: str | Path, stem: str = "data_report",
                  figure: bool = True) -> list[Path]:
-    """Write ``<stem>.md``, ``<stem>.json`` and (``figure``) ``<stem>.png`` into ``folder``."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write ``<stem>.md``, ``<stem>.json`` and (``figure``) ``<stem>.png`` into ``folder``.
+
+    Raises:
+        RunFolderError: ``folder`` cannot be made or written (one line naming it).
+    """
+    folder = check_report_folder(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise write_error(folder, err) from None
     out = [atomic_write_text(folder / f"{stem}.md", format_report(report)),
            atomic_write_text(folder / f"{stem}.json",
                              json.dumps(report_json(report), indent=1))]

@@ -18,6 +18,7 @@ from detr_irpe.models.dab.config import DABLossConfig, DABModelConfig, Denoising
 from detr_irpe.models.dab.hf import HF
 from detr_irpe.models.dab.model import DABDETR, decoder_attention
 from detr_irpe.models.detr.model import encoder_attention
+from detr_irpe.resize import ShorterSideRule
 
 FAMILY = register_family(DetectorFamily(
     name="dab",
@@ -35,6 +36,7 @@ FAMILY = register_family(DetectorFamily(
     figures=("anchors", "anchor-attention"),
     benchmark_targets={"DAB-DETR": "dab_detr_r50", "DN-DETR": "dn_detr_r50"},
     attention=AttentionSupport(encoder=encoder_attention, decoder=decoder_attention),
+    resize_rule=ShorterSideRule.from_data,
 ))
 
 __all__ = ["DABDETR", "FAMILY", "DABLossConfig", "DABModelConfig", "DenoisingConfig"]

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from detr_irpe.attention.dropout import Dropout
 from detr_irpe.encodings import PlaceEncodings, as_place
-from detr_irpe.irpe.dropout import Dropout
 from detr_irpe.models.detr.transformer import (
     TransformerEncoder,
     TransformerEncoderLayer,

@@ -19,6 +19,7 @@ from detr_irpe.models.detr.criterion import SetCriterion
 from detr_irpe.models.detr.hf import HF
 from detr_irpe.models.detr.model import DETR, decoder_attention, encoder_attention
 from detr_irpe.models.detr.transformer import Transformer
+from detr_irpe.resize import ShorterSideRule
 
 FAMILY = register_family(DetectorFamily(
     name="detr",
@@ -33,6 +34,7 @@ FAMILY = register_family(DetectorFamily(
     hf=HF,
     benchmark_targets={"DETR": "detr_r50"},
     attention=AttentionSupport(encoder=encoder_attention, decoder=decoder_attention),
+    resize_rule=ShorterSideRule.from_data,
 ))
 
 __all__ = ["DETR", "FAMILY", "DETRLossConfig", "DETRModelConfig", "SetCriterion", "Transformer"]

@@ -12,7 +12,7 @@ from detr_irpe.config.checks import at_least, choice, positive
 from detr_irpe.config.schema import LossConfig, ModelConfig
 from detr_irpe.errors import ConfigError
 from detr_irpe.irpe import parse_rpe, table_parameter_count
-from detr_irpe.registry import check_backbone_name
+from detr_irpe.models.backbone_registry import check_backbone_name
 
 __all__ = [
     "POSITION_EMBEDDINGS",

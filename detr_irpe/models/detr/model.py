@@ -87,7 +87,7 @@ class DETR(nn.Module):
 
 
 def encoder_attention(model: DETR) -> list[nn.Module]:
-    """The encoder layers' self-attention (:class:`~detr_irpe.irpe.IRPEMultiheadAttention`),
+    """The encoder layers' self-attention (:class:`~detr_irpe.attention.MultiheadAttention`),
     for the attention figures (the family's ``attention.encoder``)."""
     return [layer.self_attn for layer in model.transformer.encoder.layers]
 

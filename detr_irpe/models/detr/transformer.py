@@ -4,9 +4,9 @@ Adapted from DETR's ``transformer.py`` (itself a copy of ``torch.nn.Transformer`
 What changed:
 
 - batch-first everywhere: ``(B, L, C)`` tokens, ``(B, L)`` padding masks;
-- every encoder self-attention is an :class:`~detr_irpe.irpe.IRPEMultiheadAttention`
-  (iRPE on the ``H x W`` token grid, or plain attention with ``rpe=None``), so
-  the encoder layers also take the grid size ``hw``;
+- every encoder self-attention is a :class:`~detr_irpe.attention.MultiheadAttention`
+  over the ``H x W`` token grid with the encoder's encoding entries (plain attention
+  without any), so the encoder layers also take the grid size ``hw``;
 - post-norm / pre-norm is one ``forward`` with a branch (``_residual``) instead
   of DETR's duplicated ``forward_post`` / ``forward_pre``;
 - how the iRPE tables start is a choice (``rpe_init``): ``xavier`` is DETR's own
@@ -36,28 +36,32 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from detr_irpe.attention import MultiheadAttention, entry_owners
+from detr_irpe.attention.dropout import Dropout
 from detr_irpe.encodings import PlaceEncodings, as_place
-from detr_irpe.encodings.model import keeps_own_init
-from detr_irpe.irpe import RPE_INIT_MODES, IRPEMultiheadAttention, init_rpe_table
-from detr_irpe.irpe.dropout import Dropout
+from detr_irpe.irpe import RPE_INIT_MODES
 
 ACTIVATIONS = ("relu", "prelu")
 
 
 def reset_parameters(module: nn.Module, rpe_init: str) -> None:
-    """DETR's reset of a transformer: ``xavier_uniform_`` on every matrix (which in
-    DETR-with-iRPE includes the iRPE tables); ``rpe_init="zero"`` keeps the tables at zero.
-    The parameters of encodings that start their own way keep their start (RoPE-Mixed's
-    frequencies: a xavier draw would lose the per-head directions and the magnitudes of
-    every pair)."""
+    """DETR's reset of a transformer: ``xavier_uniform_`` on every matrix but the
+    attention encodings', which start themselves where their parameters come
+    (:func:`~detr_irpe.attention.init_entries`: iRPE's tables as ``rpe_init`` says, xavier
+    as in DETR-with-iRPE or zero; RoPE-Mixed's frequencies keep their start, which a
+    xavier draw would lose)."""
     if rpe_init not in RPE_INIT_MODES:
         raise ValueError(f"rpe_init must be one of {', '.join(RPE_INIT_MODES)}, got {rpe_init!r}")
+    owners = entry_owners(module)
+    started: set[int] = set()
     for name, param in module.named_parameters():
-        if param.dim() <= 1 or keeps_own_init(name):
-            continue
-        if "lookup_table" in name:
-            init_rpe_table(param, rpe_init)
-        else:
+        entry = owners.get(name)
+        if entry is not None:
+            # at its first parameter: the RNG order of a reset that drew every matrix
+            if id(entry) not in started:
+                started.add(id(entry))
+                entry.init_parameters(rpe_init)
+        elif param.dim() > 1:
             nn.init.xavier_uniform_(param)
 
 
@@ -116,9 +120,9 @@ class TransformerEncoderLayer(nn.Module):
         encodings: PlaceEncodings | Sequence[str] | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = IRPEMultiheadAttention(
+        self.self_attn = MultiheadAttention(
             d_model, nhead, dropout=dropout,
-            **as_place(encodings).attention_args(d_model, nhead))
+            encodings=as_place(encodings).attention_encodings(d_model, nhead))
         add_feed_forward(self, d_model, dim_feedforward, dropout, activation)
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)

@@ -30,6 +30,7 @@ from detr_irpe.models.dfine.model import DFINE
 from detr_irpe.models.postprocess import TopKPostProcess
 from detr_irpe.models.rtdetr.decoder import selected_queries
 from detr_irpe.models.rtdetr.model import encoder_attention
+from detr_irpe.resize import SquareRule
 
 
 def build(model_cfg: DFINEModelConfig, loss_cfg: DFINELossConfig,
@@ -64,6 +65,7 @@ FAMILY = register_family(DetectorFamily(
         encoder=encoder_attention, grid_stride=DFINE.STRIDE,
         no_decoder_figure="D-FINE's decoder cross-attention is deformable (a few sampled "
                           "points per query and level), it has no dense map"),
+    resize_rule=SquareRule.from_data,
 ))
 
 __all__ = ["DFINE", "FAMILY", "DFINELossConfig", "DFINEModelConfig", "build"]

@@ -58,15 +58,7 @@ def build_dfine(cfg: DFINEModelConfig, *, load_weights: bool = True) -> DFINE:
         encodings=cfg.place("encoder"), rpe_init=cfg.rpe_init,
         fusion=gelan_blocks(cfg.expansion, cfg.depth_mult),
     )
-    decoder = DFINEDecoder(
-        num_classes=cfg.num_classes, hidden_dim=cfg.hidden_dim, num_queries=cfg.num_queries,
-        feat_channels=(cfg.enc_hidden_dim,) * levels, num_levels=levels,
-        num_points=tuple(cfg.num_points), nhead=cfg.nheads, num_layers=cfg.dec_layers,
-        dim_feedforward=cfg.dim_feedforward, dropout=cfg.dropout,
-        num_denoising=cfg.num_denoising, label_noise=cfg.label_noise, box_noise=cfg.box_noise,
-        eval_idx=cfg.eval_idx, reg_max=cfg.reg_max, reg_scale=cfg.reg_scale, up=cfg.up,
-        activation=cfg.activation, aux_loss=cfg.aux_loss,
-    )
+    decoder = DFINEDecoder(cfg.decoder_settings())
     if cfg.input_normalization == "imagenet":
         return DFINE(backbone, encoder, decoder, IMAGENET_MEAN, IMAGENET_STD)
     return DFINE(backbone, encoder, decoder)

@@ -14,31 +14,23 @@ X; D-FINE's ``configs/dfine/dfine_hgnetv2_*_coco.yml``, DEIM's
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from detr_irpe.config.schema import ModelConfig
-from detr_irpe.errors import ConfigError
-from detr_irpe.irpe.config import parse_rpe
-from detr_irpe.irpe.encodings import RPE_INIT_MODES
+from detr_irpe.models.dfine.decoder import DFINEDecoderSettings
 from detr_irpe.models.dfine.encoder import gelan_branch_width
 from detr_irpe.models.hgnetv2 import HGNETV2_CHANNELS, LAB_SIZES
-from detr_irpe.models.rtdetr.config import (
-    INPUT_NORMALIZATIONS,
-    MAX_CLASSES,
-    MAX_DENOISING,
-    MAX_LAYERS,
+from detr_irpe.models.hybrid.config import (
     MAX_POINTS,
-    MAX_QUERIES,
-    MAX_WIDTH,
-    _fail,
-    _float_in,
-    _int_in,
+    HybridModelConfig,
+    Key,
+    fail,
+    float_in,
+    int_in,
+    one_of,
 )
-from detr_irpe.models.rtdetr.hybrid_encoder import POSITION_EMBEDDINGS
 from detr_irpe.models.rtdetr.presnet import DEPTHS
-from detr_irpe.models.vit import check_backbone, is_vit_backbone, resolve_encodings
+from detr_irpe.models.vit import check_backbone
 
 # variant -> the activation of the decoder's FFNs and MLP heads, and the name shown
 VARIANTS = {"dfine": ("relu", "D-FINE"), "deim": ("silu", "DEIM")}
@@ -77,11 +69,15 @@ def _published(size: str, variant: str) -> dict:
 
 
 @dataclass
-class DFINEModelConfig(ModelConfig):
+class DFINEModelConfig(HybridModelConfig):
     """Architecture of a D-FINE / DEIM model (see :mod:`detr_irpe.models.dfine`):
-    ``model.family: dfine``."""
+    ``model.family: dfine``; the keys it shares with RT-DETR are
+    :class:`~detr_irpe.models.hybrid.config.HybridModelConfig`'s."""
 
     FAMILY: ClassVar[str] = "dfine"
+    IMAGENET_WEIGHTS: ClassVar[str] = (
+        "the published ImageNet HGNetv2 files (PPHGNetV2_B*_stage1.pth, D-FINE's release) are "
+        "not downloaded here; give the path of the file, or none")
 
     family: str = "dfine"
     # "dfine" (ReLU in the decoder's FFNs and MLP heads) or "deim" (SiLU): the method,
@@ -89,12 +85,6 @@ class DFINEModelConfig(ModelConfig):
     variant: str = "dfine"
     # The published size these settings follow (n, s, m, l, x), for names only; null: none.
     size: str | None = None
-    # iRPE of the AIFI self-attention, together with the 2D sin-cos encoding: "none" (the
-    # published model) or a model-zoo string.
-    rpe: str = "none"
-    # How added iRPE tables start: "zero" (the model starts as the model without iRPE, for
-    # fine-tuning public weights) or "xavier".
-    rpe_init: str = "zero"
     # The backbone: hgnetv2_b0 .. hgnetv2_b6 (HGNetv2 from timm; N / S: b0, M: b2, L: b4,
     # X: b5), resnet18vd / resnet34vd / resnet50vd / resnet101vd (RT-DETR's ResNet-vd), or
     # a ViT whose adapter gives the maps of backbone_return_idx (DEIMv2's form; vit_tiny,
@@ -114,71 +104,15 @@ class DFINEModelConfig(ModelConfig):
     freeze_stem_only: bool = True
     # Backbone BatchNorm with fixed statistics (D-FINE L / X) or trained.
     freeze_norm: bool = False
-    # ImageNet weights of the backbone: an HGNetv2 (PPHGNetV2_B*_stage1.pth), PResNet or
-    # (a ViT backbone) timm ViT state-dict file; null: random (a checkpoint loaded over the model brings its own).
-    backbone_weights: str | None = None
-    # Width of the hybrid encoder (N: 128, X: 384).
-    enc_hidden_dim: int = 256
-    # Feed-forward width of the AIFI layer (N: 512, X: 2048).
-    enc_dim_feedforward: int = 1024
-    # AIFI transformer layers on the coarsest map.
-    enc_layers: int = 1
-    # Width factor of the fusion blocks' branches (N: 0.34, S: 0.5).
-    expansion: float = 1.0
-    # RepVGG blocks per CSP block: round(3 * depth_mult) (N: 0.5, S: 0.34, M: 0.67).
-    depth_mult: float = 1.0
-    # The absolute encoding added to the AIFI layer's queries and keys: "sine" (published)
-    # or "none" (iRPE or RoPE alone, or nothing).
-    position_embedding: str = "sine"
-    # Temperature of the AIFI layer's 2D sin-cos encoding.
-    pe_temperature: float = 10000.0
-    # Width of the decoder (N: 128).
-    hidden_dim: int = 256
-    # Feed-forward width of the decoder layers (N: 512).
-    dim_feedforward: int = 1024
-    # Decoder layers (N / S: 3, M: 4, L / X: 6).
-    dec_layers: int = 6
-    # Queries selected from the encoder's proposals.
-    num_queries: int = 300
     # Sampling points of the deformable cross-attention per level, one entry per level of
     # backbone_return_idx (N: [6, 6]).
     num_points: list[int] = field(default_factory=lambda: [3, 6, 3])
-    # Dropout of the encoder and decoder layers (0 in the published recipes).
-    dropout: float = 0.0
-    # The decoder layer whose output is the prediction at evaluation (-1: the last).
-    eval_idx: int = -1
-    # Losses on every decoder layer, the first box head and the proposals, not only the last.
-    aux_loss: bool = True
-    # Contrastive denoising queries in training (0: off).
-    num_denoising: int = 100
-    # Probability that a denoising query's label is flipped.
-    label_noise: float = 0.5
-    # Box noise of the denoising queries (relative to the box size).
-    box_noise: float = 1.0
     # FDR: the index of the last bin of each edge's distribution (reg_max + 1 bins).
     reg_max: int = 32
     # FDR: c of the weighting function, the edge offsets' unit is size / c (X: 8).
     reg_scale: float = 4.0
     # FDR: u of the weighting function (the inner bins span [-u c, u c]).
     up: float = 0.5
-    # Detections kept per image by the post-processing: top (query, class) scores.
-    num_select: int = 300
-    # The normalisation of the images the model is given: "imagenet" (this package's data
-    # pipeline; mapped back to [0, 1], the published model's input) or "none".
-    input_normalization: str = "imagenet"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        resolve_encodings(self)
-        if isinstance(self.backbone_weights, str) and self.backbone_weights.strip().lower() in (
-                "", "none"):
-            self.backbone_weights = None
-        if self.backbone_weights == "imagenet":
-            raise ConfigError(
-                "model.backbone_weights=imagenet: the published ImageNet HGNetv2 files "
-                "(PPHGNetV2_B*_stage1.pth, D-FINE's release) are not downloaded here; give the "
-                "path of the file, or none")
-        self.check()
 
     # ------------------------------------------------------------ what others ask
     @property
@@ -204,109 +138,68 @@ class DFINEModelConfig(ModelConfig):
             return self.use_lab
         return self.hgnetv2_size in LAB_SIZES
 
-    def rpe_layer_count(self) -> int:
-        return self.enc_layers
+    def num_encoder_maps(self) -> int:
+        return len(self.backbone_return_idx)
 
-    def backbone_takes_encodings(self) -> bool:
-        return is_vit_backbone(self.backbone)
+    def points_per_level(self) -> tuple[int, ...]:
+        return tuple(self.num_points)
 
-    def encoder_width(self) -> int:
-        return self.enc_hidden_dim
+    def decoder_settings(self):
+        """The decoder's settings (:class:`~detr_irpe.models.dfine.decoder.
+        DFINEDecoderSettings`): the shared ones and FDR's."""
+        return DFINEDecoderSettings(**self.decoder_fields(), reg_max=self.reg_max,
+                                    reg_scale=self.reg_scale, up=self.up,
+                                    activation=self.activation)
 
     @classmethod
     def for_size(cls, size: str, variant: str = "dfine", **overrides) -> DFINEModelConfig:
         """The published settings of ``size`` (n, s, m, l, x) for ``variant`` (dfine,
         deim), then ``overrides``."""
-        if size not in SIZES:
-            _fail("size", size, f"must be one of {', '.join(SIZES)}")
-        if variant not in VARIANTS:
-            _fail("variant", variant, f"must be one of {', '.join(VARIANTS)}")
+        one_of("size", size, SIZES)
+        one_of("variant", variant, VARIANTS)
         return cls(**{**_published(size, variant), **overrides})
 
     # ------------------------------------------------------------------ checks
-    def check(self, prefix: str = "model") -> DFINEModelConfig:
-        """Raise :class:`ConfigError` naming ``<prefix>.<key>`` for a bad value; return self."""
-        def key(name: str) -> str:
-            return f"{prefix}.{name}" if prefix else name
-
-        if self.variant not in VARIANTS:
-            _fail(key("variant"), self.variant, f"must be one of {', '.join(VARIANTS)}")
+    def check_backbone_keys(self, key: Key) -> None:
+        one_of(key("variant"), self.variant, VARIANTS)
         if self.size is not None and self.size not in SIZES:
-            _fail(key("size"), self.size, f"must be one of {', '.join(SIZES)} or null")
+            fail(key("size"), self.size, f"must be one of {', '.join(SIZES)} or null")
         check_backbone(self, key, BACKBONES)
         idx = self.backbone_return_idx
         if (not isinstance(idx, list) or not idx or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in idx)
                 or idx != sorted(set(idx)) or idx[0] < 0 or idx[-1] > 3):
-            _fail(key("backbone_return_idx"), idx,
-                  "must be increasing stage indices in 0..3, e.g. [1, 2, 3]")
+            fail(key("backbone_return_idx"), idx,
+                 "must be increasing stage indices in 0..3, e.g. [1, 2, 3]")
         if self.use_lab is not None and not isinstance(self.use_lab, bool):
-            _fail(key("use_lab"), self.use_lab, "must be true, false or null")
+            fail(key("use_lab"), self.use_lab, "must be true, false or null")
         if self.use_lab and self.hgnetv2_size is None:
-            _fail(key("use_lab"), self.use_lab, f"is HGNetv2's; {key('backbone')} is "
-                  f"{self.backbone}")
-        for name in ("freeze_stem_only", "freeze_norm", "aux_loss"):
-            if not isinstance(getattr(self, name), bool):
-                _fail(key(name), getattr(self, name), "must be true or false")
-        _int_in(key("freeze_at"), self.freeze_at, -1, 4)
-        _int_in(key("nheads"), self.nheads, 1, MAX_WIDTH)
-        for name in ("enc_hidden_dim", "hidden_dim"):
-            width = getattr(self, name)
-            _int_in(key(name), width, 4, MAX_WIDTH)
-            if width % self.nheads:
-                _fail(key(name), width, f"must be divisible by {key('nheads')} ({self.nheads})")
-        if self.enc_hidden_dim % 4:
-            _fail(key("enc_hidden_dim"), self.enc_hidden_dim,
-                  "must be divisible by 4 (the 2D sin-cos encoding)")
-        for name in ("enc_dim_feedforward", "dim_feedforward"):
-            _int_in(key(name), getattr(self, name), 1, 4 * MAX_WIDTH)
-        _int_in(key("enc_layers"), self.enc_layers, 0, MAX_LAYERS)
-        _float_in(key("expansion"), self.expansion, 1 / 256, 16.0)
+            fail(key("use_lab"), self.use_lab, f"is HGNetv2's; {key('backbone')} is "
+                 f"{self.backbone}")
+        if not isinstance(self.freeze_stem_only, bool):
+            fail(key("freeze_stem_only"), self.freeze_stem_only, "must be true or false")
+
+    def check_fusion_width(self, key: Key) -> None:
         if gelan_branch_width(self.enc_hidden_dim, self.expansion) < 1:
-            _fail(key("expansion"), self.expansion,
-                  f"leaves no channel in the fusion blocks of width {self.enc_hidden_dim}")
-        _float_in(key("depth_mult"), self.depth_mult, 0.0, 16.0)
-        _float_in(key("pe_temperature"), self.pe_temperature, 1e-6, 1e12)
-        try:
-            rpe = parse_rpe(self.rpe)
-        except ValueError as err:
-            raise ConfigError(f"{key('rpe')}: {err}") from None
-        if rpe is not None and rpe.skip:
-            _fail(key("rpe"), self.rpe, "must have skip 0 (AIFI has no extra tokens)")
-        if self.position_embedding not in POSITION_EMBEDDINGS:
-            _fail(key("position_embedding"), self.position_embedding,
-                  f"must be one of {', '.join(POSITION_EMBEDDINGS)}")
-        self.check_encoder_widths(self.enc_hidden_dim, "enc_hidden_dim", prefix)
-        if self.rpe_init not in RPE_INIT_MODES:
-            _fail(key("rpe_init"), self.rpe_init, f"must be one of {', '.join(RPE_INIT_MODES)}")
-        _int_in(key("dec_layers"), self.dec_layers, 1, MAX_LAYERS)
-        _int_in(key("num_queries"), self.num_queries, 1, MAX_QUERIES)
-        points = self.num_points
-        if (not isinstance(points, list) or len(points) != len(idx) or not all(
+            fail(key("expansion"), self.expansion,
+                 f"leaves no channel in the fusion blocks of width {self.enc_hidden_dim}")
+
+    def check_points(self, key: Key) -> None:
+        points, levels = self.num_points, len(self.backbone_return_idx)
+        if (not isinstance(points, list) or len(points) != levels or not all(
                 isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= MAX_POINTS
                 for p in points)):
-            _fail(key("num_points"), points, f"must list one count in [1, {MAX_POINTS}] per "
-                  f"level of {key('backbone_return_idx')} ({len(idx)})")
-        if self.num_classes is not None:  # null: the training tools fill it in from the data
-            _int_in(key("num_classes"), self.num_classes, 1, MAX_CLASSES)
-        _float_in(key("dropout"), self.dropout, 0.0, 1.0, open_high=True)
-        _int_in(key("eval_idx"), self.eval_idx, -self.dec_layers, self.dec_layers - 1)
-        _int_in(key("num_denoising"), self.num_denoising, 0, MAX_DENOISING)
-        _float_in(key("label_noise"), self.label_noise, 0.0, 1.0)
-        _float_in(key("box_noise"), self.box_noise, 0.0, 100.0)
-        _int_in(key("reg_max"), self.reg_max, 4, MAX_BINS)
-        if self.reg_max % 2:
-            _fail(key("reg_max"), self.reg_max, "must be even (the middle bin is 0)")
-        _float_in(key("reg_scale"), self.reg_scale, 1e-3, 1e3)
-        _float_in(key("up"), self.up, 1e-3, 1e3)
-        _int_in(key("num_select"), self.num_select, 1, MAX_QUERIES * MAX_CLASSES)
-        if self.input_normalization not in INPUT_NORMALIZATIONS:
-            _fail(key("input_normalization"), self.input_normalization,
-                  f"must be one of {', '.join(INPUT_NORMALIZATIONS)}")
-        if self.backbone_weights is not None and not isinstance(self.backbone_weights, str):
-            _fail(key("backbone_weights"), self.backbone_weights, "must be a path or null")
-        return self
+            fail(key("num_points"), points, f"must list one count in [1, {MAX_POINTS}] per "
+                 f"level of {key('backbone_return_idx')} ({levels})")
 
+    def check_family_keys(self, key: Key) -> None:
+        int_in(key("reg_max"), self.reg_max, 4, MAX_BINS)
+        if self.reg_max % 2:
+            fail(key("reg_max"), self.reg_max, "must be even (the middle bin is 0)")
+        float_in(key("reg_scale"), self.reg_scale, 1e-3, 1e3)
+        float_in(key("up"), self.up, 1e-3, 1e3)
+
+    # ------------------------------------------------------------ the data report
     def feature_stride(self) -> int:
         return 2 ** (self.backbone_return_idx[-1] + 2)
 
@@ -321,6 +214,3 @@ class DFINEModelConfig(ModelConfig):
         finer = list(range(first - 1, self.backbone_return_idx[-1] + 1))
         return (f"model.backbone_return_idx={finer} (a stride {2 ** (first + 1)} level: four "
                 "times the tokens of the finest level the decoder reads now)")
-
-    def replace(self, **changes) -> DFINEModelConfig:
-        return dataclasses.replace(self, **changes)

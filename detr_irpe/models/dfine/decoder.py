@@ -1,11 +1,12 @@
 """D-FINE's decoder: RT-DETR's query selection and denoising with Fine-grained
 Distribution Refinement (Peng et al., ICLR 2025, section 3).
 
-1. Query selection as RT-DETR's (:mod:`detr_irpe.models.rtdetr.decoder`): the memory's
-   tokens are proposals around anchors computed for the input's feature sizes; the ``Q``
-   of highest class score become the queries (content: their features, detached;
-   references: their boxes, detached). With denoising, RT-DETR's contrastive queries come
-   first (:func:`~detr_irpe.models.rtdetr.denoising.contrastive_denoising`; negative
+1. Query selection as RT-DETR's, the hybrid families' shared one
+   (:mod:`detr_irpe.models.hybrid.decoder`): the memory's tokens are proposals around
+   anchors computed for the input's feature sizes; the ``Q`` of highest class score become
+   the queries (content: their features, detached; references: their boxes, detached).
+   With denoising, RT-DETR's contrastive queries come first
+   (:func:`~detr_irpe.models.hybrid.denoising.contrastive_denoising`; negative
    sizes of a noisy box made positive, as D-FINE does).
 2. Decoder layer (:class:`DecoderLayer`): self-attention (position ``query_pos_head`` of
    the current boxes, clamped to [-10, 10]), deformable cross-attention without value /
@@ -46,21 +47,27 @@ input and those keys are dropped when a published file is read
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from detr_irpe.irpe.dropout import Dropout
+from detr_irpe.attention.dropout import Dropout
+from detr_irpe.models.box_ops import inverse_sigmoid
 from detr_irpe.models.dfine.deformable import DFINEDeformableAttention
 from detr_irpe.models.dfine.distribution import distance_to_box, integral, weighting_function
+from detr_irpe.models.hybrid.decoder import (
+    HybridDecoder,
+    feed_forward,
+    input_projections,
+    self_attention,
+    split_denoising,
+)
+from detr_irpe.models.hybrid.settings import DecoderSettings
 from detr_irpe.models.mlp import MLP, MLP_ACTIVATIONS
-from detr_irpe.models.rtdetr.decoder import decoder_memory, generate_anchors
-from detr_irpe.models.rtdetr.denoising import contrastive_denoising
-from detr_irpe.models.rtdetr.layers import inverse_sigmoid
 
 # the top probabilities of each edge's distribution the LQE reads (and their mean)
 LQE_TOP_K = 4
@@ -135,14 +142,10 @@ class DecoderLayer(nn.Module):
                 attn_mask: Tensor | None = None) -> Tensor:
         """``x``, ``query_pos`` ``(B, Q, C)``; ``reference`` ``(B, Q, 1, 4)`` cxcywh;
         ``memory`` ``(B, L, C)``; ``attn_mask`` ``(Q, Q)`` bool, True = blocked."""
-        qk = x + query_pos
-        x = self.norm1(x + self.dropout1(
-            self.self_attn(qk, qk, x, attn_mask=attn_mask, need_weights=False)[0]))
+        x = self_attention(self, x, query_pos, attn_mask)
         x = self.gateway(x, self.dropout2(
             self.cross_attn(x + query_pos, reference, memory, spatial_shapes)))
-        ffn = self.linear2(self.dropout3(self._act(self.linear1(x))))
-        # the clamp keeps fp16 finite (65504: its largest value), as published
-        return self.norm3((x + self.dropout4(ffn)).clamp(-65504, 65504))
+        return feed_forward(self, x, self._act)
 
 
 class LayerStack(nn.Module):
@@ -158,163 +161,90 @@ class LayerStack(nn.Module):
         self.reg_scale = reg_scale
 
 
-class DFINEDecoder(nn.Module):
-    """Query selection + decoder + heads with FDR (module docstring).
+@dataclass(frozen=True)
+class DFINEDecoderSettings(DecoderSettings):
+    """D-FINE's decoder settings: the shared ones (points: one count per level) and FDR's.
 
-    Args:
-        num_classes: C (sigmoid logits).
-        hidden_dim, nhead, dim_feedforward, dropout: of the decoder layers.
-        num_queries: Q.
-        feat_channels: channels of the encoder's maps (a 1x1 conv + BatchNorm projects a
-            map whose width is not ``hidden_dim``: D-FINE-X's 384).
-        num_levels: memory levels (extra levels beyond the encoder's maps come from 3x3 / 2
-            conv units).
-        num_points: sampling points of each level.
-        num_layers: decoder layers.
-        num_denoising, label_noise, box_noise: contrastive denoising in training (0: off).
-        eval_idx: the layer whose output is the eval-time prediction (-1: the last).
+    Attributes:
         reg_max: the index of the last bin of each edge (32).
         reg_scale: c of the weighting function (4; X: 8).
         up: u of the weighting function (0.5).
         activation: of the FFNs and MLP heads (``relu``: D-FINE; ``silu``: DEIM).
-        eps: anchor validity margin (0.01).
-        aux_loss: training outputs of every layer, of ``pre_bbox_head`` and of the proposals.
     """
 
-    def __init__(
-        self,
-        num_classes: int = 80,
-        hidden_dim: int = 256,
-        num_queries: int = 300,
-        feat_channels: Sequence[int] = (256, 256, 256),
-        num_levels: int = 3,
-        num_points: Sequence[int] = (3, 6, 3),
-        nhead: int = 8,
-        num_layers: int = 6,
-        dim_feedforward: int = 1024,
-        dropout: float = 0.0,
-        num_denoising: int = 100,
-        label_noise: float = 0.5,
-        box_noise: float = 1.0,
-        eval_idx: int = -1,
-        reg_max: int = 32,
-        reg_scale: float = 4.0,
-        up: float = 0.5,
-        activation: str = "relu",
-        eps: float = 1e-2,
-        aux_loss: bool = True,
-    ) -> None:
-        super().__init__()
-        if len(feat_channels) > num_levels:
-            raise ValueError(f"{len(feat_channels)} encoder maps for {num_levels} levels")
-        if len(num_points) != num_levels:
-            raise ValueError(f"num_points {tuple(num_points)} must give the points of each of "
-                             f"the {num_levels} levels")
-        if not -num_layers <= eval_idx < num_layers:
-            raise ValueError(f"eval_idx {eval_idx} outside the {num_layers} decoder layers")
-        if activation not in MLP_ACTIVATIONS:
+    num_points: tuple[int, ...] = (3, 6, 3)
+    reg_max: int = 32
+    reg_scale: float = 4.0
+    up: float = 0.5
+    activation: str = "relu"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_points, int):
+            raise ValueError(f"num_points {self.num_points} must give the points of each of "
+                             f"the {self.num_levels} levels")
+        super().__post_init__()
+        if self.activation not in MLP_ACTIVATIONS:
             raise ValueError(f"activation must be one of {', '.join(MLP_ACTIVATIONS)}, "
-                             f"got {activation!r}")
-        self.num_classes = num_classes
-        self.hidden_dim = hidden_dim
-        self.num_queries = num_queries
-        self.num_levels = num_levels
-        self.num_layers = num_layers
-        self.eval_idx = eval_idx % num_layers
-        self.reg_max = reg_max
-        self.eps = eps
-        self.aux_loss = aux_loss
-        self.num_denoising = num_denoising
-        self.label_noise = label_noise
-        self.box_noise = box_noise
-        self.activation = activation
+                             f"got {self.activation!r}")
+
+    def mlp_activation(self) -> str:
+        return self.activation
+
+
+class DFINEDecoder(HybridDecoder):
+    """Query selection + decoder + heads with FDR (module docstring), built from
+    :class:`DFINEDecoderSettings`. A 1x1 conv + BatchNorm projects an encoder map only where
+    its width is not ``hidden_dim`` (D-FINE-X's 384)."""
+
+    DENOISING_ABS_SIZES = True
+    DENOISING_IN_QUERY_DTYPE = True
+
+    def __init__(self, settings: DFINEDecoderSettings | None = None) -> None:
+        super().__init__(settings if settings is not None else DFINEDecoderSettings())
+        self.reg_max = self.settings.reg_max
         # opt-in, eval mode only: also return every decoded layer's corners (forward)
         self.record_layers = False
 
-        self.input_proj = nn.ModuleList()
-        for lvl in range(num_levels):
-            if lvl < len(feat_channels):
-                c_in, kernel, stride = feat_channels[lvl], 1, 1
-            else:
-                c_in = feat_channels[-1] if lvl == len(feat_channels) else hidden_dim
-                kernel, stride = 3, 2
-            if c_in == hidden_dim and kernel == 1:
-                self.input_proj.append(nn.Identity())
-                continue
-            self.input_proj.append(nn.Sequential(OrderedDict([
-                ("conv", nn.Conv2d(c_in, hidden_dim, kernel, stride, padding=kernel // 2,
-                                   bias=False)),
-                ("norm", nn.BatchNorm2d(hidden_dim))])))
-        self.num_input_maps = len(feat_channels)
+    def build_input_projections(self, s: DFINEDecoderSettings) -> nn.ModuleList:
+        return input_projections(s, identity_when_equal=True)
 
+    def build_layers(self, s: DFINEDecoderSettings) -> None:
         # FDR's constants: parameters without gradient (published state-dict entries)
-        self.up = nn.Parameter(torch.tensor([float(up)]), requires_grad=False)
-        self.reg_scale = nn.Parameter(torch.tensor([float(reg_scale)]), requires_grad=False)
+        self.up = nn.Parameter(torch.tensor([float(s.up)]), requires_grad=False)
+        self.reg_scale = nn.Parameter(torch.tensor([float(s.reg_scale)]), requires_grad=False)
         self.decoder = LayerStack(
-            [DecoderLayer(hidden_dim, nhead, dim_feedforward, dropout, num_points, activation)
-             for _ in range(num_layers)],
-            [LQE(reg_max, activation=activation) for _ in range(num_layers)],
+            [DecoderLayer(s.hidden_dim, s.nhead, s.dim_feedforward, s.dropout, s.num_points,
+                          s.activation) for _ in range(s.num_layers)],
+            [LQE(s.reg_max, activation=s.activation) for _ in range(s.num_layers)],
             self.up, self.reg_scale)
-        if num_denoising > 0:
-            self.denoising_class_embed = nn.Embedding(num_classes + 1, hidden_dim,
-                                                      padding_idx=num_classes)
-        self.query_pos_head = MLP(4, 2 * hidden_dim, hidden_dim, 2, activation)
-        self.enc_output = nn.Sequential(OrderedDict([
-            ("proj", nn.Linear(hidden_dim, hidden_dim)), ("norm", nn.LayerNorm(hidden_dim))]))
-        self.enc_score_head = nn.Linear(hidden_dim, num_classes)
-        self.enc_bbox_head = MLP(hidden_dim, hidden_dim, 4, 3, activation)
-        self.dec_score_head = nn.ModuleList(nn.Linear(hidden_dim, num_classes)
-                                            for _ in range(num_layers))
-        self.pre_bbox_head = MLP(hidden_dim, hidden_dim, 4, 3, activation)
-        self.dec_bbox_head = nn.ModuleList(MLP(hidden_dim, hidden_dim, 4 * (reg_max + 1), 3,
-                                               activation) for _ in range(num_layers))
-        self._reset_parameters(feat_channels)
 
-    def _reset_parameters(self, feat_channels: Sequence[int]) -> None:
-        # class heads start at probability 0.01 (focal-loss practice), box heads at zero
-        # (the first boxes are the anchors, then the selected boxes, then the reference)
-        prior = -math.log((1 - 0.01) / 0.01)
-        for score in [self.enc_score_head, *self.dec_score_head]:
-            nn.init.constant_(score.bias, prior)
-        for box in [self.enc_bbox_head, self.pre_bbox_head, *self.dec_bbox_head]:
-            nn.init.zeros_(box.layers[-1].weight)
-            nn.init.zeros_(box.layers[-1].bias)
-        nn.init.xavier_uniform_(self.enc_output.proj.weight)
-        nn.init.xavier_uniform_(self.query_pos_head.layers[0].weight)
-        nn.init.xavier_uniform_(self.query_pos_head.layers[1].weight)
-        for proj in self.input_proj[:len(feat_channels)]:
+    def build_enc_output(self, hidden: int) -> nn.Sequential:
+        return nn.Sequential(OrderedDict([
+            ("proj", nn.Linear(hidden, hidden)), ("norm", nn.LayerNorm(hidden))]))
+
+    def build_box_heads(self, s: DFINEDecoderSettings) -> None:
+        self.pre_bbox_head = self.mlp(s.hidden_dim, s.hidden_dim, 4, 3)
+        self.dec_bbox_head = nn.ModuleList(self.mlp(s.hidden_dim, s.hidden_dim,
+                                                    4 * (s.reg_max + 1), 3)
+                                           for _ in range(s.num_layers))
+
+    def box_heads(self) -> list[MLP]:
+        return [self.enc_bbox_head, self.pre_bbox_head, *self.dec_bbox_head]
+
+    def reset_family_parameters(self) -> None:
+        for proj in self.input_proj[:self.num_input_maps]:
             if isinstance(proj, nn.Sequential):
                 nn.init.xavier_uniform_(proj.conv.weight)
-        if self.num_denoising > 0:
-            with torch.no_grad():
-                nn.init.normal_(self.denoising_class_embed.weight[:-1])
 
     # ---------------------------------------------------------------- the steps
-    def _memory(self, feats: list[Tensor]) -> tuple[Tensor, list[tuple[int, int]]]:
-        return decoder_memory(self.input_proj, feats, self.num_levels)
-
     def _select_queries(self, memory: Tensor, shapes: list[tuple[int, int]]
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        ) -> tuple[Tensor, Tensor, Tensor]:
         """-> content ``(B, Q, C)`` (detached), the selected boxes ``(B, Q, 4)``
         unactivated (with their gradient), and their class logits ``(B, Q, C)``."""
-        anchors, valid = generate_anchors(shapes, eps=self.eps, device=memory.device)
-        features = self.enc_output(valid.to(memory.dtype) * memory)
-        logits = self.enc_score_head(features)
-        if memory.shape[1] < self.num_queries and not torch.compiler.is_exporting():
-            sides = " + ".join(f"{h}x{w}" for h, w in shapes)
-            raise ValueError(
-                f"model.num_queries={self.num_queries} is more than the {memory.shape[1]} "
-                f"proposals of this input's feature maps ({sides}): give a larger image or "
-                "fewer queries")
-        top = logits.max(-1).values.topk(self.num_queries, dim=1).indices  # (B, Q)
-
-        def pick(x: Tensor) -> Tensor:
-            x = x.expand(memory.shape[0], -1, -1)
-            return x.gather(1, top[..., None].expand(-1, -1, x.shape[-1]))
-
-        chosen = pick(features)
-        boxes_unact = self.enc_bbox_head(chosen) + pick(anchors)
-        return chosen.detach(), boxes_unact, pick(logits)
+        features, logits, anchors, top = self._proposals(memory, shapes)
+        chosen = self.pick(features, top)
+        boxes_unact = self.enc_bbox_head(chosen) + self.pick(anchors, top)
+        return chosen.detach(), boxes_unact, self.pick(logits, top)
 
     def _decode(self, x: Tensor, ref_unact: Tensor, memory: Tensor,
                 shapes: list[tuple[int, int]], attn_mask: Tensor | None) -> dict[str, list]:
@@ -361,59 +291,33 @@ class DFINEDecoder(nn.Module):
         return weighting_function(self.reg_max, self.up.detach().cpu().to(dtype),
                                   self.reg_scale.detach().cpu().to(dtype))
 
-    def forward(self, feats: list[Tensor], targets: list[dict] | None = None,
-                generator: torch.Generator | None = None) -> dict:
+    def decode(self, memory: Tensor, shapes: list[tuple[int, int]],
+               targets: list[dict] | None, generator: torch.Generator | None) -> dict:
+        """The outputs (:meth:`~detr_irpe.models.hybrid.decoder.HybridDecoder.forward`);
+        with ``record_layers`` in eval mode also
+        ``layer_corners`` ``(eval_idx + 1, B, Q, 4 (reg_max + 1))`` (the distribution
+        logits of every decoded layer, the last one that of ``pred_boxes``) and
+        ``ref_points`` ``(B, Q, 4)`` (their fixed reference boxes, cxcywh). In training
+        (the published keys) also
+        ``pred_corners`` ``(B, Q, 4 (reg_max + 1))``, ``ref_points`` ``(B, Q, 4)``,
+        ``up``, ``reg_scale``, and with ``aux_loss``: ``aux_outputs`` (every layer but
+        the last: ``pred_logits``, ``pred_boxes``, ``pred_corners``, ``ref_points``,
+        ``teacher_corners`` / ``teacher_logits`` = the last layer's),
+        ``enc_aux_outputs`` (one dict: the selected proposals), ``pre_outputs``
+        (``pre_bbox_head``'s boxes and layer 0's scores), ``enc_meta``
+        (``class_agnostic``: False); with denoising ``dn_outputs`` (every layer, the
+        teacher the last), ``dn_pre_outputs`` and ``dn_meta``
+        (:func:`~detr_irpe.models.hybrid.denoising.contrastive_denoising`).
         """
-        Args:
-            feats: the encoder's maps ``(B, C_l, H_l, W_l)``, finest first.
-            targets: in training with denoising, B dicts with ``labels`` (class indices)
-                and ``boxes`` (cxcywh normalised).
-            generator: the denoising noise's random source (None: torch's global RNG).
-
-        Returns:
-            ``pred_logits`` ``(B, Q, C)``, ``pred_boxes`` ``(B, Q, 4)`` cxcywh in [0, 1]; in
-            eval mode also ``enc_topk_boxes`` / ``enc_topk_logits`` (the selected
-            proposals, in query order); with ``record_layers`` in eval mode also
-            ``layer_corners`` ``(eval_idx + 1, B, Q, 4 (reg_max + 1))`` (the distribution
-            logits of every decoded layer, the last one that of ``pred_boxes``) and
-            ``ref_points`` ``(B, Q, 4)`` (their fixed reference boxes, cxcywh). In training
-            (the published keys) also
-            ``pred_corners`` ``(B, Q, 4 (reg_max + 1))``, ``ref_points`` ``(B, Q, 4)``,
-            ``up``, ``reg_scale``, and with ``aux_loss``: ``aux_outputs`` (every layer but
-            the last: ``pred_logits``, ``pred_boxes``, ``pred_corners``, ``ref_points``,
-            ``teacher_corners`` / ``teacher_logits`` = the last layer's),
-            ``enc_aux_outputs`` (one dict: the selected proposals), ``pre_outputs``
-            (``pre_bbox_head``'s boxes and layer 0's scores), ``enc_meta``
-            (``class_agnostic``: False); with denoising ``dn_outputs`` (every layer, the
-            teacher the last), ``dn_pre_outputs`` and ``dn_meta``
-            (:func:`~detr_irpe.models.rtdetr.denoising.contrastive_denoising`).
-        """
-        memory, shapes = self._memory(feats)
         content, ref_unact, enc_logits = self._select_queries(memory, shapes)
         enc_boxes = ref_unact.sigmoid()
-        ref_unact = ref_unact.detach()
-        dn_meta = None
-        attn_mask = None
-        if self.training and self.num_denoising > 0:
-            if targets is None:
-                raise ValueError("training with denoising needs the targets: model(images, "
-                                 "targets)")
-            dn_content, dn_ref, attn_mask, dn_meta = contrastive_denoising(
-                targets, self.num_classes, self.num_queries, self.denoising_class_embed,
-                self.num_denoising, self.label_noise, self.box_noise, generator,
-                abs_sizes=True)
-            content = torch.cat([dn_content.to(content.dtype), content], 1)
-            ref_unact = torch.cat([dn_ref.to(ref_unact.dtype), ref_unact], 1)
+        content, ref_unact, attn_mask, dn_meta = self._with_denoising(
+            content, ref_unact.detach(), targets, generator)
         dec = self._decode(content, ref_unact, memory, shapes, attn_mask)
-        pre_boxes, pre_logits = dec["pre"]
-        dn: dict[str, list] = {}
         if dn_meta is not None:
-            num_dn = dn_meta["dn_num_split"][0]
-            for key in ("boxes", "logits", "corners", "refs"):
-                dn[key] = [t[:, :num_dn] for t in dec[key]]
-                dec[key] = [t[:, num_dn:] for t in dec[key]]
-            dn_pre = {"pred_logits": pre_logits[:, :num_dn], "pred_boxes": pre_boxes[:, :num_dn]}
-            pre_boxes, pre_logits = pre_boxes[:, num_dn:], pre_logits[:, num_dn:]
+            dn, dec = split_denoising(dec, dn_meta["dn_num_split"][0])
+            dn_pre = {"pred_logits": dn["pre"][1], "pred_boxes": dn["pre"][0]}
+        pre_boxes, pre_logits = dec["pre"]
         out = {"pred_logits": dec["logits"][-1], "pred_boxes": dec["boxes"][-1]}
         if not self.training:
             out["enc_topk_boxes"], out["enc_topk_logits"] = enc_boxes, enc_logits

@@ -11,8 +11,8 @@ from YOLOv9's GELAN and YOLOv10's SCDown):
 - downsampling :class:`SCDown` (a 1x1 conv, then a depthwise 3x3 stride-2 conv, each with
   BatchNorm and no activation) instead of a 3x3 stride-2 conv unit.
 
-Because the AIFI layer is RT-DETR's, ``model.rpe``, ``model.rope`` and
-``model.position_embedding`` act on D-FINE exactly as on RT-DETR.
+Because the AIFI layer is RT-DETR's, the encoder's encodings (``model.encodings.encoder``
+and its shorthands) act on D-FINE exactly as on RT-DETR.
 """
 
 from __future__ import annotations

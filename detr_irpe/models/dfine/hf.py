@@ -19,6 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from detr_irpe.checkpoint.hf_folder import json_list, json_object
+from detr_irpe.encodings.absolute import grid_encoding, sincos_position_embedding
 from detr_irpe.family import HFSupport
 from detr_irpe.models.dfine.hf_keys import (
     convert_hf_dfine_state_dict,
@@ -188,7 +189,7 @@ def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
                "transformers' D-FINE has ReLU box heads, DEIM SiLU ones")
     elif model.hgnetv2_size is None:
         why = (f"model.backbone={model.backbone}", "transformers' D-FINE has an HGNetv2")
-    elif model.position_embedding != "sine":
+    elif grid_encoding(model.place().absolute) is not sincos_position_embedding:
         why = (f"model.position_embedding={model.position_embedding}",
                "transformers' AIFI layer adds the sine encoding")
     elif not float(model.pe_temperature).is_integer():

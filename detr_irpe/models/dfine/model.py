@@ -29,6 +29,10 @@ class DFINE(BackboneEncoderDecoder):
 
     BOX_KEYS = ("pred_boxes", "ref_points", "enc_topk_boxes")
     TITLE = "D-FINE"
+    # left out of the EMA of the weights (engine/ema.py): the published reg_scale is an
+    # integer tensor, which the published EMA does not average (decoder.decoder.reg_scale
+    # is the same parameter)
+    EMA_FIXED = ("decoder.reg_scale",)
 
     def __init__(self, backbone: nn.Module, encoder: HybridEncoder, decoder: DFINEDecoder,
                  input_mean: Sequence[float] | None = None,

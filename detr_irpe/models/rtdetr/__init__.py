@@ -2,8 +2,8 @@
 code builds its v1 models, with optional iRPE in the AIFI encoder layer.
 
 One folder: ResNet-vd backbone (:mod:`.presnet`), hybrid encoder (:mod:`.hybrid_encoder`),
-decoder with query selection (:mod:`.decoder`, :mod:`.deformable`), contrastive
-denoising (:mod:`.denoising`), the VFL criterion (:mod:`.criterion`), the config
+decoder with query selection (:mod:`.decoder`, :mod:`.deformable`; the parts it shares
+with D-FINE in :mod:`detr_irpe.models.hybrid`), the VFL criterion (:mod:`.criterion`), the config
 (:mod:`.config`), the builder (:mod:`.build`) and the published files' keys (:mod:`.keys`).
 """
 
@@ -15,6 +15,7 @@ from detr_irpe.models.rtdetr.decoder import selected_queries
 from detr_irpe.models.rtdetr.export import onnx_wrapper
 from detr_irpe.models.rtdetr.hf import HF
 from detr_irpe.models.rtdetr.model import RTDETR, encoder_attention
+from detr_irpe.resize import SquareRule
 
 FAMILY = register_family(DetectorFamily(
     name="rtdetr",
@@ -39,6 +40,7 @@ FAMILY = register_family(DetectorFamily(
         encoder=encoder_attention, grid_stride=RTDETR.STRIDE,
         no_decoder_figure="RT-DETR's decoder cross-attention is deformable (a few sampled "
                           "points per query and level), it has no dense map"),
+    resize_rule=SquareRule.from_data,
 ))
 
 __all__ = ["FAMILY", "RTDETR", "RTDETRLossConfig", "RTDETRModelConfig"]

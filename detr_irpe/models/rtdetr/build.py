@@ -48,14 +48,7 @@ def build_rtdetr(cfg: RTDETRModelConfig, *, load_weights: bool = True) -> RTDETR
         cfg.dropout, "gelu", (2,), cfg.enc_layers, cfg.pe_temperature, cfg.expansion,
         cfg.depth_mult, "silu", cfg.place("encoder"), cfg.rpe_init,
     )
-    decoder = RTDETRDecoder(
-        num_classes=cfg.num_classes, hidden_dim=cfg.hidden_dim, num_queries=cfg.num_queries,
-        feat_channels=(cfg.enc_hidden_dim,) * 3, num_levels=cfg.num_levels,
-        num_points=cfg.num_points, nhead=cfg.nheads, num_layers=cfg.dec_layers,
-        dim_feedforward=cfg.dim_feedforward, dropout=cfg.dropout,
-        num_denoising=cfg.num_denoising, label_noise=cfg.label_noise,
-        box_noise=cfg.box_noise, eval_idx=cfg.eval_idx, aux_loss=cfg.aux_loss,
-    )
+    decoder = RTDETRDecoder(cfg.decoder_settings())
     if cfg.input_normalization == "imagenet":
         return RTDETR(backbone, encoder, decoder, IMAGENET_MEAN, IMAGENET_STD)
     return RTDETR(backbone, encoder, decoder)

@@ -4,7 +4,7 @@ Detection", CVPR 2024, Sec. 4.2): AIFI + CCFM.
 - input projections: a 1x1 conv + BatchNorm per backbone level, to ``hidden_dim``;
 - AIFI (attention-based intra-scale feature interaction): a post-norm transformer
   encoder layer (GELU feed-forward) on the stride-32 map only. Its self-attention is an
-  :class:`~detr_irpe.irpe.IRPEMultiheadAttention` that takes the encodings of the
+  :class:`~detr_irpe.attention.MultiheadAttention` that takes the encodings of the
   registry (:mod:`detr_irpe.encodings`): the absolute 2D sin-cos encoding added to
   queries and keys (``sine``, :func:`sincos_position_embedding`; published), and inside
   the attention iRPE (Wu et al., ICCV 2021) on the ``H x W`` token grid, a rotation of q
@@ -39,40 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from detr_irpe.attention import MultiheadAttention, init_entries
+from detr_irpe.attention.dropout import Dropout
 from detr_irpe.encodings import PlaceEncodings, as_place
-from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table
-from detr_irpe.irpe.dropout import Dropout
+from detr_irpe.encodings.absolute import grid_encoding
+from detr_irpe.encodings.absolute import sincos_position_embedding as sincos_position_embedding
+from detr_irpe.models.hybrid.settings import POSITION_EMBEDDINGS
 from detr_irpe.models.rtdetr.layers import ConvNormLayer, activation_fn
-
-# The absolute encodings of the AIFI layer: the 2D sin-cos encoding (published) or none.
-POSITION_EMBEDDINGS = ("sine", "none")
-
-
-def sincos_position_embedding(
-    height: int, width: int, dim: int = 256, temperature: float = 10000.0,
-    dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-) -> Tensor:
-    """The 2D sin-cos encoding of the ``height * width`` tokens (row-major), ``(1, L, dim)``.
-
-    With ``D = dim / 4`` frequencies ``w_k = temperature ** (-k / D)``, token ``t`` gets
-    ``[sin(a w), cos(a w), sin(b w), cos(b w)]`` where ``a = t // height`` and
-    ``b = t % height``. For a square map ``a`` is the token's row and ``b`` its column.
-    For a non-square map this is what the published code computes (it enumerates a
-    ``width x height`` grid in the other order than the tokens), kept so that the
-    released weights see the positions they were trained with.
-    """
-    if dim % 4:
-        raise ValueError(f"the 2D sin-cos encoding needs a width divisible by 4, got {dim}")
-    quarter = dim // 4
-    omega = 1.0 / temperature ** (torch.arange(quarter, dtype=torch.float32) / quarter)
-    # token t = a * height + b of the (width x height) enumeration: a = t // height,
-    # b = t % height, built from two aranges (no division: ONNX export with symbolic sizes)
-    a = torch.arange(width, dtype=torch.float32)[:, None].expand(width, height).reshape(-1)
-    b = torch.arange(height, dtype=torch.float32)[None, :].expand(width, height).reshape(-1)
-    a = a[:, None] * omega
-    b = b[:, None] * omega
-    pos = torch.cat([a.sin(), a.cos(), b.sin(), b.cos()], dim=1)
-    return pos[None].to(dtype=dtype, device=device)
 
 
 class RepVggBlock(nn.Module):
@@ -183,9 +156,9 @@ class AIFILayer(nn.Module):
                  activation: str = "gelu",
                  encodings: PlaceEncodings | Sequence[str] | None = None) -> None:
         super().__init__()
-        self.self_attn = IRPEMultiheadAttention(
+        self.self_attn = MultiheadAttention(
             d_model, nhead, dropout=dropout,
-            **as_place(encodings).attention_args(d_model, nhead))
+            encodings=as_place(encodings).attention_encodings(d_model, nhead))
         self.linear1 = nn.Linear(d_model, dim_feedforward)
         self.linear2 = nn.Linear(dim_feedforward, d_model)
         self.norm1 = nn.LayerNorm(d_model)
@@ -271,6 +244,8 @@ class HybridEncoder(nn.Module):
         self.num_encoder_layers = num_encoder_layers
         self.pe_temperature = pe_temperature
         self.position_embedding = position_embedding
+        # the grid-only form of the absolute encoding (None: none), by its name
+        self._grid_encoding = grid_encoding(position_embedding)
         if fusion is None:
             fusion = ccfm_blocks(expansion, depth_mult, act)
         self.input_proj = nn.ModuleList(fusion.input_proj(c, hidden_dim) for c in in_channels)
@@ -285,9 +260,8 @@ class HybridEncoder(nn.Module):
         self.downsample_convs = nn.ModuleList(
             fusion.downsample(hidden_dim) for _ in range(levels - 1))
         self.pan_blocks = nn.ModuleList(fusion.pan(hidden_dim) for _ in range(levels - 1))
-        for name, param in self.encoder.named_parameters():
-            if "lookup_table" in name:
-                init_rpe_table(param, rpe_init)
+        # the encodings start themselves (iRPE's tables as rpe_init says)
+        init_entries(self.encoder, rpe_init)
 
     def forward(self, feats: list[Tensor]) -> list[Tensor]:
         """Backbone maps ``(B, in_channels[i], H_i, W_i)``, finest first (each level half the
@@ -302,9 +276,9 @@ class HybridEncoder(nn.Module):
                 batch, channels, height, width = x.shape
                 tokens = x.flatten(2).transpose(1, 2)  # (B, H W, C) row-major
                 pos = None
-                if self.position_embedding == "sine":
-                    pos = sincos_position_embedding(height, width, self.hidden_dim,
-                                                    self.pe_temperature, x.dtype, x.device)
+                if self._grid_encoding is not None:
+                    pos = self._grid_encoding(height, width, self.hidden_dim,
+                                              self.pe_temperature, x.dtype, x.device)
                 out = encoder(tokens, (height, width), pos)
                 maps[level] = out.transpose(1, 2).reshape(batch, channels, height, width)
 

@@ -7,7 +7,6 @@ ResNet-vd backbone and the hybrid encoder are made of; its submodule names (``co
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -83,9 +82,3 @@ class ConvNormLayer(nn.Module):
     def extra_repr(self) -> str:
         return f"act={self.act_name}"
 
-
-def inverse_sigmoid(x: Tensor, eps: float = 1e-5) -> Tensor:
-    """``log(x / (1 - x))`` of ``x`` clamped to [0, 1], both ratio terms at least ``eps``
-    (the published code's clamping, so that boxes touching the image border stay finite)."""
-    x = x.clamp(0.0, 1.0)
-    return torch.log(x.clamp(min=eps) / (1 - x).clamp(min=eps))

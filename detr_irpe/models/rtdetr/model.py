@@ -74,7 +74,10 @@ class BackboneEncoderDecoder(nn.Module):
 
         Args:
             images: an :class:`ImageBatch` (its ``tensors``), a ``(B, 3, H, W)`` tensor, or
-                a list of equally sized ``(3, H, W)`` tensors.
+                a list of ``(3, H, W)`` tensors (of several sizes: padded at the bottom /
+                right to the largest height and width, rounded up to a multiple of 32,
+                with zeros of the input, as :meth:`ImageBatch.from_images` pads; each
+                image's boxes are normalised by its own size).
             targets: B dicts with ``labels`` ``(N_b,)`` int64 class indices 0..C-1 and
                 ``boxes`` ``(N_b, 4)`` cxcywh normalised; needed in training for the
                 denoising queries.
@@ -87,6 +90,11 @@ class BackboneEncoderDecoder(nn.Module):
         mask = None
         if isinstance(images, ImageBatch):
             x, mask = images.tensors, images.mask
+        elif isinstance(images, (list, tuple)) and len({tuple(i.shape) for i in images}) > 1:
+            # images of several sizes: padded at the bottom / right as the data pipeline
+            # pads a batch (zeros of the normalised input), to a multiple of the stride
+            batch = ImageBatch.from_images(list(images), size_divisibility=self.STRIDE)
+            x, mask = batch.tensors, batch.mask
         elif isinstance(images, (list, tuple)):
             x = torch.stack(list(images))
         else:
@@ -148,6 +156,6 @@ def _rescaled(out, scale: Tensor, box_keys: tuple[str, ...]):
 
 
 def encoder_attention(model: RTDETR) -> list[nn.Module]:
-    """The AIFI layers' self-attention (:class:`~detr_irpe.irpe.IRPEMultiheadAttention` on
+    """The AIFI layers' self-attention (:class:`~detr_irpe.attention.MultiheadAttention` on
     the stride-32 map), for the attention figures (the family's ``attention.encoder``)."""
     return [layer.self_attn for stack in model.encoder.encoder for layer in stack.layers]

@@ -7,7 +7,7 @@ learned, iRPE, RoPE; composable), shared by the detector families (not a family 
 - :class:`ViTBackbone`, :func:`build_vit_backbone`, :data:`VIT_BACKBONES` -- the trunk
   with a simple feature adapter giving stride 8 / 16 / 32 maps (:mod:`.backbone`).
 - :func:`parse_backbone_encodings` -- ``model.encodings.backbone`` (``["learned",
-  "rope-mixed"]``) -> constructor arguments (:mod:`.encodings`).
+  "rpe-2.0-product-ctx-1-k"]``) -> constructor arguments (:mod:`.encodings`).
 - :func:`is_vit_backbone`, :func:`resolve_encodings`, :func:`check_backbone`,
   :func:`build_config_backbone` -- a ViT backbone in a family's model section, shared by
   RT-DETR and D-FINE (:mod:`.config`).

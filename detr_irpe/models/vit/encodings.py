@@ -6,18 +6,15 @@ kind; docs/position_encodings.md, "Encodings in the backbone"). What each means 
 
 - ``learned``: the absolute embedding of timm's ViT, added once to the tokens after the
   patch embedding and resampled to each input's grid (:func:`resample_abs_pos_embed`);
-- an iRPE string (``rpe-2.0-product-ctx-1-k``, any method / mode / target): relative
-  terms in every block's attention; a class token gets the skip bucket;
-- a RoPE string (``rope-axial``, ``rope-mixed``, optionally with a frequency base such as
-  ``rope-mixed-10``): q and k of every block rotated by their patch's position; a class
-  token is left unrotated;
-- a registered plugin encoding (:class:`~detr_irpe.encodings.AttentionEncoding`): built
-  into every block's attention, which tells it the class token to leave out.
+- every other entry (iRPE, the rotary encodings, a registered plugin): an entry of every
+  block's attention encoding list (:class:`~detr_irpe.attention.AttentionEncoding`), which
+  tells it the class token (the attention's ``skip``: iRPE gives it the skip bucket, the
+  rotary encodings leave it unrotated, a plugin leaves it out).
 
 Every entry but the absolute one goes into every block's attention the same way, by its
-registry entry (as in the encoders: :meth:`PlaceEncodings.attention_args
-<detr_irpe.encodings.PlaceEncodings.attention_args>`), with the class token as the
-attention's ``skip``; nothing here names an encoding.
+registry entry (as in the encoders: :meth:`PlaceEncodings.attention_encodings
+<detr_irpe.encodings.PlaceEncodings.attention_encodings>`); nothing here names an
+encoding.
 
 ``sine`` has no ViT form here (timm's ViTs learn theirs) and is refused. An empty list (or
 ``none``) means no encoding at all: the attention sees an unordered set of patches.
@@ -30,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from detr_irpe.encodings import PlaceEncodings, PositionEncoding, as_place
+from detr_irpe.encodings.registry import BUILTIN_ENCODINGS
 from detr_irpe.errors import ConfigError
 
 __all__ = ["ABSOLUTE", "BACKBONE_KEY", "DEFAULT_ENCODINGS", "BackboneEncodings",
@@ -49,11 +47,10 @@ class BackboneEncodings:
     Attributes:
         abs_pos: ``"learned"`` or ``"none"``.
         attention: ``((registry entry, spec), ...)`` of every other encoding (built-in or
-            registered), each built into every block's attention by its entry
-            (``attention_args`` or ``build``, as the encoders' attentions are). Those the
-            attention builds itself come first, then those that build a module, each in
-            the order given: the order the blocks build them in (and draw their starts
-            from the RNG).
+            registered), each built into every block's attention by its entry's ``build``,
+            as the encoders' attentions are. The built-in ones come first, then the
+            plugins, each in the order given: the order the blocks build them in (and draw
+            their starts from the RNG).
     """
 
     abs_pos: str = "learned"
@@ -68,7 +65,7 @@ class BackboneEncodings:
 
 def parse_backbone_encodings(entries: PlaceEncodings | Iterable[str] | str | None,
                              key: str = BACKBONE_KEY) -> BackboneEncodings:
-    """``["learned", "rpe-2.0-product-ctx-1-k", "rope-mixed"]`` (or the parsed place) ->
+    """``["learned", "rpe-2.0-product-ctx-1-k"]`` (or the parsed place) ->
     :class:`BackboneEncodings`.
 
     Raises:
@@ -81,6 +78,6 @@ def parse_backbone_encodings(entries: PlaceEncodings | Iterable[str] | str | Non
             f"{key}={place.describe()}: a ViT backbone's absolute encoding is learned "
             f"(timm's pos_embed) or none, not {place.absolute}")
     attention = [(entry, spec) for entry, spec in place.entries if entry.kind != "absolute"]
-    # stable: the attention's own encodings (attention_args) before the modules (build)
-    attention.sort(key=lambda item: item[0].attention_args is None)
+    # stable: the built-in encodings before the plugins (the attention's list order)
+    attention.sort(key=lambda item: item[0].name not in BUILTIN_ENCODINGS)
     return BackboneEncodings(place.absolute, tuple(attention))

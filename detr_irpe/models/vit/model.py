@@ -5,7 +5,7 @@ The layout is timm's ``VisionTransformer`` (pre-norm blocks, GELU MLP, LayerNorm
 optional class token and LayerScale), with the same parameter names (``patch_embed.proj``,
 ``cls_token``, ``pos_embed``, ``blocks.N.norm1``, ``blocks.N.ls1.gamma``,
 ``blocks.N.mlp.fc1``, ``norm``) except inside the attention: it is an
-:class:`~detr_irpe.irpe.IRPEMultiheadAttention` (``blocks.N.attn.in_proj_weight`` /
+:class:`~detr_irpe.attention.MultiheadAttention` (``blocks.N.attn.in_proj_weight`` /
 ``in_proj_bias`` hold timm's ``qkv`` Linear, ``blocks.N.attn.out_proj`` its ``proj``), so
 that the registry's attention encodings (iRPE tables, RoPE, a registered one) come in
 through its constructor. :mod:`.weights` maps timm's files onto it.
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from detr_irpe.attention import MultiheadAttention, init_entries
 from detr_irpe.encodings import PlaceEncodings, PositionEncoding
-from detr_irpe.irpe import IRPEMultiheadAttention, init_rpe_table
 from detr_irpe.models.vit.encodings import ABSOLUTE
 
 __all__ = ["Block", "LayerScale", "Mlp", "PatchEmbed", "VisionTransformer",
@@ -117,8 +117,8 @@ class Block(nn.Module):
         layer_scale: LayerScale start value (None: no LayerScale, no ``ls1`` / ``ls2`` keys).
         attention: ``((registry entry, spec), ...)`` of the attention encodings
             (:attr:`~.encodings.BackboneEncodings.attention`), built into the attention by
-            their entries as the encoders' are (:meth:`PlaceEncodings.attention_args
-            <detr_irpe.encodings.PlaceEncodings.attention_args>`).
+            their entries as the encoders' are (:meth:`PlaceEncodings.attention_encodings
+            <detr_irpe.encodings.PlaceEncodings.attention_encodings>`).
         num_prefix: leading tokens before the grid (the class token): the attention's
             ``skip``, left out of every encoding (iRPE's skip bucket, RoPE leaves them
             unrotated, a plugin is told).
@@ -130,9 +130,9 @@ class Block(nn.Module):
                  num_prefix: int = 0) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
-        self.attn = IRPEMultiheadAttention(
+        self.attn = MultiheadAttention(
             dim, num_heads, skip=num_prefix,
-            **PlaceEncodings(tuple(attention)).attention_args(dim, num_heads))
+            encodings=PlaceEncodings(tuple(attention)).attention_encodings(dim, num_heads))
         self.ls1 = nn.Identity() if layer_scale is None else LayerScale(dim, layer_scale)
         self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
@@ -162,7 +162,7 @@ class VisionTransformer(nn.Module):
         abs_pos: ``"learned"`` (``pos_embed``) or ``"none"``.
         attention: ``((registry entry, spec), ...)`` of the attention encodings of every
             block, built-in or registered (:attr:`~.encodings.BackboneEncodings.attention`:
-            ``parse_backbone_encodings(["rpe-2.0-product-ctx-1-k", "rope-mixed"])``).
+            ``parse_backbone_encodings(["rpe-2.0-product-ctx-1-k"])``).
         rpe_init: how iRPE tables start: ``"zero"`` (the blocks compute what they computed
             without iRPE: for pretrained weights) or ``"xavier"``.
         final_norm: keep the final LayerNorm ``norm``.
@@ -217,9 +217,7 @@ class VisionTransformer(nn.Module):
     def _init_weights(self, rpe_init: str) -> None:
         # timm's default ViT init: truncated normal 0.02 for Linear weights and the
         # absolute embedding, 1e-6 normal for the class token
-        for name, param in self.named_parameters():
-            if "lookup_table" in name:
-                init_rpe_table(param, rpe_init)
+        init_entries(self, rpe_init)  # the encodings start themselves (iRPE: rpe_init)
         if self.pos_embed is not None:
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
@@ -228,7 +226,7 @@ class VisionTransformer(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.trunc_normal_(module.weight, std=0.02)
                 nn.init.zeros_(module.bias)
-            elif isinstance(module, IRPEMultiheadAttention):
+            elif isinstance(module, MultiheadAttention):
                 nn.init.trunc_normal_(module.in_proj_weight, std=0.02)
 
     @property

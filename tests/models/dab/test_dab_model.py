@@ -250,8 +250,9 @@ def test_irpe_adds_only_its_tables_to_the_public_keys() -> None:
     irpe = r50_layout(*DN, "model.rpe=rpe-2.0-product-ctx-1-k")
     extra = {k: v for k, v in irpe.items() if k not in plain}
     assert {k: v for k, v in irpe.items() if k in plain} == plain
-    assert sorted(extra) == [f"transformer.encoder.layers.{i}.self_attn.rpe_k.lookup_table_weight"
-                             for i in range(6)]
+    assert sorted(extra) == [
+        f"transformer.encoder.layers.{i}.self_attn.encodings.irpe.rpe_k.lookup_table_weight"
+        for i in range(6)]
     assert all(is_rpe_key(k) and v == (1, 32, 81) for k, v in extra.items())
 
 

@@ -22,8 +22,9 @@ import torch
 KEPT_LEAVES = ("up", "reg_scale", "num_points_scale", "anchors", "valid_mask")
 
 
-def synthetic_value(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The float64 value of state-dict entry ``key`` of ``shape``."""
+def synthetic_value(key: str, shape: tuple[int, ...], gain: float = 0.5) -> torch.Tensor:
+    """The float64 value of state-dict entry ``key`` of ``shape`` (matrices at
+    ``gain / sqrt(fan in)``)."""
     gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
     x = torch.randn(shape, generator=gen, dtype=torch.float64)
     leaf = key.rsplit(".", 1)[-1]
@@ -34,7 +35,7 @@ def synthetic_value(key: str, shape: tuple[int, ...]) -> torch.Tensor:
     if len(shape) <= 1:
         return (1.0 + 0.1 * x) if leaf in ("weight", "scale") else 0.1 * x
     fan_in = math.prod(shape[1:])
-    return x * (0.5 / math.sqrt(fan_in))
+    return x * (gain / math.sqrt(fan_in))
 
 
 def synthetic_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -317,7 +317,7 @@ def test_irpe_tables_have_no_counterpart(tmp_path):
     cfg = DFINEModelConfig.for_size("n", rpe="rpe-2.0-product-ctx-1-k", num_classes=3)
     with torch.device("meta"):
         model = build_dfine(cfg, load_weights=False)
-    with pytest.raises(CheckpointError, match=r"no counterpart.*self_attn\.rpe_"):
+    with pytest.raises(CheckpointError, match=r"no counterpart.*self_attn\.encodings\.irpe\.rpe_"):
         to_hf_dfine_state_dict(model.state_dict())
     with pytest.raises(CheckpointError, match="iRPE") as err:
         write_hf_folder(model.state_dict(), SimpleNamespace(model=cfg, loss=None),

@@ -18,7 +18,8 @@ from detr_irpe.models.dfine.decoder import LQE, Gate
 from detr_irpe.models.dfine.deformable import DFINEDeformableAttention
 from detr_irpe.models.dfine.distribution import distance_to_box, integral, weighting_function
 from detr_irpe.models.dfine.encoder import RepNCSPELAN4, SCDown, gelan_branch_width
-from detr_irpe.models.rtdetr.denoising import contrastive_denoising
+from detr_irpe.models.hybrid.denoising import contrastive_denoising
+from detr_irpe.models.hybrid.settings import DenoisingSettings
 
 F64 = torch.float64
 
@@ -151,8 +152,8 @@ def test_denoising_boxes_are_made_positive_for_dfine_only() -> None:
     out = {}
     for flag in (False, True):
         gen = torch.Generator().manual_seed(3)
-        out[flag] = contrastive_denoising(targets, 3, 5, embed, 40, 0.5, 1.0, gen,
-                                          abs_sizes=flag)[1].sigmoid()
+        settings = DenoisingSettings(40, 0.5, 1.0, abs_sizes=flag)
+        out[flag] = contrastive_denoising(targets, embed, 5, settings, gen)[1].sigmoid()
     assert (out[False][..., 2:] < 1e-4).any()  # crossed corners: a size clamped to ~0
     assert_close(out[True], torch.where(out[False] < 1e-4, out[True], out[False]))
     assert (out[True][..., 2:] > 1e-4).all()
@@ -208,18 +209,18 @@ def test_eval_stops_at_eval_idx_with_the_training_outputs_of_that_layer() -> Non
 
 
 def test_the_encoder_is_rtdetrs_with_its_encodings() -> None:
-    from detr_irpe.irpe import IRPEMultiheadAttention
+    from detr_irpe.attention import MultiheadAttention
     from detr_irpe.models.rtdetr.hybrid_encoder import HybridEncoder
 
     model = build_dfine(tiny_config(rpe="rpe-2.0-product-ctx-1-k", rope="rope-mixed",
                                     position_embedding="none"))
     assert type(model.encoder) is HybridEncoder
     attn = model.encoder.encoder[0].layers[0].self_attn
-    assert isinstance(attn, IRPEMultiheadAttention)
-    assert attn.rope is not None and model.encoder.position_embedding == "none"
+    assert isinstance(attn, MultiheadAttention)
+    assert list(attn.encodings) == ["irpe", "rope"] and model.encoder.position_embedding == "none"
     keys = model.state_dict()
-    assert any(k.startswith("encoder.encoder.0.layers.0.self_attn.rpe_k.") for k in keys)
-    assert "encoder.encoder.0.layers.0.self_attn.rope.freqs" in keys
+    assert any(k.startswith("encoder.encoder.0.layers.0.self_attn.encodings.irpe.rpe_k.") for k in keys)
+    assert "encoder.encoder.0.layers.0.self_attn.encodings.rope.freqs" in keys
 
 
 @pytest.mark.parametrize("variant", ["dfine", "deim"])

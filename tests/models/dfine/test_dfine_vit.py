@@ -71,10 +71,10 @@ def test_each_backbone_encoding_builds_and_trains(encodings: list[str]) -> None:
     attn = vit.blocks[0].attn
     assert (vit.pos_embed is not None) == (expected.abs_pos == "learned")
     names = [entry.name for entry, _ in expected.attention]
-    assert (attn.rpe is not None) == ("irpe" in names)
-    assert (attn.rope is not None) == ("rope" in names)
+    assert (attn.entry("irpe") is not None) == ("irpe" in names)
+    assert (attn.entry("rope") is not None) == ("rope" in names)
     assert attn.skip == 1  # the class token: no grid position
-    assert attn.rpe is None or attn.rpe.skip == 1  # iRPE gives it the skip bucket
+    assert attn.entry("irpe") is None or attn.entry("irpe").rpe.skip == 1  # the skip bucket
     model.train()
     for size in [(64, 96), (96, 64)]:
         model.zero_grad()
@@ -83,7 +83,7 @@ def test_each_backbone_encoding_builds_and_trains(encodings: list[str]) -> None:
         loss.backward()
         grads = {n: p.grad for n, p in model.backbone.named_parameters()}
         assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
-        own = [n for n in grads if "lookup_table" in n or "rope." in n or n.endswith("pos_embed")]
+        own = [n for n in grads if "lookup_table" in n or ".rope." in n or n.endswith("pos_embed")]
         tables = sum(len(e.rsplit("-", 1)[1]) for e in encodings if e.startswith("rpe"))
         assert len(own) == (("learned" in encodings) + vit.depth * tables
                             + vit.depth * ("rope-mixed" in encodings))
@@ -94,7 +94,7 @@ def test_without_the_key_a_vit_has_the_learned_embedding() -> None:
     cfg, model, _ = _model()
     assert cfg.model.encodings["backbone"] == ["learned"]
     assert cfg.model.encodings["encoder"] == load_config("dfine_tiny").model.encodings["encoder"]
-    assert model.backbone.vit.pos_embed is not None and model.backbone.vit.blocks[0].attn.rpe is None
+    assert model.backbone.vit.pos_embed is not None and model.backbone.vit.blocks[0].attn.entry("irpe") is None
     cfg, model, _ = _model("model.encodings.backbone=[]")
     assert parse_backbone_encodings(cfg.model.place("backbone")) == BackboneEncodings("none")
     assert model.backbone.vit.pos_embed is None

@@ -278,7 +278,7 @@ def test_unknown_and_partial_keys_are_named(r18_hf_keys):
 def test_irpe_tables_have_no_counterpart():
     with torch.device("meta"):
         model = build_rtdetr(RTDETRModelConfig.for_depth(18, rpe="rpe-2.0-product-ctx-1-k"))
-    with pytest.raises(CheckpointError, match=r"no counterpart.*self_attn\.rpe_"):
+    with pytest.raises(CheckpointError, match=r"no counterpart.*self_attn\.encodings\.irpe\.rpe_"):
         to_hf_rtdetr_state_dict(model.state_dict())
 
 

@@ -30,7 +30,7 @@ def test_untrained_entries(hub_dir: Path) -> None:
     assert not any(".rpe_" in name for name in plain.state_dict())
     irpe = _load("rtdetr_r18_irpe", num_classes=5)
     assert irpe.decoder.num_classes == 5
-    assert any("encoder.encoder.0.layers.0.self_attn.rpe_k" in n for n in irpe.state_dict())
+    assert any("encoder.encoder.0.layers.0.self_attn.encodings.irpe.rpe_k" in n for n in irpe.state_dict())
 
 
 def test_pretrained_official_file_into_plain_and_irpe_models(tmp_path: Path, hub_dir: Path,

@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from irpe_reference import ref_attention, ref_bucket_ids
 
 from detr_irpe.irpe import init_rpe_table
+from detr_irpe.models.hybrid.denoising import contrastive_denoising, denoising_attention_mask
+from detr_irpe.models.hybrid.settings import DenoisingSettings
 from detr_irpe.models.postprocess import TopKPostProcess
 from detr_irpe.models.rtdetr.criterion import varifocal_loss
 from detr_irpe.models.rtdetr.decoder import generate_anchors
 from detr_irpe.models.rtdetr.deformable import MSDeformableAttention, deformable_attention_core
-from detr_irpe.models.rtdetr.denoising import contrastive_denoising, denoising_attention_mask
 from detr_irpe.models.rtdetr.hybrid_encoder import AIFILayer, sincos_position_embedding
 
 F64 = torch.float64
@@ -223,7 +224,8 @@ def _targets():
 def test_denoising_queries_layout_and_noise_bounds() -> None:
     embed = torch.nn.Embedding(4, 6, padding_idx=3)
     gen = torch.Generator().manual_seed(5)
-    emb, boxes_unact, mask, meta = contrastive_denoising(_targets(), 3, 10, embed, 7, 0.5, 1.0, gen)
+    emb, boxes_unact, mask, meta = contrastive_denoising(_targets(), embed, 10,
+                                                         DenoisingSettings(7, 0.5, 1.0), gen)
     groups = 3  # 7 // 2 targets at most
     assert meta["dn_num_group"] == groups and meta["dn_num_split"] == [12, 10]
     assert emb.shape == (2, 12, 6) and boxes_unact.shape == (2, 12, 4) and mask.shape == (22, 22)
@@ -255,10 +257,11 @@ def test_denoising_queries_layout_and_noise_bounds() -> None:
 
 def test_denoising_generator_makes_it_reproducible_and_zero_noise_keeps_the_targets() -> None:
     embed = torch.nn.Embedding(4, 6, padding_idx=3)
-    runs = [contrastive_denoising(_targets(), 3, 10, embed, 7, 0.5, 1.0,
+    runs = [contrastive_denoising(_targets(), embed, 10, DenoisingSettings(7, 0.5, 1.0),
                                   torch.Generator().manual_seed(9)) for _ in range(2)]
     assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][0], runs[1][0])
-    emb, boxes_unact, _, _ = contrastive_denoising(_targets(), 3, 10, embed, 7, 0.0, 0.0)
+    emb, boxes_unact, _, _ = contrastive_denoising(_targets(), embed, 10,
+                                                   DenoisingSettings(7, 0.0, 0.0))
     torch.testing.assert_close(boxes_unact.sigmoid()[0, :2], _targets()[0]["boxes"],
                                atol=1e-6, rtol=0)
     torch.testing.assert_close(emb[0, 0], embed.weight[1])
@@ -267,7 +270,7 @@ def test_denoising_generator_makes_it_reproducible_and_zero_noise_keeps_the_targ
 def test_denoising_of_a_batch_without_targets_is_one_dummy_group() -> None:
     embed = torch.nn.Embedding(4, 6, padding_idx=3)
     empty = [{"labels": torch.zeros(0, dtype=torch.int64), "boxes": torch.zeros(0, 4)}] * 2
-    emb, _, mask, meta = contrastive_denoising(empty, 3, 5, embed, 100, 0.5, 1.0)
+    emb, _, mask, meta = contrastive_denoising(empty, embed, 5, DenoisingSettings(100, 0.5, 1.0))
     assert meta["dn_num_split"] == [2, 5] and meta["dn_num_group"] == 1
     assert [t.numel() for t in meta["dn_positive_idx"]] == [0, 0]
     assert torch.equal(emb[0, 0], embed.weight[3]) and mask.shape == (7, 7)
@@ -275,10 +278,12 @@ def test_denoising_of_a_batch_without_targets_is_one_dummy_group() -> None:
 
 @pytest.mark.parametrize("num_dn", [0])
 def test_num_denoising_zero_turns_denoising_off(num_dn: int) -> None:
+    from detr_irpe.models.hybrid.settings import DecoderSettings
     from detr_irpe.models.rtdetr.decoder import RTDETRDecoder
 
-    dec = RTDETRDecoder(num_classes=3, hidden_dim=16, num_queries=5, feat_channels=(16,) * 3,
-                        nhead=2, num_layers=2, dim_feedforward=8, num_denoising=num_dn).train()
+    dec = RTDETRDecoder(DecoderSettings(
+        num_classes=3, hidden_dim=16, num_queries=5, feat_channels=(16,) * 3, nhead=2,
+        num_layers=2, dim_feedforward=8, num_denoising=num_dn)).train()
     assert not hasattr(dec, "denoising_class_embed")
     feats = [torch.randn(2, 16, s, s) for s in (4, 2, 1)]
     out = dec(feats, _targets())

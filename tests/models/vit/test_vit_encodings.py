@@ -11,9 +11,11 @@ import importlib
 import pytest
 import torch
 
+from detr_irpe.attention import MultiheadAttention
 from detr_irpe.encodings import as_place, get_encoding
+from detr_irpe.encodings.irpe import IRPEEncoding
 from detr_irpe.errors import ConfigError
-from detr_irpe.irpe import IRPEMultiheadAttention, RPEConfig
+from detr_irpe.irpe import RPEConfig
 from detr_irpe.models.vit import (
     BackboneEncodings,
     VisionTransformer,
@@ -124,7 +126,7 @@ def test_rope_mixed_at_zero_frequencies_is_the_identity_and_rope_changes_outputs
         moved = [(m(images) - reference).norm() / reference.norm() for m in (mixed, axial)]
         assert all(change > 1e-3 for change in moved), moved
         for block in mixed.blocks:
-            block.attn.rope.freqs.zero_()
+            block.attn.entry("rope").freqs.zero_()
         torch.testing.assert_close(mixed(images), reference, rtol=1e-13, atol=1e-13)
 
 
@@ -135,7 +137,7 @@ def test_the_class_token_is_left_out_of_rope_and_gets_the_skip_bucket() -> None:
     is not rotated; checked with RoPE-Axial by moving the patches)."""
     trunk = _trunk(["rope-axial", IRPE]).double().eval()
     attn = trunk.blocks[0].attn
-    assert attn.skip == 1 and attn.rpe.skip == 1
+    assert attn.skip == 1 and attn.entry("irpe").rpe.skip == 1
     x = torch.randn(1, 1 + 16, 32, dtype=torch.float64)
     q, k, _ = attn._project(x, x, None)
     q_rot, k_rot = attn._rotate(q, k, (4, 4))
@@ -191,33 +193,34 @@ def test_bad_lists_name_the_key(entries, message) -> None:
 
 
 def test_the_attention_skips_extra_tokens_without_irpe() -> None:
-    """``IRPEMultiheadAttention(skip=...)``: leading tokens without a grid position for
+    """``MultiheadAttention(skip=...)``: leading tokens without a grid position for
     RoPE alone (a ViT's class token); with iRPE a config of skip 0 (a string's) takes it,
     one of another skip must agree with it."""
     from detr_irpe.rope import build_rope
 
-    attn = IRPEMultiheadAttention(16, 2, rope=build_rope("rope-axial", 8, 2), skip=1)
+    attn = MultiheadAttention(16, 2, encodings=[build_rope("rope-axial", 8, 2)], skip=1)
     x = torch.randn(1, 1 + 6, 16)
     q, k, _ = attn._project(x, x, None)
     q_rot, _ = attn._rotate(q, k, (2, 3))
     assert torch.equal(q_rot[:, :, :1], q[:, :, :1]) and not torch.equal(q_rot, q)
     assert attn(x, x, x, (2, 3))[0].shape == x.shape
     with pytest.raises(ValueError, match=r"expected 0 \+ 2 \* 3 = 6 tokens"):
-        IRPEMultiheadAttention(16, 2, rope=build_rope("rope-axial", 8, 2))(x, x, x, (2, 3))
+        MultiheadAttention(16, 2, encodings=[build_rope("rope-axial", 8, 2)])(x, x, x, (2, 3))
     with pytest.raises(ValueError, match="skip=2 but the iRPE config .* has skip=1"):
-        IRPEMultiheadAttention(16, 2, rpe=RPEConfig(skip=1), skip=2)
+        MultiheadAttention(16, 2, encodings=[IRPEEncoding(RPEConfig(skip=1), 8, 2)], skip=2)
     with pytest.raises(ValueError, match="skip must be a non-negative integer"):
-        IRPEMultiheadAttention(16, 2, skip=-1)
-    assert IRPEMultiheadAttention(16, 2, rpe=RPEConfig(skip=1)).skip == 1
-    taken = IRPEMultiheadAttention(16, 2, rpe=IRPE, skip=1)
-    assert (taken.skip, taken.rpe) == (1, RPEConfig.from_string(IRPE, skip=1))
-    assert IRPEMultiheadAttention(16, 2, rpe=IRPE, skip=0).rpe.skip == 0
+        MultiheadAttention(16, 2, skip=-1)
+    assert MultiheadAttention(16, 2, encodings=[IRPEEncoding(RPEConfig(skip=1), 8, 2)]).skip == 1
+    taken = MultiheadAttention(16, 2, encodings=[IRPEEncoding(IRPE, 8, 2)], skip=1)
+    assert (taken.skip, taken.entry("irpe").rpe) == (1, RPEConfig.from_string(IRPE, skip=1))
+    assert MultiheadAttention(16, 2, encodings=[IRPEEncoding(IRPE, 8, 2)],
+                              skip=0).entry("irpe").rpe.skip == 0
     assert _trunk(["rope-axial"]).blocks[0].attn.skip == 1
 
 
 def test_a_plugin_and_the_built_in_encodings_go_through_the_same_path(monkeypatch) -> None:
     """Every entry but the absolute one goes into each block's attention by its registry
-    entry, as the encoders' attention is built (``PlaceEncodings.attention_args``), with
+    entry, as the encoders' attention is built (``PlaceEncodings.attention_encodings``), with
     the class token as the attention's skip: a registered plugin (the 2D ALiBi bias of
     tests/plugins) next to iRPE and RoPE-Mixed. Each block's attention is the one the
     encoders' builder gives (same modules, same keys, same outputs with the same weights),
@@ -233,19 +236,22 @@ def test_a_plugin_and_the_built_in_encodings_go_through_the_same_path(monkeypatc
     assert enc.entries() == ["learned", IRPE, "rope-mixed", "alibi2d-0.5"]
 
     trunk = _trunk(entries).double().eval()
-    reference = IRPEMultiheadAttention(32, 2, skip=1, **as_place(entries).attention_args(32, 2))
+    reference = MultiheadAttention(32, 2, skip=1,
+                                   encodings=as_place(entries).attention_encodings(32, 2))
     reference = reference.double().eval()
     shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     assert shapes == {"in_proj_weight": (96, 32), "in_proj_bias": (96,),
                       "out_proj.weight": (32, 32), "out_proj.bias": (32,),
-                      "rpe_k.lookup_table_weight": (1, 16, 82),  # 9 x 9 buckets + the skip
-                      "rope.freqs": (2, 2, 8), "encodings.0.alibi_slopes": (2,)}
+                      # 9 x 9 buckets + the skip
+                      "encodings.irpe.rpe_k.lookup_table_weight": (1, 16, 82),
+                      "encodings.rope.freqs": (2, 2, 8), "encodings.alibi2d.alibi_slopes": (2,)}
     x = torch.randn(2, 1 + 4 * 6, 32, dtype=torch.float64)
     for block in trunk.blocks:
         attn = block.attn
-        assert (attn.skip, attn.rpe) == (1, RPEConfig.from_string(IRPE, skip=1))
-        assert type(attn.rope) is type(reference.rope)
-        assert [type(m) for m in attn.encodings] == [alibi.ALiBi2D]
+        assert (attn.skip, attn.entry("irpe").rpe) == (1, RPEConfig.from_string(IRPE, skip=1))
+        assert [type(m) for m in attn.encodings.values()] == [
+            type(m) for m in reference.encodings.values()]
+        assert type(attn.entry("alibi2d")) is alibi.ALiBi2D
         assert {k: tuple(v.shape) for k, v in attn.state_dict().items()} == shapes
         reference.load_state_dict(attn.state_dict())
         with torch.no_grad():
@@ -259,14 +265,14 @@ def test_a_plugin_and_the_built_in_encodings_go_through_the_same_path(monkeypatc
     # weights compute without it (up to the other attention path a logit term takes)
     without = _trunk(["learned", IRPE, "rope-mixed"]).double().eval()
     missing, unexpected = without.load_state_dict(trunk.state_dict(), strict=False)
-    assert not missing and unexpected == [f"blocks.{i}.attn.encodings.0.alibi_slopes"
+    assert not missing and unexpected == [f"blocks.{i}.attn.encodings.alibi2d.alibi_slopes"
                                           for i in range(trunk.depth)]
     images = torch.randn(2, 3, 32, 48, dtype=torch.float64)
     with torch.no_grad():
         reference_out = without(images)
         for block in trunk.blocks:  # slopes as after training (they start small)
-            block.attn.encodings[0].alibi_slopes.fill_(1.0)
+            block.attn.entry("alibi2d").alibi_slopes.fill_(1.0)
         assert not torch.allclose(trunk(images), reference_out, atol=1e-2)
         for block in trunk.blocks:
-            block.attn.encodings[0].alibi_slopes.zero_()
+            block.attn.entry("alibi2d").alibi_slopes.zero_()
         torch.testing.assert_close(trunk(images), reference_out, rtol=1e-13, atol=1e-13)

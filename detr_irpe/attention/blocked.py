@@ -1,4 +1,4 @@
-"""Row-blocked iRPE attention core: no ``(L, L)`` tensor is ever allocated (CPU training path).
+"""Row-blocked attention core: no ``(L, L)`` tensor is ever allocated (CPU training path).
 
 Computes, for blocks of ``R`` query rows at a time (docs/irpe.md),
 
@@ -23,6 +23,8 @@ barriers of the serial loop made it slow down 2.1-2.3x next to a competing proce
 before any block runs and the sums over blocks (``dK``, ``dV``, the tables' gradients) are
 added in block order, so every call gives the same bits whichever thread ran which block.
 
+The terms come from the attention's encoding entries
+(:meth:`~detr_irpe.attention.AttentionEncoding.blocked_terms` and ``value_tables``: iRPE's).
 ``lookup_t`` is the RPE-K gather ``P[n, i, ids[i, j]]`` or the RPE-Q transposed lookup
 ``P[n, j, ids[j, i]]`` (a flat index ``j K + ids[j, i]``); ``P`` may have one row per head
 and image (contextual mode), per head or one shared (bias mode), and broadcasts.
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dropout import keep_mask, keep_scale
+from detr_irpe.attention.dropout import keep_mask, keep_scale
 
 __all__ = ["BlockedTerms", "blocked_attention", "default_block_rows"]
 
@@ -312,7 +314,8 @@ def blocked_attention(
     dropout_p: float = 0.0,
     block_rows: int | None = None,
 ) -> torch.Tensor:
-    """Attention with iRPE terms, computed in blocks of query rows.
+    """Attention with bucketed logit and value terms (iRPE's), computed in blocks of query
+    rows.
 
     Args:
         q: ``(B * h, L, D)`` queries, already scaled by ``s``.

@@ -1,4 +1,4 @@
-"""detr_irpe.irpe.dropout: the CPU dropout with 15-bit random numbers."""
+"""detr_irpe.attention.dropout: the CPU dropout with 15-bit random numbers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from detr_irpe.irpe.dropout import Dropout, dropout, keep_mask, keep_probability, keep_scale
+from detr_irpe.attention.dropout import Dropout, dropout, keep_mask, keep_probability, keep_scale
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.02])
