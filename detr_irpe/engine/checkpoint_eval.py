@@ -4,7 +4,9 @@ and the demo's re-evaluation.
 
 Each evaluation writes ``results.json``, ``metrics.json`` (the 12 COCOeval numbers as
 fractions, per-class AP, losses and ``speed``: :mod:`detr_irpe.engine.speed`) and
-``precision.npz`` into its folder. With test sizes each size has its folder
+``precision.npz`` into its folder. A criterion whose loss follows the epoch (DEIMv2's
+matcher switches its cost at an epoch: a ``set_epoch`` method) is told the epoch the
+training run's own evaluation of these weights used (:func:`evaluation_epoch`). With test sizes each size has its folder
 ``size_<label>/`` and the folder above gets ``sizes.json`` and ``sizes.md`` (AP / AP50 /
 AP75 / AP_S / AP_M / AP_L per size; the tools add ``sizes.png``). With canvases, the same
 per layout: ``canvas_<label>/`` folders, ``canvases.json`` and ``canvases.md`` (the tools add
@@ -178,6 +180,11 @@ class _Session:
         run_cfg = apply_process_settings(loaded.cfg, info)
         logger.info("loaded %s (%s)", checkpoint, loaded.meta.get("format"))
         model = loaded.model.to(info.device)
+        epoch_hook = getattr(loaded.criterion, "set_epoch", None)
+        if callable(epoch_hook):  # the losses of the epoch these weights were evaluated at
+            epoch = evaluation_epoch(loaded.meta, loaded.cfg)
+            logger.info("losses at epoch %d (%s)", epoch, _epoch_source(loaded.meta))
+            epoch_hook(epoch)
         if options.runtime is not None:
             model = options.runtime(model, loaded.cfg)
         return cls(loaded, model, run_cfg, checkpoint, output_dir, info, options.progress)
@@ -279,6 +286,37 @@ class _Session:
         write_eval_outputs(evaluation.evaluator, evaluation.summary, evaluation.losses,
                            output_dir, extra)
         evaluation.evaluator.save_pr_arrays(output_dir / "precision.npz")
+
+
+def evaluation_epoch(meta: dict[str, Any], cfg: Config) -> int:
+    """The epoch (0-based) whose loss a checkpoint's evaluation computes: the one the
+    training run's own evaluation of these weights computed, the epoch last trained.
+
+    - this project's file: its saved position ``epoch`` (epochs done) with
+      ``batch_in_epoch`` (steps into the next one): ``epoch - 1`` at an epoch's end,
+      ``epoch`` in its middle; a ``.safetensors`` file (``epoch`` alone) as at an end;
+    - a file of the official solver (DEIM / DEIMv2): its ``last_epoch``;
+    - a file without a position (a published one, a Hugging Face folder): the last
+      epoch of ``train.epochs``.
+    """
+    extra = meta.get("extra") or {}
+    saved = meta.get("epoch")
+    if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0:
+        in_epoch = extra.get("batch_in_epoch", 0)
+        return saved if isinstance(in_epoch, int) and in_epoch > 0 else max(saved - 1, 0)
+    last = extra.get("last_epoch")
+    if isinstance(last, int) and not isinstance(last, bool) and last >= 0:
+        return last
+    return max(int(cfg.train.epochs) - 1, 0)
+
+
+def _epoch_source(meta: dict[str, Any]) -> str:
+    """Where :func:`evaluation_epoch` found the epoch, for the log line."""
+    if isinstance(meta.get("epoch"), int):
+        return "the checkpoint's saved position"
+    if isinstance((meta.get("extra") or {}).get("last_epoch"), int):
+        return "the checkpoint's last_epoch"
+    return "no saved position: the last epoch of train.epochs"
 
 
 def _val_dataset(cfg: Config, view: View | None) -> Any:
@@ -414,4 +452,4 @@ def _canvas_queries(loaded: LoadedModel, model: Any, postprocessor: nn.Module,
             postprocessor.num_select = kept
 
 
-__all__ = ["EvalOptions", "run_evaluation"]
+__all__ = ["EvalOptions", "evaluation_epoch", "run_evaluation"]
