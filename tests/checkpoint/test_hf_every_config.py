@@ -25,21 +25,21 @@ from detr_irpe.models import build_model, model_from_checkpoint  # noqa: E402
 CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 # the transformers class of each family that has one
 HF_CLASSES = {"detr": "DetrForObjectDetection", "dab": "DabDetrForObjectDetection",
-              "rtdetr": "RTDetrForObjectDetection", "dfine": "DFineForObjectDetection"}
+              "rtdetr": "RTDetrForObjectDetection", "dfine": "DFineForObjectDetection",
+              "deimv2": "Deimv2ForObjectDetection"}
 # what each refusal names: a model with an encoding transformers lacks, DN-DETR's
 # label_enc, a family without a transformers writer, fewer backbone stages
 # the configs whose model transformers holds as shipped; with the encodings dropped
 # (--rpe none) also their iRPE versions
 WRITTEN = {"detr_r50", "dab_detr_r50", "rtdetr_r18", "rtdetr_r34", "rtdetr_r50", "rtdetr_r101",
-           "dfine_n", "dfine_s", "dfine_m", "dfine_l", "dfine_x"}
+           "dfine_n", "dfine_s", "dfine_m", "dfine_l", "dfine_x",
+           "deimv2_s", "deimv2_m", "deimv2_l", "deimv2_x", "deimv2_tiny"}
 WRITTEN_PLAIN = WRITTEN | {"detr_r50_irpe", "detr_r50_irpe_1.9", "detr_r50_irpe_300e",
                            "dab_detr_r50_irpe", "rtdetr_r18_irpe", "rtdetr_r50_irpe",
                            "dfine_s_irpe", "dfine_l_irpe", "dfine_s_rope", "dfine_l_rope",
                            "dfine_tiny", "synthetic_demo_dfine"}
 REFUSALS = ("variant", "iRPE", "RoPE", "rpe", "rope", "label_enc", "denoising",
             "backbone_stages", "depth_mult", "Hugging Face", "transformers")
-
-
 
 
 @pytest.mark.slow

@@ -166,7 +166,7 @@ def test_docs_plugin_in_a_tool_and_from_its_checkpoint(
     loaded = model_from_checkpoint(out / "checkpoint_last.pth", trust_imports=True)
     assert loaded.cfg.model.imports == ["my_plugin"]
     assert loaded.model.backbone[0].num_channels == 64
-    assert loaded.model.transformer.encoder.layers[0].self_attn.rpe.method.name == "chebyshev"
+    assert loaded.model.transformer.encoder.layers[0].self_attn.entry("irpe").rpe.method.name == "chebyshev"
     assert loaded.model(_batch())["pred_logits"].shape[:2] == (2, 4)
 
 
