@@ -1,5 +1,6 @@
-"""torch.hub entry points: DETR-R50, DAB-DETR-R50, DN-DETR-R50, RT-DETR-R18 / R50 and
-D-FINE / DEIM N-X, each with and without iRPE in the encoder (D-FINE / DEIM: S and L).
+"""torch.hub entry points: DETR-R50, DAB-DETR-R50, DN-DETR-R50, RT-DETR-R18 / R50,
+D-FINE / DEIM N-X, each with and without iRPE in the encoder (D-FINE / DEIM: S and L), and
+DEIMv2 S-X.
 
     import torch
     model = torch.hub.load("PATH/TO/detr_irpe", "detr_resnet50_irpe", source="local",
@@ -41,6 +42,14 @@ of this project with its saved config).
 D-FINE and DEIM (``dfine_n`` .. ``dfine_x``, ``deim_n`` .. ``deim_x``, ``dfine_s_irpe``,
 ``dfine_l_irpe``, ``deim_s_irpe``, ``deim_l_irpe``; 80 COCO classes): as RT-DETR's, with
 the published files of the zoo names of the same sizes (docs/dfine.md).
+
+DEIMv2 (``deimv2_s``, ``deimv2_m``, ``deimv2_l``, ``deimv2_x``; 80 COCO classes): the
+same, with the published files of the zoo names ``deimv2_s`` .. ``deimv2_x``
+(docs/deimv2.md). The backbone's encoding is a ``model.*`` keyword:
+``encodings={"backbone": []}`` loads the published weights into the ViT without its RoPE.
+
+    model = torch.hub.load("PATH/TO/detr_irpe", "deimv2_s", source="local",
+                           pretrained=True)            # 50.9 AP published
 
 A ``checkpoint`` that carries its config (a run of this project) builds the model of
 that config, as ``Predictor.from_checkpoint`` does; keyword arguments given explicitly
@@ -517,11 +526,17 @@ def rtdetr_r50_irpe(
                         trust_imports)
 
 
-def _dfine_entry(config: str, zoo_name: str):
-    """A D-FINE / DEIM entry: the model of ``config`` (80 classes); ``pretrained=True``
-    loads the published file of ``zoo_name`` (an ``_irpe`` config's tables start at zero,
-    so it computes the published model until trained); ``checkpoint="PATH"`` any file the
-    tools read (a published file needs no config here: the entry names the variant)."""
+# the families of the entries _published_entry serves: (name, the page of their configs)
+_PUBLISHED_FAMILIES = {"dfine": ("D-FINE", "docs/dfine.md"), "deim": ("DEIM", "docs/dfine.md"),
+                       "deimv2": ("DEIMv2", "docs/deimv2.md")}
+
+
+def _published_entry(config: str, zoo_name: str):
+    """A D-FINE / DEIM / DEIMv2 entry: the model of ``config`` (80 classes);
+    ``pretrained=True`` loads the published file of ``zoo_name`` (an ``_irpe`` config's
+    tables start at zero, so it computes the published model until trained);
+    ``checkpoint="PATH"`` any file the tools read (a published file needs no config here:
+    the entry names the variant)."""
     def entry(pretrained: bool = False, num_classes: int | None = None,
               checkpoint: str | None = None, return_postprocessor: bool = False,
               trust_imports: bool = False, **model_options: Any):
@@ -530,28 +545,34 @@ def _dfine_entry(config: str, zoo_name: str):
 
     entry.__name__ = entry.__qualname__ = config
     kind, size = config.split("_")[:2]
-    name = f"{'D-FINE' if kind == 'dfine' else 'DEIM'}-{size.upper()}"
+    family, page = _PUBLISHED_FAMILIES[kind]
     extra = " with iRPE in the AIFI layer" if config.endswith("_irpe") else ""
-    entry.__doc__ = (f"{name}{extra} (config ``{config}``; docs/dfine.md). "
+    entry.__doc__ = (f"{family}-{size.upper()}{extra} (config ``{config}``; {page}). "
                      f"``pretrained=True``: the published file (zoo name ``{zoo_name}``).")
     return entry
 
 
 # D-FINE / DEIM (docs/dfine.md): every published size, and iRPE in S and L
-dfine_n = _dfine_entry("dfine_n", "dfine_n")
-dfine_s = _dfine_entry("dfine_s", "dfine_s")
-dfine_m = _dfine_entry("dfine_m", "dfine_m")
-dfine_l = _dfine_entry("dfine_l", "dfine_l")
-dfine_x = _dfine_entry("dfine_x", "dfine_x")
-dfine_s_irpe = _dfine_entry("dfine_s_irpe", "dfine_s")
-dfine_l_irpe = _dfine_entry("dfine_l_irpe", "dfine_l")
-deim_n = _dfine_entry("deim_n", "deim_n")
-deim_s = _dfine_entry("deim_s", "deim_s")
-deim_m = _dfine_entry("deim_m", "deim_m")
-deim_l = _dfine_entry("deim_l", "deim_l")
-deim_x = _dfine_entry("deim_x", "deim_x")
-deim_s_irpe = _dfine_entry("deim_s_irpe", "deim_s")
-deim_l_irpe = _dfine_entry("deim_l_irpe", "deim_l")
+dfine_n = _published_entry("dfine_n", "dfine_n")
+dfine_s = _published_entry("dfine_s", "dfine_s")
+dfine_m = _published_entry("dfine_m", "dfine_m")
+dfine_l = _published_entry("dfine_l", "dfine_l")
+dfine_x = _published_entry("dfine_x", "dfine_x")
+dfine_s_irpe = _published_entry("dfine_s_irpe", "dfine_s")
+dfine_l_irpe = _published_entry("dfine_l_irpe", "dfine_l")
+deim_n = _published_entry("deim_n", "deim_n")
+deim_s = _published_entry("deim_s", "deim_s")
+deim_m = _published_entry("deim_m", "deim_m")
+deim_l = _published_entry("deim_l", "deim_l")
+deim_x = _published_entry("deim_x", "deim_x")
+deim_s_irpe = _published_entry("deim_s_irpe", "deim_s")
+deim_l_irpe = _published_entry("deim_l_irpe", "deim_l")
+# DEIMv2 (docs/deimv2.md): the four DINOv3 sizes; the backbone's encoding is a keyword,
+# e.g. encodings={"backbone": []} (the published weights fine-tuned without RoPE)
+deimv2_s = _published_entry("deimv2_s", "deimv2_s")
+deimv2_m = _published_entry("deimv2_m", "deimv2_m")
+deimv2_l = _published_entry("deimv2_l", "deimv2_l")
+deimv2_x = _published_entry("deimv2_x", "deimv2_x")
 
 
 def from_checkpoint(
