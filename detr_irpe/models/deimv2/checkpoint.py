@@ -7,7 +7,12 @@ class-count-dependent weights (RT-DETR's names).
 A published file (the solver's ``{'model': ..., 'ema': {'module': ...}}``, the converted
 ``{'model': ...}``, or the Hugging Face repositories' flat ``model.safetensors``) carries
 no config of this project; its backbone's keys say the size (ViT-Tiny: S, ViT-Tiny+: M,
-DINOv3 ViT-S: L, ViT-S+: X), and the published configs of that size are implied.
+DINOv3 ViT-S: L, ViT-S+: X; the HGNetv2s: Atto, Femto, Pico by their third stage, N by
+B0's fourth), and the published configs of that size are implied.
+
+The HGNetv2 sizes' files have D-FINE's keys too (``backbone.stem.*``, ``encoder.input_proj``,
+...): DEIMv2's decoder layers (``swish_ffn``) and the absence of D-FINE's ``enc_output``
+tell them apart (this family is asked first: the registry goes by name).
 """
 
 from __future__ import annotations
@@ -31,16 +36,47 @@ SIGNATURE_KEYS = (
     "decoder.enc_score_head.weight",
     "backbone.convs.0.weight",
 )
+# the HGNetv2 sizes: no STA, the HGNetv2 stem instead
+HGNETV2_SIGNATURE_KEYS = (*SIGNATURE_KEYS[:3], "backbone.stem.stem1.conv.weight")
 DERIVED_KEYS = ("decoder.anchors", "decoder.valid_mask")
+# the third stage's second block (Pico) and the fourth stage (B0 of N)
+_PICO_KEY = "backbone.stages.2.blocks.1.layers.0.conv1.conv.weight"
+_STAGE4_KEY = "backbone.stages.3.blocks.0.layers.0.conv1.conv.weight"
+_STAGE3_OUT = "backbone.stages.2.blocks.0.aggregation.1.conv.weight"
 
 
 def is_deimv2_state_dict(state: Mapping[str, object]) -> bool:
-    """Whether ``state`` has DEIMv2's key layout (:data:`SIGNATURE_KEYS`)."""
-    return all(k in state for k in SIGNATURE_KEYS)
+    """Whether ``state`` has DEIMv2's key layout (:data:`SIGNATURE_KEYS`, or
+    :data:`HGNETV2_SIGNATURE_KEYS` without D-FINE's ``enc_output``)."""
+    if all(k in state for k in SIGNATURE_KEYS):
+        return True
+    return (all(k in state for k in HGNETV2_SIGNATURE_KEYS)
+            and "decoder.enc_output.proj.weight" not in state)
+
+
+def _hgnetv2_size(state: Mapping[str, Any]) -> str | None:
+    """``atto``, ``femto``, ``pico`` or ``n`` from the HGNetv2's stages, None for none."""
+    stem = state.get("backbone.stem.stem1.conv.weight")
+    if stem is None or int(stem.shape[0]) != 16:
+        return None
+    if _STAGE4_KEY in state:
+        lite = "encoder.bi_fusion.cv.conv.weight" in state
+        return None if lite else "n"
+    out = state.get(_STAGE3_OUT)
+    if out is None:
+        return None
+    if int(out.shape[0]) == 256:
+        return "atto"
+    if int(out.shape[0]) == 512:
+        return "pico" if _PICO_KEY in state else "femto"
+    return None
 
 
 def published_size(state: Mapping[str, Any]) -> str | None:
-    """``s``, ``m``, ``l`` or ``x`` from the ViT's keys and width, None for none of them."""
+    """``atto``, ``femto``, ``pico``, ``n`` from the HGNetv2's stages, ``s``, ``m``, ``l`` or
+    ``x`` from the ViT's keys and width, None for none of them."""
+    if "backbone.stem.stem1.conv.weight" in state:
+        return _hgnetv2_size(state)
     tiny = state.get("backbone.dinov3._model.cls_token")
     if tiny is not None:
         return {192: "s", 256: "m"}.get(int(tiny.shape[-1]))
@@ -83,8 +119,8 @@ def _implied_config(path: str | Path, state: Mapping[str, Tensor], meta: Mapping
     if size is None:
         raise CheckpointError(
             f"checkpoint {path} has the DEIMv2 layout but a backbone of no published size "
-            "(ViT-Tiny 192 / Tiny+ 256 wide, DINOv3 ViT-S / S+): pass the --config it was "
-            "trained with")
+            "(ViT-Tiny 192 / Tiny+ 256 wide, DINOv3 ViT-S / S+, HGNetv2 Atto / Femto / Pico / "
+            "B0): pass the --config it was trained with")
     return f"deimv2_{size}", {}
 
 

@@ -1,0 +1,171 @@
+"""DEIMv2's HGNetv2 sizes (Atto, Femto, Pico: three-stage HGNetv2 + lite encoder; N: B0 +
+hybrid encoder) against the published code (github.com/Intellindust-AI-Lab/DEIMv2 at
+0fff8d4; ``tests/reference_data/deimv2/make_deimv2_hgnet_official.py`` ran it on the CPU).
+
+The data hold what the published detectors computed in float64 from deterministic weights
+(``deimv2_hgnet_weights.hgnet_state_dict``, a function of each key) on two seeded images
+at each size's published eval size (Atto 320, Femto 416, Pico and N 640; 5 classes, 30
+queries, 20 denoising queries): the eval outputs, the published post-processor's
+detections, and for Atto and N a training forward with seeded denoising. The weights reach
+the model through the project's loader from a file in the published solver's layout. The
+comparisons allow what float64 sums in another order can differ by plus the RMS norms'
+float32 rounding on another CPU (test_deimv2_official.py's bound). The state-dict keys,
+shapes and parameter counts of the published configs (80 classes) are the published
+models'; a published file without a config is recognised as DEIMv2 of its size (its keys
+are D-FINE's too).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from deimv2_hgnet_weights import hgnet_state_dict
+from official_numerics import reference_float32
+from test_deimv2_official import _flat, _tolerance
+
+from detr_irpe.checkpoint.load import load_weights
+from detr_irpe.family import family_of_state
+from detr_irpe.models.deimv2.build import build_deimv2
+from detr_irpe.models.deimv2.checkpoint import CHECKPOINT, published_size
+from detr_irpe.models.deimv2.config import DEIMv2ModelConfig
+from detr_irpe.models.deimv2.encoder_blocks import LiteEncoder
+from detr_irpe.models.hgnetv2 import HGNetv2
+from detr_irpe.models.hybrid.decoder import generate_anchors
+from detr_irpe.models.postprocess import TopKPostProcess
+
+DATA = Path(__file__).resolve().parents[2] / "reference_data" / "deimv2"
+F64 = torch.float64
+SIZES = ("atto", "femto", "pico", "n")
+
+
+def _load(size: str) -> dict:
+    return torch.load(DATA / f"deimv2_hgnet_official_{size}.pt", weights_only=True)
+
+
+def _config(size: str, **overrides) -> DEIMv2ModelConfig:
+    # the data's images are the network's input as they are ([0, 1] pixels, as published)
+    return DEIMv2ModelConfig.for_size(size, num_classes=5, num_queries=30, num_denoising=20,
+                                      input_normalization="none", **overrides)
+
+
+def _images(shape) -> torch.Tensor:
+    return torch.rand(*shape, generator=torch.Generator().manual_seed(0), dtype=F64)
+
+
+def _published_file(model: torch.nn.Module, path: Path, side: int, strides) -> Path:
+    """The model's deterministic weights as the published solver saves them (``model`` and
+    ``ema.module``, the anchors and valid mask of the eval size), in float64."""
+    state = hgnet_state_dict(model)
+    anchors, valid = generate_anchors([(side // s, side // s) for s in strides])
+    state["decoder.anchors"], state["decoder.valid_mask"] = anchors.double(), valid
+    torch.save({"model": state, "ema": {"module": state, "updates": 1}, "last_epoch": 0}, path)
+    return path
+
+
+def _model(size: str, side: int, tmp_path: Path) -> torch.nn.Module:
+    cfg = _config(size)
+    model = build_deimv2(cfg).double()
+    path = _published_file(model, tmp_path / "best_stg2.pth", side, cfg.detection_strides())
+    assert load_weights(model, path) is not None
+    return model.eval()
+
+
+def _check_eval(size: str, tmp_path: Path) -> None:
+    ref = _load(size)
+    shape = ref["image_shape"]
+    model = _model(size, shape[-1], tmp_path)
+    with torch.no_grad(), reference_float32("dfine"):
+        out = model(_images(shape))
+    for key in ("pred_logits", "pred_boxes"):
+        torch.testing.assert_close(out[key], ref["eval"][key], rtol=0,
+                                   atol=_tolerance(model, ref["eval"][key]), msg=key)
+    sizes_hw = ref["post"]["orig_target_sizes_wh"].flip(1)
+    post = TopKPostProcess(num_select=ref["post"]["num_top_queries"],
+                           category_ids=[1, 2, 3, 4, 5])
+    for ours, theirs in zip(post(out, sizes_hw), ref["post"]["results"]):
+        assert torch.equal(ours["labels"], theirs["labels"])
+        torch.testing.assert_close(ours["scores"].double(), theirs["scores"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours["boxes"].double(), theirs["boxes"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_eval_outputs_from_a_published_file_equal_the_published_code(
+        size: str, tmp_path: Path) -> None:
+    _check_eval(size, tmp_path)
+
+
+@pytest.mark.parametrize("size", ["atto", "n"])
+def test_training_forward_with_denoising_equals_the_published_code(
+        size: str, tmp_path: Path) -> None:
+    data = _load(size)
+    ref = data["train"]
+    model = _model(size, data["image_shape"][-1], tmp_path).train()
+    targets = [{"labels": torch.tensor([1, 4, 0]),
+                "boxes": torch.tensor([[0.5, 0.5, 0.4, 0.3], [0.25, 0.3, 0.2, 0.25],
+                                       [0.7, 0.6, 0.1, 0.3]], dtype=F64)},
+               {"labels": torch.tensor([2]),
+                "boxes": torch.tensor([[0.4, 0.55, 0.5, 0.6]], dtype=F64)}]
+    torch.manual_seed(ref["seed"])  # the denoising noise: the published code's draws
+    with reference_float32("dfine"):
+        out = model(_images(data["image_shape"]), targets)
+    ours, theirs = dict(_flat(out)), ref["outputs"]
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs.items():
+        # the published reg_scale is an int64 parameter (the YAML's 4), ours a float one
+        torch.testing.assert_close(ours[key].detach(), value, rtol=0,
+                                   atol=_tolerance(model, value.double()),
+                                   check_dtype=key != "reg_scale", msg=key)
+    meta = out["dn_meta"]
+    assert meta["dn_num_group"] == ref["dn_num_group"]
+    assert list(meta["dn_num_split"]) == ref["dn_num_split"]
+    for a, b in zip(meta["dn_positive_idx"], ref["dn_positive_idx"]):
+        assert torch.equal(a, b)
+
+
+def _published_keys(size: str) -> dict:
+    return json.loads((DATA / "deimv2_hgnet_official_keys.json").read_text())[size]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_state_dict_keys_shapes_and_parameter_counts_are_the_published_ones(size: str) -> None:
+    published = _published_keys(size)
+    model = build_deimv2(DEIMv2ModelConfig.for_size(size))
+    ours = sorted([k, list(v.shape)] for k, v in model.state_dict().items())
+    theirs = sorted(k for k in published["keys"]
+                    if k[0] not in ("decoder.anchors", "decoder.valid_mask"))
+    assert ours == theirs
+    assert sum(p.numel() for p in model.parameters()) == published["parameters"]
+    assert isinstance(model.backbone, HGNetv2)
+    assert isinstance(model.encoder, LiteEncoder) == (size != "n")
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_published_file_without_config_is_deimv2_of_its_size(size: str) -> None:
+    # the published layout (80 classes, anchors), keys and shapes from the published model
+    state = {k: torch.zeros(shape) for k, shape in _published_keys(size)["keys"]}
+    assert family_of_state(state).name == "deimv2"
+    assert published_size(state) == size
+    assert CHECKPOINT.implied_config("f.pth", state, {}) == (f"deimv2_{size}", {})
+
+
+def test_the_hgnetv2_sizes_read_pixels_and_refuse_vit_keys() -> None:
+    from detr_irpe.errors import ConfigError
+    from detr_irpe.structures import IMAGENET_MEAN
+
+    model = build_deimv2(DEIMv2ModelConfig.for_size("atto"))
+    # input_normalization imagenet (the package's data): the model undoes it, as D-FINE's
+    assert torch.allclose(model.input_mean.flatten().double(),
+                          torch.tensor(IMAGENET_MEAN, dtype=F64), atol=1e-6)
+    with pytest.raises(ConfigError, match="model.use_sta"):
+        DEIMv2ModelConfig.for_size("atto", use_sta=True)
+    with pytest.raises(ConfigError, match="model.backbone_return_idx"):
+        DEIMv2ModelConfig.for_size("atto", backbone_return_idx=[2, 3])
+    with pytest.raises(ConfigError, match="model.num_points"):
+        DEIMv2ModelConfig.for_size("n", num_points=[3, 6, 3])
+    with pytest.raises(ConfigError, match="model.encodings.backbone"):
+        DEIMv2ModelConfig.for_size("n", encodings={"backbone": ["rope-dinov3"]})
+    with pytest.raises(ConfigError, match="model.encoder_type"):
+        DEIMv2ModelConfig.for_size("s", encoder_type="lite")
