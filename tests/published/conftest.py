@@ -22,7 +22,7 @@ from published_models import (
     Case,
     ema_weights,
     load_case_config,
-    synthetic_weights,
+    tier_weights,
     write_published,
 )
 
@@ -95,7 +95,7 @@ def published_model(case: Case, hub_home: Path, patch: pytest.MonkeyPatch) -> Pu
     model, _, postprocessor = build_model(cfg, load_backbone_weights=False)
     model.eval()
     # the plain model's weights: the variant's without its encoding parameters
-    weights = synthetic_weights(model, lambda k: encoding_of_key(k) is None or case.published)
+    weights = tier_weights(case, model, lambda k: encoding_of_key(k) is None or case.published)
     base_cfg = cfg if case.published else load_case_config(CASES[case.base])
     cache = hub_home / "hub" / "checkpoints"
     path, checkpoint = write_published(case, base_cfg, weights, cache, patch)

@@ -28,15 +28,11 @@ from detr_irpe.inference.runtime import RUNTIMES, compiler_problem
 pytestmark = pytest.mark.slow
 
 # What each check runs on (docs/testing.md, "The published-size tier": the costs).
-# DEIMv2-S's predictions are not compared across runtimes yet: onnxruntime refuses its
-# own graph at 640 (docs/testing.md, "What it found")
-PREDICT = ["rtdetr_r18"]
+PREDICT = ["rtdetr_r18", "deimv2_s"]
 COMPILED = ["rtdetr_r18"]
 EXPORT = ["dfine_s", "deimv2_s"]
 TRAIN = ["dn_detr_r50", "dfine_s", "deim_s", "deimv2_s"]
-LISTS = ["rtdetr_r18", "dfine_n", pytest.param("deimv2_s", marks=pytest.mark.xfail(
-    strict=True, reason="DEIMv2: the 640 x 640 image's outputs change when a 480 x 640 one "
-                        "is in the same list (docs/testing.md, 'What it found')"))]
+LISTS = ["rtdetr_r18", "dfine_n", "deimv2_s"]
 
 # the 480 x 640 picture of the module's dataset (train and val)
 HEIGHT, WIDTH = 480, 640
