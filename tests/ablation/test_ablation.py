@@ -435,13 +435,15 @@ def test_shipped_grids_load() -> None:
         if path.stem.startswith("demo"):
             demo_base = ("synthetic_demo_rtdetr.yaml" if path.stem.endswith("_rtdetr")
                          else "synthetic_demo_dfine.yaml" if path.stem.endswith("_dfine")
+                         else "synthetic_demo_deimv2.yaml" if path.stem.endswith("_deimv2")
                          else "synthetic_demo.yaml")
             assert grid.base.name == demo_base and grid.launcher == "local"
             # the dataset tools/demo.py generates (README: 1600 + 200 images, seed 0)
             assert grid.synthetic_data == {"num_train": 1600, "num_val": 200, "seed": 0}
-        elif path.stem in ("canvases_rtdetr", "canvases_dfine"):  # fine-tune published
-            # weights (RT-DETR-R18, D-FINE-S) as SLURM jobs
-            published = {"canvases_rtdetr": "rtdetr_r18.yaml", "canvases_dfine": "dfine_s.yaml"}
+        elif path.stem in ("canvases_rtdetr", "canvases_dfine", "encodings_deimv2"):
+            # fine-tune published weights (RT-DETR-R18, D-FINE-S, DEIMv2-S) as SLURM jobs
+            published = {"canvases_rtdetr": "rtdetr_r18.yaml", "canvases_dfine": "dfine_s.yaml",
+                         "encodings_deimv2": "deimv2_s.yaml"}
             assert grid.base.name == published[path.stem] and grid.launcher == "slurm"
         else:
             published = {"encodings_rtdetr": "rtdetr_r50.yaml",
@@ -659,6 +661,8 @@ _DEMO_GRID_TEST_SIZE = (
 # 98 s there (load ~4).
 # demo_encodings_vit_rtdetr (18 runs with a ViT backbone) 113 s on an "Intel(R) Xeon(R)
 # Processor" (2 cores, shared with a training run).
+# demo_encodings_deimv2 (18 runs of the demo DEIMv2, 6 sizes and 9 canvases) 96 s on an
+# Intel Xeon with AMX (family 6 model 167, 2 cores, loaded by other jobs).
 @pytest.mark.parametrize("name", [
     name if name == "demo" else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(p.stem for p in GRID_DIR.glob("demo*.yaml"))

@@ -115,7 +115,7 @@ def test_multi_scale_range_in_the_header(tmp_path, tiny_dataset) -> None:
 
 @pytest.mark.parametrize(("name", "low", "high", "own"), [
     ("demo_canvases", 64, 96, 96), ("demo_canvases_rtdetr", 48, 80, 64),
-    ("demo_canvases_dfine", 48, 80, 64)])
+    ("demo_canvases_dfine", 48, 80, 64), ("demo_encodings_deimv2", 48, 80, 64)])
 def test_demo_canvas_grids_train_multi_scale_around_their_test_size(name, low, high,
                                                                      own) -> None:
     """The demo grids of the question train on a range (DETR: shorter sides per image;
