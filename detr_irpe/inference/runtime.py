@@ -25,8 +25,9 @@
   everything that shapes the graph (weights and buffers, the model's structure and
   settings, the trace size and dynamic axes, the versions of the package, torch, onnx and
   onnxscript) with a JSON sidecar holding the key and the graph's SHA-256; checked once
-  against PyTorch on the first input, and run by ONNX Runtime on the CPU (the ``onnx``
-  extra). A cached graph that is unreadable, of another key or not the one its sidecar
+  against PyTorch on the first input (queries paired as sets; a refusal says when
+  PyTorch's own float32 outputs are as far from float64: :mod:`.precision`), and run by
+  ONNX Runtime on the CPU (the ``onnx`` extra). A cached graph that is unreadable, of another key or not the one its sidecar
   names is exported again; a cache folder that cannot be written gives one warning and a
   graph kept in memory for the run. One image per call (the exported graph reads no
   padding mask); the outputs are ``pred_logits`` and ``pred_boxes``, post-processed
@@ -60,6 +61,7 @@ from detr_irpe.export.onnx import (
     export_onnx,
     onnx_wrapper,
 )
+from detr_irpe.inference.precision import float32_error, ill_conditioned_note
 from detr_irpe.models.fusion import inference_form
 from detr_irpe.resize import resize_rule
 from detr_irpe.structures import ImageBatch
@@ -555,11 +557,14 @@ class OnnxRuntimeModel:
         allowed = int(CHECK_UNMATCHED_SHARE * got[0].shape[1])
         if unmatched > allowed or not worst <= CHECK_ATOL:
             self._forget()
+            # PyTorch's own float32 error on this input: where it is as large, the weights
+            # (not the graph) are what no other order of sums can reproduce
+            note = ill_conditioned_note(float32_error(self._wrapper, images, want))
             raise DetrIrpeError(
                 f"ONNX Runtime's outputs differ from PyTorch's for {self.path} ({unmatched} "
                 f"of {got[0].shape[1]} queries without a partner within {CHECK_ATOL:g}); the "
                 "graph was not used and is removed from the cache: run again to export it "
-                "again, or use --runtime pytorch")
+                f"again, or use --runtime pytorch{note}")
         logger.info("ONNX Runtime checked against PyTorch: largest difference %.1e "
                     "(queries compared as sets)", worst)
         self.checked = True

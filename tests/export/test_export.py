@@ -317,10 +317,50 @@ def test_the_check_allows_what_float32_itself_loses_and_no_more(monkeypatch) -> 
     assert "tolerance 8.0e-04" in line
     # the same graph where float32 loses nothing beyond the fixed tolerance: refused
     monkeypatch.setattr(program, "_float32_error", lambda *a: 1e-5)
-    with pytest.raises(ExportError, match=r"differ by up to 5\.\d+e-04 \(tolerance 1\.0e-04\)"):
+    with pytest.raises(ExportError, match=r"differ by up to 5\.\d+e-04 \(tolerance 1\.0e-04;"):
         program._check_against_pytorch(model, Path("m.onnx"), SIZE, 1)
     # a wrong graph is refused whatever float32 loses
     monkeypatch.setattr(program, "_float32_error", lambda *a: 2e-4)
     monkeypatch.setattr(program, "run_onnx", graph_off_by(1e-2))
     with pytest.raises(ExportError, match="the file may be wrong"):
         program._check_against_pytorch(model, Path("m.onnx"), SIZE, 1)
+
+
+def test_the_check_pairs_queries_and_names_ill_conditioned_weights(monkeypatch) -> None:
+    """The check compares each image's queries as sets (a top-k over near-tied proposals
+    lists them in either order in another runtime), and where PyTorch's own float32
+    outputs are far from float64 its lines say so: the failure line (the weights are the
+    suspect) and the success line (the tolerance that error allows is loose)."""
+    from detr_irpe.cli.programs import export as program  # noqa: PLC0415
+
+    model, _, _ = build_model(load_tiny_config("model.num_classes=3"))
+    model.eval()
+    images = torch.randn(2, 3, *SIZE)
+    wrapper = program.onnx_wrapper(model).eval()
+    with torch.no_grad():
+        want = wrapper(images)
+    queries = want[0].shape[1]
+    order = torch.randperm(queries, generator=torch.Generator().manual_seed(0))
+    assert float((want[0][:, order] - want[0]).abs().max()) > 1e-2  # the order shows
+
+    def graph(delta=0.0):
+        def run(path, imgs):
+            with torch.no_grad():
+                return tuple(t[:, order] + delta for t in wrapper(imgs))
+        return run
+
+    monkeypatch.setattr(program.torch, "randn", lambda *shape: images.clone())
+    monkeypatch.setattr(program, "run_onnx", graph())
+    line = program._check_against_pytorch(model, Path("m.onnx"), SIZE, 2)
+    assert "queries paired; tolerance 1.0e-04" in line and "ill-conditioned" not in line
+    # a wrong graph of weights whose float32 outputs are 0.2 from float64: refused, and
+    # the line says what PyTorch's own float32 loses
+    monkeypatch.setattr(program, "_float32_error", lambda *a: 0.2)
+    monkeypatch.setattr(program, "run_onnx", graph(5.0))
+    with pytest.raises(ExportError, match=r"the file may be wrong; PyTorch's own float32 "
+                       r"outputs differ from float64 by up to 0\.2 .*ill-conditioned"):
+        program._check_against_pytorch(model, Path("m.onnx"), SIZE, 2)
+    # a graph within 4 x that error passes, the line calling the check loose
+    monkeypatch.setattr(program, "run_onnx", graph(0.1))
+    line = program._check_against_pytorch(model, Path("m.onnx"), SIZE, 2)
+    assert "tolerance 8.0e-01" in line and "ill-conditioned weights, a loose check" in line
