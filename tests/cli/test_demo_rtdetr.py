@@ -1,5 +1,5 @@
-"""The RT-DETR-iRPE and D-FINE-iRPE demo configs (``tools/demo.py --config
-synthetic_demo_rtdetr`` / ``synthetic_demo_dfine``): what they ship and a run of each end
+"""The RT-DETR-iRPE, D-FINE-iRPE and DEIMv2 demo configs (``tools/demo.py --config
+synthetic_demo_rtdetr`` / ``synthetic_demo_dfine`` / ``synthetic_demo_deimv2``): what they ship and a run of each end
 to end at test size (docs/training.md, "RT-DETR at demo scale", docs/dfine.md; the runs:
 docs/results/rtdetr_demo.md, docs/results/dfine_demo.md)."""
 
@@ -15,7 +15,8 @@ from detr_irpe.cli.programs import demo as demo_program
 from detr_irpe.config import load_config
 
 # each demo config and its family
-CONFIGS = {"synthetic_demo_rtdetr": "rtdetr", "synthetic_demo_dfine": "dfine"}
+CONFIGS = {"synthetic_demo_rtdetr": "rtdetr", "synthetic_demo_dfine": "dfine",
+           "synthetic_demo_deimv2": "deimv2"}
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
