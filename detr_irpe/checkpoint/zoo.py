@@ -75,6 +75,13 @@ _DEIMV2_DRIVE_IDS = {
     "l": "1dRJfVHr9HtpdvaHlnQP460yPVHynMray",
     "x": "1pTiQaBGt8hwtO0mbYlJ8nE-HGztGafS7",
 }
+# DEIMv2's HGNetv2 sizes (the same README's table)
+_DEIMV2_HGNET_DRIVE_IDS = {
+    "atto": "18sRJXX3FBUigmGJ1y5Oo_DPC5C3JCgYc",
+    "femto": "16hh6l9Oln9TJng4V0_HNf_Z7uYb7feds",
+    "pico": "1PXpUxYSnQO-zJHtzrCPqQZ3KKatZwzFT",
+    "n": "1G_Q80EVO4T7LZVPfHwZ3sT65FX5egp9K",
+}
 
 _IRPE = ("irpe",)
 ZOO: dict[str, ZooEntry] = {
@@ -103,6 +110,9 @@ ZOO.update({f"deim_{size}": ZooEntry(f"deim_{size}", _DRIVE.format(file_id), Fal
 ZOO.update({f"deimv2_{size}": ZooEntry(f"deimv2_{size}", _DRIVE.format(file_id), False,
                                        f"deimv2_dinov3_{size}_coco.pth", family="deimv2")
             for size, file_id in _DEIMV2_DRIVE_IDS.items()})
+ZOO.update({f"deimv2_{size}": ZooEntry(f"deimv2_{size}", _DRIVE.format(file_id), False,
+                                       f"deimv2_hgnetv2_{size}_coco.pth", family="deimv2")
+            for size, file_id in _DEIMV2_HGNET_DRIVE_IDS.items()})
 
 
 def zoo_entry(name: str) -> ZooEntry:

@@ -208,7 +208,12 @@ def _refusal(state: Mapping[str, Tensor], cfg: Any) -> str | None:
     model = cfg.model
     why = None
     backbone = model.place("backbone")
-    if list(backbone.strings()) != list(DEFAULT_ENCODINGS):
+    if not model.is_vit:
+        why = (f"model.backbone={model.backbone}",
+               "this package writes transformers' Deimv2ForObjectDetection for the ViT sizes "
+               "only (transformers' HGNetV2 backbone and lite encoder of the HGNetv2 sizes "
+               "have no key map here yet)")
+    elif list(backbone.strings()) != list(DEFAULT_ENCODINGS):
         why = (f"model.encodings.backbone={backbone.describe()}",
                "transformers' DINOv3 ViT has RoPE-DINOv3 and no other encoding")
     elif not model.use_sta:

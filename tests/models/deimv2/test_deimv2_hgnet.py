@@ -169,3 +169,38 @@ def test_the_hgnetv2_sizes_read_pixels_and_refuse_vit_keys() -> None:
         DEIMv2ModelConfig.for_size("n", encodings={"backbone": ["rope-dinov3"]})
     with pytest.raises(ConfigError, match="model.encoder_type"):
         DEIMv2ModelConfig.for_size("s", encoder_type="lite")
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_zoo_names_give_their_config_and_the_published_file_loads_without_one(
+        size: str, hub_dir: Path) -> None:
+    """``deimv2_<size>``: the published file's address and name, its config; a file in
+    the published solver's layout (80 classes, anchors of the eval size) placed in
+    torch.hub's cache loads by that name into DEIMv2 of the size, and the same file by its
+    path alone (no config) too."""
+    from detr_irpe.checkpoint import zoo
+    from detr_irpe.checkpoint.download import resolve_checkpoint
+    from detr_irpe.config import load_config
+    from detr_irpe.models import model_from_checkpoint
+
+    name = f"deimv2_{size}"
+    entry = zoo.zoo_entry(name)
+    assert entry.config == name and entry.family == "deimv2"
+    assert entry.url.startswith("https://") and entry.file_name == \
+        f"deimv2_hgnetv2_{size}_coco.pth"
+    cfg = load_config(name)
+    assert cfg.model.size == size and cfg.model.backbone == DEIMv2ModelConfig.for_size(
+        size).backbone
+    model = build_deimv2(DEIMv2ModelConfig.for_size(size))
+    cached = hub_dir / "checkpoints" / entry.file_name
+    cached.parent.mkdir(parents=True)
+    _published_file(model, cached, cfg.data.eval_size, cfg.model.detection_strides())
+    source = resolve_checkpoint(name, progress=False)
+    assert (source.path, source.config) == (cached, name)
+    for config in (source.config, None):
+        loaded = model_from_checkpoint(cached, config)
+        assert loaded.cfg.model.family == "deimv2" and loaded.cfg.model.size == size
+        state = loaded.model.state_dict()
+        for key, value in hgnet_state_dict(model).items():
+            torch.testing.assert_close(state[key].double(), value.double(), rtol=0, atol=1e-7,
+                                       msg=key)
