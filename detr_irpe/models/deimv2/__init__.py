@@ -1,6 +1,7 @@
 """DEIMv2 (Intellindust-AI-Lab/DEIMv2, "Real-Time Object Detection Meets DINOv3"): its own
-family, ``model.family: deimv2``, sizes S, M, L, X (the ViT backbones; the HGNetv2 sizes
-Atto-N are not built here).
+family, ``model.family: deimv2``, sizes S, M, L, X (the ViT backbones) and Atto, Femto,
+Pico, N (HGNetv2 backbones: :mod:`detr_irpe.models.hgnetv2`; the lite encoder for
+Atto-Pico).
 
 Why a family of its own and not a ``variant`` of ``dfine``: its backbone (a ViT with
 RoPE-DINOv3 and the spatial tuning adapter), its encoder blocks and its decoder layers
