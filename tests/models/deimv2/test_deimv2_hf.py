@@ -119,7 +119,7 @@ def test_models_transformers_cannot_hold_are_refused(change, named, tmp_path) ->
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"backbone_config": {"model_type": "hgnet_v2"}}, "backbone_config.model_type"),
+    ({"backbone_config": {"model_type": "resnet"}}, "backbone_config.model_type"),
     ({"encoder_type": "lite"}, "encoder_type"),
     ({"encoder_fuse_op": "cat"}, "encoder_fuse_op"),
     ({"backbone_config": {"model_type": "dinov3_vit", "key_bias": False,

@@ -204,3 +204,56 @@ def test_zoo_names_give_their_config_and_the_published_file_loads_without_one(
         for key, value in hgnet_state_dict(model).items():
             torch.testing.assert_close(state[key].double(), value.double(), rtol=0, atol=1e-7,
                                        msg=key)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_hugging_face_folder_loads_in_transformers_and_reads_back(
+        size: str, tmp_path: Path) -> None:
+    """``--to hf``: transformers' Deimv2ForObjectDetection (HGNetV2 backbone; the lite
+    encoder for Atto-Pico) loads the folder with no missing, unexpected or mismatched key,
+    and this package reads it back as the same weights and the same size."""
+    transformers = pytest.importorskip("transformers")
+    from detr_irpe.checkpoint.hf_folder import write_hf_folder
+    from detr_irpe.config import load_config
+    from detr_irpe.models import build_model, model_from_checkpoint
+
+    cfg = load_config(f"deimv2_{size}", ["model.num_classes=3"])
+    model, _, _ = build_model(cfg, load_backbone_weights=False)
+    out = tmp_path / "hf"
+    write_hf_folder(model.state_dict(), cfg, out)
+    _, info = transformers.Deimv2ForObjectDetection.from_pretrained(
+        out, output_loading_info=True)
+    assert not any(info.values()), info
+    back = model_from_checkpoint(out)
+    assert (back.cfg.model.size, back.cfg.model.backbone) == (size, cfg.model.backbone)
+    state = back.model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("size", ["atto", "n"])
+def test_backbone_and_encoder_compute_transformers_function(size: str, tmp_path: Path) -> None:
+    """The folder's HGNetV2 and encoder in transformers give this model's encoder maps in
+    float64 (its decoder computes another function: hf_keys' module docstring). Atto's
+    lite encoder: to float64's last bits; N's AIFI adds a sine table made in float32 here
+    (as published) and in float64 there, which moves the maps by less than 1e-6 of their
+    size."""
+    transformers = pytest.importorskip("transformers")
+    from detr_irpe.checkpoint.hf_folder import write_hf_folder
+    from detr_irpe.config import load_config
+    from detr_irpe.models import build_model
+
+    cfg = load_config(f"deimv2_{size}", ["model.num_classes=3"])
+    model, _, _ = build_model(cfg, load_backbone_weights=False)
+    model.load_state_dict(hgnet_state_dict(model))
+    write_hf_folder(model.state_dict(), cfg, tmp_path / "hf")
+    theirs = transformers.Deimv2ForObjectDetection.from_pretrained(tmp_path / "hf")
+    theirs, model = theirs.double().eval(), model.double().eval()
+    x = _images((2, 3, 320, 320))
+    with torch.no_grad():
+        ours = model.encoder(model.backbone(x))
+        maps = theirs.model.encoder(theirs.model.conv_encoder(x)).feature_maps
+    assert len(ours) == len(maps) == 2
+    for a, b in zip(ours, maps):
+        scale = float(a.abs().max())
+        torch.testing.assert_close(a, b, rtol=0,
+                                   atol=(1e-12 if size == "atto" else 1e-6) * scale)
