@@ -38,6 +38,12 @@ from detr_irpe.models.rtdetr.model import encoder_attention
 from detr_irpe.resize import SquareRule
 
 
+def _encoder_attention(model: DEIMv2) -> list:
+    """The AIFI layers' self-attention of the hybrid encoder; none in the lite encoder
+    (Atto-Pico), which has no attention."""
+    return encoder_attention(model) if hasattr(model.encoder, "encoder") else []
+
+
 def build(model_cfg: DEIMv2ModelConfig, loss_cfg: DEIMv2LossConfig,
           load_backbone_weights: bool = True, categories: Iterable[int] | None = None, *,
           load_weights: bool | None = None, category_ids: Sequence[int] | None = None
@@ -67,7 +73,7 @@ FAMILY = register_family(DetectorFamily(
     figures=("selected-queries", "distributions"),
     benchmark_targets={"DEIMv2": "deimv2_s"},
     attention=AttentionSupport(
-        encoder=encoder_attention, grid_stride=DEIMv2.STRIDE,
+        encoder=_encoder_attention, grid_stride=DEIMv2.STRIDE,
         no_decoder_figure="DEIMv2's decoder cross-attention is deformable (a few sampled "
                           "points per query and level), it has no dense map"),
     resize_rule=SquareRule.from_data,

@@ -257,3 +257,13 @@ def test_backbone_and_encoder_compute_transformers_function(size: str, tmp_path:
         scale = float(a.abs().max())
         torch.testing.assert_close(a, b, rtol=0,
                                    atol=(1e-12 if size == "atto" else 1e-6) * scale)
+
+
+def test_the_figures_offered_leave_out_the_lite_encoders_attention() -> None:
+    # the lite encoder has no attention layer (it raised AttributeError before), N's AIFI has
+    from detr_irpe.cli.programs.visualize import available_figures
+
+    atto = build_deimv2(DEIMv2ModelConfig.for_size("atto"))
+    n = build_deimv2(DEIMv2ModelConfig.for_size("n"))
+    assert "encoder-attention" not in available_figures(atto)
+    assert "encoder-attention" in available_figures(n)
