@@ -267,3 +267,30 @@ def test_the_figures_offered_leave_out_the_lite_encoders_attention() -> None:
     n = build_deimv2(DEIMv2ModelConfig.for_size("n"))
     assert "encoder-attention" not in available_figures(atto)
     assert "encoder-attention" in available_figures(n)
+
+
+@pytest.mark.parametrize("size", ["atto", "n"])
+def test_the_shipped_recipe_trains_and_evaluates_through_tools_train(
+        size: str, tiny_dataset: Path, tmp_path: Path) -> None:
+    """``deimv2_<size>`` (its model, losses, recipe) shrunk to the tiny dataset: images of
+    64 / 128 px, few queries, one epoch, through tools/train.py to a COCO evaluation."""
+    import json
+
+    from helpers import load_tool
+
+    side = 64 if size == "atto" else 128
+    out = tmp_path / "run"
+    status = load_tool("train").main([
+        "--config", f"deimv2_{size}", "--no-progress", "--set", f"data.root={tiny_dataset}",
+        f"train.output_dir={out}", "train.epochs=1", "train.batch_size=2",
+        "train.warmup_iters=0", "train.loggers=[]", f"data.train_size={side}",
+        f"data.eval_size={side}", "data.aug_policy_epochs=[0,0,0]", "data.mosaic_prob=0.0",
+        "data.mixup_prob=0.0", "data.copyblend_prob=0.0", "data.num_workers=0",
+        "model.num_queries=10", "model.num_denoising=10", "model.num_select=10",
+        "data.batch_scales=[]", "train.amp=none",
+        "train.lr_schedule=multistep", "train.lr_milestones=[1000]",
+        "data.train_ann=annotations/instances_train.json", "data.train_images=train",
+        "data.val_ann=annotations/instances_val.json", "data.val_images=val"])
+    assert status == 0
+    records = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
+    assert len(records) == 1 and len(records[-1]["test_coco_eval_bbox"]) == 12
