@@ -33,7 +33,8 @@ HF_CLASSES = {"detr": "DetrForObjectDetection", "dab": "DabDetrForObjectDetectio
 # (--rpe none) also their iRPE versions
 WRITTEN = {"detr_r50", "dab_detr_r50", "rtdetr_r18", "rtdetr_r34", "rtdetr_r50", "rtdetr_r101",
            "dfine_n", "dfine_s", "dfine_m", "dfine_l", "dfine_x",
-           "deimv2_s", "deimv2_m", "deimv2_l", "deimv2_x", "deimv2_tiny", "synthetic_demo_deimv2"}
+           "deimv2_s", "deimv2_m", "deimv2_l", "deimv2_x", "deimv2_tiny", "synthetic_demo_deimv2",
+           "deimv2_atto", "deimv2_femto", "deimv2_pico", "deimv2_n"}
 WRITTEN_PLAIN = WRITTEN | {"detr_r50_irpe", "detr_r50_irpe_1.9", "detr_r50_irpe_300e",
                            "dab_detr_r50_irpe", "rtdetr_r18_irpe", "rtdetr_r50_irpe",
                            "dfine_s_irpe", "dfine_l_irpe", "dfine_s_rope", "dfine_l_rope",
