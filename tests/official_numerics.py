@@ -28,7 +28,7 @@ an upper bound), ``n`` their largest fan-in and ``scale`` the largest output.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
@@ -81,4 +81,53 @@ def reference_float32(kind: str) -> Iterator[None]:
         yield
 
 
-__all__ = ["float64_tolerance", "reference_float32"]
+def training_targets() -> list[dict]:
+    """The two images' targets the published code's training forwards were run with
+    (the ``make_*_official.py`` scripts of D-FINE / DEIM and DEIMv2)."""
+    f64 = torch.float64
+    return [{"labels": torch.tensor([1, 4, 0]),
+             "boxes": torch.tensor([[0.5, 0.5, 0.4, 0.3], [0.25, 0.3, 0.2, 0.25],
+                                    [0.7, 0.6, 0.1, 0.3]], dtype=f64)},
+            {"labels": torch.tensor([2]),
+             "boxes": torch.tensor([[0.4, 0.55, 0.5, 0.6]], dtype=f64)}]
+
+
+def flat_outputs(out: Mapping, prefix: str = "",
+                 skip: Callable[[str], bool] = lambda key: False) -> Iterator[tuple[str, Tensor]]:
+    """``(dotted name, tensor)`` of a detector's output dict: nested dicts and lists of
+    dicts (the auxiliary and denoising outputs) flattened, ``dn_meta`` and the tensors
+    whose key ``skip`` names left out."""
+    for key, value in out.items():
+        if torch.is_tensor(value):
+            if not skip(key):
+                yield prefix + key, value
+        elif isinstance(value, Mapping) and key != "dn_meta":
+            yield from flat_outputs(value, f"{prefix}{key}.", skip)
+        elif isinstance(value, list) and value and isinstance(value[0], Mapping):
+            for i, item in enumerate(value):
+                yield from flat_outputs(item, f"{prefix}{key}.{i}.", skip)
+
+
+def assert_training_forward_equal(out: Mapping, ref: Mapping,
+                                  tolerance: Callable[[Tensor], float],
+                                  skip: Callable[[str], bool] = lambda key: False) -> None:
+    """A training forward's outputs ``out`` (denoising on) against the published code's
+    ``ref`` (``{"outputs": {name: tensor}, "dn_num_group", "dn_num_split",
+    "dn_positive_idx"}``): the same names, each tensor within ``tolerance(reference)``,
+    the same denoising groups and positive indices."""
+    ours, theirs = dict(flat_outputs(out, skip=skip)), ref["outputs"]
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs.items():
+        # the published reg_scale is an int64 parameter (the YAML's 4), ours a float one
+        torch.testing.assert_close(ours[key].detach(), value, rtol=0,
+                                   atol=tolerance(value.double()),
+                                   check_dtype=key != "reg_scale", msg=key)
+    meta = out["dn_meta"]
+    assert meta["dn_num_group"] == ref["dn_num_group"]
+    assert list(meta["dn_num_split"]) == ref["dn_num_split"]
+    for a, b in zip(meta["dn_positive_idx"], ref["dn_positive_idx"]):
+        assert torch.equal(a, b)
+
+
+__all__ = ["assert_training_forward_equal", "flat_outputs", "float64_tolerance",
+           "reference_float32", "training_targets"]

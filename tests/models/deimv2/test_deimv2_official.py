@@ -23,7 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 from deimv2_weights import deimv2_state_dict
-from official_numerics import float64_tolerance, reference_float32
+from official_numerics import (
+    assert_training_forward_equal,
+    float64_tolerance,
+    reference_float32,
+    training_targets,
+)
 
 from detr_irpe.checkpoint.load import load_weights
 from detr_irpe.models.deimv2.build import build_deimv2
@@ -113,42 +118,15 @@ def test_deimv2_l_dinov3_from_a_published_file_equals_the_published_code(
     _check_eval("l", "l", tmp_path)
 
 
-def _flat(out: dict, prefix: str = ""):
-    for key, value in out.items():
-        if torch.is_tensor(value):
-            if not key.endswith("corners"):
-                yield prefix + key, value
-        elif isinstance(value, dict) and key != "dn_meta":
-            yield from _flat(value, f"{prefix}{key}.")
-        elif isinstance(value, list) and value and isinstance(value[0], dict):
-            for i, d in enumerate(value):
-                yield from _flat(d, f"{prefix}{key}.{i}.")
-
-
 def test_training_forward_with_denoising_equals_the_published_code(tmp_path: Path) -> None:
     data = _load("s")
     ref = data["train"]
     model = _model("s", data["image_shape"], tmp_path).train()
-    targets = [{"labels": torch.tensor([1, 4, 0]),
-                "boxes": torch.tensor([[0.5, 0.5, 0.4, 0.3], [0.25, 0.3, 0.2, 0.25],
-                                       [0.7, 0.6, 0.1, 0.3]], dtype=F64)},
-               {"labels": torch.tensor([2]),
-                "boxes": torch.tensor([[0.4, 0.55, 0.5, 0.6]], dtype=F64)}]
     torch.manual_seed(ref["seed"])  # the denoising noise: the published code's draws
     with reference_float32("dfine"):
-        out = model(_images(data["image_shape"]), targets)
-    ours, theirs = dict(_flat(out)), ref["outputs"]
-    assert sorted(ours) == sorted(theirs)
-    for key, value in theirs.items():
-        # the published reg_scale is an int64 parameter (the YAML's 4), ours a float one
-        torch.testing.assert_close(ours[key].detach(), value, rtol=0,
-                                   atol=_tolerance(model, value.double()),
-                                   check_dtype=key != "reg_scale", msg=key)
-    meta = out["dn_meta"]
-    assert meta["dn_num_group"] == ref["dn_num_group"]
-    assert list(meta["dn_num_split"]) == ref["dn_num_split"]
-    for a, b in zip(meta["dn_positive_idx"], ref["dn_positive_idx"]):
-        assert torch.equal(a, b)
+        out = model(_images(data["image_shape"]), training_targets())
+    assert_training_forward_equal(out, ref, lambda value: _tolerance(model, value),
+                                  skip=lambda key: key.endswith("corners"))
 
 
 def _published_keys(size: str) -> dict:
