@@ -1,6 +1,6 @@
 """torch.hub entry points: DETR-R50, DAB-DETR-R50, DN-DETR-R50, RT-DETR-R18 / R50,
 D-FINE / DEIM N-X, each with and without iRPE in the encoder (D-FINE / DEIM: S and L), and
-DEIMv2 S-X.
+DEIMv2 Atto, Femto, Pico, N and S-X.
 
     import torch
     model = torch.hub.load("PATH/TO/detr_irpe", "detr_resnet50_irpe", source="local",
@@ -43,10 +43,11 @@ D-FINE and DEIM (``dfine_n`` .. ``dfine_x``, ``deim_n`` .. ``deim_x``, ``dfine_s
 ``dfine_l_irpe``, ``deim_s_irpe``, ``deim_l_irpe``; 80 COCO classes): as RT-DETR's, with
 the published files of the zoo names of the same sizes (docs/dfine.md).
 
-DEIMv2 (``deimv2_s``, ``deimv2_m``, ``deimv2_l``, ``deimv2_x``; 80 COCO classes): the
-same, with the published files of the zoo names ``deimv2_s`` .. ``deimv2_x``
-(docs/deimv2.md). The backbone's encoding is a ``model.*`` keyword:
-``encodings={"backbone": []}`` loads the published weights into the ViT without its RoPE.
+DEIMv2 (``deimv2_atto``, ``deimv2_femto``, ``deimv2_pico``, ``deimv2_n``: HGNetv2;
+``deimv2_s``, ``deimv2_m``, ``deimv2_l``, ``deimv2_x``: ViT; 80 COCO classes): the same,
+with the published files of the zoo names of the same sizes (docs/deimv2.md). The ViT's
+encoding is a ``model.*`` keyword: ``encodings={"backbone": []}`` loads the published
+weights into the ViT without its RoPE.
 
     model = torch.hub.load("PATH/TO/detr_irpe", "deimv2_s", source="local",
                            pretrained=True)            # 50.9 AP published
@@ -547,7 +548,9 @@ def _published_entry(config: str, zoo_name: str):
     kind, size = config.split("_")[:2]
     family, page = _PUBLISHED_FAMILIES[kind]
     extra = " with iRPE in the AIFI layer" if config.endswith("_irpe") else ""
-    entry.__doc__ = (f"{family}-{size.upper()}{extra} (config ``{config}``; {page}). "
+    # the letters S .. X in capitals, the named sizes as published (DEIMv2-Atto)
+    size = size.upper() if len(size) == 1 else size.capitalize()
+    entry.__doc__ = (f"{family}-{size}{extra} (config ``{config}``; {page}). "
                      f"``pretrained=True``: the published file (zoo name ``{zoo_name}``).")
     return entry
 
@@ -573,6 +576,11 @@ deimv2_s = _published_entry("deimv2_s", "deimv2_s")
 deimv2_m = _published_entry("deimv2_m", "deimv2_m")
 deimv2_l = _published_entry("deimv2_l", "deimv2_l")
 deimv2_x = _published_entry("deimv2_x", "deimv2_x")
+# and the four HGNetv2 sizes (Atto, Femto, Pico: the lite encoder; N: B0, the hybrid one)
+deimv2_atto = _published_entry("deimv2_atto", "deimv2_atto")
+deimv2_femto = _published_entry("deimv2_femto", "deimv2_femto")
+deimv2_pico = _published_entry("deimv2_pico", "deimv2_pico")
+deimv2_n = _published_entry("deimv2_n", "deimv2_n")
 
 
 def from_checkpoint(

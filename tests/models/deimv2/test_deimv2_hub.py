@@ -1,8 +1,9 @@
-"""hubconf.py's DEIMv2 entries (``deimv2_s`` .. ``deimv2_x``, the entry code D-FINE's and
-DEIM's share): untrained models of each size's backbone; a published-like file (random
-weights in the official solver's layout: the EMA's weights in ``ema.module``, the anchors
-of 640 px) by its zoo name from torch.hub's cache (offline), into the published model and
-into the ViT without its RoPE; and by ``checkpoint=``."""
+"""hubconf.py's DEIMv2 entries (``deimv2_atto`` .. ``deimv2_n``, ``deimv2_s`` ..
+``deimv2_x``, the entry code D-FINE's and DEIM's share): untrained models of each kind of
+backbone; a published-like file (random weights in the official solver's layout: the
+EMA's weights in ``ema.module``, the anchors of the published eval size) by its zoo name
+from torch.hub's cache (offline), into the published model and into the ViT without its
+RoPE; and by ``checkpoint=``."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from detr_irpe.config import load_config
 from detr_irpe.errors import CheckpointError
 from detr_irpe.models import TopKPostProcess, build_model
 
-SIZES = "smlx"
+SIZES = ("atto", "femto", "pico", "n", "s", "m", "l", "x")
 # the published files store the anchors of 640 x 640 (8400 tokens at strides 8 / 16 / 32)
 ANCHORS = 80 * 80 + 40 * 40 + 20 * 20
+# the HGNetv2 sizes' anchors: strides 16 / 32 at the eval size (Atto 320, N 640)
+HGNET_ANCHORS = {"atto": 20 * 20 + 10 * 10, "n": 40 * 40 + 20 * 20}
 
 
 def _load(entry: str, **kwargs):
@@ -36,11 +39,11 @@ def _published(config: str, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def _official_file(model: torch.nn.Module, path: Path) -> Path:
+def _official_file(model: torch.nn.Module, path: Path, tokens: int = ANCHORS) -> Path:
     """``model``'s weights as the published solver saves them: the EMA's in
-    ``ema.module`` (the raw ``model`` one tensor apart: the EMA is what loads), with the
-    anchors of 640 px, +inf at the invalid ones."""
-    anchors = torch.zeros(1, ANCHORS, 4)
+    ``ema.module`` (the raw ``model`` one tensor apart: the EMA is what loads), with
+    ``tokens`` anchors (640 px: S .. X), +inf at the invalid ones."""
+    anchors = torch.zeros(1, tokens, 4)
     anchors[0, :16] = torch.inf
     ema = {**model.state_dict(), "decoder.anchors": anchors,
            "decoder.valid_mask": torch.isfinite(anchors[..., :1])}
@@ -52,8 +55,8 @@ def _official_file(model: torch.nn.Module, path: Path) -> Path:
     return path
 
 
-def _same_outputs(got: torch.nn.Module, expected: torch.nn.Module) -> None:
-    images = torch.rand(1, 3, 160, 160, generator=torch.Generator().manual_seed(3))
+def _same_outputs(got: torch.nn.Module, expected: torch.nn.Module, side: int = 160) -> None:
+    images = torch.rand(1, 3, side, side, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         a, b = got(images), expected(images)
     for key in ("pred_logits", "pred_boxes"):
@@ -68,8 +71,11 @@ def test_entries_and_untrained_models(hub_dir: Path) -> None:
         entry = getattr(hub, f"deimv2_{size}")
         assert f"``deimv2_{size}``" in entry.__doc__ and "DEIMv2-" in entry.__doc__
         assert "docs/deimv2.md" in entry.__doc__
+    assert hub.deimv2_atto.__doc__.startswith("DEIMv2-Atto (")
+    assert hub.deimv2_n.__doc__.startswith("DEIMv2-N (")
     # one entry code for D-FINE, DEIM and DEIMv2
     assert hub.deimv2_s.__code__ is hub.dfine_s.__code__ is hub.deim_l.__code__
+    assert hub.deimv2_atto.__code__ is hub.deimv2_n.__code__ is hub.deimv2_s.__code__
     model, post = _load("deimv2_s", return_postprocessor=True)
     assert isinstance(post, TopKPostProcess)
     assert model.decoder.num_classes == 80
@@ -105,3 +111,36 @@ def test_published_file_by_checkpoint(tmp_path: Path, hub_dir: Path) -> None:
     _same_outputs(_load("deimv2_l", checkpoint=str(path)), published)
     with pytest.raises(CheckpointError, match="not both"):
         _load("deimv2_l", pretrained=True, checkpoint=str(path))
+
+
+def test_untrained_hgnetv2_sizes(hub_dir: Path) -> None:
+    """Atto (three stages, the lite encoder, 100 queries) and N (HGNetv2-B0, the hybrid
+    encoder's AIFI, 300 queries), built without a download (their ImageNet start is a
+    file path, null by default)."""
+    atto, post = _load("deimv2_atto", return_postprocessor=True)
+    n = _load("deimv2_n")
+    assert isinstance(post, TopKPostProcess)
+    assert atto.decoder.num_classes == n.decoder.num_classes == 80
+    assert (atto.decoder.num_queries, n.decoder.num_queries) == (100, 300)
+    a, b = atto.state_dict(), n.state_dict()
+    assert not any(k.startswith("backbone.stages.3.") for k in a)
+    assert any(k.startswith("backbone.stages.3.") for k in b)
+    assert not any("encoder.encoder." in k for k in a) and any("encoder.encoder." in k for k in b)
+    # the published widths: 64 (Atto), 128 (N)
+    assert a["decoder.enc_score_head.weight"].shape == (80, 64)
+    assert b["decoder.enc_score_head.weight"].shape == (80, 128)
+
+
+@pytest.mark.parametrize("size", ["atto", "n"])
+def test_hgnetv2_published_file_by_its_zoo_name(size: str, hub_dir: Path) -> None:
+    """Offline, as for S .. X: the file under the zoo's file name (the anchors of the
+    published eval size at strides 16 / 32) loads its EMA weights into the entry's model."""
+    config = f"deimv2_{size}"
+    published = _published(config, seed=13)
+    _official_file(published, hub_dir / "checkpoints" / zoo.zoo_entry(config).file_name,
+                   HGNET_ANCHORS[size])
+    model = _load(config, pretrained=True)
+    state, expected = model.state_dict(), published.state_dict()
+    assert [k for k in state if not torch.equal(state[k], expected[k])] == []
+    # N's 300 queries need more than the 125 proposals of 160 px at strides 16 / 32
+    _same_outputs(model, published, side=160 if size == "atto" else 320)
