@@ -2,9 +2,12 @@
 ``--finetune`` aside: eval, predict, visualize, export, convert, torch.hub).
 
 - **Config**: the one given (a name, a YAML path or a :class:`Config`), else the config
-  saved in the checkpoint (for a Hugging Face folder: ``detr_r50`` or, for DAB-DETR,
-  ``dab_detr_r50`` with the settings of its ``config.json``), else the one a DAB-DETR /
-  DN-DETR layout implies (:mod:`~detr_irpe.models.dab.implied_config`: the published
+  saved in the checkpoint (for a Hugging Face folder: its family's base config, e.g.
+  ``detr_r50`` or ``dab_detr_r50``, with the settings of its ``config.json``; a family
+  whose configs come in sizes, DEIMv2, takes the shipped config of the size its weights
+  show, as a published file of that size does: an Atto folder ``deimv2_atto``, with its
+  320 px eval size and its recipe), else the one a DAB-DETR / DN-DETR layout implies
+  (:mod:`~detr_irpe.models.dab.implied_config`: the published
   recipe, the layout's shapes and the official ``args``); ``overrides``
   (``"section.key=value"``) apply on top. A public DETR / iRPE-DETR file needs one:
   that is a :class:`CheckpointError` saying to pass ``--config``.
@@ -49,7 +52,7 @@ from detr_irpe.config import (
     parse_override,
 )
 from detr_irpe.errors import CheckpointError
-from detr_irpe.family import DEFAULT_FAMILY, family_of_state, get_family
+from detr_irpe.family import DEFAULT_FAMILY, DetectorFamily, family_of_state, get_family
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +125,7 @@ def resolve_config(
         # a Hugging Face folder: its family's base recipe (plain DETR-R50, ...) with its
         # config.json's settings
         family = get_family(meta["hf_model"].get("family", DEFAULT_FAMILY))
-        base_name = family.hf.base_config
+        base_name = _hf_base_config(path, family, meta, state)
         logger.info("config: %s with the model settings of %s/config.json", base_name, path)
         base = load_config(base_name).to_dict()
         base["model"].update(meta["hf_model"], rpe="none")
@@ -137,6 +140,26 @@ def resolve_config(
         "with the model it was trained as, e.g. --config detr_r50 for public DETR-R50 or "
         "--config detr_r50_irpe for the public iRPE-DETR model zoo"
     )
+
+
+def _hf_base_config(path: Any, family: DetectorFamily, meta: Mapping[str, Any],
+                    state: Mapping[str, Tensor] | None) -> str:
+    """The config a Hugging Face folder's settings go on top of: the family's
+    ``hf.base_config``, or, for a family whose settings name a size (``model.size``), the
+    config the folder's weights imply as a published file's would (its size's recipe:
+    data sizes, augmentation, losses, schedule). Weights of no published size keep the
+    base config."""
+    base_name = family.hf.base_config
+    checkpoint = family.checkpoint
+    if ("size" not in meta["hf_model"] or state is None or checkpoint is None
+            or checkpoint.implied_config is None):
+        return base_name
+    try:
+        implied = checkpoint.implied_config(path, state, meta)
+    except CheckpointError as err:  # no published size (or, D-FINE, no config implied)
+        logger.debug("%s: %s; config %s", path, err, base_name)
+        return base_name
+    return base_name if implied is None else implied[0]
 
 
 def has_config(meta: Mapping[str, Any], state: Mapping[str, Tensor]) -> bool:
