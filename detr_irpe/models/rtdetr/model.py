@@ -157,5 +157,7 @@ def _rescaled(out, scale: Tensor, box_keys: tuple[str, ...]):
 
 def encoder_attention(model: RTDETR) -> list[nn.Module]:
     """The AIFI layers' self-attention (:class:`~detr_irpe.attention.MultiheadAttention` on
-    the stride-32 map), for the attention figures (the family's ``attention.encoder``)."""
-    return [layer.self_attn for stack in model.encoder.encoder for layer in stack.layers]
+    the stride-32 map), for the attention figures (the family's ``attention.encoder``);
+    none for an encoder without them (DEIMv2's lite encoder, Atto-Pico)."""
+    stacks = getattr(model.encoder, "encoder", ())
+    return [layer.self_attn for stack in stacks for layer in stack.layers]
