@@ -26,14 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from detr_irpe.models.box_ops import inverse_sigmoid
 from detr_irpe.models.deimv2.decoder_layers import (
     DEIMv2DecoderLayer,
     query_pos_head,
     query_position,
 )
 from detr_irpe.models.dfine.decoder import LQE, DFINEDecoder, DFINEDecoderSettings, LayerStack
-from detr_irpe.models.dfine.distribution import distance_to_box, integral, weighting_function
 
 
 @dataclass(frozen=True)
@@ -93,38 +91,8 @@ class DEIMv2Decoder(DFINEDecoder):
         unique = list({id(h): h for h in self.dec_bbox_head}.values())
         return [self.enc_bbox_head, self.pre_bbox_head, *unique]
 
-    def _decode(self, x: Tensor, ref_unact: Tensor, memory: Tensor,
-                shapes: list[tuple[int, int]], attn_mask: Tensor | None) -> dict[str, list]:
-        """As :meth:`DFINEDecoder._decode`, with one query position embedding, from the
-        initial references, for every layer."""
-        weights = weighting_function(self.reg_max, self.up, self.reg_scale)
-        out: dict[str, list] = {"boxes": [], "logits": [], "corners": [], "refs": [],
-                                "layer_corners": []}
-        record = self.record_layers and not self.training
-        reference = ref_unact.sigmoid()
-        query_pos = query_position(self.query_pos_head, ref_unact)
-        previous_x: Tensor | float = 0.0
-        previous_corners: Tensor | float = 0.0
-        initial = None
-        for i, layer in enumerate(self.decoder.layers):
-            x = layer(x, reference[:, :, None], memory, shapes, query_pos, attn_mask)
-            if i == 0:
-                pre_boxes = (self.pre_bbox_head(x) + inverse_sigmoid(reference)).sigmoid()
-                out["pre"] = [pre_boxes, self.dec_score_head[0](x)]
-                initial = pre_boxes.detach()
-            corners = self.dec_bbox_head[i](x + previous_x) + previous_corners
-            boxes = distance_to_box(initial, integral(corners, weights), self.reg_scale)
-            if record:
-                out["layer_corners"].append(corners)
-            if self.training or i == self.eval_idx:
-                out["logits"].append(self.decoder.lqe_layers[i](self.dec_score_head[i](x),
-                                                                corners))
-                out["boxes"].append(boxes)
-                out["corners"].append(corners)
-                out["refs"].append(initial)
-                if not self.training:
-                    break
-            previous_corners = corners
-            reference = boxes.detach()
-            previous_x = x.detach()
-        return out
+    def layer_query_pos(self, reference: Tensor, ref_unact: Tensor,
+                        previous: Tensor | None) -> Tensor:
+        """One query position embedding for every layer, computed once from the initial
+        references (the published decoder's; D-FINE's recomputes it per layer)."""
+        return query_position(self.query_pos_head, ref_unact) if previous is None else previous

@@ -260,9 +260,9 @@ class DFINEDecoder(HybridDecoder):
         reference = ref_unact.sigmoid()
         previous_x: Tensor | float = 0.0
         previous_corners: Tensor | float = 0.0
-        initial = None
+        initial = query_pos = None
         for i, layer in enumerate(self.decoder.layers):
-            query_pos = self.query_pos_head(reference).clamp(-10, 10)
+            query_pos = self.layer_query_pos(reference, ref_unact, query_pos)
             x = layer(x, reference[:, :, None], memory, shapes, query_pos, attn_mask)
             if i == 0:
                 pre_boxes = (self.pre_bbox_head(x) + inverse_sigmoid(reference)).sigmoid()
@@ -284,6 +284,14 @@ class DFINEDecoder(HybridDecoder):
             reference = boxes.detach()
             previous_x = x.detach()
         return out
+
+    def layer_query_pos(self, reference: Tensor, ref_unact: Tensor,
+                        previous: Tensor | None) -> Tensor:
+        """The query position embedding of the next layer, from its reference boxes
+        ``reference`` (D-FINE: recomputed per layer, clamped to [-10, 10]); ``ref_unact`` are
+        the initial references unactivated, ``previous`` the last layer's embedding (None
+        before the first)."""
+        return self.query_pos_head(reference).clamp(-10, 10)
 
     def bin_values(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The values ``W(n)`` of the ``reg_max + 1`` bins of every edge distribution (on
