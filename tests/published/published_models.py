@@ -23,10 +23,11 @@ the way the published code wrote it, quirks included:
   thirds: the published code creates it full of NaN and only Meta's backbone file sets
   it), written as the model holds them.
 
-DEIMv2's files are drawn well-conditioned (:func:`calibrated_norms`, :data:`DEIMV2_DECODER_GAIN`):
-drawn as the others are, their BatchNorm statistics, which no layer before a norm keeps in
-range, let the encoder's activations grow to 3e3 and PyTorch's own float32 outputs move by
-up to 4.5 from float64 (docs/testing.md, "What it found").
+The files of DEIMv2 and of D-FINE / DEIM L and X (:data:`CALIBRATED`) are drawn
+well-conditioned (:func:`calibrated_norms`, :data:`CALIBRATED_DECODER_GAIN`): drawn as the
+others are, their BatchNorm statistics, which no layer before a norm keeps in range, and
+their decoders at He's gain move PyTorch's own float32 outputs from float64 by up to 4.5
+(DEIMv2-S) and 3.9 (DEIM-X) (docs/testing.md, "What it found").
 
 The ``_irpe`` / ``_rope`` configs have no published file: they start from their plain
 model's (``--finetune dfine_s``), so their case loads the plain file.
@@ -61,12 +62,22 @@ GAIN = math.sqrt(2.0)
 REFERENCE = ROOT / "tests" / "reference_data"
 # kept as built: the comparisons' constants and what DEIMv2's ViT computes (not weights)
 KEPT_LEAVES = (*WEIGHTS.KEPT_LEAVES, "periods", "bias_mask")
-# DEIMv2's decoder matrices are drawn at the comparisons' 0.5, not GAIN: at GAIN its
-# SwiGLU layers (a product of two projections) and 4 layers of self-attention over 192
-# channels grow the query content until float32 alone moves the logits by 0.57 (DEIMv2-S
-# at 640, its norms calibrated); at 0.5 by 1.6e-5. The selection happens before the
-# decoder (the encoder's scores), so GAIN's reason for the other layers still holds.
-DEIMV2_DECODER_GAIN = 0.5
+# The calibrated files' decoder matrices are drawn at the comparisons' 0.5, not GAIN: at
+# GAIN DEIMv2's SwiGLU layers (a product of two projections) and 4 layers of
+# self-attention over 192 channels grow the query content until float32 alone moves the
+# logits by 0.57 (DEIMv2-S at 640, its norms calibrated); at 0.5 by 1.6e-5. The selection
+# happens before the decoder (the encoder's scores), so GAIN's reason for the other
+# layers still holds.
+CALIBRATED_DECODER_GAIN = 0.5
+# The published files drawn well-conditioned (:func:`tier_weights`): drawn as the others
+# are, their float32 logits differ from float64 by 4.5 (DEIMv2-S), 0.15 (D-FINE-L) .. 3.9
+# (DEIM-X). The ``_irpe`` / ``_rope`` configs of these load the calibrated plain file.
+# D-FINE / DEIM's HGNetv2 norms keep their drawn statistics (D-FINE's are frozen norms,
+# which the calibration never touched): calibrated, DEIM-L's 80 backbone norms (X: 130)
+# normalising by their batch statistics amplify float32's rounding until the encoder's
+# output is off by 1.4e-3 of its size and one of DEIM-L's 300 selected queries swaps
+# (its logits 1.4 from float64's); with them drawn, 4.7e-5 of the logits' size.
+CALIBRATED = ("dfine_l", "dfine_x", "deim_l", "deim_x", "deimv2_s", "deimv2_l")
 # the calibration images' side: DEIMv2's evaluation size
 CALIBRATION_SIDE = 640
 
@@ -248,19 +259,22 @@ def calibration_images(side: int = CALIBRATION_SIDE) -> torch.Tensor:
 
 
 def calibrated_norms(model: torch.nn.Module, weights: dict[str, torch.Tensor],
-                     images: torch.Tensor) -> dict[str, torch.Tensor]:
+                     images: torch.Tensor, skip: tuple[str, ...] = ()
+                     ) -> dict[str, torch.Tensor]:
     """``weights`` with every BatchNorm's running mean and variance replaced by the
     per-channel mean and variance of what reaches it when ``model`` (a copy, in float64,
     holding ``weights``) runs on ``images`` with each norm's predecessors calibrated (one
     pass: each norm normalises by its batch's statistics and records them): every norm's
     output is then ``O(1)`` on such inputs, as a trained network's is. Random running
     statistics do not keep it so: DEIMv2-S's encoder then reaches 3e3 and its float32
-    outputs differ from float64 by up to 4.5."""
+    outputs differ from float64 by up to 4.5. The norms under the module prefixes ``skip``
+    keep the statistics of ``weights``."""
     probe = copy.deepcopy(model)
     probe.load_state_dict(weights)
     probe.double().eval()
     norms = {name: module for name, module in probe.named_modules()
-             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)}
+             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+             and not name.startswith(skip)}
     for module in norms.values():
         module.reset_running_stats()
         module.momentum = None  # the cumulative average: one batch's statistics
@@ -278,13 +292,23 @@ def calibrated_norms(model: torch.nn.Module, weights: dict[str, torch.Tensor],
 def tier_weights(case: Case, model: torch.nn.Module, keep: Any = lambda key: True
                  ) -> dict[str, torch.Tensor]:
     """The weights of ``case``'s published file (the keys ``keep`` accepts): those of
-    :func:`synthetic_weights`; DEIMv2's with the decoder drawn at
-    :data:`DEIMV2_DECODER_GAIN` and the norm statistics calibrated
-    (:func:`calibrated_norms` on :func:`calibration_images`)."""
-    if case.family != "deimv2":
+    :func:`synthetic_weights`; for :data:`CALIBRATED` files with the decoder drawn at
+    :data:`CALIBRATED_DECODER_GAIN` and the norm statistics calibrated
+    (:func:`calibrated_norms` on :func:`calibration_images`; D-FINE / DEIM's outside the
+    backbone). An ``_irpe`` / ``_rope`` config's file is its plain model's, calibrated on
+    the plain model (built here), not on ``model``: the same file as the plain config's."""
+    if case.base not in CALIBRATED:
         return synthetic_weights(model, keep)
-    weights = synthetic_weights(model, keep, decoder_gain=DEIMV2_DECODER_GAIN)
-    return calibrated_norms(model, weights, calibration_images())
+    if not case.published:
+        from detr_irpe.models import build_model  # noqa: PLC0415
+
+        base = CASES[case.base]
+        plain, _, _ = build_model(load_case_config(base), load_backbone_weights=False)
+        plain.eval()
+        return {k: v for k, v in tier_weights(base, plain).items() if keep(k)}
+    weights = synthetic_weights(model, keep, decoder_gain=CALIBRATED_DECODER_GAIN)
+    skip = ("backbone.",) if case.family == "dfine" else ()
+    return calibrated_norms(model, weights, calibration_images(), skip)
 
 
 def _namespace_args(case: Case, cfg: Config) -> argparse.Namespace:
