@@ -24,7 +24,7 @@ import pytest
 import torch
 from deimv2_hgnet_weights import hgnet_state_dict
 from official_numerics import assert_training_forward_equal, reference_float32, training_targets
-from test_deimv2_official import _tolerance
+from test_deimv2_official import _tolerance, assert_eval_equal
 
 from detr_irpe.checkpoint.load import load_weights
 from detr_irpe.family import family_of_state
@@ -34,7 +34,6 @@ from detr_irpe.models.deimv2.config import DEIMv2ModelConfig
 from detr_irpe.models.deimv2.encoder_blocks import LiteEncoder
 from detr_irpe.models.hgnetv2 import HGNetv2
 from detr_irpe.models.hybrid.decoder import generate_anchors
-from detr_irpe.models.postprocess import TopKPostProcess
 
 DATA = Path(__file__).resolve().parents[2] / "reference_data" / "deimv2"
 F64 = torch.float64
@@ -75,20 +74,7 @@ def _model(size: str, side: int, tmp_path: Path) -> torch.nn.Module:
 
 def _check_eval(size: str, tmp_path: Path) -> None:
     ref = _load(size)
-    shape = ref["image_shape"]
-    model = _model(size, shape[-1], tmp_path)
-    with torch.no_grad(), reference_float32("dfine"):
-        out = model(_images(shape))
-    for key in ("pred_logits", "pred_boxes"):
-        torch.testing.assert_close(out[key], ref["eval"][key], rtol=0,
-                                   atol=_tolerance(model, ref["eval"][key]), msg=key)
-    sizes_hw = ref["post"]["orig_target_sizes_wh"].flip(1)
-    post = TopKPostProcess(num_select=ref["post"]["num_top_queries"],
-                           category_ids=[1, 2, 3, 4, 5])
-    for ours, theirs in zip(post(out, sizes_hw), ref["post"]["results"]):
-        assert torch.equal(ours["labels"], theirs["labels"])
-        torch.testing.assert_close(ours["scores"].double(), theirs["scores"], rtol=0, atol=1e-6)
-        torch.testing.assert_close(ours["boxes"].double(), theirs["boxes"], rtol=0, atol=1e-4)
+    assert_eval_equal(_model(size, ref["image_shape"][-1], tmp_path), ref)
 
 
 @pytest.mark.parametrize("size", SIZES)

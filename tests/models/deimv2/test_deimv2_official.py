@@ -87,7 +87,13 @@ def _tolerance(model: torch.nn.Module, reference: torch.Tensor) -> float:
 
 def _check_eval(name: str, size: str, tmp_path: Path) -> None:
     ref = _load(name)
-    model = _model(size, ref["image_shape"], tmp_path)
+    assert_eval_equal(_model(size, ref["image_shape"], tmp_path), ref)
+
+
+def assert_eval_equal(model: torch.nn.Module, ref: dict) -> None:
+    """``model``'s eval outputs on the data's images, and the published post-processor's
+    detections of them, against the published code's (``ref``: ``image_shape``, ``eval``,
+    ``post``); shared with the HGNetv2 sizes' test."""
     with torch.no_grad(), reference_float32("dfine"):
         out = model(_images(ref["image_shape"]))
     for key in ("pred_logits", "pred_boxes"):
