@@ -316,3 +316,22 @@ def backbone_state_of(obj: object, path: str | Path, what: str) -> Mapping[str, 
             return obj
     raise CheckpointError(f"{path}: not {'an' if what[0] in 'AEHIOU' else 'a'} {what} state dict "
                           "(expected a mapping of tensors, or one under 'model' / 'state_dict')")
+
+
+def state_fit_problem(state: Mapping[str, Tensor], target: Mapping[str, Tensor],
+                      optional=lambda key: False) -> str | None:
+    """Why a backbone weights file's ``state`` does not fit the module whose state dict is
+    ``target`` (the first of: keys missing, keys unexpected, shapes that differ, with
+    counts and the first of each), or None where it fits. Keys of ``target`` that
+    ``optional`` names may be missing (buffers the module computes)."""
+    missing = [k for k in target if k not in state and not optional(k)]
+    if missing:
+        return f"{len(missing)} keys missing (first {missing[0]})"
+    unexpected = [k for k in state if k not in target]
+    if unexpected:
+        return f"{len(unexpected)} unexpected keys (first {unexpected[0]})"
+    shapes = [k for k in target if k in state and tuple(state[k].shape) != tuple(target[k].shape)]
+    if shapes:
+        return (f"{len(shapes)} shapes differ (first {shapes[0]}: file "
+                f"{tuple(state[shapes[0]].shape)}, model {tuple(target[shapes[0]].shape)})")
+    return None

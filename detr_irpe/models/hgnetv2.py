@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from detr_irpe.errors import CheckpointError, ConfigError
-from detr_irpe.models.backbone import FrozenBatchNorm2d, backbone_state_of
+from detr_irpe.models.backbone import FrozenBatchNorm2d, backbone_state_of, state_fit_problem
 
 logger = logging.getLogger(__name__)
 
@@ -243,14 +243,8 @@ def load_hgnetv2_weights(backbone: HGNetv2, path: str | Path) -> None:
               if not k.endswith("num_batches_tracked")}
     if backbone.size in LITE_SIZES:
         state = _fitting_part(backbone, state, target, path)
-    missing = [k for k in target if k not in state]
-    unexpected = [k for k in state if k not in target]
-    shapes = [k for k in target if k in state and tuple(state[k].shape) != tuple(target[k].shape)]
-    if missing or unexpected or shapes:
-        problem = (f"{len(missing)} keys missing (first {missing[0]})" if missing else
-                   f"{len(unexpected)} unexpected keys (first {unexpected[0]})" if unexpected else
-                   f"{len(shapes)} shapes differ (first {shapes[0]}: file "
-                   f"{tuple(state[shapes[0]].shape)}, model {tuple(target[shapes[0]].shape)})")
+    problem = state_fit_problem(state, target)
+    if problem is not None:
         raise CheckpointError(f"{path} does not fit HGNetv2-{backbone.size.upper()}: "
                               f"{problem}; is it the file of another size?")
     backbone.load_state_dict(state, strict=False)

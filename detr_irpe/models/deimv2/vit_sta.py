@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from detr_irpe.encodings.model import is_computed_key
 from detr_irpe.errors import CheckpointError
-from detr_irpe.models.backbone import backbone_state_of
+from detr_irpe.models.backbone import backbone_state_of, state_fit_problem
 from detr_irpe.models.deimv2.backbone import DEIMv2ViTConfig, build_vit_backbone
 from detr_irpe.models.deimv2.sta import SpatialTuningAdapter, vit_pyramid
 
@@ -106,14 +106,8 @@ def load_vit_weights(backbone: DEIMv2Backbone, path: str | Path) -> None:
         logger.info("%s: %s not loaded (this ViT's encodings do not compute them: "
                     "model.encodings.backbone)", path, ", ".join(dropped))
         state = {k: v for k, v in state.items() if k not in dropped}
-    missing = [k for k in target if k not in state and not _computed(k)]
-    unexpected = [k for k in state if k not in target]
-    shapes = [k for k in target if k in state and tuple(state[k].shape) != tuple(target[k].shape)]
-    if missing or unexpected or shapes:
-        problem = (f"{len(missing)} keys missing (first {missing[0]})" if missing else
-                   f"{len(unexpected)} unexpected keys (first {unexpected[0]})" if unexpected else
-                   f"{len(shapes)} shapes differ (first {shapes[0]}: file "
-                   f"{tuple(state[shapes[0]].shape)}, model {tuple(target[shapes[0]].shape)})")
+    problem = state_fit_problem(state, target, optional=_computed)
+    if problem is not None:
         raise CheckpointError(f"{path} does not fit the DEIMv2 ViT ({vit.cfg.layout}, width "
                               f"{vit.cfg.embed_dim}): {problem}; is it the file of another size?")
     vit.load_state_dict(state, strict=False)
