@@ -37,6 +37,7 @@ from typing import Any
 from torch import Tensor
 
 from detr_irpe.checkpoint.hf_folder import json_list, json_object
+from detr_irpe.encodings.model import is_computed_key
 from detr_irpe.family import HFSupport
 from detr_irpe.models.deimv2.backbone import DEFAULT_ENCODINGS, DEIMV2_VITS
 from detr_irpe.models.deimv2.config import _PUBLISHED, HGNETV2_STAGES, DEIMv2ModelConfig
@@ -433,7 +434,7 @@ def _from_hf(state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], str]:
     follow from the ViT's head width, which the keys do not show, and the model built from
     the folder's config computes them (a file without them leaves the model's)."""
     converted = convert_hf_deimv2_state_dict(state)
-    return ({k: v for k, v in converted.items() if not k.endswith(".rope_embed.periods")},
+    return ({k: v for k, v in converted.items() if not is_computed_key(k)},
             hf_deimv2_layout(state))
 
 
