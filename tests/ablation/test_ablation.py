@@ -661,8 +661,8 @@ _DEMO_GRID_TEST_SIZE = (
 # 98 s there (load ~4).
 # demo_encodings_vit_rtdetr (18 runs with a ViT backbone) 113 s on an "Intel(R) Xeon(R)
 # Processor" (2 cores, shared with a training run).
-# demo_encodings_deimv2 (18 runs of the demo DEIMv2, 6 sizes and 9 canvases) 96 s on an
-# Intel Xeon with AMX (family 6 model 167, 2 cores, loaded by other jobs).
+# demo_encodings_deimv2 (12 runs of the demo DEIMv2, 6 sizes and 9 canvases) 89 s on an
+# Intel Xeon with AMX (family 6 model 167, 2 cores, beside two training runs).
 @pytest.mark.parametrize("name", [
     name if name == "demo" else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(p.stem for p in GRID_DIR.glob("demo*.yaml"))
@@ -677,7 +677,9 @@ def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -
 
     args = ([f"data.root={tiny_dataset}", *_DEMO_GRID_TEST_SIZE], str(tmp_path / name))
     grid = load_grid(name, *args)
-    assert {run.config.train.amp for run in grid.runs} == {"auto"}  # as shipped
+    # as shipped (the DEIMv2 demo grid trains in float32: the same numbers on every CPU)
+    shipped_amp = "none" if name == "demo_encodings_deimv2" else "auto"
+    assert {run.config.train.amp for run in grid.runs} == {shipped_amp}
     for run in grid.runs:
         run_training(run.config, progress=False)
     assert [_state(run) for run in grid.runs] == [RunState.FINISHED] * len(grid.runs)
