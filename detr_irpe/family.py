@@ -85,6 +85,10 @@ class HFSupport:
             by the generic writer).
         to_hf_keys: this family's state dict -> Hugging Face's.
         recognizes_hf_keys: whether a Hugging Face state dict is this family's.
+        recipe_config: ``model settings -> the shipped config of the published size
+            they name`` (``rtdetr_r18``, ``dfine_m``), or None: the recipe (data sizes,
+            augmentation, losses, schedule) a folder of that size goes on top of instead
+            of ``base_config``.
     """
 
     model_type: str
@@ -95,6 +99,7 @@ class HFSupport:
     refusal: Callable[[Mapping[str, Tensor], Any], str | None]
     config_json: Callable[[Any], dict[str, Any]]
     to_hf_keys: Callable[[Mapping[str, Tensor]], dict[str, Tensor]]
+    recipe_config: Callable[[Mapping[str, Any]], str | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -145,11 +145,14 @@ def resolve_config(
 def _hf_base_config(path: Any, family: DetectorFamily, meta: Mapping[str, Any],
                     state: Mapping[str, Tensor] | None) -> str:
     """The config a Hugging Face folder's settings go on top of: the family's
-    ``hf.base_config``, or, for a family whose settings name a size (``model.size``), the
-    config the folder's weights imply as a published file's would (its size's recipe:
-    data sizes, augmentation, losses, schedule). Weights of no published size keep the
-    base config."""
+    ``hf.base_config``, or the shipped config of the published size the settings name (its
+    recipe: data sizes, augmentation, losses, schedule): through the family's
+    ``hf.recipe_config`` (RT-DETR's depth, D-FINE's backbone), or, for a family whose
+    settings name a size (``model.size``), the config the folder's weights imply as a
+    published file's would. Settings of no published size keep the base config."""
     base_name = family.hf.base_config
+    if family.hf.recipe_config is not None:
+        return family.hf.recipe_config(meta["hf_model"]) or base_name
     checkpoint = family.checkpoint
     if ("size" not in meta["hf_model"] or state is None or checkpoint is None
             or checkpoint.implied_config is None):

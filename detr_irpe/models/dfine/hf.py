@@ -240,9 +240,23 @@ def hf_dfine_config_json(cfg: Any) -> dict[str, Any]:
     }
 
 
+# the published D-FINE size of each HGNetv2 (B0 is N's with two levels, S's with three)
+_RECIPES = {"hgnetv2_b0": "dfine_s", "hgnetv2_b2": "dfine_m", "hgnetv2_b4": "dfine_l",
+            "hgnetv2_b5": "dfine_x"}
+
+
+def _recipe_config(settings: Mapping[str, Any]) -> str | None:
+    """The published recipe of the folder's backbone (None: a B1 / B3 / B6, no published
+    size; the base config's)."""
+    if settings["backbone"] == "hgnetv2_b0" and len(settings["backbone_return_idx"]) == 2:
+        return "dfine_n"
+    return _RECIPES.get(settings["backbone"])
+
+
 HF = HFSupport(
     model_type="d_fine",
     base_config="dfine_l",
+    recipe_config=_recipe_config,
     model_settings=hf_dfine_model_config,
     from_hf_keys=lambda state: (convert_hf_dfine_state_dict(state), hf_dfine_layout(state)),
     recognizes_hf_keys=is_hf_dfine_state_dict,

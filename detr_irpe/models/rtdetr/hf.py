@@ -315,9 +315,15 @@ def hf_rtdetr_config_json(cfg: Any) -> dict[str, Any]:
     }
 
 
+def _recipe_config(settings: Mapping[str, Any]) -> str:
+    """The published recipe of the folder's backbone depth (R18, R34, R50, R101)."""
+    return f"rtdetr_r{settings['depth']}"
+
+
 HF = HFSupport(
     model_type="rt_detr",
     base_config="rtdetr_r50",
+    recipe_config=_recipe_config,
     model_settings=hf_rtdetr_model_config,
     from_hf_keys=lambda state: (convert_hf_rtdetr_state_dict(state), hf_rtdetr_layout(state)),
     recognizes_hf_keys=is_hf_rtdetr_state_dict,

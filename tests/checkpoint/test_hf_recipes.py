@@ -1,0 +1,46 @@
+"""A Hugging Face folder holds a model, not its recipe: read back, an RT-DETR or D-FINE
+folder takes the shipped config of the published size its settings name (RT-DETR's
+backbone depth; D-FINE's HGNetv2, B0 with two levels being N) for the data, loss and
+training sections, not the family's base config (``rtdetr_r50`` / ``dfine_l``). The
+recipes differ: RT-DETR's per-depth lr groups, D-FINE's epochs, lr, batch sizes and
+multi-scale batches. (DEIMv2's sizes: tests/models/deimv2/test_deimv2_hf_sizes.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+
+from detr_irpe.checkpoint.hf_folder import write_hf_folder  # noqa: E402
+from detr_irpe.config import load_config  # noqa: E402
+from detr_irpe.models import build_model, model_from_checkpoint  # noqa: E402
+
+
+def _folder(name: str, path: Path, overrides: tuple[str, ...] = ()) -> Path:
+    """The model of config ``name`` (3 classes, random weights) as a transformers folder."""
+    cfg = load_config(name, ["model.num_classes=3", *overrides])
+    torch.manual_seed(0)
+    model, _, _ = build_model(cfg, load_backbone_weights=False)
+    write_hf_folder(model.state_dict(), cfg, path)
+    return path
+
+
+@pytest.mark.parametrize("name", ["rtdetr_r18", "rtdetr_r34", "dfine_n", "dfine_s",
+                                  "dfine_m", "dfine_x"])
+def test_a_folder_reads_back_into_its_size_s_recipe(name: str, tmp_path: Path) -> None:
+    back = model_from_checkpoint(_folder(name, tmp_path / "hf"))
+    values, shipped = back.cfg.to_dict(), load_config(name).to_dict()
+    for section in ("data", "loss", "train"):
+        assert values[section] == shipped[section], section
+    assert back.cfg.model.backbone == shipped["model"]["backbone"]
+
+
+def test_a_d_fine_backbone_of_no_published_size_keeps_the_base_recipe(tmp_path: Path) -> None:
+    """HGNetv2-B1 (no published D-FINE size): D-FINE-L's recipe, the folder's model."""
+    folder = _folder("dfine_s", tmp_path / "hf", ("model.backbone=hgnetv2_b1",))
+    back = model_from_checkpoint(folder)
+    assert back.cfg.model.backbone == "hgnetv2_b1"
+    assert back.cfg.to_dict()["train"] == load_config("dfine_l").to_dict()["train"]
