@@ -68,6 +68,19 @@ def load_tiny_config(*overrides: str) -> Config:
     return load_config(TINY_CONFIG, overrides)
 
 
+def config_hf_folder(name: str, path: Path, overrides: tuple[str, ...] = ()) -> Path:
+    """The model of config ``name`` (3 classes, random weights, seed 0) written as a
+    transformers folder at ``path`` (``--to hf``)."""
+    from detr_irpe.checkpoint.hf_folder import write_hf_folder
+    from detr_irpe.models import build_model
+
+    cfg = load_config(name, ["model.num_classes=3", *overrides])
+    torch.manual_seed(0)
+    model, _, _ = build_model(cfg, load_backbone_weights=False)
+    write_hf_folder(model.state_dict(), cfg, path)
+    return path
+
+
 def load_script(relative: str) -> ModuleType:
     """Import the script at ``relative`` (to the repository root) as a module without
     touching ``sys.path``."""

@@ -10,28 +10,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("safetensors")
 
-from detr_irpe.checkpoint.hf_folder import write_hf_folder  # noqa: E402
+from helpers import config_hf_folder  # noqa: E402
+
 from detr_irpe.config import load_config  # noqa: E402
-from detr_irpe.models import build_model, model_from_checkpoint  # noqa: E402
-
-
-def _folder(name: str, path: Path, overrides: tuple[str, ...] = ()) -> Path:
-    """The model of config ``name`` (3 classes, random weights) as a transformers folder."""
-    cfg = load_config(name, ["model.num_classes=3", *overrides])
-    torch.manual_seed(0)
-    model, _, _ = build_model(cfg, load_backbone_weights=False)
-    write_hf_folder(model.state_dict(), cfg, path)
-    return path
+from detr_irpe.models import model_from_checkpoint  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["rtdetr_r18", "rtdetr_r34", "dfine_n", "dfine_s",
                                   "dfine_m", "dfine_x"])
 def test_a_folder_reads_back_into_its_size_s_recipe(name: str, tmp_path: Path) -> None:
-    back = model_from_checkpoint(_folder(name, tmp_path / "hf"))
+    back = model_from_checkpoint(config_hf_folder(name, tmp_path / "hf"))
     values, shipped = back.cfg.to_dict(), load_config(name).to_dict()
     for section in ("data", "loss", "train"):
         assert values[section] == shipped[section], section
@@ -40,7 +31,7 @@ def test_a_folder_reads_back_into_its_size_s_recipe(name: str, tmp_path: Path) -
 
 def test_a_d_fine_backbone_of_no_published_size_keeps_the_base_recipe(tmp_path: Path) -> None:
     """HGNetv2-B1 (no published D-FINE size): D-FINE-L's recipe, the folder's model."""
-    folder = _folder("dfine_s", tmp_path / "hf", ("model.backbone=hgnetv2_b1",))
+    folder = config_hf_folder("dfine_s", tmp_path / "hf", ("model.backbone=hgnetv2_b1",))
     back = model_from_checkpoint(folder)
     assert back.cfg.model.backbone == "hgnetv2_b1"
     assert back.cfg.to_dict()["train"] == load_config("dfine_l").to_dict()["train"]

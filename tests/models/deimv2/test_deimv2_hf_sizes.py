@@ -13,21 +13,13 @@ import torch
 
 pytest.importorskip("safetensors")
 
+from helpers import config_hf_folder  # noqa: E402
+
 from detr_irpe.checkpoint import read_checkpoint  # noqa: E402
-from detr_irpe.checkpoint.hf_folder import write_hf_folder  # noqa: E402
 from detr_irpe.checkpoint.saved_config import resolve_config  # noqa: E402
 from detr_irpe.config import load_config  # noqa: E402
 from detr_irpe.inference import Predictor  # noqa: E402
-from detr_irpe.models import build_model, model_from_checkpoint  # noqa: E402
-
-
-def _folder(name: str, path: Path, overrides: tuple[str, ...] = ()) -> Path:
-    """The model of config ``name`` (3 classes, random weights) as a transformers folder."""
-    cfg = load_config(name, ["model.num_classes=3", *overrides])
-    torch.manual_seed(0)
-    model, _, _ = build_model(cfg, load_backbone_weights=False)
-    write_hf_folder(model.state_dict(), cfg, path)
-    return path
+from detr_irpe.models import model_from_checkpoint  # noqa: E402
 
 
 # (config, its eval size): the published recipes' 320 / 416 / 640; M stands for the ViT
@@ -36,7 +28,7 @@ def _folder(name: str, path: Path, overrides: tuple[str, ...] = ()) -> Path:
                                                  ("deimv2_n", 640), ("deimv2_m", 640)])
 def test_a_folder_reads_back_into_its_size_s_recipe(name: str, eval_size: int,
                                                     tmp_path: Path) -> None:
-    folder = _folder(name, tmp_path / "hf")
+    folder = config_hf_folder(name, tmp_path / "hf")
     back = model_from_checkpoint(folder)
     shipped = load_config(name).to_dict()
     assert back.cfg.data.eval_size == eval_size
@@ -49,7 +41,7 @@ def test_a_folder_reads_back_into_its_size_s_recipe(name: str, eval_size: int,
 def test_the_tools_use_the_size_s_eval_size(tmp_path: Path) -> None:
     """What predict / eval read: the resolved config (convert's path) and the Predictor's
     input of an Atto folder, 320 x 320."""
-    folder = _folder("deimv2_atto", tmp_path / "hf")
+    folder = config_hf_folder("deimv2_atto", tmp_path / "hf")
     state, meta = read_checkpoint(folder)
     cfg = resolve_config(folder, None, (), meta, state)
     assert (cfg.data.train_size, cfg.data.eval_size) == (320, 320)
@@ -63,7 +55,7 @@ def test_a_folder_of_other_widths_keeps_its_backbone_s_recipe(tmp_path: Path) ->
     """Settings of no published size (Atto's backbone, 50 queries, width 32): the HGNetv2's
     stages still say Atto, so the data and training sections are Atto's, the model the
     folder's."""
-    folder = _folder("deimv2_atto", tmp_path / "hf",
+    folder = config_hf_folder("deimv2_atto", tmp_path / "hf",
                      ("model.num_queries=50", "model.hidden_dim=32", "model.enc_hidden_dim=32"))
     back = model_from_checkpoint(folder)
     assert back.cfg.model.size is None
