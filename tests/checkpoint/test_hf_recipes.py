@@ -15,12 +15,31 @@ pytest.importorskip("safetensors")
 
 from helpers import config_hf_folder  # noqa: E402
 
+from detr_irpe.checkpoint.hf_folder import hf_config_dict  # noqa: E402
 from detr_irpe.config import load_config  # noqa: E402
+from detr_irpe.family import get_family  # noqa: E402
 from detr_irpe.models import model_from_checkpoint  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["rtdetr_r18", "rtdetr_r34", "dfine_n", "dfine_s",
-                                  "dfine_m", "dfine_x"])
+def _recipe_of_config_json(name: str, overrides: tuple[str, ...] = ()) -> str | None:
+    """The recipe the ``config.json`` written for config ``name`` names when read back."""
+    cfg = load_config(name, ["model.num_classes=3", *overrides])
+    hf = get_family(cfg.model.family).hf
+    return hf.recipe_config(hf.model_settings(hf_config_dict(cfg, 3)))
+
+
+@pytest.mark.parametrize("name", ["rtdetr_r18", "rtdetr_r34", "rtdetr_r50", "rtdetr_r101",
+                                  "dfine_n", "dfine_s", "dfine_m", "dfine_l", "dfine_x"])
+def test_each_published_size_s_config_json_names_its_recipe(name: str) -> None:
+    assert _recipe_of_config_json(name) == name
+
+
+def test_a_d_fine_backbone_of_no_published_size_names_none() -> None:
+    """HGNetv2-B1: no published D-FINE size, so the base config's (dfine_l) recipe."""
+    assert _recipe_of_config_json("dfine_s", ("model.backbone=hgnetv2_b1",)) is None
+
+
+@pytest.mark.parametrize("name", ["rtdetr_r18", "dfine_n"])
 def test_a_folder_reads_back_into_its_size_s_recipe(name: str, tmp_path: Path) -> None:
     back = model_from_checkpoint(config_hf_folder(name, tmp_path / "hf"))
     values, shipped = back.cfg.to_dict(), load_config(name).to_dict()
@@ -29,9 +48,8 @@ def test_a_folder_reads_back_into_its_size_s_recipe(name: str, tmp_path: Path) -
     assert back.cfg.model.backbone == shipped["model"]["backbone"]
 
 
-def test_a_d_fine_backbone_of_no_published_size_keeps_the_base_recipe(tmp_path: Path) -> None:
-    """HGNetv2-B1 (no published D-FINE size): D-FINE-L's recipe, the folder's model."""
-    folder = config_hf_folder("dfine_s", tmp_path / "hf", ("model.backbone=hgnetv2_b1",))
-    back = model_from_checkpoint(folder)
+def test_a_folder_of_no_published_size_keeps_the_base_recipe(tmp_path: Path) -> None:
+    back = model_from_checkpoint(config_hf_folder("dfine_s", tmp_path / "hf",
+                                                  ("model.backbone=hgnetv2_b1",)))
     assert back.cfg.model.backbone == "hgnetv2_b1"
     assert back.cfg.to_dict()["train"] == load_config("dfine_l").to_dict()["train"]
