@@ -196,13 +196,18 @@ def collect_run(run: RunSpec) -> RunResult:
 
 
 def encoding_parameter_count(cfg: Config) -> int:
-    """Parameters the encoder's position encodings add to the model ``cfg`` describes
-    (iRPE tables, RoPE-Mixed frequencies, a plugin's; 0 for weightless ones): one set per
-    encoder attention layer (the family's ``rpe_layer_count``), each as wide as the
-    encoder's tokens (``encoder_width``: RT-DETR's ``enc_hidden_dim``)."""
+    """Parameters the position encodings add to the model ``cfg`` describes (iRPE
+    tables, RoPE-Mixed frequencies, a plugin's; 0 for weightless ones): the encoder's, one
+    set per encoder attention layer (the family's ``rpe_layer_count``), each as wide as the
+    encoder's tokens (``encoder_width``: RT-DETR's ``enc_hidden_dim``); and a ViT
+    backbone's (``model.encodings.backbone``), one set per block."""
     m = cfg.model
-    per_layer = m.place("encoder").parameter_count(m.encoder_width(), m.nheads)
-    return per_layer * m.rpe_layer_count()
+    count = m.place("encoder").parameter_count(m.encoder_width(), m.nheads) * m.rpe_layer_count()
+    backbone = m.backbone_attention_shape()
+    if backbone is not None:
+        width, heads, blocks, skip = backbone
+        count += m.place("backbone").parameter_count(width, heads, skip) * blocks
+    return count
 
 
 def _encodings(cfg: Config) -> str:

@@ -117,7 +117,8 @@ def format_markdown(grid: Grid, rows: Sequence[VariantRow]) -> str:
         "COCO box AP / AP50 / AP75 / APs / APm / APl in % of the last epoch's evaluation, "
         "mean ± sample std over the finished seeds; step = median training iteration time; "
         f"Δ AP in points against `{grid.baseline}`; encodings = the encoder's position "
-        "encodings (model.encodings); enc. params = the parameters they add."
+        "encodings (model.encodings); enc. params = the parameters they add (the "
+        "encoder's and a ViT backbone's)."
     )
     lines.append("")
     show_status = any(r.status != "done" for r in rows)

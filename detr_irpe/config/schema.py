@@ -170,6 +170,12 @@ class ModelConfig:
         ``model.encodings.backbone`` (a family with a ViT backbone says so)."""
         return False
 
+    def backbone_attention_shape(self) -> tuple[int, int, int, int] | None:
+        """``(width, heads, blocks, skip)`` of the backbone's attention layers that take
+        ``model.encodings.backbone`` (a ViT's; ``skip``: its class and register tokens),
+        or None: a backbone without them."""
+        return None
+
     def encoding_backbones(self) -> list[str]:
         """The ``model.backbone`` names of this family that take
         ``model.encodings.backbone`` (its ViTs), named when another backbone is given

@@ -95,9 +95,11 @@ class PlaceEncodings:
                 out[entry.shared] = module
         return out
 
-    def parameter_count(self, width: int, heads: int) -> int:
-        """Parameters its encodings add to one attention ``width`` wide."""
-        return sum(e.parameter_count(s, width, heads) for e, s in self.entries)
+    def parameter_count(self, width: int, heads: int, skip: int = 0) -> int:
+        """Parameters its encodings add to one attention ``width`` wide with ``heads``
+        heads and ``skip`` leading tokens outside the grid (a ViT's class token)."""
+        return sum(e.parameter_count(e.attached(s, skip) if skip else s, width, heads)
+                   for e, s in self.entries)
 
     def describe(self) -> str:
         """``sine + rpe-2.0-product-ctx-1-k + rope-mixed`` (``none``: no encoding)."""

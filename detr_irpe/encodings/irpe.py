@@ -273,6 +273,8 @@ IRPE = register_encoding(PositionEncoding(
     param_key=is_rpe_key, weightless=always_weighted,
     fresh_start=True, about="relative position encodings",
     parameter_count=lambda spec, width, heads: table_parameter_count(spec, heads, width),
+    # as IRPEEncoding.attach: a string's config (skip 0) takes the attention's count
+    attached=lambda spec, skip: spec if spec.skip else dataclasses.replace(spec, skip=skip),
     state_facts=lambda state: {"model.rpe": rpe_tables(state)},
     hf=lambda spec: False,
     hf_advice=("; convert with --rpe none to drop its tables (the model then computes "

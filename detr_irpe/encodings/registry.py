@@ -141,6 +141,9 @@ class PositionEncoding:
         no_weight_decay: its parameters never decay (RoPE-Mixed's frequencies).
         parameter_count: ``(spec, width, heads) ->`` its parameters in one attention
             ``width`` wide with ``heads`` heads (0: none).
+        attached: ``(spec, skip) ->`` the spec as an attention with ``skip`` leading tokens
+            outside the grid (a ViT's class and register tokens) holds it (iRPE: with its
+            skip bucket); the spec itself by default.
         fresh_start: a checkpoint without any of its parameters loads into a model with
             them, which keep the values the model was built with (iRPE tables added to a
             plain model; RoPE-Mixed added for fine-tuning); false: a missing-keys error;
@@ -189,6 +192,7 @@ class PositionEncoding:
     fresh_start: bool | str = False
     backbone_key: Callable[[str], bool] = _no_keys
     parameter_count: Callable[[Any, int, int], int] = lambda spec, width, heads: 0
+    attached: Callable[[Any, int], Any] = lambda spec, skip: spec
     about: str = ""
     weightless: Callable[[Any], bool] = lambda spec: True
     state_facts: Callable[[Mapping[str, Tensor]], dict[str, Any]] = _no_facts

@@ -210,11 +210,12 @@ def build_encoding(
 
 
 def table_parameter_count(rpe: RPEConfig | None, num_heads: int, embed_dim: int) -> int:
-    """Entries of the iRPE tables of one attention layer (0 without iRPE): the one place
-    that knows the table shapes the modules above create."""
+    """Entries of the iRPE tables of one attention layer (0 without iRPE; the skip bucket
+    of a config with ``skip`` included): the one place that knows the table shapes the
+    modules above create."""
     if rpe is None:
         return 0
-    buckets = num_buckets(rpe.method, rpe.ratio)
+    buckets = num_buckets(rpe.method, rpe.ratio, rpe.skip)
     tables = 1 if rpe.shared_head else num_heads
     width = 1 if rpe.mode is Mode.BIAS else embed_dim // num_heads
     return len(rpe.rpe_on) * rpe.method.tables * tables * buckets * width

@@ -703,11 +703,17 @@ def test_every_shipped_demo_grid_fills_its_table(name, tiny_dataset, tmp_path) -
     # the AIFI layer is enc_hidden_dim wide, the decoder hidden_dim: the tables follow AIFI
     ("rtdetr_tiny", [f"model.rpe={IRPE}", "model.enc_hidden_dim=48", "model.hidden_dim=32",
                      "model.nheads=4"]),
+    # a ViT backbone's encodings count too: every block's tables (RT-DETR's ViT-nano, the
+    # demo DEIMv2's ViT of 6 blocks, 128 wide, 4 heads), next to the encoder's
+    ("rtdetr_tiny", [f"model.rpe={IRPE}", "model.backbone=vit_nano",
+                     f"model.encodings.backbone=[{IRPE}]"]),
+    ("synthetic_demo_deimv2", ["model.encodings.encoder=sine",
+                               f"model.encodings.backbone=[{IRPE}]"]),
 ])
 def test_encoding_parameter_count_is_the_built_models(name: str, overrides: list[str]) -> None:
     """The table's "enc. params" column equals the encoding parameters of the model the
     config builds (counted off the built module's parameter names): iRPE tables, and
-    RoPE-Mixed's frequencies on top."""
+    RoPE-Mixed's frequencies on top, in the encoder and in a ViT backbone."""
     from detr_irpe.models import build_model
 
     for extra in ([], ["model.rope=rope-mixed"]):

@@ -10,6 +10,7 @@ from helpers import AXIS_STEPS, CHEBYSHEV
 from irpe_reference import TWO_TABLE_METHODS, ref_bucket_ids, ref_g
 
 from detr_irpe.attention import MultiheadAttention
+from detr_irpe.encodings import get_encoding
 from detr_irpe.encodings.irpe import IRPEEncoding
 from detr_irpe.irpe import (
     BUILT_IN_METHODS,
@@ -153,13 +154,18 @@ def test_built_in_methods_are_entries_of_the_registry() -> None:
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("mode, rpe_on", [("ctx", "qkv"), ("ctx", "k"), ("bias", "qk")])
 @pytest.mark.parametrize("shared_head", [True, False])
+@pytest.mark.parametrize("skip", [0, 1, 5])
 def test_table_parameter_count_counts_the_tables_a_module_creates(
-    method: str, mode: str, rpe_on: str, shared_head: bool,
+    method: str, mode: str, rpe_on: str, shared_head: bool, skip: int,
 ) -> None:
     """``table_parameter_count`` (config estimates, results tables) against the entries of
-    the tables an attention module actually holds."""
+    the tables an attention module actually holds; with leading tokens (a ViT's class and
+    register tokens) the attention's skip bucket too, as the registry's ``attached`` spec
+    counts it."""
     rpe = RPEConfig(ratio=1.9, method=method, mode=mode, shared_head=shared_head, rpe_on=rpe_on)
-    module = MultiheadAttention(24, 3, encodings=[IRPEEncoding(rpe, 8, 3)])
+    module = MultiheadAttention(24, 3, encodings=[IRPEEncoding(rpe, 8, 3)], skip=skip)
     tables = {k: v for k, v in module.state_dict().items() if is_rpe_key(k)}
     assert len(tables) == len(rpe_on) * (2 if method in TWO_TABLE_METHODS else 1)
-    assert table_parameter_count(rpe, 3, 24) == sum(t.numel() for t in tables.values())
+    held = sum(t.numel() for t in tables.values())
+    assert table_parameter_count(get_encoding("irpe").attached(rpe, skip), 3, 24) == held
+    assert (table_parameter_count(rpe, 3, 24) == held) == (skip == 0)

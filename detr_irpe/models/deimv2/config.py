@@ -225,6 +225,12 @@ class DEIMv2ModelConfig(HybridModelConfig):
     def backbone_takes_encodings(self) -> bool:
         return self.is_vit
 
+    def backbone_attention_shape(self) -> tuple[int, int, int, int] | None:
+        if not self.is_vit:
+            return None
+        vit = self.vit_config()
+        return vit.embed_dim, vit.num_heads, vit.depth, vit.skip
+
     def encoding_backbones(self) -> list[str]:
         return list(VIT_BACKBONES)
 

@@ -26,7 +26,12 @@ from detr_irpe.errors import ConfigError
 from detr_irpe.irpe.config import parse_rpe
 from detr_irpe.irpe.encodings import RPE_INIT_MODES
 from detr_irpe.models.hybrid.settings import POSITION_EMBEDDINGS, DecoderSettings
-from detr_irpe.models.vit import is_vit_backbone, resolve_encodings, vit_backbone_names
+from detr_irpe.models.vit import (
+    VIT_BACKBONES,
+    is_vit_backbone,
+    resolve_encodings,
+    vit_backbone_names,
+)
 
 # What the model's input images are: normalised as ImageNet's (this package's data) or not.
 INPUT_NORMALIZATIONS = ("imagenet", "none")
@@ -165,6 +170,12 @@ class HybridModelConfig(ModelConfig):
 
     def backbone_takes_encodings(self) -> bool:
         return is_vit_backbone(self.backbone)
+
+    def backbone_attention_shape(self) -> tuple[int, int, int, int] | None:
+        if not is_vit_backbone(self.backbone):
+            return None
+        spec = VIT_BACKBONES[self.backbone]
+        return spec.embed_dim, spec.num_heads, spec.depth, int(spec.class_token)
 
     def encoding_backbones(self) -> list[str]:
         return vit_backbone_names()
